@@ -1,0 +1,1 @@
+"""Experiment tracking: result packages with evaluation metrics."""

@@ -1,0 +1,1 @@
+"""Training-loop components: TrainLoop, TTModel, callbacks, precision and distribution."""

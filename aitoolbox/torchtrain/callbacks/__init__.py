@@ -1,0 +1,1 @@
+"""Callbacks: code that runs at fixed points of the training loop (see :mod:`.abstract` for the hooks)."""

@@ -1,0 +1,93 @@
+"""Keeps the registered callbacks in execution order and calls those that override each hook."""
+from typing import Dict, Iterable, List
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+
+HOOK_NAMES = (
+    "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
+    "on_epoch_begin", "on_epoch_end", "on_batch_begin", "on_batch_end", "on_after_gradient_update",
+    "on_after_optimizer_step", "on_after_batch_prediction",
+)
+
+
+def overrides_hook(callback: AbstractCallback, hook_name: str) -> bool:
+    """True when the callback's class defines its own version of the hook."""
+    return getattr(type(callback), hook_name) is not getattr(AbstractCallback, hook_name)
+
+
+class CallbacksHandler:
+    """Registers callbacks with a TrainLoop and runs them, ordered by ``execution_order``.
+
+    Only the callbacks that override a hook are called for it, so an empty hook costs nothing per batch.
+
+    Args:
+        train_loop_obj: the loop the callbacks belong to.
+    """
+
+    def __init__(self, train_loop_obj):
+        self.train_loop_obj = train_loop_obj
+        self.callbacks: List[AbstractCallback] = []
+        self._subscribers: Dict[str, List[AbstractCallback]] = {name: [] for name in HOOK_NAMES}
+
+    def register_callbacks(self, callbacks: Iterable[AbstractCallback]) -> None:
+        """Attach callbacks to the loop; one already registered is not added twice.
+
+        Raises:
+            TypeError: when an element is not an :class:`AbstractCallback`.
+        """
+        callbacks = list(callbacks)
+        for position, callback in enumerate(callbacks):
+            if not isinstance(callback, AbstractCallback):
+                raise TypeError(
+                    f"callbacks[{position}] is a {type(callback).__name__}, not an AbstractCallback. Subclass "
+                    "aitoolbox.torchtrain.callbacks.abstract.AbstractCallback and override the hooks you need.")
+        rank = self.train_loop_obj.strategy.rank
+        for callback in callbacks:
+            if any(callback is known for known in self.callbacks):
+                continue
+            if callback.device_idx_execution is not None and callback.device_idx_execution != rank:
+                continue
+            self.callbacks.append(callback)
+            callback.register_train_loop_object(self.train_loop_obj)
+        self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
+        self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)] for name in HOOK_NAMES}
+
+    def on_multiprocess_start(self) -> None:
+        for callback in self._subscribers["on_multiprocess_start"]:
+            callback.on_multiprocess_start()
+
+    def on_train_begin(self) -> None:
+        for callback in self._subscribers["on_train_begin"]:
+            callback.on_train_begin()
+
+    def on_train_end(self) -> None:
+        for callback in self._subscribers["on_train_end"]:
+            callback.on_train_end()
+
+    def on_epoch_begin(self) -> None:
+        for callback in self._subscribers["on_epoch_begin"]:
+            callback.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        for callback in self._subscribers["on_epoch_end"]:
+            callback.on_epoch_end()
+
+    def on_batch_begin(self) -> None:
+        for callback in self._subscribers["on_batch_begin"]:
+            callback.on_batch_begin()
+
+    def on_batch_end(self) -> None:
+        for callback in self._subscribers["on_batch_end"]:
+            callback.on_batch_end()
+
+    def on_after_gradient_update(self, optimizer_idx: int) -> None:
+        for callback in self._subscribers["on_after_gradient_update"]:
+            callback.on_after_gradient_update(optimizer_idx)
+
+    def on_after_optimizer_step(self) -> None:
+        for callback in self._subscribers["on_after_optimizer_step"]:
+            callback.on_after_optimizer_step()
+
+    def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
+        for callback in self._subscribers["on_after_batch_prediction"]:
+            callback.on_after_batch_prediction(y_pred_batch, y_test_batch, metadata_batch, dataset_info)

@@ -1,0 +1,136 @@
+"""Distribution strategies: what TrainLoop asks of the device layout at a few fixed points.
+
+The loop calls a strategy to place the model (``setup_model``), to prepare the data loaders
+(``setup_loader``), at the start of each epoch (``on_epoch_begin``), to combine numbers across processes
+(``all_reduce_sum``, ``all_gather_objects``) and to know whether it should write or print
+(``is_main_process``). It never asks which strategy it has.
+"""
+from typing import Any, List, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
+
+
+class SingleDeviceStrategy:
+    """Train in this process on one device: a CUDA GPU, or the CPU.
+
+    Args:
+        device: where the model and the loss run.
+    """
+
+    world_size = 1
+    rank = 0
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device})"
+
+    @property
+    def is_main_process(self) -> bool:
+        """Only the main process prints, saves files and shows progress bars."""
+        return self.rank == 0
+
+    def setup_model(self, model: nn.Module) -> Any:
+        """Move the model to the device and return what the loop calls ``get_loss`` on."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model.to(self.device)
+        return model
+
+    def setup_criterion(self, criterion: Optional[nn.Module]) -> Optional[nn.Module]:
+        """Move a criterion module (it may hold class weights) to the device."""
+        if isinstance(criterion, nn.Module):
+            criterion.to(self.device)
+        return criterion
+
+    def setup_loader(self, loader: Optional[DataLoader], shuffle: bool = False) -> Optional[DataLoader]:
+        """Return the loader this process iterates (all of it, for a single process)."""
+        return loader
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        """Hook for per-epoch state such as a distributed sampler's epoch."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over all processes (identity for one process)."""
+        return tensor
+
+    def all_gather_objects(self, obj: Any) -> List[Any]:
+        """Collect one picklable object from every process, ordered by rank."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Return the main process's value of ``obj`` in every process."""
+        return obj
+
+    def barrier(self) -> None:
+        """Wait for every process (nothing to wait for here)."""
+
+
+class DataParallelStrategy(SingleDeviceStrategy):
+    """``torch.nn.DataParallel`` over several GPUs of this machine, driven from one process.
+
+    Each batch is split along its first dimension across the GPUs; the loss is the mean of the replicas'
+    losses. Predictions run on the first GPU. Prefer ``gpu_mode='ddp'``, which is faster and also scales
+    across machines.
+
+    Args:
+        device: the first GPU, where the master copy of the model lives.
+        device_ids: the GPUs to use; all visible GPUs when None.
+    """
+
+    def __init__(self, device: torch.device, device_ids: Optional[List[int]] = None):
+        super().__init__(device)
+        self.device_ids = device_ids
+
+    def setup_model(self, model: nn.Module) -> Any:
+        model = super().setup_model(model)
+        wrapper = nn.DataParallel(MethodDispatcher(model, use_replica_device=True), device_ids=self.device_ids)
+        return ParallelModelRunner(wrapper, model)
+
+
+GPU_MODES = ("single", "dp", "ddp")
+
+
+def resolve_device(cuda_device_idx: Optional[int]) -> torch.device:
+    """The device of a single-process run: the given (or current) CUDA GPU when there is one, else the CPU.
+
+    Raises:
+        TypeError: ``cuda_device_idx`` is not an int.
+        ValueError: ``cuda_device_idx`` is set without CUDA, or is out of range.
+    """
+    if cuda_device_idx is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(cuda_device_idx, bool) or not isinstance(cuda_device_idx, int):
+        raise TypeError(f"cuda_device_idx must be an int GPU index or None, got {cuda_device_idx!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"cuda_device_idx={cuda_device_idx} was given but CUDA is not available on this machine; "
+                         "leave cuda_device_idx=None to train on the CPU")
+    count = torch.cuda.device_count()
+    if not 0 <= cuda_device_idx < count:
+        raise ValueError(f"cuda_device_idx={cuda_device_idx} is out of range: this machine has {count} GPU(s), "
+                         f"valid indices are 0..{count - 1}")
+    return torch.device("cuda", cuda_device_idx)
+
+
+def create_strategy(gpu_mode: str, cuda_device_idx: Optional[int]) -> SingleDeviceStrategy:
+    """The strategy for TrainLoop's ``gpu_mode`` in this (parent) process.
+
+    ``'ddp'`` also gets a single-device strategy here: the processes it launches build their own.
+
+    Raises:
+        ValueError: unknown ``gpu_mode``, or ``'dp'`` without CUDA.
+    """
+    if gpu_mode not in GPU_MODES:
+        raise ValueError(f"gpu_mode must be one of {', '.join(repr(m) for m in GPU_MODES)}; got {gpu_mode!r}")
+    device = resolve_device(cuda_device_idx)
+    if gpu_mode == "dp":
+        if device.type != "cuda":
+            raise ValueError("gpu_mode='dp' (torch.nn.DataParallel) needs CUDA GPUs and this machine has none. "
+                             "Use gpu_mode='single' to train on the CPU, or gpu_mode='ddp' for several CPU processes.")
+        return DataParallelStrategy(device)
+    return SingleDeviceStrategy(device)

@@ -1,0 +1,93 @@
+"""Loss scaling for low-precision gradients: static, or dynamic with apex's halve-on-overflow rule."""
+from typing import Dict, Iterable, Optional, Union
+
+import torch
+
+DEFAULT_INITIAL_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000
+
+
+class LossScaler:
+    """Multiplies a loss by a scale before backward and checks and unscales the gradients afterwards.
+
+    Dynamic scaling follows apex's rules: it starts at ``min(max_loss_scale, 2**16)``; a step whose
+    gradients hold inf or NaN is skipped, the scale halves (never below ``min_loss_scale``) and the count of
+    unskipped steps restarts; after 2000 unskipped steps in a row the scale doubles (never above
+    ``max_loss_scale``). A static scaler never skips and never changes its scale.
+
+    The arithmetic uses the same kernels as ``torch.amp.GradScaler`` so both give bitwise equal gradients.
+
+    Args:
+        loss_scale: ``"dynamic"`` or a number (anything ``float()`` accepts, e.g. ``"128.0"``).
+        min_loss_scale: floor of the dynamic scale; None for no floor.
+        max_loss_scale: ceiling of the dynamic scale.
+    """
+
+    def __init__(self, loss_scale: Union[str, float] = "dynamic", min_loss_scale: Optional[float] = None,
+                 max_loss_scale: float = 2.0 ** 24):
+        self.dynamic = loss_scale == "dynamic"
+        if self.dynamic:
+            self.loss_scale = min(float(max_loss_scale), DEFAULT_INITIAL_SCALE)
+        else:
+            try:
+                self.loss_scale = float(loss_scale)
+            except (TypeError, ValueError):
+                raise ValueError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}") from None
+            if not self.loss_scale > 0:
+                raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")
+        self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
+        self.max_loss_scale = float(max_loss_scale)
+        self.unskipped = 0
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({kind}, loss_scale={self.loss_scale}, unskipped={self.unskipped})"
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss * loss_scale`` in float32 (the scaled loss is what backward runs on)."""
+        return loss.float() * self.loss_scale
+
+    def unscale_grads(self, grads: Iterable[torch.Tensor]) -> bool:
+        """Divide the gradients by the scale in place; return True if any of them holds inf or NaN."""
+        grads_by_key: Dict[tuple, list] = {}
+        for grad in grads:
+            grads_by_key.setdefault((grad.device, grad.dtype), []).append(grad)
+        if not grads_by_key:
+            return False
+        found_inf_flags = []
+        for (device, _), group in grads_by_key.items():
+            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            inv_scale = torch.full((1,), self.loss_scale, dtype=torch.float64, device=device).reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+            found_inf_flags.append(found_inf.to("cpu", non_blocking=True))
+        # One host sync per step is needed anyway: skipping the optimizer step is a host-side decision.
+        return bool(sum(flag.item() for flag in found_inf_flags))
+
+    @staticmethod
+    def has_overflow(grads: Iterable[torch.Tensor]) -> bool:
+        """Return True if any gradient holds inf or NaN, without changing them."""
+        return any(not torch.isfinite(grad).all() for grad in grads)
+
+    def update(self, found_inf: bool) -> None:
+        """Apply the dynamic-scaling rule after one step (a static scaler ignores it)."""
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.loss_scale /= 2.0
+            if self.min_loss_scale is not None:
+                self.loss_scale = max(self.loss_scale, self.min_loss_scale)
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+            if self.unskipped == GROWTH_INTERVAL:
+                self.loss_scale = min(self.loss_scale * 2.0, self.max_loss_scale)
+                self.unskipped = 0
+
+    def state_dict(self) -> dict:
+        """Return apex's checkpoint keys: ``loss_scale`` and ``unskipped``."""
+        return {"loss_scale": self.loss_scale, "unskipped": self.unskipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the scale and the count of unskipped steps saved by :meth:`state_dict`."""
+        self.loss_scale = float(state["loss_scale"])
+        self.unskipped = int(state["unskipped"])

@@ -1,0 +1,4 @@
+"""The training loop and its experiment-tracking presets."""
+from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+__all__ = ["TrainLoop"]

@@ -1,0 +1,133 @@
+"""Loss evaluation and prediction over a whole data set, exact over batches (and processes)."""
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
+
+
+def batch_size_of(batch_data: Any) -> Optional[int]:
+    """Number of samples in a batch: the first dimension of its first tensor, searched depth first."""
+    if isinstance(batch_data, torch.Tensor):
+        return batch_data.shape[0] if batch_data.dim() > 0 else 1
+    if isinstance(batch_data, dict):
+        batch_data = list(batch_data.values())
+    if isinstance(batch_data, (list, tuple)):
+        for element in batch_data:
+            size = batch_size_of(element)
+            if size is not None:
+                return size
+    return None
+
+
+def loader_length(loader: Any) -> Optional[int]:
+    """``len(loader)`` when the loader knows it (an IterableDataset may not)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) -> Optional[dict]:
+    """Merge one batch's metadata dict (values are per-sample sequences) into the collected dict of lists."""
+    if batch_metadata is None:
+        return collected
+    if not isinstance(batch_metadata, dict):
+        raise TypeError("get_predictions must return metadata as a dict of per-sample values or None, got "
+                        f"{type(batch_metadata).__name__}")
+    collected = {} if collected is None else collected
+    for key, values in batch_metadata.items():
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().tolist()
+        collected.setdefault(key, []).extend(values)
+    return collected
+
+
+@contextlib.contextmanager
+def evaluation_mode(train_loop: "TrainLoop"):
+    """Eval mode, no gradients and a forked torch RNG; the previous train/eval mode is restored after."""
+    device = train_loop.device
+    rng_devices = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    was_training = train_loop.model.training
+    with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
+        train_loop.model_runner.eval()
+        try:
+            yield
+        finally:
+            train_loop.model_runner.train(was_training)
+
+
+class Evaluator:
+    """Computes sample-weighted losses and collects predictions for a TrainLoop.
+
+    The evaluation runs in eval mode without gradients, under the loop's precision, and inside a forked
+    torch RNG so that evaluating (for example shuffling a loader) never changes the training run.
+    Predictions are cached for the current training iteration: several callbacks asking for validation
+    predictions at one epoch end share a single pass.
+    """
+
+    def __init__(self, train_loop: "TrainLoop"):
+        self.train_loop = train_loop
+        self._prediction_cache = {}
+
+    def evaluate_loss(self, loader: DataLoader, description: str) -> float:
+        """Mean loss per sample over the loader (each batch weighted by its number of samples)."""
+        tl = self.train_loop
+        device = tl.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        sample_count = torch.zeros((), dtype=torch.float64, device=device)
+        with evaluation_mode(tl):
+            batches = iterate_with_progress(loader, loader_length(loader), description, tl.show_progress)
+            for batch_data in batches:
+                with tl.precision.autocast():
+                    loss = tl.model_runner.get_loss_eval(batch_data, tl.criterion, device)
+                tl.check_loss(loss, "get_loss_eval")
+                num_samples = batch_size_of(batch_data) or 1
+                loss_sum += loss.detach().double() * num_samples
+                sample_count += num_samples
+        totals = tl.strategy.all_reduce_sum(torch.stack([loss_sum, sample_count]))
+        if totals[1].item() == 0:
+            raise ValueError(f"cannot evaluate the loss ({description}): the data loader yielded no batches")
+        return (totals[0] / totals[1]).item()
+
+    def predict(self, loader: DataLoader, dataset_type: str) -> Tuple[Any, Any, Optional[dict]]:
+        """``(y_pred, y_true, metadata)`` over the whole loader, joined by the loop's collate functions."""
+        tl = self.train_loop
+        cache_key = (dataset_type, tl.epoch, tl.total_iteration_idx)
+        if cache_key in self._prediction_cache:
+            return self._prediction_cache[cache_key]
+        y_pred, y_true, metadata = [], [], None
+        dataset_info = {"type": dataset_type}
+        with evaluation_mode(tl):
+            batches = iterate_with_progress(loader, loader_length(loader), f"Predict {dataset_type}",
+                                            tl.show_progress)
+            for batch_data in batches:
+                with tl.precision.autocast():
+                    outputs = tl.model_runner.get_predictions(batch_data, tl.device)
+                if not isinstance(outputs, (tuple, list)) or len(outputs) != 3:
+                    raise ValueError(
+                        "get_predictions must return a tuple (y_pred, y_true, metadata) with metadata a dict "
+                        f"or None; got {type(outputs).__name__}"
+                        + (f" of length {len(outputs)}" if isinstance(outputs, (tuple, list)) else ""))
+                y_pred_batch, y_true_batch, metadata_batch = outputs
+                tl.callbacks_handler.on_after_batch_prediction(y_pred_batch, y_true_batch, metadata_batch,
+                                                               dataset_info)
+                y_pred = tl.collate_batch_pred_fn(y_pred_batch, y_pred)
+                y_true = tl.collate_batch_pred_fn(y_true_batch, y_true)
+                metadata = merge_metadata(metadata_batch, metadata)
+        result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
+        self._prediction_cache = {cache_key: result}
+        return result
+
+    def clear_cache(self) -> None:
+        self._prediction_cache = {}

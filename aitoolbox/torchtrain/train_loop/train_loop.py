@@ -1,0 +1,310 @@
+"""TrainLoop: the training loop. ``fit`` -> ``_run_epoch`` -> ``_run_batch``; everything else is delegated.
+
+Precision (autocast, loss scaling, the optimizer step) lives in :mod:`aitoolbox.torchtrain.precision`,
+device placement and multi-process communication in :mod:`aitoolbox.torchtrain.distributed`, whole-set
+evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.torchtrain.callbacks`).
+"""
+import logging
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
+from aitoolbox.torchtrain.distributed.strategy import create_strategy
+from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
+from aitoolbox.torchtrain.precision.precision import Precision
+from aitoolbox.torchtrain.precision.setup import create_precision
+from aitoolbox.torchtrain.train_loop import validation
+from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
+from aitoolbox.torchtrain.train_loop.history import TrainingHistory
+from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
+from aitoolbox.torchtrain.train_loop.progress import ProgressBar
+
+logger = logging.getLogger(__name__)
+
+
+class TrainLoop:
+    """Trains a :class:`~aitoolbox.torchtrain.model.TTModel` (or a :class:`~aitoolbox.torchtrain.model.ModelWrap`).
+
+    Args:
+        model: the model; a TTModel, or ``ModelWrap(module, feed_definition)`` for a plain ``nn.Module``.
+        train_loader: batches to train on.
+        validation_loader: batches for ``val_loss`` and validation metrics, or None.
+        test_loader: batches for the final test evaluation, or None.
+        optimizer: a ``torch.optim.Optimizer`` or a list of them (all step together).
+        criterion: the loss function handed to ``get_loss``; None when the model computes its own loss.
+        collate_batch_pred_fn: ``fn(batch_output, collected) -> collected`` collecting predictions per batch.
+        pred_transform_fn: ``fn(collected)`` joining the collected predictions (default: ``torch.cat``).
+        end_auto_eval: at each epoch end record the train-set ``loss`` and ``val_loss`` (True), never
+            (False), or every N epochs (an int); with a test loader also ``train_end_test_loss`` at the end.
+        lazy_experiment_save: for the experiment-tracking presets: create the experiment folder only when the
+            first file is written.
+        print_callbacks: log the registered callbacks at the start of training.
+        gpu_mode: ``'single'`` (one GPU, or the CPU), ``'dp'`` (DataParallel over local GPUs) or ``'ddp'``
+            (one process per device, see :meth:`fit_distributed`).
+        cuda_device_idx: the GPU to train on in single mode; None picks the current one (or the CPU).
+        use_amp: mixed precision: False, True (autocast in the device's default low-precision dtype with
+            dynamic loss scaling where needed), or a dict of ``amp.initialize`` keyword arguments.
+        show_progress: show tqdm progress bars.
+    """
+
+    def __init__(self, model: Union[TTModel, ModelWrap], train_loader: DataLoader,
+                 validation_loader: Optional[DataLoader], test_loader: Optional[DataLoader],
+                 optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                 criterion: Optional[Callable],
+                 collate_batch_pred_fn: Callable = append_predictions, pred_transform_fn: Callable = torch_cat_transf,
+                 end_auto_eval: Union[bool, int] = True, lazy_experiment_save: bool = False,
+                 print_callbacks: bool = False, gpu_mode: str = "single", cuda_device_idx: Optional[int] = None,
+                 use_amp: Union[bool, dict] = False, show_progress: bool = True):
+        self.model = validation.resolve_model(model)
+        self._user_model: nn.Module = model.model if isinstance(model, ModelWrap) else model
+        validation.check_loader(train_loader, "train_loader", required=True)
+        validation.check_loader(validation_loader, "validation_loader", required=False)
+        validation.check_loader(test_loader, "test_loader", required=False)
+        self.optimizers: List[torch.optim.Optimizer] = validation.as_optimizer_list(optimizer)
+        if criterion is not None and not callable(criterion):
+            raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()) or None, got {criterion!r}")
+        validation.check_end_auto_eval(end_auto_eval)
+        self.train_loader = train_loader
+        self.validation_loader = validation_loader
+        self.test_loader = test_loader
+        self.optimizer = optimizer
+        self.criterion = criterion
+        self.collate_batch_pred_fn = collate_batch_pred_fn
+        self.pred_transform_fn = pred_transform_fn
+        self.end_auto_eval = end_auto_eval
+        self.lazy_experiment_save = lazy_experiment_save
+        self.print_callbacks = print_callbacks
+        self.gpu_mode = gpu_mode
+        self.cuda_device_idx = cuda_device_idx
+        self.show_progress_bars = show_progress
+        self.strategy = create_strategy(gpu_mode, cuda_device_idx)
+        self.use_amp = use_amp
+        self.precision: Precision = create_precision(use_amp, self.model, self.optimizers, self.strategy.device)
+
+        self.epoch = 0
+        self.iteration = 0
+        self.total_iteration_idx = 0
+        self.grad_accumulation = 1
+        self.optimizer_step_due = False
+        self.optimizer_step_skipped = False
+        self.early_stop = False
+        self.train_history = TrainingHistory()
+        self.callbacks_handler = CallbacksHandler(self)
+        self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
+        self._epochs_completed = 0
+        self._model_runner = None
+        self._evaluator = Evaluator(self)
+
+    # --- the documented surface callbacks use -------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on."""
+        return self.strategy.device
+
+    @property
+    def is_main_process(self) -> bool:
+        """True in the process that prints and writes files (global rank 0)."""
+        return self.strategy.is_main_process
+
+    @property
+    def show_progress(self) -> bool:
+        return self.show_progress_bars and self.is_main_process
+
+    @property
+    def model_runner(self) -> Any:
+        """What the loop calls ``get_loss``/``get_predictions`` on: the model placed by the strategy."""
+        if self._model_runner is None:
+            self._model_runner = self.strategy.setup_model(self.model)
+            self.criterion = self.strategy.setup_criterion(self.criterion)
+        return self._model_runner
+
+    def stop_training(self, reason: str = "") -> None:
+        """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
+        self.early_stop = True
+        if reason and self.is_main_process:
+            logger.info("Stopping training: %s", reason)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer``'s gradients true values (undo loss scaling); idempotent within a step."""
+        self.precision.unscale_(optimizer)
+
+    def insert_metric_result_into_history(self, metric_name: str, metric_result: Any) -> None:
+        """Append a value to ``train_history[metric_name]``."""
+        self.train_history.insert_single_result_into_history(metric_name, metric_result)
+
+    check_loss = staticmethod(validation.check_loss)
+
+    # --- training ---------------------------------------------------------------------------------------
+    def __call__(self, num_epochs: int = 0, num_iterations: int = 0, callbacks: Optional[List[AbstractCallback]] = None,
+                 grad_accumulation: int = 1, **kwargs) -> nn.Module:
+        """Same as :meth:`fit`."""
+        return self.fit(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
+
+    def fit(self, num_epochs: int = 0, num_iterations: int = 0, callbacks: Optional[List[AbstractCallback]] = None,
+            grad_accumulation: int = 1, **kwargs) -> nn.Module:
+        """Train until ``num_epochs`` epochs or ``num_iterations`` batches have run in total, and return the model.
+
+        Both counts are totals over the life of the TrainLoop: after ``fit(num_epochs=5)``, calling
+        ``fit(num_epochs=8)`` trains three more epochs. Callbacks registered by an earlier call stay registered.
+        A training stopped mid-epoch by ``num_iterations`` steps on the gradients accumulated so far and closes
+        the epoch (evaluation and ``on_epoch_end``).
+
+        Pseudocode::
+
+            on_train_begin
+            for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end
+            final test-set loss;  on_train_end
+
+        Args:
+            num_epochs: train until this many epochs are done.
+            num_iterations: or train until this many batches are done.
+            callbacks: :class:`AbstractCallback` objects to register.
+            grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
+        """
+        if self.gpu_mode == "ddp" or kwargs:
+            return self.fit_distributed(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
+        validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
+        self.grad_accumulation = grad_accumulation
+        self.callbacks_handler.register_callbacks(callbacks or [])
+        self.early_stop = False
+        if self._target_reached(num_epochs, num_iterations):
+            logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
+                           "pass a larger num_epochs or num_iterations to continue.",
+                           self._epochs_completed, self.total_iteration_idx)
+            return self._user_model
+        self.model_runner.train()
+        if self.print_callbacks and self.is_main_process:
+            logger.info("Callbacks: %s", self.callbacks)
+        self.precision.zero_grad(self.optimizers)
+        self.callbacks_handler.on_train_begin()
+        while not self.early_stop and not self._target_reached(num_epochs, num_iterations):
+            self.epoch = self._epochs_completed
+            self._run_epoch(num_iterations)
+            self._epochs_completed += 1
+        self._evaluate_at_train_end()
+        self.callbacks_handler.on_train_end()
+        return self._user_model
+
+    def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
+                        callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
+                        **kwargs) -> nn.Module:
+        """Train with one process per device; see :mod:`aitoolbox.torchtrain.distributed`."""
+        raise NotImplementedError("fit_distributed arrives with the distributed-training issue; use fit() with "
+                                  "gpu_mode='single' or 'dp' for now")
+
+    def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
+        if num_epochs > 0:
+            return self._epochs_completed >= num_epochs
+        return self.total_iteration_idx >= num_iterations
+
+    def _run_epoch(self, num_iterations: int) -> None:
+        """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end."""
+        self.strategy.on_epoch_begin(self.epoch)
+        self.callbacks_handler.on_epoch_begin()
+        num_batches = loader_length(self.train_loader)
+        bar = ProgressBar(num_batches, f"Epoch {self.epoch}", enabled=self.show_progress)
+        loss_sum = torch.zeros((), device=self.device)
+        batches_done = 0
+        for self.iteration, batch_data in enumerate(self.train_loader):
+            iteration_limit_hit = num_iterations > 0 and self.total_iteration_idx + 1 >= num_iterations
+            epoch_ends = iteration_limit_hit or self.iteration + 1 == num_batches
+            loss_sum += self._run_batch(batch_data, force_optimizer_step=epoch_ends)
+            batches_done += 1
+            bar.update(lambda: {"loss": f"{loss_sum.item() / batches_done:.4f}"})
+            if iteration_limit_hit or self.early_stop:
+                break
+        else:
+            if num_batches is None:  # a loader without len: its last batch is known only now
+                self._step_pending_gradients()
+        bar.close()
+        if batches_done == 0:
+            raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
+        self.insert_metric_result_into_history("accumulated_loss", (loss_sum / batches_done).item())
+        self._evaluate_at_epoch_end()
+        self.callbacks_handler.on_epoch_end()
+
+    def _run_batch(self, batch_data: Any, force_optimizer_step: bool) -> torch.Tensor:
+        """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss."""
+        self.optimizer_step_due = force_optimizer_step or (self.iteration + 1) % self.grad_accumulation == 0
+        self.callbacks_handler.on_batch_begin()
+        with self.precision.autocast():
+            loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
+        validation.check_loss(loss, "get_loss")
+        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss)
+        for optimizer_idx in range(len(self.optimizers)):
+            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
+        if self.optimizer_step_due:
+            self._step_optimizers()
+        self.callbacks_handler.on_batch_end()
+        self.total_iteration_idx += 1
+        return loss.detach().reshape(())
+
+    def _step_optimizers(self) -> None:
+        self.optimizer_step_skipped = not self.precision.step(self.optimizers)
+        self.callbacks_handler.on_after_optimizer_step()
+        self.precision.zero_grad(self.optimizers)
+        self.optimizer_step_due = False
+
+    def _step_pending_gradients(self) -> None:
+        """Step on gradients accumulated since the last update (the epoch ended inside a window)."""
+        if (self.iteration + 1) % self.grad_accumulation != 0:
+            self._step_optimizers()
+
+    # --- evaluation -------------------------------------------------------------------------------------
+    def _auto_eval_due(self) -> bool:
+        if self.end_auto_eval is True or self.end_auto_eval is False:
+            return self.end_auto_eval
+        return (self.epoch + 1) % self.end_auto_eval == 0
+
+    def _evaluate_at_epoch_end(self) -> None:
+        summary = {"accumulated_loss": self.train_history["accumulated_loss"][-1]}
+        if self._auto_eval_due():
+            summary["loss"] = self.evaluate_loss_on_train_set()
+            self.insert_metric_result_into_history("loss", summary["loss"])
+            if self.validation_loader is not None:
+                summary["val_loss"] = self.evaluate_loss_on_validation_set()
+                self.insert_metric_result_into_history("val_loss", summary["val_loss"])
+        if self.is_main_process:
+            logger.info("Epoch %d: %s", self.epoch, ", ".join(f"{k} {v:.6g}" for k, v in summary.items()))
+
+    def _evaluate_at_train_end(self) -> None:
+        if self.end_auto_eval is not False and self.test_loader is not None:
+            test_loss = self.evaluate_loss_on_test_set()
+            self.insert_metric_result_into_history("train_end_test_loss", test_loss)
+            if self.is_main_process:
+                logger.info("Test loss at the end of training: %.6g", test_loss)
+
+    def _require_loader(self, loader: Optional[DataLoader], name: str) -> DataLoader:
+        if loader is None:
+            raise ValueError(f"this TrainLoop has no {name}: pass one to the constructor")
+        return loader
+
+    def evaluate_loss_on_train_set(self) -> float:
+        """Mean loss per sample over the training set, in eval mode."""
+        return self._evaluator.evaluate_loss(self.train_loader, "Loss train")
+
+    def evaluate_loss_on_validation_set(self) -> float:
+        """Mean loss per sample over the validation set, in eval mode."""
+        return self._evaluator.evaluate_loss(self._require_loader(self.validation_loader, "validation_loader"),
+                                             "Loss validation")
+
+    def evaluate_loss_on_test_set(self) -> float:
+        """Mean loss per sample over the test set, in eval mode."""
+        return self._evaluator.evaluate_loss(self._require_loader(self.test_loader, "test_loader"), "Loss test")
+
+    def predict_on_train_set(self):
+        """``(y_pred, y_true, metadata)`` over the training set (cached within one training iteration)."""
+        return self._evaluator.predict(self.train_loader, "train")
+
+    def predict_on_validation_set(self):
+        """``(y_pred, y_true, metadata)`` over the validation set (cached within one training iteration)."""
+        return self._evaluator.predict(self._require_loader(self.validation_loader, "validation_loader"),
+                                       "validation")
+
+    def predict_on_test_set(self):
+        """``(y_pred, y_true, metadata)`` over the test set (cached within one training iteration)."""
+        return self._evaluator.predict(self._require_loader(self.test_loader, "test_loader"), "test")

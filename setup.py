@@ -1,0 +1,30 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="aitoolbox",
+    version="2.0.0.dev0",
+    description="PyTorch training loop with mixed precision (apex amp API on torch.amp) and multi-device training",
+    long_description=Path(__file__).with_name("README.rst").read_text(encoding="utf-8"),
+    long_description_content_type="text/x-rst",
+    license="MIT",
+    packages=find_packages(include=["aitoolbox", "aitoolbox.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.3",
+        "numpy",
+        "scikit-learn>=1.2",
+        "tqdm>=4.62",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6", "tensorboard>=2.10",
+                 "matplotlib>=3.5"],
+        "examples": ["matplotlib>=3.5", "tensorboard>=2.10", "torchvision"],
+        "docs": ["sphinx>=7", "sphinx-rtd-theme>=2"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
