@@ -1,6 +1,7 @@
 """Distribution strategies: what TrainLoop asks of the device layout at a few fixed points.
 
-The loop calls a strategy to place the model (``setup_model``), to prepare the data loaders
+The loop calls a strategy to place the model (``place_model``, then ``wrap_model`` once mixed precision
+has prepared it), to prepare the data loaders
 (``setup_loader``), at the start of each epoch (``on_epoch_begin``), to combine numbers across processes
 (``all_reduce_sum``, ``all_gather_objects``) and to know whether it should write or print
 (``is_main_process``). It never asks which strategy it has.
@@ -35,11 +36,14 @@ class SingleDeviceStrategy:
         """Only the main process prints, saves files and shows progress bars."""
         return self.rank == 0
 
-    def setup_model(self, model: nn.Module) -> Any:
-        """Move the model to the device and return what the loop calls ``get_loss`` on."""
+    def place_model(self, model: nn.Module) -> None:
+        """Move the model to this process's device (before mixed precision prepares it)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         model.to(self.device)
+
+    def wrap_model(self, model: nn.Module) -> Any:
+        """Return what the loop calls ``get_loss`` on: the model itself, or a parallel wrapper around it."""
         return model
 
     def setup_criterion(self, criterion: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -87,8 +91,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
         super().__init__(device)
         self.device_ids = device_ids
 
-    def setup_model(self, model: nn.Module) -> Any:
-        model = super().setup_model(model)
+    def wrap_model(self, model: nn.Module) -> Any:
         wrapper = nn.DataParallel(MethodDispatcher(model, use_replica_device=True), device_ids=self.device_ids)
         return ParallelModelRunner(wrapper, model)
 

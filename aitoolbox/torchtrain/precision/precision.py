@@ -17,6 +17,7 @@ from typing import ContextManager, List, Optional, Sequence
 import torch
 
 from aitoolbox.torchtrain.precision.loss_scaler import LossScaler
+from aitoolbox.torchtrain.precision.master_weights import MasterWeights, optimizer_pairs, unscale_into
 
 
 class Precision:
@@ -25,26 +26,24 @@ class Precision:
     Args:
         device_type: ``"cpu"`` or ``"cuda"`` (the device the model runs on).
         autocast_dtype: low-precision dtype of the forward pass under autocast; None disables autocast.
-        loss_scaler: scales the loss and skips steps on overflow; None disables scaling.
+        loss_scaler: scales the loss; a dynamic one also skips steps on overflow. None disables scaling.
+        master_weights: float32 master copies held by the optimizers of a model cast to low precision.
     """
 
     def __init__(self, device_type: str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
-                 loss_scaler: Optional[LossScaler] = None):
+                 loss_scaler: Optional[LossScaler] = None, master_weights: Optional[MasterWeights] = None):
         self.device_type = device_type
         self.autocast_dtype = autocast_dtype
         self.loss_scaler = loss_scaler
+        self.master_weights = master_weights
         self.last_step_skipped = False
         self._unscaled_optimizers: set = set()
         self._found_inf = False
 
     def __repr__(self) -> str:
+        masters = ", master_weights" if self.master_weights is not None else ""
         return (f"{type(self).__name__}(device_type={self.device_type!r}, autocast_dtype={self.autocast_dtype}, "
-                f"loss_scaler={self.loss_scaler})")
-
-    @property
-    def is_mixed(self) -> bool:
-        """True when anything differs from plain float32 training."""
-        return self.autocast_dtype is not None or self.loss_scaler is not None
+                f"loss_scaler={self.loss_scaler}{masters})")
 
     def autocast(self) -> ContextManager:
         """Context for the forward pass and the loss (not for backward)."""
@@ -60,7 +59,7 @@ class Precision:
 
     @staticmethod
     def stepped_parameters(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
-        """The parameters ``optimizer`` updates: clip and inspect the gradients of these."""
+        """The parameters ``optimizer`` updates (float32 masters under master weights): clip these."""
         return [p for group in optimizer.param_groups for p in group["params"]]
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -68,10 +67,11 @@ class Precision:
 
         Safe to call more than once per step: only the first call divides by the scale.
         """
-        if self.loss_scaler is None or id(optimizer) in self._unscaled_optimizers:
+        if id(optimizer) in self._unscaled_optimizers:
             return
-        grads = [p.grad for p in self.stepped_parameters(optimizer) if p.grad is not None]
-        self._found_inf |= self.loss_scaler.unscale_grads(grads)
+        if self.loss_scaler is not None or self.master_weights is not None:
+            pairs = optimizer_pairs(optimizer, self.master_weights)
+            self._found_inf |= unscale_into(pairs, self.loss_scaler)
         self._unscaled_optimizers.add(id(optimizer))
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
@@ -82,7 +82,8 @@ class Precision:
         """
         for optimizer in optimizers:
             self.unscale_(optimizer)
-        skip = self._found_inf
+        # A static scale never skips (apex semantics): inf/NaN gradients then reach the optimizer as they are.
+        skip = self._found_inf and self.loss_scaler is not None and self.loss_scaler.dynamic
         if not skip:
             for optimizer in optimizers:
                 optimizer.step()
@@ -97,12 +98,18 @@ class Precision:
         """Clear the gradients before the next accumulation window."""
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
+            if self.master_weights is not None and self.master_weights.manages(optimizer):
+                for model_param, _ in self.master_weights.grad_pairs(optimizer):
+                    model_param.grad = None
 
     def state_dict(self) -> dict:
-        """State to checkpoint: the loss scaler's, if any."""
-        return {"loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
+        """State to checkpoint: the loss scaler's and the float32 master weights, where present."""
+        return {"loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "master_weights": None if self.master_weights is None else self.master_weights.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (after the model and optimizer states are loaded)."""
         if state.get("loss_scaler") is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if state.get("master_weights") is not None and self.master_weights is not None:
+            self.master_weights.load_state_dict(state["master_weights"])

@@ -16,7 +16,7 @@ from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
-from aitoolbox.torchtrain.precision.setup import create_precision
+from aitoolbox.torchtrain.precision.setup import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
@@ -82,8 +82,9 @@ class TrainLoop:
         self.cuda_device_idx = cuda_device_idx
         self.show_progress_bars = show_progress
         self.strategy = create_strategy(gpu_mode, cuda_device_idx)
+        check_use_amp(use_amp, self.strategy.device)
         self.use_amp = use_amp
-        self.precision: Precision = create_precision(use_amp, self.model, self.optimizers, self.strategy.device)
+        self._precision: Optional[Precision] = None
 
         self.epoch = 0
         self.iteration = 0
@@ -116,11 +117,29 @@ class TrainLoop:
 
     @property
     def model_runner(self) -> Any:
-        """What the loop calls ``get_loss``/``get_predictions`` on: the model placed by the strategy."""
-        if self._model_runner is None:
-            self._model_runner = self.strategy.setup_model(self.model)
-            self.criterion = self.strategy.setup_criterion(self.criterion)
+        """What the loop calls ``get_loss``/``get_predictions`` on: the model as set up by the strategy."""
+        self._set_up_model()
         return self._model_runner
+
+    @property
+    def precision(self) -> Precision:
+        """Autocast, loss scaling and the optimizer step (see :mod:`aitoolbox.torchtrain.precision`)."""
+        self._set_up_model()
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision) -> None:
+        self._precision = precision
+
+    def _set_up_model(self) -> None:
+        """On first use: device placement, then mixed precision (amp.initialize), then any parallel wrapper."""
+        if self._model_runner is not None:
+            return
+        self.strategy.place_model(self.model)
+        self.criterion = self.strategy.setup_criterion(self.criterion)
+        if self._precision is None:
+            self._precision = create_precision(self.use_amp, self.model, self.optimizers, self.device)
+        self._model_runner = self.strategy.wrap_model(self.model)
 
     def stop_training(self, reason: str = "") -> None:
         """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""

@@ -1,0 +1,146 @@
+"""Float32 master weights for a model cast to low precision (apex O2).
+
+The optimizer is given float32 copies ("masters") of the model's low-precision parameters in place of the
+parameters themselves, so its update arithmetic and its state stay in float32. Gradients flow the other way:
+the model's low-precision gradients are converted (and unscaled) into the masters' ``.grad``; after every
+``optimizer.step()`` a step post-hook copies the masters back into the model.
+"""
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+GradPair = Tuple[torch.Tensor, torch.Tensor]  # (parameter backward writes to, parameter the optimizer steps)
+
+
+def is_low_precision(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and tensor.dtype != torch.float32 and tensor.dtype != torch.float64
+
+
+class MasterWeights:
+    """Puts float32 masters into optimizers and keeps them in step with the model.
+
+    Args:
+        optimizers: the optimizers of the model, already holding the model's (cast) parameters.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self._pairs: Dict[int, List[GradPair]] = {}
+        self._model_versions: Dict[int, List[int]] = {}
+        for optimizer in optimizers:
+            self._pairs[id(optimizer)] = self._install(optimizer)
+            self._record_versions(optimizer)
+            optimizer.register_step_post_hook(self._after_step)
+
+    @staticmethod
+    def _install(optimizer: torch.optim.Optimizer) -> List[GradPair]:
+        pairs = []
+        for group in optimizer.param_groups:
+            for position, param in enumerate(group["params"]):
+                if is_low_precision(param):
+                    master = param.detach().clone().float().requires_grad_(param.requires_grad)
+                    if param in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(param)
+                    group["params"][position] = master
+                    pairs.append((param, master))
+                else:
+                    pairs.append((param, param))
+        return pairs
+
+    def manages(self, optimizer: torch.optim.Optimizer) -> bool:
+        return id(optimizer) in self._pairs
+
+    def grad_pairs(self, optimizer: torch.optim.Optimizer) -> List[GradPair]:
+        """``(model parameter, stepped parameter)`` pairs of the optimizer; the two are the same for float32."""
+        self._sync_masters_if_model_changed(optimizer)
+        return self._pairs[id(optimizer)]
+
+    def _record_versions(self, optimizer: torch.optim.Optimizer) -> None:
+        self._model_versions[id(optimizer)] = [model._version for model, _ in self._pairs[id(optimizer)]]
+
+    def _sync_masters_if_model_changed(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh masters from the model when something else wrote the model's weights (e.g. load_state_dict).
+
+        Without this, the next step would overwrite the loaded weights with stale masters. Every in-place
+        write bumps a tensor's version counter, and the only write we expect is our own copy after a step.
+        """
+        pairs = self._pairs[id(optimizer)]
+        versions = self._model_versions[id(optimizer)]
+        changed = [(model, master) for (model, master), version in zip(pairs, versions)
+                   if model is not master and model._version != version]
+        if changed:
+            with torch.no_grad():
+                for model, master in changed:
+                    master.copy_(model)
+            self._record_versions(optimizer)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        with torch.no_grad():
+            for model, master in self._pairs[id(optimizer)]:
+                if model is not master:
+                    model.copy_(master)
+        self._record_versions(optimizer)
+
+    def state_dict(self) -> List[List[torch.Tensor]]:
+        """The masters' values, per optimizer in construction order (float32 tensors)."""
+        return [[master.detach().clone() for model, master in pairs if model is not master]
+                for pairs in self._pairs.values()]
+
+    def load_state_dict(self, state: List[List[torch.Tensor]]) -> None:
+        """Restore the masters exactly and copy them into the model (what a step would have left there)."""
+        all_pairs = list(self._pairs.values())
+        if len(state) != len(all_pairs):
+            raise ValueError(f"the checkpoint holds master weights for {len(state)} optimizer(s), "
+                             f"this run has {len(all_pairs)}")
+        with torch.no_grad():
+            for optimizer_id, saved, pairs in zip(self._pairs, state, all_pairs):
+                masters = [(model, master) for model, master in pairs if model is not master]
+                if len(saved) != len(masters):
+                    raise ValueError(f"the checkpoint holds {len(saved)} master weights for an optimizer that "
+                                     f"has {len(masters)}: was it saved from the same model and opt_level?")
+                for (model, master), value in zip(masters, saved):
+                    master.copy_(value)
+                    model.copy_(master)
+                self._model_versions[optimizer_id] = [model._version for model, _ in pairs]
+
+
+def unscale_into(pairs: Sequence[GradPair], inverse_scaler) -> bool:
+    """Move the gradients of the model parameters into the stepped parameters, divided by the loss scale.
+
+    A low-precision gradient is converted to float32 and added to its master's ``.grad``; a float32
+    gradient is unscaled in place. Returns True if any gradient holds inf or NaN.
+
+    Args:
+        pairs: from :meth:`MasterWeights.grad_pairs`, or ``(p, p)`` pairs without master weights.
+        inverse_scaler: the :class:`LossScaler` whose scale to divide by, or None for no scaling.
+    """
+    moved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for model, stepped in pairs:
+        if model.grad is None:
+            continue
+        if model is stepped:
+            moved.append((stepped, model.grad))
+        else:
+            moved.append((stepped, model.grad.float()))
+            model.grad = None
+    found_inf = False
+    if inverse_scaler is not None:
+        found_inf = inverse_scaler.unscale_grads([grad for _, grad in moved])
+    for stepped, grad in moved:
+        if stepped.grad is None:
+            stepped.grad = grad
+        elif stepped.grad is not grad:
+            stepped.grad.add_(grad)
+    return found_inf
+
+
+def clear_grads(params: Sequence[torch.Tensor]) -> None:
+    """Set gradients to None: every torch optimizer skips parameters without gradients, so a step is a no-op."""
+    for param in params:
+        param.grad = None
+
+
+def optimizer_pairs(optimizer: torch.optim.Optimizer, master_weights: Optional[MasterWeights]) -> List[GradPair]:
+    """Gradient pairs of an optimizer, with or without master weights."""
+    if master_weights is not None and master_weights.manages(optimizer):
+        return master_weights.grad_pairs(optimizer)
+    return [(p, p) for group in optimizer.param_groups for p in group["params"]]
