@@ -1,7 +1,7 @@
 """Loss evaluation and prediction over a whole data set, exact over batches (and processes)."""
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -51,15 +51,43 @@ def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) ->
     return collected
 
 
+def loader_generators(loader: Any) -> List[torch.Generator]:
+    """The torch generators iterating ``loader`` draws from: the DataLoader's own and its samplers'."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    generators: List[torch.Generator] = []
+    for owner in (loader, sampler, batch_sampler_sampler):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not known for known in generators):
+            generators.append(generator)
+    return generators
+
+
 @contextlib.contextmanager
-def evaluation_mode(train_loop: "TrainLoop"):
-    """Eval mode, no gradients and a forked torch RNG; the previous train/eval mode is restored after."""
+def preserved_generator_states(generators: List[torch.Generator]):
+    """Restore the generators' states on exit."""
+    states = [generator.get_state() for generator in generators]
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
+@contextlib.contextmanager
+def evaluation_mode(train_loop: "TrainLoop", loader: Any):
+    """Eval mode, no gradients and forked random state; the previous train/eval mode is restored after.
+
+    Both the global torch RNG and the loader's own generators are restored: evaluating on the training
+    loader (seeded with ``DataLoader(generator=...)``) must not change the order of the next training epoch.
+    """
     device = train_loop.device
     rng_devices = []
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
     was_training = train_loop.model.training
-    with torch.random.fork_rng(devices=rng_devices), torch.no_grad():
+    with torch.random.fork_rng(devices=rng_devices), preserved_generator_states(loader_generators(loader)), \
+            torch.no_grad():
         train_loop.model_runner.eval()
         try:
             yield
@@ -86,7 +114,7 @@ class Evaluator:
         device = tl.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         sample_count = torch.zeros((), dtype=torch.float64, device=device)
-        with evaluation_mode(tl):
+        with evaluation_mode(tl, loader):
             batches = iterate_with_progress(loader, loader_length(loader), description, tl.show_progress)
             for batch_data in batches:
                 with tl.precision.autocast():
@@ -108,7 +136,7 @@ class Evaluator:
             return self._prediction_cache[cache_key]
         y_pred, y_true, metadata = [], [], None
         dataset_info = {"type": dataset_type}
-        with evaluation_mode(tl):
+        with evaluation_mode(tl, loader):
             batches = iterate_with_progress(loader, loader_length(loader), f"Predict {dataset_type}",
                                             tl.show_progress)
             for batch_data in batches:
@@ -126,7 +154,9 @@ class Evaluator:
                 y_true = tl.collate_batch_pred_fn(y_true_batch, y_true)
                 metadata = merge_metadata(metadata_batch, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
-        self._prediction_cache = {cache_key: result}
+        # Keep every data set of this iteration; drop what older iterations left behind.
+        self._prediction_cache = {key: value for key, value in self._prediction_cache.items() if key[1:] == cache_key[1:]}
+        self._prediction_cache[cache_key] = result
         return result
 
     def clear_cache(self) -> None:

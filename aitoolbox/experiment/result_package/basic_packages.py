@@ -1,0 +1,183 @@
+"""Ready-made result packages for classification, binary classification and regression, plus one for any metrics.
+
+All metrics come from :mod:`sklearn.metrics`; every result is a plain Python ``float`` so the results can be
+written to JSON and put into the training history as they are.
+"""
+import numbers
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from sklearn import metrics
+
+from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
+
+
+def _flatten_column(array: np.ndarray, what: str) -> np.ndarray:
+    """Turn an ``(N, 1)`` array into ``(N,)``; leave ``(N,)`` alone."""
+    if array.ndim == 2 and array.shape[1] == 1:
+        return array.reshape(-1)
+    if array.ndim > 1:
+        raise ValueError(f"{what} must have shape (N,) or (N, 1), got shape {array.shape}")
+    return array
+
+
+class ClassificationResultPackage(AbstractResultPackage):
+    """Multi-class (or binary) classification from predicted labels: ``{'Accuracy': ...}``.
+
+    ``y_predicted`` may hold class labels of shape ``(N,)``, or scores of shape ``(N, C)`` (logits or
+    probabilities, one column per class), in which case the predicted label is the argmax over the classes
+    (dimension 1). ``y_true`` holds class labels, ``(N,)`` or ``(N, 1)``.
+
+    Args:
+        pkg_name: the package's name (used to tell clashing metric names apart when packages are combined).
+        strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+    """
+
+    def __init__(self, pkg_name: str = "ClassificationResult", strict_content_check: bool = False):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+
+    def predicted_labels(self) -> np.ndarray:
+        """The predicted class labels: ``y_predicted``, or its argmax over dimension 1 when it holds scores."""
+        y_predicted = self.y_predicted
+        if y_predicted.ndim == 2 and y_predicted.shape[1] > 1:
+            return y_predicted.argmax(axis=1)
+        return _flatten_column(y_predicted, "y_predicted (labels) or (N, C) class scores")
+
+    def prepare_results_dict(self) -> Dict[str, float]:
+        y_true = _flatten_column(self.y_true, "y_true")
+        return {"Accuracy": float(metrics.accuracy_score(y_true, self.predicted_labels()))}
+
+
+class BinaryClassificationResultPackage(AbstractResultPackage):
+    """Binary classification from positive-class scores: Accuracy, ROC_AUC, PrecisionRecall_AUC and F1_score.
+
+    ``y_predicted`` holds the score (usually the probability) of the positive class, shape ``(N,)`` or
+    ``(N, 1)``; with shape ``(N, 2)`` (a score per class) column 1 is the positive class. ROC_AUC and
+    PrecisionRecall_AUC (sklearn's ``average_precision_score``) use the scores; Accuracy and F1_score use
+    the labels ``score >= positive_class_thresh``. ``y_true`` holds 0/1 labels.
+
+    Args:
+        positive_class_thresh: the score from which a sample is predicted positive (0.5 for probabilities,
+            0.0 for logits). None when ``y_predicted`` already holds 0/1 labels.
+        pkg_name: the package's name.
+        strict_content_check: raise ``ValueError`` on a non-finite metric (e.g. ROC_AUC when ``y_true``
+            holds a single class) instead of logging a warning.
+    """
+
+    def __init__(self, positive_class_thresh: Optional[float] = 0.5, pkg_name: str = "BinaryClassificationResult",
+                 strict_content_check: bool = False):
+        if positive_class_thresh is not None and (isinstance(positive_class_thresh, bool)
+                                                  or not isinstance(positive_class_thresh, numbers.Real)):
+            raise TypeError("positive_class_thresh must be a number (e.g. 0.5 for probabilities) or None for "
+                            f"predictions that are already labels, got {positive_class_thresh!r}")
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+        self.positive_class_thresh = positive_class_thresh
+
+    def positive_scores(self) -> np.ndarray:
+        """The positive-class score of every sample, shape ``(N,)``."""
+        y_predicted = self.y_predicted
+        if y_predicted.ndim == 2 and y_predicted.shape[1] == 2:
+            return y_predicted[:, 1]
+        return _flatten_column(y_predicted, "y_predicted (positive-class scores) or (N, 2) class scores")
+
+    @staticmethod
+    def _roc_auc(y_true: np.ndarray, scores: np.ndarray) -> float:
+        # Undefined with a single class in y_true: NaN (older scikit-learn raised, newer ones warn).
+        if np.unique(y_true).size < 2:
+            return float("nan")
+        return float(metrics.roc_auc_score(y_true, scores))
+
+    def prepare_results_dict(self) -> Dict[str, float]:
+        y_true = _flatten_column(self.y_true, "y_true")
+        scores = self.positive_scores()
+        labels = scores if self.positive_class_thresh is None else (scores >= self.positive_class_thresh).astype(int)
+        return {
+            "Accuracy": float(metrics.accuracy_score(y_true, labels)),
+            "ROC_AUC": self._roc_auc(y_true, scores),
+            "PrecisionRecall_AUC": float(metrics.average_precision_score(y_true, scores)),
+            "F1_score": float(metrics.f1_score(y_true, labels)),
+        }
+
+
+class RegressionResultPackage(AbstractResultPackage):
+    """Regression: ``{'Mean_squared_error': ..., 'Mean_absolute_error': ...}``.
+
+    With several outputs per sample (shape ``(N, K)``) the errors are averaged over the outputs.
+
+    Args:
+        pkg_name: the package's name.
+        strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+    """
+
+    def __init__(self, pkg_name: str = "RegressionResult", strict_content_check: bool = False):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+
+    def prepare_results_dict(self) -> Dict[str, float]:
+        y_true, y_predicted = self.y_true, self.y_predicted
+        if y_true.shape != y_predicted.shape and y_true.size == y_predicted.size:
+            # (N,) targets against (N, 1) outputs is the usual single-output case: compare them as (N,).
+            y_true, y_predicted = y_true.reshape(-1), y_predicted.reshape(-1)
+        return {
+            "Mean_squared_error": float(metrics.mean_squared_error(y_true, y_predicted)),
+            "Mean_absolute_error": float(metrics.mean_absolute_error(y_true, y_predicted)),
+        }
+
+
+MetricSpec = Union[Callable[[Any, Any], Any], Tuple[str, Callable[[Any, Any], Any]]]
+
+
+class GeneralResultPackage(AbstractResultPackage):
+    """Any metrics: each is a function ``metric(y_true, y_predicted) -> number``.
+
+    Example::
+
+        from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
+        GeneralResultPackage([balanced_accuracy_score, ('MCC', matthews_corrcoef)])
+
+    Args:
+        metrics_list: the metrics, each a function (named by its ``__name__``) or a ``(name, function)``
+            pair; the names must be unique.
+        pkg_name: the package's name.
+        strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+        np_array: hand the metrics numpy arrays (True) or the predictions as given (False).
+    """
+
+    def __init__(self, metrics_list: Sequence[MetricSpec], pkg_name: str = "GeneralResult",
+                 strict_content_check: bool = False, np_array: bool = True):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=np_array)
+        self.metrics: List[Tuple[str, Callable]] = self._named_metrics(metrics_list)
+
+    @staticmethod
+    def _named_metrics(metrics_list: Sequence[MetricSpec]) -> List[Tuple[str, Callable]]:
+        if isinstance(metrics_list, (str, bytes)) or not isinstance(metrics_list, Sequence) or not metrics_list:
+            raise ValueError("metrics_list must be a non-empty list of metric functions or (name, function) "
+                             f"pairs, got {metrics_list!r}")
+        named = []
+        for position, spec in enumerate(metrics_list):
+            if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and callable(spec[1]):
+                named.append(spec)
+            elif callable(spec):
+                name = getattr(spec, "__name__", None)
+                if not name or name == "<lambda>":
+                    raise ValueError(f"metrics_list[{position}] ({spec!r}) has no usable name; pass it as a "
+                                     "(name, function) pair, e.g. ('MyMetric', fn)")
+                named.append((name, spec))
+            else:
+                raise TypeError(f"metrics_list[{position}] must be a function metric(y_true, y_predicted) or a "
+                                f"(name, function) pair, got {spec!r}")
+        names = [name for name, _ in named]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"metric names must be unique, {duplicates} appear more than once in metrics_list; "
+                             "name them with (name, function) pairs")
+        return named
+
+    def prepare_results_dict(self) -> Dict[str, float]:
+        results = {}
+        for name, metric in self.metrics:
+            value = metric(self.y_true, self.y_predicted)
+            try:
+                results[name] = float(value)
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"metric {name!r} must return a single number, got {value!r}") from error
+        return results

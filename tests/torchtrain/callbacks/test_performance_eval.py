@@ -1,0 +1,320 @@
+"""ModelPerformanceEvaluation and ModelPerformancePrintReport on a real TrainLoop over a tiny classification task."""
+import argparse
+import logging
+
+import pytest
+import torch
+from sklearn import metrics
+from torch import nn
+
+from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage, GeneralResultPackage
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.performance_eval import ModelPerformanceEvaluation, ModelPerformancePrintReport
+from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.helpers import (
+    IN_FEATURES,
+    MLP,
+    NUM_CLASSES,
+    assert_params_equal,
+    classification_data,
+    model_pair,
+    seeded_loader,
+)
+
+REPORT_LOGGER = "aitoolbox.torchtrain.callbacks.performance_eval"
+VAL_SAMPLES, BATCH_SIZE = 20, 8
+VAL_BATCHES = 3  # ceil(20 / 8)
+
+
+class LogitsClassifier(TTModel):
+    """A linear classifier whose predictions are the (N, C) logits; the result package takes the argmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(IN_FEATURES, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def get_loss(self, batch_data, criterion, device):
+        x, y = batch_data
+        return criterion(self(x.to(device)), y.to(device))
+
+    def get_predictions(self, batch_data, device):
+        x, y = batch_data
+        return self(x.to(device)).cpu(), y.cpu(), None
+
+
+def make_train_loop(model=None, validation=True, test=False) -> TrainLoop:
+    if model is None:
+        torch.manual_seed(0)
+        model = LogitsClassifier()
+    val_data, test_data = classification_data(VAL_SAMPLES, seed=20), classification_data(12, seed=30)
+    return TrainLoop(model, seeded_loader(classification_data(40), batch_size=BATCH_SIZE),
+                     seeded_loader(val_data, batch_size=BATCH_SIZE, shuffle=False) if validation else None,
+                     seeded_loader(test_data, batch_size=BATCH_SIZE, shuffle=False) if test else None,
+                     torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(), show_progress=False)
+
+
+class HandWrittenValAccuracy(AbstractCallback):
+    """Validation accuracy at each epoch end, computed with plain PyTorch and sklearn (after the evaluation)."""
+
+    def __init__(self):
+        super().__init__("hand-written accuracy", execution_order=1)
+        self.accuracies = []
+
+    def on_epoch_end(self):
+        model = self.train_loop_obj.model
+        x, y = classification_data(VAL_SAMPLES, seed=20).tensors
+        model.eval()
+        with torch.no_grad():
+            predicted = model(x).argmax(dim=1)
+        model.train()
+        self.accuracies.append(metrics.accuracy_score(y.numpy(), predicted.numpy()))
+
+
+class PackageProbe(AbstractCallback):
+    """After the evaluation: keeps the callback's latest validation package and a package prepared afresh."""
+
+    def __init__(self, evaluation: ModelPerformanceEvaluation):
+        super().__init__("probe", execution_order=1)
+        self.evaluation = evaluation
+        self.packages, self.fresh_results, self.history_seen = [], [], []
+
+    def on_epoch_end(self):
+        y_pred, y_true, _ = self.train_loop_obj.predict_on_validation_set()
+        self.fresh_results.append(ClassificationResultPackage().prepare_result_package(y_true, y_pred).get_results())
+        self.packages.append(self.evaluation.val_result_package)
+        self.history_seen.append(dict(self.train_loop_obj.train_history))
+
+
+class PredictionCounter(AbstractCallback):
+    def __init__(self):
+        super().__init__("prediction counter")
+        self.calls = {}
+
+    def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info):
+        self.calls[dataset_info["type"]] = self.calls.get(dataset_info["type"], 0) + 1
+
+
+# --- ModelPerformanceEvaluation ---------------------------------------------------------------------------
+def test_val_metrics_in_history_equal_the_package_on_the_predictions():
+    tl = make_train_loop()
+    evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {"lr": 0.5})
+    probe, hand_written = PackageProbe(evaluation), HandWrittenValAccuracy()
+    tl.fit(num_epochs=3, callbacks=[probe, hand_written, evaluation])
+    assert tl.train_history["val_Accuracy"] == [results["Accuracy"] for results in probe.fresh_results]
+    assert tl.train_history["val_Accuracy"] == hand_written.accuracies
+    assert len(set(hand_written.accuracies)) > 1  # the model learns: the check is not vacuous
+    assert all(type(value) is float for value in tl.train_history["val_Accuracy"])
+    assert "train_Accuracy" not in tl.train_history and "test_Accuracy" not in tl.train_history
+
+
+def test_each_evaluation_uses_a_fresh_package():
+    tl = make_train_loop()
+    template = ClassificationResultPackage()
+    evaluation = ModelPerformanceEvaluation(template, {"lr": 0.5})
+    probe = PackageProbe(evaluation)
+    tl.fit(num_epochs=3, callbacks=[evaluation, probe])
+    assert len({id(package) for package in probe.packages}) == 3
+    assert not template.is_prepared
+    for epoch, package in enumerate(probe.packages):  # earlier packages keep their own results
+        assert package.get_results()["Accuracy"] == tl.train_history["val_Accuracy"][epoch]
+        assert package.get_hyperparameters() == {"lr": 0.5}
+    assert evaluation.val_result_package is probe.packages[-1]
+    assert evaluation.train_result_package is None and evaluation.test_result_package is None
+
+
+def test_train_val_and_test_metrics_with_prefixes():
+    tl = make_train_loop(test=True)
+    evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_train_data=True, on_val_data=True,
+                                            on_test_data=True)
+    tl.fit(num_epochs=2, callbacks=[evaluation])
+    for prefix in ("train_", "val_", "test_"):
+        assert len(tl.train_history[f"{prefix}Accuracy"]) == 2
+    for package, predict in ((evaluation.train_result_package, tl.predict_on_train_set),
+                             (evaluation.test_result_package, tl.predict_on_test_set)):
+        y_pred, y_true, _ = predict()
+        assert package.get_results()["Accuracy"] == metrics.accuracy_score(y_true.numpy(),
+                                                                           y_pred.argmax(dim=1).numpy())
+    assert tl.train_history["train_Accuracy"][-1] == evaluation.train_result_package.get_results()["Accuracy"]
+    assert tl.train_history["test_Accuracy"][-1] == evaluation.test_result_package.get_results()["Accuracy"]
+
+
+def test_combined_package_metrics_all_reach_the_history():
+    tl = make_train_loop()
+    package = ClassificationResultPackage() + GeneralResultPackage([("Top_class_share", top_class_share)])
+    tl.fit(num_epochs=2, callbacks=[ModelPerformanceEvaluation(package, {})])
+    assert len(tl.train_history["val_Accuracy"]) == len(tl.train_history["val_Top_class_share"]) == 2
+
+
+def top_class_share(y_true, y_pred):
+    """The share of samples predicted as the most predicted class (any function of the predictions will do)."""
+    labels = y_pred.argmax(axis=1)
+    return (labels == torch.from_numpy(labels).mode().values.item()).mean()
+
+
+def test_two_evaluation_callbacks_share_one_prediction_pass_per_epoch():
+    tl = make_train_loop()
+    counter = PredictionCounter()
+    callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), {}),
+                 ModelPerformanceEvaluation(GeneralResultPackage([("Top_class_share", top_class_share)]), {}),
+                 counter]
+    tl.fit(num_epochs=2, callbacks=callbacks)
+    assert counter.calls == {"validation": 2 * VAL_BATCHES}
+    assert len(tl.train_history["val_Accuracy"]) == len(tl.train_history["val_Top_class_share"]) == 2
+
+
+def test_two_callbacks_on_two_sets_share_one_pass_per_set():
+    tl = make_train_loop()
+    counter = PredictionCounter()
+    callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_train_data=True),
+                 ModelPerformanceEvaluation(GeneralResultPackage([("Top_class_share", top_class_share)]), {},
+                                            on_train_data=True),
+                 counter]
+    tl.fit(num_epochs=1, callbacks=callbacks)
+    assert counter.calls == {"train": 5, "validation": VAL_BATCHES}
+
+
+def test_eval_frequency():
+    tl = make_train_loop()
+    probe_epochs = []
+
+    class EpochProbe(AbstractCallback):
+        def on_epoch_end(self):
+            probe_epochs.append(len(self.train_loop_obj.train_history.get("val_Accuracy", [])))
+
+    tl.fit(num_epochs=5, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
+                                    EpochProbe("probe", execution_order=1)])
+    assert probe_epochs == [0, 1, 1, 2, 2]  # evaluated after epochs 1 and 3 (0-based)
+
+
+def test_evaluation_once_at_train_end():
+    tl = make_train_loop()
+    seen_during_epochs = []
+
+    class EpochProbe(AbstractCallback):
+        def on_epoch_end(self):
+            seen_during_epochs.append("val_Accuracy" in self.train_loop_obj.train_history)
+
+    evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_each_epoch=False)
+    tl.fit(num_epochs=3, callbacks=[evaluation, EpochProbe("probe")])
+    assert seen_during_epochs == [False, False, False]
+    y_pred, y_true, _ = tl.predict_on_validation_set()
+    expected = metrics.accuracy_score(y_true.numpy(), y_pred.argmax(dim=1).numpy())
+    assert tl.train_history["val_Accuracy"] == [expected]
+
+
+def test_evaluation_does_not_change_training():
+    """Prediction passes (the shuffled train loader included) leave the training run bitwise the same."""
+    model_a, model_b = model_pair(MLP)
+    with_eval, without_eval = make_train_loop(model_a, test=True), make_train_loop(model_b, test=True)
+    torch.manual_seed(1)
+    with_eval.fit(num_epochs=3, callbacks=[
+        ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_train_data=True, on_test_data=True)])
+    torch.manual_seed(1)
+    without_eval.fit(num_epochs=3)
+    assert_params_equal(model_a, model_b)
+    assert with_eval.train_history["loss"] == without_eval.train_history["loss"]
+
+
+def test_args_are_copied_and_namespace_accepted():
+    args = {"lr": 0.5}
+    evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), args)
+    args["lr"] = 1.0
+    assert evaluation.args == {"lr": 0.5}
+    namespace = ModelPerformanceEvaluation(ClassificationResultPackage(), argparse.Namespace(lr=0.1, epochs=3))
+    assert namespace.args == {"lr": 0.1, "epochs": 3}
+    assert ModelPerformanceEvaluation(ClassificationResultPackage(), None).args == {}
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"result_package": {"Accuracy": None}}, TypeError, "AbstractResultPackage"),
+    ({"result_package": ClassificationResultPackage}, TypeError, "AbstractResultPackage"),
+    ({"args": [0.5]}, TypeError, "args"),
+    ({"on_val_data": False}, ValueError, "at least one"),
+    ({"eval_frequency": 0}, ValueError, "eval_frequency"),
+    ({"eval_frequency": True}, ValueError, "eval_frequency"),
+    ({"eval_frequency": 2, "on_each_epoch": False}, ValueError, "on_each_epoch=False"),
+])
+def test_evaluation_argument_errors(kwargs, error, match):
+    arguments = {"result_package": ClassificationResultPackage(), "args": {}, **kwargs}
+    with pytest.raises(error, match=match):
+        ModelPerformanceEvaluation(**arguments)
+
+
+@pytest.mark.parametrize("flags, missing", [({"on_val_data": True}, "validation_loader"),
+                                            ({"on_test_data": True, "on_val_data": False}, "test_loader")])
+def test_missing_loader_is_reported_at_registration(flags, missing):
+    tl = make_train_loop(validation=False)
+    evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {}, **flags)
+    with pytest.raises(ValueError, match=f"no {missing}"):
+        tl.fit(num_epochs=1, callbacks=[evaluation])
+    assert tl.total_iteration_idx == 0  # nothing trained
+
+
+# --- ModelPerformancePrintReport ----------------------------------------------------------------------------
+@pytest.fixture
+def report_log(caplog, monkeypatch):
+    """Capture the report logger's records even when the package logger does not propagate to the root."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    caplog.set_level(logging.INFO)
+
+    def messages(level=logging.INFO):
+        return [record.getMessage() for record in caplog.records
+                if record.name == REPORT_LOGGER and record.levelno == level]
+    return messages
+
+
+def test_print_report_logs_latest_values_after_evaluation(report_log):
+    tl = make_train_loop()
+    # Registered before the evaluation: execution_order (2 vs 0) still runs it after.
+    report = ModelPerformancePrintReport(["val_loss", "val_Accuracy"])
+    tl.fit(num_epochs=2, callbacks=[report, ModelPerformanceEvaluation(ClassificationResultPackage(), {})])
+    messages = report_log()
+    assert len(messages) == 2
+    for epoch, message in enumerate(messages):
+        assert message.startswith(f"Epoch {epoch} performance report")
+        assert f"val_Accuracy: {tl.train_history['val_Accuracy'][epoch]}" in message
+        assert f"val_loss: {tl.train_history['val_loss'][epoch]}" in message
+
+
+def test_print_report_frequency_train_end_and_tracked_list(report_log):
+    tl = make_train_loop()
+    tl.fit(num_epochs=4, callbacks=[ModelPerformancePrintReport(["loss"], report_frequency=2)])
+    assert [message.splitlines()[0] for message in report_log()] == ["Epoch 1 performance report",
+                                                                      "Epoch 3 performance report"]
+    tl = make_train_loop()
+    tl.fit(num_epochs=2, callbacks=[ModelPerformancePrintReport(["loss"], on_each_epoch=False,
+                                                                list_tracked_metrics=True)])
+    last_two = report_log()[-2:]
+    assert last_two[0] == f"End of training performance report\n  loss: {tl.train_history['loss'][-1]}"
+    assert last_two[1] == "Tracked metrics: ['accumulated_loss', 'loss', 'val_loss']"
+
+
+def test_print_report_strict_missing_metric_lists_tracked():
+    tl = make_train_loop()
+    with pytest.raises(ValueError, match=r"\['val_Accuracy'\].*Tracked metrics: \['accumulated_loss', 'loss', "
+                                         r"'val_loss'\]"):
+        tl.fit(num_epochs=1, callbacks=[ModelPerformancePrintReport(["val_loss", "val_Accuracy"])])
+
+
+def test_print_report_lenient_skips_missing_metric(report_log):
+    tl = make_train_loop()
+    tl.fit(num_epochs=1, callbacks=[ModelPerformancePrintReport(["val_Accuracy", "val_loss"],
+                                                                strict_metric_reporting=False)])
+    assert "val_Accuracy" in report_log(logging.WARNING)[0]
+    assert report_log() == [f"Epoch 0 performance report\n  val_loss: {tl.train_history['val_loss'][0]}"]
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"metrics": "val_loss"}, TypeError),
+    ({"metrics": []}, TypeError),
+    ({"metrics": ["val_loss", 3]}, TypeError),
+    ({"metrics": ["val_loss"], "report_frequency": -1}, ValueError),
+    ({"metrics": ["val_loss"], "report_frequency": 2, "on_each_epoch": False}, ValueError),
+])
+def test_print_report_argument_errors(kwargs, error):
+    with pytest.raises(error):
+        ModelPerformancePrintReport(**kwargs)
