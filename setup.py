@@ -18,9 +18,8 @@ setup(
         "tqdm>=4.62",
     ],
     extras_require={
-        "test": ["pytest>=7", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6", "tensorboard>=2.10",
-                 "matplotlib>=3.5"],
-        "examples": ["matplotlib>=3.5", "tensorboard>=2.10", "torchvision"],
+        "test": ["pytest>=7"],
+        "examples": ["matplotlib>=3.5", "torchvision"],
         "docs": ["sphinx>=7", "sphinx-rtd-theme>=2"],
     },
     classifiers=[
