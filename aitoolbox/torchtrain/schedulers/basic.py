@@ -1,0 +1,288 @@
+"""Learning-rate scheduler callbacks over ``torch.optim.lr_scheduler``, stepped per epoch or per optimizer step."""
+import inspect
+import logging
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, MultiStepLR, ReduceLROnPlateau, StepLR
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+
+logger = logging.getLogger(__name__)
+
+
+def _check_scheduler_arguments(scheduler_class: Any, kwargs: dict) -> None:
+    """Fail at construction, not at registration, on keyword arguments the scheduler class cannot take."""
+    try:
+        parameters = list(inspect.signature(scheduler_class).parameters.values())[1:]  # [0] is the optimizer
+    except (TypeError, ValueError):  # no signature to check against
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    accepted = {p.name for p in parameters}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(f"{scheduler_class.__name__} does not accept keyword argument(s) {unknown}; "
+                        f"it accepts: {sorted(accepted)}")
+    missing = [p.name for p in parameters if p.default is inspect.Parameter.empty
+               and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+               and p.name not in kwargs]
+    if missing:
+        raise TypeError(f"{scheduler_class.__name__} needs the keyword argument(s) {missing}")
+
+
+class GeneralLRSchedulerCallback(AbstractCallback):
+    """Drives any ``torch.optim.lr_scheduler`` class from the training loop.
+
+    The scheduler is built as ``scheduler_class(optimizer, **kwargs)`` when the callback is registered, so,
+    as in a hand-written loop that creates the scheduler before training, its initial learning rate is in
+    effect from the first batch. With several optimizers and ``optimizer_idx=None`` one scheduler is built
+    per optimizer (see :attr:`schedulers`).
+
+    By default the schedulers step at every epoch end. With ``step_per_optimizer_step=True`` they step after
+    every optimizer step instead (once per ``grad_accumulation`` batches), except after a step that was
+    skipped because fp16 gradients overflowed: a skipped update must not advance the schedule.
+
+    Args:
+        scheduler_class: a ``torch.optim.lr_scheduler`` class (or any ``fn(optimizer, **kwargs)``).
+        optimizer_idx: None for every optimizer of the loop, an int index into the loop's optimizers, or
+            the optimizer object itself.
+        step_per_optimizer_step: step after each optimizer step rather than at each epoch end.
+        **kwargs: the scheduler's arguments, e.g. ``step_size=2, gamma=0.5``.
+
+    Raises:
+        TypeError: ``scheduler_class`` is not callable, ``optimizer_idx`` has a wrong type, or ``kwargs``
+            do not fit the scheduler's signature.
+        ValueError: ``optimizer_idx`` is negative (or, at registration, out of range).
+    """
+
+    def __init__(self, scheduler_class: Callable[..., Any],
+                 optimizer_idx: Optional[Union[int, torch.optim.Optimizer]] = None,
+                 step_per_optimizer_step: bool = False, **kwargs):
+        name = getattr(scheduler_class, "__name__", repr(scheduler_class))
+        super().__init__(f"Learning rate scheduler {name}")
+        if not callable(scheduler_class):
+            raise TypeError(f"scheduler_class must be a scheduler class such as torch.optim.lr_scheduler.StepLR, "
+                            f"got {scheduler_class!r}")
+        if optimizer_idx is not None and not isinstance(optimizer_idx, torch.optim.Optimizer):
+            if isinstance(optimizer_idx, bool) or not isinstance(optimizer_idx, int):
+                raise TypeError(f"optimizer_idx must be None, an int index or a torch.optim.Optimizer, "
+                                f"got {optimizer_idx!r}")
+            if optimizer_idx < 0:
+                raise ValueError(f"optimizer_idx must be >= 0, got {optimizer_idx}")
+        _check_scheduler_arguments(scheduler_class, kwargs)
+        self.scheduler_class = scheduler_class
+        self.scheduler_args = kwargs
+        self.optimizer_idx = optimizer_idx
+        self.step_at_epoch_end = not step_per_optimizer_step
+        self.step_after_optimizer_step = bool(step_per_optimizer_step)
+        self.schedulers: List[Any] = []
+
+    @property
+    def scheduler(self) -> Optional[Any]:
+        """The scheduler (None before registration); with several, use :attr:`schedulers`."""
+        if len(self.schedulers) > 1:
+            raise RuntimeError(f"{type(self).__name__} drives {len(self.schedulers)} schedulers, one per optimizer: "
+                               "use .schedulers, or pass optimizer_idx to drive a single one")
+        return self.schedulers[0] if self.schedulers else None
+
+    def _paired_optimizers(self) -> List[torch.optim.Optimizer]:
+        optimizers = self.train_loop_obj.optimizers
+        if self.optimizer_idx is None:
+            return list(optimizers)
+        if isinstance(self.optimizer_idx, torch.optim.Optimizer):
+            return [self.optimizer_idx]
+        if self.optimizer_idx >= len(optimizers):
+            raise ValueError(f"optimizer_idx={self.optimizer_idx} is out of range: the TrainLoop has "
+                             f"{len(optimizers)} optimizer(s), valid indices are 0..{len(optimizers) - 1}")
+        return [optimizers[self.optimizer_idx]]
+
+    def on_train_loop_registration(self) -> None:
+        self.schedulers = [self.scheduler_class(optimizer, **self.scheduler_args)
+                           for optimizer in self._paired_optimizers()]
+
+    def on_epoch_end(self) -> None:
+        if self.step_at_epoch_end:
+            self.step()
+
+    def on_after_optimizer_step(self) -> None:
+        if self.step_after_optimizer_step and not self.train_loop_obj.optimizer_step_skipped:
+            self.step()
+
+    def step(self) -> None:
+        """Advance every scheduler by one step."""
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict:
+        """The schedulers' states, ``{'schedulers': [state, ...]}``, for a checkpoint.
+
+        Raises:
+            RuntimeError: before the callback is registered (no scheduler exists yet).
+        """
+        self._require_schedulers("state_dict")
+        return {"schedulers": [scheduler.state_dict() for scheduler in self.schedulers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` returned (a single torch scheduler's state is accepted too).
+
+        Raises:
+            RuntimeError: before the callback is registered.
+            ValueError: the number of saved states differs from the number of schedulers.
+        """
+        self._require_schedulers("load_state_dict")
+        states = state_dict["schedulers"] if "schedulers" in state_dict else [state_dict]
+        if len(states) != len(self.schedulers):
+            raise ValueError(f"the state holds {len(states)} scheduler state(s) but this callback drives "
+                             f"{len(self.schedulers)} scheduler(s)")
+        for scheduler, state in zip(self.schedulers, states):
+            scheduler.load_state_dict(state)
+
+    def _require_schedulers(self, method: str) -> None:
+        if not self.schedulers:
+            raise RuntimeError(f"{type(self).__name__}.{method}() needs the schedulers, which are created when the "
+                               "callback is registered with a TrainLoop (at fit)")
+
+
+class ReduceLROnPlateauScheduler(GeneralLRSchedulerCallback):
+    """``ReduceLROnPlateau`` on the validation loss, stepped at each epoch end.
+
+    It uses the ``val_loss`` the TrainLoop recorded in ``train_history`` in this epoch (end_auto_eval). In
+    epochs without one (end_auto_eval False, or every N epochs) it evaluates the validation loss itself.
+
+    Args:
+        **kwargs: ``ReduceLROnPlateau`` arguments (``mode``, ``factor``, ``patience``, ``threshold``, ...)
+            and ``optimizer_idx``.
+
+    Raises:
+        ValueError: at an epoch end, when there is no recorded ``val_loss`` and no validation loader.
+    """
+
+    def __init__(self, **kwargs):
+        # steps need the epoch's metric, so stepping per optimizer step is not offered
+        super().__init__(ReduceLROnPlateau, step_per_optimizer_step=False, **kwargs)
+        self.callback_name = "Reduce the learning rate when val_loss stops improving"
+        self._val_loss_count_at_epoch_begin = 0
+
+    def on_epoch_begin(self) -> None:
+        self._val_loss_count_at_epoch_begin = len(self.train_loop_obj.train_history.get("val_loss", []))
+
+    def on_epoch_end(self) -> None:
+        tl = self.train_loop_obj
+        recorded = tl.train_history.get("val_loss", [])
+        if len(recorded) > self._val_loss_count_at_epoch_begin:
+            val_loss = recorded[-1]
+        elif tl.validation_loader is not None:
+            val_loss = tl.evaluate_loss_on_validation_set()
+        else:
+            raise ValueError("ReduceLROnPlateauScheduler steps on the validation loss, but no 'val_loss' was "
+                             "recorded in this epoch and the TrainLoop has no validation_loader. Pass a "
+                             "validation_loader to TrainLoop, or use ReduceLROnPlateauMetricScheduler(metric_name) "
+                             "with a metric that is recorded every epoch.")
+        for scheduler in self.schedulers:
+            scheduler.step(val_loss)
+
+
+class ReduceLROnPlateauMetricScheduler(GeneralLRSchedulerCallback):
+    """``ReduceLROnPlateau`` on any ``train_history`` metric, stepped at each epoch end.
+
+    Runs late (execution_order 90) so that callbacks computing metrics at the epoch end (such as
+    ModelPerformanceEvaluation) have recorded them. Pass ``mode='max'`` for metrics where higher is better.
+
+    Args:
+        metric_name: the ``train_history`` metric to follow, e.g. ``'val_Accuracy'``.
+        **kwargs: ``ReduceLROnPlateau`` arguments and ``optimizer_idx``.
+
+    Raises:
+        ValueError: ``metric_name`` is not a non-empty string, or at an epoch end the metric is missing.
+    """
+
+    def __init__(self, metric_name: str, **kwargs):
+        super().__init__(ReduceLROnPlateau, step_per_optimizer_step=False, **kwargs)
+        if not isinstance(metric_name, str) or not metric_name:
+            raise ValueError(f"metric_name must be the name of a train_history metric, got {metric_name!r}")
+        self.metric_name = metric_name
+        self.callback_name = f"Reduce the learning rate when {metric_name} stops improving"
+        self.execution_order = 90
+
+    def on_epoch_end(self) -> None:
+        history = self.train_loop_obj.train_history
+        if self.metric_name not in history:
+            present = ", ".join(repr(name) for name in history) or "none"
+            raise ValueError(f"ReduceLROnPlateauMetricScheduler follows {self.metric_name!r}, which is not in "
+                             f"train_history (recorded metrics: {present}). Register a callback that records it "
+                             "at every epoch end, e.g. ModelPerformanceEvaluation.")
+        for scheduler in self.schedulers:
+            scheduler.step(history[self.metric_name][-1])
+
+
+class LambdaLRScheduler(GeneralLRSchedulerCallback):
+    """``LambdaLR``: the learning rate is the initial one times ``lr_lambda(step)``.
+
+    Args:
+        lr_lambda: a function of the step count returning a factor, or a list with one per parameter group.
+        execute_epoch_end: step at each epoch end.
+        execute_batch_end: step after each optimizer step (at the end of a batch that updated the model);
+            skipped overflow steps are not counted.
+        **kwargs: ``LambdaLR`` arguments (``last_epoch``) and ``optimizer_idx``.
+
+    Raises:
+        TypeError: ``lr_lambda`` is not callable nor a list of callables.
+        ValueError: both ``execute_epoch_end`` and ``execute_batch_end`` are False.
+    """
+
+    def __init__(self, lr_lambda: Union[Callable[[int], float], Sequence[Callable[[int], float]]],
+                 execute_epoch_end: bool = True, execute_batch_end: bool = False, **kwargs):
+        lambdas = lr_lambda if isinstance(lr_lambda, (list, tuple)) else [lr_lambda]
+        if not lambdas or not all(callable(fn) for fn in lambdas):
+            raise TypeError(f"lr_lambda must be a function of the step count (or a list of them, one per parameter "
+                            f"group), got {lr_lambda!r}")
+        if not execute_epoch_end and not execute_batch_end:
+            raise ValueError("the scheduler would never step: set execute_epoch_end or execute_batch_end to True")
+        super().__init__(LambdaLR, lr_lambda=lr_lambda, **kwargs)
+        self.callback_name = "LambdaLR learning rate scheduler"
+        self.step_at_epoch_end = bool(execute_epoch_end)
+        self.step_after_optimizer_step = bool(execute_batch_end)
+
+
+class StepLRScheduler(GeneralLRSchedulerCallback):
+    """``StepLR``: multiply the learning rate by ``gamma`` every ``step_size`` epochs.
+
+    Args:
+        step_size: epochs between decays (an int >= 1).
+        **kwargs: ``StepLR`` arguments (``gamma``, ``last_epoch``) and ``optimizer_idx``.
+
+    Raises:
+        ValueError: ``step_size`` is not a positive int.
+    """
+
+    def __init__(self, step_size: int, **kwargs):
+        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
+            raise ValueError(f"step_size must be an int >= 1 (epochs between decays), got {step_size!r}")
+        super().__init__(StepLR, step_size=step_size, **kwargs)
+        self.callback_name = "StepLR learning rate scheduler"
+
+
+class MultiStepLRScheduler(GeneralLRSchedulerCallback):
+    """``MultiStepLR``: multiply the learning rate by ``gamma`` when the epoch count reaches each milestone.
+
+    Args:
+        milestones: increasing epoch counts (ints >= 1). ``milestones_list=`` (the aitoolbox 1.x name) works too.
+        **kwargs: ``MultiStepLR`` arguments (``gamma``, ``last_epoch``) and ``optimizer_idx``.
+
+    Raises:
+        ValueError: ``milestones`` is empty, not ints >= 1, or not strictly increasing.
+    """
+
+    def __init__(self, milestones: Optional[Sequence[int]] = None, **kwargs):
+        if "milestones_list" in kwargs:
+            if milestones is not None:
+                raise TypeError("pass milestones or milestones_list (its aitoolbox 1.x name), not both")
+            milestones = kwargs.pop("milestones_list")
+        if (not isinstance(milestones, (list, tuple)) or not milestones
+                or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in milestones)
+                or any(a >= b for a, b in zip(milestones, milestones[1:]))):
+            raise ValueError(f"milestones must be a non-empty, strictly increasing list of ints >= 1, "
+                             f"got {milestones!r}")
+        super().__init__(MultiStepLR, milestones=list(milestones), **kwargs)
+        self.callback_name = "MultiStepLR learning rate scheduler"

@@ -1,0 +1,130 @@
+"""Warmup schedules (as in BERT-style training), stepped after every optimizer step.
+
+Each is a ``LambdaLR`` whose factor rises linearly from 0 to 1 over ``num_warmup_steps`` optimizer steps and
+then stays constant, decays linearly, or follows a cosine to 0 at ``num_training_steps``. A step skipped
+because fp16 gradients overflowed does not advance the schedule. The factors are picklable objects (not
+closures) so the callbacks can be sent to the processes of distributed training, and their settings are
+saved in the scheduler's ``state_dict``.
+"""
+import math
+from numbers import Real
+
+from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
+
+
+def _check_steps(num_warmup_steps: int, num_training_steps: int = None) -> None:
+    if isinstance(num_warmup_steps, bool) or not isinstance(num_warmup_steps, int) or num_warmup_steps < 0:
+        raise ValueError(f"num_warmup_steps must be an int >= 0, got {num_warmup_steps!r}")
+    if num_training_steps is None:
+        return
+    if isinstance(num_training_steps, bool) or not isinstance(num_training_steps, int) or num_training_steps < 1:
+        raise ValueError(f"num_training_steps must be an int >= 1 (the total number of optimizer steps), "
+                         f"got {num_training_steps!r}")
+    if num_training_steps < num_warmup_steps:
+        raise ValueError(f"num_training_steps ({num_training_steps}) must be >= num_warmup_steps "
+                         f"({num_warmup_steps})")
+
+
+class WarmupFactor:
+    """Linear warmup from 0 to 1 over ``num_warmup_steps``, then a constant 1."""
+
+    def __init__(self, num_warmup_steps: int):
+        self.num_warmup_steps = num_warmup_steps
+
+    def warmup(self, step: int) -> float:
+        return float(step) / float(max(1, self.num_warmup_steps))
+
+    def __call__(self, step: int) -> float:
+        return self.warmup(step) if step < self.num_warmup_steps else 1.0
+
+
+class LinearDecayWarmupFactor(WarmupFactor):
+    """Linear warmup, then a linear decay reaching 0 at ``num_training_steps``."""
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int):
+        super().__init__(num_warmup_steps)
+        self.num_training_steps = num_training_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.num_warmup_steps:
+            return self.warmup(step)
+        remaining = float(self.num_training_steps - step)
+        return max(0.0, remaining / float(max(1, self.num_training_steps - self.num_warmup_steps)))
+
+
+class CosineDecayWarmupFactor(WarmupFactor):
+    """Linear warmup, then a cosine with ``num_cycles`` periods over the remaining steps (0.5: down to 0)."""
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
+        super().__init__(num_warmup_steps)
+        self.num_training_steps = num_training_steps
+        self.num_cycles = num_cycles
+
+    def __call__(self, step: int) -> float:
+        if step < self.num_warmup_steps:
+            return self.warmup(step)
+        progress = float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * progress)))
+
+
+class ConstantWithWarmupScheduler(LambdaLRScheduler):
+    """Warm up linearly from 0 to the optimizer's learning rate, then keep it.
+
+    Args:
+        num_warmup_steps: optimizer steps of the warmup (an int >= 0).
+        last_epoch: the index of the last step when resuming (-1 for a fresh start).
+        **kwargs: further ``LambdaLR`` arguments and ``optimizer_idx``.
+
+    Raises:
+        ValueError: ``num_warmup_steps`` is not an int >= 0.
+    """
+
+    def __init__(self, num_warmup_steps: int, last_epoch: int = -1, **kwargs):
+        _check_steps(num_warmup_steps)
+        super().__init__(WarmupFactor(num_warmup_steps), execute_epoch_end=False, execute_batch_end=True,
+                         last_epoch=last_epoch, **kwargs)
+        self.callback_name = "Constant learning rate with warmup"
+
+
+class LinearWithWarmupScheduler(LambdaLRScheduler):
+    """Warm up linearly to the optimizer's learning rate, then decay linearly to 0 at ``num_training_steps``.
+
+    Args:
+        num_warmup_steps: optimizer steps of the warmup (an int >= 0).
+        num_training_steps: total optimizer steps of the training (an int >= num_warmup_steps, >= 1).
+        last_epoch: the index of the last step when resuming (-1 for a fresh start).
+        **kwargs: further ``LambdaLR`` arguments and ``optimizer_idx``.
+
+    Raises:
+        ValueError: on a bad step count.
+    """
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, last_epoch: int = -1, **kwargs):
+        _check_steps(num_warmup_steps, num_training_steps)
+        super().__init__(LinearDecayWarmupFactor(num_warmup_steps, num_training_steps), execute_epoch_end=False,
+                         execute_batch_end=True, last_epoch=last_epoch, **kwargs)
+        self.callback_name = "Linearly decaying learning rate with warmup"
+
+
+class CosineWithWarmupScheduler(LambdaLRScheduler):
+    """Warm up linearly to the optimizer's learning rate, then follow a cosine (to 0 with ``num_cycles=0.5``).
+
+    Args:
+        num_warmup_steps: optimizer steps of the warmup (an int >= 0).
+        num_training_steps: total optimizer steps of the training (an int >= num_warmup_steps, >= 1).
+        num_cycles: cosine periods after the warmup (a number > 0); 0.5 decays once from the peak to 0.
+        last_epoch: the index of the last step when resuming (-1 for a fresh start).
+        **kwargs: further ``LambdaLR`` arguments and ``optimizer_idx``.
+
+    Raises:
+        ValueError: on a bad step count or ``num_cycles``.
+    """
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
+                 last_epoch: int = -1, **kwargs):
+        _check_steps(num_warmup_steps, num_training_steps)
+        if isinstance(num_cycles, bool) or not isinstance(num_cycles, Real) or not num_cycles > 0:
+            raise ValueError(f"num_cycles must be a number > 0, got {num_cycles!r}")
+        super().__init__(CosineDecayWarmupFactor(num_warmup_steps, num_training_steps, float(num_cycles)),
+                         execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
+        self.callback_name = "Cosine learning rate with warmup"
