@@ -1,0 +1,194 @@
+"""CallbacksHandler: registration, execution order, and the order TrainLoop calls the hooks in."""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.handler import HOOK_NAMES, overrides_hook
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.helpers import MLP, HookRecorder, classification_data
+
+
+def make_loop(num_optimizers=1, validation=None, test=None, end_auto_eval=False, num_samples=10):
+    torch.manual_seed(0)
+    model = MLP()
+    if num_optimizers == 1:
+        optimizers = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        optimizers = [torch.optim.SGD(model.fc1.parameters(), lr=0.1), torch.optim.SGD(model.fc2.parameters(), lr=0.1)]
+    return TrainLoop(model, DataLoader(classification_data(num_samples), batch_size=4), validation, test, optimizers,
+                     nn.CrossEntropyLoss(), end_auto_eval=end_auto_eval, show_progress=False)
+
+
+def hooks_of(log, name=None):
+    return [hook for callback_name, hook, _ in log if name is None or callback_name == name]
+
+
+def test_hooks_are_called_in_the_documented_order():
+    # 10 samples in batches of 4: 3 batches per epoch; grad_accumulation=2 steps after batches 1 and 2.
+    log = []
+    tl = make_loop(num_optimizers=2)
+    tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[HookRecorder(log)])
+    expected = [("on_train_loop_registration", None), ("on_train_begin", None)]
+    total = 0
+    for epoch in range(2):
+        expected.append(("on_epoch_begin", epoch))
+        for i in range(3):
+            step_due = i in (1, 2)
+            expected += [("on_batch_begin", (i, total)),
+                         ("on_after_gradient_update", (0, step_due)), ("on_after_gradient_update", (1, step_due))]
+            if step_due:
+                expected.append(("on_after_optimizer_step", i))
+            expected.append(("on_batch_end", (i, total)))
+            total += 1
+        expected.append(("on_epoch_end", epoch))
+    expected.append(("on_train_end", None))
+    assert [(hook, details) for _, hook, details in log] == expected
+
+
+def test_num_iterations_limit_forces_the_step_due_flag():
+    log = []
+    make_loop().fit(num_iterations=2, grad_accumulation=3, callbacks=[HookRecorder(log)])
+    updates = [details for _, hook, details in log if hook == "on_after_gradient_update"]
+    assert updates == [(0, False), (0, True)]
+    assert hooks_of(log).count("on_after_optimizer_step") == 1
+
+
+def test_execution_order_sorts_and_ties_keep_registration_order():
+    log = []
+    names_and_orders = [("e", 5), ("b", -1), ("z", 0), ("y", 0), ("a", 5)]
+    tl = make_loop()
+    tl.fit(num_iterations=1, callbacks=[HookRecorder(log, name, order) for name, order in names_and_orders])
+    begin_order = [name for name, hook, _ in log if hook == "on_train_begin"]
+    assert begin_order == ["b", "z", "y", "e", "a"]
+    assert [cb.callback_name for cb in tl.callbacks] == begin_order
+    # A callback added by a later fit joins its ties after the ones already registered.
+    log.clear()
+    tl.fit(num_iterations=2, callbacks=[HookRecorder(log, "f", 0)])
+    assert [name for name, hook, _ in log if hook == "on_train_begin"] == ["b", "z", "y", "f", "e", "a"]
+    # Every hook of a batch follows the same order.
+    assert [name for name, hook, _ in log if hook == "on_batch_end"] == ["b", "z", "y", "f", "e", "a"]
+
+
+def test_the_same_callback_object_is_registered_once():
+    log = []
+    recorder = HookRecorder(log)
+    tl = make_loop()
+    tl.fit(num_epochs=1, callbacks=[recorder, recorder])
+    tl.fit(num_epochs=2, callbacks=[recorder])
+    assert tl.callbacks == [recorder]
+    assert hooks_of(log).count("on_train_loop_registration") == 1
+    assert hooks_of(log).count("on_epoch_begin") == 2
+
+
+def test_equal_but_distinct_callbacks_are_both_registered():
+    log = []
+    tl = make_loop()
+    tl.fit(num_iterations=1, callbacks=[HookRecorder(log, "x"), HookRecorder(log, "x")])
+    assert len(tl.callbacks) == 2
+    assert hooks_of(log).count("on_train_begin") == 2
+
+
+def test_train_begin_and_end_once_per_fit():
+    log = []
+    recorder = HookRecorder(log)
+    tl = make_loop()
+    tl.fit(num_epochs=1, callbacks=[recorder])
+    tl.fit(num_epochs=3)  # registered callbacks stay registered
+    assert hooks_of(log).count("on_train_begin") == 2
+    assert hooks_of(log).count("on_train_end") == 2
+    assert hooks_of(log).count("on_epoch_end") == 3
+
+
+def test_callbacks_for_another_rank_are_not_registered():
+    log = []
+    mine, other = HookRecorder(log, "mine", device_idx_execution=0), HookRecorder(log, "other", device_idx_execution=1)
+    tl = make_loop()
+    tl.fit(num_iterations=1, callbacks=[mine, other])
+    assert tl.callbacks == [mine]
+    assert other.train_loop_obj is None
+    assert {name for name, _, _ in log} == {"mine"}
+
+
+def test_registration_gives_the_callback_the_loop():
+    recorder = HookRecorder([])
+    tl = make_loop()
+    tl.callbacks_handler.register_callbacks([recorder])
+    assert recorder.train_loop_obj is tl
+    assert recorder.log == [("recorder", "on_train_loop_registration", None)]
+
+
+class EpochEndOnly(AbstractCallback):
+    def __init__(self):
+        super().__init__("epoch end only")
+        self.calls = 0
+
+    def on_epoch_end(self):
+        self.calls += 1
+
+
+class InheritsEpochEnd(EpochEndOnly):
+    pass
+
+
+def test_only_overridden_hooks_are_detected():
+    callback = EpochEndOnly()
+    assert [name for name in HOOK_NAMES if overrides_hook(callback, name)] == ["on_epoch_end"]
+    assert overrides_hook(InheritsEpochEnd(), "on_epoch_end")
+    assert not any(overrides_hook(AbstractCallback("plain"), name) for name in HOOK_NAMES)
+
+
+def test_callbacks_overriding_some_hooks_run_with_others():
+    log = []
+    epoch_end = InheritsEpochEnd()
+    tl = make_loop()
+    tl.fit(num_epochs=2, callbacks=[epoch_end, HookRecorder(log), AbstractCallback("does nothing")])
+    assert epoch_end.calls == 2
+    assert hooks_of(log).count("on_epoch_end") == 2
+
+
+def test_after_batch_prediction_sees_every_batch():
+    log = []
+    tl = make_loop(validation=DataLoader(classification_data(9), batch_size=4))
+    tl.callbacks_handler.register_callbacks([HookRecorder(log)])
+    tl.predict_on_validation_set()
+    assert [details for _, hook, details in log if hook == "on_after_batch_prediction"] == [
+        (4, "validation"), (4, "validation"), (1, "validation")]
+
+
+class StateProbe(AbstractCallback):
+    """Looks at the loop's state at the points the hook documentation promises."""
+
+    def __init__(self):
+        super().__init__("probe")
+        self.grads_at_step = []
+        self.grads_at_batch_begin = []
+        self.val_loss_lengths = []
+        self.test_loss_at_end = None
+
+    def _has_grads(self):
+        return all(p.grad is not None for p in self.train_loop_obj.model.parameters())
+
+    def on_batch_begin(self):
+        self.grads_at_batch_begin.append(self._has_grads())
+
+    def on_after_optimizer_step(self):
+        self.grads_at_step.append(self._has_grads())  # zero_grad comes after this hook
+
+    def on_epoch_end(self):
+        self.val_loss_lengths.append(len(self.train_loop_obj.train_history["val_loss"]))
+
+    def on_train_end(self):
+        self.test_loss_at_end = self.train_loop_obj.train_history["train_end_test_loss"]
+
+
+def test_hooks_see_the_documented_state():
+    probe = StateProbe()
+    tl = make_loop(validation=DataLoader(classification_data(9), batch_size=4),
+                   test=DataLoader(classification_data(5), batch_size=4), end_auto_eval=True)
+    tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[probe])
+    assert probe.grads_at_step == [True] * 4
+    # Gradients are cleared at fit start and after each step; batch 1 of each epoch accumulates onto batch 0.
+    assert probe.grads_at_batch_begin == [False, True, False] * 2
+    assert probe.val_loss_lengths == [1, 2]  # on_epoch_end runs after the automatic evaluation
+    assert probe.test_loss_at_end is not None and len(probe.test_loss_at_end) == 1
