@@ -37,11 +37,15 @@ class ParallelModelRunner:
     Args:
         wrapper: the parallel module that wraps a :class:`MethodDispatcher` around ``model``.
         model: the user's TTModel, as held by this process.
+        evaluate_through_wrapper: run ``get_loss_eval`` through the wrapper (DataParallel: to use every GPU).
+            DistributedDataParallel evaluates on the module itself: evaluation needs no gradient
+            synchronisation, and ranks may then see different numbers of batches.
     """
 
-    def __init__(self, wrapper: nn.Module, model: nn.Module):
+    def __init__(self, wrapper: nn.Module, model: nn.Module, evaluate_through_wrapper: bool = True):
         self.wrapper = wrapper
         self.model = model
+        self.evaluate_through_wrapper = evaluate_through_wrapper
 
     def _loss(self, method_name: str, batch_data, criterion, device) -> torch.Tensor:
         loss = self.wrapper(method_name, batch_data, criterion, device)
@@ -52,6 +56,8 @@ class ParallelModelRunner:
         return self._loss("get_loss", batch_data, criterion, device)
 
     def get_loss_eval(self, batch_data, criterion, device) -> torch.Tensor:
+        if not self.evaluate_through_wrapper:
+            return self.model.get_loss_eval(batch_data, criterion, device)
         return self._loss("get_loss_eval", batch_data, criterion, device)
 
     def get_predictions(self, batch_data, device):

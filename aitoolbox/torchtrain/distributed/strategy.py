@@ -24,6 +24,8 @@ class SingleDeviceStrategy:
 
     world_size = 1
     rank = 0
+    is_distributed = False
+    stops_mid_epoch = True  # a stop request ends the epoch at once (see DistributedStrategy)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -52,12 +54,20 @@ class SingleDeviceStrategy:
             criterion.to(self.device)
         return criterion
 
-    def setup_loader(self, loader: Optional[DataLoader], shuffle: bool = False) -> Optional[DataLoader]:
-        """Return the loader this process iterates (all of it, for a single process)."""
+    def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
+        """Return the training loader this process iterates (all of it, for a single process)."""
         return loader
 
-    def on_epoch_begin(self, epoch: int) -> None:
+    def setup_eval_loader(self, loader: Optional[DataLoader]) -> Optional[DataLoader]:
+        """Return the evaluation loader this process iterates (all of it, for a single process)."""
+        return loader
+
+    def on_epoch_begin(self, epoch: int, loader: Optional[DataLoader] = None) -> None:
         """Hook for per-epoch state such as a distributed sampler's epoch."""
+
+    def any_process(self, flag: bool) -> bool:
+        """True if ``flag`` is True in any process (so that all processes decide alike)."""
+        return flag
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over all processes (identity for one process)."""

@@ -153,11 +153,27 @@ class Evaluator:
                 y_pred = tl.collate_batch_pred_fn(y_pred_batch, y_pred)
                 y_true = tl.collate_batch_pred_fn(y_true_batch, y_true)
                 metadata = merge_metadata(metadata_batch, metadata)
+        if tl.strategy.world_size > 1:
+            y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
         # Keep every data set of this iteration; drop what older iterations left behind.
         self._prediction_cache = {key: value for key, value in self._prediction_cache.items() if key[1:] == cache_key[1:]}
         self._prediction_cache[cache_key] = result
         return result
+
+    def _gather_from_ranks(self, y_pred, y_true, metadata):
+        """Join every rank's collected outputs in rank order: each rank holds one contiguous block of the data."""
+        if not (isinstance(y_pred, list) and isinstance(y_true, list)):
+            raise TypeError("under distributed training collate_batch_pred_fn must collect into a list (as "
+                            "append_predictions does), so the ranks' predictions can be joined")
+        parts = self.train_loop.strategy.all_gather_objects((y_pred, y_true, metadata))
+        joined_pred = [item for part_pred, _, _ in parts for item in part_pred]
+        joined_true = [item for _, part_true, _ in parts for item in part_true]
+        joined_metadata = None
+        for _, _, part_metadata in parts:
+            if part_metadata is not None:
+                joined_metadata = merge_metadata(part_metadata, joined_metadata)
+        return joined_pred, joined_true, joined_metadata
 
     def clear_cache(self) -> None:
         self._prediction_cache = {}

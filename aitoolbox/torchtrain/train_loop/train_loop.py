@@ -18,6 +18,7 @@ from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
 from aitoolbox.torchtrain.precision.setup import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
+from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
@@ -98,6 +99,7 @@ class TrainLoop:
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         self._epochs_completed = 0
         self._model_runner = None
+        self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
 
     # --- the documented surface callbacks use -------------------------------------------------------------
@@ -184,8 +186,11 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.gpu_mode == "ddp" or kwargs:
+        if self.gpu_mode == "ddp" and not self.strategy.is_distributed:
             return self.fit_distributed(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
+        if kwargs:
+            raise TypeError(f"fit() got unexpected keyword argument(s) {sorted(kwargs)}; the distributed keywords "
+                            "(num_gpus, amp_init_args, ...) need gpu_mode='ddp' or fit_distributed()")
         validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
         self.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
@@ -194,7 +199,7 @@ class TrainLoop:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            self._epochs_completed, self.total_iteration_idx)
-            return self._user_model
+            return self.model_for_user
         self.model_runner.train()
         if self.print_callbacks and self.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
@@ -206,14 +211,92 @@ class TrainLoop:
             self._epochs_completed += 1
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
-        return self._user_model
+        return self.model_for_user
 
     def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
                         callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
-                        **kwargs) -> nn.Module:
-        """Train with one process per device; see :mod:`aitoolbox.torchtrain.distributed`."""
-        raise NotImplementedError("fit_distributed arrives with the distributed-training issue; use fit() with "
-                                  "gpu_mode='single' or 'dp' for now")
+                        train_data_shuffle: bool = True, ddp_model_args: Optional[dict] = None,
+                        amp_init_args: Optional[dict] = None, in_process_data_load=None, num_nodes: int = 1,
+                        node_rank: int = 0, num_gpus: Optional[int] = None, backend: Optional[str] = None,
+                        init_method: str = "env://", master_addr: Optional[str] = None,
+                        master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
+                        start_method: Optional[str] = None, timeout_s: float = 600.0) -> nn.Module:
+        """Train with DistributedDataParallel, one process per device, and return the trained model.
+
+        Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
+        ``num_cpu_processes`` CPU processes over gloo) and, when they finish, loads rank 0's weights, optimizer
+        state, ``train_history`` and epoch into this TrainLoop. Under torchrun, SLURM or OpenMPI it joins the
+        job as the rank the environment gives instead of launching. In every process: the model is placed on its
+        device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
+        DistributedSampler (evaluation loaders an exact, unpadded split), and only rank 0 prints and saves.
+
+        Args:
+            num_epochs, num_iterations, callbacks, grad_accumulation: as in :meth:`fit`.
+            train_data_shuffle: shuffle the training data each epoch (when the original loader shuffles).
+            ddp_model_args: keyword arguments for ``torch.nn.parallel.DistributedDataParallel``.
+            amp_init_args: ``amp.initialize`` keyword arguments, e.g. ``{'opt_level': 'O1'}``.
+            in_process_data_load: callback(s) whose ``on_multiprocess_start`` builds the data loaders in each
+                process (for data that should not be sent to the processes).
+            num_nodes: machines in the job; node_rank: this machine's index.
+            num_gpus: processes on this node (default: every GPU; without CUDA, CPU processes).
+            backend: ``'nccl'``, ``'gloo'`` or None (NCCL with CUDA, gloo otherwise).
+            init_method: torch.distributed init method; ``'env://'`` uses master_addr/master_port.
+            master_addr: address of node 0 (required for several nodes); master_port: its port (a free one is
+                chosen on a single node).
+            num_cpu_processes: CPU processes per node when CUDA is unavailable and num_gpus is 0 or None.
+            sync_bn: convert BatchNorm layers to SyncBatchNorm.
+            start_method: ``'fork'``, ``'spawn'`` or None (fork in notebooks, spawn for scripts).
+            timeout_s: how long collectives wait for a missing rank before failing.
+        """
+        return fit_distributed(self, num_epochs, num_iterations, callbacks, grad_accumulation, train_data_shuffle,
+                               ddp_model_args, amp_init_args, in_process_data_load, num_nodes, node_rank, num_gpus,
+                               backend, init_method, master_addr, master_port, num_cpu_processes, sync_bn,
+                               start_method, timeout_s)
+
+    @property
+    def model_for_user(self) -> nn.Module:
+        """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap."""
+        return self._user_model
+
+    def enter_distributed_process(self, strategy, amp_init_args: Optional[dict]) -> None:
+        """In a process of a distributed job: train with ``strategy`` and set up the model afresh."""
+        self.strategy = strategy
+        if amp_init_args is not None:
+            check_use_amp(amp_init_args, strategy.device)
+            self.use_amp = amp_init_args
+        self._model_runner = None
+        self._precision = None
+        self._evaluation_loaders = {}
+        self._evaluator.clear_cache()
+
+    def shard_data_loaders(self, train_data_shuffle: bool) -> None:
+        """Give this process its share of the training data (after in-process data loading)."""
+        shuffle = None if train_data_shuffle else False
+        self.train_loader = self.strategy.setup_loader(self.train_loader, shuffle)
+        self._evaluation_loaders = {}
+
+    def save_distributed_result(self, path: str) -> None:
+        """Rank 0 saves what the parent adopts: weights, optimizer states, history and counters."""
+        torch.save({"model": self.model.state_dict(), "optimizers": [opt.state_dict() for opt in self.optimizers],
+                    "train_history": self.train_history.get_train_history_dict(), "epoch": self.epoch,
+                    "epochs_completed": self._epochs_completed, "total_iteration_idx": self.total_iteration_idx},
+                   path)
+
+    def adopt_distributed_result(self, path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
+        """In the parent: take over rank 0's trained state, so the TrainLoop continues from it."""
+        result = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(result["model"])
+        for optimizer, state in zip(self.optimizers, result["optimizers"]):
+            try:
+                optimizer.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as error:
+                logger.warning("could not restore the optimizer state from the training processes: %s", error)
+        self.train_history.clear()
+        self.train_history.update(result["train_history"])
+        self.epoch = result["epoch"]
+        self._epochs_completed = result["epochs_completed"]
+        self.total_iteration_idx = result["total_iteration_idx"]
+        self._evaluator.clear_cache()
 
     def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
         if num_epochs > 0:
@@ -222,7 +305,7 @@ class TrainLoop:
 
     def _run_epoch(self, num_iterations: int) -> None:
         """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end."""
-        self.strategy.on_epoch_begin(self.epoch)
+        self.strategy.on_epoch_begin(self.epoch, self.train_loader)
         self.callbacks_handler.on_epoch_begin()
         num_batches = loader_length(self.train_loader)
         bar = ProgressBar(num_batches, f"Epoch {self.epoch}", enabled=self.show_progress)
@@ -234,7 +317,7 @@ class TrainLoop:
             loss_sum += self._run_batch(batch_data, force_optimizer_step=epoch_ends)
             batches_done += 1
             bar.update(lambda: {"loss": f"{loss_sum.item() / batches_done:.4f}"})
-            if iteration_limit_hit or self.early_stop:
+            if iteration_limit_hit or (self.early_stop and self.strategy.stops_mid_epoch):
                 break
         else:
             if num_batches is None:  # a loader without len: its last batch is known only now
@@ -245,6 +328,7 @@ class TrainLoop:
         self.insert_metric_result_into_history("accumulated_loss", (loss_sum / batches_done).item())
         self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
+        self.early_stop = self.strategy.any_process(self.early_stop)  # all ranks stop together
 
     def _run_batch(self, batch_data: Any, force_optimizer_step: bool) -> torch.Tensor:
         """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss."""
@@ -297,33 +381,35 @@ class TrainLoop:
             if self.is_main_process:
                 logger.info("Test loss at the end of training: %.6g", test_loss)
 
-    def _require_loader(self, loader: Optional[DataLoader], name: str) -> DataLoader:
+    def _evaluation_loader(self, dataset_type: str) -> DataLoader:
+        """The loader to evaluate on: the user's, or under DDP this process's exact share of it."""
+        loader = {"train": self.train_loader, "validation": self.validation_loader, "test": self.test_loader}[dataset_type]
         if loader is None:
-            raise ValueError(f"this TrainLoop has no {name}: pass one to the constructor")
-        return loader
+            raise ValueError(f"this TrainLoop has no {dataset_type} loader: pass one to the constructor")
+        if dataset_type not in self._evaluation_loaders:
+            self._evaluation_loaders[dataset_type] = self.strategy.setup_eval_loader(loader)
+        return self._evaluation_loaders[dataset_type]
 
     def evaluate_loss_on_train_set(self) -> float:
         """Mean loss per sample over the training set, in eval mode."""
-        return self._evaluator.evaluate_loss(self.train_loader, "Loss train")
+        return self._evaluator.evaluate_loss(self._evaluation_loader("train"), "Loss train")
 
     def evaluate_loss_on_validation_set(self) -> float:
         """Mean loss per sample over the validation set, in eval mode."""
-        return self._evaluator.evaluate_loss(self._require_loader(self.validation_loader, "validation_loader"),
-                                             "Loss validation")
+        return self._evaluator.evaluate_loss(self._evaluation_loader("validation"), "Loss validation")
 
     def evaluate_loss_on_test_set(self) -> float:
         """Mean loss per sample over the test set, in eval mode."""
-        return self._evaluator.evaluate_loss(self._require_loader(self.test_loader, "test_loader"), "Loss test")
+        return self._evaluator.evaluate_loss(self._evaluation_loader("test"), "Loss test")
 
     def predict_on_train_set(self):
         """``(y_pred, y_true, metadata)`` over the training set (cached within one training iteration)."""
-        return self._evaluator.predict(self.train_loader, "train")
+        return self._evaluator.predict(self._evaluation_loader("train"), "train")
 
     def predict_on_validation_set(self):
         """``(y_pred, y_true, metadata)`` over the validation set (cached within one training iteration)."""
-        return self._evaluator.predict(self._require_loader(self.validation_loader, "validation_loader"),
-                                       "validation")
+        return self._evaluator.predict(self._evaluation_loader("validation"), "validation")
 
     def predict_on_test_set(self):
         """``(y_pred, y_true, metadata)`` over the test set (cached within one training iteration)."""
-        return self._evaluator.predict(self._require_loader(self.test_loader, "test_loader"), "test")
+        return self._evaluator.predict(self._evaluation_loader("test"), "test")

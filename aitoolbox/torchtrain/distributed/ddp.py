@@ -1,0 +1,121 @@
+"""The DistributedDataParallel strategy: one process per device, gradients all-reduced by torch DDP."""
+import datetime
+import logging
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.distributed.data import distributed_eval_loader, distributed_train_loader
+from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
+from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
+from aitoolbox.torchtrain.distributed.strategy import SingleDeviceStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedStrategy(SingleDeviceStrategy):
+    """Training in one process of a DistributedDataParallel job.
+
+    Args:
+        placement: this process's rank, local rank, world size and rendezvous address.
+        backend: ``'nccl'`` or ``'gloo'``; None picks NCCL with CUDA and gloo on the CPU.
+        init_method: torch.distributed init method (``'env://'`` uses ``placement``'s address and port).
+        ddp_model_args: keyword arguments for ``torch.nn.parallel.DistributedDataParallel``.
+        sync_bn: convert BatchNorm layers to :class:`aitoolbox.torchtrain.parallel.SyncBatchNorm`.
+        timeout_s: how long a collective waits for a missing rank before failing (so a dead peer never hangs
+            the others forever).
+    """
+
+    is_distributed = True
+
+    def __init__(self, placement: ProcessPlacement, backend: Optional[str] = None, init_method: str = "env://",
+                 ddp_model_args: Optional[dict] = None, sync_bn: bool = False, timeout_s: float = 600.0):
+        use_cuda = torch.cuda.is_available() and backend != "gloo"
+        device = torch.device("cuda", placement.local_rank % torch.cuda.device_count()) if use_cuda \
+            else torch.device("cpu")
+        super().__init__(device)
+        self.placement = placement
+        self.rank = placement.rank
+        self.world_size = placement.world_size
+        self.backend = backend or ("nccl" if use_cuda else "gloo")
+        self.init_method = init_method
+        self.ddp_model_args = dict(ddp_model_args or {})
+        self.sync_bn = sync_bn
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+                f"backend={self.backend!r})")
+
+    def init_process_group(self) -> None:
+        """Join the job's process group (unless this process already belongs to one)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if dist.is_initialized():
+            return
+        init_method = self.init_method
+        if init_method == "env://":
+            init_method = f"tcp://{self.placement.master_addr}:{self.placement.master_port}"
+        dist.init_process_group(self.backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def place_model(self, model: nn.Module) -> None:
+        if self.sync_bn:
+            from aitoolbox.torchtrain.parallel import convert_syncbn_model
+            self._convert_batchnorm_in_place(model, convert_syncbn_model)
+        super().place_model(model)
+
+    @staticmethod
+    def _convert_batchnorm_in_place(model: nn.Module, convert) -> None:
+        # The TTModel object itself must stay (the loop and the user hold it): convert its children.
+        for name, child in list(model.named_children()):
+            setattr(model, name, convert(child))
+
+    def wrap_model(self, model: nn.Module) -> Any:
+        args = dict(self.ddp_model_args)
+        if self.device.type == "cuda":
+            args.setdefault("device_ids", [self.device.index])
+            args.setdefault("output_device", self.device.index)
+        wrapper = nn.parallel.DistributedDataParallel(MethodDispatcher(model), **args)
+        return ParallelModelRunner(wrapper, model, evaluate_through_wrapper=False)
+
+    def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
+        return distributed_train_loader(loader, self.rank, self.world_size, shuffle)
+
+    def setup_eval_loader(self, loader: Optional[DataLoader]) -> Optional[DataLoader]:
+        return distributed_eval_loader(loader, self.rank, self.world_size)
+
+    def on_epoch_begin(self, epoch: int, loader: Optional[DataLoader] = None) -> None:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        reduced = tensor.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return reduced
+
+    def all_gather_objects(self, obj: Any) -> List[Any]:
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def any_process(self, flag: bool) -> bool:
+        flags = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags.item())
+
+    # One rank leaving the batch loop early would leave the others waiting in DDP's all-reduce: stop
+    # requests take effect at the epoch end, agreed by all ranks.
+    stops_mid_epoch = False
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,93 @@
+"""Where this process sits in a distributed job: launched by us, or by torchrun, SLURM or OpenMPI."""
+import dataclasses
+import os
+import re
+import socket
+from typing import Mapping, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessPlacement:
+    """Rank, size and rendezvous address of one process of a job.
+
+    Attributes:
+        rank: global rank (``node_rank * processes_per_node + local_rank``).
+        local_rank: rank within the node; selects the GPU.
+        world_size: number of processes in the job.
+        master_addr: address of the rank-0 host.
+        master_port: port of the rendezvous on that host.
+        launcher: ``'aitoolbox'``, ``'torchrun'``, ``'slurm'`` or ``'openmpi'``.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as ``gpu[03-05,08],cpu1`` -> ``gpu03``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot read the first host of SLURM_NODELIST={nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_external_launcher(env: Mapping[str, str], master_addr: Optional[str] = None,
+                             master_port: Optional[int] = None) -> Optional[ProcessPlacement]:
+    """The placement given by torchrun, SLURM or OpenMPI, or None when this process was started plainly.
+
+    torchrun (and ``torch.distributed.launch``) set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+    SLURM sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NODELIST (the first node hosts rank 0).
+    OpenMPI sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_RANK and knows no
+    rendezvous host: pass ``master_addr`` or set MASTER_ADDR. The port comes from ``master_port``, MASTER_PORT,
+    or 29500.
+    """
+    def port(default: int = 29500) -> int:
+        return int(master_port or env.get("MASTER_PORT") or default)
+
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
+        return ProcessPlacement(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
+                                master_addr or env.get("MASTER_ADDR", "127.0.0.1"), port(), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        addr = master_addr or env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
+        return ProcessPlacement(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
+                                addr, port(), "slurm")
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        addr = master_addr or env.get("MASTER_ADDR")
+        if addr is None:
+            if int(env["OMPI_COMM_WORLD_SIZE"]) > int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0) or 0):
+                raise ValueError("running under OpenMPI across several nodes: pass master_addr=<host of rank 0> "
+                                 "to fit_distributed or export MASTER_ADDR")
+            addr = "127.0.0.1"
+        return ProcessPlacement(int(env["OMPI_COMM_WORLD_RANK"]), int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+                                int(env["OMPI_COMM_WORLD_SIZE"]), addr, port(), "openmpi")
+    return None
+
+
+def current_external_placement(master_addr: Optional[str] = None,
+                               master_port: Optional[int] = None) -> Optional[ProcessPlacement]:
+    """:func:`detect_external_launcher` on this process's environment."""
+    return detect_external_launcher(os.environ, master_addr, master_port)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True

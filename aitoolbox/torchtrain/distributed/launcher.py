@@ -1,0 +1,186 @@
+"""Starting the processes of ``fit_distributed``, watching them, and bringing rank 0's result home.
+
+Processes are forked when the program has no script file (a notebook, ``python -``, ``python -c``) and CUDA is
+not yet initialised in the parent: classes defined interactively then need no import. Scripts get fresh
+interpreters (spawn), which need the TrainLoop to pickle and the script to guard its entry point with
+``if __name__ == "__main__":``; both are checked before any process starts.
+"""
+import ast
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from aitoolbox.torchtrain.distributed.worker import DistributedJob, worker_entry
+
+logger = logging.getLogger(__name__)
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def main_script_path() -> Optional[str]:
+    """Path of the running script, or None in a notebook, ``python -`` or ``python -c``."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path if path and os.path.isfile(path) else None
+
+
+def choose_start_method(requested: Optional[str]) -> str:
+    """fork for interactive sessions (when safe), spawn for scripts; or what was asked for."""
+    if requested is not None:
+        if requested not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS} or None, got {requested!r}")
+        if requested == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError("start_method='fork' needs CUDA untouched in the parent process, but CUDA is already "
+                               "initialised here. Use start_method='spawn' from a script, or restart and call "
+                               "fit_distributed before anything runs on the GPU.")
+        return requested
+    if main_script_path() is not None:
+        return "spawn"
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise RuntimeError("fit_distributed from an interactive session needs the 'fork' start method, which this "
+                           "platform lacks. Put the code in a script (with an if __name__ == '__main__': guard) and "
+                           "run it with python.")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError("fit_distributed from a notebook starts its processes with fork, which is impossible once "
+                           "CUDA is initialised in the notebook's process. Restart the kernel and call fit_distributed "
+                           "before moving anything to the GPU (do not call .cuda()/.to('cuda') first), or run the code "
+                           "as a script.")
+    return "fork"
+
+
+def check_main_guard(script_path: str) -> None:
+    """A spawned process re-runs the script's top level: without a ``__main__`` guard it would train again."""
+    with open(script_path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read(), script_path)
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            return
+    raise RuntimeError(f"{script_path} has no 'if __name__ == \"__main__\":' guard. fit_distributed starts fresh "
+                       "Python processes that import the script, so put the training code under that guard (or "
+                       "in a function called from it).")
+
+
+def check_picklable(job: DistributedJob) -> None:
+    """Name the part of the TrainLoop that cannot be sent to a spawned process."""
+    tl = job.train_loop
+    parts = {"model": tl.model, "train_loader": tl.train_loader, "validation_loader": tl.validation_loader,
+             "test_loader": tl.test_loader, "optimizer": tl.optimizer, "criterion": tl.criterion}
+    callbacks = list(tl.callbacks) + list(job.fit_arguments.callbacks or []) + list(job.in_process_data_load)
+    parts.update({f"callback {type(cb).__name__}": cb for cb in callbacks})
+    for name, value in parts.items():
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            raise TypeError(f"the {name} cannot be pickled, so it cannot be sent to the training processes: "
+                            f"{type(error).__name__}: {error}. Define classes and functions at module level "
+                            "(not inside functions or as lambdas), or build the object in each process with an "
+                            "in_process_data_load callback.") from None
+    try:
+        pickle.dumps(job)
+    except Exception as error:
+        raise TypeError(f"the TrainLoop cannot be pickled for the training processes: {type(error).__name__}: "
+                        f"{error}") from None
+
+
+class ProcessLauncher:
+    """Starts ``job.processes_per_node`` processes, watches them, and stops all if one fails.
+
+    Args:
+        job: what every process runs.
+        start_method: ``'fork'``, ``'spawn'`` or ``'forkserver'`` (see :func:`choose_start_method`).
+        poll_interval_s: how often the parent checks on its processes.
+    """
+
+    def __init__(self, job: DistributedJob, start_method: str, poll_interval_s: float = 0.1):
+        self.job = job
+        self.start_method = start_method
+        self.poll_interval_s = poll_interval_s
+        self._processes: List[multiprocessing.Process] = []
+
+    def run(self) -> None:
+        """Run the job to the end; raise with the failing rank's traceback if any process fails."""
+        payload = self.job
+        if self.start_method != "fork":
+            script = main_script_path()
+            if script is not None:
+                check_main_guard(script)
+            check_picklable(self.job)
+            # Plain pickle copies tensor data. multiprocessing's own pickler would move the model's tensors
+            # into shared memory, and every process would then train the very same weights.
+            payload = pickle.dumps(self.job)
+        context = multiprocessing.get_context(self.start_method)
+        messages = context.Queue()
+        try:
+            for local_rank in range(self.job.processes_per_node):
+                process = context.Process(target=worker_entry, args=(local_rank, payload, messages),
+                                          name=f"aitoolbox-rank{self.job.placement(local_rank).rank}")
+                process.start()
+                self._processes.append(process)
+            self._watch(messages)
+        finally:
+            self._stop_all()
+
+    def _watch(self, messages) -> None:
+        finished: Dict[int, bool] = {}
+        while True:
+            try:
+                kind, rank, summary, trace = messages.get(timeout=self.poll_interval_s)
+                if kind == "error":
+                    raise RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
+                                       f"Traceback of rank {rank}:\n{trace}")
+                finished[rank] = True
+            except queue.Empty:
+                pass
+            for local_rank, process in enumerate(self._processes):
+                if process.exitcode not in (None, 0):
+                    self._raise_for_exit(local_rank, process, messages)
+            if all(process.exitcode == 0 for process in self._processes):
+                return
+
+    def _raise_for_exit(self, local_rank: int, process, messages) -> None:
+        # A process that raised has put its traceback on the queue just before exiting: prefer that message.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                kind, rank, summary, trace = messages.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "error":
+                raise RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
+                                   f"Traceback of rank {rank}:\n{trace}")
+        rank = self.job.placement(local_rank).rank
+        code = process.exitcode
+        reason = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise RuntimeError(f"fit_distributed: rank {rank} {reason}; the other processes were stopped")
+
+    def _stop_all(self) -> None:
+        """Terminate what is still running (with its DataLoader workers), then make sure it is gone."""
+        for process in self._processes:
+            if process.exitcode is None:
+                self._signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for process in self._processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:
+                self._signal_group(process, signal.SIGKILL)
+                process.join(timeout=5.0)
+
+    @staticmethod
+    def _signal_group(process, sig) -> None:
+        try:
+            if hasattr(os, "killpg"):
+                os.killpg(process.pid, sig)  # the worker made itself a process-group leader
+            else:  # pragma: no cover - non-POSIX
+                process.terminate()
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(process.pid, sig)
+            except ProcessLookupError:
+                pass
