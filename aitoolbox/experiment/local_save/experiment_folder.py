@@ -1,0 +1,116 @@
+"""The experiment folder: ``<root>/<project>/<experiment>_<timestamp>/`` and its sub-folders."""
+import datetime
+import json
+import os
+import shutil
+import sys
+from typing import Any, Optional
+
+from aitoolbox.experiment.local_save.atomic import atomic_write_text
+
+
+def timestamp_now() -> str:
+    """A folder-name-safe timestamp, e.g. ``2026-11-23_14-05-09``."""
+    return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+class ExperimentFolder:
+    """Paths of one experiment run; created on first use and never overwritten.
+
+    Layout::
+
+        <root>/<project>/<experiment>_<timestamp>/
+            hyperparams_list.txt, hyperparams.json, <script copy>
+            checkpoint_model/   model/   results/ (plots/)   tensorboard/
+
+    Args:
+        root: the ``local_model_result_folder_path``.
+        project_name: the project folder.
+        experiment_name: prefix of the run folder.
+        timestamp: run identifier; the current time when None.
+    """
+
+    def __init__(self, root: str, project_name: str, experiment_name: str, timestamp: Optional[str] = None):
+        for name, value in (("local_model_result_folder_path", root), ("project_name", project_name),
+                            ("experiment_name", experiment_name)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        for name, value in (("project_name", project_name), ("experiment_name", experiment_name)):
+            if os.sep in value or value in (".", ".."):
+                raise ValueError(f"{name} must be a plain folder name without {os.sep!r}, got {value!r}")
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self.timestamp = timestamp or timestamp_now()
+        self._created = False
+
+    def __repr__(self) -> str:
+        return f"ExperimentFolder({self.path!r})"
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.project_name, f"{self.experiment_name}_{self.timestamp}")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.path, "checkpoint_model")
+
+    @property
+    def model_dir(self) -> str:
+        return os.path.join(self.path, "model")
+
+    @property
+    def results_dir(self) -> str:
+        return os.path.join(self.path, "results")
+
+    @property
+    def plots_dir(self) -> str:
+        return os.path.join(self.results_dir, "plots")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return os.path.join(self.path, "tensorboard")
+
+    def create(self) -> str:
+        """Create the run folder (once). An existing run folder is never reused or overwritten.
+
+        Raises:
+            FileExistsError: the folder exists already (two runs started within the same second).
+            PermissionError / OSError: the root is not writable; the message names the folder.
+        """
+        if self._created:
+            return self.path
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            os.mkdir(self.path)
+        except FileExistsError:
+            raise FileExistsError(f"experiment folder {self.path} already exists; it is never overwritten. Use "
+                                  "another experiment_name or wait a second for a new timestamp.") from None
+        for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
+            os.makedirs(sub, exist_ok=True)
+        self._created = True
+        return self.path
+
+    def ensure(self, sub_folder: str) -> str:
+        """Create the run folder if needed and return ``sub_folder`` (one of the properties), created too."""
+        self.create()
+        os.makedirs(sub_folder, exist_ok=True)
+        return sub_folder
+
+    def save_hyperparams(self, hyperparams: dict, copy_script: bool = True) -> None:
+        """Write ``hyperparams_list.txt`` and ``hyperparams.json``; copy the running script when known."""
+        self.create()
+        lines = [f"{key}:\t{value}" for key, value in hyperparams.items()]
+        atomic_write_text(os.path.join(self.path, "hyperparams_list.txt"), "\n".join(lines) + "\n")
+        atomic_write_text(os.path.join(self.path, "hyperparams.json"),
+                          json.dumps(hyperparams, indent=2, sort_keys=True, default=repr))
+        script = hyperparams.get("experiment_file_path") or getattr(sys.modules.get("__main__"), "__file__", None)
+        if copy_script and script and os.path.isfile(script):
+            shutil.copy2(script, os.path.join(self.path, os.path.basename(script)))
+
+    def save_json(self, relative_path: str, content: Any) -> str:
+        """Write JSON atomically under the run folder and return its path."""
+        path = os.path.join(self.path, relative_path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write_text(path, json.dumps(content, indent=2, sort_keys=True, default=repr))
+        return path
