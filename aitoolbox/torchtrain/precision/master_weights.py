@@ -24,33 +24,49 @@ class MasterWeights:
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self._optimizers = list(optimizers)
         self._pairs: Dict[int, List[GradPair]] = {}
         self._model_versions: Dict[int, List[int]] = {}
+        self._installed_groups: Dict[int, int] = {}
         for optimizer in optimizers:
-            self._pairs[id(optimizer)] = self._install(optimizer)
-            self._record_versions(optimizer)
+            self._pairs[id(optimizer)] = []
+            self._model_versions[id(optimizer)] = []
+            self._installed_groups[id(optimizer)] = 0
+            self._install_new_groups(optimizer)
             optimizer.register_step_post_hook(self._after_step)
 
-    @staticmethod
-    def _install(optimizer: torch.optim.Optimizer) -> List[GradPair]:
-        pairs = []
-        for group in optimizer.param_groups:
+    def _install_new_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give the low-precision parameters of groups not seen yet float32 masters.
+
+        Runs at construction and again whenever masters are needed, so that a group added with
+        ``optimizer.add_param_group`` after ``amp.initialize`` is handled like apex's patched
+        ``add_param_group`` handled it (without patching): its low-precision parameters get masters, its
+        float32 parameters are stepped as they are, and the gradients of both are unscaled.
+        """
+        installed = self._installed_groups[id(optimizer)]
+        if len(optimizer.param_groups) == installed:
+            return
+        new_pairs = []
+        for group in optimizer.param_groups[installed:]:
             for position, param in enumerate(group["params"]):
                 if is_low_precision(param):
                     master = param.detach().clone().float().requires_grad_(param.requires_grad)
                     if param in optimizer.state:
                         optimizer.state[master] = optimizer.state.pop(param)
                     group["params"][position] = master
-                    pairs.append((param, master))
+                    new_pairs.append((param, master))
                 else:
-                    pairs.append((param, param))
-        return pairs
+                    new_pairs.append((param, param))
+        self._pairs[id(optimizer)].extend(new_pairs)
+        self._model_versions[id(optimizer)].extend(model._version for model, _ in new_pairs)
+        self._installed_groups[id(optimizer)] = len(optimizer.param_groups)
 
     def manages(self, optimizer: torch.optim.Optimizer) -> bool:
         return id(optimizer) in self._pairs
 
     def grad_pairs(self, optimizer: torch.optim.Optimizer) -> List[GradPair]:
         """``(model parameter, stepped parameter)`` pairs of the optimizer; the two are the same for float32."""
+        self._install_new_groups(optimizer)
         self._sync_masters_if_model_changed(optimizer)
         return self._pairs[id(optimizer)]
 
@@ -62,6 +78,9 @@ class MasterWeights:
 
         Without this, the next step would overwrite the loaded weights with stale masters. Every in-place
         write bumps a tensor's version counter, and the only write we expect is our own copy after a step.
+        A write that leaves the model at its master's rounding (e.g. ``model.load_state_dict`` after
+        ``amp.load_state_dict`` from the same checkpoint) keeps the more precise master, so restoring does
+        not depend on the order of the loads.
         """
         pairs = self._pairs[id(optimizer)]
         versions = self._model_versions[id(optimizer)]
@@ -70,7 +89,8 @@ class MasterWeights:
         if changed:
             with torch.no_grad():
                 for model, master in changed:
-                    master.copy_(model)
+                    if not torch.equal(model, master.to(model.dtype)):
+                        master.copy_(model)
             self._record_versions(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -82,11 +102,15 @@ class MasterWeights:
 
     def state_dict(self) -> List[List[torch.Tensor]]:
         """The masters' values, per optimizer in construction order (float32 tensors)."""
+        for optimizer in self._optimizers:
+            self._install_new_groups(optimizer)
         return [[master.detach().clone() for model, master in pairs if model is not master]
                 for pairs in self._pairs.values()]
 
     def load_state_dict(self, state: List[List[torch.Tensor]]) -> None:
         """Restore the masters exactly and copy them into the model (what a step would have left there)."""
+        for optimizer in self._optimizers:
+            self._install_new_groups(optimizer)
         all_pairs = list(self._pairs.values())
         if len(state) != len(all_pairs):
             raise ValueError(f"the checkpoint holds master weights for {len(state)} optimizer(s), "

@@ -98,6 +98,8 @@ class TrainLoop:
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         self._epochs_completed = 0
+        # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
+        self.experiment_folder = None
         self._model_runner = None
         self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
