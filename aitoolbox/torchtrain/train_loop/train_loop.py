@@ -93,6 +93,7 @@ class TrainLoop:
         self.grad_accumulation = 1
         self.optimizer_step_due = False
         self.optimizer_step_skipped = False
+        self.last_batch_loss: Optional[torch.Tensor] = None
         self.early_stop = False
         self.train_history = TrainingHistory()
         self.callbacks_handler = CallbacksHandler(self)
@@ -339,6 +340,7 @@ class TrainLoop:
         with self.precision.autocast():
             loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
         validation.check_loss(loss, "get_loss")
+        self.last_batch_loss = loss.detach().reshape(())
         self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss)
         for optimizer_idx in range(len(self.optimizers)):
             self.callbacks_handler.on_after_gradient_update(optimizer_idx)
@@ -346,7 +348,7 @@ class TrainLoop:
             self._step_optimizers()
         self.callbacks_handler.on_batch_end()
         self.total_iteration_idx += 1
-        return loss.detach().reshape(())
+        return self.last_batch_loss
 
     def _step_optimizers(self) -> None:
         self.optimizer_step_skipped = not self.precision.step(self.optimizers)
