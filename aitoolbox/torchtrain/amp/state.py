@@ -132,7 +132,13 @@ class AmpState:
         return Precision(self.device_type,
                          autocast_dtype=props.low_precision_dtype if props.patch_torch_functions else None,
                          loss_scaler=self.loss_scalers[loss_id] if props.uses_loss_scaling else None,
-                         master_weights=self.master_weights)
+                         master_weights=self.master_weights, step_listener=self._record_loop_step)
+
+    def _record_loop_step(self, skipped: bool, optimizers) -> None:
+        # A step the loop skips never calls optimizer.step(), so the post-step hook cannot see it.
+        for optimizer in optimizers:
+            if id(optimizer) in self.last_step_skipped:
+                self.last_step_skipped[id(optimizer)] = skipped
 
     def state_dict(self) -> dict:
         """``{'loss_scaler0': {'loss_scale', 'unskipped'}, ...}`` plus the float32 master weights under O2."""

@@ -28,14 +28,18 @@ class Precision:
         autocast_dtype: low-precision dtype of the forward pass under autocast; None disables autocast.
         loss_scaler: scales the loss; a dynamic one also skips steps on overflow. None disables scaling.
         master_weights: float32 master copies held by the optimizers of a model cast to low precision.
+        step_listener: called as ``step_listener(skipped, optimizers)`` after every step decision (amp uses it to
+            keep ``amp.last_step_skipped`` true when the loop skips a step).
     """
 
     def __init__(self, device_type: str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
-                 loss_scaler: Optional[LossScaler] = None, master_weights: Optional[MasterWeights] = None):
+                 loss_scaler: Optional[LossScaler] = None, master_weights: Optional[MasterWeights] = None,
+                 step_listener=None):
         self.device_type = device_type
         self.autocast_dtype = autocast_dtype
         self.loss_scaler = loss_scaler
         self.master_weights = master_weights
+        self.step_listener = step_listener
         self.last_step_skipped = False
         self._unscaled_optimizers: set = set()
         self._found_inf = False
@@ -92,6 +96,8 @@ class Precision:
         self._unscaled_optimizers.clear()
         self._found_inf = False
         self.last_step_skipped = skip
+        if self.step_listener is not None:
+            self.step_listener(skip, optimizers)
         return not skip
 
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
