@@ -195,3 +195,7 @@ class ModelPerformancePrintReport(AbstractCallback):
         logger.info("%s performance report\n  %s", heading, "\n  ".join(lines) if lines else "(nothing to report)")
         if self.list_tracked_metrics:
             logger.info("Tracked metrics: %s", tracked)
+
+
+# aitoolbox 1.x users import the history plot and file writer from this module; they live in history_output.
+from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot  # noqa: E402,F401,E501

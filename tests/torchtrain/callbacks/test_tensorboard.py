@@ -1,0 +1,227 @@
+"""Tensorboard callbacks on a real TrainLoop: the event files are read back and compared with the loop's numbers."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.tensorboard import (
+    TensorboardFullTracking,
+    TensorboardTrainBatchLoss,
+    TensorboardTrainHistoryMetric,
+)
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.helpers import MLP, classification_data, seeded_loader
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+BATCHES_PER_EPOCH = 5  # 40 samples, batch size 8
+
+
+def make_train_loop(optimizer_fn=None, test=False, end_auto_eval=True) -> TrainLoop:
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = optimizer_fn(model) if optimizer_fn else torch.optim.SGD(model.parameters(), lr=0.1)
+    return TrainLoop(model, seeded_loader(classification_data(40), batch_size=8),
+                     seeded_loader(classification_data(16, seed=20), batch_size=8, shuffle=False),
+                     seeded_loader(classification_data(12, seed=30), batch_size=8, shuffle=False) if test else None,
+                     optimizer, nn.CrossEntropyLoss(), end_auto_eval=end_auto_eval, show_progress=False)
+
+
+def read_events(log_dir: str) -> EventAccumulator:
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events
+
+
+def scalars(events: EventAccumulator, tag: str):
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+class BatchLossRecorder(AbstractCallback):
+    """Records the loss of every batch (by global batch index) and the gradients of each epoch's last step."""
+
+    def __init__(self):
+        super().__init__("batch loss recorder")
+        self.losses = {}  # total_iteration_idx -> (epoch, loss)
+        self.last_grads = {}  # epoch -> {name: grad copy}
+
+    def on_batch_end(self):
+        tl = self.train_loop_obj
+        self.losses[tl.total_iteration_idx] = (tl.epoch, tl.last_batch_loss.item())
+
+    def on_after_optimizer_step(self):
+        tl = self.train_loop_obj
+        self.last_grads[tl.epoch] = {name: param.grad.clone() for name, param in tl.model.named_parameters()}
+
+
+def test_batch_loss_is_logged_every_n_batches_with_the_epoch_running_mean(tmp_path):
+    tl, recorder = make_train_loop(), BatchLossRecorder()
+    log_dir = tmp_path / "tb"
+    tl.fit(num_epochs=2, callbacks=[TensorboardTrainBatchLoss(batch_log_frequency=2, log_dir=str(log_dir),
+                                                              is_project=False), recorder])
+    events = read_events(log_dir)
+    assert sorted(events.Tags()["scalars"]) == ["train_loss/accumulated_batch_loss", "train_loss/last_batch_loss"]
+    logged_steps = list(range(0, 2 * BATCHES_PER_EPOCH, 2))
+    # Tensorboard stores float32 and the loss is float32: the values are exact.
+    assert scalars(events, "train_loss/last_batch_loss") == [(step, recorder.losses[step][1]) for step in logged_steps]
+    expected_means = []
+    for step in logged_steps:
+        epoch = recorder.losses[step][0]
+        so_far = [loss for idx, (ep, loss) in recorder.losses.items() if ep == epoch and idx <= step]
+        expected_means.append(sum(so_far) / len(so_far))
+    accumulated = scalars(events, "train_loss/accumulated_batch_loss")
+    assert [step for step, _ in accumulated] == logged_steps
+    assert [value for _, value in accumulated] == pytest.approx(expected_means, rel=1e-6)
+
+
+def test_history_metrics_are_logged_per_epoch_into_the_experiment_folder(tmp_path):
+    tl = make_train_loop(test=True)
+    folder_args = dict(project_name="proj", experiment_name="exp", local_model_result_folder_path=str(tmp_path))
+    history_cb = TensorboardTrainHistoryMetric(**folder_args)
+    batch_cb = TensorboardTrainBatchLoss(**folder_args)
+    tl.fit(num_epochs=3, callbacks=[history_cb, batch_cb])
+
+    # Both callbacks share one run folder; the events land in its tensorboard/ sub-folder.
+    assert history_cb.experiment_folder is batch_cb.experiment_folder
+    log_dir = history_cb.experiment_folder.tensorboard_dir
+    assert history_cb.log_dir_path == log_dir and os.path.isdir(log_dir)
+    assert os.listdir(tmp_path / "proj") == [os.path.basename(history_cb.experiment_folder.path)]
+    events = read_events(log_dir)
+    history = tl.train_history
+    assert set(history) == {"accumulated_loss", "loss", "val_loss", "train_end_test_loss"}
+    for name in ("accumulated_loss", "loss", "val_loss"):
+        assert scalars(events, f"loss/{name}") == [(epoch, pytest.approx(value, rel=1e-6))
+                                                   for epoch, value in enumerate(history[name])]
+    assert scalars(events, "loss/train_end_test_loss") == [(2, pytest.approx(history["train_end_test_loss"][0],
+                                                                             rel=1e-6))]
+    assert len(events.Scalars("train_loss/last_batch_loss")) == 3 * BATCHES_PER_EPOCH
+
+
+def test_listed_metrics_only_and_only_when_recorded(tmp_path):
+    tl = make_train_loop(end_auto_eval=2)  # loss / val_loss exist only at epochs 1 and 3
+    tl.insert_metric_result_into_history("val_Accuracy", 0.5)  # a metric with a value before training
+    tl.fit(num_epochs=4, callbacks=[TensorboardTrainHistoryMetric(metric_names=["loss", "val_Accuracy"],
+                                                                  log_dir=str(tmp_path), is_project=False)])
+    events = read_events(tmp_path)
+    assert sorted(events.Tags()["scalars"]) == ["loss/loss", "metrics/val_Accuracy"]
+    assert [step for step, _ in scalars(events, "loss/loss")] == [1, 3]  # not repeated in between
+    assert scalars(events, "metrics/val_Accuracy") == [(0, 0.5)]
+
+
+def test_full_tracking_logs_learning_rates_and_histograms(tmp_path):
+    def two_groups(model):
+        return torch.optim.SGD([{"params": model.fc1.parameters(), "lr": 0.25},
+                                {"params": model.fc2.parameters(), "lr": 0.125}])
+
+    tl, recorder = make_train_loop(two_groups), BatchLossRecorder()
+    callback = TensorboardFullTracking(batch_log_frequency=3, log_dir=str(tmp_path), is_project=False,
+                                       log_param_histograms=True, log_grad_histograms=True, histogram_frequency=2)
+    tl.fit(num_epochs=2, callbacks=[callback, recorder])
+    events = read_events(tmp_path)
+    tags = events.Tags()
+    steps = list(range(0, 2 * BATCHES_PER_EPOCH, 3))
+    assert scalars(events, "learning_rate/optimizer_0_group_0") == [(step, 0.25) for step in steps]
+    assert scalars(events, "learning_rate/optimizer_0_group_1") == [(step, 0.125) for step in steps]
+    assert [step for step, _ in scalars(events, "train_loss/last_batch_loss")] == steps
+    assert "loss/val_loss" in tags["scalars"]
+    names = [name for name, _ in tl.model.named_parameters()]
+    assert sorted(tags["histograms"]) == sorted([f"parameters/{n}" for n in names] + [f"gradients/{n}" for n in names])
+    parameters = dict(tl.model.named_parameters())
+    for name in names:
+        # histogram_frequency=2: only epoch 1; the final weights and the gradients of its last step.
+        (param_event,) = events.Histograms(f"parameters/{name}")
+        (grad_event,) = events.Histograms(f"gradients/{name}")
+        assert param_event.step == grad_event.step == 1
+        param, grad = parameters[name].detach(), recorder.last_grads[1][name]
+        assert param_event.histogram_value.num == param.numel()
+        assert param_event.histogram_value.sum == pytest.approx(param.double().sum().item(), rel=1e-5, abs=1e-6)
+        assert grad_event.histogram_value.sum == pytest.approx(grad.double().sum().item(), rel=1e-5, abs=1e-6)
+        assert grad_event.histogram_value.max == pytest.approx(grad.max().item(), rel=1e-6)
+
+
+def test_uses_the_preset_experiment_folder(tmp_path):
+    tl = make_train_loop()
+    tl.experiment_folder = ExperimentFolder(str(tmp_path), "proj", "exp")  # as TrainLoopCheckpoint sets it
+    callback = TensorboardTrainBatchLoss()
+    tl.fit(num_epochs=1, callbacks=[callback])
+    assert callback.experiment_folder is tl.experiment_folder
+    assert len(read_events(tl.experiment_folder.tensorboard_dir).Scalars("train_loss/last_batch_loss")) == 5
+
+
+def test_relative_log_dir_is_inside_the_experiment_folder(tmp_path):
+    tl = make_train_loop()
+    tl.experiment_folder = ExperimentFolder(str(tmp_path), "proj", "exp")
+    callback = TensorboardTrainHistoryMetric(log_dir="my_logs")
+    tl.fit(num_epochs=1, callbacks=[callback])
+    assert callback.log_dir_path == os.path.join(tl.experiment_folder.path, "my_logs")
+    assert read_events(callback.log_dir_path).Scalars("loss/loss")
+
+
+def test_writer_is_closed_at_train_end_and_a_second_fit_appends(tmp_path):
+    tl = make_train_loop()
+    callback = TensorboardTrainHistoryMetric(metric_names=["loss"], log_dir=str(tmp_path), is_project=False)
+    tl.fit(num_epochs=1, callbacks=[callback])
+    assert callback.tb_writer is None
+    tl.fit(num_epochs=3)
+    assert [step for step, _ in scalars(read_events(tmp_path), "loss/loss")] == [0, 1, 2]
+
+
+def test_nothing_is_written_outside_the_main_process(tmp_path):
+    tl = make_train_loop()
+    tl.strategy.rank = 1  # as in a non-zero rank of a distributed run
+    assert not tl.is_main_process
+    callbacks = [TensorboardFullTracking(log_dir=str(tmp_path / "tb"), is_project=False, log_param_histograms=True,
+                                         log_grad_histograms=True),
+                 TensorboardTrainBatchLoss(project_name="p", experiment_name="e",
+                                           local_model_result_folder_path=str(tmp_path / "exp"))]
+    tl.fit(num_epochs=1, callbacks=callbacks)
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_folder_information_fails_at_registration():
+    with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path"):
+        make_train_loop().fit(num_epochs=1, callbacks=[TensorboardTrainBatchLoss()])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(batch_log_frequency=0), ValueError, "batch_log_frequency"),
+    (dict(is_project=False), ValueError, "log_dir"),
+    (dict(project_name="p"), ValueError, "experiment_name"),
+    (dict(cloud_save_mode="s3"), ValueError, "cloud_save_mode"),
+    (dict(log_dir=""), ValueError, "log_dir"),
+])
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TensorboardTrainBatchLoss(**kwargs)
+
+
+def test_unknown_summary_writer_keyword_fails_at_registration(tmp_path):
+    callback = TensorboardTrainBatchLoss(log_dir=str(tmp_path), is_project=False, flush_seconds=3)
+    with pytest.raises(TypeError, match="flush_seconds"):
+        make_train_loop().fit(num_epochs=1, callbacks=[callback])
+    TensorboardTrainBatchLoss(log_dir=str(tmp_path), is_project=False, flush_secs=3)  # a real SummaryWriter keyword
+
+
+def test_missing_tensorboard_is_an_import_error_with_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail as if absent
+    callback = TensorboardTrainBatchLoss(log_dir=str(tmp_path), is_project=False)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        make_train_loop().fit(num_epochs=1, callbacks=[callback])
+
+
+def test_importing_the_callbacks_does_not_import_tensorboard_or_matplotlib():
+    code = ("import sys\n"
+            "import aitoolbox.torchtrain.callbacks.tensorboard, aitoolbox.torchtrain.callbacks.history_output\n"
+            "import aitoolbox.torchtrain.callbacks.performance_eval, aitoolbox.torchtrain.train_loop\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorboard', 'matplotlib')\n"
+            "             or m == 'torch.utils.tensorboard'))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
