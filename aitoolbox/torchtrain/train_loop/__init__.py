@@ -1,4 +1,5 @@
 """The training loop and its experiment-tracking presets."""
+from aitoolbox.torchtrain.train_loop.tracking import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
 from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
-__all__ = ["TrainLoop"]
+__all__ = ["TrainLoop", "TrainLoopCheckpoint", "TrainLoopEndSave", "TrainLoopCheckpointEndSave"]

@@ -3,21 +3,95 @@ import logging
 import os
 import tempfile
 import warnings
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.distributed.environment import current_external_placement, find_free_port, port_is_free
 from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
-from aitoolbox.torchtrain.distributed.worker import (
-    DistributedJob, FitArguments, capture_rng_states, train_in_this_process)
+from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
+from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
+from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
+from aitoolbox.torchtrain.precision.setup import check_use_amp
 from aitoolbox.torchtrain.train_loop import validation
+from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
+
+
+def enter_distributed_process(tl: "TrainLoop", strategy, amp_init_args: Optional[dict]) -> None:
+    """In a process of a distributed job: train with ``strategy`` and set up the model afresh."""
+    tl.strategy = strategy
+    if amp_init_args is not None:
+        check_use_amp(amp_init_args, strategy.device)
+        tl.use_amp = amp_init_args
+    tl._model_runner = None
+    tl._precision = None
+    tl._evaluation_loaders = {}
+    tl._evaluator.clear_cache()
+
+
+def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
+    """Give this process its share of the training data (after in-process data loading)."""
+    shuffle = None if train_data_shuffle else False
+    tl.train_loader = tl.strategy.setup_loader(tl.train_loader, shuffle)
+    tl._evaluation_loaders = {}
+
+
+def save_distributed_result(tl: "TrainLoop", path: str, train_history: dict) -> None:
+    """Save what the launching process adopts: weights, optimizer states, rank 0's history, and counters."""
+    torch.save({"model": tl.model.state_dict(), "optimizers": [opt.state_dict() for opt in tl.optimizers],
+                "train_history": train_history, "epoch": tl.epoch,
+                "epochs_completed": tl.epochs_completed, "total_iteration_idx": tl.total_iteration_idx},
+               path)
+
+
+def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
+    """In the launching process: take over the trained state, so the TrainLoop continues from it."""
+    result = torch.load(path, map_location="cpu", weights_only=True)
+    tl.model.load_state_dict(result["model"])
+    for optimizer, state in zip(tl.optimizers, result["optimizers"]):
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            logger.warning("could not restore the optimizer state from the training processes: %s", error)
+    tl.train_history.clear()
+    tl.train_history.update(result["train_history"])
+    tl.epoch = result["epoch"]
+    tl.epochs_completed = result["epochs_completed"]
+    tl.total_iteration_idx = result["total_iteration_idx"]
+    tl._evaluator.clear_cache()
+
+
+def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> Any:
+    """Join the process group and train; each node's first process saves the result for its launcher."""
+    if job.rng_states is not None:
+        restore_rng_state(job.rng_states)
+    if job.threads_per_process is not None:
+        torch.set_num_threads(job.threads_per_process)
+    if placement.rank != 0:
+        logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
+    tl = job.train_loop
+    strategy = DistributedStrategy(placement, **job.strategy_options)
+    strategy.init_process_group()
+    enter_distributed_process(tl, strategy, job.amp_init_args)
+    tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
+    tl.callbacks_handler.on_multiprocess_start()
+    shard_data_loaders(tl, job.train_data_shuffle)
+    args = job.fit_arguments
+    model = tl.fit(args.num_epochs, args.num_iterations, args.callbacks, args.grad_accumulation)
+    if job.result_path is not None:
+        # Every node's launcher returns the trained model: the first process of each node saves it (DDP keeps
+        # the replicas identical). Histories differ per rank (accumulated_loss is this rank's batches), so all
+        # nodes report rank 0's.
+        history = strategy.broadcast_object(tl.train_history.get_train_history_dict())
+        if placement.local_rank == 0:
+            save_distributed_result(tl, job.result_path, history)
+    return model
 
 
 def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int) -> int:
@@ -96,11 +170,10 @@ def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callb
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // per_node)  # CPU processes share the cores
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir:
-        result_path = os.path.join(result_dir, "rank0_result.pt") if node_rank == 0 else None
+        result_path = os.path.join(result_dir, "result.pt")
         job = DistributedJob(processes_per_node=per_node, node_rank=node_rank, world_size=num_nodes * per_node,
                              master_addr=addr, master_port=port, result_path=result_path,
-                             rng_states=capture_rng_states(), threads_per_process=threads, **common)
+                             rng_states=capture_rng_state(), threads_per_process=threads, **common)
         ProcessLauncher(job, method).run()
-        if result_path is not None:
-            tl.adopt_distributed_result(result_path, callbacks)
+        adopt_distributed_result(tl, result_path, callbacks)
     return tl.model_for_user

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
-from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
+from aitoolbox.torchtrain.model import ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
 from aitoolbox.torchtrain.precision.setup import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
@@ -23,6 +23,9 @@ from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
+from aitoolbox.torchtrain.train_loop.train_state import (
+    MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, restore_rng_state,
+    restore_train_state)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,10 @@ class TrainLoop:
         self.train_history = TrainingHistory()
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
-        self._epochs_completed = 0
+        self.epochs_completed = 0
+        self.epoch_loss_sum = torch.zeros(())
+        self.epoch_start_rng_state: Optional[dict] = None
+        self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
         self._model_runner = None
@@ -162,6 +168,22 @@ class TrainLoop:
 
     check_loss = staticmethod(validation.check_loss)
 
+    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None) -> dict:
+        """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process."""
+        return capture_train_state(self, mid_epoch, hyperparams)
+
+    def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
+        """Continue from a checkpoint (a dict, a ``.pth`` file, or an experiment folder: its newest checkpoint).
+
+        Call it before ``fit``; ``fit`` then trains on from the saved epoch and iteration, bitwise as if the
+        run had not stopped (same model, data loaders and callbacks given). Returns the checkpoint dict.
+        """
+        if not isinstance(checkpoint, dict):
+            from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
+            checkpoint = load_checkpoint_file(checkpoint)
+        restore_train_state(self, checkpoint)
+        return checkpoint
+
     # --- training ---------------------------------------------------------------------------------------
     def __call__(self, num_epochs: int = 0, num_iterations: int = 0, callbacks: Optional[List[AbstractCallback]] = None,
                  grad_accumulation: int = 1, **kwargs) -> nn.Module:
@@ -201,17 +223,19 @@ class TrainLoop:
         if self._target_reached(num_epochs, num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
-                           self._epochs_completed, self.total_iteration_idx)
+                           self.epochs_completed, self.total_iteration_idx)
             return self.model_for_user
         self.model_runner.train()
         if self.print_callbacks and self.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self.precision.zero_grad(self.optimizers)
         self.callbacks_handler.on_train_begin()
+        resume = apply_pending_states(self)
         while not self.early_stop and not self._target_reached(num_epochs, num_iterations):
-            self.epoch = self._epochs_completed
-            self._run_epoch(num_iterations)
-            self._epochs_completed += 1
+            self.epoch = self.epochs_completed
+            self._run_epoch(num_iterations, resume)
+            resume = None
+            self.epochs_completed += 1
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
         return self.model_for_user
@@ -261,65 +285,28 @@ class TrainLoop:
         """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap."""
         return self._user_model
 
-    def enter_distributed_process(self, strategy, amp_init_args: Optional[dict]) -> None:
-        """In a process of a distributed job: train with ``strategy`` and set up the model afresh."""
-        self.strategy = strategy
-        if amp_init_args is not None:
-            check_use_amp(amp_init_args, strategy.device)
-            self.use_amp = amp_init_args
-        self._model_runner = None
-        self._precision = None
-        self._evaluation_loaders = {}
-        self._evaluator.clear_cache()
-
-    def shard_data_loaders(self, train_data_shuffle: bool) -> None:
-        """Give this process its share of the training data (after in-process data loading)."""
-        shuffle = None if train_data_shuffle else False
-        self.train_loader = self.strategy.setup_loader(self.train_loader, shuffle)
-        self._evaluation_loaders = {}
-
-    def save_distributed_result(self, path: str) -> None:
-        """Rank 0 saves what the parent adopts: weights, optimizer states, history and counters."""
-        torch.save({"model": self.model.state_dict(), "optimizers": [opt.state_dict() for opt in self.optimizers],
-                    "train_history": self.train_history.get_train_history_dict(), "epoch": self.epoch,
-                    "epochs_completed": self._epochs_completed, "total_iteration_idx": self.total_iteration_idx},
-                   path)
-
-    def adopt_distributed_result(self, path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
-        """In the parent: take over rank 0's trained state, so the TrainLoop continues from it."""
-        result = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(result["model"])
-        for optimizer, state in zip(self.optimizers, result["optimizers"]):
-            try:
-                optimizer.load_state_dict(state)
-            except (ValueError, KeyError, RuntimeError) as error:
-                logger.warning("could not restore the optimizer state from the training processes: %s", error)
-        self.train_history.clear()
-        self.train_history.update(result["train_history"])
-        self.epoch = result["epoch"]
-        self._epochs_completed = result["epochs_completed"]
-        self.total_iteration_idx = result["total_iteration_idx"]
-        self._evaluator.clear_cache()
-
     def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
         if num_epochs > 0:
-            return self._epochs_completed >= num_epochs
+            return self.epochs_completed >= num_epochs
         return self.total_iteration_idx >= num_iterations
 
-    def _run_epoch(self, num_iterations: int) -> None:
-        """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end."""
+    def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
+        """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end.
+
+        ``resume`` continues an epoch that a mid-epoch checkpoint interrupted.
+        """
         self.strategy.on_epoch_begin(self.epoch, self.train_loader)
         self.callbacks_handler.on_epoch_begin()
         num_batches = loader_length(self.train_loader)
         bar = ProgressBar(num_batches, f"Epoch {self.epoch}", enabled=self.show_progress)
-        loss_sum = torch.zeros((), device=self.device)
-        batches_done = 0
-        for self.iteration, batch_data in enumerate(self.train_loader):
+        batches, batches_done = self._epoch_batches(resume)
+        self.epoch_loss_sum = torch.full((), resume.loss_sum if resume else 0.0, device=self.device)
+        for self.iteration, batch_data in batches:
             iteration_limit_hit = num_iterations > 0 and self.total_iteration_idx + 1 >= num_iterations
             epoch_ends = iteration_limit_hit or self.iteration + 1 == num_batches
-            loss_sum += self._run_batch(batch_data, force_optimizer_step=epoch_ends)
+            self.epoch_loss_sum += self._run_batch(batch_data, force_optimizer_step=epoch_ends)
             batches_done += 1
-            bar.update(lambda: {"loss": f"{loss_sum.item() / batches_done:.4f}"})
+            bar.update(lambda: {"loss": f"{self.epoch_loss_sum.item() / batches_done:.4f}"})
             if iteration_limit_hit or (self.early_stop and self.strategy.stops_mid_epoch):
                 break
         else:
@@ -328,10 +315,23 @@ class TrainLoop:
         bar.close()
         if batches_done == 0:
             raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
-        self.insert_metric_result_into_history("accumulated_loss", (loss_sum / batches_done).item())
+        self.insert_metric_result_into_history("accumulated_loss", (self.epoch_loss_sum / batches_done).item())
         self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
         self.early_stop = self.strategy.any_process(self.early_stop)  # all ranks stop together
+
+    def _epoch_batches(self, resume: Optional[MidEpochResume]):
+        """``(index, batch)`` pairs of this epoch and the number already done (non-zero after a resume)."""
+        if resume is not None:
+            restore_rng_state(resume.epoch_start_rng, self.train_loader)
+        self.epoch_start_rng_state = capture_rng_state(self.train_loader)
+        batches = enumerate(self.train_loader)
+        if resume is None:
+            return batches, 0
+        for _ in range(resume.batches_done):  # draw the same data order again and skip what was trained on
+            next(batches)
+        restore_rng_state(resume.rng, self.train_loader)
+        return batches, resume.batches_done
 
     def _run_batch(self, batch_data: Any, force_optimizer_step: bool) -> torch.Tensor:
         """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss."""
@@ -389,7 +389,7 @@ class TrainLoop:
         """The loader to evaluate on: the user's, or under DDP this process's exact share of it."""
         loader = {"train": self.train_loader, "validation": self.validation_loader, "test": self.test_loader}[dataset_type]
         if loader is None:
-            raise ValueError(f"this TrainLoop has no {dataset_type} loader: pass one to the constructor")
+            raise ValueError(f"this TrainLoop has no {dataset_type}_loader: pass one to the constructor")
         if dataset_type not in self._evaluation_loaders:
             self._evaluation_loaders[dataset_type] = self.strategy.setup_eval_loader(loader)
         return self._evaluation_loaders[dataset_type]

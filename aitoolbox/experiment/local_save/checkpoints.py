@@ -1,0 +1,75 @@
+"""Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k."""
+import os
+import re
+from typing import List, Optional, Tuple
+
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
+
+_CHECKPOINT_NAME = re.compile(r"^model_.+_E(?P<epoch>\d+)(?:_I(?P<iteration>\d+))?\.pth$")
+
+
+def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, iteration: Optional[int] = None) -> str:
+    """``model_<experiment>_<timestamp>_E<epoch>.pth``; a mid-epoch one adds ``_I<batches done in the epoch>``."""
+    suffix = f"_I{iteration}" if iteration else ""
+    return f"model_{experiment_name}_{timestamp}_E{epoch}{suffix}.pth"
+
+
+def checkpoint_position(file_name: str) -> Optional[Tuple[int, int]]:
+    """Training progress a checkpoint name stands for, comparable across epoch and iteration checkpoints."""
+    match = _CHECKPOINT_NAME.match(file_name)
+    if match is None or file_name.startswith(TEMP_PREFIX):
+        return None
+    epoch = int(match.group("epoch"))
+    iteration = match.group("iteration")
+    return (epoch, int(iteration)) if iteration else (epoch + 1, 0)
+
+
+def list_checkpoints(folder: str) -> List[str]:
+    """Complete checkpoint files in ``folder``, oldest training progress first (temporary files ignored)."""
+    if not os.path.isdir(folder):
+        return []
+    named = [(checkpoint_position(name), name) for name in os.listdir(folder)]
+    return [os.path.join(folder, name) for position, name in sorted(p for p in named if p[0] is not None)]
+
+
+def find_checkpoint(path: str) -> str:
+    """The checkpoint file ``path`` names: itself, or the newest one of an experiment or checkpoint folder."""
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint file or experiment folder at {path}")
+    for folder in (path, os.path.join(path, "checkpoint_model")):
+        found = list_checkpoints(folder)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(f"no checkpoint (model_*_E<epoch>.pth) in {path} or its checkpoint_model/ folder")
+
+
+def load_checkpoint_file(path: str, map_location="cpu") -> dict:
+    """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) with ``weights_only=True``."""
+    file_path = find_checkpoint(path)
+    checkpoint = torch_load_checked(file_path, map_location=map_location)
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+        raise ValueError(f"{file_path} is not an aitoolbox checkpoint (no 'model' entry)")
+    return checkpoint
+
+
+def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str) -> str:
+    """Write a checkpoint atomically; returns its path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, file_name)
+    torch_save_atomic(checkpoint, path)
+    return path
+
+
+def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_always: List[str],
+                      higher_is_better: bool) -> List[str]:
+    """Delete all but the ``keep_best`` best-scored files (and ``keep_always``); return the deleted paths."""
+    ranked = sorted(scored, key=lambda item: item[0], reverse=higher_is_better)
+    keep = {path for _, path in ranked[:keep_best]} | set(keep_always)
+    deleted = []
+    for _, path in ranked:
+        if path not in keep and os.path.exists(path):
+            os.remove(path)
+            deleted.append(path)
+    return deleted

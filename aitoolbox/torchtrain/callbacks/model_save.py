@@ -1,0 +1,209 @@
+"""Checkpoint callbacks: every epoch (keeping the best k), every N iterations, and the final model at the end."""
+import logging
+import os
+from typing import Optional, Union
+
+from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, prune_checkpoints, save_checkpoint_file
+from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
+from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
+
+logger = logging.getLogger(__name__)
+
+# Checkpoints run after every other epoch-end callback (LR schedulers, metrics), so what they save is
+# exactly the state the next epoch starts from.
+CHECKPOINT_EXECUTION_ORDER = 100
+
+
+def higher_is_better(metric_name: str) -> bool:
+    name = metric_name.lower()
+    return not ("loss" in name or "error" in name)
+
+
+class _CheckpointCallback(AbstractExperimentCallback):
+    """Shared parts: hyperparameters, the save itself, and the error that keeps the in-memory state usable."""
+
+    def __init__(self, callback_name: str, project_name, experiment_name, local_model_result_folder_path,
+                 hyperparams: Optional[dict], cloud_save_mode, execution_order: int = CHECKPOINT_EXECUTION_ORDER):
+        check_local_save_mode(cloud_save_mode, type(self).__name__)
+        super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
+                         execution_order=execution_order)
+        if hyperparams is not None and not isinstance(hyperparams, dict):
+            raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
+        self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
+
+    def _save(self, checkpoint: dict, folder: str, file_name: str) -> str:
+        try:
+            self.ensure_folder(folder)
+            return save_checkpoint_file(checkpoint, folder, file_name)
+        except OSError as error:
+            raise OSError(error.errno, f"{type(self).__name__} could not save {os.path.join(folder, file_name)}: "
+                                       f"{error.strerror or error}. Training stopped; the TrainLoop still holds the "
+                                       "trained state in memory (save it elsewhere with "
+                                       "torch.save(tl.checkpoint_state(), path)).") from error
+
+
+class ModelCheckpoint(_CheckpointCallback):
+    """Save a checkpoint at the end of every epoch; optionally keep only the best ones.
+
+    Files: ``checkpoint_model/model_<experiment>_<timestamp>_E<epoch>.pth`` holding everything
+    :meth:`TrainLoop.load_checkpoint` needs to continue bitwise.
+
+    Args:
+        project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
+        hyperparams: stored in each checkpoint.
+        cloud_save_mode: None/'local' (cloud uploads are not supported).
+        rm_subopt_local_models: False keeps every checkpoint; True keeps the ``num_best_checkpoints_kept`` best by
+            ``val_loss`` (``loss`` without validation); a metric name ranks by that metric (higher is better unless
+            the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming.
+        num_best_checkpoints_kept: how many best checkpoints to keep.
+    """
+
+    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+                 local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
+                 cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
+                 num_best_checkpoints_kept: int = 2):
+        super().__init__("Model checkpoint at each epoch", project_name, experiment_name,
+                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+        if not isinstance(rm_subopt_local_models, (bool, str)):
+            raise TypeError(f"rm_subopt_local_models must be a bool or a metric name, got {rm_subopt_local_models!r}")
+        if isinstance(num_best_checkpoints_kept, bool) or not isinstance(num_best_checkpoints_kept, int) \
+                or num_best_checkpoints_kept < 1:
+            raise ValueError(f"num_best_checkpoints_kept must be an int >= 1, got {num_best_checkpoints_kept!r}")
+        self.rm_subopt_local_models = rm_subopt_local_models
+        self.num_best_checkpoints_kept = num_best_checkpoints_kept
+        self.saved_checkpoints = []  # (score, path) of checkpoints this run wrote and still exist
+
+    def _monitored_metric(self) -> str:
+        if isinstance(self.rm_subopt_local_models, str):
+            return self.rm_subopt_local_models
+        return "val_loss" if "val_loss" in self.train_loop_obj.train_history else "loss"
+
+    def on_epoch_end(self) -> None:
+        tl = self.train_loop_obj
+        checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.hyperparams)
+        if not self.is_main_process:
+            return
+        folder = self.experiment_folder
+        path = self._save(checkpoint, folder.checkpoint_dir,
+                          checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch))
+        logger.debug("saved checkpoint %s", path)
+        if self.rm_subopt_local_models is False:
+            return
+        metric = self._monitored_metric()
+        values = tl.train_history.get(metric)
+        if not values:
+            raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
+                             f"(recorded: {sorted(tl.train_history)}); pass rm_subopt_local_models=<metric name>")
+        self.saved_checkpoints.append((scalar_value(values[-1]), path))
+        deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
+                                    higher_is_better=higher_is_better(metric))
+        self.saved_checkpoints = [(score, p) for score, p in self.saved_checkpoints if p not in deleted]
+
+
+class ModelIterationCheckpoint(_CheckpointCallback):
+    """Save a checkpoint every ``save_frequency`` training iterations, to resume inside an epoch.
+
+    With gradient accumulation, a save that falls inside an accumulation window waits for the window's
+    optimizer step, so a checkpoint never holds half-accumulated gradients.
+
+    Args:
+        save_frequency: iterations (batches) between checkpoints.
+        project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
+            :class:`ModelCheckpoint`.
+        keep_last: keep only this many newest iteration checkpoints (None keeps all).
+    """
+
+    def __init__(self, save_frequency: int, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+                 local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
+                 cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, keep_last: Optional[int] = None):
+        super().__init__("Model checkpoint every N iterations", project_name, experiment_name,
+                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+        if isinstance(save_frequency, bool) or not isinstance(save_frequency, int) or save_frequency < 1:
+            raise ValueError(f"save_frequency must be an int >= 1 (iterations between checkpoints), got {save_frequency!r}")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        self.save_frequency = save_frequency
+        self.keep_last = keep_last
+        self._save_due = False
+        self._written = []
+
+    def on_batch_end(self) -> None:
+        tl = self.train_loop_obj
+        if (tl.total_iteration_idx + 1) % self.save_frequency == 0:
+            self._save_due = True
+        at_update_boundary = (tl.iteration + 1) % tl.grad_accumulation == 0
+        if not (self._save_due and at_update_boundary):
+            return
+        self._save_due = False
+        checkpoint = tl.checkpoint_state(mid_epoch=True, hyperparams=self.hyperparams)
+        if not self.is_main_process:
+            return
+        folder = self.experiment_folder
+        path = self._save(checkpoint, folder.checkpoint_dir,
+                          checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.iteration + 1))
+        self._written.append(path)
+        if self.keep_last is not None:
+            for old in self._written[:-self.keep_last]:
+                if os.path.exists(old):
+                    os.remove(old)
+            self._written = self._written[-self.keep_last:]
+
+
+class ModelTrainEndSave(_CheckpointCallback):
+    """At the end of training: save the final model, evaluate the result packages, write the results.
+
+    Files: ``model/model_<experiment>_<timestamp>.pth`` (a full checkpoint), ``results/results.json`` with the
+    validation and test metrics and the training history, and the hyperparameters.
+
+    Args:
+        project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
+        hyperparams: written to ``hyperparams_list.txt`` / ``hyperparams.json`` and into the checkpoint.
+        val_result_package: evaluated on the validation set, or None.
+        test_result_package: evaluated on the test set, or None.
+        cloud_save_mode: None/'local' (cloud uploads are not supported).
+    """
+
+    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+                 local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
+                 val_result_package: Optional[AbstractResultPackage] = None,
+                 test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None):
+        super().__init__("Model save at the end of training", project_name, experiment_name,
+                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+        for name, package in (("val_result_package", val_result_package), ("test_result_package", test_result_package)):
+            if package is not None and not isinstance(package, AbstractResultPackage):
+                raise TypeError(f"{name} must be a result package (e.g. ClassificationResultPackage()) or None, "
+                                f"got {type(package).__name__}")
+        self.val_result_package = val_result_package
+        self.test_result_package = test_result_package
+        self.results = {}
+
+    def on_train_loop_registration(self) -> None:
+        super().on_train_loop_registration()
+        for name, package, loader in (("val_result_package", self.val_result_package,
+                                       self.train_loop_obj.validation_loader),
+                                      ("test_result_package", self.test_result_package, self.train_loop_obj.test_loader)):
+            if package is not None and loader is None:
+                raise ValueError(f"ModelTrainEndSave got a {name} but the TrainLoop has no loader for that set")
+
+    def on_train_end(self) -> None:
+        tl = self.train_loop_obj
+        results = {}
+        for name, package, predict in (("validation", self.val_result_package, tl.predict_on_validation_set),
+                                       ("test", self.test_result_package, tl.predict_on_test_set)):
+            if package is not None:
+                y_pred, y_true, _ = predict()
+                results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.hyperparams,
+                                                               training_history=tl.train_history).get_results()
+        self.results = results
+        checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.hyperparams)
+        if not self.is_main_process:
+            return
+        folder = self.experiment_folder
+        self._save(checkpoint, folder.model_dir, f"model_{folder.experiment_name}_{folder.timestamp}.pth")
+        folder.save_hyperparams(self.hyperparams)
+        folder.save_json(os.path.join("results", "results.json"),
+                         {"results": results, "train_history": tl.train_history.get_train_history_dict(),
+                          "epochs_completed": tl.epochs_completed})

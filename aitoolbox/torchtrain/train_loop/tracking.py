@@ -1,0 +1,125 @@
+"""The experiment-tracking presets: TrainLoop plus the callbacks that fill an experiment folder.
+
+``TrainLoopCheckpoint`` saves a checkpoint every epoch, ``TrainLoopEndSave`` saves the final model with its
+evaluation results, plots and history files, and ``TrainLoopCheckpointEndSave`` does both. All keyword
+arguments of :class:`TrainLoop` pass through.
+"""
+import logging
+from typing import Optional, Union
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
+from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
+from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
+from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
+
+
+class _ExperimentTrainLoop(TrainLoop):
+    """A TrainLoop with an experiment folder ``<root>/<project>/<experiment>_<timestamp>/``."""
+
+    def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
+                 project_name: str, experiment_name: str, local_model_result_folder_path: str,
+                 hyperparams: Optional[dict], cloud_save_mode: Optional[str], **kwargs):
+        check_local_save_mode(cloud_save_mode, type(self).__name__)
+        super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
+        if hyperparams is not None and not isinstance(hyperparams, dict):
+            raise TypeError(f"hyperparams must be a dict, got {type(hyperparams).__name__}")
+        self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self.local_model_result_folder_path = local_model_result_folder_path
+        self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name)
+        if not self.lazy_experiment_save:
+            self.experiment_folder.save_hyperparams(self.hyperparams)
+            logger.info("Experiment folder: %s", self.experiment_folder.path)
+
+    @property
+    def experiment_timestamp(self) -> str:
+        return self.experiment_folder.timestamp
+
+
+class TrainLoopCheckpoint(_ExperimentTrainLoop):
+    """TrainLoop that saves a checkpoint at every epoch end (and every ``iteration_save_freq`` iterations).
+
+    Args:
+        model, train_loader, validation_loader, test_loader, optimizer, criterion: as for :class:`TrainLoop`.
+        project_name: project folder under ``local_model_result_folder_path``.
+        experiment_name: prefix of this run's folder.
+        local_model_result_folder_path: root folder of all experiments.
+        hyperparams: saved with the experiment (copied, never modified).
+        cloud_save_mode: None or 'local'; files stay on the local disk.
+        rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
+        iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
+        **kwargs: any other :class:`TrainLoop` argument.
+    """
+
+    def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
+                 project_name: str, experiment_name: str, local_model_result_folder_path: str,
+                 hyperparams: Optional[dict], cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, source_dirs=(),
+                 rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
+                 iteration_save_freq: int = 0, **kwargs):
+        super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+        callbacks = [ModelCheckpoint(hyperparams=self.hyperparams, rm_subopt_local_models=rm_subopt_local_models,
+                                     num_best_checkpoints_kept=num_best_checkpoints_kept)]
+        if iteration_save_freq:
+            callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=self.hyperparams))
+        self.callbacks_handler.register_callbacks(callbacks)
+
+
+class TrainLoopEndSave(_ExperimentTrainLoop):
+    """TrainLoop that, when training ends, saves the final model, its evaluation results, plots and history.
+
+    Args:
+        model, train_loader, validation_loader, test_loader, optimizer, criterion: as for :class:`TrainLoop`.
+        project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
+            :class:`TrainLoopCheckpoint`.
+        val_result_package: metrics evaluated on the validation set at the end, or None.
+        test_result_package: metrics evaluated on the test set at the end, or None.
+        **kwargs: any other :class:`TrainLoop` argument.
+    """
+
+    def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
+                 project_name: str, experiment_name: str, local_model_result_folder_path: str,
+                 hyperparams: Optional[dict], val_result_package: Optional[AbstractResultPackage] = None,
+                 test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
+        super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+        self.callbacks_handler.register_callbacks(end_save_callbacks(self.hyperparams, val_result_package,
+                                                                     test_result_package))
+
+
+class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
+    """TrainLoop with both: a checkpoint every epoch and the final save with results, plots and history.
+
+    Args: as :class:`TrainLoopCheckpoint` and :class:`TrainLoopEndSave` together.
+    """
+
+    def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
+                 project_name: str, experiment_name: str, local_model_result_folder_path: str,
+                 hyperparams: Optional[dict], val_result_package: Optional[AbstractResultPackage] = None,
+                 test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
+                 rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
+                 iteration_save_freq: int = 0, **kwargs):
+        super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+        callbacks = [ModelCheckpoint(hyperparams=self.hyperparams, rm_subopt_local_models=rm_subopt_local_models,
+                                     num_best_checkpoints_kept=num_best_checkpoints_kept)]
+        if iteration_save_freq:
+            callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=self.hyperparams))
+        callbacks += end_save_callbacks(self.hyperparams, val_result_package, test_result_package)
+        self.callbacks_handler.register_callbacks(callbacks)
+
+
+def end_save_callbacks(hyperparams: dict, val_result_package, test_result_package) -> list:
+    """The final save, the history plots and the history file of the EndSave presets."""
+    return [ModelTrainEndSave(hyperparams=hyperparams, val_result_package=val_result_package,
+                              test_result_package=test_result_package),
+            ModelTrainHistoryPlot(epoch_end=False, train_end=True),
+            ModelTrainHistoryFileWriter(epoch_end=False, train_end=True, file_format="csv")]

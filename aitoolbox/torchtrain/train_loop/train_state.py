@@ -1,0 +1,163 @@
+"""Everything needed to continue a training run bitwise: capture it into a checkpoint dict and restore it.
+
+A checkpoint holds the model (the user's module, no ``module.`` prefixes), the optimizers (with amp's float32
+master weights in the precision state), the loss scaler, the state of every callback that has one (LR
+schedulers), the counters, the training history, and the RNG states of every rank (python, numpy, torch CPU and
+CUDA, and the training loader's own generators). Everything in it loads with ``torch.load(weights_only=True)``.
+
+Mid-epoch checkpoints also hold the RNG state at the start of the epoch: on resume the epoch's data order is
+drawn again from it, the batches already trained on are skipped, and the RNG state of the checkpoint is put back.
+"""
+import dataclasses
+import json
+import random
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+FORMAT_VERSION = 1
+
+
+def capture_rng_state(loader: Any = None) -> dict:
+    """RNG states of this process (and of ``loader``'s torch generators), as weights-only-loadable values."""
+    numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [numpy_kind, torch.from_numpy(numpy_keys.astype(np.int64)), int(numpy_pos), int(numpy_has_gauss),
+                  float(numpy_gauss)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+        "loader_generators": [generator.get_state() for generator in loader_generators(loader)] if loader else [],
+    }
+    return state
+
+
+def restore_rng_state(state: dict, loader: Any = None) -> None:
+    """Put back what :func:`capture_rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    generators = loader_generators(loader) if loader is not None else []
+    if len(generators) != len(state["loader_generators"]):
+        raise ValueError(f"the checkpoint holds {len(state['loader_generators'])} train-loader generator state(s), "
+                         f"the train loader has {len(generators)}: build the DataLoader as in the original run")
+    for generator, generator_state in zip(generators, state["loader_generators"]):
+        generator.set_state(generator_state)
+
+
+@dataclasses.dataclass
+class MidEpochResume:
+    """Where a mid-epoch checkpoint stopped inside its epoch."""
+
+    batches_done: int
+    loss_sum: float
+    epoch_start_rng: dict
+    rng: dict
+
+
+def json_safe(value: Any) -> Any:
+    """Hyperparameters as plain JSON types, so the checkpoint loads with ``weights_only=True``."""
+    return json.loads(json.dumps(value, default=repr))
+
+
+def callback_key(position: int, callback: Any) -> str:
+    return f"{position}:{type(callback).__name__}"
+
+
+def stateful_callbacks(tl: "TrainLoop") -> Dict[str, Any]:
+    """Registered callbacks with ``state_dict``/``load_state_dict`` (LR schedulers, early stopping...)."""
+    return {callback_key(i, cb): cb for i, cb in enumerate(tl.callbacks)
+            if callable(getattr(cb, "state_dict", None)) and callable(getattr(cb, "load_state_dict", None))}
+
+
+def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None) -> dict:
+    """The checkpoint of ``tl`` now. Call it in every process: the ranks' RNG states are gathered.
+
+    Args:
+        tl: the loop.
+        mid_epoch: True inside an epoch (after an optimizer step), False at the end of an epoch.
+        hyperparams: stored with the checkpoint.
+    """
+    rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
+    checkpoint = {
+        "format_version": FORMAT_VERSION,
+        "model": tl.model_for_user.state_dict(),
+        "optimizers": [optimizer.state_dict() for optimizer in tl.optimizers],
+        "precision": tl.precision.state_dict(),
+        "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(tl).items()},
+        "epoch": tl.epoch,
+        "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
+        "iteration": tl.iteration + 1 if mid_epoch else 0,
+        # A mid-epoch checkpoint is taken in on_batch_end, before the loop counts the finished batch.
+        "total_iteration_idx": tl.total_iteration_idx + 1 if mid_epoch else tl.total_iteration_idx,
+        "train_history": tl.train_history.get_train_history_dict(),
+        "hyperparams": json_safe(hyperparams or {}),
+        "rng": rng_per_rank,
+        "world_size": tl.strategy.world_size,
+    }
+    if mid_epoch:
+        checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
+        checkpoint["epoch_loss_sum"] = float(tl.epoch_loss_sum + tl.last_batch_loss)
+    return checkpoint
+
+
+def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
+    """Load a checkpoint into ``tl`` before ``fit``; the next ``fit`` continues exactly where it was saved.
+
+    The model and optimizer states are loaded now. The precision state (loss scale, master weights), callback
+    states and RNG states are applied when ``fit`` has set up the model, registered the callbacks and is
+    about to train, in every process of a distributed run.
+    """
+    missing = [key for key in ("model", "optimizers", "epoch", "train_history", "rng") if key not in checkpoint]
+    if missing:
+        raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing")
+    tl.model_for_user.load_state_dict(checkpoint["model"])
+    if len(checkpoint["optimizers"]) != len(tl.optimizers):
+        raise ValueError(f"the checkpoint holds {len(checkpoint['optimizers'])} optimizer state(s) but the TrainLoop "
+                         f"has {len(tl.optimizers)} optimizer(s)")
+    for optimizer, state in zip(tl.optimizers, checkpoint["optimizers"]):
+        optimizer.load_state_dict(state)
+    tl.train_history.clear()
+    tl.train_history.update(checkpoint["train_history"])
+    tl.epoch = checkpoint["epoch"]
+    tl.epochs_completed = checkpoint["epochs_completed"]
+    tl.total_iteration_idx = checkpoint["total_iteration_idx"]
+    tl.pending_restore = checkpoint
+
+
+def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
+    """At the start of ``fit``: restore precision, callback and RNG states of a loaded checkpoint.
+
+    Returns:
+        Where to resume inside the epoch, for a mid-epoch checkpoint; None otherwise.
+    """
+    checkpoint = tl.pending_restore
+    if checkpoint is None:
+        return None
+    tl.pending_restore = None
+    tl.precision.load_state_dict(checkpoint["precision"])
+    callbacks = stateful_callbacks(tl)
+    for key, state in checkpoint.get("callbacks", {}).items():
+        if key in callbacks:
+            callbacks[key].load_state_dict(state)
+    rank = tl.strategy.rank
+    rng_states: List[dict] = checkpoint["rng"]
+    if len(rng_states) != tl.strategy.world_size:
+        raise ValueError(f"the checkpoint was saved by {len(rng_states)} process(es) and is resumed by "
+                         f"{tl.strategy.world_size}: resume with the same number of processes for an exact "
+                         "continuation")
+    if checkpoint["iteration"] > 0:
+        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"],
+                              epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])
+    restore_rng_state(rng_states[rank], tl.train_loader)
+    return None
