@@ -15,6 +15,11 @@ logger = logging.getLogger(__name__)
 EARLY_STOPPING_MODES = ("auto", "min", "max")
 
 
+def not_evaluated_yet(train_loop, metric_name: str) -> bool:
+    """True for 'loss'/'val_loss' in an epoch where ``end_auto_eval=N`` skipped the evaluation."""
+    return metric_name in ("loss", "val_loss") and train_loop.end_auto_eval is not False and not train_loop.auto_eval_due
+
+
 def missing_metric_message(metric_name: str, history: dict, hint: str) -> str:
     """The error text for a metric a callback needs but the training history lacks."""
     present = ", ".join(repr(name) for name in history) or "none"
@@ -66,6 +71,8 @@ class EarlyStopping(AbstractCallback):
 
     def on_epoch_end(self) -> None:
         history = self.train_loop_obj.train_history
+        if self.monitor not in history and not_evaluated_yet(self.train_loop_obj, self.monitor):
+            return
         if self.monitor not in history:
             raise ValueError(missing_metric_message(
                 self.monitor, history,
@@ -116,6 +123,8 @@ class TerminateOnNaN(AbstractCallback):
 
     def on_epoch_end(self) -> None:
         history = self.train_loop_obj.train_history
+        if self.monitor not in history and not_evaluated_yet(self.train_loop_obj, self.monitor):
+            return
         if self.monitor not in history:
             raise ValueError(missing_metric_message(
                 self.monitor, history,

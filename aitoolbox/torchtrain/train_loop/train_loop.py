@@ -362,14 +362,16 @@ class TrainLoop:
             self._step_optimizers()
 
     # --- evaluation -------------------------------------------------------------------------------------
-    def _auto_eval_due(self) -> bool:
+    @property
+    def auto_eval_due(self) -> bool:
+        """True when the loop records ``loss``/``val_loss`` at the end of the current epoch (``end_auto_eval``)."""
         if self.end_auto_eval is True or self.end_auto_eval is False:
             return self.end_auto_eval
         return (self.epoch + 1) % self.end_auto_eval == 0
 
     def _evaluate_at_epoch_end(self) -> None:
         summary = {"accumulated_loss": self.train_history["accumulated_loss"][-1]}
-        if self._auto_eval_due():
+        if self.auto_eval_due:
             summary["loss"] = self.evaluate_loss_on_train_set()
             self.insert_metric_result_into_history("loss", summary["loss"])
             if self.validation_loader is not None:

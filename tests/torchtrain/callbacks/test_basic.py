@@ -261,3 +261,31 @@ def test_data_subset_needs_the_loaders_it_subsets(make_model, make_loader):
 def test_data_subset_rejects_bad_counts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DataSubsetTestRun(**kwargs)
+
+
+def test_monitoring_callbacks_wait_for_the_first_auto_evaluation_with_end_auto_eval_every_n_epochs():
+    """With end_auto_eval=2 the loss is first recorded at epoch 1: epoch 0 is not an error."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from aitoolbox.torchtrain.callbacks.basic import EarlyStopping, TerminateOnNaN
+    from aitoolbox.torchtrain.model import TTBasicModel
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+
+    class Linear(TTBasicModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(12, 3), torch.randn(12, 1))
+    model = Linear()
+    tl = TrainLoop(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), end_auto_eval=2, show_progress=False)
+    tl.fit(num_epochs=4, callbacks=[EarlyStopping(monitor="val_loss", patience=5), TerminateOnNaN(monitor="loss")])
+    assert len(tl.train_history["val_loss"]) == 2
+    assert tl.epochs_completed == 4
