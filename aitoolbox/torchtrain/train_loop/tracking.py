@@ -64,11 +64,8 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
                  iteration_save_freq: int = 0, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
-        callbacks = [ModelCheckpoint(hyperparams=self.hyperparams, rm_subopt_local_models=rm_subopt_local_models,
-                                     num_best_checkpoints_kept=num_best_checkpoints_kept)]
-        if iteration_save_freq:
-            callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=self.hyperparams))
-        self.callbacks_handler.register_callbacks(callbacks)
+        self.callbacks_handler.register_callbacks(checkpoint_callbacks(
+            self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq))
 
 
 class TrainLoopEndSave(_ExperimentTrainLoop):
@@ -109,12 +106,20 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
                  iteration_save_freq: int = 0, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
-        callbacks = [ModelCheckpoint(hyperparams=self.hyperparams, rm_subopt_local_models=rm_subopt_local_models,
-                                     num_best_checkpoints_kept=num_best_checkpoints_kept)]
-        if iteration_save_freq:
-            callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=self.hyperparams))
-        callbacks += end_save_callbacks(self.hyperparams, val_result_package, test_result_package)
-        self.callbacks_handler.register_callbacks(callbacks)
+        self.callbacks_handler.register_callbacks(
+            checkpoint_callbacks(self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept,
+                                 iteration_save_freq)
+            + end_save_callbacks(self.hyperparams, val_result_package, test_result_package))
+
+
+def checkpoint_callbacks(hyperparams: dict, rm_subopt_local_models, num_best_checkpoints_kept: int,
+                         iteration_save_freq: int) -> list:
+    """The epoch checkpoints (and iteration checkpoints when ``iteration_save_freq`` > 0) of the Checkpoint presets."""
+    callbacks = [ModelCheckpoint(hyperparams=hyperparams, rm_subopt_local_models=rm_subopt_local_models,
+                                 num_best_checkpoints_kept=num_best_checkpoints_kept)]
+    if iteration_save_freq:
+        callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=hyperparams))
+    return callbacks
 
 
 def end_save_callbacks(hyperparams: dict, val_result_package, test_result_package) -> list:
