@@ -33,7 +33,8 @@ def capture_rng_state(loader: Any = None) -> dict:
                   float(numpy_gauss)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
-        "loader_generators": [generator.get_state() for generator in loader_generators(loader)] if loader is not None else [],
+        "loader_generators": [generator.get_state() for generator in loader_generators(loader)]
+        if loader is not None else [],
     }
     return state
 
