@@ -8,7 +8,9 @@ from torch import nn
 
 from aitoolbox.torchtrain import amp
 from aitoolbox.torchtrain.amp.properties import resolve_properties
+from aitoolbox.torchtrain.model import FeedDefinitionModel
 from aitoolbox.torchtrain.precision.factory import autocast_precision, full_precision
+from aitoolbox.torchtrain.precision.model_cast import register_upcast_state_dict
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
         return existing.precision()
     if isinstance(use_amp, dict):
         state_optimizers = amp.initialize(model, optimizers, **use_amp)[1]
+        if isinstance(model, FeedDefinitionModel):
+            # Checkpoints save the user's wrapped module: it must return float32 weights too.
+            register_upcast_state_dict(model.model)
         return amp.state_of(state_optimizers[0]).precision()
     if use_amp:
         return autocast_precision(device.type)

@@ -385,3 +385,32 @@ def test_low_precision_param_group_added_after_initialize_gets_float32_masters_u
     optimizer.step()
     assert torch.equal(masters[0].detach(), master_before.add(masters[0].grad, alpha=-0.1))  # SGD's update
     assert torch.equal(extra.weight.detach(), masters[0].detach().to(LOW))
+
+
+def test_model_wrap_module_saves_float32_weights_under_o2():
+    """Checkpoints hold the user's own module of a ModelWrap: under O2 its state_dict must be float32 too."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from aitoolbox.torchtrain.data.batch_model_feed_defs import AbstractModelFeedDefinition
+    from aitoolbox.torchtrain.model import ModelWrap
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+
+    class Feed(AbstractModelFeedDefinition):
+        def get_loss(self, model, batch_data, criterion, device):
+            x, y = batch_data
+            return criterion(model(x), y)
+
+        def get_predictions(self, model, batch_data, device):
+            x, y = batch_data
+            return model(x), y, None
+
+    net = nn.Linear(3, 1)
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    tl = TrainLoop(ModelWrap(net, Feed()), DataLoader(data, batch_size=4), None, None,
+                   torch.optim.SGD(net.parameters(), lr=0.1), nn.MSELoss(), use_amp={"opt_level": "O2", "verbosity": 0},
+                   show_progress=False)
+    tl.fit(num_epochs=1)
+    assert net.weight.dtype == torch.bfloat16
+    assert {value.dtype for value in net.state_dict().values()} == {torch.float32}
