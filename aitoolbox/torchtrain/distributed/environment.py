@@ -28,38 +28,41 @@ class ProcessPlacement:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list such as ``gpu[03-05,08],cpu1`` -> ``gpu03``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        raise ValueError(f"cannot read the first host of SLURM_NODELIST={nodelist!r}")
-    prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    """First host of a SLURM node list: ``gpu[03-05,08],cpu1`` -> ``gpu03``, ``rack[1-2]-n[01-04]`` -> ``rack1-n01``."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # commas inside brackets separate ranges, not hosts
+    host = re.sub(r"\[([^\]]*)\]", lambda group: re.split(r"[,-]", group.group(1))[0], first)
+    if not host or "[" in host or "]" in host:
+        raise ValueError(f"cannot read the first host of SLURM_NODELIST={nodelist!r}; set MASTER_ADDR to the host "
+                         "of rank 0 or pass master_addr to fit_distributed")
+    return host
 
 
 def detect_external_launcher(env: Mapping[str, str], master_addr: Optional[str] = None,
                              master_port: Optional[int] = None) -> Optional[ProcessPlacement]:
     """The placement given by torchrun, SLURM or OpenMPI, or None when this process was started plainly.
 
-    torchrun (and ``torch.distributed.launch``) set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+    torchrun (and ``torch.distributed.launch``) set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
+    these are the rendezvous torchrun prepared, so they win over ``master_addr``/``master_port``.
     SLURM sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NODELIST (the first node hosts rank 0).
     OpenMPI sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_RANK and knows no
-    rendezvous host: pass ``master_addr`` or set MASTER_ADDR. The port comes from ``master_port``, MASTER_PORT,
-    or 29500.
+    rendezvous host: pass ``master_addr`` or set MASTER_ADDR. For both, the port comes from ``master_port``,
+    MASTER_PORT, or 29500. A SLURM or OpenMPI job of a single task (``sbatch`` running ``python train.py``)
+    launched nothing: fit_distributed then starts the processes itself.
     """
     def port(default: int = 29500) -> int:
         return int(master_port or env.get("MASTER_PORT") or default)
 
     if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:
-        return ProcessPlacement(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]),
-                                master_addr or env.get("MASTER_ADDR", "127.0.0.1"), port(), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        addr = env.get("MASTER_ADDR") or master_addr or "127.0.0.1"
+        port_number = int(env.get("MASTER_PORT") or master_port or 29500)
+        return ProcessPlacement(int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), addr, port_number,
+                                "torchrun")
+    if ("SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", 1)) > 1
+            and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")):
         addr = master_addr or env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_NODELIST", "127.0.0.1"))
         return ProcessPlacement(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]),
                                 addr, port(), "slurm")
-    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+    if "OMPI_COMM_WORLD_RANK" in env and int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
         addr = master_addr or env.get("MASTER_ADDR")
         if addr is None:
             if int(env["OMPI_COMM_WORLD_SIZE"]) > int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 0) or 0):

@@ -14,7 +14,7 @@ import queue
 import signal
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -128,37 +128,70 @@ class ProcessLauncher:
             self._stop_all()
 
     def _watch(self, messages) -> None:
-        finished: Dict[int, bool] = {}
+        """Return once every process has exited cleanly; raise at the first failure, naming its cause."""
         while True:
-            try:
-                kind, rank, summary, trace = messages.get(timeout=self.poll_interval_s)
-                if kind == "error":
-                    raise RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
-                                       f"Traceback of rank {rank}:\n{trace}")
-                finished[rank] = True
-            except queue.Empty:
-                pass
+            reported = self._next_error(messages, self.poll_interval_s)
+            if reported is not None:
+                raise self._root_cause(dict([reported]), messages)
             for local_rank, process in enumerate(self._processes):
                 if process.exitcode not in (None, 0):
                     self._raise_for_exit(local_rank, process, messages)
             if all(process.exitcode == 0 for process in self._processes):
                 return
 
-    def _raise_for_exit(self, local_rank: int, process, messages) -> None:
-        # A process that raised has put its traceback on the queue just before exiting: prefer that message.
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                kind, rank, summary, trace = messages.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if kind == "error":
-                raise RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
-                                   f"Traceback of rank {rank}:\n{trace}")
+    def _next_error(self, messages, timeout_s: float) -> Optional[Tuple[int, RuntimeError]]:
+        """``(rank, error)`` reported by a process within ``timeout_s`` (0: only what is already there)."""
+        try:
+            kind, rank, summary, trace = messages.get(timeout=timeout_s) if timeout_s > 0 else messages.get(False)
+        except queue.Empty:
+            return None
+        if kind != "error":
+            return None
+        return rank, RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
+                                  f"Traceback of rank {rank}:\n{trace}")
+
+    def _root_cause(self, reported: Dict[int, RuntimeError], messages) -> RuntimeError:
+        """The error to raise once a rank has reported one.
+
+        A rank killed by a signal (the OOM killer) or leaving through ``os._exit`` cannot report; its peers then
+        fail in a collective ("connection closed by peer") and do. So a rank that died without a report is the
+        cause: give such a death a moment to show before blaming the first reporter.
+        """
+        first = next(iter(reported.values()))
+        deadline = time.monotonic() + 0.5
+        while True:
+            exited = [(i, process) for i, process in enumerate(self._processes) if process.exitcode not in (None, 0)]
+            # Read the queue after taking the exits: a rank reports before it exits, so its report is there now.
+            while (more := self._next_error(messages, 0.0)) is not None:
+                reported.setdefault(*more)
+            for local_rank, process in exited:
+                if self.job.placement(local_rank).rank not in reported:
+                    return self._exit_error(local_rank, process)
+            if time.monotonic() >= deadline:
+                return first
+            time.sleep(0.02)
+
+    def _exit_error(self, local_rank: int, process) -> RuntimeError:
         rank = self.job.placement(local_rank).rank
         code = process.exitcode
-        reason = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        raise RuntimeError(f"fit_distributed: rank {rank} {reason}; the other processes were stopped")
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = " (SIGKILL often means the system ran out of memory)" if name == "SIGKILL" else ""
+            return RuntimeError(f"fit_distributed: rank {rank} was killed by signal {name}{hint}; the other "
+                                "processes were stopped")
+        return RuntimeError(f"fit_distributed: rank {rank} exited with code {code} without reporting an error; the "
+                            "other processes were stopped")
+
+    def _raise_for_exit(self, local_rank: int, process, messages) -> None:
+        # A process that raised put its traceback on the queue just before exiting: prefer that message. A
+        # process killed by a signal sent nothing. Errors of the other ranks are consequences (a lost peer).
+        rank = self.job.placement(local_rank).rank
+        deadline = time.monotonic() + (2.0 if process.exitcode > 0 else 0.0)
+        while time.monotonic() < deadline:
+            reported = self._next_error(messages, self.poll_interval_s)
+            if reported is not None and reported[0] == rank:
+                raise reported[1]
+        raise self._exit_error(local_rank, process)
 
     def _stop_all(self) -> None:
         """Terminate what is still running (with its DataLoader workers), then make sure it is gone."""
@@ -171,6 +204,13 @@ class ProcessLauncher:
             if process.exitcode is None:
                 self._signal_group(process, signal.SIGKILL)
                 process.join(timeout=5.0)
+        for process in self._processes:
+            if process.exitcode not in (None, 0) and hasattr(os, "killpg"):
+                # A rank that died abruptly (a signal, os._exit) leaves its DataLoader workers in its group.
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     @staticmethod
     def _signal_group(process, sig) -> None:

@@ -1,0 +1,127 @@
+"""fit_distributed when things go wrong: a failing or killed rank, unpicklable parts, a script without a
+``__main__`` guard, a busy port. Failures must surface fast, with the cause, and leave no process behind."""
+import socket
+import textwrap
+import time
+
+import pytest
+from torch.utils.data import DataLoader
+
+from tests.torchtrain.distributed.support import (
+    FailOnRank, PidFileWorkerInit, RecordPid, RecordRankResult, Regressor, child_pids, load_rank_results,
+    make_train_loop, recorded_pids, regression_data, run_script, wait_until_gone)
+
+pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
+
+FAILURE_DEADLINE_S = 20.0  # generous for a loaded CI machine; a hang would hit the 600 s collective timeout
+
+
+def train_loop_with_loader_workers(pid_folder):
+    """A TrainLoop whose training loader runs one worker process per rank, each recording its pid."""
+    tl = make_train_loop()
+    tl.train_loader = DataLoader(regression_data(32), batch_size=4, num_workers=1,
+                                 worker_init_fn=PidFileWorkerInit(pid_folder))
+    return tl
+
+
+def assert_no_process_left(pid_folder):
+    pids = recorded_pids(pid_folder)
+    assert {"pid-rank0", "pid-rank1"} <= set(pids)
+    assert any(name.startswith("pid-worker") for name in pids)  # the loader workers did run
+    assert wait_until_gone(pids.values()) == [], f"left running: {pids}"
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback(tmp_path):
+    tl = train_loop_with_loader_workers(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        tl.fit_distributed(num_epochs=3, callbacks=[RecordPid(tmp_path), FailOnRank(rank=1, epoch=1)],
+                           num_gpus=2, start_method="fork")
+    assert time.monotonic() - start < FAILURE_DEADLINE_S
+    message = str(error.value)
+    assert "rank 1 failed with ValueError: deliberate failure on rank 1 at epoch 1" in message
+    assert "Traceback of rank 1" in message and "in on_epoch_begin" in message  # the rank's own traceback
+    assert_no_process_left(tmp_path)
+    # The parent's TrainLoop is untouched: nothing of the failed run was adopted.
+    assert tl.train_history == {} and tl.epoch == 0
+
+
+@pytest.mark.parametrize("how, expected", [("kill", "rank 1 was killed by signal SIGKILL"),
+                                           ("exit", "rank 1 exited with code 3 without reporting an error")])
+def test_a_rank_dying_without_a_report_is_named_and_the_others_do_not_hang(tmp_path, how, expected):
+    """Rank 1 dies by SIGKILL (as under the OOM killer) or exits abruptly; rank 0, blocked in a collective,
+    then fails too ("connection closed by peer"), but the error names the rank that died first."""
+    tl = train_loop_with_loader_workers(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=expected) as error:
+        tl.fit_distributed(num_epochs=3, callbacks=[RecordPid(tmp_path), FailOnRank(rank=1, epoch=1, how=how)],
+                           num_gpus=2, start_method="fork")
+    assert "rank 0" not in str(error.value)
+    assert time.monotonic() - start < FAILURE_DEADLINE_S
+    assert_no_process_left(tmp_path)
+
+
+class CallbackHoldingLambda(RecordPid):
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.transform = lambda value: value
+
+
+class RegressorHoldingLambda(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.transform = lambda value: value
+
+
+@pytest.mark.parametrize("part", ["model", "train_loader", "callback"])
+def test_unpicklable_parts_are_named_before_any_process_starts(tmp_path, part):
+    """spawn sends the TrainLoop to fresh interpreters: a lambda anywhere in it must fail early and clearly."""
+    tl = make_train_loop(RegressorHoldingLambda() if part == "model" else None)
+    if part == "train_loader":
+        tl.train_loader = DataLoader(regression_data(32), batch_size=4, collate_fn=lambda batch: batch)
+    callbacks = [CallbackHoldingLambda(tmp_path)] if part == "callback" else None
+    children_before = set(child_pids())
+    start = time.monotonic()
+    with pytest.raises(TypeError) as error:
+        tl.fit_distributed(num_epochs=1, callbacks=callbacks, num_gpus=2, start_method="spawn")
+    assert time.monotonic() - start < 5.0  # no interpreter was started
+    expected = {"model": "the model cannot be pickled", "train_loader": "the train_loader cannot be pickled",
+                "callback": "the callback CallbackHoldingLambda cannot be pickled"}[part]
+    assert expected in str(error.value)
+    assert "lambda" in str(error.value)
+    assert set(child_pids()) <= children_before
+    assert recorded_pids(tmp_path) == {}
+
+
+NO_GUARD_SCRIPT = textwrap.dedent("""
+    import sys
+    with open(sys.argv[1], "a") as marker:
+        marker.write("top level ran\\n")
+    from tests.torchtrain.distributed.support import make_train_loop
+    tl = make_train_loop()
+    tl.fit_distributed(num_epochs=1, num_gpus=2)
+""")
+
+
+def test_a_script_without_main_guard_gets_a_clear_error_before_any_process_starts(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    marker = tmp_path / "marker.txt"
+    result = run_script(script, [str(marker)], timeout=120)
+    assert result.returncode != 0
+    assert "RuntimeError" in result.stderr and "no 'if __name__ == \"__main__\":' guard" in result.stderr
+    assert "bootstrapping phase" not in result.stderr  # multiprocessing's own, later error
+    assert marker.read_text() == "top level ran\n"  # no spawned process imported the script
+
+
+def test_a_busy_master_port_is_replaced(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        tl = make_train_loop()
+        tl.fit_distributed(num_epochs=1, callbacks=[RecordRankResult(tmp_path)], master_port=port, num_gpus=2,
+                           start_method="fork")
+    rank0, rank1 = load_rank_results(tmp_path)
+    assert rank0["master_port"] == rank1["master_port"] != port
+    assert len(tl.train_history["loss"]) == 1
