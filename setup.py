@@ -18,7 +18,8 @@ setup(
         "tqdm>=4.62",
     ],
     extras_require={
-        "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5"],
+        "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6",
+                 "sphinx>=7", "sphinx-rtd-theme>=2"],
         "tracking": ["tensorboard>=2.10", "matplotlib>=3.5"],
         "examples": ["matplotlib>=3.5", "torchvision"],
         "docs": ["sphinx>=7", "sphinx-rtd-theme>=2"],

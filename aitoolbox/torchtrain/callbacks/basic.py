@@ -144,8 +144,8 @@ class FunctionOnTrainLoop(AbstractCallback):
     Args:
         fn_to_execute: a function taking the TrainLoop as its only argument.
         tl_registration: when the callback is registered with the loop.
-        epoch_begin, epoch_end, train_begin, train_end, batch_begin, batch_end, after_gradient_update,
-            after_optimizer_step: at the hook of that name.
+        epoch_begin, epoch_end, train_begin, train_end: at the hook of that name.
+        batch_begin, batch_end, after_gradient_update, after_optimizer_step: at the hook of that name.
         execution_order: position among the callbacks (increasing).
 
     Raises:

@@ -216,8 +216,10 @@ class TensorboardTrainBatchLoss(TensorboardReporterBase):
 
     Args:
         batch_log_frequency: log every this many batches (counted over the whole training).
-        log_dir, is_project, project_name, experiment_name, local_model_result_folder_path, cloud_save_mode,
-            bucket_name, cloud_dir_prefix, **kwargs: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
+            :class:`TensorboardReporterBase`.
+        **kwargs: further ``SummaryWriter`` arguments.
     """
 
     def __init__(self, batch_log_frequency: int = 1, log_dir: Optional[str] = None, is_project: bool = True,
@@ -242,8 +244,10 @@ class TensorboardTrainHistoryMetric(TensorboardReporterBase):
 
     Args:
         metric_names: the metrics to log; None logs every metric in the training history.
-        log_dir, is_project, project_name, experiment_name, local_model_result_folder_path, cloud_save_mode,
-            bucket_name, cloud_dir_prefix, **kwargs: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
+            :class:`TensorboardReporterBase`.
+        **kwargs: further ``SummaryWriter`` arguments.
     """
 
     def __init__(self, metric_names: Optional[Sequence[str]] = None, log_dir: Optional[str] = None,
@@ -272,8 +276,9 @@ class TensorboardFullTracking(TensorboardReporterBase):
     Args:
         metric_names: the history metrics to log; None logs all.
         batch_log_frequency: log the batch loss and learning rates every this many batches.
-        log_dir, is_project, project_name, experiment_name, local_model_result_folder_path, cloud_save_mode,
-            bucket_name, cloud_dir_prefix: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
+            :class:`TensorboardReporterBase`.
         log_learning_rates: log each optimizer's learning rate per parameter group.
         log_param_histograms: log a histogram of each parameter of the model.
         log_grad_histograms: log a histogram of each parameter's gradient.
