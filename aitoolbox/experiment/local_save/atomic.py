@@ -7,8 +7,9 @@ power cut. A process killed mid-write leaves at most a ``.tmp-*`` file, which la
 import contextlib
 import io
 import os
+import pickle
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Iterator, Optional
 
 import torch
 
@@ -50,7 +51,7 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_path)
         if isinstance(error, OSError) and error.filename is None:
-            raise OSError(error.errno, f"cannot write {path}: {error.strerror}") from error
+            raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
         raise
     _fsync_directory(directory)
 
@@ -65,18 +66,60 @@ def atomic_write_text(path: str, text: str) -> None:
         handle.write(text)
 
 
+class _WriteErrorRecorder:
+    """The file handle given to ``torch.save``, remembering the OSError a write raised.
+
+    torch.save replaces a failed write (disk full, file too large) with an unrelated RuntimeError
+    ("unexpected pos ..."); the recorded error lets :func:`torch_save_atomic` report the real cause.
+    """
+
+    def __init__(self, handle: IO):
+        self._handle = handle
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
 def torch_save_atomic(obj, path: str) -> None:
-    """``torch.save`` that never leaves a truncated file at ``path``."""
+    """``torch.save`` that never leaves a truncated file at ``path``.
+
+    Raises:
+        OSError: the file could not be written (disk full, file too large, no permission); the message names
+            ``path``, which keeps its previous content.
+    """
     with atomic_write(path, "wb") as handle:
-        torch.save(obj, handle)
+        writer = _WriteErrorRecorder(handle)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as error:
+            if writer.error is None:
+                raise
+            raise writer.error from error
 
 
 def torch_load_checked(path: str, map_location="cpu", weights_only: bool = True):
-    """``torch.load`` with an error that names the file when it is missing, truncated or not a checkpoint."""
+    """``torch.load`` with an error that names the file when it is missing, truncated or not a checkpoint.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        RuntimeError: the file is truncated, corrupt, not a torch file, or holds objects ``weights_only``
+            loading refuses; the message names the file and the cause.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        raise RuntimeError(f"cannot read checkpoint {path}: it is corrupt, or holds objects that "
+                           f"torch.load(weights_only=True) refuses ({error})") from error
     except (RuntimeError, EOFError, ValueError, OSError, io.UnsupportedOperation) as error:
         raise RuntimeError(f"cannot read checkpoint {path}: the file is truncated or not a torch checkpoint "
                            f"({type(error).__name__}: {error})") from error

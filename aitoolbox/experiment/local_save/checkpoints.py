@@ -1,11 +1,15 @@
 """Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k."""
 import os
 import re
+import sys
 from typing import List, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
 
 _CHECKPOINT_NAME = re.compile(r"^model_.+_E(?P<epoch>\d+)(?:_I(?P<iteration>\d+))?\.pth$")
+# The final model ModelTrainEndSave writes into model/: model_<experiment>_<timestamp>.pth.
+_FINAL_MODEL_NAME = re.compile(r"^model_.+\.pth$")
+_AFTER_EVERY_EPOCH = (sys.maxsize, 0)
 
 
 def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, iteration: Optional[int] = None) -> str:
@@ -15,10 +19,15 @@ def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, itera
 
 
 def checkpoint_position(file_name: str) -> Optional[Tuple[int, int]]:
-    """Training progress a checkpoint name stands for, comparable across epoch and iteration checkpoints."""
-    match = _CHECKPOINT_NAME.match(file_name)
-    if match is None or file_name.startswith(TEMP_PREFIX):
+    """Training progress a checkpoint name stands for, comparable across epoch and iteration checkpoints.
+
+    A final model (``model_<experiment>_<timestamp>.pth``) comes after every checkpoint; other files give None.
+    """
+    if file_name.startswith(TEMP_PREFIX):
         return None
+    match = _CHECKPOINT_NAME.match(file_name)
+    if match is None:
+        return _AFTER_EVERY_EPOCH if _FINAL_MODEL_NAME.match(file_name) else None
     epoch = int(match.group("epoch"))
     iteration = match.group("iteration")
     return (epoch, int(iteration)) if iteration else (epoch + 1, 0)
@@ -42,7 +51,8 @@ def find_checkpoint(path: str) -> str:
         found = list_checkpoints(folder)
         if found:
             return found[-1]
-    raise FileNotFoundError(f"no checkpoint (model_*_E<epoch>.pth) in {path} or its checkpoint_model/ folder")
+    raise FileNotFoundError(f"no checkpoint (model_*_E<epoch>.pth) or final model (model_*.pth) in {path} or its "
+                            "checkpoint_model/ folder")
 
 
 def load_checkpoint_file(path: str, map_location="cpu") -> dict:

@@ -28,9 +28,12 @@ class ExperimentFolder:
         project_name: the project folder.
         experiment_name: prefix of the run folder.
         timestamp: run identifier; the current time when None.
+        hyperparams: written into the folder (:meth:`save_hyperparams`) when it is created, so that a folder
+            created lazily, by its first file, holds them too.
     """
 
-    def __init__(self, root: str, project_name: str, experiment_name: str, timestamp: Optional[str] = None):
+    def __init__(self, root: str, project_name: str, experiment_name: str, timestamp: Optional[str] = None,
+                 hyperparams: Optional[dict] = None):
         for name, value in (("local_model_result_folder_path", root), ("project_name", project_name),
                             ("experiment_name", experiment_name)):
             if not isinstance(value, str) or not value:
@@ -42,6 +45,7 @@ class ExperimentFolder:
         self.project_name = project_name
         self.experiment_name = experiment_name
         self.timestamp = timestamp or timestamp_now()
+        self.hyperparams = hyperparams
         self._created = False
 
     def __repr__(self) -> str:
@@ -89,7 +93,18 @@ class ExperimentFolder:
         for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
             os.makedirs(sub, exist_ok=True)
         self._created = True
+        if self.hyperparams is not None:
+            self.save_hyperparams(self.hyperparams)
         return self.path
+
+    def adopt_if_created_elsewhere(self) -> None:
+        """Accept the run folder as this run's own when another process of the run created it.
+
+        After ``fit_distributed``, rank 0 may have created the folder (``lazy_experiment_save``) in its own
+        process; the launching process then writes into it instead of refusing it as an existing run.
+        """
+        if os.path.isdir(self.path):
+            self._created = True
 
     def ensure(self, sub_folder: str) -> str:
         """Create the run folder if needed and return ``sub_folder`` (one of the properties), created too."""

@@ -31,15 +31,24 @@ class _CheckpointCallback(AbstractExperimentCallback):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
         self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
 
+    def on_train_loop_registration(self) -> None:
+        super().on_train_loop_registration()
+        if self.hyperparams and self.experiment_folder.hyperparams is None:
+            # A folder of the callback's own: write the hyperparameters when the first checkpoint creates it.
+            self.experiment_folder.hyperparams = self.hyperparams
+
     def _save(self, checkpoint: dict, folder: str, file_name: str) -> str:
         try:
             self.ensure_folder(folder)
             return save_checkpoint_file(checkpoint, folder, file_name)
         except OSError as error:
-            raise OSError(error.errno, f"{type(self).__name__} could not save {os.path.join(folder, file_name)}: "
-                                       f"{error.strerror or error}. Training stopped; the TrainLoop still holds the "
-                                       "trained state in memory (save it elsewhere with "
-                                       "torch.save(tl.checkpoint_state(), path)).") from error
+            reason = str(error.strerror or error).rstrip(".")
+            message = (f"{type(self).__name__} could not save {os.path.join(folder, file_name)}: {reason}. Training "
+                       "stopped; the TrainLoop still holds the trained state in memory (save it elsewhere with "
+                       "torch.save(tl.checkpoint_state(), path)).")
+            if error.errno is None:  # e.g. FileExistsError(message): keep its type
+                raise type(error)(message) from error
+            raise OSError(error.errno, message) from error  # OSError picks the subclass of the errno
 
 
 class ModelCheckpoint(_CheckpointCallback):
@@ -127,14 +136,19 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         self.save_frequency = save_frequency
         self.keep_last = keep_last
         self._save_due = False
+        self._batch_steps = False
         self._written = []
+
+    def on_after_gradient_update(self, optimizer_idx: int) -> None:
+        # Whether this batch ends its accumulation window with an optimizer step (also the step forced at
+        # the last batch of an epoch): only then are there no accumulated gradients a checkpoint would lose.
+        self._batch_steps = self.train_loop_obj.optimizer_step_due
 
     def on_batch_end(self) -> None:
         tl = self.train_loop_obj
         if (tl.total_iteration_idx + 1) % self.save_frequency == 0:
             self._save_due = True
-        at_update_boundary = (tl.iteration + 1) % tl.grad_accumulation == 0
-        if not (self._save_due and at_update_boundary):
+        if not (self._save_due and self._batch_steps):
             return
         self._save_due = False
         checkpoint = tl.checkpoint_state(mid_epoch=True, hyperparams=self.hyperparams)

@@ -64,6 +64,11 @@ def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[Lis
     tl.epoch = result["epoch"]
     tl.epochs_completed = result["epochs_completed"]
     tl.total_iteration_idx = result["total_iteration_idx"]
+    # A checkpoint loaded before fit_distributed was applied in the processes; a later fit here must not
+    # apply it again over the adopted state.
+    tl.pending_restore = None
+    if tl.experiment_folder is not None:  # rank 0 may have created the run folder of a lazy preset
+        tl.experiment_folder.adopt_if_created_elsewhere()
     tl._evaluator.clear_cache()
 
 

@@ -12,9 +12,23 @@ from aitoolbox.experiment.result_package.abstract_result_packages import Abstrac
 from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
 from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
+from aitoolbox.torchtrain.distributed.environment import current_external_placement
 from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
+
+
+def writes_files_in_this_process() -> bool:
+    """False in the ranks other than 0 of a job started by torchrun, SLURM or OpenMPI.
+
+    Each rank of such a job constructs the preset; only rank 0 writes files, so only it creates the folder
+    (the others would create folders of their own, or fail on rank 0's when started within the same second).
+    """
+    try:
+        placement = current_external_placement()
+    except ValueError:  # an incomplete launcher environment: fit_distributed reports it
+        return True
+    return placement is None or placement.rank == 0
 
 
 class _ExperimentTrainLoop(TrainLoop):
@@ -31,9 +45,12 @@ class _ExperimentTrainLoop(TrainLoop):
         self.project_name = project_name
         self.experiment_name = experiment_name
         self.local_model_result_folder_path = local_model_result_folder_path
-        self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name)
-        if not self.lazy_experiment_save:
-            self.experiment_folder.save_hyperparams(self.hyperparams)
+        # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
+        # first file written into it.
+        self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
+                                                  hyperparams=self.hyperparams)
+        if not self.lazy_experiment_save and writes_files_in_this_process():
+            self.experiment_folder.create()
             logger.info("Experiment folder: %s", self.experiment_folder.path)
 
     @property

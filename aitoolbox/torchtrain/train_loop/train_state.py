@@ -2,14 +2,16 @@
 
 A checkpoint holds the model (the user's module, no ``module.`` prefixes), the optimizers (with amp's float32
 master weights in the precision state), the loss scaler, the state of every callback that has one (LR
-schedulers), the counters, the training history, and the RNG states of every rank (python, numpy, torch CPU and
-CUDA, and the training loader's own generators). Everything in it loads with ``torch.load(weights_only=True)``.
+schedulers), the counters, the training history (under DDP each rank's own, as its accumulated_loss is its own),
+and the RNG states of every rank (python, numpy, torch CPU and CUDA, and the training loader's own generators).
+Everything in it loads with ``torch.load(weights_only=True)`` (numpy metrics are stored as numbers and tensors).
 
 Mid-epoch checkpoints also hold the RNG state at the start of the epoch: on resume the epoch's data order is
 drawn again from it, the batches already trained on are skipped, and the RNG state of the checkpoint is put back.
 """
 import dataclasses
 import json
+import logging
 import random
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -20,6 +22,8 @@ from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
@@ -66,19 +70,39 @@ class MidEpochResume:
     rng: dict
 
 
+def weights_only_safe(value: Any) -> Any:
+    """``value`` with numpy scalars and arrays (e.g. metrics computed by scikit-learn) turned into Python numbers
+    and tensors, which ``torch.load(weights_only=True)`` accepts; containers are converted recursively."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy()) if value.dtype != object else value.tolist()
+    if isinstance(value, dict):
+        return {key: weights_only_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        converted = [weights_only_safe(item) for item in value]
+        return converted if isinstance(value, list) else tuple(converted)
+    return value
+
+
 def json_safe(value: Any) -> Any:
     """Hyperparameters as plain JSON types, so the checkpoint loads with ``weights_only=True``."""
     return json.loads(json.dumps(value, default=repr))
 
 
-def callback_key(position: int, callback: Any) -> str:
-    return f"{position}:{type(callback).__name__}"
-
-
 def stateful_callbacks(tl: "TrainLoop") -> Dict[str, Any]:
-    """Registered callbacks with ``state_dict``/``load_state_dict`` (LR schedulers, early stopping...)."""
-    return {callback_key(i, cb): cb for i, cb in enumerate(tl.callbacks)
-            if callable(getattr(cb, "state_dict", None)) and callable(getattr(cb, "load_state_dict", None))}
+    """Registered callbacks with ``state_dict``/``load_state_dict`` (LR schedulers, early stopping...).
+
+    Keyed ``<class name>:<n>``, n counting the callbacks of that class in execution order: the key of a
+    scheduler stays the same when the resumed run adds other callbacks (ModelLoadContinueTraining, a logger).
+    """
+    stateful: Dict[str, Any] = {}
+    for callback in tl.callbacks:
+        if callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None)):
+            name = type(callback).__name__
+            count = sum(key.rsplit(":", 1)[0] == name for key in stateful)
+            stateful[f"{name}:{count}"] = callback
+    return stateful
 
 
 def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None) -> dict:
@@ -90,25 +114,32 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         hyperparams: stored with the checkpoint.
     """
     rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
+    history = weights_only_safe(tl.train_history.get_train_history_dict())
     checkpoint = {
         "format_version": FORMAT_VERSION,
         "model": tl.model_for_user.state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in tl.optimizers],
         "precision": tl.precision.state_dict(),
-        "callbacks": {key: cb.state_dict() for key, cb in stateful_callbacks(tl).items()},
+        "callbacks": {key: weights_only_safe(cb.state_dict()) for key, cb in stateful_callbacks(tl).items()},
         "epoch": tl.epoch,
         "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
         "iteration": tl.iteration + 1 if mid_epoch else 0,
         # A mid-epoch checkpoint is taken in on_batch_end, before the loop counts the finished batch.
         "total_iteration_idx": tl.total_iteration_idx + 1 if mid_epoch else tl.total_iteration_idx,
-        "train_history": tl.train_history.get_train_history_dict(),
+        "train_history": history,
         "hyperparams": json_safe(hyperparams or {}),
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
+    if tl.strategy.world_size > 1:
+        # Each rank's own history (its accumulated_loss is the mean over its own batches); the file rank 0
+        # writes shows its history as "train_history", and each rank resumes with its own.
+        checkpoint["train_history_per_rank"] = tl.strategy.all_gather_objects(history)
+        checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
     if mid_epoch:
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
-        checkpoint["epoch_loss_sum"] = float(tl.epoch_loss_sum + tl.last_batch_loss)
+        # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
+        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(float(tl.epoch_loss_sum + tl.last_batch_loss))
     return checkpoint
 
 
@@ -151,14 +182,24 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
     for key, state in checkpoint.get("callbacks", {}).items():
         if key in callbacks:
             callbacks[key].load_state_dict(state)
+        else:
+            logger.warning("the checkpoint holds the state of callback %s, which this run does not have: register the "
+                           "same callbacks (e.g. the LR scheduler) as in the saved run for an exact continuation", key)
+    # Schedulers built at registration reset the learning rate to its initial value; put the saved one back.
+    for optimizer, state in zip(tl.optimizers, checkpoint["optimizers"]):
+        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+            group.update({key: value for key, value in saved_group.items() if key != "params"})
     rank = tl.strategy.rank
     rng_states: List[dict] = checkpoint["rng"]
     if len(rng_states) != tl.strategy.world_size:
         raise ValueError(f"the checkpoint was saved by {len(rng_states)} process(es) and is resumed by "
                          f"{tl.strategy.world_size}: resume with the same number of processes for an exact "
                          "continuation")
+    if "train_history_per_rank" in checkpoint:
+        tl.train_history.clear()
+        tl.train_history.update(checkpoint["train_history_per_rank"][rank])
     if checkpoint["iteration"] > 0:
-        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"],
+        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])
     restore_rng_state(rng_states[rank], tl.train_loader)
     return None

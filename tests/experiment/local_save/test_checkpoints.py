@@ -1,0 +1,94 @@
+"""Checkpoint files of an experiment: names, ordering by training progress, finding the newest, pruning."""
+import os
+
+import pytest
+import torch
+
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_save_atomic
+from aitoolbox.experiment.local_save.checkpoints import (
+    checkpoint_file_name, checkpoint_position, find_checkpoint, list_checkpoints, load_checkpoint_file,
+    prune_checkpoints, save_checkpoint_file)
+
+
+def test_file_names_follow_aitoolbox():
+    assert checkpoint_file_name("exp", "2026-01-02_03-04-05", 3) == "model_exp_2026-01-02_03-04-05_E3.pth"
+    assert checkpoint_file_name("exp", "ts", 3, 7) == "model_exp_ts_E3_I7.pth"  # 7 batches into epoch 3
+
+
+def test_positions_order_epoch_and_iteration_checkpoints_by_training_progress():
+    names = ["model_e_ts_E10.pth", "model_e_ts_E0_I4.pth", "model_e_ts_E2.pth", "model_e_ts_E1_I8.pth",
+             "model_e_ts_E0.pth", "model_e_ts_E9.pth", "model_e_ts_E1_I4.pth"]
+    ordered = sorted(names, key=checkpoint_position)
+    # E<k> is the end of epoch k, after every mid-epoch checkpoint of that epoch; numbers compare as numbers.
+    assert ordered == ["model_e_ts_E0_I4.pth", "model_e_ts_E0.pth", "model_e_ts_E1_I4.pth", "model_e_ts_E1_I8.pth",
+                       "model_e_ts_E2.pth", "model_e_ts_E9.pth", "model_e_ts_E10.pth"]
+    # The final model ModelTrainEndSave writes (model/model_<experiment>_<timestamp>.pth) comes after them all.
+    assert sorted(names + ["model_e_ts.pth"], key=checkpoint_position)[-1] == "model_e_ts.pth"
+    for other in ("hyperparams.json", "model_e_ts_E1.pth.bak", f"{TEMP_PREFIX}model_e_ts_E3.pth.x1",
+                  f"{TEMP_PREFIX}model_e_ts.pth.x2"):
+        assert checkpoint_position(other) is None
+
+
+def _write(folder, name, epoch):
+    os.makedirs(folder, exist_ok=True)
+    torch_save_atomic({"model": {"w": torch.full((2,), float(epoch))}, "epoch": epoch}, os.path.join(folder, name))
+
+
+def test_find_checkpoint_takes_the_newest_of_a_run_or_checkpoint_folder(tmp_path):
+    run = tmp_path / "exp_ts"
+    folder = run / "checkpoint_model"
+    for epoch in (0, 1, 2):
+        _write(folder, f"model_exp_ts_E{epoch}.pth", epoch)
+    _write(folder, "model_exp_ts_E2_I3.pth", 2)  # older than the end of epoch 2
+    (folder / f"{TEMP_PREFIX}model_exp_ts_E3.pth.abc").write_bytes(b"half a checkpoint")  # a killed write
+    (folder / "notes.txt").write_text("ignored")
+    newest = str(folder / "model_exp_ts_E2.pth")
+    assert find_checkpoint(str(run)) == newest
+    assert find_checkpoint(str(folder)) == newest
+    assert find_checkpoint(str(folder / "model_exp_ts_E0.pth")) == str(folder / "model_exp_ts_E0.pth")
+    assert [os.path.basename(p) for p in list_checkpoints(str(folder))] == [
+        "model_exp_ts_E0.pth", "model_exp_ts_E1.pth", "model_exp_ts_E2_I3.pth", "model_exp_ts_E2.pth"]
+    assert load_checkpoint_file(str(run))["epoch"] == 2
+    assert list_checkpoints(str(tmp_path / "absent")) == []
+
+
+def test_missing_checkpoints_are_reported_with_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint file or experiment folder at .*nowhere"):
+        find_checkpoint(str(tmp_path / "nowhere"))
+    (tmp_path / "empty" / "checkpoint_model").mkdir(parents=True)
+    (tmp_path / "empty" / "checkpoint_model" / f"{TEMP_PREFIX}model_e_ts_E0.pth.x").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no checkpoint .* in .*empty"):
+        find_checkpoint(str(tmp_path / "empty"))
+
+
+def test_loading_a_damaged_or_foreign_file_names_it(tmp_path):
+    folder = tmp_path / "checkpoint_model"
+    _write(folder, "model_e_ts_E0.pth", 0)
+    newest = folder / "model_e_ts_E1.pth"
+    _write(folder, newest.name, 1)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated by something that did not write atomically
+    with pytest.raises(RuntimeError, match=f"cannot read checkpoint {newest}"):
+        load_checkpoint_file(str(tmp_path))
+    torch.save([1, 2, 3], str(newest))
+    with pytest.raises(ValueError, match=f"{newest} is not an aitoolbox checkpoint"):
+        load_checkpoint_file(str(tmp_path))
+
+
+def test_save_checkpoint_file_creates_the_folder(tmp_path):
+    path = save_checkpoint_file({"model": {}}, str(tmp_path / "a" / "b"), "model_e_ts_E0.pth")
+    assert path == str(tmp_path / "a" / "b" / "model_e_ts_E0.pth")
+    assert load_checkpoint_file(path) == {"model": {}}
+
+
+@pytest.mark.parametrize("higher_is_better, kept", [(False, {"e1", "e3", "e4"}), (True, {"e2", "e4"})])
+def test_prune_keeps_the_best_and_the_always_kept(tmp_path, higher_is_better, kept):
+    scores = [0.5, 0.2, 0.9, 0.1, 0.7]
+    scored = []
+    for index, score in enumerate(scores):
+        path = tmp_path / f"e{index}"
+        path.write_bytes(b"x")
+        scored.append((score, str(path)))
+    deleted = prune_checkpoints(scored, keep_best=2, keep_always=[str(tmp_path / "e4")],
+                                higher_is_better=higher_is_better)
+    assert set(os.listdir(tmp_path)) == kept
+    assert {os.path.basename(p) for p in deleted} == {f"e{i}" for i in range(5)} - kept

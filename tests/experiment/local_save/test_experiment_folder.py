@@ -1,0 +1,97 @@
+"""The experiment folder: layout, creation once and never over an existing run, hyperparameter files, JSON."""
+import copy
+import json
+import os
+import re
+
+import pytest
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, timestamp_now
+
+
+def test_layout(tmp_path):
+    folder = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="2026-01-02_03-04-05")
+    run = tmp_path / "proj" / "exp_2026-01-02_03-04-05"
+    assert folder.path == str(run)
+    assert folder.checkpoint_dir == str(run / "checkpoint_model")
+    assert folder.model_dir == str(run / "model")
+    assert folder.results_dir == str(run / "results")
+    assert folder.plots_dir == str(run / "results" / "plots")
+    assert folder.tensorboard_dir == str(run / "tensorboard")
+    assert not (tmp_path / "proj").exists()  # nothing on disk before the first use
+    assert folder.create() == str(run)
+    assert sorted(os.listdir(run)) == ["checkpoint_model", "model", "results", "tensorboard"]
+    assert folder.create() == str(run)  # the same object may ask again
+
+
+def test_timestamp_is_folder_safe():
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}", timestamp_now())
+
+
+def test_root_with_user_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ExperimentFolder("~/results", "p", "e", timestamp="t").path == str(tmp_path / "results" / "p" / "e_t")
+
+
+def test_an_existing_run_folder_is_never_overwritten(tmp_path):
+    first = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
+    first.create()
+    (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").write_bytes(b"precious")
+    second = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
+    with pytest.raises(FileExistsError, match="exp_same already exists; it is never overwritten"):
+        second.create()
+    assert (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("", "p", "e"), "local_model_result_folder_path must be a non-empty string"),
+    ((None, "p", "e"), "local_model_result_folder_path must be a non-empty string"),
+    (("r", 3, "e"), "project_name must be a non-empty string, got 3"),
+    (("r", "p", "a/b"), "experiment_name must be a plain folder name"),
+    (("r", "..", "e"), "project_name must be a plain folder name"),
+])
+def test_bad_names_are_refused(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ExperimentFolder(*arguments)
+
+
+def test_a_root_under_a_regular_file_fails_with_the_path(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    folder = ExperimentFolder(str(blocker / "results"), "p", "e", timestamp="t")
+    with pytest.raises(NotADirectoryError, match="blocker"):
+        folder.create()
+
+
+def test_hyperparams_files_and_script_copy(tmp_path):
+    script = tmp_path / "train_script.py"
+    script.write_text("print('training')\n")
+    hyperparams = {"lr": 0.01, "layers": [16, 8], "experiment_file_path": str(script), "optimizer": object()}
+    original = copy.copy(hyperparams)
+    nested = copy.deepcopy(hyperparams["layers"])
+    folder = ExperimentFolder(str(tmp_path / "out"), "p", "e", timestamp="t")
+    folder.save_hyperparams(hyperparams)
+    assert hyperparams == original and hyperparams["layers"] == nested  # never changed
+    text = (tmp_path / "out" / "p" / "e_t" / "hyperparams_list.txt").read_text()
+    assert "lr:\t0.01" in text and "layers:\t[16, 8]" in text
+    saved = json.loads((tmp_path / "out" / "p" / "e_t" / "hyperparams.json").read_text())
+    assert saved["lr"] == 0.01 and saved["layers"] == [16, 8]
+    assert saved["optimizer"].startswith("<object object")  # not JSON: written as its repr
+    assert (tmp_path / "out" / "p" / "e_t" / "train_script.py").read_text() == "print('training')\n"
+
+
+def test_hyperparams_given_to_the_folder_are_written_when_it_is_created(tmp_path):
+    folder = ExperimentFolder(str(tmp_path), "p", "e", timestamp="t", hyperparams={"batch_size": 4})
+    assert not (tmp_path / "p").exists()
+    folder.ensure(folder.checkpoint_dir)
+    assert json.loads((tmp_path / "p" / "e_t" / "hyperparams.json").read_text()) == {"batch_size": 4}
+
+
+def test_save_json_writes_json_atomically(tmp_path):
+    folder = ExperimentFolder(str(tmp_path), "p", "e", timestamp="t")
+    folder.create()
+    path = folder.save_json(os.path.join("results", "results.json"), {"results": {"Accuracy": 0.75}, "loss": [1, 2]})
+    assert path == os.path.join(folder.results_dir, "results.json")
+    with open(path) as handle:
+        assert json.load(handle) == {"results": {"Accuracy": 0.75}, "loss": [1, 2]}
+    assert [name for name in os.listdir(folder.results_dir) if name.startswith(".tmp-")] == []

@@ -1,0 +1,374 @@
+"""ModelCheckpoint, ModelIterationCheckpoint and ModelTrainEndSave: what they write, what they keep, and that a
+failed or killed write never loses a checkpoint nor the state the TrainLoop holds in memory.
+
+Write failures are real: a folder whose parent is a regular file (NotADirectoryError; the tests run as root,
+so permissions would not stop a write) and, in a child process, a file size limit (RLIMIT_FSIZE with SIGXFSZ
+ignored) that makes the write fail with EFBIG as a full disk would. The kill test SIGKILLs training processes
+that checkpoint every iteration, and restarts each from the newest checkpoint the previous one left.
+"""
+import copy
+import errno
+import io
+import json
+import os
+import re
+import resource
+import signal
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.experiment.local_save.checkpoints import find_checkpoint, list_checkpoints, load_checkpoint_file
+from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
+from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
+from tests.experiment.local_save.crash_support import kill_at_random_moments, run_forked
+from tests.helpers import MLP, classification_data
+
+REQUIRED_KEYS = {"model", "optimizers", "precision", "callbacks", "epoch", "epochs_completed", "iteration",
+                 "total_iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def loop_arguments(train_samples: int = 20, batch_size: int = 4):
+    torch.manual_seed(0)
+    model = MLP()
+    train = DataLoader(classification_data(train_samples), batch_size=batch_size, shuffle=True,
+                       generator=torch.Generator().manual_seed(1))
+    validation = DataLoader(classification_data(12, seed=3), batch_size=5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, train, validation, None, optimizer, nn.CrossEntropyLoss()
+
+
+def make_loop(**options) -> TrainLoop:
+    return TrainLoop(*loop_arguments(), show_progress=False, **options)
+
+
+def folder_arguments(root, experiment: str = "exp") -> dict:
+    return dict(project_name="proj", experiment_name=experiment, local_model_result_folder_path=str(root))
+
+
+def only_run_folder(root, experiment: str = "exp") -> str:
+    (name,) = [n for n in os.listdir(os.path.join(root, "proj")) if n.startswith(f"{experiment}_")]
+    return os.path.join(root, "proj", name)
+
+
+class InsertMetric(AbstractCallback):
+    """Record ``values[epoch]`` as ``name`` at each epoch end (before the checkpoint callbacks run)."""
+
+    def __init__(self, name, values):
+        super().__init__("insert metric")
+        self.name, self.values = name, values
+
+    def on_epoch_end(self):
+        tl = self.train_loop_obj
+        tl.insert_metric_result_into_history(self.name, self.values[tl.epoch])
+
+
+class SnapshotBeforeCheckpoint(AbstractCallback):
+    """Copy the model's weights at each epoch end, just before the checkpoint callbacks run."""
+
+    def __init__(self):
+        super().__init__("snapshot", execution_order=50)
+        self.weights = None
+
+    def on_epoch_end(self):
+        self.weights = copy.deepcopy(self.train_loop_obj.model.state_dict())
+
+
+def assert_same_weights(state_a, state_b):
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]), key
+
+
+# --- ModelCheckpoint -------------------------------------------------------------------------------------------
+def test_model_checkpoint_with_its_own_folder(tmp_path):
+    hyperparams = {"lr": 1e-2, "nested": {"a": [1]}}
+    untouched = copy.deepcopy(hyperparams)
+    tl = make_loop()
+    tl.fit(num_epochs=2, callbacks=[ModelCheckpoint(**folder_arguments(tmp_path), hyperparams=hyperparams)])
+    run = only_run_folder(tmp_path)
+    timestamp = os.path.basename(run)[len("exp_"):]
+    assert sorted(os.listdir(os.path.join(run, "checkpoint_model"))) == [
+        f"model_exp_{timestamp}_E0.pth", f"model_exp_{timestamp}_E1.pth"]
+    assert json.loads(open(os.path.join(run, "hyperparams.json")).read()) == untouched
+    assert hyperparams == untouched
+    checkpoint = torch.load(find_checkpoint(run), weights_only=True)
+    assert REQUIRED_KEYS <= set(checkpoint) and checkpoint["hyperparams"] == untouched
+    assert_same_weights(checkpoint["model"], tl.model.state_dict())
+
+
+def test_keeps_the_best_k_by_val_loss_and_the_newest(tmp_path):
+    tl = make_loop()
+    tl.fit(num_epochs=5, callbacks=[ModelCheckpoint(**folder_arguments(tmp_path), rm_subopt_local_models=True,
+                                                    num_best_checkpoints_kept=2)])
+    val_loss = tl.train_history["val_loss"]
+    best_two = sorted(range(5), key=lambda epoch: val_loss[epoch])[:2]
+    kept = [checkpoint_epoch(path) for path in list_checkpoints(os.path.join(only_run_folder(tmp_path), "checkpoint_model"))]
+    assert kept == sorted(set(best_two) | {4})
+
+
+def checkpoint_epoch(path: str) -> int:
+    return int(progress_suffix(path)[1:])
+
+
+def progress_suffix(path: str) -> str:
+    """``'E3'`` or ``'E3_I4'`` of ``.../model_<experiment>_<timestamp>_E3_I4.pth``."""
+    return re.search(r"_(E\d+(?:_I\d+)?)\.pth$", path).group(1)
+
+
+@pytest.mark.parametrize("metric, kept", [("val_accuracy_score", [2, 4]), ("val_error", [1, 3, 4])],
+                         ids=["higher-is-better", "error-lower-is-better"])
+def test_keeps_the_best_k_by_a_named_metric(tmp_path, metric, kept):
+    values = [0.5, 0.2, 0.9, 0.1, 0.7]
+    tl = make_loop()
+    tl.fit(num_epochs=5, callbacks=[InsertMetric(metric, values),
+                                    ModelCheckpoint(**folder_arguments(tmp_path), rm_subopt_local_models=metric)])
+    paths = list_checkpoints(os.path.join(only_run_folder(tmp_path), "checkpoint_model"))
+    assert [checkpoint_epoch(path) for path in paths] == kept
+
+
+def test_ranking_by_a_metric_the_history_lacks_is_an_error(tmp_path):
+    tl = make_loop()
+    with pytest.raises(ValueError, match="ranks checkpoints by 'val_f1', which is not in the training history"):
+        tl.fit(num_epochs=1, callbacks=[ModelCheckpoint(**folder_arguments(tmp_path), rm_subopt_local_models="val_f1")])
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: ModelCheckpoint(num_best_checkpoints_kept=0), ValueError, "num_best_checkpoints_kept must be an int >= 1"),
+    (lambda: ModelCheckpoint(rm_subopt_local_models=3), TypeError, "rm_subopt_local_models must be a bool or a metric"),
+    (lambda: ModelCheckpoint(hyperparams=[1]), TypeError, "hyperparams must be a dict or None, got list"),
+    (lambda: ModelCheckpoint(cloud_save_mode="s3"), ValueError, "cloud_save_mode='s3' is not supported"),
+    (lambda: ModelCheckpoint(project_name="p"), ValueError, "got only some of the experiment folder arguments"),
+    (lambda: ModelIterationCheckpoint(0), ValueError, "save_frequency must be an int >= 1"),
+    (lambda: ModelIterationCheckpoint(2, keep_last=0), ValueError, "keep_last must be None or an int >= 1"),
+    (lambda: ModelTrainEndSave(val_result_package="accuracy"), TypeError, "val_result_package must be a result package"),
+])
+def test_bad_arguments_fail_at_construction(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_without_a_folder_the_callbacks_say_where_to_get_one():
+    with pytest.raises(ValueError, match="does not know where to write"):
+        make_loop().fit(num_epochs=1, callbacks=[ModelCheckpoint()])
+
+
+# --- ModelIterationCheckpoint ------------------------------------------------------------------------------------
+class RecordSteps(AbstractCallback):
+    def __init__(self):
+        super().__init__("record steps")
+        self.after_batches = []  # total batches trained at each optimizer step
+
+    def on_after_optimizer_step(self):
+        self.after_batches.append(self.train_loop_obj.total_iteration_idx + 1)
+
+
+@pytest.mark.parametrize("save_frequency, names", [(3, ["E0_I4", "E1_I2", "E1_I4"]), (5, ["E0_I5", "E1_I5"])])
+def test_iteration_checkpoints_wait_for_the_accumulation_windows_step(tmp_path, save_frequency, names):
+    """5 batches per epoch, grad_accumulation=2: steps after batches 2, 4 and 5 (forced at the epoch end).
+
+    A save that falls inside a window waits for its step, so a checkpoint never misses accumulated
+    gradients; a save at the last batch of an epoch is taken after the step forced there.
+    """
+    steps = RecordSteps()
+    tl = make_loop()
+    tl.fit(num_epochs=2, grad_accumulation=2,
+           callbacks=[steps, ModelIterationCheckpoint(save_frequency, **folder_arguments(tmp_path))])
+    assert steps.after_batches == [2, 4, 5, 7, 9, 10]
+    folder = os.path.join(only_run_folder(tmp_path), "checkpoint_model")
+    paths = list_checkpoints(folder)
+    assert [progress_suffix(path) for path in paths] == names
+    for path in paths:
+        checkpoint = torch.load(path, weights_only=True)
+        assert checkpoint["total_iteration_idx"] in steps.after_batches
+        assert checkpoint["iteration"] == int(path.rsplit("_I", 1)[1][:-4])
+
+
+def test_keep_last_removes_older_iteration_checkpoints(tmp_path):
+    tl = make_loop()
+    tl.fit(num_epochs=2, callbacks=[ModelIterationCheckpoint(2, keep_last=2, **folder_arguments(tmp_path))])
+    paths = list_checkpoints(os.path.join(only_run_folder(tmp_path), "checkpoint_model"))
+    assert [progress_suffix(path) for path in paths] == ["E1_I3", "E1_I5"]
+
+
+# --- ModelTrainEndSave -------------------------------------------------------------------------------------------
+def test_train_end_save_with_its_own_folder(tmp_path):
+    tl = make_loop()
+    callback = ModelTrainEndSave(**folder_arguments(tmp_path), hyperparams={"lr": 1e-2},
+                                 val_result_package=ClassificationResultPackage())
+    tl.fit(num_epochs=1, callbacks=[callback])
+    run = only_run_folder(tmp_path)
+    with open(os.path.join(run, "results", "results.json")) as handle:
+        results = json.load(handle)
+    assert set(results["results"]["validation"]) == {"Accuracy"} and results["results"] == callback.results
+    assert json.loads(open(os.path.join(run, "hyperparams.json")).read()) == {"lr": 1e-2}
+    (model_file,) = os.listdir(os.path.join(run, "model"))
+    assert_same_weights(torch.load(os.path.join(run, "model", model_file), weights_only=True)["model"],
+                        tl.model.state_dict())
+
+
+def test_a_result_package_without_its_loader_is_an_error(tmp_path):
+    model, train, _, _, optimizer, criterion = loop_arguments()
+    tl = TrainLoop(model, train, None, None, optimizer, criterion, show_progress=False)
+    with pytest.raises(ValueError, match="got a val_result_package but the TrainLoop has no loader for that set"):
+        tl.fit(num_epochs=1, callbacks=[ModelTrainEndSave(**folder_arguments(tmp_path),
+                                                          val_result_package=ClassificationResultPackage())])
+
+
+# --- failed writes keep everything -------------------------------------------------------------------------------
+@pytest.mark.parametrize("lazy_preset", [False, True], ids=["ModelCheckpoint", "lazy-TrainLoopCheckpoint"])
+def test_an_unwritable_folder_fails_clearly_and_the_train_loop_keeps_its_state(tmp_path, lazy_preset):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file where the results folder should be")
+    root = blocker / "results"
+    snapshot = SnapshotBeforeCheckpoint()
+    if lazy_preset:
+        tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", str(root), {}, lazy_experiment_save=True,
+                                 show_progress=False)
+        callbacks = [snapshot]
+    else:
+        tl = make_loop()
+        callbacks = [snapshot, ModelCheckpoint(**folder_arguments(root))]
+    with pytest.raises(NotADirectoryError, match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth.*still holds"):
+        tl.fit(num_epochs=3, callbacks=callbacks)
+    assert blocker.read_text() == "a regular file where the results folder should be"
+    assert_same_weights(tl.model.state_dict(), snapshot.weights)  # the failure changed nothing
+
+    # Nothing is lost: the state the loop holds saves elsewhere and continues like the uninterrupted run.
+    buffer = io.BytesIO()
+    torch.save(tl.checkpoint_state(), buffer)
+    buffer.seek(0)
+    resumed = make_loop()
+    resumed.load_checkpoint(torch.load(buffer, weights_only=True))
+    resumed.fit(num_epochs=3)
+    straight = make_loop()
+    straight.fit(num_epochs=3)
+    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+    assert resumed.train_history == straight.train_history
+
+
+def _checkpoint_past_the_file_size_limit(root: str) -> dict:
+    """In a child: a preset trains 3 epochs; after epoch 0's checkpoint a file size limit of half a checkpoint
+    makes epoch 1's fail with EFBIG (as a full disk would)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+    hard_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", root, {}, show_progress=False)
+    folder = tl.experiment_folder.checkpoint_dir
+
+    class LimitFileSize(SnapshotBeforeCheckpoint):
+        def on_epoch_end(self):
+            super().on_epoch_end()
+            if self.train_loop_obj.epoch == 1:
+                (first,) = os.listdir(folder)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(os.path.join(folder, first)) // 2,
+                                                           hard_limit))
+
+    limiter = LimitFileSize()
+    error = None
+    try:
+        tl.fit(num_epochs=3, callbacks=[limiter])
+    except OSError as raised:
+        error = (type(raised).__name__, raised.errno, str(raised))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard_limit, hard_limit))
+    kept = load_checkpoint_file(tl.experiment_folder.path)
+    state = tl.checkpoint_state()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return {"error": error, "files": sorted(os.listdir(folder)), "kept_keys": sorted(kept), "kept_epoch": kept["epoch"],
+            "kept_shapes": {k: tuple(v.shape) for k, v in kept["model"].items()},
+            "model_shapes": {k: tuple(v.shape) for k, v in tl.model.state_dict().items()},
+            "unchanged": all(torch.equal(v, limiter.weights[k]) for k, v in tl.model.state_dict().items()),
+            "state_epoch": state["epochs_completed"], "state_bytes": buffer.tell(),
+            "timestamp": tl.experiment_timestamp}
+
+
+def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_the_state(tmp_path):
+    result = run_forked(_checkpoint_past_the_file_size_limit, str(tmp_path))
+    name, error_number, message = result["error"]
+    assert error_number == errno.EFBIG, result["error"]
+    assert f"could not save {tmp_path}/proj/exp_{result['timestamp']}/checkpoint_model/model_exp_" in message
+    assert "_E1.pth" in message and "File too large" in message
+    assert result["files"] == [f"model_exp_{result['timestamp']}_E0.pth"]  # intact, and no temporary file
+    assert REQUIRED_KEYS <= set(result["kept_keys"]) and result["kept_epoch"] == 0
+    assert result["kept_shapes"] == result["model_shapes"]
+    assert result["unchanged"]
+    assert result["state_epoch"] == 2 and result["state_bytes"] > 0
+
+
+# --- the kill test -----------------------------------------------------------------------------------------------
+class WideRegressor(TTModel):
+    """256 -> 1024 -> 1: 1 MB of weights, 3 MB of checkpoint with Adam's moments."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(256, 1024)
+        self.out = nn.Linear(1024, 1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+    def get_loss(self, batch_data, criterion, device):
+        return criterion(self(batch_data[0].to(device)), batch_data[1].to(device))
+
+    def get_predictions(self, batch_data, device):
+        return self(batch_data[0].to(device)).cpu(), batch_data[1], None
+
+
+def wide_loop() -> TrainLoop:
+    torch.manual_seed(0)
+    model = WideRegressor()
+    data = TensorDataset(torch.randn(48, 256), torch.randn(48, 1))
+    loader = DataLoader(data, batch_size=16, shuffle=True)
+    return TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-3), nn.MSELoss(),
+                     end_auto_eval=False, show_progress=False)
+
+
+def _train_until_killed(root: str, run: int, resume_from) -> None:
+    tl = wide_loop()
+    if resume_from is not None:
+        tl.load_checkpoint(resume_from)  # the newest complete checkpoint the killed run left
+    tl.fit(num_epochs=10 ** 6, callbacks=[ModelCheckpoint(**folder_arguments(root, f"run{run}")),
+                                          ModelIterationCheckpoint(1, keep_last=2, **folder_arguments(root, f"run{run}"))])
+
+
+@pytest.mark.slow
+def test_training_killed_at_random_moments_always_leaves_a_complete_newest_checkpoint(tmp_path):
+    root = str(tmp_path)
+    model_shapes = {k: v.shape for k, v in wide_loop().model.state_dict().items()}
+    newest = {"folder": None, "progress": 0}
+    found = []
+    temp_left = []
+
+    def check(run: int) -> None:
+        project = os.path.join(root, "proj")
+        folders = [n for n in os.listdir(project) if n.startswith(f"run{run}_")] if os.path.isdir(project) else []
+        if not folders or not list_checkpoints(os.path.join(project, folders[0], "checkpoint_model")):
+            return  # killed before its first checkpoint: the next run resumes from the previous one's
+        folder = os.path.join(project, folders[0])
+        temp_left.extend(n for n in os.listdir(os.path.join(folder, "checkpoint_model")) if n.startswith(TEMP_PREFIX))
+        checkpoint = load_checkpoint_file(folder)
+        assert REQUIRED_KEYS <= set(checkpoint)
+        assert {k: v.shape for k, v in checkpoint["model"].items()} == model_shapes
+        optimizer_state = checkpoint["optimizers"][0]["state"]
+        assert [tuple(optimizer_state[i]["exp_avg"].shape) for i in range(4)] == [tuple(s) for s in model_shapes.values()]
+        assert checkpoint["total_iteration_idx"] > newest["progress"]  # it resumed, then trained on
+        newest.update(folder=folder, progress=checkpoint["total_iteration_idx"])
+        found.append(run)
+
+    kill_at_random_moments(_train_until_killed, lambda run: (root, run, newest["folder"]), check, kills=10)
+    assert len(found) >= 6, f"too few runs lived long enough to checkpoint: {found}"

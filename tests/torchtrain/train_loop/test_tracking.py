@@ -1,0 +1,271 @@
+"""The experiment-tracking presets: TrainLoopCheckpoint, TrainLoopEndSave, TrainLoopCheckpointEndSave.
+
+Each fills ``<root>/<project>/<experiment>_<timestamp>/``: hyperparameter files and the running script,
+a checkpoint per epoch (loadable with ``torch.load(weights_only=True)`` and holding the whole training state),
+the final model, JSON results with the result packages' metrics, plots and the history CSV.
+"""
+import copy
+import datetime
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
+from tests.helpers import MLP, classification_data
+
+CHECKPOINT_KEYS = {"format_version", "model", "optimizers", "precision", "callbacks", "epoch", "epochs_completed",
+                   "iteration", "total_iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
+RNG_KEYS = {"python", "numpy", "torch", "cuda", "loader_generators"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def preset_arguments(train_samples: int = 20):
+    torch.manual_seed(0)
+    model = MLP()
+    train = DataLoader(classification_data(train_samples), batch_size=4, shuffle=True,
+                       generator=torch.Generator().manual_seed(1))
+    validation = DataLoader(classification_data(12, seed=3), batch_size=5)
+    test = DataLoader(classification_data(10, seed=4), batch_size=5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, train, validation, test, optimizer, nn.CrossEntropyLoss()
+
+
+def make_hyperparams(tmp_path):
+    script = tmp_path / "my_experiment.py"
+    script.write_text("# the experiment script\n")
+    return {"lr": 1e-2, "layers": [16, {"dropout": 0.3}], "experiment_file_path": str(script)}
+
+
+def run_folder_files(tl) -> set:
+    root = tl.experiment_folder.path
+    return {os.path.relpath(os.path.join(folder, name), root) for folder, _, names in os.walk(root) for name in names}
+
+
+def test_checkpoint_preset_writes_a_complete_checkpoint_every_epoch(tmp_path):
+    hyperparams = make_hyperparams(tmp_path)
+    untouched = copy.deepcopy(hyperparams)
+    tl = TrainLoopCheckpoint(*preset_arguments(), project_name="proj", experiment_name="exp",
+                             local_model_result_folder_path=str(tmp_path / "results"), hyperparams=hyperparams,
+                             show_progress=False)
+    folder = tl.experiment_folder
+    assert folder.path == str(tmp_path / "results" / "proj" / f"exp_{tl.experiment_timestamp}")
+    assert os.path.isfile(os.path.join(folder.path, "hyperparams_list.txt"))  # written at construction
+    history_at_epoch_end = []
+
+    class RecordHistory(AbstractCallback):
+        def __init__(self):
+            super().__init__("record history", execution_order=200)  # after the checkpoint callback
+
+        def on_epoch_end(self):
+            history_at_epoch_end.append(copy.deepcopy(self.train_loop_obj.train_history.get_train_history_dict()))
+
+    tl.fit(num_epochs=3, callbacks=[StepLRScheduler(step_size=1, gamma=0.5), RecordHistory()])
+
+    assert hyperparams == untouched
+    names = [f"model_exp_{tl.experiment_timestamp}_E{epoch}.pth" for epoch in range(3)]
+    assert sorted(os.listdir(folder.checkpoint_dir)) == names
+    assert {"hyperparams_list.txt", "hyperparams.json", "my_experiment.py"} <= run_folder_files(tl)
+    assert json.loads(open(os.path.join(folder.path, "hyperparams.json")).read())["layers"] == [16, {"dropout": 0.3}]
+    for epoch, name in enumerate(names):
+        checkpoint = torch.load(os.path.join(folder.checkpoint_dir, name), weights_only=True)
+        assert set(checkpoint) == CHECKPOINT_KEYS
+        assert (checkpoint["epoch"], checkpoint["epochs_completed"], checkpoint["iteration"]) == (epoch, epoch + 1, 0)
+        assert checkpoint["total_iteration_idx"] == 5 * (epoch + 1)
+        assert checkpoint["train_history"] == history_at_epoch_end[epoch]
+        assert checkpoint["hyperparams"] == hyperparams
+        assert list(checkpoint["model"]) == list(tl.model.state_dict())
+        assert checkpoint["callbacks"]["StepLRScheduler:0"]["schedulers"][0]["last_epoch"] == epoch + 1
+        assert checkpoint["optimizers"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5 ** (epoch + 1))
+        assert len(checkpoint["rng"]) == checkpoint["world_size"] == 1
+        assert set(checkpoint["rng"][0]) == RNG_KEYS and len(checkpoint["rng"][0]["loader_generators"]) == 1
+        assert checkpoint["precision"] == {"loss_scaler": None, "master_weights": None}
+    last = torch.load(os.path.join(folder.checkpoint_dir, names[-1]), weights_only=True)
+    for key, value in tl.model.state_dict().items():
+        assert torch.equal(last["model"][key], value)
+    assert set(last["optimizers"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("preset", [TrainLoopEndSave, TrainLoopCheckpointEndSave])
+def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, preset):
+    hyperparams = make_hyperparams(tmp_path)
+    untouched = copy.deepcopy(hyperparams)
+    tl = preset(*preset_arguments(), project_name="proj", experiment_name="exp",
+                local_model_result_folder_path=str(tmp_path), hyperparams=hyperparams,
+                val_result_package=ClassificationResultPackage(), test_result_package=ClassificationResultPackage(),
+                show_progress=False)
+    tl.fit(num_epochs=2)
+    assert hyperparams == untouched
+    ts = tl.experiment_timestamp
+    files = run_folder_files(tl)
+    checkpoints = {f"checkpoint_model/model_exp_{ts}_E{epoch}.pth" for epoch in range(2)}
+    if preset is TrainLoopCheckpointEndSave:
+        assert checkpoints <= files
+    else:
+        assert not checkpoints & files
+    assert {f"model/model_exp_{ts}.pth", "results/results.json", "results/train_history.csv",
+            "results/plots/loss.png", "results/plots/val_loss.png", "hyperparams_list.txt", "hyperparams.json",
+            "my_experiment.py"} <= files
+    assert not [name for name in files if name.endswith((".p", ".pkl", ".pickle")) or ".tmp-" in name]
+
+    with open(os.path.join(tl.experiment_folder.results_dir, "results.json")) as handle:
+        results = json.load(handle)  # JSON, not pickle
+    for name, predict in (("validation", tl.predict_on_validation_set), ("test", tl.predict_on_test_set)):
+        y_pred, y_true, _ = predict()
+        expected = ClassificationResultPackage().prepare_result_package(y_true, y_pred).get_results()
+        assert results["results"][name] == pytest.approx(expected)
+    assert results["train_history"] == tl.train_history.get_train_history_dict()
+    assert results["epochs_completed"] == 2
+
+    final = torch.load(os.path.join(tl.experiment_folder.model_dir, f"model_exp_{ts}.pth"), weights_only=True)
+    assert set(final) == CHECKPOINT_KEYS and final["epochs_completed"] == 2
+    assert final["train_history"]["train_end_test_loss"] == tl.train_history["train_end_test_loss"]
+    for key, value in tl.model.state_dict().items():
+        assert torch.equal(final["model"][key], value)
+    with open(os.path.join(tl.experiment_folder.results_dir, "train_history.csv")) as handle:
+        header = handle.readline()
+    assert "loss" in header and "val_loss" in header
+
+
+def test_iteration_save_freq_adds_mid_epoch_checkpoints(tmp_path):
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, iteration_save_freq=2,
+                             show_progress=False)
+    tl.fit(num_epochs=2)  # 5 batches per epoch: saves after 2, 4, 6 (epoch 1, 1 batch), 8 and 10 batches
+    ts = tl.experiment_timestamp
+    assert sorted(os.listdir(tl.experiment_folder.checkpoint_dir)) == sorted(
+        f"model_exp_{ts}_{suffix}.pth" for suffix in ("E0_I2", "E0_I4", "E0", "E1_I1", "E1_I3", "E1_I5", "E1"))
+    checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{ts}_E1_I3.pth"),
+                            weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["iteration"], checkpoint["total_iteration_idx"]) == (1, 3, 8)
+    assert set(checkpoint) == CHECKPOINT_KEYS | {"epoch_start_rng", "epoch_loss_sum"}
+
+
+@pytest.mark.parametrize("use_amp, scaled, masters", [
+    ({"opt_level": "O1"}, True, False), ({"opt_level": "O2"}, True, True),
+    ({"opt_level": "O1", "dtype": torch.float16}, True, False), (True, False, False)],
+    ids=["O1", "O2", "fp16", "use_amp=True"])
+def test_checkpoints_hold_the_mixed_precision_state(tmp_path, use_amp, scaled, masters):
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, use_amp=use_amp,
+                             show_progress=False)
+    tl.fit(num_epochs=1)
+    checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{tl.experiment_timestamp}_E0.pth"),
+                            weights_only=True)
+    precision = checkpoint["precision"]
+    assert (precision["loss_scaler"] is not None) == scaled
+    if scaled:
+        assert precision["loss_scaler"] == tl.precision.loss_scaler.state_dict()
+    if masters:  # O2: the optimizer steps float32 masters of the bfloat16 model; they are what resumes exactly
+        saved = precision["master_weights"][0]
+        assert [m.dtype for m in saved] == [torch.float32] * 4
+        for value, master in zip(saved, tl.precision.master_weights.state_dict()[0]):
+            assert torch.equal(value, master)
+        assert {v.dtype for v in checkpoint["model"].values()} <= {torch.float32, torch.bfloat16}
+    else:
+        assert precision["master_weights"] is None
+
+
+def test_numpy_metrics_in_the_history_still_load_with_weights_only(tmp_path):
+    class NumpyMetric(AbstractCallback):
+        def __init__(self):
+            super().__init__("numpy metric")
+
+        def on_epoch_end(self):  # e.g. a scikit-learn score
+            self.train_loop_obj.insert_metric_result_into_history("val_f1", np.float64(0.25))
+            self.train_loop_obj.insert_metric_result_into_history("confusion", np.eye(2, dtype=np.int64))
+
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {"seed": np.int64(3)},
+                             show_progress=False)
+    tl.fit(num_epochs=1, callbacks=[NumpyMetric()])
+    checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{tl.experiment_timestamp}_E0.pth"),
+                            weights_only=True)
+    assert checkpoint["train_history"]["val_f1"] == [0.25]
+    assert torch.equal(checkpoint["train_history"]["confusion"][0], torch.eye(2, dtype=torch.int64))
+    assert tl.train_history["val_f1"] == [np.float64(0.25)]  # the live history is left as it was
+
+
+@pytest.mark.parametrize("preset", [TrainLoopCheckpoint, TrainLoopEndSave, TrainLoopCheckpointEndSave])
+def test_cloud_save_mode_is_local_by_default_and_s3_is_refused(tmp_path, preset):
+    for mode in (None, "local"):
+        tl = preset(*preset_arguments(), "proj", f"exp_{mode}", str(tmp_path), {}, cloud_save_mode=mode,
+                    show_progress=False)
+        assert os.path.isdir(tl.experiment_folder.path)
+    for mode in ("s3", "gcs"):
+        with pytest.raises(ValueError, match=f"cloud_save_mode='{mode}' is not supported.*local experiment folder"):
+            preset(*preset_arguments(), "proj", "cloud", str(tmp_path), {}, cloud_save_mode=mode)
+    assert not [name for name in os.listdir(tmp_path / "proj") if name.startswith("cloud")]
+
+
+@pytest.mark.parametrize("preset", [TrainLoopCheckpoint, TrainLoopEndSave])
+def test_lazy_experiment_save_creates_nothing_until_the_first_write(tmp_path, preset):
+    root = tmp_path / "results"
+    tl = preset(*preset_arguments(), "proj", "exp", str(root), {"lr": 0.1}, lazy_experiment_save=True,
+                show_progress=False)
+    assert not root.exists()
+    tl.fit(num_epochs=1)
+    files = run_folder_files(tl)
+    assert {"hyperparams_list.txt", "hyperparams.json"} <= files  # written with the first file
+    assert json.loads((root / "proj" / f"exp_{tl.experiment_timestamp}" / "hyperparams.json").read_text()) == {"lr": 0.1}
+
+
+def test_an_existing_experiment_folder_is_never_overwritten(tmp_path):
+    now = datetime.datetime.now()
+    taken = []
+    for seconds in range(-1, 4):  # whatever second the constructor reads, its folder exists already
+        stamp = (now + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d_%H-%M-%S")
+        folder = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp=stamp)
+        folder.create()
+        open(os.path.join(folder.checkpoint_dir, "model_exp_E0.pth"), "wb").close()
+        taken.append(folder.path)
+    with pytest.raises(FileExistsError, match="already exists; it is never overwritten"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
+    for path in taken:
+        assert os.listdir(os.path.join(path, "checkpoint_model")) == ["model_exp_E0.pth"]
+
+
+def test_a_folder_that_cannot_be_created_fails_at_construction_with_its_path(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    with pytest.raises(NotADirectoryError, match="blocker"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(blocker / "results"), {})
+
+
+def test_bad_hyperparams_are_refused():
+    with pytest.raises(TypeError, match="hyperparams must be a dict, got list"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", "/tmp/unused", [("lr", 0.1)])
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_lazy_preset_trained_with_ddp_saves_plain_checkpoints_into_one_folder(tmp_path):
+    """gpu_mode='ddp' (2 CPU processes): rank 0 creates the lazy folder and writes each checkpoint once, without
+    DDP's 'module.' prefixes; a second fit of the same TrainLoop continues in that folder."""
+    tl = TrainLoopCheckpoint(*preset_arguments(train_samples=16), "proj", "exp", str(tmp_path), {"lr": 1e-2},
+                             lazy_experiment_save=True, gpu_mode="ddp", show_progress=False)
+    assert not (tmp_path / "proj").exists()
+    tl.fit(num_epochs=1, num_gpus=2, start_method="fork")
+    tl.fit(num_epochs=2, num_gpus=2, start_method="fork")
+    folder = tl.experiment_folder
+    assert sorted(os.listdir(folder.checkpoint_dir)) == [f"model_exp_{tl.experiment_timestamp}_E{e}.pth" for e in (0, 1)]
+    assert os.listdir(tmp_path / "proj") == [f"exp_{tl.experiment_timestamp}"]
+    assert json.loads(open(os.path.join(folder.path, "hyperparams.json")).read()) == {"lr": 1e-2}
+    checkpoint = torch.load(os.path.join(folder.checkpoint_dir, f"model_exp_{tl.experiment_timestamp}_E1.pth"),
+                            weights_only=True)
+    assert list(checkpoint["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2 and checkpoint["epochs_completed"] == 2
+    for key, value in tl.model.state_dict().items():  # the parent adopted rank 0's weights
+        assert torch.equal(checkpoint["model"][key], value)
