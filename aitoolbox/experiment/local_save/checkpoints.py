@@ -43,6 +43,7 @@ def list_checkpoints(folder: str) -> List[str]:
 
 def find_checkpoint(path: str) -> str:
     """The checkpoint file ``path`` names: itself, or the newest one of an experiment or checkpoint folder."""
+    path = os.path.expanduser(path)
     if os.path.isfile(path):
         return path
     if not os.path.isdir(path):
