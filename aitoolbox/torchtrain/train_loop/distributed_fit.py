@@ -162,7 +162,7 @@ def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callb
 
     placement = current_external_placement(master_addr, master_port)
     if placement is not None:  # torchrun / SLURM / OpenMPI started us: this process is one rank
-        logger.info("joining a %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
+        logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
         job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
                              master_addr=placement.master_addr, master_port=placement.master_port,
                              result_path=None, **common)
