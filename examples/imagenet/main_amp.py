@@ -276,11 +276,12 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
             torch.cuda.set_device(args.local_rank % torch.cuda.device_count())
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", init_method="env://")
         args.world_size = dist.get_world_size()
-    try:
-        return run(args, use_cuda)
-    finally:
-        if args.distributed:
-            dist.destroy_process_group()
+    best_prec1 = run(args, use_cuda)
+    if args.distributed:
+        # Leave together: a rank tearing down gloo while its peer is still saving can abort the peer.
+        dist.barrier()
+        dist.destroy_process_group()
+    return best_prec1
 
 
 def run(args: argparse.Namespace, use_cuda: bool) -> float:

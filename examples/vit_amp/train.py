@@ -117,6 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[float]:
         print(f"[{config['NAME']}] final training loss: {losses[-1]:.4f}")
         print(f"[{config['NAME']}] Test accuracy: {accuracy:.4f} ({len(y_true)} images)", flush=True)
     if dist.is_initialized():
+        dist.barrier()  # leave together: tearing down gloo while a peer still works can abort it
         dist.destroy_process_group()
     return [accuracy]
 
