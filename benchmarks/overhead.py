@@ -1,0 +1,406 @@
+"""TrainLoop's overhead over a hand-written PyTorch loop: the quickstart CNN on scikit-learn's digits.
+
+Three scenarios, each timed per epoch:
+
+* ``bare``: ``TrainLoop(end_auto_eval=False, show_progress=False)`` against the plainest loop
+  (forward, loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``).
+* ``tiny-model``: as ``bare`` but with a single linear layer, so that the loop's fixed cost per batch
+  (the "extra us/batch" column) is not hidden by the compute; it has no target.
+* ``bars+metrics``: TrainLoop with progress bars and the callbacks
+  ``ModelPerformanceEvaluation(ClassificationResultPackage())`` + ``ModelPerformancePrintReport(['val_Accuracy'])``,
+  against a hand loop that also predicts the validation set each epoch, computes sklearn's
+  ``accuracy_score`` and prints it, so both do the same work. ``end_auto_eval=False`` in both scenarios
+  (the hand loop computes no whole-set losses either). Everything written to stdout and stderr during
+  the timed runs (bars, log lines, the accuracy lines) goes to /dev/null; the table is printed afterwards.
+
+How it is measured: for each repeat, fresh models with the same initial weights and fresh loaders with
+the same shuffling seed are built for every runner; the runners then train one epoch at a time,
+interleaved (A B, B A, A B, ... so slow drift of a shared machine cancels), and only the epochs after
+``--warmup`` are kept. Each runner owns its torch RNG state (dropout), so the interleaving does not change
+what it computes: TrainLoop and the hand loop end with bitwise identical weights, which the script
+checks and reports ("same weights") as proof that both did the same work.
+
+The TrainLoop time of an epoch is one ``tl.fit(num_epochs=k)`` call, i.e. it includes fit's own setup.
+If ``lightning`` (or ``pytorch_lightning``) is importable its Trainer is a third column (timing only: its
+weights are not expected to match the hand loop's bitwise, "same weights" then says "differs").
+
+Run:  python benchmarks/overhead.py                      (about 2 minutes on 2 cores)
+      python benchmarks/overhead.py --quick              (smoke test, a few seconds)
+      python benchmarks/overhead.py --profile 20         (cProfile of 20 TrainLoop epochs vs the hand loop)
+"""
+import argparse
+import contextlib
+import cProfile
+import inspect
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent / "examples"))
+
+import torch  # noqa: E402
+from sklearn.metrics import accuracy_score  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, Subset  # noqa: E402
+
+import _common  # noqa: E402
+from quickstart import DigitsCNN, digits_loaders  # noqa: E402
+
+from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage  # noqa: E402
+from aitoolbox.torchtrain.callbacks.performance_eval import (  # noqa: E402
+    ModelPerformanceEvaluation, ModelPerformancePrintReport)
+from aitoolbox.torchtrain.model import TTModel  # noqa: E402
+from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
+
+SCENARIOS = ("bare", "bars+metrics", "tiny-model")
+TARGETS = {"bare": 1.02, "bars+metrics": 1.05}  # tiny-model has none: it shows the fixed cost per batch
+
+
+class RngSlot:
+    """A private torch RNG state: a runner draws its dropout masks from it, whatever ran in between."""
+
+    def __init__(self, seed: int):
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def active(self):
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        try:
+            yield
+        finally:
+            self.state = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+class TinyLinear(TTModel):
+    """One linear layer on the flattened digits: so little compute that the loop's own cost shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, images):
+        return self.linear(images.flatten(1))
+
+    def get_loss(self, batch_data, criterion, device):
+        images, labels = batch_data
+        return criterion(self(images.to(device)), labels.to(device))
+
+    def get_predictions(self, batch_data, device):
+        images, labels = batch_data
+        return self(images.to(device)).argmax(dim=1).cpu(), labels, None
+
+
+def build_model_and_data(args, scenario: str):
+    """The same initial weights and the same loaders (own shuffling generator) for every runner."""
+    torch.manual_seed(args.seed)
+    model = TinyLinear() if scenario == "tiny-model" else DigitsCNN()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    train_loader, val_loader, _ = digits_loaders(args.batch_size, args.seed)
+    if args.train_samples:  # a shorter epoch (smoke tests): the first samples, shuffled the same way
+        subset = Subset(train_loader.dataset, range(min(args.train_samples, len(train_loader.dataset))))
+        train_loader = DataLoader(subset, batch_size=args.batch_size, shuffle=True,
+                                  generator=torch.Generator().manual_seed(args.seed))
+    return model, optimizer, train_loader, val_loader
+
+
+class HandLoop:
+    """The plain PyTorch loop; with ``with_metrics`` it also reports validation accuracy every epoch."""
+
+    name = "hand"
+
+    def __init__(self, args, scenario: str):
+        self.model, self.optimizer, self.train_loader, self.val_loader = build_model_and_data(args, scenario)
+        self.criterion = nn.CrossEntropyLoss()
+        self.with_metrics = scenario == "bars+metrics"
+        self.epoch = 0
+
+    def run_epoch(self) -> None:
+        model, optimizer, criterion = self.model, self.optimizer, self.criterion
+        model.train()
+        for images, labels in self.train_loader:
+            loss = criterion(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if self.with_metrics:
+            model.eval()
+            predictions, targets = [], []
+            with torch.no_grad():
+                for images, labels in self.val_loader:
+                    predictions.append(model(images).argmax(dim=1))
+                    targets.append(labels)
+            model.train()
+            accuracy = accuracy_score(torch.cat(targets).numpy(), torch.cat(predictions).numpy())
+            print(f"Epoch {self.epoch} performance report\n  val_Accuracy: {accuracy}", file=sys.stderr)
+        self.epoch += 1
+
+
+class TrainLoopRunner:
+    """TrainLoop trained one more epoch per ``fit`` call (fit counts epochs in totals)."""
+
+    name = "TrainLoop"
+
+    def __init__(self, args, scenario: str):
+        with_metrics = scenario == "bars+metrics"
+        self.model, optimizer, self.train_loader, val_loader = build_model_and_data(args, scenario)
+        self.train_loop = TrainLoop(self.model, self.train_loader, val_loader, None, optimizer, nn.CrossEntropyLoss(),
+                                    end_auto_eval=False, show_progress=with_metrics)
+        self.callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), args=None, on_val_data=True),
+                          ModelPerformancePrintReport(["val_Accuracy"])] if with_metrics else []
+        self.epochs_done = 0
+
+    def run_epoch(self) -> None:
+        callbacks = self.callbacks if self.epochs_done == 0 else None  # registered once, they stay registered
+        self.train_loop.fit(num_epochs=self.epochs_done + 1, callbacks=callbacks)
+        self.epochs_done += 1
+
+
+def import_lightning():
+    """The ``lightning`` package, else ``pytorch_lightning``, else None."""
+    for module_name in ("lightning", "pytorch_lightning"):
+        try:
+            return __import__(module_name)
+        except ImportError:
+            continue
+    return None
+
+
+class LightningRunner:
+    """Lightning's Trainer, continued one epoch per ``fit`` call by raising ``fit_loop.max_epochs``.
+
+    ``bare``: ``Trainer(barebones=True)`` where the installed version has it (no logger, checkpointing,
+    progress bar or model summary either way). ``bars+metrics``: progress bar on and a validation step that
+    collects predictions, with the same accuracy_score print as the hand loop.
+    """
+
+    name = "Lightning"
+
+    def __init__(self, args, scenario: str, lightning):
+        with_metrics = scenario == "bars+metrics"
+        model, optimizer, self.train_loader, self.val_loader = build_model_and_data(args, scenario)
+        self.model = model
+        self.module = _lightning_module_class(lightning)(model, optimizer, with_metrics)
+        self.with_metrics = with_metrics
+        options = dict(accelerator="cpu", devices=1, max_epochs=0, logger=False, enable_checkpointing=False,
+                       enable_model_summary=False, num_sanity_val_steps=0)
+        if with_metrics:
+            options.update(enable_progress_bar=True)
+        else:
+            options.update(enable_progress_bar=False, limit_val_batches=0)
+            if "barebones" in inspect.signature(lightning.Trainer.__init__).parameters:
+                options.update(barebones=True)
+                del options["enable_checkpointing"], options["enable_model_summary"], options["logger"]
+                del options["enable_progress_bar"], options["num_sanity_val_steps"]
+        self.trainer = lightning.Trainer(**options)
+        self.epochs_done = 0
+
+    def run_epoch(self) -> None:
+        self.trainer.fit_loop.max_epochs = self.epochs_done + 1
+        if self.with_metrics:
+            self.trainer.fit(self.module, self.train_loader, self.val_loader)
+        else:
+            self.trainer.fit(self.module, self.train_loader)
+        self.epochs_done += 1
+
+
+def _lightning_module_class(lightning):
+    """A LightningModule around DigitsCNN (defined lazily: lightning is optional)."""
+
+    class DigitsModule(lightning.LightningModule):
+        def __init__(self, net, optimizer, with_metrics):
+            super().__init__()
+            self.net = net
+            self.optimizer = optimizer
+            self.with_metrics = with_metrics
+            self.criterion = nn.CrossEntropyLoss()
+            self._predictions: List[torch.Tensor] = []
+            self._targets: List[torch.Tensor] = []
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            return self.criterion(self.net(images), labels)
+
+        def validation_step(self, batch, batch_idx):
+            images, labels = batch
+            self._predictions.append(self.net(images).argmax(dim=1))
+            self._targets.append(labels)
+
+        def on_validation_epoch_end(self):
+            accuracy = accuracy_score(torch.cat(self._targets).numpy(), torch.cat(self._predictions).numpy())
+            print(f"Epoch {self.current_epoch} performance report\n  val_Accuracy: {accuracy}", file=sys.stderr)
+            self._predictions, self._targets = [], []
+
+        def configure_optimizers(self):
+            return self.optimizer
+
+    return DigitsModule
+
+
+def same_weights(model_a: nn.Module, model_b: nn.Module) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters()))
+
+
+def run_scenario(scenario: str, args, lightning) -> Dict[str, object]:
+    """Time every runner's epochs, interleaved, over ``args.repeats`` fresh starts."""
+    factories = [lambda: HandLoop(args, scenario), lambda: TrainLoopRunner(args, scenario)]
+    if lightning is not None:
+        factories.append(lambda: LightningRunner(args, scenario, lightning))
+    times: Dict[str, List[float]] = {}
+    paired_ratios: Dict[str, List[float]] = {}
+    paired_diffs: Dict[str, List[float]] = {}
+    weights_equal: Dict[str, List[bool]] = {}
+    for repeat in range(args.repeats):
+        with _common.output_to_devnull():
+            runners = [factory() for factory in factories]
+        rng_slots = [RngSlot(args.seed + 1) for _ in runners]
+        for epoch in range(args.warmup + args.epochs):
+            order = list(range(len(runners)))
+            if (epoch + repeat) % 2:
+                order.reverse()
+            epoch_times = {}
+            for index in order:
+                runner = runners[index]
+                with _common.output_to_devnull(), rng_slots[index].active():
+                    start = time.perf_counter()
+                    runner.run_epoch()
+                    epoch_times[runner.name] = time.perf_counter() - start
+            if epoch < args.warmup:
+                continue
+            for name, seconds in epoch_times.items():
+                times.setdefault(name, []).append(seconds)
+                if name != "hand":
+                    paired_ratios.setdefault(name, []).append(seconds / epoch_times["hand"])
+                    paired_diffs.setdefault(name, []).append(seconds - epoch_times["hand"])
+        for runner in runners[1:]:
+            weights_equal.setdefault(runner.name, []).append(same_weights(runners[0].model, runner.model))
+    return {"times": times, "paired_ratios": paired_ratios, "paired_diffs": paired_diffs,
+            "weights_equal": {name: all(equal) for name, equal in weights_equal.items()},
+            "batches_per_epoch": len(runners[0].train_loader)}
+
+
+def result_rows(scenario: str, result: Dict[str, object], lightning_present: bool) -> List[List[str]]:
+    times, ratios = result["times"], result["paired_ratios"]
+    hand = _common.median(times["hand"])
+    rows = []
+    for name in ["TrainLoop"] + (["Lightning"] if lightning_present else []):
+        runner_median = _common.median(times[name])
+        ratio_of_medians = runner_median / hand
+        median_ratio = _common.median(ratios[name])
+        per_batch_us = _common.median(result["paired_diffs"][name]) / result["batches_per_epoch"] * 1e6
+        target_cell = "(no target)"
+        same = "yes" if result["weights_equal"][name] else ("NO" if name == "TrainLoop" else "differs")
+        if name == "TrainLoop" and scenario in TARGETS:
+            verdict = "met" if median_ratio <= TARGETS[scenario] else "MISSED"
+            target_cell = f"<= {TARGETS[scenario]:.2f}: {verdict}"
+        ratio_of_minima = min(times[name]) / min(times["hand"])
+        rows.append([scenario, name, str(len(times[name])), f"{hand * 1e3:.1f}", f"{runner_median * 1e3:.1f}",
+                     _common.fmt_ratio(ratio_of_medians), _common.fmt_ratio(median_ratio),
+                     _common.fmt_ratio(ratio_of_minima), f"{per_batch_us:+.0f}", target_cell, same])
+    return rows
+
+
+HEADERS = ["scenario", "loop", "epochs timed", "hand ms/epoch (median)", "loop ms/epoch (median)",
+           "ratio of medians", "median paired ratio", "ratio of minima", "extra us/batch (median paired)", "target (paired ratio)",
+           "same weights"]
+
+
+def profile(args, num_epochs: int) -> str:
+    """cProfile of ``num_epochs`` bare TrainLoop epochs and hand-loop epochs: where the extra time goes."""
+    report = io.StringIO()
+    for runner_class in (HandLoop, TrainLoopRunner):
+        with _common.output_to_devnull():
+            runner = runner_class(args, "bare")
+            runner.run_epoch()  # warm-up, not profiled
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(num_epochs):
+                runner.run_epoch()
+            profiler.disable()
+        stats = pstats.Stats(profiler, stream=report)
+        report.write(f"\n===== {runner_class.name}: {num_epochs} epochs, "
+                     f"{stats.total_calls} function calls, {stats.total_tt:.3f} s =====\n")
+        stats.sort_stats("tottime").print_stats(args.profile_top)
+    return report.getvalue()
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=10, help="timed epochs per repeat and runner")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh starts, each with --warmup + --epochs epochs")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed epochs at the start of each repeat")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--train-samples", type=int, default=0,
+                        help="train on only the first N of the 1,257 training digits (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--no-lightning", action="store_true", help="skip Lightning even if it is installed")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 2 timed epochs of 320 samples, 1 repeat, 1 warm-up")
+    parser.add_argument("--profile", type=int, default=0, metavar="EPOCHS",
+                        help="also print a cProfile of this many bare epochs of each loop")
+    parser.add_argument("--profile-top", type=int, default=25, help="functions listed per profile")
+    parser.add_argument("--write-results", action="store_true",
+                        help="replace the 'overhead' section of benchmarks/RESULTS.md with this run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs, args.repeats, args.warmup = 2, 1, 1
+        args.train_samples = args.train_samples or 320
+    for name in ("epochs", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> str:
+    args = parse_args(argv)
+    threads = _common.set_threads(args.threads)
+    lightning = None if args.no_lightning else import_lightning()
+    info = _common.machine_info(torch.device("cpu"))
+    if lightning is not None:
+        info["lightning"] = f"{lightning.__name__} {lightning.__version__}"
+    else:
+        info["lightning"] = "skipped (--no-lightning)" if args.no_lightning else \
+            "skipped (neither lightning nor pytorch_lightning is importable)"
+    samples = f"first {args.train_samples} training samples" if args.train_samples else "all 1,257 training samples"
+    settings = (f"epochs={args.epochs} timed + {args.warmup} warm-up per repeat, repeats={args.repeats}, "
+                f"batch size {args.batch_size}, {samples}, threads={threads}")
+    # The first epochs of a process pay one-off costs (oneDNN kernel creation, lazy imports): pay them here.
+    with _common.output_to_devnull():
+        for runner_class in (HandLoop, TrainLoopRunner):
+            runner_class(args, "bare").run_epoch()
+    load_before = _common.load_average()
+    rows = []
+    for scenario in args.scenarios:
+        result = run_scenario(scenario, args, lightning)
+        rows += result_rows(scenario, result, lightning is not None)
+    info["load average (1 min) before / after"] = f"{load_before} / {_common.load_average()}"
+    info["settings"] = settings
+    table = _common.markdown_table(HEADERS, rows)
+    text = "\n".join([f"Command: `{_common.command_line()}`", "", _common.info_lines(info), "", table, ""])
+    print(text)
+    if lightning is None:
+        print(f"Lightning column: {info['lightning']}")
+    if args.profile:
+        print(profile(args, args.profile))
+    if args.write_results:
+        path = _common.update_results_section("overhead", text)
+        print(f"updated {path}")
+    return text
+
+
+if __name__ == "__main__":
+    main()
