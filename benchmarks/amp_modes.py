@@ -30,7 +30,7 @@ Memory, measured in a separate untimed pass, one fresh model per mode:
   allocated before; on CPU the rise of the process's peak resident set size (VmHWM, reset through
   ``/proc/self/clear_refs`` after ``malloc_trim``) over the same span - allocator dependent, so noisier.
 
-Run:  python benchmarks/amp_modes.py --model vit --plot        (about 2-3 minutes on 2 cores)
+Run:  python benchmarks/amp_modes.py --model vit --plot        (about 1.5 minutes on 2 idle cores)
       python benchmarks/amp_modes.py --quick                   (smoke test)
 """
 import argparse

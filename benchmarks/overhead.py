@@ -24,7 +24,7 @@ The TrainLoop time of an epoch is one ``tl.fit(num_epochs=k)`` call, i.e. it inc
 If ``lightning`` (or ``pytorch_lightning``) is importable its Trainer is a third column (timing only: its
 weights are not expected to match the hand loop's bitwise, "same weights" then says "differs").
 
-Run:  python benchmarks/overhead.py                      (about 2 minutes on 2 cores)
+Run:  python benchmarks/overhead.py                      (about 1 minute on 2 idle cores)
       python benchmarks/overhead.py --quick              (smoke test, a few seconds)
       python benchmarks/overhead.py --profile 20         (cProfile of 20 TrainLoop epochs vs the hand loop)
 """
@@ -310,8 +310,8 @@ def result_rows(scenario: str, result: Dict[str, object], lightning_present: boo
 
 
 HEADERS = ["scenario", "loop", "epochs timed", "hand ms/epoch (median)", "loop ms/epoch (median)",
-           "ratio of medians", "median paired ratio", "ratio of minima", "extra us/batch (median paired)", "target (paired ratio)",
-           "same weights"]
+           "ratio of medians", "median paired ratio", "ratio of minima", "extra us/batch (median paired)",
+           "target (paired ratio)", "same weights"]
 
 
 def profile(args, num_epochs: int) -> str:

@@ -1,7 +1,7 @@
 """Smoke tests of the benchmark scripts: each runs with --quick in a fresh process and prints its table.
 
 The numbers themselves are not checked (the machine is shared and timings vary); only that the scripts run
-end to end and print one table row per scenario or mode. Each takes about 10 s on 2 idle cores (most of it
+end to end and print one table row per scenario or mode. Each takes 5-15 s on 2 idle cores (much of it
 importing torch and building the models), hence the ``slow`` mark.
 """
 import re
