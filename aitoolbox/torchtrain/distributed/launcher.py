@@ -13,6 +13,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -67,26 +68,30 @@ def check_main_guard(script_path: str) -> None:
                        "in a function called from it).")
 
 
-def check_picklable(job: DistributedJob) -> None:
-    """Name the part of the TrainLoop that cannot be sent to a spawned process."""
-    tl = job.train_loop
-    parts = {"model": tl.model, "train_loader": tl.train_loader, "validation_loader": tl.validation_loader,
-             "test_loader": tl.test_loader, "optimizer": tl.optimizer, "criterion": tl.criterion}
-    callbacks = list(tl.callbacks) + list(job.fit_arguments.callbacks or []) + list(job.in_process_data_load)
-    parts.update({f"callback {type(cb).__name__}": cb for cb in callbacks})
-    for name, value in parts.items():
-        try:
-            pickle.dumps(value)
-        except Exception as error:
-            raise TypeError(f"the {name} cannot be pickled, so it cannot be sent to the training processes: "
-                            f"{type(error).__name__}: {error}. Define classes and functions at module level "
-                            "(not inside functions or as lambdas), or build the object in each process with an "
-                            "in_process_data_load callback.") from None
+def pickle_job(job: DistributedJob) -> bytes:
+    """The job pickled for spawned processes; on failure, name the part of the TrainLoop that cannot be sent.
+
+    Plain pickle copies tensor data. multiprocessing's own pickler would move the model's tensors into shared
+    memory, and every process would then train the very same weights.
+    """
     try:
-        pickle.dumps(job)
-    except Exception as error:
-        raise TypeError(f"the TrainLoop cannot be pickled for the training processes: {type(error).__name__}: "
-                        f"{error}") from None
+        return pickle.dumps(job)
+    except Exception as whole_error:
+        tl = job.train_loop
+        parts = {"model": tl.model, "train_loader": tl.train_loader, "validation_loader": tl.validation_loader,
+                 "test_loader": tl.test_loader, "optimizer": tl.optimizer, "criterion": tl.criterion}
+        callbacks = list(tl.callbacks) + list(job.fit_arguments.callbacks or []) + list(job.in_process_data_load)
+        parts.update({f"callback {type(cb).__name__}": cb for cb in callbacks})
+        for name, value in parts.items():
+            try:
+                pickle.dumps(value)
+            except Exception as error:
+                raise TypeError(f"the {name} cannot be pickled, so it cannot be sent to the training processes: "
+                                f"{type(error).__name__}: {error}. Define classes and functions at module level "
+                                "(not inside functions or as lambdas), or build the object in each process with "
+                                "an in_process_data_load callback.") from None
+        raise TypeError(f"the TrainLoop cannot be pickled for the training processes: "
+                        f"{type(whole_error).__name__}: {whole_error}") from None
 
 
 class ProcessLauncher:
@@ -106,26 +111,53 @@ class ProcessLauncher:
 
     def run(self) -> None:
         """Run the job to the end; raise with the failing rank's traceback if any process fails."""
-        payload = self.job
+        payload = None
         if self.start_method != "fork":
             script = main_script_path()
             if script is not None:
                 check_main_guard(script)
-            check_picklable(self.job)
-            # Plain pickle copies tensor data. multiprocessing's own pickler would move the model's tensors
-            # into shared memory, and every process would then train the very same weights.
-            payload = pickle.dumps(self.job)
+            payload = pickle_job(self.job)
         context = multiprocessing.get_context(self.start_method)
         messages = context.Queue()
+        senders = []
         try:
             for local_rank in range(self.job.processes_per_node):
-                process = context.Process(target=worker_entry, args=(local_rank, payload, messages),
+                if payload is None:  # fork: the child inherits the job
+                    job_source = self.job
+                else:
+                    job_source, sender = context.Pipe(duplex=False)
+                    senders.append(sender)
+                process = context.Process(target=worker_entry, args=(local_rank, job_source, messages),
                                           name=f"aitoolbox-rank{self.job.placement(local_rank).rank}")
                 process.start()
                 self._processes.append(process)
+                if payload is not None:
+                    job_source.close()  # the child holds its own copy; a dead child then breaks the pipe
+            if senders:
+                self._send_in_background(payload, senders)
             self._watch(messages)
         finally:
             self._stop_all()
+
+    @staticmethod
+    def _send_in_background(payload: bytes, senders: list) -> None:
+        """Hand each spawned process the pickled job, after all of them were started.
+
+        The job (the model's weights included) is far larger than a pipe's buffer, so a write returns only once
+        the child reads it, i.e. after the child has imported the main script. Passed as a ``Process`` argument,
+        it would make every ``start()`` wait for that and the processes would start one after another. A thread
+        writes, so the parent keeps watching its processes; a child that died before reading breaks its pipe.
+        """
+        def send_all():
+            for sender in senders:
+                try:
+                    sender.send_bytes(payload)
+                except OSError:
+                    pass  # that process is gone; the watcher reports why
+                finally:
+                    sender.close()
+
+        threading.Thread(target=send_all, name="aitoolbox-job-sender", daemon=True).start()
 
     def _watch(self, messages) -> None:
         """Return once every process has exited cleanly; raise at the first failure, naming its cause."""

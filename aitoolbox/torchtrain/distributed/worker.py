@@ -3,6 +3,7 @@ import dataclasses
 import os
 import pickle
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any, List, Optional, Union
 
 import torch.distributed as dist
@@ -61,12 +62,12 @@ class DistributedJob:
         return ProcessPlacement(rank, local_rank, self.world_size, self.master_addr, self.master_port, "aitoolbox")
 
 
-def worker_entry(local_rank: int, job: Union[DistributedJob, bytes], message_queue) -> None:
+def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], message_queue) -> None:
     """Entry point of a launched process; reports an exception with its traceback to the parent.
 
     Args:
         local_rank: the process's rank on this node.
-        job: the job itself (fork), or the job pickled by the parent (spawn).
+        job: the job itself (fork), or the receiving end of a pipe the parent writes the pickled job to (spawn).
         message_queue: where the outcome is reported.
     """
     if hasattr(os, "setpgrp"):
@@ -75,8 +76,9 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, bytes], message_que
     try:
         # Imported here: the training side imports this module to build jobs.
         from aitoolbox.torchtrain.train_loop.distributed_fit import train_in_this_process
-        if isinstance(job, bytes):
-            job = pickle.loads(job)
+        if isinstance(job, Connection):
+            with job:
+                job = pickle.loads(job.recv_bytes())
         placement = job.placement(local_rank)
         rank = placement.rank
         train_in_this_process(job, placement)

@@ -114,6 +114,33 @@ def test_a_script_without_main_guard_gets_a_clear_error_before_any_process_start
     assert marker.read_text() == "top level ran\n"  # no spawned process imported the script
 
 
+FAILING_IMPORT_SCRIPT = textwrap.dedent("""
+    import time
+    if __name__ == "__mp_main__":  # only in the spawned processes, which import the script before training
+        raise ImportError("deliberate failure while a spawned process imports the script")
+    from tests.torchtrain.distributed.support import make_train_loop
+    if __name__ == "__main__":
+        start = time.monotonic()
+        try:
+            make_train_loop().fit_distributed(num_epochs=1, num_gpus=2)
+        except RuntimeError as error:
+            print(f"raised after {time.monotonic() - start:.1f} s: {error}")
+""")
+
+
+def test_a_process_failing_before_it_receives_the_job_fails_the_run(tmp_path):
+    """Spawned processes get the pickled job through a pipe once all have started; one that dies while importing
+    the script never reads it. The parent must not wait on that pipe: the run fails fast, naming the rank."""
+    script = tmp_path / "failing_import.py"
+    script.write_text(FAILING_IMPORT_SCRIPT)
+    result = run_script(script, [], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "raised after" in result.stdout, result.stdout
+    assert "exited with code 1 without reporting an error" in result.stdout
+    assert float(result.stdout.split("raised after ")[1].split(" s")[0]) < FAILURE_DEADLINE_S
+    assert "deliberate failure while a spawned process imports the script" in result.stderr  # the child's own
+
+
 def test_a_busy_master_port_is_replaced(tmp_path):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
