@@ -7,7 +7,8 @@ same folder (``--dir``, default a fresh folder under the system temp dir; the fi
 
 * ``ours``: what ``ModelCheckpoint`` does at an epoch end: ``tl.checkpoint_state()`` (model, optimizer,
   precision and callback states, counters, history, RNG states) followed by ``save_checkpoint_file`` (atomic:
-  temporary file, ``torch.save`` into it, flush, fsync, rename over the target, fsync of the folder).
+  temporary file, ``torch.save`` into it while a background thread flushes every 16 MB written to disk and
+  drops it from the page cache, final fsync, rename over the target, fsync of the folder).
 * ``bare``: ``torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict()}, path)``: the data
   reach the page cache, not the disk.
 * ``save+fsync``: ``bare`` followed by an fsync of the file: the same durability as ``ours`` (less the
@@ -238,8 +239,12 @@ def verdict_lines(saves: Dict[str, object], stall: Dict[str, object]) -> List[st
     to_fsync = _common.median([a / b for a, b in zip(totals["ours"], totals["save+fsync"])])
     fsync_share = _common.median([run["fsync"] / run["total"] for run in saves["timings"]["save+fsync"]])
     minima = {name: min(values) for name, values in totals.items()}
-    lines = [f"- ours / bare torch.save: {to_bare:.3f} (median paired), {minima['ours'] / minima['bare']:.3f} (of "
-             f"minima); target <= {RATIO_TARGET:.1f}: {'met' if to_bare <= RATIO_TARGET else 'MISSED'}",
+    of_minima = minima["ours"] / minima["bare"]
+    verdict = {(True, True): "met", (False, False): "MISSED", (True, False): "met by the median paired ratio, "
+               "MISSED by the ratio of minima", (False, True): "MISSED by the median paired ratio, met by the ratio "
+               "of minima"}[(to_bare <= RATIO_TARGET, of_minima <= RATIO_TARGET)]
+    lines = [f"- ours / bare torch.save: {to_bare:.3f} (median paired), {of_minima:.3f} (of minima); target <= "
+             f"{RATIO_TARGET:.1f}: {verdict}",
              f"- ours / (torch.save + fsync): {to_fsync:.3f} (median paired), "
              f"{minima['ours'] / minima['save+fsync']:.3f} (of minima); fsync is {fsync_share:.0%} of "
              "save+fsync's time (median)"]

@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import tempfile
+import threading
 from typing import IO, Iterator, Optional
 
 import torch
@@ -66,43 +67,106 @@ def atomic_write_text(path: str, text: str) -> None:
         handle.write(text)
 
 
-class _WriteErrorRecorder:
-    """The file handle given to ``torch.save``, remembering the OSError a write raised.
+# How much torch.save writes between two background flushes to disk (see _WriteBehindFile).
+WRITE_BEHIND_BYTES = 16 * 1024 * 1024
+_sync_data = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
-    torch.save replaces a failed write (disk full, file too large) with an unrelated RuntimeError
-    ("unexpected pos ..."); the recorded error lets :func:`torch_save_atomic` report the real cause.
+
+class _WriteBehindFile:
+    """The file handle given to ``torch.save``: gets the data to disk while torch.save is still writing it.
+
+    A checkpoint is durable only once fsync returns, and fsync of a file written in one go waits for all of it
+    to reach the disk: for a large checkpoint that adds about half of torch.save's own time. Here, every
+    :data:`WRITE_BEHIND_BYTES` a background thread flushes what has been written so far (fdatasync releases the
+    GIL), so the disk works while torch.save serialises, and the final fsync has only the last stretch left.
+    The flushed stretch is then dropped from the page cache: a checkpoint of gigabytes does not push the
+    training data out of the cache, and torch.save keeps writing into recycled pages instead of new ones.
+
+    It also remembers the first OSError of a write or of a background flush: torch.save replaces a failed write
+    (disk full, file too large) with an unrelated RuntimeError ("unexpected pos ..."), and an I/O error that a
+    background flush reported is not reported again by the final fsync (Linux reports it once per file).
     """
 
     def __init__(self, handle: IO):
         self._handle = handle
+        self._write_behind_bytes = WRITE_BEHIND_BYTES
+        self._unflushed_bytes = 0
+        self._bytes_written = 0
+        self._in_page_cache_until = 0
+        self._flush_wanted = threading.Event()
+        self._finished = False
+        self._flusher: Optional[threading.Thread] = None
         self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
         try:
-            return self._handle.write(data)
+            written = self._handle.write(data)
+            self._bytes_written += written
+            self._unflushed_bytes += written
+            if self._unflushed_bytes >= self._write_behind_bytes:
+                self._unflushed_bytes = 0
+                self._handle.flush()  # into the page cache, where the background flush finds it
+                self._in_page_cache_until = self._bytes_written
+                self._request_background_flush()
         except OSError as error:
             self.error = self.error or error
             raise
+        if self.error is not None:  # a background flush failed: stop torch.save early
+            raise self.error
+        return written
 
     def flush(self) -> None:
         self._handle.flush()
 
+    def _request_background_flush(self) -> None:
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_in_background, name="aitoolbox-write-behind",
+                                             daemon=True)
+            self._flusher.start()
+        self._flush_wanted.set()
+
+    def _flush_in_background(self) -> None:
+        descriptor = self._handle.fileno()
+        on_disk_until = 0
+        while True:
+            self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._finished:
+                return
+            flushed_until = self._in_page_cache_until
+            try:
+                _sync_data(descriptor)
+                if hasattr(os, "posix_fadvise"):  # the pages are clean now: let the kernel reuse them
+                    os.posix_fadvise(descriptor, on_disk_until, flushed_until - on_disk_until,
+                                     os.POSIX_FADV_DONTNEED)
+            except OSError as error:
+                self.error = self.error or error
+                return
+            on_disk_until = flushed_until
+
+    def finish(self) -> None:
+        """Stop the background flushes (the caller's fsync makes the file durable); raise what one reported."""
+        if self._flusher is not None:
+            self._finished = True
+            self._flush_wanted.set()
+            self._flusher.join()
+        if self.error is not None:
+            raise self.error
+
 
 def torch_save_atomic(obj, path: str) -> None:
-    """``torch.save`` that never leaves a truncated file at ``path``.
+    """``torch.save`` that never leaves a truncated file at ``path``; returns once the file is on disk.
 
     Raises:
         OSError: the file could not be written (disk full, file too large, no permission); the message names
             ``path``, which keeps its previous content.
     """
     with atomic_write(path, "wb") as handle:
-        writer = _WriteErrorRecorder(handle)
+        writer = _WriteBehindFile(handle)
         try:
             torch.save(obj, writer)
-        except RuntimeError as error:
-            if writer.error is None:
-                raise
-            raise writer.error from error
+        finally:
+            writer.finish()  # raises the OSError behind torch.save's RuntimeError, if there was one
 
 
 def torch_load_checked(path: str, map_location="cpu", weights_only: bool = True):

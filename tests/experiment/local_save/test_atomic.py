@@ -5,13 +5,16 @@ so permissions would not stop a write), and a child process whose file size limi
 ignored) makes a write fail with EFBIG as a full disk would. The kill test SIGKILLs a writing process.
 """
 import errno
+import io
 import os
 import resource
 import signal
+import threading
 
 import pytest
 import torch
 
+from aitoolbox.experiment.local_save import atomic
 from aitoolbox.experiment.local_save.atomic import (
     TEMP_PREFIX, atomic_write, atomic_write_bytes, atomic_write_text, torch_load_checked, torch_save_atomic)
 from tests.experiment.local_save.crash_support import kill_at_random_moments, run_forked
@@ -131,6 +134,51 @@ def test_a_failed_write_past_the_file_size_limit_names_the_file_and_keeps_the_ol
         assert path in message and "File too large" in message
     assert result["files"] == ["model.pth"]  # no temporary file left behind
     assert result["kept"] == [1.0] * 10
+
+
+def test_a_save_flushed_to_disk_in_the_background_is_the_file_torch_save_writes(tmp_path, monkeypatch):
+    """With a 64 KB write-behind stretch, a 2 MB checkpoint is flushed in the background some 30 times while
+    torch.save writes it; the file must be byte for byte what torch.save alone writes, and no thread is left."""
+    monkeypatch.setattr(atomic, "WRITE_BEHIND_BYTES", 64 * 1024)
+    generator = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(512, 512, generator=generator), "b": torch.randn(512, generator=generator),
+             "step": 7}
+    threads_before = threading.active_count()
+    torch_save_atomic(state, str(tmp_path / "ours.pth"))
+    assert threading.active_count() == threads_before
+    in_memory = io.BytesIO()  # a file object, like ours: the records are named archive/... in both
+    torch.save(state, in_memory)
+    assert (tmp_path / "ours.pth").read_bytes() == in_memory.getvalue()
+    loaded = torch_load_checked(str(tmp_path / "ours.pth"))
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 7
+    assert temp_files(tmp_path) == []
+
+
+def _write_behind_past_the_file_size_limit(folder: str) -> dict:
+    """In a child: a 256 KB file size limit, then a 1 MB checkpoint written in 16 KB stretches."""
+    atomic.WRITE_BEHIND_BYTES = 16 * 1024  # the forked child's own copy of the module
+    path = os.path.join(folder, "model.pth")
+    torch_save_atomic({"w": torch.ones(10)}, path)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    threads_before = threading.active_count()
+    try:
+        torch_save_atomic({"w": torch.zeros(256 * 1024)}, path)
+        error = None
+    except OSError as raised:
+        error = (raised.errno, str(raised))
+    return {"error": error, "files": sorted(os.listdir(folder)), "kept": torch_load_checked(path)["w"].tolist(),
+            "threads_left": threading.active_count() - threads_before}
+
+
+def test_a_failed_write_with_background_flushes_running_names_the_file_and_keeps_the_old_one(tmp_path):
+    result = run_forked(_write_behind_past_the_file_size_limit, str(tmp_path))
+    error_number, message = result["error"]
+    assert error_number == errno.EFBIG
+    assert str(tmp_path / "model.pth") in message and "File too large" in message
+    assert result["files"] == ["model.pth"]
+    assert result["kept"] == [1.0] * 10
+    assert result["threads_left"] == 0
 
 
 def _save_forever(path: str) -> None:
