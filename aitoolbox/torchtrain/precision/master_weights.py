@@ -61,6 +61,11 @@ class MasterWeights:
         self._model_versions[id(optimizer)].extend(model._version for model, _ in new_pairs)
         self._installed_groups[id(optimizer)] = len(optimizer.param_groups)
 
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """The optimizers holding masters, in construction order."""
+        return list(self._optimizers)
+
     def manages(self, optimizer: torch.optim.Optimizer) -> bool:
         return id(optimizer) in self._pairs
 

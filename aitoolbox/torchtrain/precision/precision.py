@@ -60,6 +60,20 @@ class Precision:
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
         loss.backward()
+        if self.master_weights is not None:
+            self._move_low_precision_grads_to_masters()
+
+    def _move_low_precision_grads_to_masters(self) -> None:
+        """Add this backward's low-precision gradients, unscaled, to the float32 masters' ``.grad``.
+
+        Gradient accumulation then sums in float32 (as apex O2 did), not in the model's bfloat16/float16
+        ``.grad``, whose 8 or 11 significant bits would round away the smaller micro-batch contributions.
+        Float32 parameters keep their scaled gradients until the step unscales them once.
+        """
+        for optimizer in self.master_weights.optimizers:
+            pairs = [(model, master) for model, master in self.master_weights.grad_pairs(optimizer)
+                     if model is not master]
+            self._found_inf |= unscale_into(pairs, self.loss_scaler)
 
     @staticmethod
     def stepped_parameters(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:

@@ -230,17 +230,11 @@ def test_train_loop_on_an_amp_initialized_model_equals_an_apex_scale_loss_loop(o
         "loss_scaler0"]
 
 
-def test_train_loop_grad_accumulation_under_o2_equals_apex_delay_unscale():
-    """TrainLoop unscales once per optimizer step: accumulation windows keep the scaled gradients in the
-    model's (bfloat16) .grad, as apex's ``delay_unscale=True`` on every block but the window's last does."""
-    data = image_data(24)
-    model, reference = model_pair(CNNModel)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def apex_o2_accumulation_reference(data, reference, delay_unscale: bool):
+    """apex O2 with two batches per optimizer step: ``delay_unscale`` keeps the window's gradients scaled in
+    the model's bfloat16 ``.grad``; apex's default unscales every block into the float32 masters' ``.grad``."""
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     reference, ref_optimizer = amp.initialize(reference, ref_optimizer, opt_level="O2", verbosity=0)
-    tl = train_loop(model, data, optimizer, use_amp={"opt_level": "O2", "verbosity": 0}, criterion=nn.NLLLoss())
-    torch.manual_seed(TRAIN_SEED)
-    tl.fit(num_epochs=NUM_EPOCHS, grad_accumulation=2)
     torch.manual_seed(TRAIN_SEED)
     reference.train()
     loader = seeded_loader(data)
@@ -248,14 +242,32 @@ def test_train_loop_grad_accumulation_under_o2_equals_apex_delay_unscale():
         for index, (x, y) in enumerate(loader):
             window_ends = (index + 1) % 2 == 0 or index + 1 == len(loader)
             with amp.scale_loss(F.nll_loss(reference(x), y) / 2, ref_optimizer,
-                                delay_unscale=not window_ends) as scaled_loss:
+                                delay_unscale=delay_unscale and not window_ends) as scaled_loss:
                 scaled_loss.backward()
             if window_ends:
                 ref_optimizer.step()
                 ref_optimizer.zero_grad()
+    return reference, ref_optimizer
+
+
+def test_train_loop_grad_accumulation_under_o2_sums_in_the_float32_masters_like_apex():
+    """Every backward moves its bfloat16 gradients, unscaled, into the masters' float32 ``.grad``, so an
+    accumulation window sums in float32, as apex's default ``scale_loss`` does; summing in the bfloat16
+    ``.grad`` (apex's ``delay_unscale=True``) rounds and ends with different weights."""
+    data = image_data(24)
+    model, reference = model_pair(CNNModel)
+    delayed_reference = copy.deepcopy(reference)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    tl = train_loop(model, data, optimizer, use_amp={"opt_level": "O2", "verbosity": 0}, criterion=nn.NLLLoss())
+    torch.manual_seed(TRAIN_SEED)
+    tl.fit(num_epochs=NUM_EPOCHS, grad_accumulation=2)
+    reference, ref_optimizer = apex_o2_accumulation_reference(data, reference, delay_unscale=False)
     for a, b in zip(amp.master_params(optimizer), amp.master_params(ref_optimizer)):
         assert torch.equal(a, b)
     assert_params_equal(model, reference)
+    _, delayed_optimizer = apex_o2_accumulation_reference(data, delayed_reference, delay_unscale=True)
+    assert any(not torch.equal(a, b) for a, b in zip(amp.master_params(optimizer),
+                                                     amp.master_params(delayed_optimizer)))
 
 
 # --- use_amp as a dict of amp.initialize arguments -----------------------------------------------------------

@@ -111,16 +111,32 @@ class CrashAt(AbstractCallback):
 
 
 class InjectOverflow(AbstractCallback):
-    """Make the gradients of batch OVERFLOW_AT inf when a dynamic loss scaler is on (the step is skipped)."""
+    """Make the gradients of batch OVERFLOW_AT inf when a dynamic loss scaler is on (the step is skipped).
+
+    The inf is written by a gradient hook during backward, where a real overflow arises: under master
+    weights the backward pass itself moves the gradients into the masters and checks them.
+    """
 
     def __init__(self):
         super().__init__("inject overflow")
+        self._hook = None
 
-    def on_after_gradient_update(self, optimizer_idx):
+    def on_batch_begin(self):
         tl = self.train_loop_obj
         scaler = tl.precision.loss_scaler
         if tl.total_iteration_idx == OVERFLOW_AT and scaler is not None and scaler.dynamic:
-            next(tl.model.parameters()).grad.view(-1)[0] = float("inf")
+            self._hook = next(tl.model.parameters()).register_hook(self._overflow)
+
+    @staticmethod
+    def _overflow(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    def on_after_gradient_update(self, optimizer_idx):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def seed_everything(seed: int = 0) -> None:
