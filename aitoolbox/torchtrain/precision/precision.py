@@ -4,9 +4,9 @@ TrainLoop calls it at fixed points of every iteration and never asks which preci
 
     with precision.autocast():
         loss = model.get_loss(batch, criterion, device)
-    precision.backward(loss)              # scaled when a loss scaler is set
-    precision.unscale_(optimizer)         # optional, e.g. before gradient clipping; once per step
-    stepped = precision.step(optimizers)  # False when the step was skipped on inf/NaN gradients
+    precision.backward(loss, accumulating)  # scaled when a loss scaler is set
+    precision.unscale_(optimizer)           # optional, e.g. before gradient clipping; once per step
+    stepped = precision.step(optimizers)    # False when the step was skipped on inf/NaN gradients
     precision.zero_grad(optimizers)
 
 Full precision is the same object with autocast and scaling disabled, so the code path is identical.
@@ -55,12 +55,19 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss``, multiplied by the loss scale when scaling is on."""
+    def backward(self, loss: torch.Tensor, accumulating: bool = False) -> None:
+        """Backpropagate ``loss``, multiplied by the loss scale when scaling is on.
+
+        Args:
+            loss: the loss of one batch.
+            accumulating: more backward passes follow before the next optimizer step (gradient accumulation).
+                Under master weights their gradients are then summed in float32 (see below); the last
+                backward of a window leaves that to the step, which unscales everything at once.
+        """
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
         loss.backward()
-        if self.master_weights is not None:
+        if accumulating and self.master_weights is not None:
             self._move_low_precision_grads_to_masters()
 
     def _move_low_precision_grads_to_masters(self) -> None:

@@ -341,7 +341,8 @@ class TrainLoop:
             loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
         validation.check_loss(loss, "get_loss")
         self.last_batch_loss = loss.detach().reshape(())
-        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss)
+        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
+                                accumulating=not self.optimizer_step_due)
         for optimizer_idx in range(len(self.optimizers)):
             self.callbacks_handler.on_after_gradient_update(optimizer_idx)
         if self.optimizer_step_due:
