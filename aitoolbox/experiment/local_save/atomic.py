@@ -136,12 +136,13 @@ class _WriteBehindFile:
             flushed_until = self._in_page_cache_until
             try:
                 _sync_data(descriptor)
-                if hasattr(os, "posix_fadvise"):  # the pages are clean now: let the kernel reuse them
-                    os.posix_fadvise(descriptor, on_disk_until, flushed_until - on_disk_until,
-                                     os.POSIX_FADV_DONTNEED)
             except OSError as error:
                 self.error = self.error or error
                 return
+            if hasattr(os, "posix_fadvise"):  # the pages are clean now: let the kernel reuse them
+                with contextlib.suppress(OSError):  # only advice: a file system may not take it
+                    os.posix_fadvise(descriptor, on_disk_until, flushed_until - on_disk_until,
+                                     os.POSIX_FADV_DONTNEED)
             on_disk_until = flushed_until
 
     def finish(self) -> None:
