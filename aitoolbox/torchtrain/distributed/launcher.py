@@ -145,19 +145,21 @@ class ProcessLauncher:
 
         The job (the model's weights included) is far larger than a pipe's buffer, so a write returns only once
         the child reads it, i.e. after the child has imported the main script. Passed as a ``Process`` argument,
-        it would make every ``start()`` wait for that and the processes would start one after another. A thread
-        writes, so the parent keeps watching its processes; a child that died before reading breaks its pipe.
+        it would make every ``start()`` wait for that and the processes would start one after another. One
+        thread per process writes, so no child waits for another to read and the parent keeps watching its
+        processes; a child that died before reading breaks its pipe.
         """
-        def send_all():
-            for sender in senders:
-                try:
-                    sender.send_bytes(payload)
-                except OSError:
-                    pass  # that process is gone; the watcher reports why
-                finally:
-                    sender.close()
+        def send(sender):
+            try:
+                sender.send_bytes(payload)
+            except OSError:
+                pass  # that process is gone; the watcher reports why
+            finally:
+                sender.close()
 
-        threading.Thread(target=send_all, name="aitoolbox-job-sender", daemon=True).start()
+        for local_rank, sender in enumerate(senders):
+            threading.Thread(target=send, args=(sender,), name=f"aitoolbox-job-sender-{local_rank}",
+                             daemon=True).start()
 
     def _watch(self, messages) -> None:
         """Return once every process has exited cleanly; raise at the first failure, naming its cause."""
