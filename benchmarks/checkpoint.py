@@ -23,7 +23,9 @@ minima are reported next to the medians and the median of the paired ratios.
 
 Then the training stall: a TrainLoop on the same model with a one-sample training set (one batch of size 1
 an epoch) and ``ModelCheckpoint``, between two timing callbacks with ``execution_order`` 99 and 101 (the
-checkpoint runs at 100), measures how long ``ModelCheckpoint.on_epoch_end`` holds up training each epoch.
+checkpoint runs at 100), measures how long ``ModelCheckpoint.on_epoch_end`` holds up training each epoch:
+saving in place, and with ``background_save=True`` (the copy to host memory; the write is waited for after
+the clock stops, as if the epoch lasted longer than a write).
 
 Run:  python benchmarks/checkpoint.py                     (about 2 minutes on 2 cores)
       python benchmarks/checkpoint.py --quick             (smoke test: a 5 M parameter model, a few seconds)
@@ -87,12 +89,14 @@ class StallStart(AbstractCallback):
 
 
 class StallEnd(AbstractCallback):
-    """Runs just after ModelCheckpoint: stops the clock, then (untimed) deletes the checkpoint and syncs."""
+    """Runs just after ModelCheckpoint: stops the clock, then (untimed) waits for a background save to finish,
+    deletes the checkpoint and syncs."""
 
-    def __init__(self, clock: Dict[str, float], folder: str):
+    def __init__(self, clock: Dict[str, float], folder: str, checkpoint: ModelCheckpoint):
         super().__init__("stall end", execution_order=CHECKPOINT_EXECUTION_ORDER + 1)
         self.clock = clock
         self.folder = folder
+        self.checkpoint = checkpoint
         self.stalls: List[float] = []
         self.file_sizes: List[int] = []
 
@@ -101,6 +105,7 @@ class StallEnd(AbstractCallback):
 
     def on_epoch_end(self) -> None:
         self.stalls.append(time.perf_counter() - self.clock["start"])
+        self.checkpoint.wait_for_pending_save()
         for root, _, files in os.walk(self.folder):
             for name in files:
                 if name.endswith(".pth"):
@@ -183,12 +188,16 @@ def time_saves(args, tl, model, optimizer, folder: str) -> Dict[str, List[Dict[s
     return {"timings": timings, "sizes": sizes}
 
 
-def measure_stall(args, folder: str) -> Dict[str, object]:
-    """ModelCheckpoint.on_epoch_end's duration over ``warmup + repeats`` one-batch epochs."""
+def measure_stall(args, folder: str, background_save: bool) -> Dict[str, object]:
+    """ModelCheckpoint.on_epoch_end's duration over ``warmup + repeats`` one-batch epochs.
+
+    With ``background_save`` each write is waited for after the clock stopped, i.e. the stall of epochs that
+    last longer than a write (a shorter epoch would also wait at its checkpoint for the previous write).
+    """
     tl, _, _ = build_train_loop(args)
     clock: Dict[str, float] = {}
-    end = StallEnd(clock, folder)
-    checkpoint = ModelCheckpoint("checkpoint_bench", "stall", folder)
+    checkpoint = ModelCheckpoint("checkpoint_bench", "stall", folder, background_save=background_save)
+    end = StallEnd(clock, folder, checkpoint)
     tl.fit(num_epochs=1 + args.warmup + args.repeats, callbacks=[StallStart(clock), checkpoint, end])
     return {"stalls": end.stalls[args.warmup:], "size": max(end.file_sizes)}
 
@@ -248,10 +257,13 @@ def verdict_lines(saves: Dict[str, object], stall: Dict[str, object]) -> List[st
              f"- ours / (torch.save + fsync): {to_fsync:.3f} (median paired), "
              f"{minima['ours'] / minima['save+fsync']:.3f} (of minima); fsync is {fsync_share:.0%} of "
              "save+fsync's time (median)"]
-    stalls = stall["stalls"]
-    lines.append(f"- training stall per checkpoint (ModelCheckpoint.on_epoch_end, {len(stalls)} epochs, "
-                 f"{stall['size'] / 1e6:.1f} MB files): median {_common.median(stalls):.3f} s "
-                 f"({_common.fmt_list(stalls)})")
+    for mode, measured in stall.items():
+        stalls = measured["stalls"]
+        how = "ModelCheckpoint.on_epoch_end" if mode == "in place" else \
+            "ModelCheckpoint(background_save=True).on_epoch_end, the previous write finished"
+        lines.append(f"- training stall per checkpoint, {mode} ({how}, {len(stalls)} epochs, "
+                     f"{measured['size'] / 1e6:.1f} MB files): median {_common.median(stalls):.3f} s "
+                     f"({_common.fmt_list(stalls)})")
     return lines
 
 
@@ -296,7 +308,8 @@ def main(argv: Optional[List[str]] = None) -> str:
             load_before = _common.load_average()
             saves = time_saves(args, tl, model, optimizer, saves_dir)
             del tl, model, optimizer
-            stall = measure_stall(args, os.path.join(workdir, "stall"))
+            stall = {mode: measure_stall(args, os.path.join(workdir, "stall_" + mode.replace(" ", "_")), mode == "background")
+                     for mode in ("in place", "background")}
         info["load average (1 min) before / after"] = f"{load_before} / {_common.load_average()}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -68,4 +68,5 @@ def test_checkpoint_quick_prints_a_row_per_variant_and_the_stall():
     assert "5.2 M parameters" in output
     assert re.search(r"ours / bare torch\.save: \d+\.\d+ \(median paired\), \d+\.\d+ \(of minima\); "
                      r"target <= 1\.1: (met|MISSED)", output)
-    assert re.search(r"training stall per checkpoint .*: median \d+\.\d+ s", output)
+    for mode in ("in place", "background"):
+        assert re.search(rf"training stall per checkpoint, {mode} .*: median \d+\.\d+ s", output)

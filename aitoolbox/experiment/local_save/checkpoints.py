@@ -1,8 +1,11 @@
 """Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k."""
+import collections
 import os
 import re
 import sys
 from typing import List, Optional, Tuple
+
+import torch
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
 
@@ -71,6 +74,33 @@ def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str) -> str:
     path = os.path.join(folder, file_name)
     torch_save_atomic(checkpoint, path)
     return path
+
+
+def snapshot_checkpoint(checkpoint):
+    """A copy of ``checkpoint`` whose tensors are copies in host memory, for writing while training goes on.
+
+    Dicts, lists and tuples are rebuilt; tensors are cloned (CPU) or copied to the CPU (GPU), a tensor that
+    appears twice (tied weights) stays one shared copy; every other value is kept as it is.
+    """
+    copies = {}
+
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            if id(value) not in copies:
+                detached = value.detach()
+                copies[id(value)] = detached.clone() if detached.device.type == "cpu" else detached.to("cpu")
+            return copies[id(value)]
+        if isinstance(value, dict):
+            items = [(key, copy(item)) for key, item in value.items()]
+            copied = collections.OrderedDict(items) if isinstance(value, collections.OrderedDict) else dict(items)
+            if hasattr(value, "_metadata"):  # a module state_dict's versions, read by load_state_dict
+                copied._metadata = value._metadata
+            return copied
+        if type(value) in (list, tuple):
+            return type(value)(copy(item) for item in value)
+        return value
+
+    return copy(checkpoint)
 
 
 def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_always: List[str],

@@ -1,9 +1,11 @@
 """Checkpoint callbacks: every epoch (keeping the best k), every N iterations, and the final model at the end."""
+import concurrent.futures
 import logging
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
-from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, prune_checkpoints, save_checkpoint_file
+from aitoolbox.experiment.local_save.checkpoints import (
+    checkpoint_file_name, prune_checkpoints, save_checkpoint_file, snapshot_checkpoint)
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
 
@@ -20,16 +22,30 @@ def higher_is_better(metric_name: str) -> bool:
 
 
 class _CheckpointCallback(AbstractExperimentCallback):
-    """Shared parts: hyperparameters, the save itself, and the error that keeps the in-memory state usable."""
+    """Shared parts: hyperparameters, the save itself (now or in the background), and the error that keeps the
+    in-memory state usable."""
 
     def __init__(self, callback_name: str, project_name, experiment_name, local_model_result_folder_path,
-                 hyperparams: Optional[dict], cloud_save_mode, execution_order: int = CHECKPOINT_EXECUTION_ORDER):
+                 hyperparams: Optional[dict], cloud_save_mode, background_save: bool = False,
+                 execution_order: int = CHECKPOINT_EXECUTION_ORDER):
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
                          execution_order=execution_order)
         if hyperparams is not None and not isinstance(hyperparams, dict):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
+        if not isinstance(background_save, bool):
+            raise TypeError(f"background_save must be True or False, got {background_save!r}")
         self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
+        self.background_save = background_save
+        self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending_save: Optional[concurrent.futures.Future] = None
+
+    def __getstate__(self) -> dict:
+        # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
+        state = self.__dict__.copy()
+        state["_writer"] = None
+        state["_pending_save"] = None
+        return state
 
     def on_train_loop_registration(self) -> None:
         super().on_train_loop_registration()
@@ -37,18 +53,63 @@ class _CheckpointCallback(AbstractExperimentCallback):
             # A folder of the callback's own: write the hyperparameters when the first checkpoint creates it.
             self.experiment_folder.hyperparams = self.hyperparams
 
-    def _save(self, checkpoint: dict, folder: str, file_name: str) -> str:
+    def on_train_end(self) -> None:
+        self.wait_for_pending_save()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+
+    def wait_for_pending_save(self) -> None:
+        """Return once the background save in flight, if any, is complete; raise the error it met.
+
+        Called before the next save and at the end of training, so ``fit`` never returns before the last
+        checkpoint is on disk, and a failed background save stops training one checkpoint later.
+        """
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def _save(self, checkpoint: dict, folder: str, file_name: str,
+              after_save: Optional[Callable[[str], None]] = None) -> str:
+        """Write ``checkpoint`` to ``folder/file_name`` and then run ``after_save(path)``; returns the path.
+
+        With ``background_save`` the state is first copied to host memory (the stall training sees) and the
+        write happens in a thread while training goes on; one save is in flight at a time.
+        """
+        path = os.path.join(folder, file_name)
         try:
             self.ensure_folder(folder)
-            return save_checkpoint_file(checkpoint, folder, file_name)
         except OSError as error:
-            reason = str(error.strerror or error).rstrip(".")
-            message = (f"{type(self).__name__} could not save {os.path.join(folder, file_name)}: {reason}. Training "
-                       "stopped; the TrainLoop still holds the trained state in memory (save it elsewhere with "
-                       "torch.save(tl.checkpoint_state(), path)).")
-            if error.errno is None:  # e.g. FileExistsError(message): keep its type
-                raise type(error)(message) from error
-            raise OSError(error.errno, message) from error  # OSError picks the subclass of the errno
+            raise self._save_error(error, path) from error
+        if not self.background_save:
+            self._write(checkpoint, folder, file_name, after_save)
+            return path
+        self.wait_for_pending_save()
+        snapshot = snapshot_checkpoint(checkpoint)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="aitoolbox-checkpoint")
+        self._pending_save = self._writer.submit(self._write, snapshot, folder, file_name, after_save)
+        return path
+
+    def _write(self, checkpoint: dict, folder: str, file_name: str,
+               after_save: Optional[Callable[[str], None]]) -> None:
+        try:
+            path = save_checkpoint_file(checkpoint, folder, file_name)
+        except OSError as error:
+            raise self._save_error(error, os.path.join(folder, file_name)) from error
+        logger.debug("saved checkpoint %s", path)
+        if after_save is not None:
+            after_save(path)  # e.g. delete older checkpoints: only once the new one is complete
+
+    def _save_error(self, error: OSError, path: str) -> OSError:
+        reason = str(error.strerror or error).rstrip(".")
+        message = (f"{type(self).__name__} could not save {path}: {reason}. Training stopped; the TrainLoop still "
+                   "holds the trained state in memory (save it elsewhere with torch.save(tl.checkpoint_state(), "
+                   "path)).")
+        if error.errno is None:  # e.g. FileExistsError(message): keep its type
+            return type(error)(message)
+        return OSError(error.errno, message)  # OSError picks the subclass of the errno
 
 
 class ModelCheckpoint(_CheckpointCallback):
@@ -63,17 +124,21 @@ class ModelCheckpoint(_CheckpointCallback):
         cloud_save_mode: None/'local' (cloud uploads are not supported).
         rm_subopt_local_models: False keeps every checkpoint; True keeps the ``num_best_checkpoints_kept`` best by
             ``val_loss`` (``loss`` without validation); a metric name ranks by that metric (higher is better unless
-            the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming.
+            the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming; older ones
+            are deleted only once the newest is complete on disk.
         num_best_checkpoints_kept: how many best checkpoints to keep.
+        background_save: copy the state to host memory and write the file in a background thread while
+            training goes on (training waits only for the copy; see :doc:`checkpointing`). Costs a copy of the
+            model and optimizer state in host memory while a save is in flight.
     """
 
     def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
-                 num_best_checkpoints_kept: int = 2):
+                 num_best_checkpoints_kept: int = 2, background_save: bool = False):
         super().__init__("Model checkpoint at each epoch", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save)
         if not isinstance(rm_subopt_local_models, (bool, str)):
             raise TypeError(f"rm_subopt_local_models must be a bool or a metric name, got {rm_subopt_local_models!r}")
         if isinstance(num_best_checkpoints_kept, bool) or not isinstance(num_best_checkpoints_kept, int) \
@@ -94,20 +159,25 @@ class ModelCheckpoint(_CheckpointCallback):
         if not self.is_main_process:
             return
         folder = self.experiment_folder
-        path = self._save(checkpoint, folder.checkpoint_dir,
-                          checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch))
-        logger.debug("saved checkpoint %s", path)
+        file_name = checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch)
         if self.rm_subopt_local_models is False:
+            self._save(checkpoint, folder.checkpoint_dir, file_name)
             return
         metric = self._monitored_metric()
         values = tl.train_history.get(metric)
         if not values:
+            self._save(checkpoint, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
             raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
                              f"(recorded: {sorted(tl.train_history)}); pass rm_subopt_local_models=<metric name>")
-        self.saved_checkpoints.append((scalar_value(values[-1]), path))
-        deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
-                                    higher_is_better=higher_is_better(metric))
-        self.saved_checkpoints = [(score, p) for score, p in self.saved_checkpoints if p not in deleted]
+        score = scalar_value(values[-1])
+
+        def keep_the_best(path: str) -> None:
+            self.saved_checkpoints.append((score, path))
+            deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
+                                        higher_is_better=higher_is_better(metric))
+            self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
+
+        self._save(checkpoint, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
 
 class ModelIterationCheckpoint(_CheckpointCallback):
@@ -120,15 +190,18 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         save_frequency: iterations (batches) between checkpoints.
         project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
             :class:`ModelCheckpoint`.
-        keep_last: keep only this many newest iteration checkpoints (None keeps all).
+        keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
+            only once the newest is complete on disk.
+        background_save: write in a background thread, as for :class:`ModelCheckpoint`.
     """
 
     def __init__(self, save_frequency: int, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, keep_last: Optional[int] = None):
+                 cloud_dir_prefix: Optional[str] = None, keep_last: Optional[int] = None,
+                 background_save: bool = False):
         super().__init__("Model checkpoint every N iterations", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save)
         if isinstance(save_frequency, bool) or not isinstance(save_frequency, int) or save_frequency < 1:
             raise ValueError(f"save_frequency must be an int >= 1 (iterations between checkpoints), got {save_frequency!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -155,8 +228,11 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         if not self.is_main_process:
             return
         folder = self.experiment_folder
-        path = self._save(checkpoint, folder.checkpoint_dir,
-                          checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.iteration + 1))
+        self._save(checkpoint, folder.checkpoint_dir,
+                   checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.iteration + 1),
+                   after_save=self._keep_the_last)
+
+    def _keep_the_last(self, path: str) -> None:
         self._written.append(path)
         if self.keep_last is not None:
             for old in self._written[:-self.keep_last]:

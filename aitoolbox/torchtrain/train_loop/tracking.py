@@ -70,6 +70,7 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         cloud_save_mode: None or 'local'; files stay on the local disk.
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
+        background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
         **kwargs: any other :class:`TrainLoop` argument.
     """
 
@@ -78,11 +79,11 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
                  hyperparams: Optional[dict], cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
         self.callbacks_handler.register_callbacks(checkpoint_callbacks(
-            self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq))
+            self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq, background_save))
 
 
 class TrainLoopEndSave(_ExperimentTrainLoop):
@@ -120,22 +121,23 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
         self.callbacks_handler.register_callbacks(
             checkpoint_callbacks(self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept,
-                                 iteration_save_freq)
+                                 iteration_save_freq, background_save)
             + end_save_callbacks(self.hyperparams, val_result_package, test_result_package))
 
 
 def checkpoint_callbacks(hyperparams: dict, rm_subopt_local_models, num_best_checkpoints_kept: int,
-                         iteration_save_freq: int) -> list:
+                         iteration_save_freq: int, background_save: bool = False) -> list:
     """The epoch checkpoints (and iteration checkpoints when ``iteration_save_freq`` > 0) of the Checkpoint presets."""
     callbacks = [ModelCheckpoint(hyperparams=hyperparams, rm_subopt_local_models=rm_subopt_local_models,
-                                 num_best_checkpoints_kept=num_best_checkpoints_kept)]
+                                 num_best_checkpoints_kept=num_best_checkpoints_kept, background_save=background_save)]
     if iteration_save_freq:
-        callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=hyperparams))
+        callbacks.append(ModelIterationCheckpoint(iteration_save_freq, hyperparams=hyperparams,
+                                                  background_save=background_save))
     return callbacks
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import resource
 import signal
+import threading
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
-from aitoolbox.experiment.local_save.checkpoints import find_checkpoint, list_checkpoints, load_checkpoint_file
+from aitoolbox.experiment.local_save.checkpoints import (
+    find_checkpoint, list_checkpoints, load_checkpoint_file, snapshot_checkpoint)
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
@@ -206,6 +208,92 @@ def test_keep_last_removes_older_iteration_checkpoints(tmp_path):
     assert [progress_suffix(path) for path in paths] == ["E1_I3", "E1_I5"]
 
 
+# --- background saves --------------------------------------------------------------------------------------------
+def assert_same_checkpoint(a, b, where=""):
+    """Equal nested content: tensors bitwise (and of the same dtype), everything else by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_checkpoint(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for index, (item_a, item_b) in enumerate(zip(a, b)):
+            assert_same_checkpoint(item_a, item_b, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def checkpoints_of(root, experiment: str) -> dict:
+    """``{'E3': checkpoint, 'E3_I4': ...}`` of an experiment's checkpoint folder."""
+    folder = os.path.join(only_run_folder(root, experiment), "checkpoint_model")
+    assert not [name for name in os.listdir(folder) if name.startswith(TEMP_PREFIX)]
+    return {progress_suffix(path): torch.load(path, weights_only=True) for path in list_checkpoints(folder)}
+
+
+def test_background_saves_write_what_saving_in_place_writes_and_are_complete_when_fit_returns(tmp_path):
+    """Epoch checkpoints keeping the best 2 and iteration checkpoints keeping the last 2, saved in place and in
+    the background: the same files survive, with the same content, and no writer thread outlives fit."""
+    threads_before = threading.active_count()
+    for experiment, background in (("in_place", False), ("background", True)):
+        tl = make_loop()
+        tl.fit(num_epochs=4, callbacks=[
+            ModelCheckpoint(**folder_arguments(tmp_path, experiment), rm_subopt_local_models=True,
+                            num_best_checkpoints_kept=2, background_save=background),
+            ModelIterationCheckpoint(2, keep_last=2, **folder_arguments(tmp_path, experiment),
+                                     background_save=background)])
+        assert threading.active_count() == threads_before
+    in_place, background = checkpoints_of(tmp_path, "in_place"), checkpoints_of(tmp_path, "background")
+    assert sorted(in_place) == sorted(background) and "E3" in background and len(background) >= 4
+    for name in in_place:
+        assert_same_checkpoint(in_place[name], background[name], name)
+
+
+class ChangeWeightsAfterCheckpoint(AbstractCallback):
+    """Right after the checkpoint callbacks, overwrite the model's weights (while a background save may run)."""
+
+    def __init__(self):
+        super().__init__("scribble", execution_order=200)
+
+    def on_epoch_end(self):
+        with torch.no_grad():
+            for param in self.train_loop_obj.model.parameters():
+                param.fill_(123.0)
+
+
+def test_a_background_save_holds_the_weights_of_its_epoch_end(tmp_path):
+    """The state is copied before training goes on: weights overwritten right after the checkpoint callback
+    (and the next epoch's training) never reach the file being written."""
+    snapshot = SnapshotBeforeCheckpoint()
+    tl = make_loop()
+    tl.fit(num_epochs=1, callbacks=[snapshot, ChangeWeightsAfterCheckpoint(),
+                                    ModelCheckpoint(**folder_arguments(tmp_path), background_save=True)])
+    (checkpoint,) = checkpoints_of(tmp_path, "exp").values()
+    assert_same_weights(checkpoint["model"], snapshot.weights)
+    assert all(torch.all(param == 123.0) for param in tl.model.parameters())
+
+
+def test_snapshot_copies_tensors_keeps_sharing_structure_and_state_dict_metadata():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    state = {"model": model.state_dict(), "tied": [model[0].weight, model[0].weight], "pair": (1, "a"),
+             "nested": {"step": torch.tensor(5)}, "none": None}
+    copied = snapshot_checkpoint(state)
+    assert_same_checkpoint(state, copied)
+    assert copied["model"]._metadata == state["model"]._metadata  # load_state_dict reads module versions
+    assert copied["tied"][0] is copied["tied"][1]  # one tensor saved once, as torch.save does
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    state["nested"]["step"] += 1
+    assert not torch.equal(copied["model"]["0.weight"], model[0].weight)
+    assert int(copied["nested"]["step"]) == 5
+
+
+def test_background_save_must_be_a_bool():
+    with pytest.raises(TypeError, match="background_save must be True or False"):
+        ModelCheckpoint(background_save="yes")
+
+
 # --- ModelTrainEndSave -------------------------------------------------------------------------------------------
 def test_train_end_save_with_its_own_folder(tmp_path):
     tl = make_loop()
@@ -262,12 +350,13 @@ def test_an_unwritable_folder_fails_clearly_and_the_train_loop_keeps_its_state(t
     assert resumed.train_history == straight.train_history
 
 
-def _checkpoint_past_the_file_size_limit(root: str) -> dict:
+def _checkpoint_past_the_file_size_limit(root: str, background_save: bool = False) -> dict:
     """In a child: a preset trains 3 epochs; after epoch 0's checkpoint a file size limit of half a checkpoint
     makes epoch 1's fail with EFBIG (as a full disk would)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
     hard_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", root, {}, show_progress=False)
+    tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", root, {}, show_progress=False,
+                             background_save=background_save)
     folder = tl.experiment_folder.checkpoint_dir
 
     class LimitFileSize(SnapshotBeforeCheckpoint):
@@ -310,6 +399,20 @@ def test_a_full_disk_names_the_file_keeps_the_previous_checkpoint_and_the_state(
     assert result["state_epoch"] == 2 and result["state_bytes"] > 0
 
 
+def test_a_failed_background_save_stops_training_at_the_next_checkpoint_and_keeps_the_previous_one(tmp_path):
+    """Epoch 1's checkpoint fails in the background thread; the error, naming that file, stops training at
+    epoch 2's checkpoint (which waits for it); epoch 0's checkpoint stays intact and the state in memory."""
+    result = run_forked(_checkpoint_past_the_file_size_limit, str(tmp_path), True)
+    name, error_number, message = result["error"]
+    assert error_number == errno.EFBIG, result["error"]
+    assert f"could not save {tmp_path}/proj/exp_{result['timestamp']}/checkpoint_model/model_exp_" in message
+    assert "_E1.pth" in message and "File too large" in message and "still holds the trained state" in message
+    assert result["files"] == [f"model_exp_{result['timestamp']}_E0.pth"]
+    assert REQUIRED_KEYS <= set(result["kept_keys"]) and result["kept_epoch"] == 0
+    assert result["kept_shapes"] == result["model_shapes"]
+    assert result["state_epoch"] == 3 and result["state_bytes"] > 0  # stopped at epoch 2's end
+
+
 # --- the kill test -----------------------------------------------------------------------------------------------
 class WideRegressor(TTModel):
     """256 -> 1024 -> 1: 1 MB of weights, 3 MB of checkpoint with Adam's moments."""
@@ -338,16 +441,19 @@ def wide_loop() -> TrainLoop:
                      end_auto_eval=False, show_progress=False)
 
 
-def _train_until_killed(root: str, run: int, resume_from) -> None:
+def _train_until_killed(root: str, run: int, resume_from, background_save: bool) -> None:
     tl = wide_loop()
     if resume_from is not None:
         tl.load_checkpoint(resume_from)  # the newest complete checkpoint the killed run left
-    tl.fit(num_epochs=10 ** 6, callbacks=[ModelCheckpoint(**folder_arguments(root, f"run{run}")),
-                                          ModelIterationCheckpoint(1, keep_last=2, **folder_arguments(root, f"run{run}"))])
+    folder = folder_arguments(root, f"run{run}")
+    tl.fit(num_epochs=10 ** 6, callbacks=[
+        ModelCheckpoint(**folder, background_save=background_save),
+        ModelIterationCheckpoint(1, keep_last=2, **folder, background_save=background_save)])
 
 
 @pytest.mark.slow
-def test_training_killed_at_random_moments_always_leaves_a_complete_newest_checkpoint(tmp_path):
+@pytest.mark.parametrize("background_save", [False, True], ids=["in_place", "background"])
+def test_training_killed_at_random_moments_always_leaves_a_complete_newest_checkpoint(tmp_path, background_save):
     root = str(tmp_path)
     model_shapes = {k: v.shape for k, v in wide_loop().model.state_dict().items()}
     newest = {"folder": None, "progress": 0}
@@ -370,5 +476,6 @@ def test_training_killed_at_random_moments_always_leaves_a_complete_newest_check
         newest.update(folder=folder, progress=checkpoint["total_iteration_idx"])
         found.append(run)
 
-    kill_at_random_moments(_train_until_killed, lambda run: (root, run, newest["folder"]), check, kills=10)
+    kill_at_random_moments(_train_until_killed, lambda run: (root, run, newest["folder"], background_save), check,
+                           kills=10)
     assert len(found) >= 6, f"too few runs lived long enough to checkpoint: {found}"
