@@ -76,31 +76,48 @@ def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str) -> str:
     return path
 
 
-def snapshot_checkpoint(checkpoint):
+def snapshot_checkpoint(checkpoint, reuse=None):
     """A copy of ``checkpoint`` whose tensors are copies in host memory, for writing while training goes on.
 
-    Dicts, lists and tuples are rebuilt; tensors are cloned (CPU) or copied to the CPU (GPU), a tensor that
-    appears twice (tied weights) stays one shared copy; every other value is kept as it is.
-    """
-    copies = {}
+    Dicts, lists and tuples are rebuilt; tensors are copied into host memory; a tensor that appears twice (tied
+    weights) stays one shared copy; every other value is kept as it is.
 
-    def copy(value):
+    Args:
+        checkpoint: what ``TrainLoop.checkpoint_state()`` returned.
+        reuse: an earlier snapshot that is no longer needed: its tensors receive the new values wherever the
+            same place holds a tensor of the same shape and dtype. Writing into memory already in use is much
+            faster than allocating (and page-faulting) gigabytes afresh at every checkpoint.
+    """
+    copies = {}  # id of a checkpoint tensor -> its copy
+    reused = set()  # ids of buffers of ``reuse`` already filled
+
+    def copy_tensor(tensor: torch.Tensor, previous) -> torch.Tensor:
+        tensor = tensor.detach()
+        if isinstance(previous, torch.Tensor) and id(previous) not in reused and previous.device.type == "cpu" \
+                and previous.shape == tensor.shape and previous.dtype == tensor.dtype \
+                and previous.layout == tensor.layout == torch.strided:
+            reused.add(id(previous))
+            return previous.copy_(tensor)
+        return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+
+    def copy(value, previous):
         if isinstance(value, torch.Tensor):
             if id(value) not in copies:
-                detached = value.detach()
-                copies[id(value)] = detached.clone() if detached.device.type == "cpu" else detached.to("cpu")
+                copies[id(value)] = copy_tensor(value, previous)
             return copies[id(value)]
         if isinstance(value, dict):
-            items = [(key, copy(item)) for key, item in value.items()]
+            earlier = previous if isinstance(previous, dict) else {}
+            items = [(key, copy(item, earlier.get(key))) for key, item in value.items()]
             copied = collections.OrderedDict(items) if isinstance(value, collections.OrderedDict) else dict(items)
             if hasattr(value, "_metadata"):  # a module state_dict's versions, read by load_state_dict
                 copied._metadata = value._metadata
             return copied
         if type(value) in (list, tuple):
-            return type(value)(copy(item) for item in value)
+            earlier = previous if type(previous) is type(value) and len(previous) == len(value) else [None] * len(value)
+            return type(value)(copy(item, earlier_item) for item, earlier_item in zip(value, earlier))
         return value
 
-    return copy(checkpoint)
+    return copy(checkpoint, reuse)
 
 
 def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_always: List[str],

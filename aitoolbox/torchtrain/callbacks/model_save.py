@@ -39,12 +39,14 @@ class _CheckpointCallback(AbstractExperimentCallback):
         self.background_save = background_save
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending_save: Optional[concurrent.futures.Future] = None
+        self._last_snapshot: Optional[dict] = None  # host memory the next snapshot is copied into
 
     def __getstate__(self) -> dict:
         # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
         state = self.__dict__.copy()
         state["_writer"] = None
         state["_pending_save"] = None
+        state["_last_snapshot"] = None
         return state
 
     def on_train_loop_registration(self) -> None:
@@ -58,6 +60,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         if self._writer is not None:
             self._writer.shutdown()
             self._writer = None
+        self._last_snapshot = None
 
     def wait_for_pending_save(self) -> None:
         """Return once the background save in flight, if any, is complete; raise the error it met.
@@ -73,8 +76,9 @@ class _CheckpointCallback(AbstractExperimentCallback):
               after_save: Optional[Callable[[str], None]] = None) -> str:
         """Write ``checkpoint`` to ``folder/file_name`` and then run ``after_save(path)``; returns the path.
 
-        With ``background_save`` the state is first copied to host memory (the stall training sees) and the
-        write happens in a thread while training goes on; one save is in flight at a time.
+        With ``background_save`` the state is first copied to host memory (the stall training sees), into the
+        previous save's copy when there is one, and the write happens in a thread while training goes on; one
+        save is in flight at a time.
         """
         path = os.path.join(folder, file_name)
         try:
@@ -84,8 +88,9 @@ class _CheckpointCallback(AbstractExperimentCallback):
         if not self.background_save:
             self._write(checkpoint, folder, file_name, after_save)
             return path
-        self.wait_for_pending_save()
-        snapshot = snapshot_checkpoint(checkpoint)
+        self.wait_for_pending_save()  # also frees the last snapshot for reuse
+        snapshot = snapshot_checkpoint(checkpoint, reuse=self._last_snapshot)
+        self._last_snapshot = snapshot
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                  thread_name_prefix="aitoolbox-checkpoint")
@@ -128,8 +133,8 @@ class ModelCheckpoint(_CheckpointCallback):
             are deleted only once the newest is complete on disk.
         num_best_checkpoints_kept: how many best checkpoints to keep.
         background_save: copy the state to host memory and write the file in a background thread while
-            training goes on (training waits only for the copy; see :doc:`checkpointing`). Costs a copy of the
-            model and optimizer state in host memory while a save is in flight.
+            training goes on (training waits only for the copy; see :doc:`checkpointing`). Holds a copy of the
+            model and optimizer state in host memory from the first save to the end of training.
     """
 
     def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,

@@ -289,6 +289,28 @@ def test_snapshot_copies_tensors_keeps_sharing_structure_and_state_dict_metadata
     assert int(copied["nested"]["step"]) == 5
 
 
+def test_a_snapshot_reuses_the_memory_of_the_previous_one_where_shapes_match():
+    model = nn.Linear(4, 2)
+    first = snapshot_checkpoint({"model": model.state_dict(), "tied": [model.weight, model.weight]})
+    buffers = {"weight": first["model"]["weight"], "bias": first["model"]["bias"], "tied": first["tied"][0]}
+    assert first["tied"][1] is buffers["tied"]
+    with torch.no_grad():
+        model.weight.mul_(2.0)
+    resized = nn.Linear(4, 3)  # a different shape gets new memory
+    second = snapshot_checkpoint({"model": model.state_dict(), "tied": [model.weight, model.weight],
+                                  "other": resized.state_dict()}, reuse=first)
+    assert second["model"]["weight"] is buffers["weight"] and second["model"]["bias"] is buffers["bias"]
+    assert torch.equal(second["model"]["weight"], model.weight)
+    assert second["tied"][0] is second["tied"][1] is buffers["tied"]
+    tripled = model.weight.detach() * 3.0
+    third = snapshot_checkpoint({"model": resized.state_dict(), "tied": [tripled, model.weight]}, reuse=second)
+    assert torch.equal(third["model"]["weight"], resized.weight) and third["model"]["weight"] is not buffers["weight"]
+    assert third["model"]["bias"] is not buffers["bias"]  # shape (3,) now, (2,) before
+    # The earlier snapshot held one tensor twice: the two now different tensors must not share it.
+    assert third["tied"][0] is buffers["tied"] and third["tied"][1] is not buffers["tied"]
+    assert torch.equal(third["tied"][0], tripled) and torch.equal(third["tied"][1], model.weight)
+
+
 def test_background_save_must_be_a_bool():
     with pytest.raises(TypeError, match="background_save must be True or False"):
         ModelCheckpoint(background_save="yes")
