@@ -11,6 +11,7 @@ import errno
 import io
 import json
 import os
+import pickle
 import re
 import resource
 import signal
@@ -309,6 +310,19 @@ def test_a_snapshot_reuses_the_memory_of_the_previous_one_where_shapes_match():
     # The earlier snapshot held one tensor twice: the two now different tensors must not share it.
     assert third["tied"][0] is buffers["tied"] and third["tied"][1] is not buffers["tied"]
     assert torch.equal(third["tied"][0], tripled) and torch.equal(third["tied"][1], model.weight)
+
+
+def test_a_background_checkpoint_callback_pickles_without_its_thread_or_snapshot(tmp_path):
+    """fit_distributed under spawn pickles the callbacks; a pool and a snapshot must not travel."""
+    callback = ModelCheckpoint(**folder_arguments(tmp_path), background_save=True)
+    tl = make_loop()
+    tl.fit(num_epochs=1, callbacks=[callback])
+    callback._save(tl.checkpoint_state(), str(tmp_path / "extra"), "pending.pth")  # a save still in flight
+    copied = pickle.loads(pickle.dumps(callback))
+    assert copied._writer is None and copied._pending_save is None and copied._last_snapshot is None
+    assert copied.background_save is True
+    callback.on_train_end()
+    assert load_checkpoint_file(str(tmp_path / "extra" / "pending.pth"))["epoch"] == tl.epoch
 
 
 def test_background_save_must_be_a_bool():

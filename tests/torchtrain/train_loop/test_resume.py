@@ -193,10 +193,13 @@ def assert_same_two_process_run(straight, resumed: TrainLoop, resumed_histories:
     assert expected_histories[0]["accumulated_loss"] != expected_histories[1]["accumulated_loss"]
 
 
-@pytest.mark.parametrize("amp_init_args", [None, {"opt_level": "O2"}], ids=["fp32", "O2"])
-def test_two_process_resume_from_an_epoch_checkpoint_is_bitwise_exact(tmp_path, ddp_straight, amp_init_args):
+@pytest.mark.parametrize("amp_init_args, background_save", [(None, False), ({"opt_level": "O2"}, False),
+                                                             (None, True)], ids=["fp32", "O2", "fp32-background"])
+def test_two_process_resume_from_an_epoch_checkpoint_is_bitwise_exact(tmp_path, ddp_straight, amp_init_args,
+                                                                       background_save):
     stopped = fit_two_processes(ddp_loop(), amp_init_args, ddp_callbacks() + [ModelCheckpoint(
-        project_name="proj", experiment_name="ddp", local_model_result_folder_path=str(tmp_path))], num_epochs=2)
+        project_name="proj", experiment_name="ddp", local_model_result_folder_path=str(tmp_path),
+        background_save=background_save)], num_epochs=2)
     (run,) = os.listdir(tmp_path / "proj")
     run_folder = tmp_path / "proj" / run
     paths = list_checkpoints(str(run_folder / "checkpoint_model"))
