@@ -308,7 +308,8 @@ def main(argv: Optional[List[str]] = None) -> str:
             load_before = _common.load_average()
             saves = time_saves(args, tl, model, optimizer, saves_dir)
             del tl, model, optimizer
-            stall = {mode: measure_stall(args, os.path.join(workdir, "stall_" + mode.replace(" ", "_")), mode == "background")
+            stall = {mode: measure_stall(args, os.path.join(workdir, "stall_" + mode.replace(" ", "_")),
+                                         background_save=mode == "background")
                      for mode in ("in place", "background")}
         info["load average (1 min) before / after"] = f"{load_before} / {_common.load_average()}"
     finally:

@@ -90,7 +90,6 @@ class _WriteBehindFile:
     def __init__(self, handle: IO):
         self._handle = handle
         self._write_behind_bytes = WRITE_BEHIND_BYTES
-        self._unflushed_bytes = 0
         self._bytes_written = 0
         self._in_page_cache_until = 0
         self._flush_wanted = threading.Event()
@@ -102,9 +101,7 @@ class _WriteBehindFile:
         try:
             written = self._handle.write(data)
             self._bytes_written += written
-            self._unflushed_bytes += written
-            if self._unflushed_bytes >= self._write_behind_bytes:
-                self._unflushed_bytes = 0
+            if self._bytes_written - self._in_page_cache_until >= self._write_behind_bytes:
                 self._handle.flush()  # into the page cache, where the background flush finds it
                 self._in_page_cache_until = self._bytes_written
                 self._request_background_flush()
