@@ -1,0 +1,143 @@
+"""MultiLoss and MultiOptimizer on real tensors, optimizers and a (disabled or enabled) GradScaler."""
+import pytest
+import torch
+from torch import nn
+
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
+
+
+def disabled_scaler():
+    return torch.amp.GradScaler('cpu', enabled=False)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(3, 4)
+        self.head_a = nn.Linear(4, 1)
+        self.head_b = nn.Linear(4, 1)
+
+    def losses(self, x):
+        hidden = torch.relu(self.trunk(x))
+        return self.head_a(hidden).pow(2).mean(), self.head_b(hidden).abs().mean()
+
+
+def test_default_map_follows_dict_order():
+    multi_loss = MultiLoss({'b': torch.tensor(1.), 'a': torch.tensor(2.)})
+    assert multi_loss.optimizer_loss_map == {0: 'b', 1: 'a'}
+
+
+def test_explicit_map_is_inverted():
+    multi_loss = MultiLoss({'x': torch.tensor(1.), 'y': torch.tensor(2.)}, {'x': 1, 'y': 0})
+    assert multi_loss.optimizer_loss_map == {1: 'x', 0: 'y'}
+
+
+def test_map_of_wrong_length_is_rejected():
+    with pytest.raises(ValueError, match='loss_optimizer_map'):
+        MultiLoss({'x': torch.tensor(1.), 'y': torch.tensor(2.)}, {'x': 0})
+
+
+def test_behaves_as_a_mutable_mapping():
+    multi_loss = MultiLoss({'x': torch.tensor(1.)})
+    multi_loss['y'] = torch.tensor(3.)
+    assert list(multi_loss) == ['x', 'y'] and len(multi_loss) == 2
+    assert multi_loss.item() == {'x': 1.0, 'y': 3.0}
+    del multi_loss['x']
+    assert multi_loss.get_loss_dict().keys() == {'y'}
+
+
+def test_tensor_methods_apply_to_every_loss_and_keep_settings():
+    multi_loss = MultiLoss({'x': torch.tensor(4., requires_grad=True), 'y': torch.tensor(8.)},
+                           {'x': 1, 'y': 0}, retain_graph_until_last=False)
+    multi_loss.loss_backward_remaining = 1
+    halved = (multi_loss / 2).detach().cpu().to(torch.float64)
+    assert isinstance(halved, MultiLoss)
+    assert halved.item() == {'x': 2.0, 'y': 4.0}
+    assert halved['x'].dtype == torch.float64 and not halved['x'].requires_grad
+    assert halved.loss_optimizer_map == {'x': 1, 'y': 0} and halved.retain_graph_until_last is False
+    assert halved.loss_backward_remaining == 1
+    assert halved.device == {'x': torch.device('cpu'), 'y': torch.device('cpu')}
+    assert multi_loss['x'].item() == 4.0  # the original is untouched
+
+
+def test_shared_graph_backward_retains_until_last_and_matches_autograd():
+    model = TwoHeads()
+    x = torch.randn(5, 3)
+    loss_a, loss_b = model.losses(x)
+    multi_loss = MultiLoss({'a': loss_a, 'b': loss_b})
+
+    multi_loss.backward(0, 0, disabled_scaler())
+    assert multi_loss.loss_backward_remaining == 1
+    multi_loss.backward(1, 0, disabled_scaler())  # would fail had the first call freed the shared graph
+    assert multi_loss.loss_backward_remaining == 0
+
+    reference = TwoHeads()
+    ref_a, ref_b = reference.losses(x)
+    (ref_a + ref_b).backward()
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
+
+
+def test_without_retain_graph_second_backward_of_shared_graph_fails():
+    loss_a, loss_b = TwoHeads().losses(torch.randn(5, 3))
+    multi_loss = MultiLoss({'a': loss_a, 'b': loss_b}, retain_graph_until_last=False)
+    multi_loss.backward(0, 0, disabled_scaler())
+    with pytest.raises(RuntimeError):
+        multi_loss.backward(1, 0, disabled_scaler())
+
+
+def test_enabled_scaler_scales_the_loss():
+    weight = torch.tensor(1.0, requires_grad=True)
+    scaler = torch.amp.GradScaler('cpu', init_scale=8.0)
+    MultiLoss({'only': weight * 3}).backward(0, 0, scaler)
+    assert weight.grad.item() == pytest.approx(24.0)
+
+
+def test_multi_optimizer_steps_and_zeroes_only_the_indexed_optimizer():
+    model = TwoHeads()
+    opt_a = torch.optim.SGD(model.head_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model.head_b.parameters(), lr=0.1)
+    multi_opt = MultiOptimizer([opt_a, opt_b])
+    assert len(multi_opt) == 2 and multi_opt[1] is opt_b and multi_opt.optimizer_list == [opt_a, opt_b]
+
+    loss_a, loss_b = model.losses(torch.randn(5, 3))
+    multi_loss = MultiLoss({'a': loss_a, 'b': loss_b})
+    before_b = model.head_b.weight.detach().clone()
+    before_a = model.head_a.weight.detach().clone()
+    multi_loss.backward(0, 0, disabled_scaler())
+    multi_opt.step(0, 0, disabled_scaler())
+    assert not torch.equal(model.head_a.weight, before_a)
+    assert torch.equal(model.head_b.weight, before_b)
+
+    multi_loss.backward(1, 0, disabled_scaler())
+    multi_opt.zero_grad(0, 0)
+    assert model.head_a.weight.grad is None
+    assert model.head_b.weight.grad is not None
+
+
+def test_multi_optimizer_state_dict_round_trip():
+    def make():
+        model = TwoHeads()
+        return model, MultiOptimizer([torch.optim.Adam(model.head_a.parameters(), lr=0.01),
+                                      torch.optim.Adam(model.head_b.parameters(), lr=0.02)])
+
+    model, multi_opt = make()
+    loss_a, loss_b = model.losses(torch.randn(5, 3))
+    MultiLoss({'a': loss_a, 'b': loss_b}).backward(0, 0, disabled_scaler())
+    multi_opt.step(0, 0, disabled_scaler())
+    state = multi_opt.state_dict()
+    assert isinstance(state, list) and len(state) == 2
+
+    _, restored = make()
+    restored.load_state_dict(state)
+    assert restored.state_dict()[0]['state'][0]['step'] == state[0]['state'][0]['step']
+    assert restored[1].param_groups[0]['lr'] == 0.02
+
+
+def test_multi_optimizer_load_state_dict_validates():
+    multi_opt = MultiOptimizer([torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)])
+    with pytest.raises(TypeError, match='list'):
+        multi_opt.load_state_dict({'state': {}})
+    with pytest.raises(ValueError, match='1 optimizers'):
+        multi_opt.load_state_dict([{}, {}])
