@@ -31,7 +31,17 @@ class TTModel(nn.Module):
             def get_predictions(self, batch_data, device):
                 x, y = batch_data
                 return self(x.to(device)).argmax(dim=1).cpu(), y, None
+
+    ``transfer_model_attributes``: names of attributes that a :class:`~aitoolbox.torchtrain.parallel.TTDataParallel`
+    or :class:`~aitoolbox.torchtrain.parallel.TTDistributedDataParallel` wrapper copies from the model, so that
+    ``get_loss`` and ``get_predictions`` running on the wrapper can still read them as ``self.<name>``. Set it
+    in ``__init__`` after ``super().__init__()``; it starts as an empty list (or a copy of a class-level list).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A fresh list per instance, so appending to it never leaks into other models.
+        self.transfer_model_attributes = list(getattr(self, "transfer_model_attributes", ()))
 
     def get_loss(self, batch_data: Any, criterion: Optional[nn.Module], device: torch.device) -> torch.Tensor:
         """Return the scalar training loss of one batch."""
@@ -66,6 +76,51 @@ class TTBasicModel(TTModel):
         return self(*inputs).cpu(), target.cpu(), None
 
 
+class TTBasicMultiGPUModel(TTBasicModel):
+    """A :class:`TTBasicModel` whose ``forward`` also computes the loss, so under ``DataParallel`` the loss of
+    each GPU's slice is computed on that GPU and only the losses are gathered, not the full outputs.
+
+    :meth:`get_loss` calls ``self(*inputs, targets=targets, criterion=criterion)``; :meth:`get_predictions`
+    calls ``self(*inputs)``. ``forward`` must therefore accept both forms::
+
+        def forward(self, *inputs, targets=None, criterion=None):
+            predictions = ...
+            if criterion is not None:
+                return criterion(predictions, targets)
+            return predictions
+    """
+
+    def get_loss(self, batch_data, criterion, device):
+        inputs, target = self._split_batch(batch_data, device)
+        return self(*inputs, targets=target, criterion=criterion)
+
+
+class MultiGPUModelWrap(TTBasicMultiGPUModel):
+    """Turns a plain ``nn.Module`` (whose ``forward`` returns predictions) into a :class:`TTBasicMultiGPUModel`.
+
+    The module becomes the submodule ``model``, so the wrapper's ``state_dict`` keys carry a ``model.`` prefix.
+
+    Args:
+        model: the network; the batch's last element is its target, the others its inputs.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"MultiGPUModelWrap needs an nn.Module as model, got {type(model).__name__}")
+        self.model = model
+
+    def forward(self, *input_data, targets=None, criterion=None):
+        """The wrapped module's predictions, or ``criterion(predictions, targets)`` when a criterion is given."""
+        predictions = self.model(*input_data)
+        if criterion is not None:
+            return criterion(predictions, targets)
+        return predictions
+
+
 class ModelWrap:
     """Pairs a plain ``nn.Module`` with the feed definition that computes its loss and predictions.
 
@@ -95,6 +150,8 @@ class FeedDefinitionModel(TTModel):
         super().__init__()
         self.model = model_wrap.model
         self.feed_def = model_wrap.batch_model_feed_def
+        # get_loss reads self.feed_def: a TTDataParallel around this adapter must carry it over.
+        self.transfer_model_attributes = ["feed_def"]
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)

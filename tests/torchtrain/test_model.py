@@ -5,7 +5,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aitoolbox.torchtrain.data.batch_model_feed_defs import AbstractModelFeedDefinition
-from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTBasicModel, TTModel
+from aitoolbox.torchtrain.model import (
+    FeedDefinitionModel, ModelWrap, MultiGPUModelWrap, TTBasicModel, TTBasicMultiGPUModel, TTModel,
+)
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
     MLP, ClassifierFeedDefinition, PlainMLP, assert_params_equal, classification_data, reference_fit,
@@ -150,3 +152,87 @@ def test_train_loop_accepts_model_wrap_and_returns_the_module():
     assert len(tl.train_history["loss"]) == 1
     assert tl.evaluate_loss_on_train_set() == tl.train_history["loss"][0]
 
+
+
+# --- transfer_model_attributes ------------------------------------------------------------------------------
+def test_transfer_model_attributes_is_a_fresh_list_per_model():
+    first, second = ForwardOnly(), ForwardOnly()
+    assert first.transfer_model_attributes == []
+    first.transfer_model_attributes.append("fc")
+    assert second.transfer_model_attributes == []
+
+
+def test_class_level_transfer_model_attributes_are_copied_per_instance():
+    class Declared(ForwardOnly):
+        transfer_model_attributes = ["fc"]
+
+    model = Declared()
+    assert model.transfer_model_attributes == ["fc"]
+    model.transfer_model_attributes.append("other")
+    assert Declared.transfer_model_attributes == ["fc"]
+
+
+# --- TTBasicMultiGPUModel and MultiGPUModelWrap ---------------------------------------------------------------
+class LossInForward(TTBasicMultiGPUModel):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 1)
+        self.b = nn.Linear(2, 1)
+
+    def forward(self, x1, x2, targets=None, criterion=None):
+        predictions = self.a(x1) + self.b(x2)
+        return criterion(predictions, targets) if criterion is not None else predictions
+
+
+def test_multi_gpu_model_computes_the_loss_inside_forward():
+    torch.manual_seed(0)
+    model = LossInForward()
+    x1, x2, y = two_input_data().tensors
+    cpu = torch.device("cpu")
+    criterion_calls = []
+
+    def criterion(pred, target):
+        criterion_calls.append(pred.shape)
+        return nn.functional.mse_loss(pred, target)
+
+    expected = nn.functional.mse_loss(model(x1, x2), y)
+    assert torch.equal(model.get_loss((x1, x2, y), criterion, cpu), expected)
+    assert criterion_calls == [torch.Size([12, 1])]
+    y_pred, y_true, _ = model.get_predictions((x1, x2, y), cpu)
+    assert torch.equal(y_pred, model(x1, x2)) and torch.equal(y_true, y)
+
+
+def test_multi_gpu_model_wrap_wraps_a_plain_module():
+    torch.manual_seed(0)
+    module = nn.Linear(3, 1)
+    wrapped = MultiGPUModelWrap(module)
+    assert isinstance(wrapped, TTBasicMultiGPUModel) and wrapped.model is module
+    assert set(wrapped.state_dict()) == {"model.weight", "model.bias"}
+    x, _, y = two_input_data().tensors
+    cpu = torch.device("cpu")
+    assert torch.equal(wrapped(x), module(x))
+    assert torch.equal(wrapped(x, targets=y, criterion=nn.MSELoss()), nn.MSELoss()(module(x), y))
+    assert torch.equal(wrapped.get_loss((x, y), nn.MSELoss(), cpu), nn.MSELoss()(module(x), y))
+    assert torch.equal(wrapped.get_predictions((x, y), cpu)[0], module(x))
+
+
+def test_multi_gpu_model_wrap_rejects_a_non_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        MultiGPUModelWrap(lambda x: x)
+
+
+def test_multi_gpu_model_wrap_trains_like_the_hand_written_loop():
+    torch.manual_seed(0)
+    wrapped = MultiGPUModelWrap(nn.Linear(3, 1))
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(wrapped.model.state_dict())
+    data = two_input_data()
+    pairs = TensorDataset(data.tensors[0], data.tensors[2])
+    tl = TrainLoop(wrapped, DataLoader(pairs, batch_size=4), None, None,
+                   torch.optim.SGD(wrapped.parameters(), lr=0.05), nn.MSELoss(),
+                   end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=2)
+    reference_fit(reference, DataLoader(pairs, batch_size=4), [torch.optim.SGD(reference.parameters(), lr=0.05)],
+                  nn.MSELoss(), num_epochs=2, grad_accumulation=1,
+                  loss_fn=lambda m, batch, criterion: criterion(m(batch[0]), batch[1]))
+    assert_params_equal(wrapped.model, reference)
