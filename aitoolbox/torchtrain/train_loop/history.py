@@ -1,18 +1,7 @@
-"""The training history: a dict of lists, one value appended per epoch (or per evaluation)."""
-from typing import Any, Dict, List
+"""Kept so that ``from aitoolbox.torchtrain.train_loop.history import TrainingHistory`` keeps working.
 
+The class lives in :mod:`aitoolbox.experiment.training_history`, where aitoolbox 1.x has it.
+"""
+from aitoolbox.experiment.training_history import TrainingHistory
 
-class TrainingHistory(dict):
-    """A ``dict`` mapping a metric name (``'loss'``, ``'val_loss'``, ``'val_Accuracy'``...) to a list of values.
-
-    Reading a metric that was never recorded raises ``KeyError`` like any dict; :meth:`get` returns
-    the default as usual.
-    """
-
-    def insert_single_result_into_history(self, metric_name: str, metric_result: Any) -> None:
-        """Append one value to the list of ``metric_name``, creating the list when needed."""
-        self.setdefault(metric_name, []).append(metric_result)
-
-    def get_train_history_dict(self) -> Dict[str, List[Any]]:
-        """Return a plain ``dict`` copy (lists copied too), e.g. for JSON serialisation."""
-        return {name: list(values) for name, values in self.items()}
+__all__ = ["TrainingHistory"]
