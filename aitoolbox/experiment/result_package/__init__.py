@@ -1,7 +1,13 @@
-"""Result packages: turn ``(y_true, y_predicted)`` into a dict of named metrics computed with scikit-learn."""
+"""Result packages: turn ``(y_true, y_predicted)`` into a dict of named metrics computed with scikit-learn.
+
+The wrappers of optional metric libraries live in their own modules, which import those libraries lazily:
+``torch_metrics_packages.TorchMetricsPackage`` (torchmetrics) and ``hf_evaluate_packages.HFEvaluateResultPackage``
+(HuggingFace evaluate).
+"""
 from aitoolbox.experiment.result_package.abstract_result_packages import (
     AbstractResultPackage,
     MultipleResultPackageWrapper,
+    PreCalculatedResultPackage,
 )
 from aitoolbox.experiment.result_package.basic_packages import (
     BinaryClassificationResultPackage,
@@ -11,6 +17,7 @@ from aitoolbox.experiment.result_package.basic_packages import (
 )
 
 __all__ = [
-    "AbstractResultPackage", "MultipleResultPackageWrapper", "ClassificationResultPackage",
-    "BinaryClassificationResultPackage", "RegressionResultPackage", "GeneralResultPackage",
+    "AbstractResultPackage", "MultipleResultPackageWrapper", "PreCalculatedResultPackage",
+    "ClassificationResultPackage", "BinaryClassificationResultPackage", "RegressionResultPackage",
+    "GeneralResultPackage",
 ]

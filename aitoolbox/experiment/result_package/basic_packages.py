@@ -1,9 +1,12 @@
 """Ready-made result packages for classification, binary classification and regression, plus one for any metrics.
 
-All metrics come from :mod:`sklearn.metrics`; every result is a plain Python ``float`` so the results can be
-written to JSON and put into the training history as they are.
+All metrics come from :mod:`sklearn.metrics` and have aitoolbox 1.x's names and definitions; every result is
+a plain Python ``float`` so the results can be written to JSON and put into the training history as they are.
+The constructors take aitoolbox 1.x's arguments (``strict_content_check`` first, extra keywords kept as
+``package_metadata``) plus a keyword-only ``pkg_name``.
 """
 import numbers
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -26,15 +29,16 @@ class ClassificationResultPackage(AbstractResultPackage):
 
     ``y_predicted`` may hold class labels of shape ``(N,)``, or scores of shape ``(N, C)`` (logits or
     probabilities, one column per class), in which case the predicted label is the argmax over the classes
-    (dimension 1). ``y_true`` holds class labels, ``(N,)`` or ``(N, 1)``.
+    (dimension 1). ``y_true`` holds class labels, ``(N,)`` or ``(N, 1)``, or one-hot rows ``(N, C)``.
 
     Args:
-        pkg_name: the package's name (used to tell clashing metric names apart when packages are combined).
         strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+        pkg_name: the package's name (names its results when packages are combined).
+        **kwargs: additional metadata of the package.
     """
 
-    def __init__(self, pkg_name: str = "ClassificationResult", strict_content_check: bool = False):
-        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+    def __init__(self, strict_content_check: bool = False, *, pkg_name: str = "ClassificationResult", **kwargs):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
 
     def predicted_labels(self) -> np.ndarray:
         """The predicted class labels: ``y_predicted``, or its argmax over dimension 1 when it holds scores."""
@@ -44,7 +48,10 @@ class ClassificationResultPackage(AbstractResultPackage):
         return _flatten_column(y_predicted, "y_predicted (labels) or (N, C) class scores")
 
     def prepare_results_dict(self) -> Dict[str, float]:
-        y_true = _flatten_column(self.y_true, "y_true")
+        y_true = self.y_true
+        if y_true.ndim == 2 and y_true.shape[1] > 1:  # one-hot targets
+            y_true = y_true.argmax(axis=1)
+        y_true = _flatten_column(y_true, "y_true")
         return {"Accuracy": float(metrics.accuracy_score(y_true, self.predicted_labels()))}
 
 
@@ -53,24 +60,26 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
 
     ``y_predicted`` holds the score (usually the probability) of the positive class, shape ``(N,)`` or
     ``(N, 1)``; with shape ``(N, 2)`` (a score per class) column 1 is the positive class. ROC_AUC and
-    PrecisionRecall_AUC (sklearn's ``average_precision_score``) use the scores; Accuracy and F1_score use
-    the labels ``score >= positive_class_thresh``. ``y_true`` holds 0/1 labels.
+    PrecisionRecall_AUC (the area under the precision-recall curve, trapezoidal as in aitoolbox 1.x) use the
+    scores; Accuracy and F1_score use the labels ``score >= positive_class_thresh``. ``y_true`` holds 0/1
+    labels.
 
     Args:
         positive_class_thresh: the score from which a sample is predicted positive (0.5 for probabilities,
             0.0 for logits). None when ``y_predicted`` already holds 0/1 labels.
-        pkg_name: the package's name.
         strict_content_check: raise ``ValueError`` on a non-finite metric (e.g. ROC_AUC when ``y_true``
             holds a single class) instead of logging a warning.
+        pkg_name: the package's name.
+        **kwargs: additional metadata of the package.
     """
 
-    def __init__(self, positive_class_thresh: Optional[float] = 0.5, pkg_name: str = "BinaryClassificationResult",
-                 strict_content_check: bool = False):
+    def __init__(self, positive_class_thresh: Optional[float] = 0.5, strict_content_check: bool = False, *,
+                 pkg_name: str = "BinaryClassificationResult", **kwargs):
         if positive_class_thresh is not None and (isinstance(positive_class_thresh, bool)
                                                   or not isinstance(positive_class_thresh, numbers.Real)):
             raise TypeError("positive_class_thresh must be a number (e.g. 0.5 for probabilities) or None for "
                             f"predictions that are already labels, got {positive_class_thresh!r}")
-        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
         self.positive_class_thresh = positive_class_thresh
 
     def positive_scores(self) -> np.ndarray:
@@ -87,6 +96,14 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
             return float("nan")
         return float(metrics.roc_auc_score(y_true, scores))
 
+    @staticmethod
+    def _pr_auc(y_true: np.ndarray, scores: np.ndarray) -> float:
+        # Without positive samples the recall is undefined (0 / 0), and so is the curve.
+        if not np.any(y_true == 1):
+            return float("nan")
+        precision, recall, _ = metrics.precision_recall_curve(y_true, scores)
+        return float(metrics.auc(recall, precision))
+
     def prepare_results_dict(self) -> Dict[str, float]:
         y_true = _flatten_column(self.y_true, "y_true")
         scores = self.positive_scores()
@@ -94,7 +111,7 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
         return {
             "Accuracy": float(metrics.accuracy_score(y_true, labels)),
             "ROC_AUC": self._roc_auc(y_true, scores),
-            "PrecisionRecall_AUC": float(metrics.average_precision_score(y_true, scores)),
+            "PrecisionRecall_AUC": self._pr_auc(y_true, scores),
             "F1_score": float(metrics.f1_score(y_true, labels)),
         }
 
@@ -105,12 +122,13 @@ class RegressionResultPackage(AbstractResultPackage):
     With several outputs per sample (shape ``(N, K)``) the errors are averaged over the outputs.
 
     Args:
-        pkg_name: the package's name.
         strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+        pkg_name: the package's name.
+        **kwargs: additional metadata of the package.
     """
 
-    def __init__(self, pkg_name: str = "RegressionResult", strict_content_check: bool = False):
-        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True)
+    def __init__(self, strict_content_check: bool = False, *, pkg_name: str = "RegressionResult", **kwargs):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
 
     def prepare_results_dict(self) -> Dict[str, float]:
         y_true, y_predicted = self.y_true, self.y_predicted
@@ -127,57 +145,90 @@ MetricSpec = Union[Callable[[Any, Any], Any], Tuple[str, Callable[[Any, Any], An
 
 
 class GeneralResultPackage(AbstractResultPackage):
-    """Any metrics: each is a function ``metric(y_true, y_predicted) -> number``.
+    """Any metrics, each called as ``metric(y_true, y_predicted)``.
 
-    Example::
+    A metric may return a number (recorded under the metric's name), a dict of named numbers, or an
+    aitoolbox metric object (anything with ``get_metric_dict()``, such as aitoolbox 1.x's metric classes,
+    which are given as the class itself). Example::
 
         from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
         GeneralResultPackage([balanced_accuracy_score, ('MCC', matthews_corrcoef)])
 
     Args:
-        metrics_list: the metrics, each a function (named by its ``__name__``) or a ``(name, function)``
-            pair; the names must be unique.
-        pkg_name: the package's name.
+        metrics_list: the metrics, each a function or class (named by its ``__name__``) or a
+            ``(name, function)`` pair; the names must be unique. Name a lambda with a pair when it returns
+            a number.
         strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
-        np_array: hand the metrics numpy arrays (True) or the predictions as given (False).
+        pkg_name: the package's name.
+        np_array: hand the metrics numpy arrays (True), the predictions as given (False) or ``'auto'``.
+        **kwargs: additional metadata of the package.
     """
 
-    def __init__(self, metrics_list: Sequence[MetricSpec], pkg_name: str = "GeneralResult",
-                 strict_content_check: bool = False, np_array: bool = True):
-        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=np_array)
-        self.metrics: List[Tuple[str, Callable]] = self._named_metrics(metrics_list)
+    def __init__(self, metrics_list: Sequence[MetricSpec], strict_content_check: bool = False, *,
+                 pkg_name: str = "GeneralResultPackage", np_array: Union[bool, str] = True, **kwargs):
+        super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=np_array, **kwargs)
+        self.metrics_list = metrics_list
+        self.metrics: List[Tuple[Optional[str], Callable]] = self._named_metrics(metrics_list)
 
     @staticmethod
-    def _named_metrics(metrics_list: Sequence[MetricSpec]) -> List[Tuple[str, Callable]]:
+    def _named_metrics(metrics_list: Sequence[MetricSpec]) -> List[Tuple[Optional[str], Callable]]:
         if isinstance(metrics_list, (str, bytes)) or not isinstance(metrics_list, Sequence) or not metrics_list:
             raise ValueError("metrics_list must be a non-empty list of metric functions or (name, function) "
                              f"pairs, got {metrics_list!r}")
-        named = []
+        named: List[Tuple[Optional[str], Callable]] = []
         for position, spec in enumerate(metrics_list):
             if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str) and callable(spec[1]):
                 named.append(spec)
             elif callable(spec):
                 name = getattr(spec, "__name__", None)
-                if not name or name == "<lambda>":
-                    raise ValueError(f"metrics_list[{position}] ({spec!r}) has no usable name; pass it as a "
-                                     "(name, function) pair, e.g. ('MyMetric', fn)")
-                named.append((name, spec))
+                # A lambda or partial may return a metric object, which names itself: checked on use.
+                named.append((None if not name or name == "<lambda>" else name, spec))
             else:
                 raise TypeError(f"metrics_list[{position}] must be a function metric(y_true, y_predicted) or a "
                                 f"(name, function) pair, got {spec!r}")
-        names = [name for name, _ in named]
+        names = [name for name, _ in named if name is not None]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"metric names must be unique, {duplicates} appear more than once in metrics_list; "
                              "name them with (name, function) pairs")
         return named
 
-    def prepare_results_dict(self) -> Dict[str, float]:
-        results = {}
-        for name, metric in self.metrics:
-            value = metric(self.y_true, self.y_predicted)
-            try:
-                results[name] = float(value)
-            except (TypeError, ValueError) as error:
-                raise TypeError(f"metric {name!r} must return a single number, got {value!r}") from error
+    def qa_check_metrics_list(self) -> None:
+        """Warn (raise when strict) when the list of metrics is empty."""
+        if not self.metrics:
+            self.warn_about_result_data_problem(f"{self.pkg_name}: the metrics list is empty")
+
+    def prepare_results_dict(self) -> Dict[str, Any]:
+        results: Dict[str, Any] = {}
+        for position, (name, metric) in enumerate(self.metrics):
+            for result_name, value in self._metric_results(position, name, metric(self.y_true, self.y_predicted)):
+                if result_name in results:
+                    raise ValueError(f"two metrics of {self.pkg_name!r} are both named {result_name!r}; name them "
+                                     "apart with (name, function) pairs")
+                results[result_name] = value
         return results
+
+    @staticmethod
+    def _metric_results(position: int, name: Optional[str], value: Any) -> List[Tuple[str, Any]]:
+        if hasattr(value, "get_metric_dict"):  # an aitoolbox metric object
+            value = value.get_metric_dict()
+        if isinstance(value, Mapping):
+            return [(str(key), _plain_number(item)) for key, item in value.items()]
+        label = name or f"metrics_list[{position}]"
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"metric {label!r} must return a single number, a dict of numbers or a metric object, "
+                            f"got {value!r}") from error
+        if name is None:
+            raise ValueError(f"{label} returned a number but has no usable name; pass it as a (name, function) "
+                             "pair, e.g. ('MyMetric', fn)")
+        return [(name, number)]
+
+
+def _plain_number(value: Any) -> Any:
+    """A numpy or 0-d tensor number as a Python number (JSON-friendly); anything else unchanged."""
+    if isinstance(value, np.generic) or (hasattr(value, "ndim") and getattr(value, "ndim") == 0
+                                         and hasattr(value, "item")):
+        return value.item()
+    return value

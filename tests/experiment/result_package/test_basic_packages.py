@@ -1,4 +1,4 @@
-"""Result packages: every metric equals scikit-learn's own on the same data; combining with ``+``; errors."""
+"""The basic result packages: every metric equals scikit-learn's own, with aitoolbox 1.x's definitions."""
 import json
 import logging
 
@@ -7,10 +7,6 @@ import pytest
 import torch
 from sklearn import metrics
 
-from aitoolbox.experiment.result_package import (
-    AbstractResultPackage,
-    MultipleResultPackageWrapper,
-)
 from aitoolbox.experiment.result_package.basic_packages import (
     BinaryClassificationResultPackage,
     ClassificationResultPackage,
@@ -69,6 +65,13 @@ def test_classification_accepts_tensors_and_column_vectors(multiclass):
     assert results == {"Accuracy": expected}
 
 
+def test_classification_accepts_one_hot_targets(multiclass):
+    y_true, scores = multiclass
+    one_hot = np.eye(4)[y_true]
+    results = ClassificationResultPackage().prepare_result_package(one_hot, scores).get_results()
+    assert results == {"Accuracy": metrics.accuracy_score(y_true, scores.argmax(axis=1))}
+
+
 def test_low_precision_tensors_are_converted(multiclass):
     y_true, scores = multiclass
     bf16_scores = torch.from_numpy(scores).bfloat16()
@@ -77,12 +80,18 @@ def test_low_precision_tensors_are_converted(multiclass):
 
 
 # --- BinaryClassificationResultPackage --------------------------------------------------------------------
+def pr_curve_auc(y_true, scores):
+    # aitoolbox 1.x's PrecisionRecall_AUC: the trapezoidal area under the precision-recall curve.
+    precision, recall, _ = metrics.precision_recall_curve(y_true, scores)
+    return metrics.auc(recall, precision)
+
+
 def expected_binary(y_true, scores, thresh):
     labels = (scores >= thresh).astype(int)
     return {
         "Accuracy": metrics.accuracy_score(y_true, labels),
         "ROC_AUC": metrics.roc_auc_score(y_true, scores),
-        "PrecisionRecall_AUC": metrics.average_precision_score(y_true, scores),
+        "PrecisionRecall_AUC": pr_curve_auc(y_true, scores),
         "F1_score": metrics.f1_score(y_true, labels),
     }
 
@@ -181,7 +190,6 @@ def test_general_package_without_numpy_conversion():
     ([], ValueError, "non-empty"),
     ("accuracy", ValueError, "non-empty list"),
     ([42], TypeError, r"metrics_list\[0\]"),
-    ([lambda a, b: 0.0], ValueError, r"\(name, function\)"),
     ([metrics.accuracy_score, ("accuracy_score", metrics.f1_score)], ValueError, "unique"),
 ])
 def test_general_package_rejects_bad_metric_lists(metrics_list, error, match):
@@ -195,122 +203,49 @@ def test_general_package_rejects_non_scalar_metric():
         package.prepare_result_package([1, 2], [1, 0])
 
 
-# --- the common interface ---------------------------------------------------------------------------------
-def test_get_results_before_prepare_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="prepare_result_package"):
-        ClassificationResultPackage().get_results()
+def test_general_package_takes_metric_objects_and_dicts(binary):
+    """aitoolbox 1.x passes metric classes: called with (y_true, y_pred), they name their own results."""
+    y_true, probabilities = binary
+
+    class MaxErrorMetric:  # the shape of an aitoolbox 1.x metric class
+        def __init__(self, y_true, y_predicted):
+            self.value = metrics.max_error(y_true, y_predicted)
+
+        def get_metric_dict(self):
+            return {"Max_error": np.float64(self.value)}
+
+    package = GeneralResultPackage([
+        MaxErrorMetric,
+        lambda y, p: {"MSE": metrics.mean_squared_error(y, p), "MAE": metrics.mean_absolute_error(y, p)},
+    ])
+    results = package.prepare_result_package(y_true, probabilities).get_results()
+    assert results == {"Max_error": metrics.max_error(y_true, probabilities),
+                       "MSE": metrics.mean_squared_error(y_true, probabilities),
+                       "MAE": metrics.mean_absolute_error(y_true, probabilities)}
+    assert type(results["Max_error"]) is float  # numpy numbers become plain floats
+    assert package.pkg_name == "GeneralResultPackage" and package.metrics_list[0] is MaxErrorMetric
 
 
-def test_length_mismatch_is_a_clear_error():
-    with pytest.raises(ValueError, match="4 samples.*3"):
-        ClassificationResultPackage().prepare_result_package([0, 1, 1, 0], [0, 1, 1])
+def test_general_package_result_name_problems():
+    unnamed = GeneralResultPackage([lambda y, p: 0.5])
+    with pytest.raises(ValueError, match=r"\(name, function\)"):
+        unnamed.prepare_result_package([1, 0], [1, 1])
+    clashing = GeneralResultPackage([("Accuracy", metrics.accuracy_score), lambda y, p: {"Accuracy": 1.0}])
+    with pytest.raises(ValueError, match="both named 'Accuracy'"):
+        clashing.prepare_result_package([1, 0], [1, 1])
 
 
-def test_prepare_returns_self_and_keeps_hyperparameters_and_history():
-    hyperparameters = {"lr": 0.1}
-    history = {"loss": [1.0, 0.5]}
-    package = RegressionResultPackage()
-    assert package.prepare_result_package([1.0], [2.0], hyperparameters=hyperparameters,
-                                          training_history=history, note="x") is package
-    assert package.get_hyperparameters() == hyperparameters
-    assert package.training_history is history
-    assert package.additional_results == {"note": "x"}
-    assert len(package) == 2 and "Mean_squared_error" in str(package)
-
-
-def test_get_results_returns_a_copy():
-    package = ClassificationResultPackage().prepare_result_package([1, 0], [1, 1])
-    package.get_results()["Accuracy"] = 99.0
-    assert package.get_results() == {"Accuracy": 0.5}
-
-
-def test_custom_subclass():
-    class MaxError(AbstractResultPackage):
-        def __init__(self):
-            super().__init__("MaxError")
-
-        def prepare_results_dict(self):
-            return {"Max_error": float(metrics.max_error(self.y_true, self.y_predicted))}
-
-    results = MaxError().prepare_result_package(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 4.0])).get_results()
-    assert results == {"Max_error": 2.0}
+def test_constructor_arguments_follow_aitoolbox_1x():
+    # strict_content_check is the first positional argument (after the threshold for binary); extra keywords
+    # are kept as metadata; pkg_name is keyword-only.
+    assert ClassificationResultPackage(True).strict_content_check is True
+    assert RegressionResultPackage(True, note="x").package_metadata == {"note": "x"}
+    binary = BinaryClassificationResultPackage(0.3, True, pkg_name="B")
+    assert (binary.positive_class_thresh, binary.strict_content_check, binary.pkg_name) == (0.3, True, "B")
+    general = GeneralResultPackage([metrics.max_error], True)
+    assert general.strict_content_check is True and general.pkg_name == "GeneralResultPackage"
+    assert [ClassificationResultPackage().pkg_name, BinaryClassificationResultPackage().pkg_name,
+            RegressionResultPackage().pkg_name] == ["ClassificationResult", "BinaryClassificationResult",
+                                                    "RegressionResult"]
     with pytest.raises(TypeError):
-        AbstractResultPackage("abstract")  # prepare_results_dict is abstract
-
-
-# --- combining with + ---------------------------------------------------------------------------------------
-def test_adding_prepared_packages_merges_results(binary):
-    y_true, probabilities = binary
-    regression = RegressionResultPackage().prepare_result_package(y_true, probabilities)
-    general = GeneralResultPackage([("Max_error", metrics.max_error)]).prepare_result_package(y_true, probabilities)
-    combined = regression + general
-    assert isinstance(combined, MultipleResultPackageWrapper)
-    assert combined.get_results() == {**regression.get_results(), **general.get_results()}
-    assert_plain_floats(combined.get_results())
-
-
-def test_clashing_names_are_prefixed_by_package_name(binary):
-    y_true, probabilities = binary
-    labels = (probabilities >= 0.5).astype(int)
-    combined = ClassificationResultPackage() + BinaryClassificationResultPackage()
-    # Preparing the combination prepares every package with the same data (labels are valid scores too).
-    results = combined.prepare_result_package(y_true, labels).get_results()
-    accuracy = metrics.accuracy_score(y_true, labels)
-    assert results == {
-        "ClassificationResult_Accuracy": accuracy,
-        "BinaryClassificationResult_Accuracy": accuracy,
-        "ROC_AUC": metrics.roc_auc_score(y_true, labels),
-        "PrecisionRecall_AUC": metrics.average_precision_score(y_true, labels),
-        "F1_score": metrics.f1_score(y_true, labels),
-    }
-
-
-def test_chained_and_in_place_addition(binary):
-    y_true, probabilities = binary
-    mse = GeneralResultPackage([metrics.mean_squared_error], pkg_name="mse")
-    mae = GeneralResultPackage([metrics.mean_absolute_error], pkg_name="mae")
-    max_error = GeneralResultPackage([metrics.max_error], pkg_name="max")
-    chained = (mse + mae) + max_error
-    assert [p.pkg_name for p in chained.result_packages] == ["mse", "mae", "max"]  # flattened
-    combined = mse + mae
-    same_object = combined
-    combined += max_error
-    assert combined is same_object
-    combined.prepare_result_package(y_true, probabilities)
-    assert combined.get_results() == chained.prepare_result_package(y_true, probabilities).get_results()
-    assert list(combined.get_results()) == ["mean_squared_error", "mean_absolute_error", "max_error"]
-    plain = RegressionResultPackage()
-    plain += mse
-    assert isinstance(plain, MultipleResultPackageWrapper)
-    assert sum([mse, mae, max_error]).prepare_result_package(y_true, probabilities).get_results() == \
-        combined.get_results()
-
-
-def test_addition_leaves_operands_unchanged(binary):
-    y_true, probabilities = binary
-    first, second = RegressionResultPackage(), GeneralResultPackage([metrics.max_error])
-    combined = first + second
-    combined.prepare_result_package(y_true, probabilities)
-    assert not first.is_prepared and not second.is_prepared
-
-
-def test_unprepared_combination_and_partly_prepared_in_place_addition(binary):
-    y_true, probabilities = binary
-    combined = RegressionResultPackage() + GeneralResultPackage([metrics.max_error])
-    with pytest.raises(RuntimeError, match="prepare_result_package"):
-        combined.get_results()
-    combined.prepare_result_package(y_true, probabilities)
-    combined += GeneralResultPackage([metrics.r2_score], pkg_name="r2")  # not prepared: results invalid now
-    with pytest.raises(RuntimeError, match="prepare_result_package"):
-        combined.get_results()
-
-
-def test_addition_errors():
-    with pytest.raises(TypeError):
-        ClassificationResultPackage() + {"Accuracy": 1.0}
-    with pytest.raises(ValueError, match="both named 'ClassificationResult'"):
-        ClassificationResultPackage() + ClassificationResultPackage()
-    combined = RegressionResultPackage() + GeneralResultPackage([metrics.max_error])
-    with pytest.raises(ValueError, match="both named"):
-        combined += RegressionResultPackage()
-    assert len(combined.result_packages) == 2  # a failed += changes nothing
+        ClassificationResultPackage(False, "name")  # pkg_name cannot be given by position
