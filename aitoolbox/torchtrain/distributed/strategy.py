@@ -6,6 +6,7 @@ has prepared it), to prepare the data loaders
 (``all_reduce_sum``, ``all_gather_objects``) and to know whether it should write or print
 (``is_main_process``). It never asks which strategy it has.
 """
+import warnings
 from typing import Any, List, Optional
 
 import torch
@@ -37,6 +38,9 @@ class SingleDeviceStrategy:
     def is_main_process(self) -> bool:
         """Only the main process prints, saves files and shows progress bars."""
         return self.rank == 0
+
+    def configure(self, dp_model_args: Optional[dict] = None) -> None:
+        """Options ``fit`` passes through (aitoolbox 1.x's ``dp_model_args``); a single device has none to use."""
 
     def place_model(self, model: nn.Module) -> None:
         """Move the model to this process's device (before mixed precision prepares it)."""
@@ -100,9 +104,17 @@ class DataParallelStrategy(SingleDeviceStrategy):
     def __init__(self, device: torch.device, device_ids: Optional[List[int]] = None):
         super().__init__(device)
         self.device_ids = device_ids
+        self.dp_model_args: dict = {}
+
+    def configure(self, dp_model_args: Optional[dict] = None) -> None:
+        """``dp_model_args``: further ``torch.nn.DataParallel`` arguments (``output_device``, ``dim``...)."""
+        self.dp_model_args = dict(dp_model_args or {})
+        if "device_ids" in self.dp_model_args:
+            self.device_ids = self.dp_model_args.pop("device_ids")
 
     def wrap_model(self, model: nn.Module) -> Any:
-        wrapper = nn.DataParallel(MethodDispatcher(model, use_replica_device=True), device_ids=self.device_ids)
+        wrapper = nn.DataParallel(MethodDispatcher(model, use_replica_device=True), device_ids=self.device_ids,
+                                  **self.dp_model_args)
         return ParallelModelRunner(wrapper, model)
 
 
@@ -135,15 +147,18 @@ def create_strategy(gpu_mode: str, cuda_device_idx: Optional[int]) -> SingleDevi
 
     ``'ddp'`` also gets a single-device strategy here: the processes it launches build their own.
 
+    ``'dp'`` without CUDA trains on the CPU with a warning (as aitoolbox 1.x did).
+
     Raises:
-        ValueError: unknown ``gpu_mode``, or ``'dp'`` without CUDA.
+        ValueError: unknown ``gpu_mode``.
     """
     if gpu_mode not in GPU_MODES:
         raise ValueError(f"gpu_mode must be one of {', '.join(repr(m) for m in GPU_MODES)}; got {gpu_mode!r}")
     device = resolve_device(cuda_device_idx)
     if gpu_mode == "dp":
         if device.type != "cuda":
-            raise ValueError("gpu_mode='dp' (torch.nn.DataParallel) needs CUDA GPUs and this machine has none. "
-                             "Use gpu_mode='single' to train on the CPU, or gpu_mode='ddp' for several CPU processes.")
+            warnings.warn("gpu_mode='dp' (torch.nn.DataParallel) needs CUDA GPUs and this machine has none: training "
+                          "on the CPU in this process. Use gpu_mode='ddp' for several CPU processes.", stacklevel=3)
+            return SingleDeviceStrategy(device)
         return DataParallelStrategy(device)
     return SingleDeviceStrategy(device)

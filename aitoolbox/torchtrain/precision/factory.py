@@ -13,15 +13,17 @@ def default_low_precision_dtype(device_type: str) -> torch.dtype:
 
 
 def autocast_precision(device_type: str, dtype: Optional[torch.dtype] = None,
-                       loss_scale="dynamic") -> Precision:
+                       loss_scale="dynamic", loss_scaler: Optional[LossScaler] = None) -> Precision:
     """Autocast in ``dtype`` (the device default when None), with loss scaling where the dtype needs it.
 
     float16 has a narrow exponent range, so small gradients underflow without scaling; bfloat16 has
-    float32's range and is not scaled unless ``loss_scale`` is given as a number.
+    float32's range and is not scaled unless ``loss_scale`` is given as a number or a ``loss_scaler`` is given.
     """
     dtype = dtype or default_low_precision_dtype(device_type)
     needs_scaling = dtype == torch.float16 or loss_scale not in ("dynamic", None)
     scaler = LossScaler(loss_scale if loss_scale is not None else "dynamic") if needs_scaling else None
+    if loss_scaler is not None:
+        scaler = loss_scaler
     return Precision(device_type, autocast_dtype=dtype, loss_scaler=scaler)
 
 

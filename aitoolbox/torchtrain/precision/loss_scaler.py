@@ -17,27 +17,55 @@ class LossScaler:
 
     The arithmetic uses the same kernels as ``torch.amp.GradScaler`` so both give bitwise equal gradients.
 
+    The factors and the interval default to apex's and can be set as ``torch.amp.GradScaler``'s
+    (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``).
+
     Args:
         loss_scale: ``"dynamic"`` or a number (anything ``float()`` accepts, e.g. ``"128.0"``).
         min_loss_scale: floor of the dynamic scale; None for no floor.
         max_loss_scale: ceiling of the dynamic scale.
+        init_scale: first dynamic scale; None for ``min(max_loss_scale, 2**16)``.
+        growth_factor: the dynamic scale is multiplied by this after ``growth_interval`` unskipped steps.
+        backoff_factor: and by this after an overflow.
+        growth_interval: unskipped steps in a row before the scale grows.
     """
 
     def __init__(self, loss_scale: Union[str, float] = "dynamic", min_loss_scale: Optional[float] = None,
-                 max_loss_scale: float = 2.0 ** 24):
+                 max_loss_scale: float = 2.0 ** 24, init_scale: Optional[float] = None, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = GROWTH_INTERVAL):
         self.dynamic = loss_scale == "dynamic"
         if self.dynamic:
-            self.loss_scale = min(float(max_loss_scale), DEFAULT_INITIAL_SCALE)
+            self.loss_scale = float(init_scale) if init_scale is not None else min(float(max_loss_scale),
+                                                                                   DEFAULT_INITIAL_SCALE)
         else:
             try:
                 self.loss_scale = float(loss_scale)
             except (TypeError, ValueError):
                 raise ValueError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}") from None
-            if not self.loss_scale > 0:
-                raise ValueError(f"loss_scale must be positive, got {loss_scale!r}")
+        if not self.loss_scale > 0:
+            name = "init_scale" if self.dynamic else "loss_scale"
+            raise ValueError(f"{name} must be positive, got {self.loss_scale!r}")
+        if not growth_factor > 1.0 or not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"growth_factor must be > 1 and backoff_factor in (0, 1), got {growth_factor!r} and "
+                             f"{backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
         self.max_loss_scale = float(max_loss_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
         self.unskipped = 0
+
+    @classmethod
+    def from_grad_scaler_args(cls, init_scale: float = DEFAULT_INITIAL_SCALE, growth_factor: float = 2.0,
+                              backoff_factor: float = 0.5, growth_interval: int = GROWTH_INTERVAL) -> "LossScaler":
+        """A dynamic scaler with ``torch.amp.GradScaler``'s arguments (aitoolbox 1.x's ``use_amp`` dict).
+
+        Unlike apex's scaler, GradScaler has no ceiling on the scale.
+        """
+        return cls("dynamic", max_loss_scale=float("inf"), init_scale=init_scale, growth_factor=growth_factor,
+                   backoff_factor=backoff_factor, growth_interval=growth_interval)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
@@ -73,14 +101,14 @@ class LossScaler:
         if not self.dynamic:
             return
         if found_inf:
-            self.loss_scale /= 2.0
+            self.loss_scale *= self.backoff_factor
             if self.min_loss_scale is not None:
                 self.loss_scale = max(self.loss_scale, self.min_loss_scale)
             self.unskipped = 0
         else:
             self.unskipped += 1
-            if self.unskipped == GROWTH_INTERVAL:
-                self.loss_scale = min(self.loss_scale * 2.0, self.max_loss_scale)
+            if self.unskipped == self.growth_interval:
+                self.loss_scale = min(self.loss_scale * self.growth_factor, self.max_loss_scale)
                 self.unskipped = 0
 
     def state_dict(self) -> dict:
@@ -91,3 +119,18 @@ class LossScaler:
         """Restore the scale and the count of unskipped steps saved by :meth:`state_dict`."""
         self.loss_scale = float(state["loss_scale"])
         self.unskipped = int(state["unskipped"])
+
+    def grad_scaler_state_dict(self) -> dict:
+        """The state in ``torch.amp.GradScaler.state_dict()``'s keys (aitoolbox 1.x checkpoints store it as ``amp``)."""
+        return {"scale": self.loss_scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self.unskipped}
+
+    def load_grad_scaler_state_dict(self, state: dict) -> None:
+        """Restore a ``torch.amp.GradScaler``-style state (from :meth:`grad_scaler_state_dict` or a 1.x file)."""
+        if "scale" not in state:
+            raise ValueError(f"not a GradScaler state dict (no 'scale' key): keys {sorted(state)}")
+        self.loss_scale = float(state["scale"])
+        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
+        self.unskipped = int(state.get("_growth_tracker", 0))

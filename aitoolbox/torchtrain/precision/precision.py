@@ -55,7 +55,7 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
-    def backward(self, loss: torch.Tensor, accumulating: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, accumulating: bool = False, retain_graph: bool = False) -> None:
         """Backpropagate ``loss``, multiplied by the loss scale when scaling is on.
 
         Args:
@@ -63,10 +63,11 @@ class Precision:
             accumulating: more backward passes follow before the next optimizer step (gradient accumulation).
                 Under master weights their gradients are then summed in float32 (see below); the last
                 backward of a window leaves that to the step, which unscales everything at once.
+            retain_graph: keep the graph for a further backward pass (several losses sharing one forward).
         """
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale(loss)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
         if accumulating and self.master_weights is not None:
             self._move_low_precision_grads_to_masters()
 

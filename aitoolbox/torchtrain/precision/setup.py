@@ -10,6 +10,7 @@ from aitoolbox.torchtrain import amp
 from aitoolbox.torchtrain.amp.properties import resolve_properties
 from aitoolbox.torchtrain.model import FeedDefinitionModel
 from aitoolbox.torchtrain.precision.factory import autocast_precision, full_precision
+from aitoolbox.torchtrain.precision.loss_scaler import LossScaler
 from aitoolbox.torchtrain.precision.model_cast import register_upcast_state_dict
 from aitoolbox.torchtrain.precision.precision import Precision
 
@@ -17,19 +18,55 @@ logger = logging.getLogger(__name__)
 
 _AMP_INIT_KEYWORDS = [name for name in inspect.signature(amp.initialize).parameters
                       if name not in ("models", "optimizers")]
+# aitoolbox 1.8 passed a use_amp dict to torch.amp.GradScaler; 1.0 (and apex users) to amp.initialize.
+_GRAD_SCALER_KEYWORDS = ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"]
+
+
+def use_amp_meaning(use_amp: Union[bool, dict, None]) -> str:
+    """What a ``use_amp`` value asks for: ``'off'``, ``'default'``, ``'grad_scaler'`` or ``'amp_initialize'``.
+
+    A dict is read by its keys: ``torch.amp.GradScaler`` arguments (aitoolbox 1.8, e.g. ``{'init_scale': 2.**16,
+    'growth_interval': 1000}``) or ``amp.initialize`` arguments (aitoolbox 1.0 and apex, e.g.
+    ``{'opt_level': 'O2'}``). ``enabled`` belongs to both.
+
+    Raises:
+        TypeError: ``use_amp`` is neither a bool nor a dict, or a dict has keys of neither kind.
+        ValueError: a dict mixes the two kinds.
+    """
+    if use_amp is None or isinstance(use_amp, bool):
+        return "default" if use_amp else "off"
+    if isinstance(use_amp, str):
+        hint = (f" To choose an opt level pass use_amp={{'opt_level': {use_amp!r}}}."
+                if use_amp.upper() in amp.OPT_LEVELS else "")
+        raise TypeError(f"use_amp must be True, False or a dict, got the string {use_amp!r}.{hint}")
+    if not isinstance(use_amp, dict):
+        raise TypeError(f"use_amp must be True, False or a dict of amp.initialize (or torch.amp.GradScaler) keyword "
+                        f"arguments, got {use_amp!r}")
+    unknown = sorted(set(use_amp) - set(_AMP_INIT_KEYWORDS) - set(_GRAD_SCALER_KEYWORDS))
+    if unknown:
+        raise TypeError(f"use_amp has unknown key(s) {unknown}; it takes amp.initialize arguments {_AMP_INIT_KEYWORDS} "
+                        f"or torch.amp.GradScaler arguments {_GRAD_SCALER_KEYWORDS}")
+    if use_amp.get("enabled", True) is False:
+        return "off"
+    scaler_keys = sorted(set(use_amp) & (set(_GRAD_SCALER_KEYWORDS) - {"enabled"}))
+    amp_keys = sorted(set(use_amp) & (set(_AMP_INIT_KEYWORDS) - {"enabled"}))
+    if scaler_keys and amp_keys:
+        raise ValueError(f"use_amp mixes torch.amp.GradScaler arguments {scaler_keys} with amp.initialize arguments "
+                         f"{amp_keys}: pass one kind, e.g. {{'opt_level': 'O1', 'loss_scale': 'dynamic'}} or "
+                         "{'init_scale': 2.**16, 'growth_interval': 2000}")
+    if scaler_keys:
+        return "grad_scaler"
+    return "amp_initialize" if amp_keys else "default"
 
 
 def check_use_amp(use_amp: Union[bool, dict, None], device: torch.device) -> None:
     """Validate ``use_amp`` in the constructor, so a bad setting fails before any training."""
-    if use_amp is None or isinstance(use_amp, bool):
-        return
-    if not isinstance(use_amp, dict):
-        raise TypeError(f"use_amp must be True, False or a dict of amp.initialize keyword arguments, got {use_amp!r}")
-    unknown = sorted(set(use_amp) - set(_AMP_INIT_KEYWORDS))
-    if unknown:
-        raise TypeError(f"use_amp has unknown key(s) {unknown}; amp.initialize accepts {_AMP_INIT_KEYWORDS}")
-    property_keys = inspect.signature(resolve_properties).parameters
-    resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
+    meaning = use_amp_meaning(use_amp)
+    if meaning == "grad_scaler":
+        LossScaler.from_grad_scaler_args(**{k: v for k, v in use_amp.items() if k != "enabled"})
+    elif meaning == "amp_initialize":
+        property_keys = inspect.signature(resolve_properties).parameters
+        resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
 
 
 def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimizers: List[torch.optim.Optimizer],
@@ -39,14 +76,16 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
     Args:
         use_amp: False for float32; True for autocast in the device's default low-precision dtype with
             dynamic loss scaling where the dtype needs it (or the configuration of a model the user already
-            passed through ``amp.initialize``); a dict of ``amp.initialize`` keyword arguments.
+            passed through ``amp.initialize``); a dict of ``amp.initialize`` keyword arguments; or a dict of
+            ``torch.amp.GradScaler`` arguments (aitoolbox 1.8): autocast with dynamic scaling set that way.
         model: the model being trained (on its device).
         optimizers: its optimizers.
         device: the device it trains on.
     """
-    existing = amp.state_of(optimizers[0]) or amp.state_of(model)
+    meaning = use_amp_meaning(use_amp)
+    existing = (amp.state_of(optimizers[0]) if optimizers else None) or amp.state_of(model)
     if existing is not None:
-        if isinstance(use_amp, dict):
+        if meaning in ("amp_initialize", "grad_scaler"):
             raise ValueError("the model/optimizer already went through amp.initialize, so use_amp cannot hold "
                              "amp.initialize arguments as well: pass use_amp=True")
         if not use_amp:
@@ -54,12 +93,19 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
                            "amp configuration anyway (pass use_amp=True to silence this)",
                            existing.properties.opt_level)
         return existing.precision()
-    if isinstance(use_amp, dict):
+    if meaning == "grad_scaler":
+        scaler_args = {key: value for key, value in use_amp.items() if key != "enabled"}
+        return autocast_precision(device.type, loss_scaler=LossScaler.from_grad_scaler_args(**scaler_args))
+    if meaning == "amp_initialize" and not optimizers:
+        # A TrainLoop built for prediction only: the opt level's casts apply, nothing is ever stepped.
+        amp.initialize(model, **use_amp)
+        return amp.state_of(model).precision()
+    if meaning == "amp_initialize":
         state_optimizers = amp.initialize(model, optimizers, **use_amp)[1]
         if isinstance(model, FeedDefinitionModel):
             # Checkpoints save the user's wrapped module: it must return float32 weights too.
             register_upcast_state_dict(model.model)
         return amp.state_of(state_optimizers[0]).precision()
-    if use_amp:
+    if meaning == "default":
         return autocast_precision(device.type)
     return full_precision(device.type)
