@@ -1,5 +1,6 @@
 """Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k."""
 import collections
+import logging
 import os
 import re
 import sys
@@ -9,22 +10,28 @@ import torch
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
 
-_CHECKPOINT_NAME = re.compile(r"^model_.+_E(?P<epoch>\d+)(?:_I(?P<iteration>\d+))?\.pth$")
+logger = logging.getLogger(__name__)
+
+# Epoch checkpoints model_<experiment>_<timestamp>_E<epoch>.pth; iteration checkpoints add _ITER<iteration_idx>
+# (aitoolbox 1.x's names); _I<batches done in the epoch> is this package's first iteration-checkpoint name.
+_CHECKPOINT_NAME = re.compile(r"^model_.+_E(?P<epoch>\d+)(?:_ITER(?P<iteration_idx>\d+)|_I(?P<batches>\d+))?\.pth$")
 # The final model ModelTrainEndSave writes into model/: model_<experiment>_<timestamp>.pth.
 _FINAL_MODEL_NAME = re.compile(r"^model_.+\.pth$")
-_AFTER_EVERY_EPOCH = (sys.maxsize, 0)
+_AFTER_EVERY_EPOCH = (sys.maxsize, 0, 0)
 
 
-def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, iteration: Optional[int] = None) -> str:
-    """``model_<experiment>_<timestamp>_E<epoch>.pth``; a mid-epoch one adds ``_I<batches done in the epoch>``."""
-    suffix = f"_I{iteration}" if iteration else ""
+def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, iteration_idx: Optional[int] = None) -> str:
+    """``model_<experiment>_<timestamp>_E<epoch>.pth``; an iteration checkpoint adds ``_ITER<iteration_idx>``
+    (the index of the last batch trained, counted over the whole run), as aitoolbox 1.x named them."""
+    suffix = f"_ITER{iteration_idx}" if iteration_idx is not None else ""
     return f"model_{experiment_name}_{timestamp}_E{epoch}{suffix}.pth"
 
 
-def checkpoint_position(file_name: str) -> Optional[Tuple[int, int]]:
+def checkpoint_position(file_name: str) -> Optional[Tuple[int, int, int]]:
     """Training progress a checkpoint name stands for, comparable across epoch and iteration checkpoints.
 
-    A final model (``model_<experiment>_<timestamp>.pth``) comes after every checkpoint; other files give None.
+    An epoch checkpoint comes after the iteration checkpoints of its epoch; a final model
+    (``model_<experiment>_<timestamp>.pth``) comes after every checkpoint; other files give None.
     """
     if file_name.startswith(TEMP_PREFIX):
         return None
@@ -32,8 +39,8 @@ def checkpoint_position(file_name: str) -> Optional[Tuple[int, int]]:
     if match is None:
         return _AFTER_EVERY_EPOCH if _FINAL_MODEL_NAME.match(file_name) else None
     epoch = int(match.group("epoch"))
-    iteration = match.group("iteration")
-    return (epoch, int(iteration)) if iteration else (epoch + 1, 0)
+    within_epoch = match.group("iteration_idx") or match.group("batches")
+    return (epoch, 0, int(within_epoch)) if within_epoch is not None else (epoch, 1, 0)
 
 
 def list_checkpoints(folder: str) -> List[str]:
@@ -59,12 +66,52 @@ def find_checkpoint(path: str) -> str:
                             "checkpoint_model/ folder")
 
 
+# aitoolbox 1.8's checkpoint keys, written by every checkpoint and read by 1.8-style loading code
+# (``torch.load(path)['model_state_dict']``); the state this package adds for a bitwise resume sits beside them.
+MODEL_KEY = "model_state_dict"
+OPTIMIZER_KEY = "optimizer_state_dict"
+SCHEDULERS_KEY = "schedulers_state_dict"
+
+
+def upgrade_checkpoint_format(checkpoint: dict) -> dict:
+    """A checkpoint dict of this package's first format (``model``/``optimizers`` keys) with 1.8's key names.
+
+    Files written before the 1.8 layout was adopted keep loading: ``model`` becomes ``model_state_dict`` and the
+    ``optimizers`` list becomes ``optimizer_state_dict`` (the state dict itself for one optimizer, the list for
+    several) and the count ``total_iteration_idx`` becomes the index ``iteration_idx``. Other dicts are
+    returned unchanged.
+    """
+    if MODEL_KEY in checkpoint or "model" not in checkpoint:
+        return checkpoint
+    upgraded = {key: value for key, value in checkpoint.items() if key not in ("model", "optimizers")}
+    upgraded[MODEL_KEY] = checkpoint["model"]
+    optimizers = checkpoint.get("optimizers")
+    if optimizers is not None:
+        upgraded[OPTIMIZER_KEY] = optimizers[0] if len(optimizers) == 1 else list(optimizers)
+    if "total_iteration_idx" in checkpoint:  # it counted the batches done; 1.x's iteration_idx is the last index
+        upgraded["iteration_idx"] = checkpoint["total_iteration_idx"] - 1
+    return upgraded
+
+
 def load_checkpoint_file(path: str, map_location="cpu") -> dict:
-    """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) with ``weights_only=True``."""
+    """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) with ``weights_only=True``.
+
+    A file that holds other pickled Python objects (aitoolbox 1.x wrote hyperparameters as given) is loaded
+    with full unpickling after a warning: only load files you trust, such as your own experiments.
+    """
     file_path = find_checkpoint(path)
-    checkpoint = torch_load_checked(file_path, map_location=map_location)
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
-        raise ValueError(f"{file_path} is not an aitoolbox checkpoint (no 'model' entry)")
+    try:
+        checkpoint = torch_load_checked(file_path, map_location=map_location)
+    except RuntimeError as error:
+        if "weights_only" not in str(error):
+            raise
+        logger.warning("%s holds Python objects that torch.load(weights_only=True) refuses (as aitoolbox 1.x files "
+                       "may); loading it with full unpickling", file_path)
+        checkpoint = torch_load_checked(file_path, map_location=map_location, weights_only=False)
+    if isinstance(checkpoint, dict):
+        checkpoint = upgrade_checkpoint_format(checkpoint)
+    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+        raise ValueError(f"{file_path} is not an aitoolbox checkpoint (no {MODEL_KEY!r} entry)")
     return checkpoint
 
 

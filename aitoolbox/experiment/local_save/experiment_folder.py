@@ -9,6 +9,10 @@ from typing import Any, Optional
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
 
+# Runs of one experiment started within the same second get suffixed folders, up to this many.
+MAX_SAME_SECOND_RUNS = 1000
+
+
 def timestamp_now() -> str:
     """A folder-name-safe timestamp, e.g. ``2026-11-23_14-05-09``."""
     return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -76,20 +80,25 @@ class ExperimentFolder:
         return os.path.join(self.path, "tensorboard")
 
     def create(self) -> str:
-        """Create the run folder (once). An existing run folder is never reused or overwritten.
+        """Create the run folder (once). An existing run folder is never reused or overwritten: a run started
+        within the same second as another gets the timestamp ``<timestamp>_1`` (``_2``, ...) and that folder.
 
         Raises:
-            FileExistsError: the folder exists already (two runs started within the same second).
             PermissionError / OSError: the root is not writable; the message names the folder.
         """
         if self._created:
             return self.path
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        try:
-            os.mkdir(self.path)
-        except FileExistsError:
-            raise FileExistsError(f"experiment folder {self.path} already exists; it is never overwritten. Use "
-                                  "another experiment_name or wait a second for a new timestamp.") from None
+        base_timestamp = self.timestamp
+        for suffix in range(1, MAX_SAME_SECOND_RUNS + 1):
+            try:
+                os.mkdir(self.path)
+                break
+            except FileExistsError:
+                self.timestamp = f"{base_timestamp}_{suffix}"
+        else:
+            raise FileExistsError(f"experiment folders {self.path} and {MAX_SAME_SECOND_RUNS} more of the same "
+                                  "timestamp exist already; they are never overwritten")
         for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
             os.makedirs(sub, exist_ok=True)
         self._created = True

@@ -1,36 +1,132 @@
 """Continue training from a saved checkpoint."""
+import logging
 import os
 from typing import Optional
 
+from aitoolbox.experiment.local_save.checkpoints import (
+    MODEL_KEY, SCHEDULERS_KEY, load_checkpoint_file, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
+
+logger = logging.getLogger(__name__)
+
+_FOLDER_DETAILS = ("project_name", "experiment_name", "local_model_result_folder_path")
+
+
+def strip_data_parallel_prefix(state_dict: dict, model) -> dict:
+    """``state_dict`` without the ``module.`` prefix a (Distributed)DataParallel wrapper adds, when the model's own
+    keys have none (a 1.x file saved from a ``TTDataParallel`` model)."""
+    model_keys = set(model.state_dict())
+    if set(state_dict) == model_keys or not all(key.startswith("module.") for key in state_dict):
+        return state_dict
+    stripped = {key[len("module."):]: value for key, value in state_dict.items()}
+    return stripped if set(stripped) == model_keys else state_dict
 
 
 class ModelLoadContinueTraining(AbstractCallback):
-    """Load a checkpoint into the TrainLoop when registered, so ``fit`` continues from it bitwise.
+    """Load a checkpoint into the TrainLoop when registered, so ``fit`` continues from it.
 
-    Name the checkpoint by its file or folder (``saved_model_path``), or aitoolbox 1.x style by the experiment
-    folder parts: the newest checkpoint of that run is taken.
+    A checkpoint written by this package continues bitwise (same data loaders and callbacks given); one written
+    by aitoolbox 1.x continues from the epoch after the saved one, with its model, optimizer, LR scheduler and
+    AMP scaler states.
+
+    Name the checkpoint aitoolbox 1.x style by the experiment folder parts (the three folder arguments default to
+    those of the experiment-tracking TrainLoop the callback is used with), or by its file or folder
+    (``saved_model_path``).
 
     Args:
-        saved_experiment_timestamp: timestamp of the run to continue (with the three folder arguments).
+        saved_experiment_timestamp: timestamp of the run to continue.
         saved_model_dir: ``'checkpoint_model'`` (default) or ``'model'`` (the final model of a finished run).
+        epoch_num: continue from the checkpoint of this epoch; None takes the newest file of ``saved_model_dir``.
+        ignore_saved_schedulers: do not restore the LR schedulers' states.
+        ignore_missing_saved_schedulers: when the checkpoint's schedulers do not match the registered ones, warn
+            and leave the schedulers as they are instead of failing.
+        used_data_parallel: accepted for 1.x compatibility; ``module.`` prefixes of a DataParallel-saved model are
+            removed whenever the model's own keys have none.
+        custom_local_loader_class: a class built as ``cls(local_model_result_folder_path)`` whose
+            ``load_model(project_name, experiment_name, saved_experiment_timestamp, saved_model_dir, epoch_num,
+            **kwargs)`` returns the checkpoint dict.
         project_name, experiment_name, local_model_result_folder_path: the saved run's experiment folder.
+        cloud_save_mode: None or ``'local'`` (loading from cloud storage is not supported yet).
+        bucket_name, cloud_dir_prefix: accepted for 1.x compatibility.
         saved_model_path: a checkpoint file, a run folder, or its checkpoint folder (instead of the above).
+        **kwargs: passed to ``custom_local_loader_class.load_model``.
     """
 
     def __init__(self, saved_experiment_timestamp: Optional[str] = None, saved_model_dir: str = "checkpoint_model",
-                 project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 local_model_result_folder_path: Optional[str] = None, saved_model_path: Optional[str] = None):
+                 epoch_num: Optional[int] = None, ignore_saved_schedulers: bool = False,
+                 ignore_missing_saved_schedulers: bool = False, used_data_parallel: bool = False,
+                 custom_local_loader_class: Optional[type] = None, project_name: Optional[str] = None,
+                 experiment_name: Optional[str] = None, local_model_result_folder_path: Optional[str] = None,
+                 cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, saved_model_path: Optional[str] = None, **kwargs):
         super().__init__("Continue training from a checkpoint", execution_order=-100)
-        parts = (saved_experiment_timestamp, project_name, experiment_name, local_model_result_folder_path)
-        if saved_model_path is None:
-            if any(part is None for part in parts):
-                raise ValueError("ModelLoadContinueTraining needs saved_model_path, or all of saved_experiment_timestamp, "
-                                 "project_name, experiment_name and local_model_result_folder_path")
-            saved_model_path = os.path.join(os.path.expanduser(local_model_result_folder_path), project_name,
-                                            f"{experiment_name}_{saved_experiment_timestamp}", saved_model_dir)
+        check_local_save_mode(cloud_save_mode, type(self).__name__)
+        if saved_model_path is None and saved_experiment_timestamp is None:
+            raise ValueError("ModelLoadContinueTraining needs saved_experiment_timestamp (with the experiment folder "
+                             "arguments, or used with a TrainLoopCheckpoint-style TrainLoop) or saved_model_path")
+        if epoch_num is not None and (isinstance(epoch_num, bool) or not isinstance(epoch_num, int) or epoch_num < 0):
+            raise ValueError(f"epoch_num must be None or a non-negative int, got {epoch_num!r}")
+        self.saved_experiment_timestamp = saved_experiment_timestamp
+        self.saved_model_dir = saved_model_dir
+        self.epoch_num = epoch_num
+        self.ignore_saved_schedulers = ignore_saved_schedulers
+        self.ignore_missing_saved_schedulers = ignore_missing_saved_schedulers
+        self.used_data_parallel = used_data_parallel
+        self.custom_local_loader_class = custom_local_loader_class
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self.local_model_result_folder_path = local_model_result_folder_path
+        self.cloud_save_mode = cloud_save_mode
+        self.bucket_name = bucket_name
+        self.cloud_dir_prefix = cloud_dir_prefix
         self.saved_model_path = saved_model_path
+        self.local_loader_kwargs = kwargs
         self.checkpoint = None
 
     def on_train_loop_registration(self) -> None:
-        self.checkpoint = self.train_loop_obj.load_checkpoint(self.saved_model_path)
+        checkpoint = self._load()
+        checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
+        if self.ignore_saved_schedulers:
+            checkpoint.pop(SCHEDULERS_KEY, None)
+        self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint)
+
+    def on_train_begin(self) -> None:
+        # The scheduler callbacks are registered by now (fit's callbacks too); their states are restored next.
+        pending = self.train_loop_obj.pending_restore
+        if not self.ignore_missing_saved_schedulers or pending is None or SCHEDULERS_KEY not in pending:
+            return
+        registered = len(self.train_loop_obj.get_schedulers())
+        if len(pending[SCHEDULERS_KEY]) != registered:
+            logger.warning("the checkpoint holds %d LR scheduler state(s) and %d scheduler(s) are registered: the "
+                           "schedulers start afresh (ignore_missing_saved_schedulers=True)",
+                           len(pending[SCHEDULERS_KEY]), registered)
+            pending.pop(SCHEDULERS_KEY)
+
+    def _load(self) -> dict:
+        if self.saved_model_path is not None and self.custom_local_loader_class is None:
+            return load_checkpoint_file(self.saved_model_path)
+        self._infer_folder_details()
+        if self.custom_local_loader_class is not None:
+            loader = self.custom_local_loader_class(self.local_model_result_folder_path)
+            return upgrade_checkpoint_format(dict(loader.load_model(
+                self.project_name, self.experiment_name, self.saved_experiment_timestamp, self.saved_model_dir,
+                self.epoch_num, **self.local_loader_kwargs)))
+        folder = os.path.join(os.path.expanduser(self.local_model_result_folder_path), self.project_name,
+                              f"{self.experiment_name}_{self.saved_experiment_timestamp}", self.saved_model_dir)
+        if self.epoch_num is None:
+            return load_checkpoint_file(folder)
+        return load_checkpoint_file(os.path.join(
+            folder, f"model_{self.experiment_name}_{self.saved_experiment_timestamp}_E{self.epoch_num}.pth"))
+
+    def _infer_folder_details(self) -> None:
+        """Fill the folder arguments left None from the experiment-tracking TrainLoop (as 1.x did)."""
+        tl = self.train_loop_obj
+        for name in _FOLDER_DETAILS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(tl, name, None))
+        missing = [name for name in _FOLDER_DETAILS if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"ModelLoadContinueTraining does not know {', '.join(missing)}: pass them to the "
+                             "callback, use it with TrainLoopCheckpoint / TrainLoopEndSave / "
+                             "TrainLoopCheckpointEndSave, or pass saved_model_path")

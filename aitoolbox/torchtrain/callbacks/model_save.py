@@ -120,8 +120,9 @@ class _CheckpointCallback(AbstractExperimentCallback):
 class ModelCheckpoint(_CheckpointCallback):
     """Save a checkpoint at the end of every epoch; optionally keep only the best ones.
 
-    Files: ``checkpoint_model/model_<experiment>_<timestamp>_E<epoch>.pth`` holding everything
-    :meth:`TrainLoop.load_checkpoint` needs to continue bitwise.
+    Files: ``checkpoint_model/model_<experiment>_<timestamp>_E<epoch>.pth`` holding aitoolbox 1.x's keys
+    (``model_state_dict``, ``optimizer_state_dict``, ``schedulers_state_dict``, ``epoch``, ``iteration_idx``,
+    ``hyperparams``, ``amp``) and everything else :meth:`TrainLoop.load_checkpoint` needs to continue bitwise.
 
     Args:
         project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
@@ -156,7 +157,7 @@ class ModelCheckpoint(_CheckpointCallback):
     def _monitored_metric(self) -> str:
         if isinstance(self.rm_subopt_local_models, str):
             return self.rm_subopt_local_models
-        return "val_loss" if "val_loss" in self.train_loop_obj.train_history else "loss"
+        return "val_loss" if self.train_loop_obj.train_history.get("val_loss") else "loss"
 
     def on_epoch_end(self) -> None:
         tl = self.train_loop_obj
@@ -173,7 +174,8 @@ class ModelCheckpoint(_CheckpointCallback):
         if not values:
             self._save(checkpoint, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
             raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
-                             f"(recorded: {sorted(tl.train_history)}); pass rm_subopt_local_models=<metric name>")
+                             f"(recorded: {sorted(k for k, v in tl.train_history.items() if v)}); pass "
+                             "rm_subopt_local_models=<metric name>")
         score = scalar_value(values[-1])
 
         def keep_the_best(path: str) -> None:
@@ -195,6 +197,8 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         save_frequency: iterations (batches) between checkpoints.
         project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
             :class:`ModelCheckpoint`.
+        rm_subopt_local_models, num_best_checkpoints_kept: accepted for aitoolbox 1.x compatibility, which did
+            not use them for iteration checkpoints either; use ``keep_last``.
         keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
             only once the newest is complete on disk.
         background_save: write in a background thread, as for :class:`ModelCheckpoint`.
@@ -203,7 +207,8 @@ class ModelIterationCheckpoint(_CheckpointCallback):
     def __init__(self, save_frequency: int, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, keep_last: Optional[int] = None,
+                 cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
+                 num_best_checkpoints_kept: int = 2, keep_last: Optional[int] = None,
                  background_save: bool = False):
         super().__init__("Model checkpoint every N iterations", project_name, experiment_name,
                          local_model_result_folder_path, hyperparams, cloud_save_mode, background_save)
@@ -234,7 +239,7 @@ class ModelIterationCheckpoint(_CheckpointCallback):
             return
         folder = self.experiment_folder
         self._save(checkpoint, folder.checkpoint_dir,
-                   checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.iteration + 1),
+                   checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.total_iteration_idx),
                    after_save=self._keep_the_last)
 
     def _keep_the_last(self, path: str) -> None:

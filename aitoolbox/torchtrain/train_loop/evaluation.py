@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader
 
+from aitoolbox.torchtrain.train_loop.losses import LossResult, as_loss_result, detached_values, loss_names
 from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,7 +86,7 @@ def evaluation_mode(train_loop: "TrainLoop", loader: Any):
     rng_devices = []
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    was_training = train_loop.model.training
+    was_training = train_loop.loop_model.training
     with torch.random.fork_rng(devices=rng_devices), preserved_generator_states(loader_generators(loader)), \
             torch.no_grad():
         train_loop.model_runner.eval()
@@ -107,35 +108,70 @@ class Evaluator:
     def __init__(self, train_loop: "TrainLoop"):
         self.train_loop = train_loop
         self._prediction_cache = {}
+        self._loss_cache = {}
 
-    def evaluate_loss(self, loader: DataLoader, description: str) -> float:
-        """Mean loss per sample over the loader (each batch weighted by its number of samples)."""
+    def _cache_key(self, dataset_type: str) -> tuple:
+        return dataset_type, self.train_loop.epoch, self.train_loop.total_iteration_idx
+
+    @staticmethod
+    def _store(cache: dict, key: tuple, value) -> dict:
+        """``cache`` with ``value`` under ``key``; what older iterations left behind is dropped."""
+        kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[1:] == key[1:]}
+        kept[key] = value
+        return kept
+
+    def evaluate_loss(self, loader: DataLoader, dataset_type: str, force: bool = False,
+                      cache: bool = True) -> LossResult:
+        """Mean loss per sample over the loader (each batch weighted by its number of samples).
+
+        Returns:
+            A 0-dim float64 CPU tensor, or a MultiLoss of them when ``get_loss_eval`` returns a MultiLoss.
+        """
+        key = self._cache_key(dataset_type)
+        if cache and not force and key in self._loss_cache:
+            return self._loss_cache[key]
         tl = self.train_loop
         device = tl.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         sample_count = torch.zeros((), dtype=torch.float64, device=device)
+        names = None
         with evaluation_mode(tl, loader):
-            batches = iterate_with_progress(loader, loader_length(loader), description, tl.show_progress)
+            batches = iterate_with_progress(loader, loader_length(loader), f"Loss {dataset_type}", tl.show_progress)
             for batch_data in batches:
                 with tl.precision.autocast():
                     loss = tl.model_runner.get_loss_eval(batch_data, tl.criterion, device)
                 tl.check_loss(loss, "get_loss_eval")
+                names = loss_names(loss)
                 num_samples = batch_size_of(batch_data) or 1
-                loss_sum += loss.detach().double() * num_samples
+                loss_sum = loss_sum + detached_values(loss).double() * num_samples
                 sample_count += num_samples
-        totals = tl.strategy.all_reduce_sum(torch.stack([loss_sum, sample_count]))
-        if totals[1].item() == 0:
-            raise ValueError(f"cannot evaluate the loss ({description}): the data loader yielded no batches")
-        return (totals[0] / totals[1]).item()
+        totals = tl.strategy.all_reduce_sum(torch.cat([loss_sum.reshape(-1), sample_count.reshape(1)]))
+        if totals[-1].item() == 0:
+            raise ValueError(f"cannot evaluate the loss on {dataset_type}: the data loader yielded no batches")
+        mean = (totals[:-1] / totals[-1]).cpu()
+        result = as_loss_result(mean.reshape(()) if names is None else mean, names)
+        if cache:
+            self._loss_cache = self._store(self._loss_cache, key, result)
+        return result
 
-    def predict(self, loader: DataLoader, dataset_type: str) -> Tuple[Any, Any, Optional[dict]]:
-        """``(y_pred, y_true, metadata)`` over the whole loader, joined by the loop's collate functions."""
+    def predict(self, loader: DataLoader, dataset_type: str, execute_callbacks: bool = False, force: bool = False,
+                cache: bool = True, dataset_info: Optional[dict] = None) -> Tuple[Any, Any, Optional[dict]]:
+        """``(y_pred, y_true, metadata)`` over the whole loader, joined by the loop's collate functions.
+
+        Args:
+            loader: the batches.
+            dataset_type: ``'train'``, ``'validation'``, ``'test'`` (or a name of the caller's).
+            execute_callbacks: call ``on_after_batch_prediction`` of the callbacks after each batch.
+            force: predict again even if this iteration's result is cached.
+            cache: keep the result for this training iteration.
+            dataset_info: handed to the callbacks; ``{'type': dataset_type}`` when None.
+        """
         tl = self.train_loop
-        cache_key = (dataset_type, tl.epoch, tl.total_iteration_idx)
-        if cache_key in self._prediction_cache:
-            return self._prediction_cache[cache_key]
+        key = self._cache_key(dataset_type)
+        if cache and not force and key in self._prediction_cache:
+            return self._prediction_cache[key]
         y_pred, y_true, metadata = [], [], None
-        dataset_info = {"type": dataset_type}
+        dataset_info = dataset_info if dataset_info is not None else {"type": dataset_type}
         with evaluation_mode(tl, loader):
             batches = iterate_with_progress(loader, loader_length(loader), f"Predict {dataset_type}",
                                             tl.show_progress)
@@ -148,17 +184,17 @@ class Evaluator:
                         f"or None; got {type(outputs).__name__}"
                         + (f" of length {len(outputs)}" if isinstance(outputs, (tuple, list)) else ""))
                 y_pred_batch, y_true_batch, metadata_batch = outputs
-                tl.callbacks_handler.on_after_batch_prediction(y_pred_batch, y_true_batch, metadata_batch,
-                                                               dataset_info)
+                if execute_callbacks:
+                    tl.callbacks_handler.on_after_batch_prediction(y_pred_batch, y_true_batch, metadata_batch,
+                                                                   dataset_info)
                 y_pred = tl.collate_batch_pred_fn(y_pred_batch, y_pred)
                 y_true = tl.collate_batch_pred_fn(y_true_batch, y_true)
                 metadata = merge_metadata(metadata_batch, metadata)
         if tl.strategy.world_size > 1:
             y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
-        # Keep every data set of this iteration; drop what older iterations left behind.
-        self._prediction_cache = {key: value for key, value in self._prediction_cache.items() if key[1:] == cache_key[1:]}
-        self._prediction_cache[cache_key] = result
+        if cache:
+            self._prediction_cache = self._store(self._prediction_cache, key, result)
         return result
 
     def _gather_from_ranks(self, y_pred, y_true, metadata):
@@ -177,3 +213,4 @@ class Evaluator:
 
     def clear_cache(self) -> None:
         self._prediction_cache = {}
+        self._loss_cache = {}

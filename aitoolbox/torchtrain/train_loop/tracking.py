@@ -36,7 +36,8 @@ class _ExperimentTrainLoop(TrainLoop):
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
-                 hyperparams: Optional[dict], cloud_save_mode: Optional[str], **kwargs):
+                 hyperparams: Optional[dict], cloud_save_mode: Optional[str], bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
         if hyperparams is not None and not isinstance(hyperparams, dict):
@@ -45,6 +46,10 @@ class _ExperimentTrainLoop(TrainLoop):
         self.project_name = project_name
         self.experiment_name = experiment_name
         self.local_model_result_folder_path = local_model_result_folder_path
+        self.cloud_save_mode = cloud_save_mode
+        self.bucket_name = bucket_name
+        self.cloud_dir_prefix = cloud_dir_prefix
+        self.source_dirs = source_dirs
         # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
         # first file written into it.
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
@@ -52,10 +57,6 @@ class _ExperimentTrainLoop(TrainLoop):
         if not self.lazy_experiment_save and writes_files_in_this_process():
             self.experiment_folder.create()
             logger.info("Experiment folder: %s", self.experiment_folder.path)
-
-    @property
-    def experiment_timestamp(self) -> str:
-        return self.experiment_folder.timestamp
 
 
 class TrainLoopCheckpoint(_ExperimentTrainLoop):
@@ -81,7 +82,8 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
                  iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
-                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
+                         cloud_dir_prefix, source_dirs, **kwargs)
         self.callbacks_handler.register_callbacks(checkpoint_callbacks(
             self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq, background_save))
 
@@ -104,7 +106,8 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
-                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
+                         cloud_dir_prefix, source_dirs, **kwargs)
         self.callbacks_handler.register_callbacks(end_save_callbacks(self.hyperparams, val_result_package,
                                                                      test_result_package))
 
@@ -123,7 +126,8 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
                  iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
-                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, **kwargs)
+                         experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
+                         cloud_dir_prefix, source_dirs, **kwargs)
         self.callbacks_handler.register_callbacks(
             checkpoint_callbacks(self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept,
                                  iteration_save_freq, background_save)

@@ -20,7 +20,13 @@ from aitoolbox.torchtrain.precision.setup import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
+from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
+from aitoolbox.torchtrain.train_loop.losses import (
+    LossResult, as_float_dict, detached_values, history_entries, loss_names)
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
@@ -63,8 +69,10 @@ class TrainLoop:
                  end_auto_eval: Union[bool, int] = True, lazy_experiment_save: bool = False,
                  print_callbacks: bool = False, gpu_mode: str = "single", cuda_device_idx: Optional[int] = None,
                  use_amp: Union[bool, dict] = False, show_progress: bool = True):
-        self.model = validation.resolve_model(model)
-        self._user_model: nn.Module = model.model if isinstance(model, ModelWrap) else model
+        # The TTModel the loop calls (an adapter for a ModelWrap); ``model`` is the user's own module, as in 1.x.
+        self.loop_model = validation.resolve_model(model)
+        self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
+        self.batch_model_feed_def = model.batch_model_feed_def if isinstance(model, ModelWrap) else None
         validation.check_loader(train_loader, "train_loader", required=True)
         validation.check_loader(validation_loader, "validation_loader", required=False)
         validation.check_loader(test_loader, "test_loader", required=False)
@@ -76,6 +84,7 @@ class TrainLoop:
         self.validation_loader = validation_loader
         self.test_loader = test_loader
         self.optimizer = optimizer
+        self.num_optimizers = len(self.optimizers)
         self.criterion = criterion
         self.collate_batch_pred_fn = collate_batch_pred_fn
         self.pred_transform_fn = pred_transform_fn
@@ -89,16 +98,19 @@ class TrainLoop:
         check_use_amp(use_amp, self.strategy.device)
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
+        self.amp_scaler = GradScalerView(self._get_precision)
 
         self.epoch = 0
         self.iteration = 0
-        self.total_iteration_idx = 0
+        self.total_iteration_idx = -1  # index of the last batch trained (aitoolbox 1.x): -1 before training
+        self.num_epochs = 0
+        self.num_iterations = 0
         self.grad_accumulation = 1
         self.optimizer_step_due = False
         self.optimizer_step_skipped = False
         self.last_batch_loss: Optional[torch.Tensor] = None
         self.early_stop = False
-        self.train_history = TrainingHistory()
+        self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         self.epochs_completed = 0
@@ -107,7 +119,9 @@ class TrainLoop:
         self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
+        self._timestamp = timestamp_now()
         self._model_runner = None
+        self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
         self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
 
@@ -118,13 +132,45 @@ class TrainLoop:
         return self.strategy.device
 
     @property
-    def is_main_process(self) -> bool:
-        """True in the process that prints and writes files (global rank 0)."""
+    def is_main_process(self) -> MainProcessFlag:
+        """True in the process that prints and writes files (global rank 0); also callable, as in 1.x."""
+        return MainProcessFlag(self._is_main_process)
+
+    def _is_main_process(self) -> bool:
         return self.strategy.is_main_process
 
     @property
     def show_progress(self) -> bool:
-        return self.show_progress_bars and self.is_main_process
+        return self.show_progress_bars and self.strategy.is_main_process
+
+    @property
+    def experiment_timestamp(self) -> str:
+        """The run's timestamp: its experiment folder's with a preset, else the time the TrainLoop was built."""
+        return self.experiment_folder.timestamp if self.experiment_folder is not None else self._timestamp
+
+    @property
+    def iterations_done(self) -> int:
+        """Batches trained over the life of this TrainLoop."""
+        return self.total_iteration_idx + 1
+
+    def should_execute_optimizer_update(self) -> bool:
+        """True when the current batch ends with an optimizer step (gradient accumulation, or the epoch's end)."""
+        return self.optimizer_step_due
+
+    def get_schedulers(self) -> list:
+        """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""
+        return [callback for callback in self.callbacks if isinstance(callback, GeneralLRSchedulerCallback)]
+
+    def get_num_training_steps(self) -> int:
+        """Optimizer steps the current ``fit`` makes in all (for warm-up schedules); needs a sized train loader
+        when training by epochs."""
+        if self.num_iterations > 0:
+            return self.num_iterations // self.grad_accumulation
+        num_batches = loader_length(self.train_loader)
+        if num_batches is None:
+            raise ValueError("get_num_training_steps() needs len(train_loader) when training by num_epochs; the "
+                             "loader has no length: train by num_iterations instead")
+        return num_batches // self.grad_accumulation * self.num_epochs
 
     @property
     def model_runner(self) -> Any:
@@ -138,6 +184,9 @@ class TrainLoop:
         self._set_up_model()
         return self._precision
 
+    def _get_precision(self) -> Precision:
+        return self.precision
+
     @precision.setter
     def precision(self, precision: Precision) -> None:
         self._precision = precision
@@ -146,16 +195,16 @@ class TrainLoop:
         """On first use: device placement, then mixed precision (amp.initialize), then any parallel wrapper."""
         if self._model_runner is not None:
             return
-        self.strategy.place_model(self.model)
+        self.strategy.place_model(self.loop_model)
         self.criterion = self.strategy.setup_criterion(self.criterion)
         if self._precision is None:
-            self._precision = create_precision(self.use_amp, self.model, self.optimizers, self.device)
-        self._model_runner = self.strategy.wrap_model(self.model)
+            self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+        self._model_runner = self.strategy.wrap_model(self.loop_model)
 
     def stop_training(self, reason: str = "") -> None:
         """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
         self.early_stop = True
-        if reason and self.is_main_process:
+        if reason and self.strategy.is_main_process:
             logger.info("Stopping training: %s", reason)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -213,20 +262,20 @@ class TrainLoop:
         """
         if self.gpu_mode == "ddp" and not self.strategy.is_distributed:
             return self.fit_distributed(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
-        if kwargs:
-            raise TypeError(f"fit() got unexpected keyword argument(s) {sorted(kwargs)}; the distributed keywords "
-                            "(num_gpus, amp_init_args, ...) need gpu_mode='ddp' or fit_distributed()")
+        self.strategy.configure(**validation.check_fit_keywords(kwargs, self.gpu_mode))
         validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
+        validation.check_ready_to_train(self.train_loader, self.optimizers)
+        self.num_epochs, self.num_iterations = num_epochs, num_iterations
         self.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
         self.early_stop = False
         if self._target_reached(num_epochs, num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
-                           self.epochs_completed, self.total_iteration_idx)
+                           self.epochs_completed, self.iterations_done)
             return self.model_for_user
         self.model_runner.train()
-        if self.print_callbacks and self.is_main_process:
+        if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self.precision.zero_grad(self.optimizers)
         self.callbacks_handler.on_train_begin()
@@ -282,13 +331,13 @@ class TrainLoop:
 
     @property
     def model_for_user(self) -> nn.Module:
-        """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap."""
-        return self._user_model
+        """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap (same as ``model``)."""
+        return self.model
 
     def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
         if num_epochs > 0:
             return self.epochs_completed >= num_epochs
-        return self.total_iteration_idx >= num_iterations
+        return self.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
         """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end.
@@ -300,13 +349,13 @@ class TrainLoop:
         num_batches = loader_length(self.train_loader)
         bar = ProgressBar(num_batches, f"Epoch {self.epoch}", enabled=self.show_progress)
         batches, batches_done = self._epoch_batches(resume)
-        self.epoch_loss_sum = torch.full((), resume.loss_sum if resume else 0.0, device=self.device)
+        self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
         for self.iteration, batch_data in batches:
-            iteration_limit_hit = num_iterations > 0 and self.total_iteration_idx + 1 >= num_iterations
+            iteration_limit_hit = num_iterations > 0 and self.iterations_done + 1 >= num_iterations
             epoch_ends = iteration_limit_hit or self.iteration + 1 == num_batches
-            self.epoch_loss_sum += self._run_batch(batch_data, force_optimizer_step=epoch_ends)
+            self.epoch_loss_sum = self.epoch_loss_sum + self._run_batch(batch_data, force_optimizer_step=epoch_ends)
             batches_done += 1
-            bar.update(lambda: {"loss": f"{self.epoch_loss_sum.item() / batches_done:.4f}"})
+            bar.update(lambda: {"loss": f"{self.epoch_loss_sum.mean().item() / batches_done:.4f}"})
             if iteration_limit_hit or (self.early_stop and self.strategy.stops_mid_epoch):
                 break
         else:
@@ -315,8 +364,10 @@ class TrainLoop:
         bar.close()
         if batches_done == 0:
             raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
-        self.insert_metric_result_into_history("accumulated_loss", (self.epoch_loss_sum / batches_done).item())
-        self._evaluate_at_epoch_end()
+        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / batches_done, self._loss_names)
+        for name, value in accumulated.items():
+            self.insert_metric_result_into_history(name, value)
+        self._evaluate_at_epoch_end(accumulated)
         self.callbacks_handler.on_epoch_end()
         self.early_stop = self.strategy.any_process(self.early_stop)  # all ranks stop together
 
@@ -334,33 +385,57 @@ class TrainLoop:
         return batches, resume.batches_done
 
     def _run_batch(self, batch_data: Any, force_optimizer_step: bool) -> torch.Tensor:
-        """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss."""
+        """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss
+        (one value per loss name for a MultiLoss)."""
+        self.total_iteration_idx += 1
         self.optimizer_step_due = force_optimizer_step or (self.iteration + 1) % self.grad_accumulation == 0
         self.callbacks_handler.on_batch_begin()
         with self.precision.autocast():
             loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
         validation.check_loss(loss, "get_loss")
-        self.last_batch_loss = loss.detach().reshape(())
-        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
-                                accumulating=not self.optimizer_step_due)
-        for optimizer_idx in range(len(self.optimizers)):
-            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-        if self.optimizer_step_due:
-            self._step_optimizers()
+        self.last_batch_loss = detached_values(loss)
+        self._loss_names = loss_names(loss)
+        if self._loss_names is not None and self.num_optimizers > 1:
+            self._backward_and_step_per_optimizer(loss)
+        else:
+            if self._loss_names is not None:  # several losses, one optimizer: it steps on their sum
+                loss = sum(loss[name] for name in self._loss_names)
+            self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
+                                    accumulating=not self.optimizer_step_due)
+            for optimizer_idx in range(self.num_optimizers):
+                self.callbacks_handler.on_after_gradient_update(optimizer_idx)
+            if self.optimizer_step_due:
+                self._step_optimizers(self.optimizers)
+        self.optimizer_step_due = False
         self.callbacks_handler.on_batch_end()
-        self.total_iteration_idx += 1
         return self.last_batch_loss
 
-    def _step_optimizers(self) -> None:
-        self.optimizer_step_skipped = not self.precision.step(self.optimizers)
+    def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
+        """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
+        the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step."""
+        for optimizer_idx, optimizer in enumerate(self.optimizers):
+            if optimizer_idx not in loss.optimizer_loss_map:
+                raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
+                                 f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
+            part = loss[loss.optimizer_loss_map[optimizer_idx]]
+            retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
+            self.precision.backward(part / self.grad_accumulation if self.grad_accumulation > 1 else part,
+                                    accumulating=not self.optimizer_step_due, retain_graph=retain)
+            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
+            if self.optimizer_step_due:
+                self._step_optimizers([optimizer])
+
+    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer]) -> None:
+        self.optimizer_step_skipped = not self.precision.step(optimizers)
         self.callbacks_handler.on_after_optimizer_step()
-        self.precision.zero_grad(self.optimizers)
-        self.optimizer_step_due = False
+        self.precision.zero_grad(optimizers)
 
     def _step_pending_gradients(self) -> None:
         """Step on gradients accumulated since the last update (the epoch ended inside a window)."""
         if (self.iteration + 1) % self.grad_accumulation != 0:
-            self._step_optimizers()
+            self.optimizer_step_due = True
+            self._step_optimizers(self.optimizers)
+            self.optimizer_step_due = False
 
     # --- evaluation -------------------------------------------------------------------------------------
     @property
@@ -370,23 +445,30 @@ class TrainLoop:
             return self.end_auto_eval
         return (self.epoch + 1) % self.end_auto_eval == 0
 
-    def _evaluate_at_epoch_end(self) -> None:
-        summary = {"accumulated_loss": self.train_history["accumulated_loss"][-1]}
+    def _evaluate_at_epoch_end(self, accumulated: dict) -> None:
+        summary = dict(accumulated)
         if self.auto_eval_due:
-            summary["loss"] = self.evaluate_loss_on_train_set()
-            self.insert_metric_result_into_history("loss", summary["loss"])
+            summary.update(self._record_loss("loss", self.evaluate_loss_on_train_set()))
             if self.validation_loader is not None:
-                summary["val_loss"] = self.evaluate_loss_on_validation_set()
-                self.insert_metric_result_into_history("val_loss", summary["val_loss"])
-        if self.is_main_process:
+                summary.update(self._record_loss("val_loss", self.evaluate_loss_on_validation_set()))
+        if self.strategy.is_main_process:
             logger.info("Epoch %d: %s", self.epoch, ", ".join(f"{k} {v:.6g}" for k, v in summary.items()))
+
+    def _record_loss(self, metric_name: str, result: LossResult) -> dict:
+        """Insert an evaluated loss into the history (one entry per name for a MultiLoss); returns the entries."""
+        names = loss_names(result)
+        values = result if names is None else torch.stack([result[name] for name in names])
+        entries = history_entries(metric_name, values, names)
+        for name, value in entries.items():
+            self.insert_metric_result_into_history(name, value)
+        return entries
 
     def _evaluate_at_train_end(self) -> None:
         if self.end_auto_eval is not False and self.test_loader is not None:
-            test_loss = self.evaluate_loss_on_test_set()
-            self.insert_metric_result_into_history("train_end_test_loss", test_loss)
-            if self.is_main_process:
-                logger.info("Test loss at the end of training: %.6g", test_loss)
+            entries = self._record_loss("train_end_test_loss", self.evaluate_loss_on_test_set())
+            if self.strategy.is_main_process:
+                logger.info("Test loss at the end of training: %s",
+                            ", ".join(f"{k} {v:.6g}" for k, v in entries.items()))
 
     def _evaluation_loader(self, dataset_type: str) -> DataLoader:
         """The loader to evaluate on: the user's, or under DDP this process's exact share of it."""
@@ -397,26 +479,73 @@ class TrainLoop:
             self._evaluation_loaders[dataset_type] = self.strategy.setup_eval_loader(loader)
         return self._evaluation_loaders[dataset_type]
 
-    def evaluate_loss_on_train_set(self) -> float:
-        """Mean loss per sample over the training set, in eval mode."""
-        return self._evaluator.evaluate_loss(self._evaluation_loader("train"), "Loss train")
+    def _evaluate_loss_on(self, dataset_type: str, force_prediction: bool, float_dict_format: bool):
+        loss = self._evaluator.evaluate_loss(self._evaluation_loader(dataset_type), dataset_type,
+                                             force=force_prediction)
+        return as_float_dict(loss) if float_dict_format else loss
 
-    def evaluate_loss_on_validation_set(self) -> float:
-        """Mean loss per sample over the validation set, in eval mode."""
-        return self._evaluator.evaluate_loss(self._evaluation_loader("validation"), "Loss validation")
+    def evaluate_loss_on_train_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the training set, in eval mode (cached within one training iteration).
 
-    def evaluate_loss_on_test_set(self) -> float:
-        """Mean loss per sample over the test set, in eval mode."""
-        return self._evaluator.evaluate_loss(self._evaluation_loader("test"), "Loss test")
+        Args:
+            force_prediction: evaluate again even if this iteration's value is cached.
+            float_dict_format: return a float (a ``{name: float}`` dict for a MultiLoss) instead of a 0-dim
+                float64 tensor (a MultiLoss of them).
+        """
+        return self._evaluate_loss_on("train", force_prediction, float_dict_format)
 
-    def predict_on_train_set(self):
-        """``(y_pred, y_true, metadata)`` over the training set (cached within one training iteration)."""
-        return self._evaluator.predict(self._evaluation_loader("train"), "train")
+    def evaluate_loss_on_validation_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the validation set; arguments as :meth:`evaluate_loss_on_train_set`."""
+        return self._evaluate_loss_on("validation", force_prediction, float_dict_format)
 
-    def predict_on_validation_set(self):
-        """``(y_pred, y_true, metadata)`` over the validation set (cached within one training iteration)."""
-        return self._evaluator.predict(self._evaluation_loader("validation"), "validation")
+    def evaluate_loss_on_test_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the test set; arguments as :meth:`evaluate_loss_on_train_set`."""
+        return self._evaluate_loss_on("test", force_prediction, float_dict_format)
 
-    def predict_on_test_set(self):
-        """``(y_pred, y_true, metadata)`` over the test set (cached within one training iteration)."""
-        return self._evaluator.predict(self._evaluation_loader("test"), "test")
+    def evaluate_model_loss(self, data_loader: DataLoader, move_to_cpu: bool = False,
+                            dataset_info: Optional[dict] = None) -> LossResult:
+        """Mean loss per sample over any loader (not cached): a 0-dim float64 tensor, or a MultiLoss of them.
+
+        Args:
+            data_loader: the batches to evaluate on.
+            move_to_cpu: return the value on the CPU rather than on the training device.
+            dataset_info: e.g. ``{'type': 'validation'}``, shown in the progress bar.
+        """
+        dataset_type = (dataset_info or {}).get("type", "data")
+        loss = self._evaluator.evaluate_loss(data_loader, dataset_type, force=True, cache=False)
+        return loss.cpu() if move_to_cpu else loss.to(self.device)
+
+    def _predict_on(self, dataset_type: str, force_prediction: bool, execute_callbacks: bool):
+        return self._evaluator.predict(self._evaluation_loader(dataset_type), dataset_type,
+                                       execute_callbacks=execute_callbacks, force=force_prediction)
+
+    def predict_on_train_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the training set (cached within one training iteration).
+
+        Args:
+            force_prediction: predict again even if this iteration's predictions are cached.
+            execute_callbacks: call the callbacks' ``on_after_batch_prediction`` after each batch.
+        """
+        return self._predict_on("train", force_prediction, execute_callbacks)
+
+    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the validation set; arguments as :meth:`predict_on_train_set`."""
+        return self._predict_on("validation", force_prediction, execute_callbacks)
+
+    def predict_on_test_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the test set; arguments as :meth:`predict_on_train_set`."""
+        return self._predict_on("test", force_prediction, execute_callbacks)
+
+    def predict_with_model(self, data_loader: DataLoader, execute_callbacks: bool = False, move_to_cpu: bool = False,
+                           dataset_info: Optional[dict] = None):
+        """``(y_pred, y_true, metadata)`` over any loader (not cached).
+
+        Args:
+            data_loader: the batches to predict on.
+            execute_callbacks: call the callbacks' ``on_after_batch_prediction`` after each batch.
+            move_to_cpu: accepted for 1.x compatibility; the collate functions decide where outputs live.
+            dataset_info: e.g. ``{'type': 'test'}``, handed to the callbacks and shown in the progress bar.
+        """
+        dataset_type = (dataset_info or {}).get("type", "data")
+        return self._evaluator.predict(data_loader, dataset_type, execute_callbacks=execute_callbacks, force=True,
+                                       cache=False, dataset_info=dataset_info)

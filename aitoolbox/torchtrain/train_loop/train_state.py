@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from aitoolbox.experiment.local_save.checkpoints import (
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,7 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: aitoolbox 1.8's keys (model_state_dict, optimizer_state_dict, schedulers_state_dict, epoch, iteration_idx,
+# hyperparams, amp) plus this package's state; 1: "model"/"optimizers" keys (upgraded when loaded).
+FORMAT_VERSION = 2
 
 
 def capture_rng_state(loader: Any = None) -> dict:
@@ -90,19 +94,37 @@ def json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=repr))
 
 
-def stateful_callbacks(tl: "TrainLoop") -> Dict[str, Any]:
-    """Registered callbacks with ``state_dict``/``load_state_dict`` (LR schedulers, early stopping...).
+def stateful_callbacks(tl: "TrainLoop", include_schedulers: bool = True) -> Dict[str, Any]:
+    """Registered callbacks with ``state_dict``/``load_state_dict`` (early stopping, LR schedulers...).
 
     Keyed ``<class name>:<n>``, n counting the callbacks of that class in execution order: the key of a
-    scheduler stays the same when the resumed run adds other callbacks (ModelLoadContinueTraining, a logger).
+    callback stays the same when the resumed run adds other callbacks (ModelLoadContinueTraining, a logger).
+    LR schedulers are saved apart, in 1.x's ``schedulers_state_dict`` list; ``include_schedulers`` finds them
+    here too, for checkpoints of the first format.
     """
+    schedulers = [] if include_schedulers else tl.get_schedulers()
     stateful: Dict[str, Any] = {}
     for callback in tl.callbacks:
+        if any(callback is scheduler for scheduler in schedulers):
+            continue
         if callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None)):
             name = type(callback).__name__
             count = sum(key.rsplit(":", 1)[0] == name for key in stateful)
             stateful[f"{name}:{count}"] = callback
     return stateful
+
+
+def optimizer_state(tl: "TrainLoop") -> Any:
+    """1.x's ``optimizer_state_dict``: the optimizer's state dict, or a list of them for several optimizers."""
+    if isinstance(tl.optimizer, torch.optim.Optimizer):
+        return tl.optimizer.state_dict()
+    return [optimizer.state_dict() for optimizer in tl.optimizers]
+
+
+def saved_optimizer_states(checkpoint: dict) -> List[dict]:
+    """The optimizer states of a checkpoint as a list (1.x stores one optimizer's state dict by itself)."""
+    states = checkpoint[OPTIMIZER_KEY]
+    return [states] if isinstance(states, dict) else list(states)
 
 
 def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None) -> dict:
@@ -116,21 +138,26 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
     history = weights_only_safe(tl.train_history.get_train_history_dict())
     checkpoint = {
-        "format_version": FORMAT_VERSION,
-        "model": tl.model_for_user.state_dict(),
-        "optimizers": [optimizer.state_dict() for optimizer in tl.optimizers],
-        "precision": tl.precision.state_dict(),
-        "callbacks": {key: weights_only_safe(cb.state_dict()) for key, cb in stateful_callbacks(tl).items()},
+        # aitoolbox 1.x's keys: 1.x loading code reads these.
+        MODEL_KEY: tl.model_for_user.state_dict(),
+        OPTIMIZER_KEY: optimizer_state(tl),
+        SCHEDULERS_KEY: [weights_only_safe(scheduler.state_dict()) for scheduler in tl.get_schedulers()],
         "epoch": tl.epoch,
+        "iteration_idx": tl.total_iteration_idx,
+        "hyperparams": json_safe(hyperparams or {}),
+        # What a bitwise continuation needs besides.
+        "format_version": FORMAT_VERSION,
+        "precision": tl.precision.state_dict(),
+        "callbacks": {key: weights_only_safe(cb.state_dict())
+                      for key, cb in stateful_callbacks(tl, include_schedulers=False).items()},
         "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
         "iteration": tl.iteration + 1 if mid_epoch else 0,
-        # A mid-epoch checkpoint is taken in on_batch_end, before the loop counts the finished batch.
-        "total_iteration_idx": tl.total_iteration_idx + 1 if mid_epoch else tl.total_iteration_idx,
         "train_history": history,
-        "hyperparams": json_safe(hyperparams or {}),
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
+    if tl.use_amp:
+        checkpoint["amp"] = tl.amp_scaler.state_dict()
     if tl.strategy.world_size > 1:
         # Each rank's own history (its accumulated_loss is the mean over its own batches); the file rank 0
         # writes shows its history as "train_history", and each rank resumes with its own.
@@ -139,7 +166,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     if mid_epoch:
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
         # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
-        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(float(tl.epoch_loss_sum + tl.last_batch_loss))
+        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.add(tl.last_batch_loss).tolist())
     return checkpoint
 
 
@@ -149,21 +176,32 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     The model and optimizer states are loaded now. The precision state (loss scale, master weights), callback
     states and RNG states are applied when ``fit`` has set up the model, registered the callbacks and is
     about to train, in every process of a distributed run.
+
+    A file written by aitoolbox 1.x (no RNG state, no history) continues from the epoch after the saved one;
+    that continuation is not bitwise (1.x did not save the random state).
     """
-    missing = [key for key in ("model", "optimizers", "epoch", "train_history", "rng") if key not in checkpoint]
+    checkpoint = upgrade_checkpoint_format(checkpoint)
+    missing = [key for key in (MODEL_KEY, OPTIMIZER_KEY, "epoch") if key not in checkpoint]
     if missing:
-        raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing")
-    tl.model_for_user.load_state_dict(checkpoint["model"])
-    if len(checkpoint["optimizers"]) != len(tl.optimizers):
-        raise ValueError(f"the checkpoint holds {len(checkpoint['optimizers'])} optimizer state(s) but the TrainLoop "
+        raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing (it has {sorted(checkpoint)})")
+    tl.model_for_user.load_state_dict(checkpoint[MODEL_KEY])
+    states = saved_optimizer_states(checkpoint)
+    if len(states) != len(tl.optimizers):
+        raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) but the TrainLoop "
                          f"has {len(tl.optimizers)} optimizer(s)")
-    for optimizer, state in zip(tl.optimizers, checkpoint["optimizers"]):
+    for optimizer, state in zip(tl.optimizers, states):
         optimizer.load_state_dict(state)
+    if "rng" not in checkpoint:  # aitoolbox 1.x: saved at the end of epoch ``epoch``
+        logger.warning("the checkpoint was written by aitoolbox 1.x: it holds no random state or training history, "
+                       "so training continues from epoch %d but not bitwise as the original run would have",
+                       checkpoint["epoch"] + 1)
+        checkpoint = dict(checkpoint, epochs_completed=checkpoint["epoch"] + 1, iteration=0,
+                          train_history=tl.train_history.get_train_history_dict())
     tl.train_history.clear()
     tl.train_history.update(checkpoint["train_history"])
     tl.epoch = checkpoint["epoch"]
     tl.epochs_completed = checkpoint["epochs_completed"]
-    tl.total_iteration_idx = checkpoint["total_iteration_idx"]
+    tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
     tl.pending_restore = checkpoint
 
 
@@ -177,18 +215,17 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
     if checkpoint is None:
         return None
     tl.pending_restore = None
-    tl.precision.load_state_dict(checkpoint["precision"])
-    callbacks = stateful_callbacks(tl)
-    for key, state in checkpoint.get("callbacks", {}).items():
-        if key in callbacks:
-            callbacks[key].load_state_dict(state)
-        else:
-            logger.warning("the checkpoint holds the state of callback %s, which this run does not have: register the "
-                           "same callbacks (e.g. the LR scheduler) as in the saved run for an exact continuation", key)
+    if "precision" in checkpoint:
+        tl.precision.load_state_dict(checkpoint["precision"])
+    elif checkpoint.get("amp"):
+        tl.amp_scaler.load_state_dict(checkpoint["amp"])
+    restore_callback_states(tl, checkpoint)
     # Schedulers built at registration reset the learning rate to its initial value; put the saved one back.
-    for optimizer, state in zip(tl.optimizers, checkpoint["optimizers"]):
+    for optimizer, state in zip(tl.optimizers, saved_optimizer_states(checkpoint)):
         for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
             group.update({key: value for key, value in saved_group.items() if key != "params"})
+    if "rng" not in checkpoint:
+        return None
     rank = tl.strategy.rank
     rng_states: List[dict] = checkpoint["rng"]
     if len(rng_states) != tl.strategy.world_size:
@@ -203,3 +240,24 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])
     restore_rng_state(rng_states[rank], tl.train_loader)
     return None
+
+
+def restore_callback_states(tl: "TrainLoop", checkpoint: dict) -> None:
+    """Load the saved states into the registered callbacks: LR schedulers by position, the others by key."""
+    saved_schedulers = checkpoint.get(SCHEDULERS_KEY)
+    schedulers = tl.get_schedulers()
+    if saved_schedulers and len(saved_schedulers) != len(schedulers):
+        logger.warning("the checkpoint holds the states of %d LR scheduler(s) and this run registered %d, so the "
+                       "schedulers start afresh: register the same callbacks (the LR schedulers, before fit or in "
+                       "fit's callbacks) as in the saved run for an exact continuation",
+                       len(saved_schedulers), len(schedulers))
+    elif saved_schedulers:
+        for scheduler, state in zip(schedulers, saved_schedulers):
+            scheduler.load_state_dict(state)
+    callbacks = stateful_callbacks(tl, include_schedulers=not saved_schedulers)
+    for key, state in checkpoint.get("callbacks", {}).items():
+        if key in callbacks:
+            callbacks[key].load_state_dict(state)
+        else:
+            logger.warning("the checkpoint holds the state of callback %s, which this run does not have: register the "
+                           "same callbacks (e.g. the LR scheduler) as in the saved run for an exact continuation", key)

@@ -6,14 +6,21 @@ import torch
 from torch import nn
 
 from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 
 
-def resolve_model(model: Any) -> TTModel:
-    """The TTModel the loop drives: the model itself, or a TTModel adapter around a ModelWrap."""
+def resolve_model(model: Any) -> nn.Module:
+    """The TTModel the loop drives: the model itself, or a TTModel adapter around a ModelWrap.
+
+    A module that is not a TTModel but has TTModel's methods (e.g. ``TTDataParallel``) is driven as it is.
+    """
     if isinstance(model, TTModel):
         return model
     if isinstance(model, ModelWrap):
         return FeedDefinitionModel(model)
+    if isinstance(model, nn.Module) and all(callable(getattr(model, name, None))
+                                            for name in ("get_loss", "get_loss_eval", "get_predictions")):
+        return model
     hint = (" It is a plain nn.Module: wrap it as ModelWrap(model, batch_model_feed_def) with an "
             "AbstractModelFeedDefinition, or subclass TTModel instead of nn.Module."
             if isinstance(model, nn.Module) else "")
@@ -21,10 +28,9 @@ def resolve_model(model: Any) -> TTModel:
 
 
 def check_loader(loader: Any, name: str, required: bool) -> None:
-    """A loader must be iterable; the training loader must exist and, when its length is known, be non-empty."""
+    """A loader is None or iterable; a required one (the training loader) must, when its length is known, be
+    non-empty. None is accepted for every loader: a TrainLoop without a training loader predicts only."""
     if loader is None:
-        if required:
-            raise ValueError(f"{name} is required; pass a torch.utils.data.DataLoader")
         return
     if not isinstance(loader, Iterable):
         hint = (" It looks like a Dataset: wrap it as DataLoader(dataset, batch_size=...)."
@@ -42,7 +48,12 @@ def check_loader(loader: Any, name: str, required: bool) -> None:
 
 
 def as_optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
-    """The optimizers as a list; a single optimizer or a list/tuple of them is accepted."""
+    """The optimizers as a list: one optimizer, a list/tuple of them, or a MultiOptimizer; None gives ``[]``
+    (a TrainLoop that only predicts)."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "optimizer_list") and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer_list  # aitoolbox's MultiOptimizer
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
@@ -72,8 +83,39 @@ def check_fit_arguments(num_epochs: int, num_iterations: int, grad_accumulation:
         raise ValueError(f"grad_accumulation must be an int >= 1 (1 means no accumulation), got {grad_accumulation!r}")
 
 
+def check_fit_keywords(kwargs: dict, gpu_mode: str) -> dict:
+    """The keywords ``fit`` takes besides its own: ``dp_model_args`` with ``gpu_mode='dp'`` (aitoolbox 1.x)."""
+    allowed = ("dp_model_args",) if gpu_mode == "dp" else ()
+    unexpected = sorted(set(kwargs) - set(allowed))
+    if unexpected:
+        raise TypeError(f"fit() got unexpected keyword argument(s) {unexpected}; the distributed keywords "
+                        "(num_gpus, amp_init_args, ...) need gpu_mode='ddp' or fit_distributed(), dp_model_args "
+                        "needs gpu_mode='dp'")
+    dp_model_args = kwargs.get("dp_model_args")
+    if dp_model_args is not None and not isinstance(dp_model_args, dict):
+        raise TypeError(f"dp_model_args must be a dict of torch.nn.DataParallel arguments, got {dp_model_args!r}")
+    return kwargs
+
+
+def check_ready_to_train(train_loader: Any, optimizers: list) -> None:
+    """``fit`` needs a training loader and an optimizer; a TrainLoop built without them predicts only."""
+    missing = [name for name, absent in (("train_loader", train_loader is None), ("optimizer", not optimizers))
+               if absent]
+    if missing:
+        raise ValueError(f"this TrainLoop has no {' and no '.join(missing)}, so it can only predict and evaluate "
+                         "(predict_on_*_set, evaluate_loss_on_*_set). To train, construct it with "
+                         f"{' and '.join(missing)}.")
+
+
 def check_loss(loss: Any, method_name: str) -> None:
-    """A loss is a tensor with one element, so that ``backward`` and sample weighting work."""
+    """A loss is a tensor with one element (or a MultiLoss of such tensors), so that ``backward`` and sample
+    weighting work."""
+    if isinstance(loss, MultiLoss):
+        if len(loss) == 0:
+            raise ValueError(f"{method_name} returned an empty MultiLoss: it needs at least one named loss")
+        for name in loss:
+            check_loss(loss[name], f"{method_name} (MultiLoss entry {name!r})")
+        return
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{method_name} must return the loss as a torch.Tensor, got {type(loss).__name__}. "
                         "Return the criterion's output itself, not loss.item().")

@@ -12,16 +12,19 @@ from aitoolbox.experiment.local_save.checkpoints import (
 
 def test_file_names_follow_aitoolbox():
     assert checkpoint_file_name("exp", "2026-01-02_03-04-05", 3) == "model_exp_2026-01-02_03-04-05_E3.pth"
-    assert checkpoint_file_name("exp", "ts", 3, 7) == "model_exp_ts_E3_I7.pth"  # 7 batches into epoch 3
+    # An iteration checkpoint carries the run's iteration index, as aitoolbox 1.x named them.
+    assert checkpoint_file_name("exp", "ts", 3, 77) == "model_exp_ts_E3_ITER77.pth"
 
 
 def test_positions_order_epoch_and_iteration_checkpoints_by_training_progress():
-    names = ["model_e_ts_E10.pth", "model_e_ts_E0_I4.pth", "model_e_ts_E2.pth", "model_e_ts_E1_I8.pth",
-             "model_e_ts_E0.pth", "model_e_ts_E9.pth", "model_e_ts_E1_I4.pth"]
+    names = ["model_e_ts_E10.pth", "model_e_ts_E0_ITER4.pth", "model_e_ts_E2.pth", "model_e_ts_E1_ITER18.pth",
+             "model_e_ts_E0.pth", "model_e_ts_E9.pth", "model_e_ts_E1_ITER14.pth"]
     ordered = sorted(names, key=checkpoint_position)
     # E<k> is the end of epoch k, after every mid-epoch checkpoint of that epoch; numbers compare as numbers.
-    assert ordered == ["model_e_ts_E0_I4.pth", "model_e_ts_E0.pth", "model_e_ts_E1_I4.pth", "model_e_ts_E1_I8.pth",
-                       "model_e_ts_E2.pth", "model_e_ts_E9.pth", "model_e_ts_E10.pth"]
+    assert ordered == ["model_e_ts_E0_ITER4.pth", "model_e_ts_E0.pth", "model_e_ts_E1_ITER14.pth",
+                       "model_e_ts_E1_ITER18.pth", "model_e_ts_E2.pth", "model_e_ts_E9.pth", "model_e_ts_E10.pth"]
+    # Names of this package's first format (_I<batches done in the epoch>) still order.
+    assert sorted(["model_e_ts_E1.pth", "model_e_ts_E1_I3.pth"], key=checkpoint_position)[0] == "model_e_ts_E1_I3.pth"
     # The final model ModelTrainEndSave writes (model/model_<experiment>_<timestamp>.pth) comes after them all.
     assert sorted(names + ["model_e_ts.pth"], key=checkpoint_position)[-1] == "model_e_ts.pth"
     for other in ("hyperparams.json", "model_e_ts_E1.pth.bak", f"{TEMP_PREFIX}model_e_ts_E3.pth.x1",
@@ -75,9 +78,19 @@ def test_loading_a_damaged_or_foreign_file_names_it(tmp_path):
 
 
 def test_save_checkpoint_file_creates_the_folder(tmp_path):
-    path = save_checkpoint_file({"model": {}}, str(tmp_path / "a" / "b"), "model_e_ts_E0.pth")
+    path = save_checkpoint_file({"model_state_dict": {}}, str(tmp_path / "a" / "b"), "model_e_ts_E0.pth")
     assert path == str(tmp_path / "a" / "b" / "model_e_ts_E0.pth")
-    assert load_checkpoint_file(path) == {"model": {}}
+    assert load_checkpoint_file(path) == {"model_state_dict": {}}
+
+
+def test_files_of_the_first_format_load_with_the_1x_key_names(tmp_path):
+    weights, optimizer_state = {"w": torch.ones(2)}, {"state": {}, "param_groups": []}
+    path = save_checkpoint_file({"model": weights, "optimizers": [optimizer_state], "total_iteration_idx": 12},
+                                str(tmp_path), "model_e_ts_E0.pth")
+    loaded = load_checkpoint_file(path)
+    assert set(loaded) == {"model_state_dict", "optimizer_state_dict", "total_iteration_idx", "iteration_idx"}
+    assert torch.equal(loaded["model_state_dict"]["w"], weights["w"])
+    assert loaded["optimizer_state_dict"] == optimizer_state and loaded["iteration_idx"] == 11
 
 
 @pytest.mark.parametrize("higher_is_better, kept", [(False, {"e1", "e3", "e4"}), (True, {"e2", "e4"})])

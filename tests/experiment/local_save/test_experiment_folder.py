@@ -38,8 +38,10 @@ def test_an_existing_run_folder_is_never_overwritten(tmp_path):
     first.create()
     (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").write_bytes(b"precious")
     second = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
-    with pytest.raises(FileExistsError, match="exp_same already exists; it is never overwritten"):
-        second.create()
+    assert second.create() == str(tmp_path / "proj" / "exp_same_1")  # a run of the same second: a suffix
+    assert second.timestamp == "same_1" and os.listdir(second.checkpoint_dir) == []
+    third = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
+    assert third.create() == str(tmp_path / "proj" / "exp_same_2")
     assert (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").read_bytes() == b"precious"
 
 

@@ -33,8 +33,8 @@ from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.experiment.local_save.crash_support import kill_at_random_moments, run_forked
 from tests.helpers import MLP, classification_data
 
-REQUIRED_KEYS = {"model", "optimizers", "precision", "callbacks", "epoch", "epochs_completed", "iteration",
-                 "total_iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
+REQUIRED_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "precision", "callbacks", "epoch",
+                 "epochs_completed", "iteration", "iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -112,7 +112,7 @@ def test_model_checkpoint_with_its_own_folder(tmp_path):
     assert hyperparams == untouched
     checkpoint = torch.load(find_checkpoint(run), weights_only=True)
     assert REQUIRED_KEYS <= set(checkpoint) and checkpoint["hyperparams"] == untouched
-    assert_same_weights(checkpoint["model"], tl.model.state_dict())
+    assert_same_weights(checkpoint["model_state_dict"], tl.model.state_dict())
 
 
 def test_keeps_the_best_k_by_val_loss_and_the_newest(tmp_path):
@@ -130,8 +130,8 @@ def checkpoint_epoch(path: str) -> int:
 
 
 def progress_suffix(path: str) -> str:
-    """``'E3'`` or ``'E3_I4'`` of ``.../model_<experiment>_<timestamp>_E3_I4.pth``."""
-    return re.search(r"_(E\d+(?:_I\d+)?)\.pth$", path).group(1)
+    """``'E3'`` or ``'E3_ITER17'`` of ``.../model_<experiment>_<timestamp>_E3_ITER17.pth``."""
+    return re.search(r"_(E\d+(?:_ITER\d+)?)\.pth$", path).group(1)
 
 
 @pytest.mark.parametrize("metric, kept", [("val_accuracy_score", [2, 4]), ("val_error", [1, 3, 4])],
@@ -156,7 +156,6 @@ def test_ranking_by_a_metric_the_history_lacks_is_an_error(tmp_path):
     (lambda: ModelCheckpoint(rm_subopt_local_models=3), TypeError, "rm_subopt_local_models must be a bool or a metric"),
     (lambda: ModelCheckpoint(hyperparams=[1]), TypeError, "hyperparams must be a dict or None, got list"),
     (lambda: ModelCheckpoint(cloud_save_mode="s3"), ValueError, "cloud_save_mode='s3' is not supported"),
-    (lambda: ModelCheckpoint(project_name="p"), ValueError, "got only some of the experiment folder arguments"),
     (lambda: ModelIterationCheckpoint(0), ValueError, "save_frequency must be an int >= 1"),
     (lambda: ModelIterationCheckpoint(2, keep_last=0), ValueError, "keep_last must be None or an int >= 1"),
     (lambda: ModelTrainEndSave(val_result_package="accuracy"), TypeError, "val_result_package must be a result package"),
@@ -181,7 +180,8 @@ class RecordSteps(AbstractCallback):
         self.after_batches.append(self.train_loop_obj.total_iteration_idx + 1)
 
 
-@pytest.mark.parametrize("save_frequency, names", [(3, ["E0_I4", "E1_I2", "E1_I4"]), (5, ["E0_I5", "E1_I5"])])
+@pytest.mark.parametrize("save_frequency, names", [(3, ["E0_ITER3", "E1_ITER6", "E1_ITER8"]),
+                                                         (5, ["E0_ITER4", "E1_ITER9"])])
 def test_iteration_checkpoints_wait_for_the_accumulation_windows_step(tmp_path, save_frequency, names):
     """5 batches per epoch, grad_accumulation=2: steps after batches 2, 4 and 5 (forced at the epoch end).
 
@@ -198,15 +198,16 @@ def test_iteration_checkpoints_wait_for_the_accumulation_windows_step(tmp_path, 
     assert [progress_suffix(path) for path in paths] == names
     for path in paths:
         checkpoint = torch.load(path, weights_only=True)
-        assert checkpoint["total_iteration_idx"] in steps.after_batches
-        assert checkpoint["iteration"] == int(path.rsplit("_I", 1)[1][:-4])
+        assert checkpoint["iteration_idx"] + 1 in steps.after_batches
+        assert checkpoint["iteration_idx"] == int(path.rsplit("_ITER", 1)[1][:-4])
+        assert checkpoint["iteration"] == checkpoint["iteration_idx"] + 1 - 5 * checkpoint["epoch"]
 
 
 def test_keep_last_removes_older_iteration_checkpoints(tmp_path):
     tl = make_loop()
     tl.fit(num_epochs=2, callbacks=[ModelIterationCheckpoint(2, keep_last=2, **folder_arguments(tmp_path))])
     paths = list_checkpoints(os.path.join(only_run_folder(tmp_path), "checkpoint_model"))
-    assert [progress_suffix(path) for path in paths] == ["E1_I3", "E1_I5"]
+    assert [progress_suffix(path) for path in paths] == ["E1_ITER7", "E1_ITER9"]
 
 
 # --- background saves --------------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def assert_same_checkpoint(a, b, where=""):
 
 
 def checkpoints_of(root, experiment: str) -> dict:
-    """``{'E3': checkpoint, 'E3_I4': ...}`` of an experiment's checkpoint folder."""
+    """``{'E3': checkpoint, 'E3_ITER17': ...}`` of an experiment's checkpoint folder."""
     folder = os.path.join(only_run_folder(root, experiment), "checkpoint_model")
     assert not [name for name in os.listdir(folder) if name.startswith(TEMP_PREFIX)]
     return {progress_suffix(path): torch.load(path, weights_only=True) for path in list_checkpoints(folder)}
@@ -275,7 +276,7 @@ def test_a_background_save_holds_the_weights_of_its_epoch_end(tmp_path):
     tl.fit(num_epochs=1, callbacks=[snapshot, ChangeWeightsAfterCheckpoint(),
                                     ModelCheckpoint(**folder_arguments(tmp_path), background_save=True)])
     (checkpoint,) = checkpoints_of(tmp_path, "exp").values()
-    assert_same_weights(checkpoint["model"], snapshot.weights)
+    assert_same_weights(checkpoint["model_state_dict"], snapshot.weights)
     assert all(torch.all(param == 123.0) for param in tl.model.parameters())
 
 
@@ -346,7 +347,7 @@ def test_train_end_save_with_its_own_folder(tmp_path):
     assert set(results["results"]["validation"]) == {"Accuracy"} and results["results"] == callback.results
     assert json.loads(open(os.path.join(run, "hyperparams.json")).read()) == {"lr": 1e-2}
     (model_file,) = os.listdir(os.path.join(run, "model"))
-    assert_same_weights(torch.load(os.path.join(run, "model", model_file), weights_only=True)["model"],
+    assert_same_weights(torch.load(os.path.join(run, "model", model_file), weights_only=True)["model_state_dict"],
                         tl.model.state_dict())
 
 
@@ -419,7 +420,7 @@ def _checkpoint_past_the_file_size_limit(root: str, background_save: bool = Fals
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return {"error": error, "files": sorted(os.listdir(folder)), "kept_keys": sorted(kept), "kept_epoch": kept["epoch"],
-            "kept_shapes": {k: tuple(v.shape) for k, v in kept["model"].items()},
+            "kept_shapes": {k: tuple(v.shape) for k, v in kept["model_state_dict"].items()},
             "model_shapes": {k: tuple(v.shape) for k, v in tl.model.state_dict().items()},
             "unchanged": all(torch.equal(v, limiter.weights[k]) for k, v in tl.model.state_dict().items()),
             "state_epoch": state["epochs_completed"], "state_bytes": buffer.tell(),
@@ -509,11 +510,11 @@ def test_training_killed_at_random_moments_always_leaves_a_complete_newest_check
         temp_left.extend(n for n in os.listdir(os.path.join(folder, "checkpoint_model")) if n.startswith(TEMP_PREFIX))
         checkpoint = load_checkpoint_file(folder)
         assert REQUIRED_KEYS <= set(checkpoint)
-        assert {k: v.shape for k, v in checkpoint["model"].items()} == model_shapes
-        optimizer_state = checkpoint["optimizers"][0]["state"]
+        assert {k: v.shape for k, v in checkpoint["model_state_dict"].items()} == model_shapes
+        optimizer_state = checkpoint["optimizer_state_dict"]["state"]
         assert [tuple(optimizer_state[i]["exp_avg"].shape) for i in range(4)] == [tuple(s) for s in model_shapes.values()]
-        assert checkpoint["total_iteration_idx"] > newest["progress"]  # it resumed, then trained on
-        newest.update(folder=folder, progress=checkpoint["total_iteration_idx"])
+        assert checkpoint["iteration_idx"] > newest["progress"]  # it resumed, then trained on
+        newest.update(folder=folder, progress=checkpoint["iteration_idx"])
         found.append(run)
 
     kill_at_random_moments(_train_until_killed, lambda run: (root, run, newest["folder"], background_save), check,

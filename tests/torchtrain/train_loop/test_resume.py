@@ -82,8 +82,8 @@ def test_resume_in_a_new_process_is_bitwise_exact(resumed_in_new_processes, name
     work_dir, outcomes = resumed_in_new_processes
     expected, got = outcomes[name]
     case = workflow.CASES_BY_NAME[name]
-    for key in expected["model"]:
-        assert torch.equal(expected["model"][key], got["model"][key]), f"parameter {key} differs"
+    for key in expected["model_state_dict"]:
+        assert torch.equal(expected["model_state_dict"][key], got["model_state_dict"][key]), f"parameter {key} differs"
     assert_tensor_lists_equal(expected["raw_params"], got["raw_params"], "raw parameter")
     assert_tensor_lists_equal(sum(expected["masters"], []), sum(got["masters"], []), "master weight")
     assert_optimizer_states_equal(expected["optimizer"], got["optimizer"])
@@ -99,7 +99,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(resumed_in_new_processes, name
     run_folder = workflow.crashed_run_folder(case, str(work_dir))
     assert {"hyperparams_list.txt", "hyperparams.json", "resume_workflow.py"} <= set(os.listdir(run_folder))
     names = os.listdir(os.path.join(run_folder, "checkpoint_model"))
-    assert any("_I" in n for n in names) == case.iteration_checkpoints
+    assert any("_ITER" in n for n in names) == case.iteration_checkpoints
 
 
 def test_the_cases_cover_the_required_matrix():
@@ -205,9 +205,9 @@ def test_two_process_resume_from_an_epoch_checkpoint_is_bitwise_exact(tmp_path, 
     paths = list_checkpoints(str(run_folder / "checkpoint_model"))
     assert len(paths) == 2  # written once per epoch, by rank 0 only
     checkpoint = torch.load(paths[-1], weights_only=True)
-    assert list(checkpoint["model"]) == list(stopped.model.state_dict())  # no 'module.' prefixes
+    assert list(checkpoint["model_state_dict"]) == list(stopped.model.state_dict())  # no 'module.' prefixes
     assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2
-    assert checkpoint["callbacks"]["LambdaLRScheduler:0"]["schedulers"][0]["last_epoch"] == 8
+    assert checkpoint["schedulers_state_dict"][0]["schedulers"][0]["last_epoch"] == 8
 
     resumed = ddp_loop()
     resumed.load_checkpoint(str(run_folder))
@@ -223,7 +223,7 @@ def test_two_process_resume_from_a_mid_epoch_checkpoint_is_bitwise_exact(tmp_pat
         fit_two_processes(crashed, None, ddp_callbacks() + [ModelIterationCheckpoint(3, **folder), CrashAt(7)])
     (run,) = os.listdir(tmp_path / "proj")
     newest = list_checkpoints(str(tmp_path / "proj" / run / "checkpoint_model"))[-1]
-    assert newest.endswith("_E1_I2.pth")  # after 6 batches: 2 into the second epoch
+    assert newest.endswith("_E1_ITER5.pth")  # after 6 batches: 2 into the second epoch
 
     resumed = ddp_loop()  # each process loads the checkpoint when the callback is registered there
     fit_two_processes(resumed, None, ddp_callbacks() + [ModelLoadContinueTraining(saved_model_path=newest),
@@ -280,7 +280,7 @@ def test_a_mid_epoch_checkpoint_at_the_last_batch_of_an_epoch(tmp_path, grad_acc
                     callbacks=ddp_callbacks() + [ModelIterationCheckpoint(5, **folder), CrashAt(5)])
     (run,) = os.listdir(tmp_path / "proj")
     (path,) = list_checkpoints(str(tmp_path / "proj" / run / "checkpoint_model"))
-    assert path.endswith("_E0_I5.pth")
+    assert path.endswith("_E0_ITER4.pth")
     resumed = small_loop()
     resumed.load_checkpoint(path)
     resumed.fit(num_epochs=3, callbacks=ddp_callbacks(), grad_accumulation=grad_accumulation)
@@ -319,8 +319,12 @@ def test_model_load_continue_training_with_aitoolbox_arguments_and_the_final_mod
 
 
 def test_model_load_continue_training_needs_a_path_or_all_parts():
-    with pytest.raises(ValueError, match="needs saved_model_path, or all of saved_experiment_timestamp"):
-        ModelLoadContinueTraining("2026-01-01_00-00-00", project_name="p", experiment_name="e")
+    with pytest.raises(ValueError, match="needs saved_experiment_timestamp .* or saved_model_path"):
+        ModelLoadContinueTraining(project_name="p", experiment_name="e")
+    # The folder arguments left out are taken from an experiment-tracking TrainLoop; a plain one has none.
+    with pytest.raises(ValueError, match="does not know local_model_result_folder_path"):
+        small_loop().fit(num_epochs=1, callbacks=[
+            ModelLoadContinueTraining("2026-01-01_00-00-00", project_name="p", experiment_name="e")])
 
 
 def test_a_corrupt_newest_checkpoint_is_named(tmp_path):
@@ -337,8 +341,8 @@ def test_a_corrupt_newest_checkpoint_is_named(tmp_path):
 
 def test_checkpoints_that_do_not_fit_the_train_loop_are_refused(tmp_path):
     state = straight_run(num_epochs=1).checkpoint_state()
-    with pytest.raises(ValueError, match="not an aitoolbox checkpoint: keys \\['rng'\\] are missing"):
-        small_loop().load_checkpoint({k: v for k, v in state.items() if k != "rng"})
+    with pytest.raises(ValueError, match="not an aitoolbox checkpoint: keys \\['optimizer_state_dict'\\] are missing"):
+        small_loop().load_checkpoint({k: v for k, v in state.items() if k != "optimizer_state_dict"})
     two_optimizers = small_loop()
     two_optimizers.optimizers.append(torch.optim.SGD(two_optimizers.model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="holds 1 optimizer state\\(s\\) but the TrainLoop has 2"):
@@ -356,7 +360,8 @@ def test_a_saved_callback_state_without_its_callback_is_reported(caplog, monkeyp
     resumed.load_checkpoint(state)
     with caplog.at_level(logging.WARNING, logger="aitoolbox.torchtrain.train_loop.train_state"):
         resumed.fit(num_epochs=2)
-    assert "LambdaLRScheduler:0" in caplog.text and "register the same callbacks" in caplog.text
+    assert "1 LR scheduler(s) and this run registered 0" in caplog.text
+    assert "register the same callbacks" in caplog.text
 
 
 def test_the_saved_checkpoint_loads_weights_only_and_as_a_file(tmp_path):

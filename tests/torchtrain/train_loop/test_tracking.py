@@ -8,6 +8,7 @@ import copy
 import datetime
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -22,8 +23,10 @@ from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
 from tests.helpers import MLP, classification_data
 
-CHECKPOINT_KEYS = {"format_version", "model", "optimizers", "precision", "callbacks", "epoch", "epochs_completed",
-                   "iteration", "total_iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
+# aitoolbox 1.8's keys, then this package's.
+CHECKPOINT_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "epoch", "iteration_idx",
+                   "hyperparams", "format_version", "precision", "callbacks", "epochs_completed", "iteration",
+                   "train_history", "rng", "world_size"}
 RNG_KEYS = {"python", "numpy", "torch", "cuda", "loader_generators"}
 
 
@@ -87,19 +90,19 @@ def test_checkpoint_preset_writes_a_complete_checkpoint_every_epoch(tmp_path):
         checkpoint = torch.load(os.path.join(folder.checkpoint_dir, name), weights_only=True)
         assert set(checkpoint) == CHECKPOINT_KEYS
         assert (checkpoint["epoch"], checkpoint["epochs_completed"], checkpoint["iteration"]) == (epoch, epoch + 1, 0)
-        assert checkpoint["total_iteration_idx"] == 5 * (epoch + 1)
+        assert checkpoint["iteration_idx"] == 5 * (epoch + 1) - 1
         assert checkpoint["train_history"] == history_at_epoch_end[epoch]
         assert checkpoint["hyperparams"] == hyperparams
-        assert list(checkpoint["model"]) == list(tl.model.state_dict())
-        assert checkpoint["callbacks"]["StepLRScheduler:0"]["schedulers"][0]["last_epoch"] == epoch + 1
-        assert checkpoint["optimizers"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5 ** (epoch + 1))
+        assert list(checkpoint["model_state_dict"]) == list(tl.model.state_dict())
+        assert checkpoint["schedulers_state_dict"][0]["schedulers"][0]["last_epoch"] == epoch + 1
+        assert checkpoint["optimizer_state_dict"]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5 ** (epoch + 1))
         assert len(checkpoint["rng"]) == checkpoint["world_size"] == 1
         assert set(checkpoint["rng"][0]) == RNG_KEYS and len(checkpoint["rng"][0]["loader_generators"]) == 1
         assert checkpoint["precision"] == {"loss_scaler": None, "master_weights": None}
     last = torch.load(os.path.join(folder.checkpoint_dir, names[-1]), weights_only=True)
     for key, value in tl.model.state_dict().items():
-        assert torch.equal(last["model"][key], value)
-    assert set(last["optimizers"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert torch.equal(last["model_state_dict"][key], value)
+    assert set(last["optimizer_state_dict"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @pytest.mark.parametrize("preset", [TrainLoopEndSave, TrainLoopCheckpointEndSave])
@@ -137,7 +140,7 @@ def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, p
     assert set(final) == CHECKPOINT_KEYS and final["epochs_completed"] == 2
     assert final["train_history"]["train_end_test_loss"] == tl.train_history["train_end_test_loss"]
     for key, value in tl.model.state_dict().items():
-        assert torch.equal(final["model"][key], value)
+        assert torch.equal(final["model_state_dict"][key], value)
     with open(os.path.join(tl.experiment_folder.results_dir, "train_history.csv")) as handle:
         header = handle.readline()
     assert "loss" in header and "val_loss" in header
@@ -149,10 +152,10 @@ def test_iteration_save_freq_adds_mid_epoch_checkpoints(tmp_path):
     tl.fit(num_epochs=2)  # 5 batches per epoch: saves after 2, 4, 6 (epoch 1, 1 batch), 8 and 10 batches
     ts = tl.experiment_timestamp
     assert sorted(os.listdir(tl.experiment_folder.checkpoint_dir)) == sorted(
-        f"model_exp_{ts}_{suffix}.pth" for suffix in ("E0_I2", "E0_I4", "E0", "E1_I1", "E1_I3", "E1_I5", "E1"))
-    checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{ts}_E1_I3.pth"),
+        f"model_exp_{ts}_{suffix}.pth" for suffix in ("E0_ITER1", "E0_ITER3", "E0", "E1_ITER5", "E1_ITER7", "E1_ITER9", "E1"))
+    checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{ts}_E1_ITER7.pth"),
                             weights_only=True)
-    assert (checkpoint["epoch"], checkpoint["iteration"], checkpoint["total_iteration_idx"]) == (1, 3, 8)
+    assert (checkpoint["epoch"], checkpoint["iteration"], checkpoint["iteration_idx"]) == (1, 3, 7)
     assert set(checkpoint) == CHECKPOINT_KEYS | {"epoch_start_rng", "epoch_loss_sum"}
 
 
@@ -175,7 +178,7 @@ def test_checkpoints_hold_the_mixed_precision_state(tmp_path, use_amp, scaled, m
         assert [m.dtype for m in saved] == [torch.float32] * 4
         for value, master in zip(saved, tl.precision.master_weights.state_dict()[0]):
             assert torch.equal(value, master)
-        assert {v.dtype for v in checkpoint["model"].values()} <= {torch.float32, torch.bfloat16}
+        assert {v.dtype for v in checkpoint["model_state_dict"].values()} <= {torch.float32, torch.bfloat16}
     else:
         assert precision["master_weights"] is None
 
@@ -232,10 +235,19 @@ def test_an_existing_experiment_folder_is_never_overwritten(tmp_path):
         folder.create()
         open(os.path.join(folder.checkpoint_dir, "model_exp_E0.pth"), "wb").close()
         taken.append(folder.path)
-    with pytest.raises(FileExistsError, match="already exists; it is never overwritten"):
-        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
+    assert tl.experiment_folder.path not in taken and os.path.isdir(tl.experiment_folder.path)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_1", tl.experiment_timestamp)  # a suffixed run folder
     for path in taken:
         assert os.listdir(os.path.join(path, "checkpoint_model")) == ["model_exp_E0.pth"]
+
+
+def test_two_runs_started_in_the_same_second_get_two_folders(tmp_path):
+    first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
+    second = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
+    assert first.experiment_folder.path != second.experiment_folder.path
+    assert sorted(os.listdir(tmp_path / "proj")) == sorted({f"exp_{first.experiment_timestamp}",
+                                                            f"exp_{second.experiment_timestamp}"})
 
 
 def test_a_folder_that_cannot_be_created_fails_at_construction_with_its_path(tmp_path):
@@ -265,7 +277,7 @@ def test_a_lazy_preset_trained_with_ddp_saves_plain_checkpoints_into_one_folder(
     assert json.loads(open(os.path.join(folder.path, "hyperparams.json")).read()) == {"lr": 1e-2}
     checkpoint = torch.load(os.path.join(folder.checkpoint_dir, f"model_exp_{tl.experiment_timestamp}_E1.pth"),
                             weights_only=True)
-    assert list(checkpoint["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert list(checkpoint["model_state_dict"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2 and checkpoint["epochs_completed"] == 2
     for key, value in tl.model.state_dict().items():  # the parent adopted rank 0's weights
-        assert torch.equal(checkpoint["model"][key], value)
+        assert torch.equal(checkpoint["model_state_dict"][key], value)

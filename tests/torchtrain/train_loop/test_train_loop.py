@@ -58,7 +58,7 @@ def test_epochs_match_hand_written_loop(model_class, make_data):
     assert params_differ(model, initial)  # it trained
     assert_params_equal(model, reference)
     assert tl.epoch == 2
-    assert tl.total_iteration_idx == 3 * 4 == result["batches"]
+    assert tl.total_iteration_idx + 1 == 3 * 4 == result["batches"]
     assert tl.train_history["accumulated_loss"] == pytest.approx(result["epoch_losses"], rel=1e-6)
 
 
@@ -86,7 +86,7 @@ def test_num_iterations_stops_mid_epoch_and_steps_pending_gradients(num_iteratio
                         grad_accumulation=grad_accumulation)
     result = run_reference(reference, data, num_iterations=num_iterations, grad_accumulation=grad_accumulation)
     assert_params_equal(model, reference)
-    assert tl.total_iteration_idx == num_iterations
+    assert tl.iterations_done == tl.total_iteration_idx + 1 == num_iterations
     assert tl.epoch == (num_iterations - 1) // 4
     last_iteration = (num_iterations - 1) % 4
     assert counter.step_iterations[-1] == (tl.epoch, last_iteration)  # the pending window was stepped
@@ -106,7 +106,7 @@ def test_second_fit_continues_to_the_new_epoch_total():
     result = run_reference(reference, data, num_epochs=5)
     assert_params_equal(model, reference)
     assert tl.epoch == 4
-    assert tl.total_iteration_idx == 20
+    assert tl.total_iteration_idx == 20 - 1
     assert tl.train_history["accumulated_loss"] == pytest.approx(result["epoch_losses"], rel=1e-6)
 
 
@@ -135,7 +135,7 @@ def test_fit_to_a_reached_target_trains_nothing():
     assert returned is model
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert any("Nothing to train" in message for message in handler.messages)
-    assert tl.total_iteration_idx == 8
+    assert tl.total_iteration_idx == 8 - 1
 
 
 def test_stale_gradients_are_cleared_at_fit_start():
@@ -180,7 +180,7 @@ def test_model_wrap_trains_like_the_equivalent_tt_model():
     run_train_loop(tt_model, data, num_epochs=2, grad_accumulation=3)
     run_reference(reference, data, num_epochs=2, grad_accumulation=3)
     assert returned is module
-    assert tl.model.model is module  # the loop drives the user's module itself, not a copy
+    assert tl.model is module  # the loop drives the user's module itself, not a copy (tl.model as in 1.x)
     assert_params_equal(module, tt_model)
     assert_params_equal(module, reference)
 
@@ -224,7 +224,7 @@ def test_loader_without_len_with_num_iterations():
     tl.fit(num_iterations=11, grad_accumulation=2)
     run_reference(reference, None, loader=DataLoader(stream, batch_size=4), num_iterations=11, grad_accumulation=2)
     assert_params_equal(model, reference)
-    assert tl.total_iteration_idx == 11
+    assert tl.total_iteration_idx == 11 - 1
 
 
 # --- evaluation does not disturb training -------------------------------------------------------------------
@@ -309,14 +309,14 @@ def test_no_auto_evaluation_records_only_the_accumulated_loss():
                          validation_loader=DataLoader(classification_data(13, seed=20), batch_size=4),
                          test_loader=DataLoader(classification_data(9, seed=21), batch_size=4))
     tl.fit(num_epochs=2)
-    assert set(tl.train_history) == {"accumulated_loss"}
+    assert {name for name, values in tl.train_history.items() if values} == {"accumulated_loss"}
 
 
 def test_auto_evaluation_without_validation_loader_records_train_loss_only():
     model, _ = model_pair()
     tl = make_train_loop(model, classification_data(), end_auto_eval=True)
     tl.fit(num_epochs=2)
-    assert set(tl.train_history) == {"accumulated_loss", "loss"}
+    assert {name for name, values in tl.train_history.items() if values} == {"accumulated_loss", "loss"}
 
 
 # --- stopping -------------------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_stop_training_from_a_callback_ends_after_the_current_batch():
     model, _ = model_pair()
     counter = StepCounter()
     tl = run_train_loop(model, classification_data(), callbacks=[StopAt(5), counter], num_epochs=10)
-    assert tl.total_iteration_idx == 6  # batches 0..5 ran; total_iteration_idx counts finished batches
+    assert tl.total_iteration_idx == 5  # batches 0..5 ran; total_iteration_idx is the last one's index (1.x)
     assert tl.epoch == 1
     assert len(tl.train_history["accumulated_loss"]) == 2  # the interrupted epoch is closed
     assert counter.step_iterations == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]

@@ -41,9 +41,21 @@ def test_model_of_another_type(model):
 
 
 # --- loaders ---------------------------------------------------------------------------------------------
-def test_train_loader_is_required():
-    with pytest.raises(ValueError, match="train_loader is required"):
-        build(train_loader=None)
+def test_a_train_loop_without_train_loader_or_optimizer_predicts_but_does_not_fit():
+    model = MLP()
+    test_loader = loader(9)
+    tl = TrainLoop(model, None, None, test_loader, None, nn.CrossEntropyLoss(), show_progress=False)
+    y_pred, y_true, _ = tl.predict_on_test_set()
+    x, y = classification_data(9).tensors
+    with torch.no_grad():
+        expected = model.eval()(x).argmax(dim=1)
+    assert torch.equal(y_pred, expected) and torch.equal(y_true, y)
+    assert isinstance(tl.evaluate_loss_on_test_set(float_dict_format=True), float)
+    with pytest.raises(ValueError, match="no train_loader and no optimizer, so it can only predict"):
+        tl.fit(num_epochs=1)
+    without_optimizer = TrainLoop(MLP(), loader(), None, None, None, nn.CrossEntropyLoss(), show_progress=False)
+    with pytest.raises(ValueError, match="no optimizer, so it can only predict"):
+        without_optimizer.fit(num_epochs=1)
 
 
 def test_empty_train_loader():
@@ -113,9 +125,13 @@ def test_unknown_gpu_mode():
 
 
 @no_cuda
-def test_data_parallel_without_cuda():
-    with pytest.raises(ValueError, match=r"gpu_mode='dp' \(torch.nn.DataParallel\) needs CUDA"):
-        build(gpu_mode="dp")
+def test_data_parallel_without_cuda_trains_on_the_cpu_with_a_warning():
+    with pytest.warns(UserWarning, match=r"gpu_mode='dp' \(torch.nn.DataParallel\) needs CUDA GPUs .* on the CPU"):
+        tl = build(gpu_mode="dp")
+    tl.fit(num_epochs=1, dp_model_args={"dim": 0})
+    assert tl.device.type == "cpu" and len(tl.train_history["accumulated_loss"]) == 1
+    with pytest.raises(TypeError, match="dp_model_args needs gpu_mode='dp'"):
+        build().fit(num_epochs=1, dp_model_args={})
 
 
 @no_cuda

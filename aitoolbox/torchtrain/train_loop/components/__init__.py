@@ -1,0 +1,1 @@
+"""aitoolbox 1.x's ``train_loop.components`` package: the parts user code imports from it are re-exported."""

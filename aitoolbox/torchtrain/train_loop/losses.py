@@ -1,0 +1,47 @@
+"""One loss or several: the loop's bookkeeping of batch losses, plain tensors and ``MultiLoss`` alike.
+
+A model's ``get_loss`` returns a scalar tensor or a :class:`~aitoolbox.torchtrain.multi_loss_optim.MultiLoss`
+of named scalar tensors. The loop sums losses over an epoch as one tensor: 0-dimensional for a single loss,
+one element per loss name (in sorted order, as aitoolbox 1.x) for a MultiLoss. History keys follow 1.x:
+``loss``/``val_loss``/``accumulated_loss`` for a single loss, ``loss_<name>``, ``val_loss_<name>``... for several.
+"""
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+
+LossResult = Union[torch.Tensor, MultiLoss]
+
+
+def loss_names(loss: LossResult) -> Optional[List[str]]:
+    """The sorted names of a MultiLoss; None for a single loss."""
+    return sorted(loss) if isinstance(loss, MultiLoss) else None
+
+
+def detached_values(loss: LossResult) -> torch.Tensor:
+    """The loss values without their graph: a 0-dim tensor, or one element per name for a MultiLoss."""
+    if isinstance(loss, MultiLoss):
+        return torch.stack([loss[name].detach().reshape(()).float() for name in sorted(loss)])
+    return loss.detach().reshape(())
+
+
+def as_loss_result(values: torch.Tensor, names: Optional[List[str]]) -> LossResult:
+    """Values back in the user's form: the tensor itself, or a MultiLoss of 0-dim tensors by name."""
+    if names is None:
+        return values
+    return MultiLoss(dict(zip(names, values.unbind())))
+
+
+def as_float_dict(result: LossResult) -> Union[float, Dict[str, float]]:
+    """A loss result as a float, or a ``{name: float}`` dict for a MultiLoss (1.x's ``float_dict_format``)."""
+    if isinstance(result, MultiLoss):
+        return {name: float(value) for name, value in result.items()}
+    return float(result)
+
+
+def history_entries(metric_name: str, values: torch.Tensor, names: Optional[List[str]]) -> Dict[str, float]:
+    """``{metric_name: value}``, or ``{metric_name_<loss name>: value}`` per loss of a MultiLoss."""
+    if names is None:
+        return {metric_name: values.item()}
+    return {f"{metric_name}_{name}": value for name, value in zip(names, values.tolist())}
