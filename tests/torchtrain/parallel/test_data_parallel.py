@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTBasicModel, TTModel
 from aitoolbox.torchtrain.parallel import TTDataParallel, TTDistributedDataParallel, TTParallelBase
+from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.distributed_helpers import run_distributed
 from tests.helpers import ClassifierFeedDefinition, PlainMLP, classification_data
 
@@ -165,6 +167,23 @@ def test_data_parallel_around_a_model_wrap_adapter_uses_the_feed_definition():
     x, y = classification_data(6).tensors
     torch.testing.assert_close(wrapper.get_loss((x, y), nn.CrossEntropyLoss(), CPU),
                                nn.CrossEntropyLoss()(module(x), y))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='TrainLoop moves the model to the GPU itself there')
+def test_train_loop_trains_a_data_parallel_model_like_the_bare_model():
+    data = DataLoader(classification_data(12), batch_size=4)
+
+    def train(wrap):
+        torch.manual_seed(0)
+        module = PlainMLP()
+        model = FeedDefinitionModel(ModelWrap(module, ClassifierFeedDefinition()))
+        model = TTDataParallel(model) if wrap else model
+        TrainLoop(model, data, None, None, torch.optim.SGD(module.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                  end_auto_eval=False, show_progress=False).fit(num_epochs=2)
+        return module
+
+    for got, want in zip(train(True).parameters(), train(False).parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # --- TTDistributedDataParallel ---------------------------------------------------------------------------
