@@ -147,7 +147,8 @@ def test_train_loop_accepts_model_wrap_and_returns_the_module():
                    DataLoader(classification_data(10), batch_size=4), None, None,
                    torch.optim.SGD(module.parameters(), lr=0.1), nn.CrossEntropyLoss(),
                    end_auto_eval=True, show_progress=False)
-    assert isinstance(tl.model, FeedDefinitionModel) and tl.model.model is module
+    assert isinstance(tl.loop_model, FeedDefinitionModel) and tl.loop_model.model is module
+    assert tl.model is module and isinstance(tl.batch_model_feed_def, ClassifierFeedDefinition)  # as in 1.x
     assert tl.fit(num_epochs=1) is module
     assert len(tl.train_history["loss"]) == 1
     assert tl.evaluate_loss_on_train_set() == tl.train_history["loss"][0]
