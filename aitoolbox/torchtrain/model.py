@@ -73,7 +73,7 @@ class TTBasicModel(TTModel):
 
     def get_predictions(self, batch_data, device):
         inputs, target = self._split_batch(batch_data, device)
-        return self(*inputs).cpu(), target.cpu(), None
+        return self(*inputs).cpu(), target.cpu(), {}  # empty metadata, as aitoolbox 1.x
 
 
 class TTBasicMultiGPUModel(TTBasicModel):

@@ -69,7 +69,7 @@ def test_basic_model_feeds_all_but_the_last_element_as_inputs():
     expected_output = model(x1, x2)
     assert torch.equal(model.get_loss((x1, x2, y), nn.MSELoss(), cpu), nn.MSELoss()(expected_output, y))
     y_pred, y_true, metadata = model.get_predictions((x1, x2, y), cpu)
-    assert torch.equal(y_pred, expected_output) and torch.equal(y_true, y) and metadata is None
+    assert torch.equal(y_pred, expected_output) and torch.equal(y_true, y) and metadata == {}
 
 
 def test_basic_model_trains_like_the_hand_written_loop():
