@@ -1,7 +1,10 @@
 """Keeps the registered callbacks in execution order and calls those that override each hook."""
-from typing import Dict, Iterable, List
+import logging
+from typing import Dict, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+
+logger = logging.getLogger(__name__)
 
 HOOK_NAMES = (
     "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
@@ -29,13 +32,20 @@ class CallbacksHandler:
         self.callbacks: List[AbstractCallback] = []
         self._subscribers: Dict[str, List[AbstractCallback]] = {name: [] for name in HOOK_NAMES}
 
-    def register_callbacks(self, callbacks: Iterable[AbstractCallback]) -> None:
+    def register_callbacks(self, callbacks: Optional[Iterable[AbstractCallback]], cache_callbacks: bool = False,
+                           print_callbacks: bool = False) -> None:
         """Attach callbacks to the loop; one already registered is not added twice.
+
+        Args:
+            callbacks: the callbacks, or None.
+            cache_callbacks: accepted for aitoolbox 1.x compatibility (1.x kept callbacks aside for the processes
+                of distributed training; here the TrainLoop travels to them with its callbacks).
+            print_callbacks: log the registered callbacks afterwards.
 
         Raises:
             TypeError: when an element is not an :class:`AbstractCallback`.
         """
-        callbacks = list(callbacks)
+        callbacks = list(callbacks or [])
         for position, callback in enumerate(callbacks):
             if not isinstance(callback, AbstractCallback):
                 raise TypeError(
@@ -51,6 +61,8 @@ class CallbacksHandler:
             callback.register_train_loop_object(self.train_loop_obj)
         self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
         self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)] for name in HOOK_NAMES}
+        if print_callbacks:
+            logger.info("Registered callbacks: %s", self.callbacks)
 
     def on_multiprocess_start(self) -> None:
         for callback in self._subscribers["on_multiprocess_start"]:

@@ -151,7 +151,9 @@ def test_after_batch_prediction_sees_every_batch():
     log = []
     tl = make_loop(validation=DataLoader(classification_data(9), batch_size=4))
     tl.callbacks_handler.register_callbacks([HookRecorder(log)])
-    tl.predict_on_validation_set()
+    tl.predict_on_validation_set()  # as in aitoolbox 1.x, callbacks run only when asked to
+    assert [details for _, hook, details in log if hook == "on_after_batch_prediction"] == []
+    tl.predict_on_validation_set(force_prediction=True, execute_callbacks=True)
     assert [details for _, hook, details in log if hook == "on_after_batch_prediction"] == [
         (4, "validation"), (4, "validation"), (1, "validation")]
 
