@@ -73,11 +73,11 @@ def test_exporting_an_empty_history_warns_or_raises_when_strict(warnings_log):
                     reason="aitoolbox.utils.dict_util is not there yet")
 def test_flattened_export_of_grouped_metrics():
     th = TrainingHistory(has_validation=False)
-    th.insert_single_result_into_history("loss", 0.5)
+    th += {"loss": 0.5, "accumulated_loss": 0.6}
     th.insert_single_result_into_history("val_f1", {"cat": 0.1, "dog": {"big": 0.2}})
     th.insert_single_result_into_history("val_f1", {"cat": 0.3, "dog": {"big": 0.4}})
     assert th.get_train_history_dict(flatten_dict=True) == {
-        "loss": [0.5], "accumulated_loss": [], "val_f1_cat": [0.1, 0.3], "val_f1_dog_big": [0.2, 0.4]}
+        "loss": [0.5], "accumulated_loss": [0.6], "val_f1_cat": [0.1, 0.3], "val_f1_dog_big": [0.2, 0.4]}
     assert th["val_f1"][0] == {"cat": 0.1, "dog": {"big": 0.2}}  # the history itself is left nested
 
 
