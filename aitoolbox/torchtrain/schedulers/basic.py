@@ -1,4 +1,8 @@
-"""Learning-rate scheduler callbacks over ``torch.optim.lr_scheduler``, stepped per epoch or per optimizer step."""
+"""Learning-rate scheduler callbacks over ``torch.optim.lr_scheduler``, stepped per epoch or per optimizer step.
+
+Every scheduler callback is an :class:`AbstractScheduler`: ``TrainLoop.get_schedulers()`` returns them and
+checkpoints hold their ``state_dict()``.
+"""
 import inspect
 import logging
 from typing import Any, Callable, List, Optional, Sequence, Union
@@ -7,6 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, MultiStepLR, ReduceLROnPlateau, StepLR
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +36,33 @@ def _check_scheduler_arguments(scheduler_class: Any, kwargs: dict) -> None:
         raise TypeError(f"{scheduler_class.__name__} needs the keyword argument(s) {missing}")
 
 
-class GeneralLRSchedulerCallback(AbstractCallback):
+class AbstractScheduler:
+    """Marks a callback as a learning-rate scheduler and saves / restores its scheduler's state.
+
+    Scheduler callbacks inherit from this class and :class:`~aitoolbox.torchtrain.callbacks.abstract.AbstractCallback`
+    and assign the torch scheduler they drive to ``self.scheduler``. The TrainLoop lists them in
+    ``get_schedulers()``, and checkpoints store :meth:`state_dict` of each, in that order.
+    """
+
+    def __init__(self):
+        self.scheduler = None
+
+    def state_dict(self) -> dict:
+        """The scheduler's ``state_dict()``."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state returned by :meth:`state_dict`."""
+        self.scheduler.load_state_dict(state_dict)
+
+
+class GeneralLRSchedulerCallback(AbstractScheduler, AbstractCallback):
     """Drives any ``torch.optim.lr_scheduler`` class from the training loop.
 
     The scheduler is built as ``scheduler_class(optimizer, **kwargs)`` when the callback is registered, so,
     as in a hand-written loop that creates the scheduler before training, its initial learning rate is in
     effect from the first batch. With several optimizers and ``optimizer_idx=None`` one scheduler is built
-    per optimizer (see :attr:`schedulers`).
+    per optimizer (see :attr:`schedulers`); ``scheduler`` is the single one otherwise.
 
     By default the schedulers step at every epoch end. With ``step_per_optimizer_step=True`` they step after
     every optimizer step instead (once per ``grad_accumulation`` batches), except after a step that was
@@ -60,7 +85,8 @@ class GeneralLRSchedulerCallback(AbstractCallback):
                  optimizer_idx: Optional[Union[int, torch.optim.Optimizer]] = None,
                  step_per_optimizer_step: bool = False, **kwargs):
         name = getattr(scheduler_class, "__name__", repr(scheduler_class))
-        super().__init__(f"Learning rate scheduler {name}")
+        AbstractCallback.__init__(self, f"Learning rate scheduler {name}")
+        self.schedulers: List[Any] = []
         if not callable(scheduler_class):
             raise TypeError(f"scheduler_class must be a scheduler class such as torch.optim.lr_scheduler.StepLR, "
                             f"got {scheduler_class!r}")
@@ -76,7 +102,6 @@ class GeneralLRSchedulerCallback(AbstractCallback):
         self.optimizer_idx = optimizer_idx
         self.step_at_epoch_end = not step_per_optimizer_step
         self.step_after_optimizer_step = bool(step_per_optimizer_step)
-        self.schedulers: List[Any] = []
 
     @property
     def scheduler(self) -> Optional[Any]:
@@ -85,6 +110,11 @@ class GeneralLRSchedulerCallback(AbstractCallback):
             raise RuntimeError(f"{type(self).__name__} drives {len(self.schedulers)} schedulers, one per optimizer: "
                                "use .schedulers, or pass optimizer_idx to drive a single one")
         return self.schedulers[0] if self.schedulers else None
+
+    @scheduler.setter
+    def scheduler(self, scheduler: Optional[Any]) -> None:
+        # aitoolbox 1.x subclasses assign ``self.scheduler`` themselves.
+        self.schedulers = [] if scheduler is None else [scheduler]
 
     def _paired_optimizers(self) -> List[torch.optim.Optimizer]:
         optimizers = self.train_loop_obj.optimizers
@@ -97,9 +127,16 @@ class GeneralLRSchedulerCallback(AbstractCallback):
                              f"{len(optimizers)} optimizer(s), valid indices are 0..{len(optimizers) - 1}")
         return [optimizers[self.optimizer_idx]]
 
-    def on_train_loop_registration(self) -> None:
+    def register_train_loop_object(self, train_loop_obj) -> "GeneralLRSchedulerCallback":
+        """Build the scheduler(s) for the loop's optimizer(s), then register as any callback.
+
+        The schedulers exist before :meth:`on_train_loop_registration` runs, so subclasses overriding that hook
+        (as aitoolbox 1.x allowed) find them.
+        """
+        self.train_loop_obj = train_loop_obj
         self.schedulers = [self.scheduler_class(optimizer, **self.scheduler_args)
                            for optimizer in self._paired_optimizers()]
+        return super().register_train_loop_object(train_loop_obj)
 
     def on_epoch_end(self) -> None:
         if self.step_at_epoch_end:
@@ -115,16 +152,19 @@ class GeneralLRSchedulerCallback(AbstractCallback):
             scheduler.step()
 
     def state_dict(self) -> dict:
-        """The schedulers' states, ``{'schedulers': [state, ...]}``, for a checkpoint.
+        """The torch scheduler's ``state_dict()`` (aitoolbox 1.x format), or ``{'schedulers': [state, ...]}``
+        when the callback drives one scheduler per optimizer.
 
         Raises:
             RuntimeError: before the callback is registered (no scheduler exists yet).
         """
         self._require_schedulers("state_dict")
+        if len(self.schedulers) == 1:
+            return self.schedulers[0].state_dict()
         return {"schedulers": [scheduler.state_dict() for scheduler in self.schedulers]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` returned (a single torch scheduler's state is accepted too).
+        """Restore what :meth:`state_dict` returned (also an aitoolbox 1.x checkpoint's scheduler state).
 
         Raises:
             RuntimeError: before the callback is registered.
@@ -147,40 +187,43 @@ class GeneralLRSchedulerCallback(AbstractCallback):
 class ReduceLROnPlateauScheduler(GeneralLRSchedulerCallback):
     """``ReduceLROnPlateau`` on the validation loss, stepped at each epoch end.
 
-    It uses the ``val_loss`` the TrainLoop recorded in ``train_history`` in this epoch (end_auto_eval). In
-    epochs without one (end_auto_eval False, or every N epochs) it evaluates the validation loss itself.
+    The validation loss is the TrainLoop's (evaluated once per epoch and shared with its ``val_loss``
+    auto-evaluation). With a MultiLoss the scheduler follows ``main_multi_loss``, or the mean of all losses.
 
     Args:
+        main_multi_loss: with a MultiLoss, the name of the loss to follow; None for the mean of all.
         **kwargs: ``ReduceLROnPlateau`` arguments (``mode``, ``factor``, ``patience``, ``threshold``, ...)
             and ``optimizer_idx``.
 
     Raises:
-        ValueError: at an epoch end, when there is no recorded ``val_loss`` and no validation loader.
+        ValueError: at an epoch end, when the TrainLoop has no validation loader.
+        KeyError: at an epoch end, when ``main_multi_loss`` is not one of the MultiLoss's names.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, main_multi_loss: Optional[str] = None, **kwargs):
         # steps need the epoch's metric, so stepping per optimizer step is not offered
         super().__init__(ReduceLROnPlateau, step_per_optimizer_step=False, **kwargs)
         self.callback_name = "Reduce the learning rate when val_loss stops improving"
-        self._val_loss_count_at_epoch_begin = 0
-
-    def on_epoch_begin(self) -> None:
-        self._val_loss_count_at_epoch_begin = len(self.train_loop_obj.train_history.get("val_loss", []))
+        self.main_multi_loss = main_multi_loss
 
     def on_epoch_end(self) -> None:
         tl = self.train_loop_obj
-        recorded = tl.train_history.get("val_loss", [])
-        if len(recorded) > self._val_loss_count_at_epoch_begin:
-            val_loss = recorded[-1]
-        elif tl.validation_loader is not None:
-            val_loss = tl.evaluate_loss_on_validation_set()
-        else:
-            raise ValueError("ReduceLROnPlateauScheduler steps on the validation loss, but no 'val_loss' was "
-                             "recorded in this epoch and the TrainLoop has no validation_loader. Pass a "
-                             "validation_loader to TrainLoop, or use ReduceLROnPlateauMetricScheduler(metric_name) "
-                             "with a metric that is recorded every epoch.")
+        if tl.validation_loader is None:
+            raise ValueError("ReduceLROnPlateauScheduler steps on the validation loss, but the TrainLoop has no "
+                             "validation_loader. Pass a validation_loader to TrainLoop, or use "
+                             "ReduceLROnPlateauMetricScheduler(metric_name) with a metric recorded every epoch.")
+        val_loss = tl.evaluate_loss_on_validation_set()
+        if isinstance(val_loss, MultiLoss):
+            if self.main_multi_loss is None:
+                val_loss = torch.stack([torch.as_tensor(value, dtype=torch.float64).cpu()
+                                        for value in val_loss.values()]).mean()
+            elif self.main_multi_loss not in val_loss:
+                raise KeyError(f"main_multi_loss={self.main_multi_loss!r} is not a loss of the MultiLoss; its losses "
+                               f"are {list(val_loss)}")
+            else:
+                val_loss = val_loss[self.main_multi_loss]
         for scheduler in self.schedulers:
-            scheduler.step(val_loss)
+            scheduler.step(float(val_loss))
 
 
 class ReduceLROnPlateauMetricScheduler(GeneralLRSchedulerCallback):
@@ -267,22 +310,24 @@ class MultiStepLRScheduler(GeneralLRSchedulerCallback):
     """``MultiStepLR``: multiply the learning rate by ``gamma`` when the epoch count reaches each milestone.
 
     Args:
-        milestones: increasing epoch counts (ints >= 1). ``milestones_list=`` (the aitoolbox 1.x name) works too.
+        milestones_list: increasing epoch counts (ints >= 1); ``milestones=`` (torch's name) works too.
         **kwargs: ``MultiStepLR`` arguments (``gamma``, ``last_epoch``) and ``optimizer_idx``.
 
     Raises:
-        ValueError: ``milestones`` is empty, not ints >= 1, or not strictly increasing.
+        ValueError: the milestones are empty, not ints >= 1, or not strictly increasing.
+        TypeError: both ``milestones_list`` and ``milestones`` are given.
     """
 
-    def __init__(self, milestones: Optional[Sequence[int]] = None, **kwargs):
-        if "milestones_list" in kwargs:
-            if milestones is not None:
-                raise TypeError("pass milestones or milestones_list (its aitoolbox 1.x name), not both")
-            milestones = kwargs.pop("milestones_list")
+    def __init__(self, milestones_list: Optional[Sequence[int]] = None, **kwargs):
+        if "milestones" in kwargs:
+            if milestones_list is not None:
+                raise TypeError("pass milestones_list or milestones (the same argument), not both")
+            milestones_list = kwargs.pop("milestones")
+        milestones = milestones_list
         if (not isinstance(milestones, (list, tuple)) or not milestones
                 or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in milestones)
                 or any(a >= b for a, b in zip(milestones, milestones[1:]))):
-            raise ValueError(f"milestones must be a non-empty, strictly increasing list of ints >= 1, "
+            raise ValueError(f"milestones_list must be a non-empty, strictly increasing list of ints >= 1, "
                              f"got {milestones!r}")
         super().__init__(MultiStepLR, milestones=list(milestones), **kwargs)
         self.callback_name = "MultiStepLR learning rate scheduler"

@@ -1,7 +1,8 @@
 """Warmup schedules (as in BERT-style training), stepped after every optimizer step.
 
 Each is a ``LambdaLR`` whose factor rises linearly from 0 to 1 over ``num_warmup_steps`` optimizer steps and
-then stays constant, decays linearly, or follows a cosine to 0 at ``num_training_steps``. A step skipped
+then stays constant, decays linearly, follows a cosine to 0 at ``num_training_steps``, or follows cosines
+with hard restarts. A step skipped
 because fp16 gradients overflowed does not advance the schedule. The factors are picklable objects (not
 closures) so the callbacks can be sent to the processes of distributed training, and their settings are
 saved in the scheduler's ``state_dict``.
@@ -67,6 +68,24 @@ class CosineDecayWarmupFactor(WarmupFactor):
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * progress)))
 
 
+class HardRestartsCosineWarmupFactor(WarmupFactor):
+    """Linear warmup, then ``num_cycles`` cosine decays from 1 to 0, each restarting at 1; 0 from the end on."""
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
+        super().__init__(num_warmup_steps)
+        self.num_training_steps = num_training_steps
+        self.num_cycles = num_cycles
+
+    def __call__(self, step: int) -> float:
+        if step < self.num_warmup_steps:
+            return self.warmup(step)
+        progress = float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
+        if progress >= 1.0:
+            return 0.0
+        position_in_cycle = (float(self.num_cycles) * progress) % 1.0
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * position_in_cycle)))
+
+
 class ConstantWithWarmupScheduler(LambdaLRScheduler):
     """Warm up linearly from 0 to the optimizer's learning rate, then keep it.
 
@@ -128,3 +147,31 @@ class CosineWithWarmupScheduler(LambdaLRScheduler):
         super().__init__(CosineDecayWarmupFactor(num_warmup_steps, num_training_steps, float(num_cycles)),
                          execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
         self.callback_name = "Cosine learning rate with warmup"
+
+
+class HardRestartsCosineWithWarmupScheduler(LambdaLRScheduler):
+    """Warm up linearly to the optimizer's learning rate, then ``num_cycles`` cosine decays to 0 with hard restarts.
+
+    Each cycle falls from the peak learning rate to 0 and jumps back to the peak; after ``num_training_steps``
+    the learning rate stays 0.
+
+    Args:
+        num_warmup_steps: optimizer steps of the warmup (an int >= 0).
+        num_training_steps: total optimizer steps of the training (an int >= num_warmup_steps, >= 1).
+        num_cycles: how many decays follow the warmup (a number > 0); 0.5 (aitoolbox 1.x default) decays only
+            half-way to 0.
+        last_epoch: the index of the last step when resuming (-1 for a fresh start).
+        **kwargs: further ``LambdaLR`` arguments and ``optimizer_idx``.
+
+    Raises:
+        ValueError: on a bad step count or ``num_cycles``.
+    """
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
+                 last_epoch: int = -1, **kwargs):
+        _check_steps(num_warmup_steps, num_training_steps)
+        if isinstance(num_cycles, bool) or not isinstance(num_cycles, Real) or not num_cycles > 0:
+            raise ValueError(f"num_cycles must be a number > 0, got {num_cycles!r}")
+        super().__init__(HardRestartsCosineWarmupFactor(num_warmup_steps, num_training_steps, float(num_cycles)),
+                         execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
+        self.callback_name = "Cosine learning rate with hard restarts and warmup"

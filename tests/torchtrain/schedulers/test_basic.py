@@ -6,8 +6,11 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
-from aitoolbox.torchtrain.schedulers.basic import (GeneralLRSchedulerCallback, LambdaLRScheduler,
+from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+from aitoolbox.torchtrain.schedulers.basic import (AbstractScheduler, GeneralLRSchedulerCallback, LambdaLRScheduler,
                                                    MultiStepLRScheduler, ReduceLROnPlateauMetricScheduler,
                                                    ReduceLROnPlateauScheduler, StepLRScheduler)
 from aitoolbox.torchtrain.train_loop import TrainLoop
@@ -72,6 +75,8 @@ EPOCH_CASES = {
                   lambda opt: lr_scheduler.MultiStepLR(opt, [1, 3], gamma=0.5)),
     "multistep_aitoolbox_name": (lambda: MultiStepLRScheduler(milestones_list=[2]),
                                  lambda opt: lr_scheduler.MultiStepLR(opt, [2])),
+    "multistep_torch_name": (lambda: MultiStepLRScheduler(milestones=[2]),
+                             lambda opt: lr_scheduler.MultiStepLR(opt, [2])),
     "lambda": (lambda: LambdaLRScheduler(lambda epoch: 0.1 * (epoch + 1)),
                lambda opt: lr_scheduler.LambdaLR(opt, lambda epoch: 0.1 * (epoch + 1))),
     "general_exponential": (lambda: GeneralLRSchedulerCallback(lr_scheduler.ExponentialLR, gamma=0.7),
@@ -169,9 +174,77 @@ def test_reduce_on_plateau_evaluates_when_the_loop_did_not(make_model, make_load
     assert_params_equal(model, reference_model)
 
 
+class CountingLoader:
+    """A loader that counts the passes over it."""
+
+    def __init__(self, loader):
+        self.loader, self.passes = loader, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def test_reduce_on_plateau_shares_the_loops_val_loss_evaluation(make_model, make_loader):
+    val_loader = CountingLoader(make_loader(num_samples=20, seed=5))
+    fit_trainloop(make_model(), make_loader(), ReduceLROnPlateauScheduler(**PLATEAU_KWARGS), val_loader=val_loader,
+                  end_auto_eval=True, num_epochs=3)
+    assert val_loader.passes == 3  # one evaluation per epoch, used by the history and the scheduler
+
+
+class TwoLossModel(TTModel):
+    """Regression with a MultiLoss: the MSE and (scaled by ``weight``) the L1 loss."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.weight = weight
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def get_loss(self, batch_data, criterion, device):
+        x, y = batch_data
+        prediction = self(x)
+        return MultiLoss({"mse": nn.functional.mse_loss(prediction, y),
+                          "l1": self.weight * nn.functional.l1_loss(prediction, y)})
+
+    def get_predictions(self, batch_data, device):
+        x, y = batch_data
+        return self(x), y, None
+
+
+@pytest.mark.parametrize("main_multi_loss", [None, "mse", "l1"])
+def test_reduce_on_plateau_with_a_multi_loss(make_loader, main_multi_loss):
+    torch.manual_seed(0)
+    model = TwoLossModel(weight=3.0)
+    val_loader = make_loader(num_samples=20, seed=5)
+    steps = []
+
+    class Spy(lr_scheduler.ReduceLROnPlateau):
+        def step(self, metrics, *args, **kwargs):
+            steps.append(metrics)
+            return super().step(metrics, *args, **kwargs)
+
+    callback = ReduceLROnPlateauScheduler(main_multi_loss=main_multi_loss)
+    callback.scheduler_class = Spy
+    tl = TrainLoop(model, make_loader(), val_loader, None, sgd(model), None, show_progress=False)
+    expected = []
+    record = FunctionOnTrainLoop(lambda t: expected.append(t.evaluate_loss_on_validation_set()), epoch_end=True)
+    tl.fit(num_epochs=2, callbacks=[callback, record])
+    for value, losses in zip(steps, expected):
+        wanted = (losses["mse"] + losses["l1"]) / 2 if main_multi_loss is None else losses[main_multi_loss]
+        assert value == pytest.approx(float(wanted))
+    with pytest.raises(KeyError, match="main_multi_loss='huber' is not a loss of the MultiLoss"):
+        TrainLoop(model, make_loader(), val_loader, None, sgd(model), None, show_progress=False).fit(
+            num_epochs=1, callbacks=[ReduceLROnPlateauScheduler(main_multi_loss="huber")])
+
+
 def test_reduce_on_plateau_without_validation_data(make_model, make_loader):
-    with pytest.raises(ValueError, match="no 'val_loss' was recorded in this epoch and the TrainLoop has no "
-                                         "validation_loader"):
+    with pytest.raises(ValueError, match="steps on the validation loss, but the TrainLoop has no validation_loader"):
         fit_trainloop(make_model(), make_loader(), ReduceLROnPlateauScheduler())
 
 
@@ -191,7 +264,7 @@ def test_reduce_on_plateau_metric_scheduler(make_model, make_loader):
 
 def test_reduce_on_plateau_metric_missing(make_model, make_loader):
     with pytest.raises(ValueError, match=r"follows 'val_acc', which is not in train_history \(recorded metrics: "
-                                         r"'accumulated_loss'\)"):
+                                         r"'loss', 'accumulated_loss'\)"):
         fit_trainloop(make_model(), make_loader(), ReduceLROnPlateauMetricScheduler("val_acc"))
 
 
@@ -229,6 +302,57 @@ def test_optimizer_idx_selects_one_optimizer(make_model, make_loader):
         tl.fit(num_epochs=1, callbacks=[StepLRScheduler(1, optimizer_idx=2)])
 
 
+# --- AbstractScheduler ---------------------------------------------------------------------------------------
+def test_scheduler_callbacks_are_listed_by_the_train_loop(make_model, make_loader):
+    tl, _ = fit_trainloop(make_model(), make_loader(), StepLRScheduler(1), num_epochs=1)
+    step = tl.callbacks[0]
+    assert isinstance(step, AbstractScheduler) and tl.get_schedulers() == [step]
+
+
+class Warmup1x(AbstractScheduler, AbstractCallback):
+    """A scheduler callback written as aitoolbox 1.x documents: assign ``self.scheduler``, step it yourself."""
+
+    def __init__(self):
+        AbstractScheduler.__init__(self)
+        AbstractCallback.__init__(self, "1.x scheduler")
+
+    def on_train_loop_registration(self):
+        self.scheduler = lr_scheduler.StepLR(self.train_loop_obj.optimizer, 1, gamma=0.5)
+
+    def on_epoch_end(self):
+        self.scheduler.step()
+
+
+def test_a_1x_style_scheduler_callback(make_model, make_loader):
+    callback = Warmup1x()
+    tl, recorder = fit_trainloop(make_model(), make_loader(), callback, num_epochs=2)
+    assert recorder.at_epoch_ends == [LR * 0.5, LR * 0.25]
+    assert isinstance(callback, AbstractScheduler) and callback.state_dict()["last_epoch"] == 2
+    callback.load_state_dict({**callback.state_dict(), "last_epoch": 5})
+    assert callback.scheduler.last_epoch == 5
+
+
+def test_schedulers_exist_before_on_train_loop_registration_and_can_be_assigned(make_model, make_loader):
+    seen = []
+
+    class Subclass(StepLRScheduler):
+        def on_train_loop_registration(self):  # no super() call, as 1.x subclasses may do
+            seen.append(self.scheduler)
+            self.scheduler = lr_scheduler.ExponentialLR(self.train_loop_obj.optimizer, gamma=0.5)
+
+    tl, recorder = fit_trainloop(make_model(), make_loader(), Subclass(step_size=10), num_epochs=2)
+    assert isinstance(seen[0], lr_scheduler.StepLR)
+    assert recorder.at_epoch_ends == [LR * 0.5, LR * 0.25]  # the assigned scheduler is the one stepped
+
+
+def test_old_import_path_of_the_schedulers():
+    from aitoolbox.torchtrain.callbacks import train_schedule
+    from aitoolbox.torchtrain.schedulers import warmup
+    assert train_schedule.StepLRScheduler is StepLRScheduler
+    assert train_schedule.HardRestartsCosineWithWarmupScheduler is warmup.HardRestartsCosineWithWarmupScheduler
+    assert train_schedule.AbstractScheduler is AbstractScheduler
+
+
 # --- state_dict ----------------------------------------------------------------------------------------------
 def test_state_dict_round_trip_through_a_weights_only_checkpoint(make_model, make_loader):
     tl, _ = fit_trainloop(make_model(), make_loader(), MultiStepLRScheduler([1, 2], gamma=0.5), num_epochs=3)
@@ -242,10 +366,11 @@ def test_state_dict_round_trip_through_a_weights_only_checkpoint(make_model, mak
     restored = MultiStepLRScheduler([1, 2], gamma=0.5)
     restored.register_train_loop_object(TrainLoop(model, make_loader(), None, None, sgd(model), nn.MSELoss(),
                                                   show_progress=False))
+    assert state == callback.scheduler.state_dict()  # the torch scheduler's own state, as in aitoolbox 1.x
     restored.load_state_dict(state)
     assert restored.scheduler.last_epoch == callback.scheduler.last_epoch == 3
     assert restored.scheduler.get_last_lr() == callback.scheduler.get_last_lr()
-    restored.load_state_dict(callback.scheduler.state_dict())  # a plain torch scheduler state works too
+    restored.load_state_dict({"schedulers": [state]})  # the list form of several schedulers works too
 
 
 def test_state_dict_errors(make_model, make_loader):
@@ -266,7 +391,7 @@ def test_state_dict_errors(make_model, make_loader):
     (lambda: MultiStepLRScheduler([3, 1]), ValueError, r"strictly increasing list of ints >= 1, got \[3, 1\]"),
     (lambda: MultiStepLRScheduler([]), ValueError, r"non-empty, strictly increasing list of ints >= 1, got \[\]"),
     (lambda: MultiStepLRScheduler([0, 2]), ValueError, r"ints >= 1, got \[0, 2\]"),
-    (lambda: MultiStepLRScheduler([1], milestones_list=[2]), TypeError, "pass milestones or milestones_list"),
+    (lambda: MultiStepLRScheduler([1], milestones=[2]), TypeError, "pass milestones_list or milestones"),
     (lambda: StepLRScheduler(2, gama=0.1), TypeError, r"StepLR does not accept keyword argument\(s\) \['gama'\]; "
                                                       r"it accepts: \['gamma', 'last_epoch', 'step_size'\]"),
     (lambda: GeneralLRSchedulerCallback(lr_scheduler.StepLR), TypeError,

@@ -11,6 +11,7 @@ from torch.optim import lr_scheduler
 from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
 from aitoolbox.torchtrain.precision import LossScaler, Precision
 from aitoolbox.torchtrain.schedulers.warmup import (ConstantWithWarmupScheduler, CosineWithWarmupScheduler,
+                                                    HardRestartsCosineWithWarmupScheduler,
                                                     LinearWithWarmupScheduler)
 from aitoolbox.torchtrain.train_loop import TrainLoop
 
@@ -39,11 +40,25 @@ def cosine_factor(num_cycles):
     return factor
 
 
+def hard_restarts_factor(num_cycles):
+    def factor(step):
+        if step < WARMUP:
+            return float(step) / float(max(1, WARMUP))
+        progress = float(step - WARMUP) / float(max(1, TOTAL - WARMUP))
+        if progress >= 1.0:
+            return 0.0
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+    return factor
+
+
 CASES = {
     "constant": (lambda: ConstantWithWarmupScheduler(WARMUP), constant_factor),
     "linear": (lambda: LinearWithWarmupScheduler(WARMUP, TOTAL), linear_factor),
     "cosine": (lambda: CosineWithWarmupScheduler(WARMUP, TOTAL), cosine_factor(0.5)),
     "cosine_1.5_cycles": (lambda: CosineWithWarmupScheduler(WARMUP, TOTAL, num_cycles=1.5), cosine_factor(1.5)),
+    "hard_restarts": (lambda: HardRestartsCosineWithWarmupScheduler(WARMUP, TOTAL), hard_restarts_factor(0.5)),
+    "hard_restarts_2_cycles": (lambda: HardRestartsCosineWithWarmupScheduler(WARMUP, TOTAL, num_cycles=2),
+                               hard_restarts_factor(2)),
 }
 
 
@@ -124,9 +139,8 @@ def test_warmup_state_dict_and_pickling(make_model, make_loader):
     torch.save(callback.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    assert state["schedulers"][0]["lr_lambdas"] == [{"num_warmup_steps": 2, "num_training_steps": 10,
-                                                     "num_cycles": 1.0}]
-    assert state["schedulers"][0]["last_epoch"] == 10
+    assert state["lr_lambdas"] == [{"num_warmup_steps": 2, "num_training_steps": 10, "num_cycles": 1.0}]
+    assert state["last_epoch"] == 10
 
 
 @pytest.mark.parametrize("factory, message", [
@@ -137,6 +151,8 @@ def test_warmup_state_dict_and_pickling(make_model, make_loader):
     (lambda: LinearWithWarmupScheduler(5, 4), r"num_training_steps \(4\) must be >= num_warmup_steps \(5\)"),
     (lambda: CosineWithWarmupScheduler(1, 4, num_cycles=0), "num_cycles must be a number > 0, got 0"),
     (lambda: CosineWithWarmupScheduler(1, 4, num_cycles=None), "num_cycles must be a number > 0, got None"),
+    (lambda: HardRestartsCosineWithWarmupScheduler(1, 4, num_cycles=-1), "num_cycles must be a number > 0, got -1"),
+    (lambda: HardRestartsCosineWithWarmupScheduler(5, 4), r"num_training_steps \(4\) must be >= num_warmup_steps"),
 ])
 def test_warmup_rejects_bad_arguments(factory, message):
     with pytest.raises(ValueError, match=message):
