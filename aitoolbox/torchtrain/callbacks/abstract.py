@@ -1,8 +1,18 @@
-"""The callback base class: every hook TrainLoop calls, as plain methods to override."""
-from typing import TYPE_CHECKING, Any, Optional
+"""The callback base classes: every hook TrainLoop calls, as plain methods to override.
+
+:class:`AbstractCallback` is the base of all callbacks. :class:`AbstractExperimentCallback` adds the experiment
+details (project, experiment, root folder) of callbacks that write files into an experiment folder.
+"""
+import os
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+_FOLDER_ARGUMENTS = ("project_name", "experiment_name", "local_model_result_folder_path")
+_CLOUD_ARGUMENTS = ("cloud_save_mode", "bucket_name", "cloud_dir_prefix")
 
 
 class AbstractCallback:
@@ -25,13 +35,19 @@ class AbstractCallback:
         self.execution_order = execution_order
         self.device_idx_execution = device_idx_execution
         self.train_loop_obj: Optional["TrainLoop"] = None
+        # aitoolbox 1.x's message channel between callbacks; set from the loop when it offers one.
+        self.message_service: Any = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(callback_name={self.callback_name!r}, execution_order={self.execution_order})"
 
     def register_train_loop_object(self, train_loop_obj: "TrainLoop") -> "AbstractCallback":
-        """Attach the callback to a loop and run :meth:`on_train_loop_registration`."""
+        """Attach the callback to a loop and run :meth:`on_train_loop_registration`.
+
+        The loop's callback handler calls this; it returns the callback itself.
+        """
         self.train_loop_obj = train_loop_obj
+        self.message_service = getattr(train_loop_obj, "message_service", None)
         self.on_train_loop_registration()
         return self
 
@@ -62,8 +78,8 @@ class AbstractCallback:
     def on_after_gradient_update(self, optimizer_idx: int) -> None:
         """After every backward pass (gradients may still be accumulating and scaled).
 
-        Use ``self.train_loop_obj.optimizer_step_due`` to act only before an optimizer step, and
-        ``self.train_loop_obj.unscale_gradients(optimizer)`` to get true gradient values first.
+        Use ``self.train_loop_obj.should_execute_optimizer_update()`` to act only before an optimizer step,
+        and ``self.train_loop_obj.unscale_gradients(optimizer)`` to get true gradient values first.
         """
 
     def on_after_optimizer_step(self) -> None:
@@ -73,5 +89,177 @@ class AbstractCallback:
                                   dataset_info: dict) -> None:
         """After each batch of a ``predict_on_*_set`` pass, with that batch's outputs.
 
-        ``dataset_info`` holds ``{'type': 'train' | 'validation' | 'test'}``.
+        ``dataset_info`` holds ``{'type': 'train' | 'validation' | 'test'}``. The outputs are the loop's own
+        objects: read them, do not change them.
         """
+
+
+class MissingExperimentDetailsError(AttributeError, ValueError):
+    """The experiment details (project, experiment, root folder) are neither given nor known to the TrainLoop.
+
+    An ``AttributeError`` as in aitoolbox 1.x, and a ``ValueError`` (a bad combination of arguments).
+    """
+
+
+def _check_detail(name: str, value: Optional[str]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+    if name != "local_model_result_folder_path" and (os.sep in value or value in (".", "..")):
+        raise ValueError(f"{name} must be a plain folder name without {os.sep!r}, got {value!r}")
+
+
+def _folder_key(folder: ExperimentFolder) -> Tuple[str, str, str, str]:
+    return folder.root, folder.project_name, folder.experiment_name, folder.timestamp
+
+
+class AbstractExperimentCallback(AbstractCallback):
+    """A callback that writes into an experiment folder ``<root>/<project>/<experiment>_<timestamp>/``.
+
+    Each detail not given here is taken from the TrainLoop when the callback is registered: the
+    experiment-tracking presets (``TrainLoopCheckpoint``, ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``)
+    know all three, and their folder is then shared. The timestamp is always the loop's
+    (``train_loop_obj.experiment_timestamp``), so callbacks naming the same experiment write into one run
+    folder. The folder is created only when the first file is written, in the main process.
+
+    Subclasses that override :meth:`on_train_loop_registration` call ``super().on_train_loop_registration()``
+    first. ``self.experiment_folder`` is then the :class:`~aitoolbox.experiment.local_save.ExperimentFolder`
+    (reading it raises :class:`MissingExperimentDetailsError` when the details are unknown). As in aitoolbox
+    1.x, :meth:`try_infer_experiment_details` fills the missing ``project_name`` / ``experiment_name`` /
+    ``local_model_result_folder_path`` attributes from the loop.
+
+    Args:
+        callback_name: a name for messages.
+        project_name: the project folder, or None to take the loop's.
+        experiment_name: prefix of the run folder, or None to take the loop's.
+        local_model_result_folder_path: root folder of all projects, or None to take the loop's.
+        cloud_save_mode: aitoolbox 1.x's storage selector; kept for callbacks that check it. Files are
+            written locally only.
+        bucket_name: aitoolbox 1.x's cloud bucket (kept, unused).
+        cloud_dir_prefix: aitoolbox 1.x's folder inside the bucket (kept, unused).
+        execution_order: position among the callbacks.
+        device_idx_execution: under distributed training, run only in the process of this global rank.
+
+    Raises:
+        ValueError: a given name is empty, or ``project_name`` / ``experiment_name`` contains a path separator.
+    """
+
+    #: Subclasses that always write files set this True: registration then fails when no folder can be found.
+    requires_experiment_folder: bool = False
+
+    def __init__(self, callback_name: str, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+                 local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None,
+                 execution_order: int = 0, device_idx_execution: Optional[int] = None):
+        super().__init__(callback_name, execution_order=execution_order, device_idx_execution=device_idx_execution)
+        for name, value in zip(_FOLDER_ARGUMENTS, (project_name, experiment_name, local_model_result_folder_path)):
+            _check_detail(name, value)
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self.local_model_result_folder_path = (os.path.expanduser(local_model_result_folder_path)
+                                               if local_model_result_folder_path is not None else None)
+        self.cloud_save_mode = cloud_save_mode
+        self.bucket_name = bucket_name
+        self.cloud_dir_prefix = cloud_dir_prefix
+        self._experiment_folder: Optional[ExperimentFolder] = None
+
+    @property
+    def has_folder_arguments(self) -> bool:
+        """True when the callback was given all three experiment details itself."""
+        return None not in (self.project_name, self.experiment_name, self.local_model_result_folder_path)
+
+    @property
+    def is_main_process(self) -> bool:
+        """True in the process that writes files (always True without distributed training)."""
+        return self.train_loop_obj is not None and bool(self.train_loop_obj.is_main_process)
+
+    @property
+    def experiment_folder(self) -> ExperimentFolder:
+        """The folder this callback writes to (nothing is created on disk until a file is written).
+
+        Raises:
+            MissingExperimentDetailsError: the callback has no details of its own and the loop has none.
+        """
+        if self._experiment_folder is None:
+            self._experiment_folder = self.resolve_experiment_folder()
+        return self._experiment_folder
+
+    @experiment_folder.setter
+    def experiment_folder(self, folder: Optional[ExperimentFolder]) -> None:
+        self._experiment_folder = folder
+
+    @property
+    def has_experiment_folder(self) -> bool:
+        """True when the experiment folder is known (resolved at registration, or set)."""
+        return self._experiment_folder is not None
+
+    def on_train_loop_registration(self) -> None:
+        # Resolved now, so that callbacks registered later find and share this folder. When the details are
+        # unknown, a callback that always writes (requires_experiment_folder) fails now, others on first use.
+        self._experiment_folder = None
+        try:
+            self._experiment_folder = self.resolve_experiment_folder()
+        except MissingExperimentDetailsError:
+            if self.requires_experiment_folder:
+                raise
+
+    def try_infer_experiment_details(self, infer_cloud_details: bool) -> None:
+        """Fill the experiment details left None from the registered TrainLoop (aitoolbox 1.x API).
+
+        Call it after registration, e.g. in :meth:`on_train_loop_registration`.
+
+        Args:
+            infer_cloud_details: also take ``cloud_save_mode``, ``bucket_name`` and ``cloud_dir_prefix`` from
+                the loop when all three are None here.
+
+        Raises:
+            MissingExperimentDetailsError: a detail is None here and the loop does not provide it (a plain
+                TrainLoop provides none).
+        """
+        for name in _FOLDER_ARGUMENTS:
+            if getattr(self, name) is None:
+                value = getattr(self.train_loop_obj, name, None)
+                if value is None:
+                    raise MissingExperimentDetailsError(self._missing_details_message())
+                setattr(self, name, value)
+        if infer_cloud_details and all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
+            for name in _CLOUD_ARGUMENTS:
+                setattr(self, name, getattr(self.train_loop_obj, name, None))
+
+    def resolve_experiment_folder(self) -> ExperimentFolder:
+        """The folder for this callback's details completed by the loop's (nothing is created on disk).
+
+        Raises:
+            MissingExperimentDetailsError: a detail is missing here and in the loop.
+        """
+        tl = self.train_loop_obj
+        loop_folder = getattr(tl, "experiment_folder", None)
+        if loop_folder is not None and all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS):
+            return loop_folder
+        details = {}
+        for name in _FOLDER_ARGUMENTS:
+            value = getattr(self, name)
+            details[name] = value if value is not None else getattr(tl, name, None)
+        if None in details.values():
+            raise MissingExperimentDetailsError(self._missing_details_message())
+        folder = ExperimentFolder(details["local_model_result_folder_path"], details["project_name"],
+                                  details["experiment_name"],
+                                  timestamp=getattr(tl, "experiment_timestamp", None))
+        # One ExperimentFolder object per run folder: it is created once, by whichever callback writes first.
+        others = [loop_folder] + [getattr(callback, "_experiment_folder", None)
+                                  for callback in getattr(tl, "callbacks", [])]
+        for other in others:
+            if isinstance(other, ExperimentFolder) and _folder_key(other) == _folder_key(folder):
+                return other
+        return folder
+
+    def ensure_folder(self, sub_folder: str) -> str:
+        """Create the run folder and ``sub_folder`` (e.g. ``self.experiment_folder.results_dir``) when missing."""
+        return self.experiment_folder.ensure(os.path.abspath(sub_folder))
+
+    def _missing_details_message(self) -> str:
+        given = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FOLDER_ARGUMENTS)
+        return (f"{type(self).__name__} does not know where to write ({given}): pass project_name, experiment_name "
+                "and local_model_result_folder_path to the callback, or use it with an experiment-tracking TrainLoop "
+                "(TrainLoopCheckpoint, TrainLoopEndSave or TrainLoopCheckpointEndSave), which provides them")

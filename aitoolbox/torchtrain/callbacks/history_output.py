@@ -1,9 +1,10 @@
-"""Callbacks that save the training history: a plot per metric, and the history as a TXT, CSV or JSON file.
+"""Callbacks that save the training history: a plot per metric, and the history as a text, TSV, CSV or JSON file.
 
 Both write into the experiment folder (see
-:class:`~aitoolbox.torchtrain.callbacks.experiment.AbstractExperimentCallback`), in the main process only,
-and replace their files atomically, so a reader never sees a half-written plot or table. aitoolbox 1.x code
-imports them from :mod:`aitoolbox.torchtrain.callbacks.performance_eval`, which re-exports them.
+:class:`~aitoolbox.torchtrain.callbacks.abstract.AbstractExperimentCallback`), in the main process only.
+Plots and the JSON file are replaced atomically, so a reader never sees a half-written one; the text, TSV and
+CSV files grow by one block or row per write, as in aitoolbox 1.x. aitoolbox 1.x code imports these
+callbacks from :mod:`aitoolbox.torchtrain.callbacks.performance_eval`, which re-exports them.
 """
 import csv
 import importlib
@@ -21,7 +22,8 @@ from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
 logger = logging.getLogger(__name__)
 
 PLOT_FORMATS = ("png", "pdf", "svg")
-FILE_FORMATS = ("txt", "csv", "json")
+FILE_FORMATS = ("txt", "tsv", "csv", "json")
+TRAIN_END_PREFIX = "train_end_"
 
 
 class HistoryEpochs:
@@ -44,19 +46,6 @@ class HistoryEpochs:
                 self.epochs[name] = list(range(first, epoch + 1)) if first >= 0 else list(range(len(values)))
             else:
                 known.extend([epoch] * (len(values) - len(known)))
-
-    def rows(self, history: Mapping[str, List[Any]]) -> List[Tuple[int, Dict[str, Any]]]:
-        """The history as table rows ``(epoch, {metric: value})``, one per epoch (more if an epoch has repeats)."""
-        by_epoch: Dict[int, Dict[str, List[Any]]] = {}
-        for name, values in history.items():
-            for epoch, value in zip(self.epochs.get(name, range(len(values))), values):
-                by_epoch.setdefault(epoch, {}).setdefault(name, []).append(value)
-        rows = []
-        for epoch in sorted(by_epoch):
-            cells = by_epoch[epoch]
-            for repeat in range(max(len(values) for values in cells.values())):
-                rows.append((epoch, {name: values[repeat] for name, values in cells.items() if repeat < len(values)}))
-        return rows
 
 
 def _check_flags(epoch_end: Any, train_end: Any, callback_name: str) -> None:
@@ -93,24 +82,49 @@ def _plain(value: Any) -> Any:
     return tolist() if callable(tolist) else value
 
 
-def _cell(value: Any) -> str:
-    value = _plain(value)
-    return repr(value) if isinstance(value, float) else str(value)
+class ModelTrainHistoryBaseCB(AbstractExperimentCallback):
+    """Base of callbacks that write the training history at epoch ends and/or at the end of training.
 
+    Writing happens in the main process only, through :meth:`write` (subclasses implement it); the epochs in
+    which each metric got its values are tracked in ``history_epochs``.
 
-class _HistoryOutputBase(AbstractExperimentCallback):
-    """Writes at epoch ends and/or at the end of training, in the main process only."""
+    Args:
+        callback_name: a name for messages.
+        execution_order: position among the callbacks.
+        epoch_end: write at the end of every epoch.
+        train_end: write at the end of training.
+        file_format: the output format (checked by the subclass).
+        project_name: the project folder, or None to take the loop's.
+        experiment_name: prefix of the run folder, or None to take the loop's.
+        local_model_result_folder_path: root folder of all projects, or None to take the loop's.
+        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
+        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
 
-    def __init__(self, callback_name: str, epoch_end: bool, train_end: bool, project_name: Optional[str],
-                 experiment_name: Optional[str], local_model_result_folder_path: Optional[str],
-                 cloud_save_mode: Optional[str], execution_order: int):
+    Raises:
+        ValueError: both flags False, a cloud ``cloud_save_mode`` or a bad folder name.
+        TypeError: a flag that is not a bool.
+    """
+
+    requires_experiment_folder = True
+
+    def __init__(self, callback_name: str, execution_order: int = 0, epoch_end: bool = True, train_end: bool = False,
+                 file_format: str = "", project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+                 local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         execution_order=execution_order)
+                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
         _check_flags(epoch_end, train_end, type(self).__name__)
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         self.epoch_end = epoch_end
         self.train_end = train_end
+        self.file_format = file_format
         self.history_epochs = HistoryEpochs()
+        self.cloud_results_saver = None  # aitoolbox 1.x attribute: no cloud saving
+
+    def prepare_results_saver(self) -> None:
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, files are saved locally only."""
+        self.cloud_results_saver = None
 
     def on_epoch_end(self) -> None:
         self.history_epochs.observe(self.train_loop_obj.train_history, self.train_loop_obj.epoch)
@@ -120,13 +134,14 @@ class _HistoryOutputBase(AbstractExperimentCallback):
     def on_train_end(self) -> None:
         self.history_epochs.observe(self.train_loop_obj.train_history, self.train_loop_obj.epoch)
         if self.train_end and self.is_main_process:
-            self.write()
+            self.write(prefix=TRAIN_END_PREFIX)
 
-    def write(self) -> None:
+    def write(self, prefix: str = "") -> None:
+        """Write the current training history (``prefix`` is ``'train_end_'`` at the end of training)."""
         raise NotImplementedError
 
 
-class ModelTrainHistoryPlot(_HistoryOutputBase):
+class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
     """Plot each training-history metric against the epoch, one file per metric in ``results/plots/``.
 
     The files (``<metric>.png``, ...) are replaced at each write, so they always show the whole history.
@@ -137,14 +152,17 @@ class ModelTrainHistoryPlot(_HistoryOutputBase):
         epoch_end: write at the end of every epoch.
         train_end: write at the end of training.
         file_format: ``'png'``, ``'pdf'`` or ``'svg'``.
-        project_name, experiment_name, local_model_result_folder_path: the experiment folder (all three or
-            none, then the folder of TrainLoopCheckpoint / TrainLoopEndSave / TrainLoopCheckpointEndSave).
-        cloud_save_mode, bucket_name, cloud_dir_prefix: accepted for aitoolbox 1.x compatibility; only local
-            saving is supported.
+        project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
+        experiment_name: prefix of the run folder, or None to take the loop's.
+        local_model_result_folder_path: root folder of all projects, or None to take the loop's.
+        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
+        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
         execution_order: position among the callbacks; the default 97 runs after those that add metrics.
 
     Raises:
-        ValueError / TypeError: bad flags or format, or incomplete folder arguments.
+        ValueError: bad flags or format, or experiment details the loop cannot complete (at registration).
+        TypeError: a flag that is not a bool.
         ImportError: at registration, when matplotlib is not installed.
     """
 
@@ -153,8 +171,9 @@ class ModelTrainHistoryPlot(_HistoryOutputBase):
                  local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None,
                  execution_order: int = 97):
-        super().__init__("Model training history plot", epoch_end, train_end, project_name, experiment_name,
-                         local_model_result_folder_path, cloud_save_mode, execution_order)
+        super().__init__("Model training history plot", execution_order, epoch_end, train_end, file_format,
+                         project_name, experiment_name, local_model_result_folder_path, cloud_save_mode,
+                         bucket_name, cloud_dir_prefix)
         self.file_format = _check_format(file_format, PLOT_FORMATS)
 
     def on_train_loop_registration(self) -> None:
@@ -166,8 +185,8 @@ class ModelTrainHistoryPlot(_HistoryOutputBase):
                               "matplotlib (or pip install 'aitoolbox[tracking]')") from error
         super().on_train_loop_registration()
 
-    def write(self) -> None:
-        """Plot every numeric metric of the training history now."""
+    def write(self, prefix: str = "") -> None:
+        """Plot every numeric metric of the training history now (the same files at every write)."""
         history = self.train_loop_obj.train_history
         plots_dir = self.ensure_folder(self.experiment_folder.plots_dir)
         for name, values in history.items():
@@ -201,26 +220,34 @@ class ModelTrainHistoryPlot(_HistoryOutputBase):
             figure.savefig(handle, format=self.file_format)
 
 
-class ModelTrainHistoryFileWriter(_HistoryOutputBase):
-    """Write the training history to ``results/train_history.<txt|csv|json>``.
+class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
+    """Write the training history into ``results/`` of the experiment folder, in aitoolbox 1.x's formats.
 
-    - ``csv``: a header ``epoch,<metric>,...`` and one row per epoch; a metric without a value in an epoch
-      (recorded every few epochs, or only at the end like ``train_end_test_loss``) has an empty cell.
-    - ``txt``: the same table with aligned columns, for reading.
-    - ``json``: the history as ``{metric: [values]}``.
+    At each write the newest value of every metric is added to ``results/results.<format>`` (at the end of
+    training to ``results/train_end_results.<format>``); metrics without values are left out, and a metric whose
+    values are dicts gives one entry per key (``<metric>_<key>``).
+
+    - ``txt``: a block per write, ``Epoch: <epoch>`` then a ``<metric>:<TAB><value>`` line per metric.
+    - ``tsv`` / ``csv``: a header ``Epoch, <metric>, ...``, then a row per write; when the set of metrics
+      changes, a ``NEW_METRICS_DETECTED`` row and a new header come first.
+    - ``json``: the whole history as ``{metric: [values]}`` in ``results/train_history.json`` (replaced at each
+      write; ``train_end_train_history.json`` at the end of training).
 
     Args:
         epoch_end: write at the end of every epoch.
         train_end: write at the end of training.
-        file_format: ``'txt'``, ``'csv'`` or ``'json'``.
-        project_name, experiment_name, local_model_result_folder_path: the experiment folder (all three or
-            none, then the folder of TrainLoopCheckpoint / TrainLoopEndSave / TrainLoopCheckpointEndSave).
-        cloud_save_mode, bucket_name, cloud_dir_prefix: accepted for aitoolbox 1.x compatibility; only local
-            saving is supported.
+        file_format: ``'txt'``, ``'tsv'``, ``'csv'`` or ``'json'``.
+        project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
+        experiment_name: prefix of the run folder, or None to take the loop's.
+        local_model_result_folder_path: root folder of all projects, or None to take the loop's.
+        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
+        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
         execution_order: position among the callbacks; the default 97 runs after those that add metrics.
 
     Raises:
-        ValueError / TypeError: bad flags or format, or incomplete folder arguments.
+        ValueError: bad flags or format, or experiment details the loop cannot complete (at registration).
+        TypeError: a flag that is not a bool.
     """
 
     def __init__(self, epoch_end: bool = True, train_end: bool = False, file_format: str = "txt",
@@ -228,37 +255,68 @@ class ModelTrainHistoryFileWriter(_HistoryOutputBase):
                  local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None,
                  execution_order: int = 97):
-        super().__init__("Model training history file writer", epoch_end, train_end, project_name, experiment_name,
-                         local_model_result_folder_path, cloud_save_mode, execution_order)
+        super().__init__("Model training history file writer", execution_order, epoch_end, train_end, file_format,
+                         project_name, experiment_name, local_model_result_folder_path, cloud_save_mode,
+                         bucket_name, cloud_dir_prefix)
         self.file_format = _check_format(file_format, FILE_FORMATS)
+        self._columns: Dict[str, List[str]] = {}  # per TSV/CSV file: the metrics of its current header
+
+    def output_path(self, prefix: str = "") -> str:
+        """The file written at epoch ends (``prefix=''``) or at the end of training (``'train_end_'``)."""
+        name = "train_history.json" if self.file_format == "json" else f"results.{self.file_format}"
+        return os.path.join(self.experiment_folder.results_dir, f"{prefix}{name}")
 
     @property
     def file_path(self) -> str:
-        """Where the history is written (known after registration)."""
-        return os.path.join(self.experiment_folder.results_dir, f"train_history.{self.file_format}")
+        """The file written at epoch ends (known after registration)."""
+        return self.output_path()
 
-    def write(self) -> None:
-        """Write the whole training history now."""
-        self.ensure_folder(self.experiment_folder.results_dir)
+    def write(self, prefix: str = "") -> None:
+        """Add the newest values of the training history to the file now."""
+        path = self.output_path(prefix)
+        self.ensure_folder(os.path.dirname(path))
         history = self.train_loop_obj.train_history
         if self.file_format == "json":
             text = json.dumps({name: [_plain(value) for value in values] for name, values in history.items()},
                               indent=2, default=repr)
+            atomic_write_text(path, text)
+            return
+        latest = newest_values(history)
+        epoch = self.train_loop_obj.epoch
+        if self.file_format == "txt":
+            lines = ["============================", f"Epoch: {epoch}", "============================"]
+            lines += [f"{name}:\t{value}" for name, value in latest.items()]
+            text = "\n".join(lines) + "\n\n\n"
         else:
-            header = ["epoch"] + list(history.keys())
-            table = [header] + [[str(epoch)] + [_cell(cells[name]) if name in cells else "" for name in header[1:]]
-                                for epoch, cells in self.history_epochs.rows(history)]
-            text = self._csv(table) if self.file_format == "csv" else self._aligned(table)
-        atomic_write_text(self.file_path, text)
+            text = self._table_rows(path, epoch, latest)
+        with open(path, "a", encoding="utf-8", newline="") as handle:
+            handle.write(text)  # one write per block, so a reader sees whole blocks or rows
 
-    @staticmethod
-    def _csv(table: List[List[str]]) -> str:
+    def _table_rows(self, path: str, epoch: int, latest: Dict[str, Any]) -> str:
         buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerows(table)
+        writer = csv.writer(buffer, delimiter="\t" if self.file_format == "tsv" else ",", lineterminator="\n")
+        columns = self._columns.get(path)
+        if columns is None or sorted(columns) != sorted(latest):
+            if columns is not None:
+                writer.writerow(["NEW_METRICS_DETECTED"])
+            columns = self._columns[path] = list(latest)
+            writer.writerow(["Epoch"] + columns)
+        writer.writerow([epoch] + [latest[name] for name in columns])
         return buffer.getvalue()
 
-    @staticmethod
-    def _aligned(table: List[List[str]]) -> str:
-        widths = [max(len(row[column]) for row in table) for column in range(len(table[0]))]
-        return "".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() + "\n"
-                       for row in table)
+
+def newest_values(history: Mapping[str, List[Any]]) -> Dict[str, Any]:
+    """The newest value of each metric that has one; dict values become ``<metric>_<key>`` entries."""
+    latest: Dict[str, Any] = {}
+    for name, values in history.items():
+        if values:
+            _flatten_into(latest, name, _plain(values[-1]))
+    return latest
+
+
+def _flatten_into(target: Dict[str, Any], name: str, value: Any) -> None:
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            _flatten_into(target, f"{name}_{key}", _plain(inner))
+    else:
+        target[name] = value

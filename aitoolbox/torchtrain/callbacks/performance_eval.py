@@ -1,25 +1,35 @@
 """Callbacks that compute a result package's metrics during training and report them.
 
 :class:`ModelPerformanceEvaluation` puts metrics such as ``val_Accuracy`` into the training history, where
-early stopping, schedulers and :class:`ModelPerformancePrintReport` find them.
+early stopping, schedulers and :class:`ModelPerformancePrintReport` find them. As in aitoolbox 1.x this
+module also offers :class:`TrainHistoryFormatter` / :class:`MetricHistoryRename` (from :mod:`.history_format`)
+and the history plot and file writer (from :mod:`.history_output`).
 """
 import argparse
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.history_format import MetricHistoryRename, TrainHistoryFormatter
+from aitoolbox.torchtrain.callbacks.history_output import (
+    ModelTrainHistoryBaseCB, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 
 logger = logging.getLogger(__name__)
 
-# (prefix in the history, TrainLoop prediction method, loader attribute) for each data set.
+__all__ = ["ModelPerformanceEvaluation", "ModelPerformancePrintReport", "TrainHistoryFormatter",
+           "MetricHistoryRename", "ModelTrainHistoryBaseCB", "ModelTrainHistoryPlot", "ModelTrainHistoryFileWriter"]
+
+# For each data set: (prefix in the history, TrainLoop prediction method, loss method, loader attribute, flag).
 _DATASETS = {
-    "train": ("train_", "predict_on_train_set", "train_loader"),
-    "validation": ("val_", "predict_on_validation_set", "validation_loader"),
-    "test": ("test_", "predict_on_test_set", "test_loader"),
+    "train": ("train_", "predict_on_train_set", "evaluate_loss_on_train_set", "train_loader", "on_train_data"),
+    "validation": ("val_", "predict_on_validation_set", "evaluate_loss_on_validation_set", "validation_loader",
+                   "on_val_data"),
+    "test": ("test_", "predict_on_test_set", "evaluate_loss_on_test_set", "test_loader", "on_test_data"),
 }
+TRAIN_END_PREFIX = "train_end_"
 
 
 def _check_frequency(value: Optional[int], name: str) -> None:
@@ -28,46 +38,56 @@ def _check_frequency(value: Optional[int], name: str) -> None:
 
 
 def _epoch_due(epoch: int, frequency: Optional[int]) -> bool:
-    """Every epoch, or every ``frequency`` epochs counting from the first (epochs 0-based: N-1, 2N-1, ...)."""
-    return frequency is None or (epoch + 1) % frequency == 0
+    """Every epoch, or every ``frequency`` epochs starting with the first (epochs 0, N, 2N, ... as in 1.x)."""
+    return frequency is None or epoch % frequency == 0
+
+
+def _is_streaming_package(package: AbstractResultPackage) -> bool:
+    """True for packages over a stateful torchmetrics metric (``TorchMetricsPackage``): reset, moved to device."""
+    return callable(getattr(package, "metric_reset", None))
 
 
 class ModelPerformanceEvaluation(AbstractCallback):
     """Evaluate a result package on the model's predictions and record its metrics in the training history.
 
-    At the end of each epoch (or every ``eval_frequency`` epochs, or once at the end of training with
-    ``on_each_epoch=False``) the callback asks the TrainLoop for its predictions on the chosen data sets,
-    prepares a fresh copy of ``result_package`` for each set, and appends every metric to
-    ``train_history`` under ``train_<metric>``, ``val_<metric>`` or ``test_<metric>`` (e.g.
-    ``val_Accuracy``). The TrainLoop caches predictions within an iteration, so several of these
-    callbacks on the same data set share one prediction pass.
+    At the end of each epoch (or every ``eval_frequency`` epochs: 0, N, 2N...) the callback asks the TrainLoop
+    for its predictions on the chosen data sets, prepares the result packages and appends every metric to
+    ``train_history`` as ``train_<metric>``, ``val_<metric>`` or ``test_<metric>`` (e.g. ``val_Accuracy``).
+    At the end of training it evaluates once more and records ``train_end_val_<metric>`` etc. The TrainLoop
+    caches predictions within an iteration, so several callbacks share one prediction pass.
 
-    The packages of the latest evaluation stay available as ``train_result_package``,
-    ``val_result_package`` and ``test_result_package`` (None for sets not evaluated yet), e.g. for saving.
+    As in aitoolbox 1.x, ``result_package`` itself is prepared with the validation results;
+    ``train_result_package`` (with ``on_train_data``) and ``test_result_package`` (with ``on_test_data``) are
+    copies of it made here. A package with ``requires_loss`` gets the data set's loss as
+    ``additional_results['additional_results']['loss']``. Packages over a torchmetrics metric (with a
+    ``metric_reset`` method) have their metric moved to the training device at registration and reset at
+    every epoch end.
 
     Under distributed training the callback runs in every process (predicting is a collective operation).
 
     Args:
-        result_package: the metrics to compute, e.g. ``ClassificationResultPackage()``; never prepared
-            itself (copies are).
+        result_package: the metrics to compute, e.g. ``ClassificationResultPackage()``.
         args: the experiment's hyperparameters (a dict, an ``argparse.Namespace`` or None), handed to the
-            result packages.
-        on_each_epoch: evaluate at epoch ends (True) or once at the end of training (False).
+            result packages (as a copy).
+        on_each_epoch: evaluate at epoch ends (True) or only at the end of training (False).
         on_train_data: evaluate on the training set.
         on_val_data: evaluate on the validation set.
-        on_test_data: evaluate on the test set.
         eval_frequency: with ``on_each_epoch``, evaluate every this many epochs (None: every epoch).
-        execution_order: position among the callbacks; the default 0 runs before reporting (order 2).
+        if_available_output_to_project_dir: with an experiment-tracking TrainLoop, tell the packages the
+            experiment folder (``set_experiment_dir_path_for_additional_results``) for their extra files.
+        on_test_data: evaluate on the test set.
+        execution_order: position among the callbacks; the default 0 runs before reporting and stopping.
 
     Raises:
         TypeError: ``result_package`` is not a result package, or ``args`` is not a dict.
-        ValueError: no data set chosen, a bad ``eval_frequency``, or (when registered with a TrainLoop) a
-            chosen data set without a loader.
+        ValueError: no data set chosen, a bad ``eval_frequency``, or (at the start of training) a chosen data
+            set without a loader.
     """
 
     def __init__(self, result_package: AbstractResultPackage, args: Any, on_each_epoch: bool = True,
-                 on_train_data: bool = False, on_val_data: bool = True, on_test_data: bool = False,
-                 eval_frequency: Optional[int] = None, execution_order: int = 0):
+                 on_train_data: bool = False, on_val_data: bool = True, eval_frequency: Optional[int] = None,
+                 if_available_output_to_project_dir: bool = True, on_test_data: bool = False,
+                 execution_order: int = 0):
         super().__init__("Model performance evaluation", execution_order=execution_order)
         if not isinstance(result_package, AbstractResultPackage):
             raise TypeError("result_package must be an AbstractResultPackage such as ClassificationResultPackage(), "
@@ -81,9 +101,6 @@ class ModelPerformanceEvaluation(AbstractCallback):
             raise ValueError("nothing to evaluate: on_train_data, on_val_data and on_test_data are all False; "
                              "set at least one to True")
         _check_frequency(eval_frequency, "eval_frequency")
-        if eval_frequency is not None and not on_each_epoch:
-            raise ValueError(f"eval_frequency={eval_frequency} applies to per-epoch evaluation; with "
-                             "on_each_epoch=False the evaluation runs once at the end, so leave eval_frequency None")
         self.result_package = result_package
         self.args = dict(args) if args is not None else {}
         self.on_each_epoch = on_each_epoch
@@ -91,61 +108,107 @@ class ModelPerformanceEvaluation(AbstractCallback):
         self.on_val_data = on_val_data
         self.on_test_data = on_test_data
         self.eval_frequency = eval_frequency
-        self.train_result_package: Optional[AbstractResultPackage] = None
-        self.val_result_package: Optional[AbstractResultPackage] = None
-        self.test_result_package: Optional[AbstractResultPackage] = None
+        self.if_available_output_to_project_dir = if_available_output_to_project_dir
+        # Attributes present only for the data sets evaluated, as in aitoolbox 1.x.
+        if on_train_data:
+            self.train_result_package = copy.deepcopy(result_package)
+        if on_test_data:
+            self.test_result_package = copy.deepcopy(result_package)
 
     @property
     def dataset_types(self) -> List[str]:
         """The data sets this callback evaluates, in the order it evaluates them."""
-        chosen = {"train": self.on_train_data, "validation": self.on_val_data, "test": self.on_test_data}
-        return [dataset_type for dataset_type, wanted in chosen.items() if wanted]
+        return [dataset_type for dataset_type, spec in _DATASETS.items() if getattr(self, spec[4])]
+
+    def package_for(self, dataset_type: str) -> AbstractResultPackage:
+        """The result package that holds the results of ``dataset_type`` ('train', 'validation' or 'test')."""
+        return {"train": getattr(self, "train_result_package", None), "validation": self.result_package,
+                "test": getattr(self, "test_result_package", None)}[dataset_type]
+
+    def _packages(self) -> List[AbstractResultPackage]:
+        return [self.package_for(dataset_type) for dataset_type in self.dataset_types]
 
     def on_train_loop_registration(self) -> None:
+        tl = self.train_loop_obj
+        details = [getattr(tl, name, None) for name in ("project_name", "experiment_name",
+                                                         "local_model_result_folder_path")]
+        if self.if_available_output_to_project_dir and None not in details:
+            project_name, experiment_name, root = details
+            for package in self._packages():
+                package.set_experiment_dir_path_for_additional_results(project_name, experiment_name,
+                                                                       tl.experiment_timestamp, root)
+        for package in self._packages():
+            if _is_streaming_package(package) and callable(getattr(package.metric, "to", None)):
+                package.metric.to(tl.device)
+
+    def on_train_begin(self) -> None:
         for dataset_type in self.dataset_types:
-            loader_name = _DATASETS[dataset_type][2]
+            _, _, _, loader_name, flag = _DATASETS[dataset_type]
             if getattr(self.train_loop_obj, loader_name) is None:
-                flag = {"train": "on_train_data", "validation": "on_val_data", "test": "on_test_data"}[dataset_type]
                 raise ValueError(f"ModelPerformanceEvaluation has {flag}=True but the TrainLoop has no "
                                  f"{loader_name}: pass a {loader_name} to TrainLoop or set {flag}=False")
 
     def on_epoch_end(self) -> None:
         if self.on_each_epoch and _epoch_due(self.train_loop_obj.epoch, self.eval_frequency):
             self.evaluate_model_performance()
+        # torchmetrics metrics accumulate over updates: start every epoch afresh
+        for package in self._packages():
+            if _is_streaming_package(package):
+                package.metric_reset()
 
     def on_train_end(self) -> None:
-        if not self.on_each_epoch:
-            self.evaluate_model_performance()
+        self.evaluate_model_performance(prefix=TRAIN_END_PREFIX)
 
-    def evaluate_model_performance(self) -> None:
-        """Evaluate on every chosen data set now and append the results to the training history."""
+    def evaluate_model_performance(self, prefix: str = "") -> None:
+        """Evaluate on every chosen data set now and append the results to the training history.
+
+        Args:
+            prefix: put before the metric names in the history (``'train_end_'`` at the end of training).
+        """
         tl = self.train_loop_obj
         for dataset_type in self.dataset_types:
-            prefix, predict_method, _ = _DATASETS[dataset_type]
+            _, predict_method, loss_method, _, _ = _DATASETS[dataset_type]
             y_pred, y_true, metadata = getattr(tl, predict_method)()
-            # A fresh copy per evaluation, so packages handed out earlier keep their own results.
-            package = copy.deepcopy(self.result_package)
-            package.prepare_result_package(y_true, y_pred, hyperparameters=self.args,
-                                           training_history=tl.train_history, metadata=metadata)
-            for metric_name, value in package.get_results().items():
-                tl.insert_metric_result_into_history(f"{prefix}{metric_name}", value)
-            setattr(self, f"{prefix}result_package", package)
+            package = self.package_for(dataset_type)
+            if getattr(package, "requires_loss", False):
+                # A copy: the metadata belongs to the loop's prediction cache, shared with other callbacks.
+                metadata = dict(metadata) if isinstance(metadata, Mapping) else {}
+                metadata["loss"] = getattr(tl, loss_method)(float_dict_format=True)
+            package.prepare_result_package(y_true, y_pred, hyperparameters=self.args, additional_results=metadata,
+                                           training_history=tl.train_history)
+        self.store_evaluated_metrics_to_history(prefix=prefix)
+
+    def store_evaluated_metrics_to_history(self, prefix: str = "") -> None:
+        """Append the results of the last evaluation to the training history, e.g. as ``val_Accuracy``.
+
+        Args:
+            prefix: put before the metric names (``'train_end_'`` at the end of training).
+        """
+        for dataset_type in self.dataset_types:
+            results: Dict[str, Any] = self.package_for(dataset_type).get_results() or {}
+            for metric_name, value in results.items():
+                self.train_loop_obj.insert_metric_result_into_history(
+                    f"{prefix}{_DATASETS[dataset_type][0]}{metric_name}", value)
 
 
 class ModelPerformancePrintReport(AbstractCallback):
     """Log the latest value of chosen metrics from the training history (main process only, INFO level).
 
+    At the end of training it reports the ``train_end_<metric>`` values that
+    :class:`ModelPerformanceEvaluation` records then, and the latest plain value for metrics without one.
+
     Args:
         metrics: names of tracked metrics, e.g. ``['val_loss', 'val_Accuracy']``.
-        on_each_epoch: report at epoch ends (True) or once at the end of training (False).
-        report_frequency: with ``on_each_epoch``, report every this many epochs (None: every epoch).
+        on_each_epoch: report at epoch ends (and at the end of training), or only at the end of training.
+        report_frequency: with ``on_each_epoch``, report every this many epochs (epochs 0, N, 2N...).
         strict_metric_reporting: raise an error when a metric is not in the history (otherwise log a
             warning and report the others).
         list_tracked_metrics: also log the names of all metrics in the history.
         execution_order: position among the callbacks; the default 2 runs after the evaluation callbacks.
 
     Raises:
-        TypeError / ValueError: for a bad ``metrics`` list or ``report_frequency``.
+        TypeError: a bad ``metrics`` list.
+        ValueError: a bad ``report_frequency``.
     """
 
     def __init__(self, metrics: Sequence[str], on_each_epoch: bool = True, report_frequency: Optional[int] = None,
@@ -157,9 +220,6 @@ class ModelPerformancePrintReport(AbstractCallback):
         if not_names:
             raise TypeError(f"metrics must hold metric names (strings); these are not: {not_names!r}")
         _check_frequency(report_frequency, "report_frequency")
-        if report_frequency is not None and not on_each_epoch:
-            raise ValueError(f"report_frequency={report_frequency} applies to per-epoch reports; with "
-                             "on_each_epoch=False the report is logged once at the end, so leave it None")
         self.metrics = list(metrics)
         self.on_each_epoch = on_each_epoch
         self.report_frequency = report_frequency
@@ -171,18 +231,28 @@ class ModelPerformancePrintReport(AbstractCallback):
             self.report(f"Epoch {self.train_loop_obj.epoch}")
 
     def on_train_end(self) -> None:
-        if not self.on_each_epoch:
-            self.report("End of training")
+        self.print_performance_report(prefix=TRAIN_END_PREFIX)
 
-    def report(self, heading: str) -> None:
+    def print_performance_report(self, prefix: str = "") -> None:
+        """Report the metrics now, preferring ``<prefix><metric>`` where the history has it (aitoolbox 1.x name)."""
+        self.report("End of training" if prefix == TRAIN_END_PREFIX else f"Epoch {self.train_loop_obj.epoch}",
+                    prefix=prefix)
+
+    def report(self, heading: str, prefix: str = "") -> None:
         """Log the latest value of each metric under ``heading``.
+
+        Args:
+            heading: the report's first line.
+            prefix: report ``<prefix><metric>`` instead of ``<metric>`` where the history has it.
 
         Raises:
             ValueError: with ``strict_metric_reporting``, when a metric is not in the training history.
         """
         history = self.train_loop_obj.train_history
-        tracked = sorted(history.keys())
-        missing = [metric for metric in self.metrics if not history.get(metric)]
+        tracked = list(history.keys())
+        names = {metric: f"{prefix}{metric}" if prefix and history.get(f"{prefix}{metric}") else metric
+                 for metric in self.metrics}
+        missing = [metric for metric in self.metrics if not history.get(names[metric])]
         if missing and self.strict_metric_reporting:
             raise ValueError(f"cannot report {missing}: not in the training history. Tracked metrics: {tracked}. "
                              "Add an evaluation callback that computes them, or pass "
@@ -191,11 +261,7 @@ class ModelPerformancePrintReport(AbstractCallback):
             return
         if missing:
             logger.warning("Metrics %s are not in the training history (tracked: %s); not reported", missing, tracked)
-        lines = [f"{metric}: {history[metric][-1]}" for metric in self.metrics if metric not in missing]
+        lines = [f"{names[metric]}: {history[names[metric]][-1]}" for metric in self.metrics if metric not in missing]
         logger.info("%s performance report\n  %s", heading, "\n  ".join(lines) if lines else "(nothing to report)")
         if self.list_tracked_metrics:
             logger.info("Tracked metrics: %s", tracked)
-
-
-# aitoolbox 1.x users import the history plot and file writer from this module; they live in history_output.
-from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot  # noqa: E402,F401,E501

@@ -61,7 +61,7 @@ def _check_metric_names(metric_names: Optional[Sequence[str]]) -> Optional[List[
     return list(metric_names)
 
 
-class TensorboardReporterBase(AbstractExperimentCallback):
+class TensorboardReporterBaseCB(AbstractExperimentCallback):
     """Owns the SummaryWriter and the logging routines the tensorboard callbacks combine.
 
     Where the event files go:
@@ -70,22 +70,26 @@ class TensorboardReporterBase(AbstractExperimentCallback):
       ``log_dir``, in that sub-folder of the run folder (aitoolbox 1.x behaviour). The experiment folder comes
       from the folder arguments or the experiment-tracking preset (TrainLoopCheckpoint, ...).
     - an absolute ``log_dir``: exactly there; no experiment folder is needed.
-    - ``is_project=False``: ``log_dir`` is the full path (a relative one counts from the working directory).
+    - ``is_project=False``: ``log_dir`` is the full path (a relative one counts from the working directory);
+      without a ``log_dir``, ``./tensorboard`` (aitoolbox 1.x default).
 
     Args:
         callback_name: a name for messages.
         log_dir: see above.
         is_project: write into the experiment folder structure.
-        project_name, experiment_name, local_model_result_folder_path: the experiment folder (all three or
-            none, then the preset's folder is used).
-        cloud_save_mode, bucket_name, cloud_dir_prefix: accepted for aitoolbox 1.x compatibility; only local
-            saving is supported.
+        project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
+        experiment_name: prefix of the run folder, or None to take the loop's.
+        local_model_result_folder_path: root folder of all projects, or None to take the loop's.
+        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
+        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
         execution_order: position among the callbacks; the default 97 runs after the callbacks that add
             metrics to the training history.
         **summary_writer_kwargs: further ``SummaryWriter`` arguments (e.g. ``flush_secs``).
 
     Raises:
-        ValueError: ``is_project=False`` without a ``log_dir``, a bad ``log_dir`` or a cloud save mode.
+        ValueError: a bad ``log_dir``, a cloud save mode, or (at registration) an experiment folder that is
+            needed but unknown.
     """
 
     def __init__(self, callback_name: str, log_dir: Optional[str] = None, is_project: bool = True,
@@ -94,7 +98,7 @@ class TensorboardReporterBase(AbstractExperimentCallback):
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None,
                  execution_order: int = 97, **summary_writer_kwargs):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         execution_order=execution_order)
+                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         if log_dir is not None:
             if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
@@ -103,8 +107,7 @@ class TensorboardReporterBase(AbstractExperimentCallback):
         if not isinstance(is_project, bool):
             raise TypeError(f"is_project must be True or False, got {is_project!r}")
         if not is_project and log_dir is None:
-            raise ValueError("is_project=False writes to the full path given in log_dir, but log_dir is None: pass "
-                             "log_dir, or keep is_project=True to write into the experiment folder's tensorboard/")
+            log_dir = "tensorboard"
         if "log_dir" in summary_writer_kwargs or "logdir" in summary_writer_kwargs:
             raise TypeError("pass the tensorboard folder as the callback's log_dir argument")
         self.log_dir = log_dir
@@ -112,6 +115,7 @@ class TensorboardReporterBase(AbstractExperimentCallback):
         self.summary_writer_kwargs = summary_writer_kwargs
         self.log_dir_path: Optional[str] = None  # the resolved absolute folder, known after registration
         self.tb_writer = None
+        self.global_step = 0  # aitoolbox 1.x's batch counter, for subclasses that keep their own step
         self._writer_class: Optional[type] = None
         self._epoch_loss_sum: Optional[torch.Tensor] = None
         self._epoch_batches = 0
@@ -138,7 +142,7 @@ class TensorboardReporterBase(AbstractExperimentCallback):
     def on_train_begin(self) -> None:
         if not self.is_main_process or self.tb_writer is not None:
             return
-        if self.experiment_folder is not None:
+        if self.has_experiment_folder:
             self.experiment_folder.ensure(self.log_dir_path)
         else:
             os.makedirs(self.log_dir_path, exist_ok=True)
@@ -211,14 +215,40 @@ class TensorboardReporterBase(AbstractExperimentCallback):
                                "to tensorboard", name, type(values[-1]).__name__)
 
 
-class TensorboardTrainBatchLoss(TensorboardReporterBase):
+    # --- aitoolbox 1.x's methods, for subclasses written against it ----------------------------------------
+    def log_mid_train_loss(self) -> None:
+        """Log the current batch's loss and the epoch's running mean loss (at the loop's batch index)."""
+        self.log_batch_loss(batch_log_frequency=1)
+
+    def log_train_history_metrics(self, metric_names: Sequence[str]) -> None:
+        """Log the newest value of each of these training-history metrics at global step = the epoch."""
+        if self.tb_writer is None:
+            return
+        history = self.train_loop_obj.train_history
+        for name in metric_names:
+            value = scalar_value(history[name][-1]) if history.get(name) else None
+            if value is not None:
+                self.tb_writer.add_scalar(history_tag(name), value, self.train_loop_obj.epoch)
+
+    def prepare_results_saver(self) -> None:
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the logs stay local."""
+
+    def upload_to_cloud(self) -> None:
+        """aitoolbox 1.x's upload of the logs to cloud storage: nothing to do, the logs stay local."""
+
+
+# The name this base class had before aitoolbox 1.x's name was adopted.
+TensorboardReporterBase = TensorboardReporterBaseCB
+
+
+class TensorboardTrainBatchLoss(TensorboardReporterBaseCB):
     """Log the training loss of every ``batch_log_frequency``-th batch and the epoch's running mean.
 
     Args:
         batch_log_frequency: log every this many batches (counted over the whole training).
-        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBaseCB`.
         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
-            :class:`TensorboardReporterBase`.
+            :class:`TensorboardReporterBaseCB`.
         **kwargs: further ``SummaryWriter`` arguments.
     """
 
@@ -237,16 +267,16 @@ class TensorboardTrainBatchLoss(TensorboardReporterBase):
         self.log_batch_loss(self.batch_log_frequency)
 
 
-class TensorboardTrainHistoryMetric(TensorboardReporterBase):
+class TensorboardTrainHistoryMetric(TensorboardReporterBaseCB):
     """At each epoch end log the new values of the training-history metrics (global step = the epoch).
 
     Metrics recorded at the end of training (``train_end_test_loss``) are logged then.
 
     Args:
         metric_names: the metrics to log; None logs every metric in the training history.
-        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBaseCB`.
         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
-            :class:`TensorboardReporterBase`.
+            :class:`TensorboardReporterBaseCB`.
         **kwargs: further ``SummaryWriter`` arguments.
     """
 
@@ -267,7 +297,7 @@ class TensorboardTrainHistoryMetric(TensorboardReporterBase):
         super().on_train_end()
 
 
-class TensorboardFullTracking(TensorboardReporterBase):
+class TensorboardFullTracking(TensorboardReporterBaseCB):
     """Everything: batch loss, history metrics, learning rates and optionally weight / gradient histograms.
 
     Gradient histograms show the (unscaled) gradients of the last optimizer step of the epoch; to have them
@@ -276,9 +306,9 @@ class TensorboardFullTracking(TensorboardReporterBase):
     Args:
         metric_names: the history metrics to log; None logs all.
         batch_log_frequency: log the batch loss and learning rates every this many batches.
-        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBase`.
+        log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBaseCB`.
         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
-            :class:`TensorboardReporterBase`.
+            :class:`TensorboardReporterBaseCB`.
         log_learning_rates: log each optimizer's learning rate per parameter group.
         log_param_histograms: log a histogram of each parameter of the model.
         log_grad_histograms: log a histogram of each parameter's gradient.

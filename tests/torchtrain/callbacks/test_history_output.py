@@ -107,42 +107,54 @@ def test_metric_names_become_safe_file_names_and_non_numbers_are_skipped(tmp_pat
 
 
 # --- history files ---------------------------------------------------------------------------------------
-def test_csv_has_one_row_per_epoch_and_empty_cells_where_a_metric_has_no_value(tmp_path):
+def test_txt_has_a_block_per_epoch_with_the_newest_values(tmp_path):
     tl = make_train_loop(end_auto_eval=2)  # loss and val_loss only at epochs 1 and 3
-    callback = ModelTrainHistoryFileWriter(train_end=True, file_format="csv", **folder_args(tmp_path))
+    callback = ModelTrainHistoryFileWriter(**folder_args(tmp_path))
+    tl.fit(num_epochs=2, callbacks=[callback])
+    assert callback.file_path == os.path.join(callback.experiment_folder.results_dir, "results.txt")
+    with open(callback.file_path, encoding="utf-8") as handle:
+        blocks = handle.read().split("\n\n\n")
+    history = tl.train_history
+    rule = "============================"
+    assert blocks[0] == f"{rule}\nEpoch: 0\n{rule}\naccumulated_loss:\t{history['accumulated_loss'][0]}"
+    assert blocks[1] == (f"{rule}\nEpoch: 1\n{rule}\nloss:\t{history['loss'][0]}\n"
+                         f"accumulated_loss:\t{history['accumulated_loss'][1]}\nval_loss:\t{history['val_loss'][0]}")
+    assert blocks[2] == ""
+
+
+@pytest.mark.parametrize("file_format, delimiter", [("tsv", "\t"), ("csv", ",")])
+def test_tables_have_a_row_per_write_and_a_new_header_when_metrics_change(tmp_path, file_format, delimiter):
+    tl = make_train_loop(end_auto_eval=2)
+    callback = ModelTrainHistoryFileWriter(train_end=True, file_format=file_format, **folder_args(tmp_path))
     reader = ReadAtEpochEnd(lambda: callback.file_path)
-    tl.fit(num_epochs=4, callbacks=[callback, reader])
-    assert callback.file_path == os.path.join(callback.experiment_folder.results_dir, "train_history.csv")
+    tl.fit(num_epochs=3, callbacks=[callback, reader])
+    with open(callback.file_path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle, delimiter=delimiter))
+    history = tl.train_history
+    assert rows == [["Epoch", "accumulated_loss"], ["0", repr(history["accumulated_loss"][0])],
+                    ["NEW_METRICS_DETECTED"], ["Epoch", "loss", "accumulated_loss", "val_loss"],
+                    ["1", repr(history["loss"][0]), repr(history["accumulated_loss"][1]), repr(history["val_loss"][0])],
+                    ["2", repr(history["loss"][0]), repr(history["accumulated_loss"][2]), repr(history["val_loss"][0])]]
+    assert [len(text.splitlines()) for text in reader.texts] == [2, 5, 6]  # appended at every epoch end
+    # At the end of training: a file of its own, with the test loss recorded then.
+    with open(callback.output_path("train_end_"), newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle, delimiter=delimiter))
+    assert rows == [["Epoch", "loss", "accumulated_loss", "val_loss", "train_end_test_loss"],
+                    ["2", repr(history["loss"][0]), repr(history["accumulated_loss"][2]), repr(history["val_loss"][0]),
+                     repr(history["train_end_test_loss"][0])]]
+
+
+def test_dict_metrics_and_tensors_are_flattened_into_plain_values(tmp_path):
+    tl = make_train_loop(test=False, end_auto_eval=False)
+    tl.insert_metric_result_into_history("val_f1", {"a": torch.tensor(0.5), "b": {"c": 2}})
+    tl.insert_metric_result_into_history("empty_metric_is_left_out", 1.0)
+    tl.train_history["empty_metric_is_left_out"].clear()
+    callback = ModelTrainHistoryFileWriter(file_format="csv", **folder_args(tmp_path))
+    tl.fit(num_epochs=1, callbacks=[callback])
     with open(callback.file_path, newline="", encoding="utf-8") as handle:
         rows = list(csv.reader(handle))
-    history = tl.train_history
-    assert rows[0] == ["epoch", "accumulated_loss", "loss", "val_loss", "train_end_test_loss"]
-    assert [row[0] for row in rows[1:]] == ["0", "1", "2", "3"]
-    assert [float(row[1]) for row in rows[1:]] == history["accumulated_loss"]  # exact: floats written in full
-    assert [row[2] for row in rows[1:]] == ["", repr(history["loss"][0]), "", repr(history["loss"][1])]
-    assert [row[3] for row in rows[1:]] == ["", repr(history["val_loss"][0]), "", repr(history["val_loss"][1])]
-    assert [row[4] for row in rows[1:]] == ["", "", "", repr(history["train_end_test_loss"][0])]
-    # Written at every epoch end: the file grows by one row per epoch.
-    assert [len(text.splitlines()) for text in reader.texts] == [2, 3, 4, 5]
-
-
-def test_txt_is_an_aligned_table(tmp_path):
-    tl = make_train_loop()
-    callback = ModelTrainHistoryFileWriter(train_end=True, file_format="txt", **folder_args(tmp_path))
-    tl.fit(num_epochs=3, callbacks=[callback])
-    with open(callback.file_path, encoding="utf-8") as handle:
-        lines = handle.read().splitlines()
-    header = lines[0].split()
-    assert header == ["epoch", "accumulated_loss", "loss", "val_loss", "train_end_test_loss"]
-    columns = [match.start() for match in re.finditer(r"\S+", lines[0])]
-    for epoch, line in enumerate(lines[1:]):
-        cells = line.split()
-        assert cells[0] == str(epoch)
-        for name, cell in zip(header[1:], cells[1:]):
-            assert float(cell) == tl.train_history[name][0 if name == "train_end_test_loss" else epoch]
-        starts = [match.start() for match in re.finditer(r"\S+", line)]
-        assert starts == columns[:len(cells)]  # every cell starts under its header
-    assert len(lines) == 4 and len(lines[1].split()) == 4 and len(lines[3].split()) == 5
+    assert rows[0] == ["Epoch", "accumulated_loss", "val_f1_a", "val_f1_b_c"]  # metrics without values left out
+    assert rows[1][2:] == ["0.5", "2"]
 
 
 def test_json_holds_the_history(tmp_path):
@@ -150,11 +162,13 @@ def test_json_holds_the_history(tmp_path):
     tl.insert_metric_result_into_history("val_Accuracy", torch.tensor(0.75))
     callback = ModelTrainHistoryFileWriter(epoch_end=False, train_end=True, file_format="json", **folder_args(tmp_path))
     tl.fit(num_epochs=2, callbacks=[callback])
-    with open(callback.file_path, encoding="utf-8") as handle:
+    assert not os.path.exists(callback.file_path)  # nothing written at epoch ends
+    with open(callback.output_path("train_end_"), encoding="utf-8") as handle:
         content = json.load(handle)
     expected = tl.train_history.get_train_history_dict()
     expected["val_Accuracy"] = [0.75]
     assert content == expected
+    assert os.path.basename(callback.output_path("train_end_")) == "train_end_train_history.json"
 
 
 def test_history_epochs_of_values_already_there():
@@ -165,8 +179,6 @@ def test_history_epochs_of_values_already_there():
     history["loss"].append(5.0)
     epochs.observe(history, epoch=3)
     assert epochs.epochs["loss"] == [0, 1, 2, 3]
-    assert epochs.rows(history) == [(0, {"loss": 1.0}), (1, {"loss": 2.0}), (2, {"loss": 3.0, "test": 4.0}),
-                                    (3, {"loss": 5.0})]
 
 
 # --- folders and processes -------------------------------------------------------------------------------
@@ -185,7 +197,7 @@ def test_preset_folder_is_used_without_arguments(tmp_path):
     plot, writer = ModelTrainHistoryPlot(), ModelTrainHistoryFileWriter()
     tl.fit(num_epochs=1, callbacks=[plot, writer])
     assert plot.experiment_folder is writer.experiment_folder is tl.experiment_folder
-    assert os.path.isfile(os.path.join(tl.experiment_folder.results_dir, "train_history.txt"))
+    assert os.path.isfile(os.path.join(tl.experiment_folder.results_dir, "results.txt"))
     assert os.path.isfile(os.path.join(tl.experiment_folder.plots_dir, "accumulated_loss.png"))
 
 
@@ -204,8 +216,19 @@ def test_no_folder_is_a_clear_error_at_registration(callback_class):
         make_train_loop().fit(num_epochs=1, callbacks=[callback_class()])
 
 
+@pytest.mark.parametrize("callback_class", [ModelTrainHistoryPlot, ModelTrainHistoryFileWriter])
+def test_some_folder_arguments_are_completed_from_the_preset(tmp_path, callback_class):
+    tl = make_train_loop(test=False)
+    tl.experiment_folder = ExperimentFolder(str(tmp_path), "proj", "exp")  # as TrainLoopCheckpoint sets it
+    tl.project_name, tl.experiment_name, tl.local_model_result_folder_path = "proj", "exp", str(tmp_path)
+    callback = callback_class(experiment_name="other")
+    tl.callbacks_handler.register_callbacks([callback])
+    assert callback.experiment_folder.path == os.path.join(str(tmp_path), "proj", f"other_{tl.experiment_timestamp}")
+    with pytest.raises(ValueError, match="local_model_result_folder_path=None"):  # a plain TrainLoop cannot
+        make_train_loop().callbacks_handler.register_callbacks([callback_class(project_name="p", experiment_name="e")])
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(project_name="p", experiment_name="e"), ValueError, "local_model_result_folder_path"),
     (dict(project_name="p", experiment_name="a/b", local_model_result_folder_path="/tmp"), ValueError,
      "experiment_name"),
     (dict(epoch_end=False), ValueError, "never write"),

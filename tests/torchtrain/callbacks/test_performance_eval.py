@@ -85,17 +85,22 @@ class PackageProbe(AbstractCallback):
     def on_epoch_end(self):
         y_pred, y_true, _ = self.train_loop_obj.predict_on_validation_set()
         self.fresh_results.append(ClassificationResultPackage().prepare_result_package(y_true, y_pred).get_results())
-        self.packages.append(self.evaluation.val_result_package)
+        self.packages.append(dict(self.evaluation.result_package.get_results()))
         self.history_seen.append(dict(self.train_loop_obj.train_history))
 
 
-class PredictionCounter(AbstractCallback):
-    def __init__(self):
-        super().__init__("prediction counter")
-        self.calls = {}
+class CountingLoader:
+    """A loader that counts the passes over it."""
 
-    def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info):
-        self.calls[dataset_info["type"]] = self.calls.get(dataset_info["type"], 0) + 1
+    def __init__(self, loader):
+        self.loader, self.passes = loader, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
 
 
 # --- ModelPerformanceEvaluation ---------------------------------------------------------------------------
@@ -111,19 +116,18 @@ def test_val_metrics_in_history_equal_the_package_on_the_predictions():
     assert "train_Accuracy" not in tl.train_history and "test_Accuracy" not in tl.train_history
 
 
-def test_each_evaluation_uses_a_fresh_package():
-    tl = make_train_loop()
-    template = ClassificationResultPackage()
-    evaluation = ModelPerformanceEvaluation(template, {"lr": 0.5})
+def test_the_given_package_holds_the_validation_results_and_copies_the_others():
+    tl = make_train_loop(test=True)
+    package = ClassificationResultPackage()
+    evaluation = ModelPerformanceEvaluation(package, {"lr": 0.5}, on_train_data=True, on_test_data=True)
     probe = PackageProbe(evaluation)
-    tl.fit(num_epochs=3, callbacks=[evaluation, probe])
-    assert len({id(package) for package in probe.packages}) == 3
-    assert not template.is_prepared
-    for epoch, package in enumerate(probe.packages):  # earlier packages keep their own results
-        assert package.get_results()["Accuracy"] == tl.train_history["val_Accuracy"][epoch]
-        assert package.get_hyperparameters() == {"lr": 0.5}
-    assert evaluation.val_result_package is probe.packages[-1]
-    assert evaluation.train_result_package is None and evaluation.test_result_package is None
+    tl.fit(num_epochs=2, callbacks=[evaluation, probe])
+    assert evaluation.result_package is package  # prepared in place, as in aitoolbox 1.x
+    assert [results["Accuracy"] for results in probe.packages] == tl.train_history["val_Accuracy"]
+    assert package.get_hyperparameters() == {"lr": 0.5}
+    assert evaluation.train_result_package is not package and evaluation.test_result_package is not package
+    only_val = ModelPerformanceEvaluation(ClassificationResultPackage(), {})
+    assert not hasattr(only_val, "train_result_package") and not hasattr(only_val, "test_result_package")
 
 
 def test_train_val_and_test_metrics_with_prefixes():
@@ -142,13 +146,6 @@ def test_train_val_and_test_metrics_with_prefixes():
     assert tl.train_history["test_Accuracy"][-1] == evaluation.test_result_package.get_results()["Accuracy"]
 
 
-def test_combined_package_metrics_all_reach_the_history():
-    tl = make_train_loop()
-    package = ClassificationResultPackage() + GeneralResultPackage([("Top_class_share", top_class_share)])
-    tl.fit(num_epochs=2, callbacks=[ModelPerformanceEvaluation(package, {})])
-    assert len(tl.train_history["val_Accuracy"]) == len(tl.train_history["val_Top_class_share"]) == 2
-
-
 def top_class_share(y_true, y_pred):
     """The share of samples predicted as the most predicted class (any function of the predictions will do)."""
     labels = y_pred.argmax(axis=1)
@@ -157,24 +154,25 @@ def top_class_share(y_true, y_pred):
 
 def test_two_evaluation_callbacks_share_one_prediction_pass_per_epoch():
     tl = make_train_loop()
-    counter = PredictionCounter()
+    tl.validation_loader = CountingLoader(tl.validation_loader)
     callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), {}),
-                 ModelPerformanceEvaluation(GeneralResultPackage([("Top_class_share", top_class_share)]), {}),
-                 counter]
+                 ModelPerformanceEvaluation(GeneralResultPackage([("Top_class_share", top_class_share)]), {})]
     tl.fit(num_epochs=2, callbacks=callbacks)
-    assert counter.calls == {"validation": 2 * VAL_BATCHES}
+    # per epoch one pass for val_loss and one prediction pass for both callbacks (and the train-end evaluation)
+    assert tl.validation_loader.passes == 2 * 2
     assert len(tl.train_history["val_Accuracy"]) == len(tl.train_history["val_Top_class_share"]) == 2
 
 
 def test_two_callbacks_on_two_sets_share_one_pass_per_set():
     tl = make_train_loop()
-    counter = PredictionCounter()
+    tl.train_loader = CountingLoader(tl.train_loader)
+    tl.validation_loader = CountingLoader(tl.validation_loader)
     callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_train_data=True),
                  ModelPerformanceEvaluation(GeneralResultPackage([("Top_class_share", top_class_share)]), {},
-                                            on_train_data=True),
-                 counter]
+                                            on_train_data=True)]
     tl.fit(num_epochs=1, callbacks=callbacks)
-    assert counter.calls == {"train": 5, "validation": VAL_BATCHES}
+    # train set: training, the loss, one prediction pass; validation set: the loss, one prediction pass
+    assert (tl.train_loader.passes, tl.validation_loader.passes) == (3, 2)
 
 
 def test_eval_frequency():
@@ -187,23 +185,100 @@ def test_eval_frequency():
 
     tl.fit(num_epochs=5, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
                                     EpochProbe("probe", execution_order=1)])
-    assert probe_epochs == [0, 1, 1, 2, 2]  # evaluated after epochs 1 and 3 (0-based)
+    assert probe_epochs == [1, 1, 2, 2, 3]  # evaluated at epochs 0, 2 and 4 (aitoolbox 1.x's rule)
 
 
-def test_evaluation_once_at_train_end():
+def test_evaluation_at_train_end_is_recorded_with_the_train_end_prefix():
     tl = make_train_loop()
     seen_during_epochs = []
 
     class EpochProbe(AbstractCallback):
         def on_epoch_end(self):
-            seen_during_epochs.append("val_Accuracy" in self.train_loop_obj.train_history)
+            seen_during_epochs.append(bool(self.train_loop_obj.train_history.get("val_Accuracy")))
 
     evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {}, on_each_epoch=False)
     tl.fit(num_epochs=3, callbacks=[evaluation, EpochProbe("probe")])
-    assert seen_during_epochs == [False, False, False]
+    assert seen_during_epochs == [False, False, False] and "val_Accuracy" not in tl.train_history
     y_pred, y_true, _ = tl.predict_on_validation_set()
     expected = metrics.accuracy_score(y_true.numpy(), y_pred.argmax(dim=1).numpy())
-    assert tl.train_history["val_Accuracy"] == [expected]
+    assert tl.train_history["train_end_val_Accuracy"] == [expected]
+    # evaluating at every epoch as well: the train-end value is the last epoch's (same model, cached predictions)
+    tl = make_train_loop()
+    tl.fit(num_epochs=2, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {})])
+    assert tl.train_history["train_end_val_Accuracy"] == tl.train_history["val_Accuracy"][-1:]
+
+
+class LossNeedingPackage(ClassificationResultPackage):
+    """Records the loss it is given with the predictions (aitoolbox 1.x's ``requires_loss``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.requires_loss = True
+
+    def prepare_results_dict(self):
+        return {"loss_seen": self.additional_results["additional_results"]["loss"]}
+
+
+def test_a_package_requiring_the_loss_gets_it_without_changing_the_cached_metadata():
+    class MetadataModel(LogitsClassifier):
+        def get_predictions(self, batch_data, device):
+            y_pred, y_true, _ = super().get_predictions(batch_data, device)
+            return y_pred, y_true, {"ids": [0] * len(y_true)}
+
+    torch.manual_seed(0)
+    tl = make_train_loop(MetadataModel())
+    tl.fit(num_epochs=1, callbacks=[ModelPerformanceEvaluation(LossNeedingPackage(), {}, on_train_data=True)])
+    assert tl.train_history["val_loss_seen"] == [pytest.approx(tl.evaluate_loss_on_validation_set().item())]
+    assert tl.train_history["train_loss_seen"] == [pytest.approx(tl.evaluate_loss_on_train_set().item())]
+    assert set(tl.predict_on_validation_set()[2]) == {"ids"}
+
+
+class StreamingMetric:
+    """Stands in for a torchmetrics metric: counts resets and remembers its device."""
+
+    def __init__(self):
+        self.resets, self.device = 0, None
+
+    def to(self, device):
+        self.device = device
+        return self
+
+    def reset(self):
+        self.resets += 1
+
+
+class StreamingPackage(ClassificationResultPackage):
+    def __init__(self):
+        super().__init__()
+        self.metric = StreamingMetric()
+
+    def metric_reset(self):
+        self.metric.reset()
+
+
+def test_streaming_metric_packages_are_moved_to_the_device_and_reset_every_epoch():
+    tl = make_train_loop()
+    evaluation = ModelPerformanceEvaluation(StreamingPackage(), {}, on_train_data=True, eval_frequency=2)
+    tl.fit(num_epochs=3, callbacks=[evaluation])
+    for package in (evaluation.result_package, evaluation.train_result_package):
+        assert package.metric.device == tl.device
+        assert package.metric.resets == 3  # also in epochs without an evaluation
+
+
+def test_packages_learn_the_experiment_folder_of_a_tracking_loop(tmp_path):
+    class FolderPackage(ClassificationResultPackage):
+        def set_experiment_dir_path_for_additional_results(self, project_name, experiment_name, experiment_timestamp,
+                                                           local_model_result_folder_path):
+            self.folder = (project_name, experiment_name, experiment_timestamp, local_model_result_folder_path)
+
+    tl = make_train_loop()
+    tl.project_name, tl.experiment_name, tl.local_model_result_folder_path = "proj", "exp", str(tmp_path)
+    told, not_told = FolderPackage(), FolderPackage()
+    tl.callbacks_handler.register_callbacks([
+        ModelPerformanceEvaluation(told, {}),
+        ModelPerformanceEvaluation(not_told, {}, if_available_output_to_project_dir=False)])
+    assert told.folder == ("proj", "exp", tl.experiment_timestamp, str(tmp_path))
+    assert not hasattr(not_told, "folder")
 
 
 def test_evaluation_does_not_change_training():
@@ -236,7 +311,6 @@ def test_args_are_copied_and_namespace_accepted():
     ({"on_val_data": False}, ValueError, "at least one"),
     ({"eval_frequency": 0}, ValueError, "eval_frequency"),
     ({"eval_frequency": True}, ValueError, "eval_frequency"),
-    ({"eval_frequency": 2, "on_each_epoch": False}, ValueError, "on_each_epoch=False"),
 ])
 def test_evaluation_argument_errors(kwargs, error, match):
     arguments = {"result_package": ClassificationResultPackage(), "args": {}, **kwargs}
@@ -246,12 +320,12 @@ def test_evaluation_argument_errors(kwargs, error, match):
 
 @pytest.mark.parametrize("flags, missing", [({"on_val_data": True}, "validation_loader"),
                                             ({"on_test_data": True, "on_val_data": False}, "test_loader")])
-def test_missing_loader_is_reported_at_registration(flags, missing):
+def test_missing_loader_is_reported_before_training(flags, missing):
     tl = make_train_loop(validation=False)
     evaluation = ModelPerformanceEvaluation(ClassificationResultPackage(), {}, **flags)
     with pytest.raises(ValueError, match=f"no {missing}"):
         tl.fit(num_epochs=1, callbacks=[evaluation])
-    assert tl.total_iteration_idx == 0  # nothing trained
+    assert tl.iterations_done == 0  # nothing trained
 
 
 # --- ModelPerformancePrintReport ----------------------------------------------------------------------------
@@ -273,8 +347,10 @@ def test_print_report_logs_latest_values_after_evaluation(report_log):
     report = ModelPerformancePrintReport(["val_loss", "val_Accuracy"])
     tl.fit(num_epochs=2, callbacks=[report, ModelPerformanceEvaluation(ClassificationResultPackage(), {})])
     messages = report_log()
-    assert len(messages) == 2
-    for epoch, message in enumerate(messages):
+    assert len(messages) == 3 and messages[2].startswith("End of training performance report")
+    assert f"train_end_val_Accuracy: {tl.train_history['train_end_val_Accuracy'][0]}" in messages[2]
+    assert f"val_loss: {tl.train_history['val_loss'][1]}" in messages[2]  # no train_end_ value: the latest
+    for epoch, message in enumerate(messages[:2]):
         assert message.startswith(f"Epoch {epoch} performance report")
         assert f"val_Accuracy: {tl.train_history['val_Accuracy'][epoch]}" in message
         assert f"val_loss: {tl.train_history['val_loss'][epoch]}" in message
@@ -283,19 +359,19 @@ def test_print_report_logs_latest_values_after_evaluation(report_log):
 def test_print_report_frequency_train_end_and_tracked_list(report_log):
     tl = make_train_loop()
     tl.fit(num_epochs=4, callbacks=[ModelPerformancePrintReport(["loss"], report_frequency=2)])
-    assert [message.splitlines()[0] for message in report_log()] == ["Epoch 1 performance report",
-                                                                      "Epoch 3 performance report"]
+    assert [message.splitlines()[0] for message in report_log()] == [
+        "Epoch 0 performance report", "Epoch 2 performance report", "End of training performance report"]
     tl = make_train_loop()
     tl.fit(num_epochs=2, callbacks=[ModelPerformancePrintReport(["loss"], on_each_epoch=False,
                                                                 list_tracked_metrics=True)])
     last_two = report_log()[-2:]
     assert last_two[0] == f"End of training performance report\n  loss: {tl.train_history['loss'][-1]}"
-    assert last_two[1] == "Tracked metrics: ['accumulated_loss', 'loss', 'val_loss']"
+    assert last_two[1] == "Tracked metrics: ['loss', 'accumulated_loss', 'val_loss']"
 
 
 def test_print_report_strict_missing_metric_lists_tracked():
     tl = make_train_loop()
-    with pytest.raises(ValueError, match=r"\['val_Accuracy'\].*Tracked metrics: \['accumulated_loss', 'loss', "
+    with pytest.raises(ValueError, match=r"\['val_Accuracy'\].*Tracked metrics: \['loss', 'accumulated_loss', "
                                          r"'val_loss'\]"):
         tl.fit(num_epochs=1, callbacks=[ModelPerformancePrintReport(["val_loss", "val_Accuracy"])])
 
@@ -305,7 +381,7 @@ def test_print_report_lenient_skips_missing_metric(report_log):
     tl.fit(num_epochs=1, callbacks=[ModelPerformancePrintReport(["val_Accuracy", "val_loss"],
                                                                 strict_metric_reporting=False)])
     assert "val_Accuracy" in report_log(logging.WARNING)[0]
-    assert report_log() == [f"Epoch 0 performance report\n  val_loss: {tl.train_history['val_loss'][0]}"]
+    assert report_log()[0] == f"Epoch 0 performance report\n  val_loss: {tl.train_history['val_loss'][0]}"
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -313,7 +389,6 @@ def test_print_report_lenient_skips_missing_metric(report_log):
     ({"metrics": []}, TypeError),
     ({"metrics": ["val_loss", 3]}, TypeError),
     ({"metrics": ["val_loss"], "report_frequency": -1}, ValueError),
-    ({"metrics": ["val_loss"], "report_frequency": 2, "on_each_epoch": False}, ValueError),
 ])
 def test_print_report_argument_errors(kwargs, error):
     with pytest.raises(error):

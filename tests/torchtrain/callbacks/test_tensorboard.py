@@ -11,6 +11,7 @@ from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.tensorboard import (
     TensorboardFullTracking,
+    TensorboardReporterBaseCB,
     TensorboardTrainBatchLoss,
     TensorboardTrainHistoryMetric,
 )
@@ -191,14 +192,53 @@ def test_missing_folder_information_fails_at_registration():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(batch_log_frequency=0), ValueError, "batch_log_frequency"),
-    (dict(is_project=False), ValueError, "log_dir"),
-    (dict(project_name="p"), ValueError, "experiment_name"),
+    (dict(project_name="p/q"), ValueError, "project_name"),
     (dict(cloud_save_mode="s3"), ValueError, "cloud_save_mode"),
     (dict(log_dir=""), ValueError, "log_dir"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         TensorboardTrainBatchLoss(**kwargs)
+
+
+def test_is_project_false_without_log_dir_writes_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    callback = TensorboardTrainBatchLoss(is_project=False)  # aitoolbox 1.x default: ./tensorboard
+    make_train_loop().fit(num_epochs=1, callbacks=[callback])
+    assert callback.log_dir_path == str(tmp_path / "tensorboard")
+    assert len(read_events(callback.log_dir_path).Scalars("train_loss/last_batch_loss")) == BATCHES_PER_EPOCH
+
+
+class Custom1xReporter(TensorboardReporterBaseCB):
+    """A tensorboard callback written against aitoolbox 1.x's base class methods."""
+
+    def __init__(self, log_dir):
+        super().__init__("custom reporter", log_dir=log_dir, is_project=False)
+
+    def on_train_loop_registration(self):
+        super().on_train_loop_registration()
+        self.prepare_results_saver()
+
+    def on_batch_end(self):
+        self.log_mid_train_loss()
+        self.global_step += 1
+
+    def on_epoch_end(self):
+        self.log_train_history_metrics(["loss", "val_loss", "not_recorded"])
+        self.upload_to_cloud()
+        super().on_epoch_end()
+
+
+def test_a_callback_written_against_the_1x_base_class(tmp_path):
+    tl = make_train_loop()
+    recorder, callback = BatchLossRecorder(), Custom1xReporter(str(tmp_path))
+    tl.fit(num_epochs=2, callbacks=[recorder, callback])
+    events = read_events(tmp_path)
+    assert scalars(events, "train_loss/last_batch_loss") == [
+        (step, pytest.approx(loss)) for step, (_, loss) in sorted(recorder.losses.items())]
+    assert scalars(events, "loss/val_loss") == [(epoch, pytest.approx(value))
+                                                for epoch, value in enumerate(tl.train_history["val_loss"])]
+    assert callback.global_step == 2 * BATCHES_PER_EPOCH
 
 
 def test_unknown_summary_writer_keyword_fails_at_registration(tmp_path):
