@@ -1,16 +1,14 @@
-"""EarlyStopping, TerminateOnNaN, FunctionOnTrainLoop and DataSubsetTestRun, run inside real TrainLoops."""
-import math
+"""FunctionOnTrainLoop, DataSubsetTestRun, ListRegisteredCallbacks and the unsupported 1.x callbacks."""
 from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import default_collate
 
-from aitoolbox.torchtrain.callbacks.basic import (DataSubsetTestRun, EarlyStopping, FirstBatchesIterable,
-                                                  FunctionOnTrainLoop, TerminateOnNaN, first_batches_loader)
-from aitoolbox.torchtrain.precision import LossScaler, Precision
+from aitoolbox.torchtrain.callbacks import basic
+from aitoolbox.torchtrain.callbacks.basic import (DataSubsetTestRun, EmailNotification, FunctionOnTrainLoop,
+                                                  ListRegisteredCallbacks, LogUpload)
 from aitoolbox.torchtrain.train_loop import TrainLoop
 
 
@@ -18,131 +16,6 @@ def make_loop(model, loader, val_loader=None, lr=0.05, end_auto_eval=False, **kw
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return TrainLoop(model, loader, val_loader, None, optimizer, nn.MSELoss(), end_auto_eval=end_auto_eval,
                      show_progress=False, **kwargs)
-
-
-def scripted_metric(name, values_by_epoch):
-    """A callback recording ``values_by_epoch[epoch]`` as ``name`` at each epoch end (when the epoch has one)."""
-    def record(tl):
-        if tl.epoch in values_by_epoch:
-            tl.insert_metric_result_into_history(name, values_by_epoch[tl.epoch])
-    return FunctionOnTrainLoop(record, epoch_end=True)
-
-
-# --- EarlyStopping ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("values, patience, stop_epoch, best_epoch", [
-    ([1.0, 0.8, 0.9, 0.85, 0.7, 0.6], 1, 3, 1),
-    ([1.0, 0.8, 0.9, 0.85, 0.7, 0.6], 0, 2, 1),
-    ([1.0, 0.8, 0.9, 0.7, 0.75, 0.76, 0.77, 0.5], 2, 6, 3),
-])
-def test_early_stopping_stops_after_patience_epochs_without_improvement(make_model, make_loader, values, patience,
-                                                                         stop_epoch, best_epoch):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    early_stopping = EarlyStopping(monitor="val_loss", patience=patience)
-    # the scripted metric is registered after EarlyStopping: execution_order 99 still runs EarlyStopping last
-    tl.fit(num_epochs=len(values), callbacks=[early_stopping, scripted_metric("val_loss", dict(enumerate(values)))])
-    assert tl.epoch == stop_epoch
-    assert len(tl.train_history["accumulated_loss"]) == stop_epoch + 1
-    assert early_stopping.best_epoch == best_epoch
-    assert early_stopping.best_performance == min(values[:stop_epoch + 1])
-
-
-def test_early_stopping_runs_to_the_end_while_improving(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    tl.fit(num_epochs=4, callbacks=[EarlyStopping(), scripted_metric("val_loss", {0: 4., 1: 3., 2: 2., 3: 1.})])
-    assert len(tl.train_history["accumulated_loss"]) == 4
-
-
-def test_early_stopping_higher_is_better_for_other_metrics(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    early_stopping = EarlyStopping(monitor="val_Accuracy")
-    assert early_stopping.mode == "max"
-    tl.fit(num_epochs=5, callbacks=[early_stopping, scripted_metric("val_Accuracy", dict(enumerate([.5, .6, .6, .7])))])
-    assert tl.epoch == 2 and early_stopping.best_performance == 0.6
-
-
-def test_early_stopping_explicit_mode_overrides_the_name(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    early_stopping = EarlyStopping(monitor="val_Accuracy", mode="min")
-    tl.fit(num_epochs=5, callbacks=[early_stopping, scripted_metric("val_Accuracy", dict(enumerate([.5, .4, .6])))])
-    assert tl.epoch == 2 and early_stopping.best_performance == 0.4
-
-
-def test_early_stopping_min_delta(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    tl.fit(num_epochs=5, callbacks=[EarlyStopping(min_delta=0.1), scripted_metric("val_loss", {0: 1., 1: .95, 2: .5})])
-    assert tl.epoch == 1  # 0.95 is better than 1.0, but by less than min_delta
-
-
-def test_early_stopping_ignores_epochs_without_a_new_value(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8))
-    tl.fit(num_epochs=8, callbacks=[EarlyStopping(patience=0), scripted_metric("val_loss", {0: 1., 2: .9, 4: .95})])
-    assert tl.epoch == 4
-
-
-def test_early_stopping_on_the_loops_val_loss(make_model, make_loader):
-    # lr=0: the validation loss never changes, so it never improves
-    tl = make_loop(make_model(), make_loader(num_samples=8), make_loader(num_samples=8, seed=1), lr=0.0,
-                   end_auto_eval=True)
-    tl.fit(num_epochs=10, callbacks=[EarlyStopping(patience=2)])
-    assert len(tl.train_history["val_loss"]) == 4 and tl.epoch == 3
-
-
-def test_early_stopping_missing_metric_names_the_recorded_ones(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(num_samples=8), make_loader(num_samples=8, seed=1), end_auto_eval=True)
-    with pytest.raises(ValueError, match=r"'val_Accuracy' is not in train_history \(recorded metrics: "
-                                         r"'accumulated_loss', 'loss', 'val_loss'\)"):
-        tl.fit(num_epochs=2, callbacks=[EarlyStopping(monitor="val_Accuracy")])
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"monitor": ""}, "monitor must be the name"),
-    ({"monitor": None}, "monitor must be the name"),
-    ({"min_delta": -0.1}, r"min_delta must be a number >= 0, got -0.1"),
-    ({"min_delta": "0.1"}, r"min_delta must be a number >= 0, got '0.1'"),
-    ({"patience": -1}, r"patience must be an int >= 0 .*got -1"),
-    ({"patience": 1.5}, r"patience must be an int >= 0 .*got 1.5"),
-    ({"mode": "bigger"}, r"mode must be one of \('auto', 'min', 'max'\), got 'bigger'"),
-])
-def test_early_stopping_rejects_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        EarlyStopping(**kwargs)
-
-
-# --- TerminateOnNaN -----------------------------------------------------------------------------------------
-def test_terminate_on_nan_stops_when_the_loss_diverges(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader(), lr=1e18, end_auto_eval=True)
-    tl.fit(num_epochs=20, callbacks=[TerminateOnNaN()])
-    losses = tl.train_history["loss"]
-    assert len(losses) < 20
-    assert not math.isfinite(losses[-1]) and all(math.isfinite(loss) for loss in losses[:-1])
-    assert tl.epoch == len(losses) - 1
-
-
-def test_terminate_on_nan_is_not_fooled_by_a_skipped_fp16_step(make_model, make_loader, inf_loss_on_batches):
-    tl = make_loop(inf_loss_on_batches(make_model(), {3}), make_loader(), end_auto_eval=True, use_amp=True)
-    tl.precision = Precision("cpu", torch.bfloat16, LossScaler("dynamic"))
-    tl.fit(num_epochs=3, callbacks=[TerminateOnNaN("loss")])
-    assert tl.precision.loss_scaler.loss_scale == 2.0 ** 15  # the overflow step was skipped once
-    assert math.isinf(tl.train_history["accumulated_loss"][0])
-    assert len(tl.train_history["loss"]) == 3 and all(math.isfinite(v) for v in tl.train_history["loss"])
-
-    # the running batch mean does see it
-    tl = make_loop(inf_loss_on_batches(make_model(), {3}), make_loader(), end_auto_eval=True, use_amp=True)
-    tl.precision = Precision("cpu", torch.bfloat16, LossScaler("dynamic"))
-    tl.fit(num_epochs=3, callbacks=[TerminateOnNaN("accumulated_loss")])
-    assert len(tl.train_history["accumulated_loss"]) == 1
-
-
-def test_terminate_on_nan_missing_metric(make_model, make_loader):
-    tl = make_loop(make_model(), make_loader())
-    with pytest.raises(ValueError, match=r"'loss' is not in train_history \(recorded metrics: 'accumulated_loss'\)"):
-        tl.fit(num_epochs=1, callbacks=[TerminateOnNaN()])
-
-
-@pytest.mark.parametrize("monitor", ["", 3])
-def test_terminate_on_nan_rejects_bad_monitor(monitor):
-    with pytest.raises(ValueError, match="monitor must be the name of a train_history metric"):
-        TerminateOnNaN(monitor)
 
 
 # --- FunctionOnTrainLoop ------------------------------------------------------------------------------------
@@ -184,8 +57,18 @@ def test_function_on_train_loop_order_of_hooks(make_model, make_loader):
 def test_function_on_train_loop_rejects_bad_arguments():
     with pytest.raises(TypeError, match="fn_to_execute must be a function taking the TrainLoop, got 'abc'"):
         FunctionOnTrainLoop("abc", epoch_end=True)
-    with pytest.raises(ValueError, match="FunctionOnTrainLoop would never run: set at least one of"):
-        FunctionOnTrainLoop(print)
+
+
+def test_function_on_train_loop_direct_call_and_1x_flag(make_model, make_loader):
+    tl = make_loop(make_model(), make_loader(num_samples=8))
+    calls = []
+    callback = FunctionOnTrainLoop(calls.append, device_idx_execution=0)  # no hook: called directly only
+    tl.callbacks_handler.register_callbacks([callback])
+    callback.execute_callback()
+    assert calls == [tl] and callback.device_idx_execution == 0
+    assert not getattr(tl, "grad_cb_used", False)
+    tl.callbacks_handler.register_callbacks([FunctionOnTrainLoop(calls.append, after_optimizer_step=True)])
+    assert tl.grad_cb_used  # aitoolbox 1.x's flag, set for code that reads it
 
 
 # --- DataSubsetTestRun --------------------------------------------------------------------------------------
@@ -202,31 +85,25 @@ def test_data_subset_trains_on_the_first_batches_like_a_hand_loop(make_model, ma
            callbacks=[DataSubsetTestRun(num_train_batches=3), FunctionOnTrainLoop(lambda t: batches.update([t.epoch]),
                                                                                   batch_begin=True)])
     assert batches == {0: 3, 1: 3, 2: 3}
+    assert isinstance(tl.train_loader, list) and len(tl.train_loader) == 3
+    # as in aitoolbox 1.x: the same first batches in every epoch
+    first_batches = [batch for _, batch in zip(range(3), make_loader(shuffle=True, seed=3))]
+    for kept, expected in zip(tl.train_loader, first_batches):
+        assert all(torch.equal(a, b) for a, b in zip(kept, expected))
     optimizer = torch.optim.SGD(hand_model.parameters(), lr=0.05)
-    hand_train(hand_model, make_loader(shuffle=True, seed=3), [optimizer], num_epochs=3, grad_accumulation=2,
-               max_batches=3)
+    hand_train(hand_model, first_batches, [optimizer], num_epochs=3, grad_accumulation=2)
     assert_params_equal(tl_model, hand_model)
 
 
-def test_data_subset_keeps_the_loader_options(make_loader):
-    loader = make_loader(shuffle=True, num_workers=2, prefetch_factor=3, persistent_workers=True,
-                         collate_fn=my_collate, drop_last=True)
-    subset = first_batches_loader(loader, 2)
-    assert isinstance(subset, DataLoader) and len(subset) == 2
-    for option in ("dataset", "num_workers", "prefetch_factor", "persistent_workers", "collate_fn", "generator",
-                   "pin_memory", "timeout", "worker_init_fn"):
-        assert getattr(subset, option) is getattr(loader, option), option
-    assert len(first_batches_loader(loader, 100)) == len(loader) == 9  # drop_last: 38 // 4
+def test_data_subset_reads_no_batch_beyond_those_kept():
+    read = []
 
-
-def test_data_subset_of_unbatched_and_plain_iterable_loaders(make_loader):
-    unbatched = make_loader(batch_size=None)
-    subset = first_batches_loader(unbatched, 5)
-    assert len(subset) == 5 and [x for x, _ in subset][4].shape == (4,)
-    batches = [(torch.full((2, 4), float(i)), torch.zeros(2, 1)) for i in range(6)]
-    subset = first_batches_loader(batches, 2)
-    assert isinstance(subset, FirstBatchesIterable) and len(subset) == 2
-    assert [x[0, 0].item() for x, _ in subset] == [0.0, 1.0] == [x[0, 0].item() for x, _ in subset]
+    def loader():
+        for i in range(10):
+            read.append(i)
+            yield i
+    assert DataSubsetTestRun.subset_data_loader(loader(), 3) == [0, 1, 2] and read == [0, 1, 2]
+    assert DataSubsetTestRun.subset_data_loader(range(2), 5) == [0, 1]
 
 
 def test_data_subset_validation_and_test_loaders(make_model, make_loader):
@@ -263,29 +140,28 @@ def test_data_subset_rejects_bad_counts(kwargs, message):
         DataSubsetTestRun(**kwargs)
 
 
-def test_monitoring_callbacks_wait_for_the_first_auto_evaluation_with_end_auto_eval_every_n_epochs():
-    """With end_auto_eval=2 the loss is first recorded at epoch 1: epoch 0 is not an error."""
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
-    from aitoolbox.torchtrain.callbacks.basic import EarlyStopping, TerminateOnNaN
-    from aitoolbox.torchtrain.model import TTBasicModel
-    from aitoolbox.torchtrain.train_loop import TrainLoop
 
-    class Linear(TTBasicModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(3, 1)
+# --- ListRegisteredCallbacks and the unsupported 1.x callbacks ----------------------------------------------
+def test_list_registered_callbacks_prints_each_hook_with_its_callbacks(make_model, make_loader, capsys):
+    tl = make_loop(make_model(), make_loader(num_samples=8))
+    tl.fit(num_epochs=1, callbacks=[ListRegisteredCallbacks(), DataSubsetTestRun(num_train_batches=1)])
+    report = capsys.readouterr().out
+    assert report.startswith("Registered callbacks:")
+    train_begin = report.split("  on_train_begin:\n")[1].split("\n  on_")[0]
+    assert "Print the list of registered callbacks: ListRegisteredCallbacks, execution_order: 0" in train_begin
+    assert "DataSubsetTestRun" in train_begin
+    assert "DataSubsetTestRun" not in report.split("  on_epoch_end:\n")[1].split("\n  on_")[0]
 
-        def forward(self, x):
-            return self.linear(x)
 
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(12, 3), torch.randn(12, 1))
-    model = Linear()
-    tl = TrainLoop(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), None,
-                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), end_auto_eval=2, show_progress=False)
-    tl.fit(num_epochs=4, callbacks=[EarlyStopping(monitor="val_loss", patience=5), TerminateOnNaN(monitor="loss")])
-    assert len(tl.train_history["val_loss"]) == 2
-    assert tl.epochs_completed == 4
+def test_list_registered_callbacks_report_text():
+    text = basic.registered_callbacks_report([FunctionOnTrainLoop(print, epoch_end=True, execution_order=5)])
+    assert "  on_epoch_end:\n    Execute the provided function at the selected hooks: FunctionOnTrainLoop, " \
+           "execution_order: 5" in text
+
+
+def test_email_and_log_upload_are_not_supported_yet():
+    with pytest.raises(NotImplementedError, match="not supported yet.*ModelPerformancePrintReport"):
+        EmailNotification("me", "me@example.com", "you@example.com")
+    with pytest.raises(NotImplementedError, match="not supported yet.*training.log"):
+        LogUpload()

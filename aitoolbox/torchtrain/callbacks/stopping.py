@@ -1,0 +1,235 @@
+"""Callbacks that stop training from the training history or the predictions (importable from :mod:`.basic`).
+
+:class:`EarlyStopping` stops when a metric stops improving, :class:`ThresholdEarlyStopping` when it does not
+reach a threshold, :class:`TerminateOnNaN` when it becomes NaN or infinite, and :class:`AllPredictionsSame`
+when the model predicts one value for the whole validation set.
+"""
+import logging
+import math
+from numbers import Real
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+
+logger = logging.getLogger(__name__)
+
+EARLY_STOPPING_MODES = ("auto", "min", "max")
+
+
+def not_evaluated_yet(train_loop, metric_name: str) -> bool:
+    """True for 'loss'/'val_loss' in an epoch where ``end_auto_eval=N`` skipped the evaluation."""
+    end_auto_eval = getattr(train_loop, "end_auto_eval", True)
+    return metric_name in ("loss", "val_loss") and end_auto_eval is not False and not train_loop.auto_eval_due
+
+
+def missing_metric_message(metric_name: str, history: Any, hint: str) -> str:
+    """The error text for a metric a callback needs but the training history lacks."""
+    present = ", ".join(repr(name) for name in history) or "none"
+    return f"metric {metric_name!r} is not in train_history (recorded metrics: {present}). {hint}"
+
+
+def resolve_mode(mode: str, monitor: str) -> str:
+    """``'min'`` or ``'max'``; ``'auto'`` is ``'min'`` for names containing 'loss' or 'error' (aitoolbox 1.x rule)."""
+    if mode not in EARLY_STOPPING_MODES:
+        raise ValueError(f"mode must be one of {EARLY_STOPPING_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "min" if "loss" in monitor.lower() or "error" in monitor.lower() else "max"
+    return mode
+
+
+def _check_monitor(monitor: Any, example: str) -> None:
+    if not isinstance(monitor, str) or not monitor:
+        raise ValueError(f"monitor must be the name of a train_history metric such as {example!r}, got {monitor!r}")
+
+
+def _check_patience(patience: Any) -> None:
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        raise ValueError(f"patience must be an int >= 0 (epochs to tolerate), got {patience!r}")
+
+
+class EarlyStopping(AbstractCallback):
+    """Stop training when a metric in ``train_history`` has stopped improving.
+
+    At every epoch end the newest value of ``train_history[monitor]`` is compared with the best so far. After
+    more than ``patience`` epochs in a row without an improvement larger than ``min_delta`` the loop stops.
+    Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted.
+
+    Args:
+        monitor: the ``train_history`` metric to watch, e.g. ``'val_loss'`` or ``'val_Accuracy'``.
+        min_delta: the smallest change that counts as an improvement (>= 0).
+        patience: how many epochs without improvement to tolerate before stopping (0 stops at the first).
+        mode: ``'min'`` (lower is better), ``'max'`` (higher is better) or ``'auto'``: ``'min'`` when the
+            metric name contains ``'loss'`` or ``'error'``, ``'max'`` otherwise.
+
+    Raises:
+        ValueError: on a bad argument, or at an epoch end when ``monitor`` was never recorded.
+    """
+
+    def __init__(self, monitor: str = "val_loss", min_delta: float = 0., patience: int = 0, mode: str = "auto"):
+        # Runs late (99) so that metrics computed by other epoch-end callbacks are already in the history.
+        super().__init__("EarlyStopping", execution_order=99)
+        _check_monitor(monitor, "val_loss")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, Real) or not min_delta >= 0:
+            raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
+        _check_patience(patience)
+        self.monitor = monitor
+        self.min_delta = float(min_delta)
+        self.patience = patience
+        self.mode = resolve_mode(mode, monitor)
+        self.patience_count = patience
+        self.best_performance: Optional[float] = None
+        self.best_epoch = 0
+        self._values_at_epoch_begin = 0
+
+    def on_epoch_begin(self) -> None:
+        self._values_at_epoch_begin = len(self.train_loop_obj.train_history.get(self.monitor, []))
+
+    def on_epoch_end(self) -> None:
+        history = self.train_loop_obj.train_history
+        if not history.get(self.monitor):
+            if not_evaluated_yet(self.train_loop_obj, self.monitor):
+                return
+            raise ValueError(missing_metric_message(
+                self.monitor, history,
+                "EarlyStopping needs it at every epoch end: for 'loss'/'val_loss' keep TrainLoop's end_auto_eval on "
+                "(and pass a validation_loader), for other metrics register a callback that records them, e.g. "
+                "ModelPerformanceEvaluation."))
+        values = history[self.monitor]
+        if len(values) <= self._values_at_epoch_begin:
+            return  # nothing new was evaluated in this epoch
+        current = values[-1]
+        epoch = self.train_loop_obj.epoch
+        if self.best_performance is None or self._improves(current):
+            self.best_performance = current
+            self.best_epoch = epoch
+            self.patience_count = self.patience
+            return
+        self.patience_count -= 1
+        if self.patience_count < 0:
+            self.train_loop_obj.stop_training(
+                f"EarlyStopping: {self.monitor} has not improved for {self.patience + 1} epoch(s); stopped at epoch "
+                f"{epoch}, best epoch {self.best_epoch} ({self.monitor}={self.best_performance:.6g})")
+
+    def _improves(self, current: float) -> bool:
+        if self.mode == "min":
+            return current < self.best_performance - self.min_delta
+        return current > self.best_performance + self.min_delta
+
+
+class ThresholdEarlyStopping(AbstractCallback):
+    """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
+
+    A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
+    is better when it is below it. Reaching the threshold again resets the count (``patience_count``).
+
+    Args:
+        monitor: the ``train_history`` metric to watch.
+        threshold: the value the metric has to reach.
+        patience: how many epochs missing the threshold to tolerate (0 stops at the first).
+        mode: ``'min'``, ``'max'`` or ``'auto'`` (``'min'`` for names containing ``'loss'`` or ``'error'``).
+
+    Raises:
+        ValueError: on a bad argument, or at an epoch end when ``monitor`` was never recorded.
+    """
+
+    def __init__(self, monitor: str, threshold: float, patience: int = 0, mode: str = "auto"):
+        super().__init__("ThresholdEarlyStopping", execution_order=99)
+        _check_monitor(monitor, "val_loss")
+        if isinstance(threshold, bool) or not isinstance(threshold, Real):
+            raise ValueError(f"threshold must be a number, got {threshold!r}")
+        _check_patience(patience)
+        self.monitor = monitor
+        self.threshold = threshold
+        self.patience = patience
+        self.mode = resolve_mode(mode, monitor)
+        self.patience_count = patience
+
+    def on_epoch_end(self) -> None:
+        history = self.train_loop_obj.train_history
+        if not history.get(self.monitor):
+            if not_evaluated_yet(self.train_loop_obj, self.monitor):
+                return
+            raise ValueError(missing_metric_message(
+                self.monitor, history, "ThresholdEarlyStopping needs it at every epoch end: register a callback "
+                                       "that records it, e.g. ModelPerformanceEvaluation."))
+        current = history[self.monitor][-1]
+        missed = current > self.threshold if self.mode == "min" else current < self.threshold
+        self.patience_count = self.patience_count - 1 if missed else self.patience
+        if self.patience_count < 0:
+            self.train_loop_obj.stop_training(
+                f"ThresholdEarlyStopping: {self.monitor}={current} has not reached {self.threshold} for "
+                f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch}")
+
+
+class TerminateOnNaN(AbstractCallback):
+    """Stop training when the newest value of a ``train_history`` metric is NaN or infinite.
+
+    It reads the history, which holds losses evaluated over whole data sets (``'loss'`` with end_auto_eval
+    on), so a batch whose scaled fp16 gradients overflowed (and whose optimizer step was skipped) does not
+    trigger it; ``'accumulated_loss'``, the mean of the training batches' losses, would.
+
+    Args:
+        monitor: the ``train_history`` metric to check at every epoch end.
+
+    Raises:
+        ValueError: on a bad argument, or at an epoch end when ``monitor`` was never recorded.
+    """
+
+    def __init__(self, monitor: str = "loss"):
+        super().__init__("TerminateOnNaN", execution_order=98)
+        _check_monitor(monitor, "loss")
+        self.monitor = monitor
+
+    def on_epoch_end(self) -> None:
+        history = self.train_loop_obj.train_history
+        if not history.get(self.monitor):
+            if not_evaluated_yet(self.train_loop_obj, self.monitor):
+                return
+            raise ValueError(missing_metric_message(
+                self.monitor, history,
+                "TerminateOnNaN checks it at every epoch end: keep TrainLoop's end_auto_eval on to record 'loss' "
+                "and 'val_loss', or monitor 'accumulated_loss', which the loop always records."))
+        last_value = history[self.monitor][-1]
+        if last_value is not None and not math.isfinite(float(last_value)):
+            self.train_loop_obj.stop_training(
+                f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch}")
+
+
+def all_equal_to(predictions: Any, value: float) -> bool:
+    """True when every prediction equals ``value`` (tensors, numpy arrays and lists of numbers)."""
+    if isinstance(predictions, torch.Tensor):
+        return bool((predictions == value).all())
+    if isinstance(predictions, np.ndarray):
+        return bool(np.all(predictions == value))
+    return all(element == value for element in predictions)
+
+
+class AllPredictionsSame(AbstractCallback):
+    """At every epoch end, check whether all validation-set predictions equal ``value``.
+
+    Useful with very unbalanced classes, where a model may learn to predict only the majority class. Uses
+    the TrainLoop's validation predictions (shared with other callbacks within an epoch).
+
+    Args:
+        value: the prediction to look for.
+        stop_training: stop the training when all predictions equal ``value``.
+        verbose: log a warning when they do.
+    """
+
+    def __init__(self, value: float = 0., stop_training: bool = False, verbose: bool = True):
+        super().__init__("All predictions have the same value")
+        self.value = value
+        self.stop_training = stop_training
+        self.verbose = verbose
+
+    def on_epoch_end(self) -> None:
+        predictions, _, _ = self.train_loop_obj.predict_on_validation_set()
+        if not all_equal_to(predictions, self.value):
+            return
+        if self.verbose and self.train_loop_obj.is_main_process:
+            logger.warning("All the validation predictions at epoch %d are %s", self.train_loop_obj.epoch, self.value)
+        if self.stop_training:
+            self.train_loop_obj.stop_training(f"AllPredictionsSame: all predictions are {self.value}")
