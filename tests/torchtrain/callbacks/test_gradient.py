@@ -1,9 +1,14 @@
-"""GradValueClip and GradNormClip against a hand-written loop that clips right before each optimizer step."""
+"""Gradient clipping against a hand-written loop that clips right before each optimizer step; gradient reports."""
+import os
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from aitoolbox.torchtrain.callbacks.gradient import GradNormClip, GradValueClip
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.gradient import (GradDistributionPlot, GradientCallbackBase, GradientStatsPrint,
+                                                     GradNormClip, GradValueClip)
 from aitoolbox.torchtrain.precision import LossScaler, Precision
 from aitoolbox.torchtrain.train_loop import TrainLoop
 
@@ -106,3 +111,98 @@ def test_grad_norm_clip_rejects_unknown_keywords():
     with pytest.raises(TypeError, match=r"keyword argument\(s\) \['nrm_type'\] that torch.nn.utils.clip_grad_norm_ "
                                         r"does not accept; valid ones: \[.*'norm_type'"):
         GradNormClip(1.0, nrm_type=2)
+
+
+def test_gradient_callbacks_set_the_1x_flag(make_model, make_loader):
+    tl = train_with_trainloop(make_model(), make_loader(num_samples=4), [GradValueClip(1.0)], num_epochs=1)
+    assert tl.grad_cb_used and isinstance(GradValueClip(1.0), GradientCallbackBase)
+    assert GradNormClip(1.0, norm_type=1.0).kwargs == {"norm_type": 1.0}
+
+
+# --- GradientStatsPrint -------------------------------------------------------------------------------------
+class LastStepGrads(AbstractCallback):
+    """Copies the chosen layers' gradients at each optimizer step (what the reports should show)."""
+
+    def __init__(self, layers_fn):
+        super().__init__("grad copies")
+        self.layers_fn, self.grads = layers_fn, None
+
+    def on_after_optimizer_step(self):
+        self.grads = [layer.weight.grad.clone() for layer in self.layers_fn(self.train_loop_obj.model)]
+
+
+def expected_report(grads):
+    lines = ["---> Model layers gradients stats"]
+    for i, grad in enumerate(grads):
+        values = grad.numpy()
+        lines += [f"Layer {i} grads: Mean: {np.mean(values)}; Std {np.std(values)}",
+                  f"\tRatio of zero gradients: {float(np.count_nonzero(values == 0)) / values.size}"]
+    return lines
+
+
+def test_gradient_stats_print_reports_the_last_step_of_each_epoch(make_model, make_loader, capsys):
+    def layers(model):
+        return [model.hidden, model.out]
+
+    copies = LastStepGrads(layers)
+    reports = []
+
+    class CaptureAtEpochEnd(AbstractCallback):  # runs after the report: reads what it printed
+        def on_epoch_end(self):
+            reports.append((capsys.readouterr().out.splitlines(), copies.grads))
+
+    callback = GradientStatsPrint(layers)
+    train_with_trainloop(make_model(), make_loader(), [copies, callback, CaptureAtEpochEnd("capture", 1)])
+    assert len(reports) == 2
+    for printed, grads in reports:
+        assert printed == expected_report(grads)
+    assert callback.device_idx_execution == 0
+
+
+def test_gradient_stats_print_on_every_gradient_update(make_model, make_loader, capsys):
+    def layers(model):
+        return [model.out]
+
+    tl = train_with_trainloop(make_model(), make_loader(num_samples=8), [GradientStatsPrint(layers, True)],
+                              num_epochs=1, grad_accumulation=1)
+    printed = capsys.readouterr().out
+    assert printed.count("---> Model layers gradients stats") == 2 + 1  # two batches and the epoch end
+    assert tl.grad_cb_used
+    tl = train_with_trainloop(make_model(), make_loader(num_samples=8), [GradientStatsPrint(layers)], num_epochs=1)
+    assert not getattr(tl, "grad_cb_used", False)
+    with pytest.raises(TypeError, match="model_layers_extract_def must be a function"):
+        GradientStatsPrint([tl.model.out])
+
+
+# --- GradDistributionPlot -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("file_format", ["png", "pdf"])
+def test_grad_distribution_plot_files(make_model, make_loader, tmp_path, file_format):
+    pytest.importorskip("matplotlib")
+
+    def layers(model):
+        return [model.hidden, model.out]
+    callback = GradDistributionPlot(layers, file_format=file_format, project_name="proj", experiment_name="exp",
+                                    local_model_result_folder_path=str(tmp_path))
+    tl = train_with_trainloop(make_model(), make_loader(), [callback])
+    plots_dir = os.path.join(callback.experiment_folder.results_dir, "grad_distribution")
+    assert callback.experiment_folder.timestamp == tl.experiment_timestamp
+    if file_format == "png":
+        assert sorted(os.listdir(plots_dir)) == ["epoch_0", "epoch_1"]
+        assert sorted(os.listdir(os.path.join(plots_dir, "epoch_1"))) == ["layer_0.png", "layer_1.png"]
+        with open(os.path.join(plots_dir, "epoch_1", "layer_0.png"), "rb") as handle:
+            assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert sorted(os.listdir(plots_dir)) == ["epoch_0.pdf", "epoch_1.pdf"]
+        with open(os.path.join(plots_dir, "epoch_0.pdf"), "rb") as handle:
+            assert handle.read(4) == b"%PDF"
+
+
+def test_grad_distribution_plot_arguments(make_model, make_loader):
+    with pytest.raises(ValueError, match="file_format must be one of"):
+        GradDistributionPlot(lambda m: [m.out], file_format="svg")
+    with pytest.raises(ValueError, match="cloud_save_mode"):
+        GradDistributionPlot(lambda m: [m.out], cloud_save_mode="s3")
+    model = make_model()
+    tl = TrainLoop(model, make_loader(), None, None, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss())
+    with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path"):
+        tl.callbacks_handler.register_callbacks([GradDistributionPlot(lambda m: [m.out])])
