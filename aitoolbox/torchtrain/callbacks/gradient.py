@@ -254,10 +254,17 @@ class GradDistributionPlot(AbstractExperimentCallback):
         if self.is_main_process:
             self.gradient_plot()
 
+    def prepare_results_saver(self) -> None:
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the plots stay local."""
+
+    def create_plot_dirs(self) -> str:
+        """Create (if needed) and return the folder of the plots, ``results/<grad_plots_dir_name>``."""
+        return self.ensure_folder(os.path.join(self.experiment_folder.results_dir, self.grad_plots_dir_name))
+
     def gradient_plot(self) -> List[str]:
         """Plot the gradients of the epoch's last step now; returns the written file paths."""
         epoch = self.train_loop_obj.epoch
-        plots_dir = self.ensure_folder(os.path.join(self.experiment_folder.results_dir, self.grad_plots_dir_name))
+        plots_dir = self.create_plot_dirs()
         figures = []
         for i, grad in enumerate(self._grads.at_epoch_end(self.train_loop_obj.model)):
             if grad is None:

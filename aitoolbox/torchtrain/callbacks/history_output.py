@@ -198,6 +198,10 @@ class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
             self.save_plot(os.path.join(plots_dir, f"{safe_file_name(name)}.{self.file_format}"), name, epochs,
                            numbers_)
 
+    def plot_current_train_history(self, prefix: str = "") -> None:
+        """aitoolbox 1.x's name of :meth:`write`."""
+        self.write(prefix)
+
     def save_plot(self, path: str, metric_name: str, epochs: List[int], values: List[float]) -> None:
         """Draw one metric and write the figure to ``path`` atomically."""
         # Imported here: matplotlib is optional and slow to import. Figure + the Agg canvas avoid pyplot's
@@ -291,6 +295,10 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
             text = self._table_rows(path, epoch, latest)
         with open(path, "a", encoding="utf-8", newline="") as handle:
             handle.write(text)  # one write per block, so a reader sees whole blocks or rows
+
+    def write_current_train_history(self, prefix: str = "") -> None:
+        """aitoolbox 1.x's name of :meth:`write`."""
+        self.write(prefix)
 
     def _table_rows(self, path: str, epoch: int, latest: Dict[str, Any]) -> str:
         buffer = io.StringIO()

@@ -142,10 +142,7 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
     def on_train_begin(self) -> None:
         if not self.is_main_process or self.tb_writer is not None:
             return
-        if self.has_experiment_folder:
-            self.experiment_folder.ensure(self.log_dir_path)
-        else:
-            os.makedirs(self.log_dir_path, exist_ok=True)
+        self.create_log_dir()
         self.tb_writer = self._writer_class(log_dir=self.log_dir_path, **self.summary_writer_kwargs)
 
     def on_epoch_end(self) -> None:
@@ -229,6 +226,13 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
             value = scalar_value(history[name][-1]) if history.get(name) else None
             if value is not None:
                 self.tb_writer.add_scalar(history_tag(name), value, self.train_loop_obj.epoch)
+
+    def create_log_dir(self) -> str:
+        """Create (if needed) and return the folder of the event files (known after registration)."""
+        if self.has_experiment_folder:
+            return self.experiment_folder.ensure(self.log_dir_path)
+        os.makedirs(self.log_dir_path, exist_ok=True)
+        return self.log_dir_path
 
     def prepare_results_saver(self) -> None:
         """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the logs stay local."""

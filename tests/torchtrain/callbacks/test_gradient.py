@@ -185,6 +185,7 @@ def test_grad_distribution_plot_files(make_model, make_loader, tmp_path, file_fo
                                     local_model_result_folder_path=str(tmp_path))
     tl = train_with_trainloop(make_model(), make_loader(), [callback])
     plots_dir = os.path.join(callback.experiment_folder.results_dir, "grad_distribution")
+    assert callback.create_plot_dirs() == plots_dir
     assert callback.experiment_folder.timestamp == tl.experiment_timestamp
     if file_format == "png":
         assert sorted(os.listdir(plots_dir)) == ["epoch_0", "epoch_1"]

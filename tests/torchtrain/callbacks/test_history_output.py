@@ -171,6 +171,19 @@ def test_json_holds_the_history(tmp_path):
     assert os.path.basename(callback.output_path("train_end_")) == "train_end_train_history.json"
 
 
+def test_1x_method_names_write_now(tmp_path):
+    tl = make_train_loop(test=False, end_auto_eval=False)
+    writer = ModelTrainHistoryFileWriter(file_format="tsv", **folder_args(tmp_path))
+    plot = ModelTrainHistoryPlot(**folder_args(tmp_path))
+    tl.callbacks_handler.register_callbacks([writer, plot])
+    tl.insert_metric_result_into_history("val_acc", 0.5)
+    writer.write_current_train_history(prefix="manual_")
+    plot.plot_current_train_history()
+    with open(writer.output_path("manual_"), encoding="utf-8") as handle:
+        assert handle.read() == "Epoch\tval_acc\n0\t0.5\n"
+    assert os.listdir(plot.experiment_folder.plots_dir) == ["val_acc.png"]
+
+
 def test_history_epochs_of_values_already_there():
     history = {"loss": [1.0, 2.0, 3.0], "test": [4.0]}
     epochs = HistoryEpochs()

@@ -239,6 +239,7 @@ def test_a_callback_written_against_the_1x_base_class(tmp_path):
     assert scalars(events, "loss/val_loss") == [(epoch, pytest.approx(value))
                                                 for epoch, value in enumerate(tl.train_history["val_loss"])]
     assert callback.global_step == 2 * BATCHES_PER_EPOCH
+    assert callback.create_log_dir() == str(tmp_path)
 
 
 def test_unknown_summary_writer_keyword_fails_at_registration(tmp_path):
