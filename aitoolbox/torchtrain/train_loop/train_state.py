@@ -196,7 +196,7 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
                        "so training continues from epoch %d but not bitwise as the original run would have",
                        checkpoint["epoch"] + 1)
         checkpoint = dict(checkpoint, epochs_completed=checkpoint["epoch"] + 1, iteration=0,
-                          train_history=tl.train_history.get_train_history_dict())
+                          train_history=dict(tl.train_history))
     tl.train_history.clear()
     tl.train_history.update(checkpoint["train_history"])
     tl.epoch = checkpoint["epoch"]
