@@ -17,7 +17,7 @@ from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
 __all__ = ["AbstractExperimentSaver", "BaseFullExperimentSaver", "BaseFullExperimentS3Saver",
            "FullPyTorchExperimentS3Saver", "FullKerasExperimentS3Saver", "BaseFullExperimentGoogleStorageSaver",
            "FullPyTorchExperimentGoogleStorageSaver", "FullKerasExperimentGoogleStorageSaver",
-           "ABC", "abstractmethod", "time", "datetime"]
+           "time", "datetime"]
 
 
 class AbstractExperimentSaver(ABC):

@@ -24,7 +24,7 @@ from aitoolbox.experiment.local_save.local_model_save import model_file_name
 # Besides its own names, ``import *`` gives what it gave in aitoolbox 1.x, whose modules had no __all__ (1.x
 # scripts and tests use e.g. ``os`` and ``datetime`` after ``from <module> import *``).
 __all__ = ["AbstractLocalModelLoader", "PyTorchLocalModelLoader",
-           "ABC", "abstractmethod", "os", "OrderedDict", "torch", "ExperimentFolder"]
+           "os", "OrderedDict", "torch", "ExperimentFolder"]
 
 DATA_PARALLEL_PREFIX = "module."
 

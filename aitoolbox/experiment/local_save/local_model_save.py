@@ -26,7 +26,7 @@ from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 # scripts and tests use e.g. ``os`` and ``datetime`` after ``from <module> import *``).
 __all__ = ["AbstractLocalModelSaver", "BaseLocalModelSaver", "PyTorchLocalModelSaver", "KerasLocalModelSaver",
            "LocalSubOptimalModelRemover", "model_file_name",
-           "ABC", "abstractmethod", "os", "time", "datetime", "ExperimentFolder"]
+           "os", "time", "datetime", "ExperimentFolder"]
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,9 @@ Results are written as JSON, never pickled (a deliberate change from aitoolbox 1
 default): a results file is readable by any tool and loading it cannot run code. The files keep aitoolbox
 1.x's names with the extension ``.json``, in ``<root>/<project>/<experiment>_<timestamp>/results/``:
 
-- ``results_hyperParams_hist_<experiment>_<timestamp>.json``: everything in one file, or with
-  ``separate_files``
-- ``results_<...>.json``, ``hyperparams_<...>.json``, ``train_history_<...>.json`` and
-  ``true_pred_labels_<...>.json`` (with ``save_true_pred_labels``).
+- ``results_hyperParams_hist_<experiment>_<timestamp>.json``: everything in one file;
+- with ``separate_files``: ``results_<...>.json``, ``hyperparams_<...>.json``, ``train_history_<...>.json``
+  and ``true_pred_labels_<...>.json`` (with ``save_true_pred_labels``).
 
 ``file_format='pickle'`` (aitoolbox 1.x's default) is accepted and also writes JSON, after a warning. numpy
 arrays and tensors become (nested) lists, numpy and tensor scalars numbers, dict keys strings. Metrics with more
@@ -32,7 +31,7 @@ from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 # Besides its own names, ``import *`` gives what it gave in aitoolbox 1.x, whose modules had no __all__ (1.x
 # scripts and tests use e.g. ``os`` and ``datetime`` after ``from <module> import *``).
 __all__ = ["AbstractLocalResultsSaver", "BaseLocalResultsSaver", "LocalResultsSaver", "json_ready",
-           "plot_training_history", "ABC", "abstractmethod", "os", "time", "datetime", "json", "ExperimentFolder"]
+           "plot_training_history", "os", "time", "datetime", "json", "ExperimentFolder"]
 
 logger = logging.getLogger(__name__)
 
