@@ -1,8 +1,9 @@
-"""Callbacks that stop training from the training history or the predictions (importable from :mod:`.basic`).
+"""Callbacks that stop training, judging by the training history or the predictions.
 
 :class:`EarlyStopping` stops when a metric stops improving, :class:`ThresholdEarlyStopping` when it does not
 reach a threshold, :class:`TerminateOnNaN` when it becomes NaN or infinite, and :class:`AllPredictionsSame`
-when the model predicts one value for the whole validation set.
+when the model predicts one value for the whole validation set. aitoolbox 1.x code imports them from
+:mod:`aitoolbox.torchtrain.callbacks.basic`, which re-exports them.
 """
 import logging
 import math
