@@ -22,7 +22,7 @@ from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
-from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.losses import (
@@ -159,7 +159,7 @@ class TrainLoop:
 
     def get_schedulers(self) -> list:
         """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""
-        return [callback for callback in self.callbacks if isinstance(callback, GeneralLRSchedulerCallback)]
+        return [callback for callback in self.callbacks if isinstance(callback, AbstractScheduler)]
 
     def get_num_training_steps(self) -> int:
         """Optimizer steps the current ``fit`` makes in all (for warm-up schedules); needs a sized train loader

@@ -207,7 +207,7 @@ def test_two_process_resume_from_an_epoch_checkpoint_is_bitwise_exact(tmp_path, 
     checkpoint = torch.load(paths[-1], weights_only=True)
     assert list(checkpoint["model_state_dict"]) == list(stopped.model.state_dict())  # no 'module.' prefixes
     assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2
-    assert checkpoint["schedulers_state_dict"][0]["schedulers"][0]["last_epoch"] == 8
+    assert checkpoint["schedulers_state_dict"][0]["last_epoch"] == 8
 
     resumed = ddp_loop()
     resumed.load_checkpoint(str(run_folder))

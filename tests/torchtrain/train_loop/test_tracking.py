@@ -94,7 +94,7 @@ def test_checkpoint_preset_writes_a_complete_checkpoint_every_epoch(tmp_path):
         assert checkpoint["train_history"] == history_at_epoch_end[epoch]
         assert checkpoint["hyperparams"] == hyperparams
         assert list(checkpoint["model_state_dict"]) == list(tl.model.state_dict())
-        assert checkpoint["schedulers_state_dict"][0]["schedulers"][0]["last_epoch"] == epoch + 1
+        assert checkpoint["schedulers_state_dict"][0]["last_epoch"] == epoch + 1
         assert checkpoint["optimizer_state_dict"]["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5 ** (epoch + 1))
         assert len(checkpoint["rng"]) == checkpoint["world_size"] == 1
         assert set(checkpoint["rng"][0]) == RNG_KEYS and len(checkpoint["rng"][0]["loader_generators"]) == 1
@@ -122,7 +122,7 @@ def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, p
         assert checkpoints <= files
     else:
         assert not checkpoints & files
-    assert {f"model/model_exp_{ts}.pth", "results/results.json", "results/train_history.csv",
+    assert {f"model/model_exp_{ts}.pth", "results/results.json", "results/train_end_results.csv",
             "results/plots/loss.png", "results/plots/val_loss.png", "hyperparams_list.txt", "hyperparams.json",
             "my_experiment.py"} <= files
     assert not [name for name in files if name.endswith((".p", ".pkl", ".pickle")) or ".tmp-" in name]
@@ -141,7 +141,7 @@ def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, p
     assert final["train_history"]["train_end_test_loss"] == tl.train_history["train_end_test_loss"]
     for key, value in tl.model.state_dict().items():
         assert torch.equal(final["model_state_dict"][key], value)
-    with open(os.path.join(tl.experiment_folder.results_dir, "train_history.csv")) as handle:
+    with open(os.path.join(tl.experiment_folder.results_dir, "train_end_results.csv")) as handle:
         header = handle.readline()
     assert "loss" in header and "val_loss" in header
 
