@@ -327,7 +327,7 @@ def test_a_1x_style_scheduler_callback(make_model, make_loader):
     callback = Warmup1x()
     tl, recorder = fit_trainloop(make_model(), make_loader(), callback, num_epochs=2)
     assert recorder.at_epoch_ends == [LR * 0.5, LR * 0.25]
-    assert isinstance(callback, AbstractScheduler) and callback.state_dict()["last_epoch"] == 2
+    assert tl.get_schedulers() == [callback] and callback.state_dict()["last_epoch"] == 2
     callback.load_state_dict({**callback.state_dict(), "last_epoch": 5})
     assert callback.scheduler.last_epoch == 5
 
