@@ -99,12 +99,26 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     return model
 
 
-def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int) -> int:
-    """One process per GPU; without CUDA, ``num_gpus`` (if > 0) or ``num_cpu_processes`` CPU processes."""
+def resolve_backend(backend: Optional[str], on_gpu: Optional[bool]) -> Optional[str]:
+    """The process-group backend: ``on_gpu=False`` (aitoolbox 1.x) means CPU processes over gloo, and so does NCCL
+    (1.x's default backend) on a machine without CUDA, with a warning."""
+    if backend not in (None, "gloo", "nccl", "mpi"):
+        raise ValueError(f"backend must be 'nccl', 'gloo', 'mpi' or None (automatic), got {backend!r}")
+    if on_gpu is False:
+        return "gloo" if backend in (None, "nccl") else backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        warnings.warn("backend='nccl' needs CUDA, which this machine lacks: using gloo with CPU processes", stacklevel=4)
+        return "gloo"
+    return backend
+
+
+def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int, use_cuda: bool = True) -> int:
+    """One process per GPU; without CUDA (or with ``use_cuda=False``), ``num_gpus`` (if > 0) or
+    ``num_cpu_processes`` CPU processes."""
     for name, value in (("num_gpus", num_gpus), ("num_cpu_processes", num_cpu_processes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if torch.cuda.is_available():
+    if use_cuda and torch.cuda.is_available():
         available = torch.cuda.device_count()
         count = num_gpus or available
         if count > available:
@@ -140,15 +154,14 @@ def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callb
                     amp_init_args: Optional[dict], in_process_data_load, num_nodes: int, node_rank: int,
                     num_gpus: Optional[int], backend: Optional[str], init_method: str, master_addr: Optional[str],
                     master_port: Optional[int], num_cpu_processes: int, sync_bn: bool, start_method: Optional[str],
-                    timeout_s: float):
+                    timeout_s: float, on_gpu: Optional[bool] = None):
     """See :meth:`TrainLoop.fit_distributed`."""
     validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
         raise ValueError(f"node_rank must be an int in 0..{num_nodes - 1}, got {node_rank!r}")
-    if backend not in (None, "gloo", "nccl", "mpi"):
-        raise ValueError(f"backend must be 'nccl', 'gloo', 'mpi' or None (automatic), got {backend!r}")
+    backend = resolve_backend(backend, on_gpu)
     if amp_init_args is not None and not isinstance(amp_init_args, dict):
         raise TypeError(f"amp_init_args must be a dict of amp.initialize arguments, got {amp_init_args!r}")
     data_load_callbacks = [] if in_process_data_load is None else (
@@ -168,11 +181,11 @@ def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callb
                              result_path=None, **common)
         return train_in_this_process(job, placement)
 
-    per_node = processes_per_node(num_gpus, num_cpu_processes)
+    per_node = processes_per_node(num_gpus, num_cpu_processes, use_cuda=backend != "gloo")
     addr, port = rendezvous(num_nodes, node_rank, master_addr, master_port)
     method = choose_start_method(start_method)
     threads = None
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    if (backend == "gloo" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // per_node)  # CPU processes share the cores
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir:
         result_path = os.path.join(result_dir, "result.pt")

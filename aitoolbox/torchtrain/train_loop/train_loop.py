@@ -296,7 +296,8 @@ class TrainLoop(EvaluationMethods):
                         node_rank: int = 0, num_gpus: Optional[int] = None, backend: Optional[str] = None,
                         init_method: str = "env://", master_addr: Optional[str] = None,
                         master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
-                        start_method: Optional[str] = None, timeout_s: float = 600.0) -> nn.Module:
+                        start_method: Optional[str] = None, timeout_s: float = 600.0,
+                        on_gpu: Optional[bool] = None) -> nn.Module:
         """Train with DistributedDataParallel, one process per device, and return the trained model.
 
         Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
@@ -323,11 +324,13 @@ class TrainLoop(EvaluationMethods):
             sync_bn: convert BatchNorm layers to SyncBatchNorm.
             start_method: ``'fork'``, ``'spawn'`` or None (fork in notebooks, spawn for scripts).
             timeout_s: how long collectives wait for a missing rank before failing.
+            on_gpu: aitoolbox 1.x's switch: False trains CPU processes over gloo even where CUDA is available; None
+                or True use the GPUs when there are any. ``backend='nccl'`` without CUDA falls back to gloo.
         """
         return fit_distributed(self, num_epochs, num_iterations, callbacks, grad_accumulation, train_data_shuffle,
                                ddp_model_args, amp_init_args, in_process_data_load, num_nodes, node_rank, num_gpus,
                                backend, init_method, master_addr, master_port, num_cpu_processes, sync_bn,
-                               start_method, timeout_s)
+                               start_method, timeout_s, on_gpu)
 
     @property
     def model_for_user(self) -> nn.Module:

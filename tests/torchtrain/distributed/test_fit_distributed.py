@@ -203,3 +203,19 @@ def test_seed_snippet_as_a_script_spawns_cpu_processes_and_only_rank_0_reports(t
     for epoch in range(10):
         assert result.stderr.count(f"Epoch {epoch}: accumulated_loss") == 1, result.stderr[-3000:]
     assert result.stderr.count("Test loss at the end of training") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of a machine without CUDA")
+def test_1x_ddp_keywords_train_cpu_processes(tmp_path):
+    """aitoolbox 1.x's fit keywords for gpu_mode='ddp': its default backend='nccl' and on_gpu=False."""
+    initial = make_model()
+    tl = make_train_loop(copy.deepcopy(initial), batch_size=BATCH, shuffle=False)
+    tl.gpu_mode = "ddp"
+    with pytest.warns(UserWarning, match="backend='nccl' needs CUDA.*using gloo"):
+        tl.fit(num_epochs=1, callbacks=[RecordRankResult(tmp_path)], backend="nccl", num_gpus=2, start_method="fork")
+    rank0, rank1 = load_rank_results(tmp_path)
+    assert (rank0["world_size"], rank1["world_size"]) == (2, 2)
+    assert_state_dicts_equal(tl.model.state_dict(), rank0["state_dict"])
+    other = make_train_loop(copy.deepcopy(initial), batch_size=BATCH, shuffle=False)
+    other.fit_distributed(num_epochs=1, on_gpu=False, num_gpus=2, start_method="fork")
+    assert_state_dicts_equal(other.model.state_dict(), tl.model.state_dict())
