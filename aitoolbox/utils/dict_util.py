@@ -88,7 +88,8 @@ def flatten_combine_dict(train_history: Mapping) -> Dict[str, List[Any]]:
     """Turn a history whose values are lists of (nested) dicts into plain ``{name: [values]}`` lists.
 
     A metric recorded as ``'f1': [{'cat': 0.1}, {'cat': 0.3}]`` becomes ``'f1_cat': [0.1, 0.3]``; metrics
-    with plain values (and empty lists) are kept as they are. The input is not modified.
+    with plain values are kept as they are. As in aitoolbox 1.x, a metric with no values yet (an empty list)
+    is left out: there is nothing to flatten or report for it. The input is not modified.
 
     Args:
         train_history: ``{metric name: [values per epoch]}``.
@@ -99,7 +100,9 @@ def flatten_combine_dict(train_history: Mapping) -> Dict[str, List[Any]]:
     history = copy.deepcopy(dict(train_history))
     flat_history: Dict[str, List[Any]] = {}
     for name, values in history.items():
-        if isinstance(values, (list, tuple)) and values and all(isinstance(value, Mapping) for value in values):
+        if isinstance(values, (list, tuple)) and len(values) == 0:
+            continue
+        if isinstance(values, (list, tuple)) and all(isinstance(value, Mapping) for value in values):
             grouped = combine_dict_elements(flatten_dict(value) for value in values)
             for leaf_key, leaf_values in grouped.items():
                 flat_history[f"{name}_{leaf_key}"] = leaf_values
