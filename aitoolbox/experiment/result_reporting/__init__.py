@@ -1,0 +1,1 @@
+"""Human-readable reports of an experiment: the hyperparameter list, the source code, history plots and tables."""
