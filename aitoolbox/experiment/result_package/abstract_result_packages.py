@@ -11,7 +11,6 @@ import copy
 import logging
 import math
 import os
-import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -23,6 +22,7 @@ from aitoolbox.experiment.result_package.inputs import (
     to_numpy,
 )
 from aitoolbox.experiment.training_history import TrainingHistory
+from aitoolbox.utils.file_system import zip_folder
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +224,7 @@ class AbstractResultPackage(ABC):
     @staticmethod
     def zip_additional_results_dump(source_dir_path: str, zip_path: str) -> str:
         """Zip the folder ``source_dir_path`` into ``zip_path`` (``.zip`` is appended when missing); return its path."""
-        base = zip_path[:-len(".zip")] if zip_path.endswith(".zip") else zip_path
-        shutil.make_archive(base, "zip", os.fspath(source_dir_path))
-        return base + ".zip"
+        return zip_folder(os.fspath(source_dir_path), zip_path)
 
     def warn_if_results_dict_not_defined(self) -> None:
         """Raise ``ValueError`` when the package has no results yet."""
