@@ -43,6 +43,7 @@ class Precision:
         self.last_step_skipped = False
         self._unscaled_optimizers: set = set()
         self._found_inf = False
+        self._skipped_since_update = False
 
     def __repr__(self) -> str:
         masters = ", master_weights" if self.master_weights is not None else ""
@@ -100,8 +101,14 @@ class Precision:
             self._found_inf |= unscale_into(pairs, self.loss_scaler)
         self._unscaled_optimizers.add(id(optimizer))
 
-    def step(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    def step(self, optimizers: Sequence[torch.optim.Optimizer], update_scale: bool = True) -> bool:
         """Step every optimizer unless the gradients overflowed; update the loss scale.
+
+        Args:
+            optimizers: the optimizers to step together.
+            update_scale: update the loss scale now. Optimizers stepped one after another within one iteration
+                (aitoolbox 1.x's MultiOptimizer) pass False and call :meth:`update_scale` once after the last,
+                as ``torch.amp.GradScaler.update`` is called once per iteration.
 
         Returns:
             True if the optimizers stepped, False if the step was skipped.
@@ -113,14 +120,21 @@ class Precision:
         if not skip:
             for optimizer in optimizers:
                 optimizer.step()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(skip)
+        self._skipped_since_update |= skip
+        if update_scale:
+            self.update_scale()
         self._unscaled_optimizers.clear()
         self._found_inf = False
         self.last_step_skipped = skip
         if self.step_listener is not None:
             self.step_listener(skip, optimizers)
         return not skip
+
+    def update_scale(self) -> None:
+        """Apply the dynamic-scaling rule once for the steps since the last update (backing off if any skipped)."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self._skipped_since_update)
+        self._skipped_since_update = False
 
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Clear the gradients before the next accumulation window."""

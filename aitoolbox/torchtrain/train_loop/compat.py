@@ -86,20 +86,19 @@ class GradScalerView:
         self._precision.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
-        """Step ``optimizer`` unless its gradients overflowed; returns None as GradScaler does.
-
-        The loss scale is updated in the same call (the loop's precision keeps apex's update rule), so the
-        :meth:`update` that follows is a no-op.
-        """
+        """Step ``optimizer`` unless its gradients overflowed; returns None as GradScaler does. The scale changes
+        at the next :meth:`update`, as GradScaler's."""
         if args or kwargs:
             raise TypeError("amp_scaler.step(optimizer) takes no further arguments here: optimizer closures are not "
                             "supported with mixed precision")
-        self._precision.step([optimizer])
+        self._precision.step([optimizer], update_scale=False)
 
     def update(self, new_scale=None) -> None:
-        """Nothing to do: the scale was updated by :meth:`step`. A ``new_scale`` sets the scale directly."""
+        """Update the scale for the steps since the last update; a ``new_scale`` sets it directly instead."""
         scaler = self._precision.loss_scaler
-        if new_scale is not None and scaler is not None:
+        if new_scale is None:
+            self._precision.update_scale()
+        elif scaler is not None:
             scaler.loss_scale = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
 
     def state_dict(self) -> dict:

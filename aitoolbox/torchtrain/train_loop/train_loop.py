@@ -5,6 +5,7 @@ device placement and multi-process communication in :mod:`aitoolbox.torchtrain.d
 evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.torchtrain.callbacks`).
 """
 import logging
+import math
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -22,7 +23,7 @@ from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.evaluation_methods import EvaluationMethods
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
-from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
@@ -266,6 +267,8 @@ class TrainLoop(EvaluationMethods):
         validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
         validation.check_ready_to_train(self.train_loader, self.optimizers)
         self.num_epochs, self.num_iterations = num_epochs, num_iterations
+        if num_iterations > 0 and loader_length(self.train_loader):  # the epochs the run touches, as 1.x reports
+            self.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         self.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
         self.early_stop = False
@@ -415,21 +418,43 @@ class TrainLoop(EvaluationMethods):
 
     def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
-        the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step."""
+        the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step; the loss
+        scale is updated once after the last. A MultiLoss or MultiOptimizer subclass's own ``backward``,
+        ``step`` or ``zero_grad`` is called instead, with ``amp_scaler``, as in 1.x."""
+        if self.grad_accumulation > 1:
+            loss = loss / self.grad_accumulation
+        own_backward = type(loss).backward is not MultiLoss.backward
+        own_step = isinstance(self.optimizer, MultiOptimizer) and (
+            type(self.optimizer).step is not MultiOptimizer.step
+            or type(self.optimizer).zero_grad is not MultiOptimizer.zero_grad)
+        skipped = False
         for optimizer_idx, optimizer in enumerate(self.optimizers):
-            if optimizer_idx not in loss.optimizer_loss_map:
-                raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
-                                 f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
-            part = loss[loss.optimizer_loss_map[optimizer_idx]]
-            retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
-            self.precision.backward(part / self.grad_accumulation if self.grad_accumulation > 1 else part,
-                                    accumulating=not self.optimizer_step_due, retain_graph=retain)
+            if own_backward:
+                loss.backward(optimizer_idx, self.iteration, self.amp_scaler)
+            else:
+                if optimizer_idx not in loss.optimizer_loss_map:
+                    raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
+                                     f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
+                retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
+                self.precision.backward(loss[loss.optimizer_loss_map[optimizer_idx]],
+                                        accumulating=not self.optimizer_step_due, retain_graph=retain)
             self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-            if self.optimizer_step_due:
-                self._step_optimizers([optimizer])
+            if not self.optimizer_step_due:
+                continue
+            if own_step:
+                self.optimizer.step(optimizer_idx, self.iteration, self.amp_scaler)
+                self.optimizer_step_skipped = self.precision.last_step_skipped
+                self.callbacks_handler.on_after_optimizer_step()
+                self.optimizer.zero_grad(optimizer_idx, self.iteration)
+            else:
+                self._step_optimizers([optimizer], update_scale=False)
+            skipped |= self.optimizer_step_skipped
+        if self.optimizer_step_due:
+            self.precision.update_scale()
+            self.optimizer_step_skipped = skipped
 
-    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer]) -> None:
-        self.optimizer_step_skipped = not self.precision.step(optimizers)
+    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
+        self.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
         self.callbacks_handler.on_after_optimizer_step()
         self.precision.zero_grad(optimizers)
 

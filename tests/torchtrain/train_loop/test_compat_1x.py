@@ -124,8 +124,6 @@ def test_counters_after_fit_by_iterations():
     assert (tl.num_iterations, tl.grad_accumulation) == (6, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="fit(num_iterations=N) leaves tl.num_epochs at 0; aitoolbox 1.8 sets it to "
-                                       "ceil(N / len(train_loader)), the number of epochs the run touches")
 def test_num_epochs_after_fit_by_iterations_is_the_number_of_epochs_touched():
     tl = make_loop(MLP())
     tl.fit(num_iterations=6)
@@ -584,8 +582,6 @@ class RecordingMultiOptimizer(MultiOptimizer):
         super().zero_grad(optimizer_idx, iteration)
 
 
-@pytest.mark.xfail(strict=True, reason="the loop steps the optimizers of MultiOptimizer.optimizer_list itself, so a "
-                                       "1.8 MultiOptimizer subclass's step/zero_grad are never called")
 def test_a_multi_optimizer_subclass_is_called_as_in_1x():
     model, _ = two_loss_pair()
     optimizers = RecordingMultiOptimizer(two_optimizers(model))
@@ -596,9 +592,6 @@ def test_a_multi_optimizer_subclass_is_called_as_in_1x():
                                 for name in ("step", "zero_grad")]
 
 
-@pytest.mark.xfail(strict=True, reason="with several optimizers the loss scale is updated after each optimizer's "
-                                       "step (Precision.step per optimizer), not once per iteration as 1.8's "
-                                       "amp_scaler.update() and GradScaler's multi-optimizer recipe do")
 def test_multi_optimizer_under_grad_scaler_arguments_updates_the_scale_once_per_iteration():
     model, reference = two_loss_pair()
     tl = make_loop(model, MultiOptimizer(two_optimizers(model)), use_amp=dict(SCALER_ARGS))
