@@ -103,3 +103,34 @@ class CallbacksHandler:
     def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
         for callback in self._subscribers["on_after_batch_prediction"]:
             callback.on_after_batch_prediction(y_pred_batch, y_test_batch, metadata_batch, dataset_info)
+
+    # aitoolbox 1.x's names of the same calls, for code that drives the handler itself.
+    def execute_train_begin(self) -> None:
+        self.on_train_begin()
+
+    def execute_train_end(self) -> None:
+        self.on_train_end()
+
+    def execute_epoch_begin(self) -> None:
+        self.on_epoch_begin()
+
+    def execute_epoch_end(self) -> None:
+        self.on_epoch_end()
+
+    def execute_batch_begin(self) -> None:
+        self.on_batch_begin()
+
+    def execute_batch_end(self) -> None:
+        self.on_batch_end()
+
+    def execute_gradient_update(self, optimizer_idx: int = 0) -> None:
+        self.on_after_gradient_update(optimizer_idx)
+
+    def execute_optimizer_step(self) -> None:
+        self.on_after_optimizer_step()
+
+    def execute_multiprocess_start(self) -> None:
+        self.on_multiprocess_start()
+
+    def execute_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
+        self.on_after_batch_prediction(y_pred_batch, y_test_batch, metadata_batch, dataset_info)

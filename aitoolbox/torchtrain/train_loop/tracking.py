@@ -150,4 +150,4 @@ def end_save_callbacks(hyperparams: dict, val_result_package, test_result_packag
     return [ModelTrainEndSave(hyperparams=hyperparams, val_result_package=val_result_package,
                               test_result_package=test_result_package),
             ModelTrainHistoryPlot(epoch_end=False, train_end=True),
-            ModelTrainHistoryFileWriter(epoch_end=False, train_end=True, file_format="csv")]
+            ModelTrainHistoryFileWriter(epoch_end=False, train_end=True, file_format="json")]

@@ -111,6 +111,7 @@ class TrainLoop(EvaluationMethods):
         self.optimizer_step_skipped = False
         self.last_batch_loss: Optional[torch.Tensor] = None
         self.early_stop = False
+        self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks

@@ -194,3 +194,21 @@ def test_hooks_see_the_documented_state():
     assert probe.grads_at_batch_begin == [False, True, False] * 2
     assert probe.val_loss_lengths == [1, 2]  # on_epoch_end runs after the automatic evaluation
     assert probe.test_loss_at_end is not None and len(probe.test_loss_at_end) == 1
+
+
+def test_1x_execute_names_call_the_hooks():
+    log = []
+    tl = make_loop()
+    tl.callbacks_handler.register_callbacks([HookRecorder(log)])
+    handler = tl.callbacks_handler
+    handler.execute_train_begin()
+    handler.execute_epoch_begin()
+    handler.execute_batch_begin()
+    handler.execute_gradient_update()
+    handler.execute_optimizer_step()
+    handler.execute_batch_end()
+    handler.execute_epoch_end()
+    handler.execute_train_end()
+    assert [hook for _, hook, _ in log] == [
+        "on_train_loop_registration", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_after_gradient_update", "on_after_optimizer_step",
+        "on_batch_end", "on_epoch_end", "on_train_end"]

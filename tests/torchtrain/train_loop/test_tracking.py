@@ -122,7 +122,7 @@ def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, p
         assert checkpoints <= files
     else:
         assert not checkpoints & files
-    assert {f"model/model_exp_{ts}.pth", "results/results.json", "results/train_end_results.csv",
+    assert {f"model/model_exp_{ts}.pth", "results/results.json", "results/train_end_train_history.json",
             "results/plots/loss.png", "results/plots/val_loss.png", "hyperparams_list.txt", "hyperparams.json",
             "my_experiment.py"} <= files
     assert not [name for name in files if name.endswith((".p", ".pkl", ".pickle")) or ".tmp-" in name]
@@ -141,9 +141,8 @@ def test_end_save_presets_write_model_json_results_plots_and_history(tmp_path, p
     assert final["train_history"]["train_end_test_loss"] == tl.train_history["train_end_test_loss"]
     for key, value in tl.model.state_dict().items():
         assert torch.equal(final["model_state_dict"][key], value)
-    with open(os.path.join(tl.experiment_folder.results_dir, "train_end_results.csv")) as handle:
-        header = handle.readline()
-    assert "loss" in header and "val_loss" in header
+    with open(os.path.join(tl.experiment_folder.results_dir, "train_end_train_history.json")) as handle:
+        assert json.load(handle) == tl.train_history.get_train_history_dict()
 
 
 def test_iteration_save_freq_adds_mid_epoch_checkpoints(tmp_path):
