@@ -139,7 +139,7 @@ class Precision:
     def zero_grad(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Clear the gradients before the next accumulation window."""
         for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()  # set_to_none=True, torch's default, without asking wrappers to take it
             if self.master_weights is not None and self.master_weights.manages(optimizer):
                 for model_param, _ in self.master_weights.grad_pairs(optimizer):
                     model_param.grad = None

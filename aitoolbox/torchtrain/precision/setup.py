@@ -83,6 +83,10 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
         device: the device it trains on.
     """
     meaning = use_amp_meaning(use_amp)
+    wrappers = [type(opt).__name__ for opt in optimizers if not isinstance(opt, torch.optim.Optimizer)]
+    if wrappers and meaning != "off":
+        raise TypeError(f"mixed precision needs torch.optim.Optimizer instances (it unscales their param_groups' "
+                        f"gradients), got {', '.join(wrappers)}: pass the torch optimizer itself, or use_amp=False")
     existing = (amp.state_of(optimizers[0]) if optimizers else None) or amp.state_of(model)
     if existing is not None:
         if meaning in ("amp_initialize", "grad_scaler"):

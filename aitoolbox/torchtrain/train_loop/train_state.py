@@ -116,6 +116,10 @@ def stateful_callbacks(tl: "TrainLoop", include_schedulers: bool = True) -> Dict
 
 def optimizer_state(tl: "TrainLoop") -> Any:
     """1.x's ``optimizer_state_dict``: the optimizer's state dict, or a list of them for several optimizers."""
+    lacking = [type(opt).__name__ for opt in tl.optimizers if not callable(getattr(opt, "state_dict", None))]
+    if lacking:
+        raise TypeError(f"cannot checkpoint optimizer(s) {', '.join(lacking)}: a checkpoint needs the optimizer's "
+                        "state_dict() and load_state_dict()")
     if isinstance(tl.optimizer, torch.optim.Optimizer):
         return tl.optimizer.state_dict()
     return [optimizer.state_dict() for optimizer in tl.optimizers]

@@ -47,6 +47,12 @@ def check_loader(loader: Any, name: str, required: bool) -> None:
                              "size, and batch_size with drop_last=True.")
 
 
+def is_optimizer(obj: Any) -> bool:
+    """A torch optimizer, or an object that steps and zeroes gradients like one (an optimizer wrapper)."""
+    return isinstance(obj, torch.optim.Optimizer) or (callable(getattr(obj, "step", None))
+                                                     and callable(getattr(obj, "zero_grad", None)))
+
+
 def as_optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
     """The optimizers as a list: one optimizer, a list/tuple of them, or a MultiOptimizer; None gives ``[]``
     (a TrainLoop that only predicts)."""
@@ -56,8 +62,9 @@ def as_optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
         optimizer = optimizer.optimizer_list  # aitoolbox's MultiOptimizer
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(opt).__name__}")
+        if not is_optimizer(opt):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or an object with its step() and zero_grad() "
+                            f"methods), a list of them or a MultiOptimizer, got {type(opt).__name__}")
     if not optimizers:
         raise ValueError("optimizer list is empty: pass at least one torch.optim.Optimizer")
     return optimizers

@@ -86,12 +86,40 @@ def test_loader_that_is_not_iterable():
 
 # --- optimizer, criterion, options --------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer, error, message", [
-    ("sgd", TypeError, "optimizer must be a torch.optim.Optimizer or a list of them, got str"),
+    ("sgd", TypeError, r"optimizer must be a torch.optim.Optimizer \(or an object with its step\(\) and zero_grad\(\) "
+                       r"methods\), a list of them or a MultiOptimizer, got str"),
     ([], ValueError, "optimizer list is empty"),
 ])
 def test_bad_optimizer(optimizer, error, message):
     with pytest.raises(error, match=message):
         build(optimizer=optimizer)
+
+
+class OptimizerWrapper:
+    """An optimizer wrapper that is not a torch.optim.Optimizer (some libraries ship such wrappers)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+
+def test_an_optimizer_wrapper_trains_but_needs_a_torch_optimizer_for_amp_and_checkpoints():
+    model = MLP()
+    wrapper = OptimizerWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    tl = build(model=model, optimizer=wrapper)
+    tl.fit(num_epochs=1)
+    assert wrapper.steps == 3  # 10 samples in batches of 4
+    with pytest.raises(TypeError, match="cannot checkpoint optimizer\\(s\\) OptimizerWrapper: a checkpoint needs"):
+        tl.checkpoint_state()
+    with pytest.raises(TypeError, match="mixed precision needs torch.optim.Optimizer instances .* OptimizerWrapper"):
+        build(model=model, optimizer=wrapper, use_amp=True).fit(num_epochs=1)
 
 
 def test_list_with_a_non_optimizer():
