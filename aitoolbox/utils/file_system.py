@@ -78,7 +78,30 @@ def unzip_file(file_path: str, target_dir_path: str) -> None:
             archive.extractall(target_dir_path)
     elif file_path.endswith(".tar.gz"):
         with tarfile.open(file_path, "r:gz") as archive:
-            # The 'data' filter refuses members that would land outside target_dir_path or are devices.
-            archive.extractall(target_dir_path, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                # The 'data' filter refuses members that would land outside target_dir_path or are devices.
+                archive.extractall(target_dir_path, filter="data")
+            else:
+                # Python releases before 3.10.12 / 3.11.4 have no extraction filters: check the paths ourselves.
+                _check_tar_members_stay_inside(archive, target_dir_path)
+                archive.extractall(target_dir_path)
     else:
         raise ValueError(f"Cannot unpack {file_path!r}: only .zip and .tar.gz archives are supported")
+
+
+def _check_tar_members_stay_inside(archive: tarfile.TarFile, target_dir_path: str) -> None:
+    """Refuse an archive whose members (or link targets) would be written outside ``target_dir_path``."""
+    root = os.path.realpath(target_dir_path)
+    for member in archive.getmembers():
+        paths = [member.name]
+        if member.issym():
+            paths.append(os.path.join(os.path.dirname(member.name), member.linkname))
+        elif member.islnk():
+            paths.append(member.linkname)
+        for path in paths:
+            destination = os.path.realpath(os.path.join(root, path))
+            if os.path.commonpath([root, destination]) != root:
+                raise ValueError(f"Refusing to unpack {member.name!r}: it would be written outside "
+                                 f"{target_dir_path!r}")
+        if member.isdev():
+            raise ValueError(f"Refusing to unpack {member.name!r}: device files are not extracted")

@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from aitoolbox.utils.file_system import create_folder_hierarchy, unzip_file, zip_folder
+from aitoolbox.utils.file_system import _check_tar_members_stay_inside, create_folder_hierarchy, unzip_file, zip_folder
 
 
 def _make_tree(root):
@@ -59,3 +59,33 @@ def test_unzip_tar_gz_and_reject_other_archives(tmp_path):
     assert (tmp_path / "out" / "top.txt").read_text() == "top"
     with pytest.raises(ValueError, match=".zip and .tar.gz"):
         unzip_file(str(tmp_path / "src.rar"), str(tmp_path / "out"))
+
+
+def _tar_with_escaping_member(tmp_path):
+    payload = tmp_path / "payload.txt"
+    payload.write_text("x")
+    tar_path = str(tmp_path / "evil.tar.gz")
+    with tarfile.open(tar_path, "w:gz") as archive:
+        archive.add(str(payload), arcname="../escaped.txt")
+    return tar_path
+
+
+def test_tar_member_escaping_the_target_is_refused(tmp_path):
+    tar_path = _tar_with_escaping_member(tmp_path)
+    (tmp_path / "out").mkdir()
+    with pytest.raises((tarfile.TarError, ValueError)):
+        unzip_file(tar_path, str(tmp_path / "out"))
+    assert not (tmp_path / "escaped.txt").exists()
+    # The check used on Python releases without tarfile's extraction filters refuses it too.
+    with tarfile.open(tar_path, "r:gz") as archive, pytest.raises(ValueError, match="outside"):
+        _check_tar_members_stay_inside(archive, str(tmp_path / "out"))
+
+
+def test_tar_gz_unpacks_on_pythons_without_extraction_filters(tmp_path, monkeypatch):
+    monkeypatch.delattr(tarfile, "data_filter")
+    _make_tree(str(tmp_path / "src"))
+    tar_path = str(tmp_path / "src.tar.gz")
+    with tarfile.open(tar_path, "w:gz") as archive:
+        archive.add(str(tmp_path / "src"), arcname="src")
+    unzip_file(tar_path, str(tmp_path / "out"))
+    assert (tmp_path / "out" / "src" / "pkg" / "sub" / "deep.py").read_text() == "x = 1\n"
