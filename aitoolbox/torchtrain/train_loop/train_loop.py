@@ -101,7 +101,8 @@ class TrainLoop(EvaluationMethods):
         self._precision: Optional[Precision] = None
         self.amp_scaler = GradScalerView(self._get_precision)
 
-        self.epoch = 0
+        self.epochs_completed = 0
+        self._epoch = 0
         self.iteration = 0
         self.total_iteration_idx = -1  # index of the last batch trained (aitoolbox 1.x): -1 before training
         self.num_epochs = 0
@@ -115,7 +116,6 @@ class TrainLoop(EvaluationMethods):
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
-        self.epochs_completed = 0
         self.epoch_loss_sum = torch.zeros(())
         self.epoch_start_rng_state: Optional[dict] = None
         self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
@@ -144,6 +144,17 @@ class TrainLoop(EvaluationMethods):
     @property
     def show_progress(self) -> bool:
         return self.show_progress_bars and self.strategy.is_main_process
+
+    @property
+    def epoch(self) -> int:
+        """The index of the current epoch (of the last one, after ``fit``)."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        # aitoolbox 1.x users continue training by setting tl.epoch before fit: the next epoch trained is this one.
+        self._epoch = epoch
+        self.epochs_completed = epoch
 
     @property
     def experiment_timestamp(self) -> str:

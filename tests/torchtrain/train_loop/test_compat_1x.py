@@ -617,3 +617,22 @@ def test_data_parallel_mode_without_cuda_trains_on_the_cpu_with_a_warning():
                   nn.CrossEntropyLoss(), num_epochs=2)
     assert_params_equal(model, reference)
     assert tl.device.type == "cpu"
+
+
+class EpochRecorder(AbstractCallback):
+    def __init__(self):
+        super().__init__("epochs")
+        self.epochs = []
+
+    def on_epoch_begin(self):
+        self.epochs.append(self.train_loop_obj.epoch)
+
+
+def test_setting_epoch_before_fit_continues_from_that_epoch_as_in_1x():
+    """1.x scripts continue a run by setting ``tl.epoch`` and calling fit with the final epoch count."""
+    recorder = EpochRecorder()
+    tl = make_loop(MLP())
+    tl.epoch = 2
+    tl.fit(num_epochs=4, callbacks=[recorder])
+    assert recorder.epochs == [2, 3] and tl.epoch == 3 and tl.epochs_completed == 4
+    assert len(tl.train_history["accumulated_loss"]) == 2
