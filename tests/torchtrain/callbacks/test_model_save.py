@@ -404,6 +404,9 @@ def _checkpoint_past_the_file_size_limit(root: str, background_save: bool = Fals
         def on_epoch_end(self):
             super().on_epoch_end()
             if self.train_loop_obj.epoch == 1:
+                for callback in self.train_loop_obj.callbacks:  # epoch 0's background save may still be writing
+                    if isinstance(callback, ModelCheckpoint):
+                        callback.wait_for_pending_save()
                 (first,) = os.listdir(folder)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(os.path.join(folder, first)) // 2,
                                                            hard_limit))
