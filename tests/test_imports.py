@@ -60,6 +60,12 @@ MODULE_PATHS = {
     "aitoolbox.utils.dict_util": "flatten_dict",
     "aitoolbox.utils.file_system": "zip_folder",
     "aitoolbox.utils.util": "function_exists",
+    "aitoolbox.cloud": "s3_available_options",
+    "aitoolbox.cloud.AWS.model_save": "PyTorchS3ModelSaver",
+    "aitoolbox.cloud.AWS.model_load": "PyTorchS3ModelLoader",
+    "aitoolbox.cloud.AWS.results_save": "S3ResultsSaver",
+    "aitoolbox.cloud.GoogleCloud.model_save": "PyTorchGoogleStorageModelSaver",
+    "aitoolbox.cloud.GoogleCloud.model_load": "PyTorchGoogleStorageModelLoader",
 }
 
 # Packages that must not be imported just by importing aitoolbox (slow, optional, or cloud SDKs).
@@ -92,3 +98,15 @@ def test_star_exports_give_the_1x_names_without_heavy_imports():
 def test_1x_module_paths_import(module, name):
     imported = __import__(module, fromlist=[name])
     assert hasattr(imported, name), f"{module} has no {name}"
+
+
+@pytest.mark.parametrize("module, name, alternative", [
+    ("aitoolbox.cloud.AWS.model_save", "PyTorchS3ModelSaver", "PyTorchLocalModelSaver"),
+    ("aitoolbox.cloud.AWS.results_save", "S3ResultsSaver", "LocalResultsSaver"),
+    ("aitoolbox.cloud.GoogleCloud.model_load", "PyTorchGoogleStorageModelLoader", "PyTorchLocalModelLoader"),
+    ("aitoolbox.cloud.AWS.simple_email_service", "SESSender", "smtplib"),
+])
+def test_1x_cloud_classes_say_they_are_not_supported_yet_and_name_the_local_alternative(module, name, alternative):
+    cloud_class = getattr(__import__(module, fromlist=[name]), name)
+    with pytest.raises(NotImplementedError, match=f"{name}: .* is not supported yet. Use .*{alternative}"):
+        cloud_class("bucket-name", "local/folder")

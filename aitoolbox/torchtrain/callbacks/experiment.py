@@ -8,12 +8,13 @@ from typing import Any, Optional
 
 import torch
 
+from aitoolbox.cloud import gcs_available_options, s3_available_options
 from aitoolbox.torchtrain.callbacks.abstract import AbstractExperimentCallback, MissingExperimentDetailsError
 
 __all__ = ["AbstractExperimentCallback", "MissingExperimentDetailsError", "check_local_save_mode", "scalar_value"]
 
 # aitoolbox 1.x's cloud_save_mode values that meant an upload to S3 or Google Cloud Storage.
-_CLOUD_MODES = ("s3", "aws_s3", "aws", "gcs", "google_storage", "google storage")
+_CLOUD_MODES = tuple(s3_available_options + gcs_available_options)
 
 
 def check_local_save_mode(cloud_save_mode: Optional[str], callback_name: str) -> None:

@@ -1,0 +1,1 @@
+"""aitoolbox 1.x's AWS modules: not supported yet."""

@@ -1,0 +1,1 @@
+"""aitoolbox 1.x's Google Cloud modules: not supported yet."""
