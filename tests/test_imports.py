@@ -60,6 +60,8 @@ MODULE_PATHS = {
     "aitoolbox.utils.dict_util": "flatten_dict",
     "aitoolbox.utils.file_system": "zip_folder",
     "aitoolbox.utils.util": "function_exists",
+    "aitoolbox.torchtrain.tl_components.pred_collate_fns": "torch_cat_transf",
+    "aitoolbox.torchtrain.tl_components.callback_handler": "CallbacksHandler",
     "aitoolbox.cloud": "s3_available_options",
     "aitoolbox.cloud.AWS.model_save": "PyTorchS3ModelSaver",
     "aitoolbox.cloud.AWS.model_load": "PyTorchS3ModelLoader",
@@ -110,3 +112,8 @@ def test_1x_cloud_classes_say_they_are_not_supported_yet_and_name_the_local_alte
     cloud_class = getattr(__import__(module, fromlist=[name]), name)
     with pytest.raises(NotImplementedError, match=f"{name}: .* is not supported yet. Use .*{alternative}"):
         cloud_class("bucket-name", "local/folder")
+
+
+def test_1x_nlp_modules_say_they_are_not_supported_yet():
+    with pytest.raises(ImportError, match="aitoolbox.nlp .* is not supported yet"):
+        __import__("aitoolbox.nlp.core.core")

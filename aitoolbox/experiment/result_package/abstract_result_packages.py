@@ -43,6 +43,10 @@ class AbstractResultPackage(ABC):
         **kwargs: additional metadata of the package, kept as ``package_metadata``.
     """
 
+    # Packages that compare y_true and y_predicted sample by sample set this, so that misaligned inputs fail
+    # plainly; others may take placeholder targets (e.g. QA packages read the references from the metadata).
+    aligned_inputs = False
+
     def __init__(self, pkg_name: Optional[str] = None, strict_content_check: bool = False,
                  np_array: Union[bool, str] = True, **kwargs):
         if pkg_name is not None and not isinstance(pkg_name, str):
@@ -91,7 +95,8 @@ class AbstractResultPackage(ABC):
             TypeError: :meth:`prepare_results_dict` did not return a dict.
         """
         y_true, y_predicted = self._convert_input(y_true), self._convert_input(y_predicted)
-        check_same_length(y_true, y_predicted, self.pkg_name)
+        if self.aligned_inputs:
+            check_same_length(y_true, y_predicted, self.pkg_name)
         self.y_true, self.y_predicted = y_true, y_predicted
         self.results_dict = None
         self.hyperparameters = hyperparameters

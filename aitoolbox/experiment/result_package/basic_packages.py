@@ -37,6 +37,8 @@ class ClassificationResultPackage(AbstractResultPackage):
         **kwargs: additional metadata of the package.
     """
 
+    aligned_inputs = True
+
     def __init__(self, strict_content_check: bool = False, *, pkg_name: str = "ClassificationResult", **kwargs):
         super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
 
@@ -72,6 +74,8 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
         pkg_name: the package's name.
         **kwargs: additional metadata of the package.
     """
+
+    aligned_inputs = True
 
     def __init__(self, positive_class_thresh: Optional[float] = 0.5, strict_content_check: bool = False, *,
                  pkg_name: str = "BinaryClassificationResult", **kwargs):
@@ -127,6 +131,8 @@ class RegressionResultPackage(AbstractResultPackage):
         **kwargs: additional metadata of the package.
     """
 
+    aligned_inputs = True
+
     def __init__(self, strict_content_check: bool = False, *, pkg_name: str = "RegressionResult", **kwargs):
         super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
 
@@ -163,6 +169,8 @@ class GeneralResultPackage(AbstractResultPackage):
         np_array: hand the metrics numpy arrays (True), the predictions as given (False) or ``'auto'``.
         **kwargs: additional metadata of the package.
     """
+
+    aligned_inputs = True
 
     def __init__(self, metrics_list: Sequence[MetricSpec], strict_content_check: bool = False, *,
                  pkg_name: str = "GeneralResultPackage", np_array: Union[bool, str] = True, **kwargs):

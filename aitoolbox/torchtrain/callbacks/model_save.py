@@ -291,12 +291,23 @@ class ModelTrainEndSave(_CheckpointCallback):
     def on_train_end(self) -> None:
         tl = self.train_loop_obj
         results = {}
-        for name, package, predict in (("validation", self.val_result_package, tl.predict_on_validation_set),
-                                       ("test", self.test_result_package, tl.predict_on_test_set)):
-            if package is not None:
-                y_pred, y_true, _ = predict()
-                results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.hyperparams,
-                                                               training_history=tl.train_history).get_results()
+        for name, package, suffix, predict, evaluate_loss in (
+                ("validation", self.val_result_package, "_VAL", tl.predict_on_validation_set,
+                 tl.evaluate_loss_on_validation_set),
+                ("test", self.test_result_package, "_TEST", tl.predict_on_test_set, tl.evaluate_loss_on_test_set)):
+            if package is None:
+                continue
+            y_pred, y_true, metadata = predict()
+            # As 1.x: the package sees the predictions' metadata, the set's loss when it asks for it, and is
+            # named after the set it was evaluated on.
+            metadata = dict(metadata) if isinstance(metadata, dict) else {}
+            if getattr(package, "requires_loss", False):
+                metadata["loss"] = evaluate_loss(float_dict_format=True)
+            if package.pkg_name is not None and not package.pkg_name.endswith(suffix):
+                package.pkg_name += suffix
+            results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.hyperparams,
+                                                           additional_results=metadata,
+                                                           training_history=tl.train_history).get_results()
         self.results = results
         checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.hyperparams)
         if not self.is_main_process:

@@ -304,3 +304,23 @@ def test_wrapper_prepared_on_data_prepares_every_package():
     assert regression.get_results()["Mean_squared_error"] == 0.0  # the operands were copied
     with pytest.raises(ValueError, match="holds no result packages"):
         MultipleResultPackageWrapper().prepare_result_package(y_first, y_second)
+
+
+class SpanCountPackage(AbstractResultPackage):
+    """A QA-style package: its targets are placeholders, the references come with the metadata."""
+
+    def __init__(self):
+        super().__init__("SpanCountPackage", False, np_array=False)
+
+    def prepare_results_dict(self):
+        return {"n_predictions": len(self.y_predicted),
+                "n_references": len(self.additional_results["additional_results"]["references"])}
+
+
+def test_a_custom_package_may_take_placeholder_targets_while_the_metric_packages_check_alignment():
+    package = SpanCountPackage()
+    package.prepare_result_package(torch.tensor([0, 0]), torch.zeros(12, 5, 2),
+                                   additional_results={"references": ["a"] * 12})
+    assert package.get_results() == {"n_predictions": 12, "n_references": 12}
+    with pytest.raises(ValueError, match="y_true has 2 samples but y_predicted has 12"):
+        ClassificationResultPackage().prepare_result_package(torch.tensor([0, 1]), torch.zeros(12))

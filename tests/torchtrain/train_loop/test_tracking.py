@@ -17,11 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
-from tests.helpers import MLP, classification_data
+from tests.helpers import MLP, classification_data, indexed_classification_data
 
 # aitoolbox 1.8's keys, then this package's.
 CHECKPOINT_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "epoch", "iteration_idx",
@@ -280,3 +281,28 @@ def test_a_lazy_preset_trained_with_ddp_saves_plain_checkpoints_into_one_folder(
     assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2 and checkpoint["epochs_completed"] == 2
     for key, value in tl.model.state_dict().items():  # the parent adopted rank 0's weights
         assert torch.equal(checkpoint["model_state_dict"][key], value)
+
+
+class MetadataPackage(AbstractResultPackage):
+    """Reads the predictions' metadata and the loss, as 1.x packages of the BERT QA kind do."""
+
+    def __init__(self):
+        super().__init__("MetadataPackage", False, np_array=False)
+        self.requires_loss = True
+
+    def prepare_results_dict(self):
+        extra = self.additional_results["additional_results"]
+        return {"n_indices": len(extra["index"]), "loss": extra["loss"]}
+
+
+def test_end_save_hands_the_prediction_metadata_and_the_loss_to_the_packages(tmp_path):
+    model, train, _, _, optimizer, criterion = preset_arguments()
+    indexed = DataLoader(indexed_classification_data(12, seed=3), batch_size=5)
+    package = MetadataPackage()
+    tl = TrainLoopEndSave(model, train, indexed, None, optimizer, criterion, "proj", "exp", str(tmp_path), {},
+                          val_result_package=package, show_progress=False)
+    tl.fit(num_epochs=1)
+    results = package.get_results()
+    assert results["n_indices"] == 12
+    assert results["loss"] == pytest.approx(tl.evaluate_loss_on_validation_set(float_dict_format=True))
+    assert package.pkg_name == "MetadataPackage_VAL"  # named after the set, as in 1.x
