@@ -1,17 +1,13 @@
 """Classification metrics over scikit-learn: accuracy, ROC-AUC, PR-AUC, F1, precision and recall."""
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from aitoolbox.experiment.core_metrics.abstract_metric import AbstractBaseMetric
+from aitoolbox.experiment.core_metrics.sklearn_score import SklearnScoreMetric
 
 logger = logging.getLogger(__name__)
-
-
-def _binary_labels(y_predicted: np.ndarray, positive_class_thresh: float) -> np.ndarray:
-    """Predicted positive-class probabilities to 0/1 labels: 1 strictly above the threshold."""
-    return np.where(y_predicted > positive_class_thresh, 1, 0)
 
 
 class AccuracyMetric(AbstractBaseMetric):
@@ -51,7 +47,7 @@ class AccuracyMetric(AbstractBaseMetric):
         return float(accuracy_score(self.y_true, self.y_predicted))
 
 
-class ROCAUCMetric(AbstractBaseMetric):
+class ROCAUCMetric(SklearnScoreMetric):
     """Area under the ROC curve (``'ROC_AUC'``) of predicted positive-class scores.
 
     Args:
@@ -59,13 +55,8 @@ class ROCAUCMetric(AbstractBaseMetric):
         y_predicted: predicted scores or probabilities of the positive class.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any):
-        super().__init__(y_true, y_predicted, metric_name="ROC_AUC")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import roc_auc_score
-
-        return float(roc_auc_score(self.y_true, self.y_predicted))
+    METRIC_NAME = "ROC_AUC"
+    SKLEARN_SCORE = "roc_auc_score"
 
 
 class PrecisionRecallCurveAUCMetric(AbstractBaseMetric):
@@ -86,7 +77,25 @@ class PrecisionRecallCurveAUCMetric(AbstractBaseMetric):
         return float(auc(recall, precision))
 
 
-class F1ScoreMetric(AbstractBaseMetric):
+class _ThresholdedBinaryMetric(SklearnScoreMetric):
+    """A binary scikit-learn score of positive-class probabilities turned into 0/1 labels.
+
+    Args:
+        y_true: ground truth binary labels.
+        y_predicted: predicted probabilities of the positive class.
+        positive_class_thresh: predictions strictly above it are positive.
+    """
+
+    def __init__(self, y_true: Any, y_predicted: Any, positive_class_thresh: float = 0.5):
+        # Set before the base class computes the metric, which reads it.
+        self.positive_class_thresh = positive_class_thresh
+        super().__init__(y_true, y_predicted)
+
+    def score_inputs(self) -> Tuple[Any, np.ndarray]:
+        return self.y_true, np.where(self.y_predicted > self.positive_class_thresh, 1, 0)
+
+
+class F1ScoreMetric(_ThresholdedBinaryMetric):
     """Binary F1 score (``'F1_score'``) of thresholded positive-class probabilities.
 
     Args:
@@ -95,17 +104,11 @@ class F1ScoreMetric(AbstractBaseMetric):
         positive_class_thresh: predictions strictly above it are positive.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any, positive_class_thresh: float = 0.5):
-        self.positive_class_thresh = positive_class_thresh
-        super().__init__(y_true, y_predicted, metric_name="F1_score")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import f1_score
-
-        return float(f1_score(self.y_true, _binary_labels(self.y_predicted, self.positive_class_thresh)))
+    METRIC_NAME = "F1_score"
+    SKLEARN_SCORE = "f1_score"
 
 
-class PrecisionMetric(AbstractBaseMetric):
+class PrecisionMetric(_ThresholdedBinaryMetric):
     """Binary precision (``'Precision'``) of thresholded positive-class probabilities.
 
     Args:
@@ -114,17 +117,11 @@ class PrecisionMetric(AbstractBaseMetric):
         positive_class_thresh: predictions strictly above it are positive.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any, positive_class_thresh: float = 0.5):
-        self.positive_class_thresh = positive_class_thresh
-        super().__init__(y_true, y_predicted, metric_name="Precision")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import precision_score
-
-        return float(precision_score(self.y_true, _binary_labels(self.y_predicted, self.positive_class_thresh)))
+    METRIC_NAME = "Precision"
+    SKLEARN_SCORE = "precision_score"
 
 
-class RecallMetric(AbstractBaseMetric):
+class RecallMetric(_ThresholdedBinaryMetric):
     """Binary recall (``'Recall'``) of thresholded positive-class probabilities.
 
     Args:
@@ -133,11 +130,5 @@ class RecallMetric(AbstractBaseMetric):
         positive_class_thresh: predictions strictly above it are positive.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any, positive_class_thresh: float = 0.5):
-        self.positive_class_thresh = positive_class_thresh
-        super().__init__(y_true, y_predicted, metric_name="Recall")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import recall_score
-
-        return float(recall_score(self.y_true, _binary_labels(self.y_predicted, self.positive_class_thresh)))
+    METRIC_NAME = "Recall"
+    SKLEARN_SCORE = "recall_score"

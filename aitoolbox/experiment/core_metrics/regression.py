@@ -1,10 +1,8 @@
 """Regression metrics over scikit-learn: mean squared and mean absolute error."""
-from typing import Any
-
-from aitoolbox.experiment.core_metrics.abstract_metric import AbstractBaseMetric
+from aitoolbox.experiment.core_metrics.sklearn_score import SklearnScoreMetric
 
 
-class MeanSquaredErrorMetric(AbstractBaseMetric):
+class MeanSquaredErrorMetric(SklearnScoreMetric):
     """Mean squared error (``'Mean_squared_error'``).
 
     Args:
@@ -12,16 +10,11 @@ class MeanSquaredErrorMetric(AbstractBaseMetric):
         y_predicted: predicted values, of the same shape.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any):
-        super().__init__(y_true, y_predicted, metric_name="Mean_squared_error")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import mean_squared_error
-
-        return float(mean_squared_error(self.y_true, self.y_predicted))
+    METRIC_NAME = "Mean_squared_error"
+    SKLEARN_SCORE = "mean_squared_error"
 
 
-class MeanAbsoluteErrorMetric(AbstractBaseMetric):
+class MeanAbsoluteErrorMetric(SklearnScoreMetric):
     """Mean absolute error (``'Mean_absolute_error'``).
 
     Args:
@@ -29,10 +22,5 @@ class MeanAbsoluteErrorMetric(AbstractBaseMetric):
         y_predicted: predicted values, of the same shape.
     """
 
-    def __init__(self, y_true: Any, y_predicted: Any):
-        super().__init__(y_true, y_predicted, metric_name="Mean_absolute_error")
-
-    def calculate_metric(self) -> float:
-        from sklearn.metrics import mean_absolute_error
-
-        return float(mean_absolute_error(self.y_true, self.y_predicted))
+    METRIC_NAME = "Mean_absolute_error"
+    SKLEARN_SCORE = "mean_absolute_error"
