@@ -97,6 +97,28 @@ class BaseLocalModelSaver:
         os.makedirs(models_path, exist_ok=True)
         return models_path
 
+    def model_file_path(self, project_name: str, experiment_name: str, experiment_timestamp: Optional[str],
+                        epoch: Optional[int], iteration_idx: Optional[int],
+                        extension: str = ".pth") -> Tuple[str, str, str]:
+        """Create the models folder and name the model file in it (see :func:`model_file_name`).
+
+        Args:
+            project_name: the project folder's name.
+            experiment_name: the experiment's name.
+            experiment_timestamp: the run's timestamp; the current time when None.
+            epoch: the epoch of a checkpoint; None for the final model.
+            iteration_idx: the training iteration of a mid-epoch checkpoint, or None.
+            extension: the file's extension.
+
+        Returns:
+            ``(models folder path, file name, file path)``.
+        """
+        experiment_timestamp = experiment_timestamp or timestamp_now()
+        models_path = self.create_experiment_local_models_folder(project_name, experiment_name,
+                                                                 experiment_timestamp)
+        name = model_file_name(experiment_name, experiment_timestamp, epoch, iteration_idx, extension=extension)
+        return models_path, name, os.path.join(models_path, name)
+
 
 class PyTorchLocalModelSaver(AbstractLocalModelSaver, BaseLocalModelSaver):
     """Save a PyTorch checkpoint dict with ``torch.save`` into the experiment folder, crash-safely.
@@ -108,10 +130,6 @@ class PyTorchLocalModelSaver(AbstractLocalModelSaver, BaseLocalModelSaver):
         local_model_result_folder_path: the folder that holds the projects (``~`` is expanded).
         checkpoint_model: save into ``checkpoint_model/`` (mid-training checkpoints) instead of ``model/``.
     """
-
-    def __init__(self, local_model_result_folder_path: str = "~/project/model_result",
-                 checkpoint_model: bool = False):
-        BaseLocalModelSaver.__init__(self, local_model_result_folder_path, checkpoint_model)
 
     def save_model(self, model: Mapping[str, Any], project_name: str, experiment_name: str,
                    experiment_timestamp: Optional[str] = None, epoch: Optional[int] = None,
@@ -138,11 +156,8 @@ class PyTorchLocalModelSaver(AbstractLocalModelSaver, BaseLocalModelSaver):
             OSError: the file could not be written; an earlier file of the same name is left as it was.
         """
         self.check_model_dict_contents(model)
-        experiment_timestamp = experiment_timestamp or timestamp_now()
-        models_path = self.create_experiment_local_models_folder(project_name, experiment_name,
-                                                                 experiment_timestamp)
-        name = model_file_name(experiment_name, experiment_timestamp, epoch, iteration_idx)
-        path = os.path.join(models_path, name)
+        _, name, path = self.model_file_path(project_name, experiment_name, experiment_timestamp, epoch,
+                                             iteration_idx)
         torch_save_atomic(model, path)
         return name, path
 
@@ -173,10 +188,6 @@ class KerasLocalModelSaver(AbstractLocalModelSaver, BaseLocalModelSaver):
         checkpoint_model: save into ``checkpoint_model/`` (mid-training checkpoints) instead of ``model/``.
     """
 
-    def __init__(self, local_model_result_folder_path: str = "~/project/model_result",
-                 checkpoint_model: bool = False):
-        BaseLocalModelSaver.__init__(self, local_model_result_folder_path, checkpoint_model)
-
     def save_model(self, model: Any, project_name: str, experiment_name: str,
                    experiment_timestamp: Optional[str] = None, epoch: Optional[int] = None,
                    iteration_idx: Optional[int] = None, protect_existing_folder: bool = True) -> Tuple[str, str]:
@@ -201,11 +212,8 @@ class KerasLocalModelSaver(AbstractLocalModelSaver, BaseLocalModelSaver):
         if not callable(getattr(model, "save", None)):
             raise TypeError(f"KerasLocalModelSaver saves Keras models (with a save(path) method), got "
                             f"{type(model).__name__}; use PyTorchLocalModelSaver for PyTorch checkpoint dicts")
-        experiment_timestamp = experiment_timestamp or timestamp_now()
-        models_path = self.create_experiment_local_models_folder(project_name, experiment_name,
-                                                                 experiment_timestamp)
-        name = model_file_name(experiment_name, experiment_timestamp, epoch, iteration_idx, extension=".h5")
-        path = os.path.join(models_path, name)
+        models_path, name, path = self.model_file_path(project_name, experiment_name, experiment_timestamp, epoch,
+                                                       iteration_idx, extension=".h5")
         # Keras writes to a path, not a handle: save under a temporary .h5 name (Keras picks the format by the
         # extension), then rename it over the target so a crash never leaves a partial model file.
         handle, temp_path = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}.", suffix=".h5", dir=models_path)
