@@ -225,9 +225,6 @@ class LocalResultsSaver(AbstractLocalResultsSaver, BaseLocalResultsSaver):
         file_format: ``'json'`` (``'pickle'`` is accepted and writes JSON too, see the module documentation).
     """
 
-    def __init__(self, local_model_result_folder_path: str = "~/project/model_result", file_format: str = "json"):
-        BaseLocalResultsSaver.__init__(self, local_model_result_folder_path, file_format)
-
     def _prepare(self, result_package: Any, training_history: Any, project_name: str, experiment_name: str,
                  experiment_timestamp: Optional[str]):
         experiment_timestamp = experiment_timestamp or timestamp_now()
