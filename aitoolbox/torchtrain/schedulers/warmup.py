@@ -26,6 +26,13 @@ def _check_steps(num_warmup_steps: int, num_training_steps: int = None) -> None:
                          f"({num_warmup_steps})")
 
 
+def _check_cycles(num_cycles: float) -> float:
+    """``num_cycles`` as a float, after checking it is a number > 0."""
+    if isinstance(num_cycles, bool) or not isinstance(num_cycles, Real) or not num_cycles > 0:
+        raise ValueError(f"num_cycles must be a number > 0, got {num_cycles!r}")
+    return float(num_cycles)
+
+
 class WarmupFactor:
     """Linear warmup from 0 to 1 over ``num_warmup_steps``, then a constant 1."""
 
@@ -86,7 +93,15 @@ class HardRestartsCosineWarmupFactor(WarmupFactor):
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * position_in_cycle)))
 
 
-class ConstantWithWarmupScheduler(LambdaLRScheduler):
+class _PerStepWarmupScheduler(LambdaLRScheduler):
+    """A ``LambdaLR`` stepped after every batch by ``factor``, reported under ``callback_name``."""
+
+    def __init__(self, factor: WarmupFactor, callback_name: str, last_epoch: int, **kwargs):
+        super().__init__(factor, execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
+        self.callback_name = callback_name
+
+
+class ConstantWithWarmupScheduler(_PerStepWarmupScheduler):
     """Warm up linearly from 0 to the optimizer's learning rate, then keep it.
 
     Args:
@@ -100,12 +115,10 @@ class ConstantWithWarmupScheduler(LambdaLRScheduler):
 
     def __init__(self, num_warmup_steps: int, last_epoch: int = -1, **kwargs):
         _check_steps(num_warmup_steps)
-        super().__init__(WarmupFactor(num_warmup_steps), execute_epoch_end=False, execute_batch_end=True,
-                         last_epoch=last_epoch, **kwargs)
-        self.callback_name = "Constant learning rate with warmup"
+        super().__init__(WarmupFactor(num_warmup_steps), "Constant learning rate with warmup", last_epoch, **kwargs)
 
 
-class LinearWithWarmupScheduler(LambdaLRScheduler):
+class LinearWithWarmupScheduler(_PerStepWarmupScheduler):
     """Warm up linearly to the optimizer's learning rate, then decay linearly to 0 at ``num_training_steps``.
 
     Args:
@@ -120,12 +133,11 @@ class LinearWithWarmupScheduler(LambdaLRScheduler):
 
     def __init__(self, num_warmup_steps: int, num_training_steps: int, last_epoch: int = -1, **kwargs):
         _check_steps(num_warmup_steps, num_training_steps)
-        super().__init__(LinearDecayWarmupFactor(num_warmup_steps, num_training_steps), execute_epoch_end=False,
-                         execute_batch_end=True, last_epoch=last_epoch, **kwargs)
-        self.callback_name = "Linearly decaying learning rate with warmup"
+        super().__init__(LinearDecayWarmupFactor(num_warmup_steps, num_training_steps),
+                         "Linearly decaying learning rate with warmup", last_epoch, **kwargs)
 
 
-class CosineWithWarmupScheduler(LambdaLRScheduler):
+class CosineWithWarmupScheduler(_PerStepWarmupScheduler):
     """Warm up linearly to the optimizer's learning rate, then follow a cosine (to 0 with ``num_cycles=0.5``).
 
     Args:
@@ -142,14 +154,11 @@ class CosineWithWarmupScheduler(LambdaLRScheduler):
     def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
                  last_epoch: int = -1, **kwargs):
         _check_steps(num_warmup_steps, num_training_steps)
-        if isinstance(num_cycles, bool) or not isinstance(num_cycles, Real) or not num_cycles > 0:
-            raise ValueError(f"num_cycles must be a number > 0, got {num_cycles!r}")
-        super().__init__(CosineDecayWarmupFactor(num_warmup_steps, num_training_steps, float(num_cycles)),
-                         execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
-        self.callback_name = "Cosine learning rate with warmup"
+        factor = CosineDecayWarmupFactor(num_warmup_steps, num_training_steps, _check_cycles(num_cycles))
+        super().__init__(factor, "Cosine learning rate with warmup", last_epoch, **kwargs)
 
 
-class HardRestartsCosineWithWarmupScheduler(LambdaLRScheduler):
+class HardRestartsCosineWithWarmupScheduler(_PerStepWarmupScheduler):
     """Warm up linearly to the optimizer's learning rate, then ``num_cycles`` cosine decays to 0 with hard restarts.
 
     Each cycle falls from the peak learning rate to 0 and jumps back to the peak; after ``num_training_steps``
@@ -170,8 +179,5 @@ class HardRestartsCosineWithWarmupScheduler(LambdaLRScheduler):
     def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
                  last_epoch: int = -1, **kwargs):
         _check_steps(num_warmup_steps, num_training_steps)
-        if isinstance(num_cycles, bool) or not isinstance(num_cycles, Real) or not num_cycles > 0:
-            raise ValueError(f"num_cycles must be a number > 0, got {num_cycles!r}")
-        super().__init__(HardRestartsCosineWarmupFactor(num_warmup_steps, num_training_steps, float(num_cycles)),
-                         execute_epoch_end=False, execute_batch_end=True, last_epoch=last_epoch, **kwargs)
-        self.callback_name = "Cosine learning rate with hard restarts and warmup"
+        factor = HardRestartsCosineWarmupFactor(num_warmup_steps, num_training_steps, _check_cycles(num_cycles))
+        super().__init__(factor, "Cosine learning rate with hard restarts and warmup", last_epoch, **kwargs)
