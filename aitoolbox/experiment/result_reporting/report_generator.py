@@ -74,6 +74,45 @@ def _save_pdf(figures: Iterator[Any], file_path: str) -> None:
             pdf.savefig(figure)
 
 
+def _save_named_pngs(named_figures: Iterator[Tuple[Any, Any]], folder_path: str, folder_name: str,
+                     file_prefix: str = "") -> List[List[str]]:
+    """Save each ``(name, figure)`` as ``<file_prefix><name>.png`` in ``folder_path``.
+
+    Returns:
+        ``[[path under folder_name, local path], ...]``.
+    """
+    saved = []
+    for name, figure in named_figures:
+        file_name = f"{file_prefix}{_safe_file_stem(name)}.png"
+        file_path = os.path.join(folder_path, file_name)
+        _save_png(figure, file_path)
+        saved.append([os.path.join(folder_name, file_name), file_path])
+    return saved
+
+
+def _save_named_pdf(named_figures: Iterator[Tuple[Any, Any]], folder_path: str,
+                    file_stem: str) -> List[List[str]]:
+    """Save the figures of ``(name, figure)`` as the pages of ``<file_stem>.pdf`` in ``folder_path``."""
+    file_name = f"{file_stem}.pdf"
+    file_path = os.path.join(folder_path, file_name)
+    _save_pdf((figure for _, figure in named_figures), file_path)
+    return [[file_name, file_path]]
+
+
+class _FigureReport:
+    """The ``png`` / ``pdf`` choice shared by the plotters, which implement ``plot_png`` and ``plot_pdf``."""
+
+    def _report_in_format(self, data: Any, results_path: str, folder_name: str,
+                          file_format: str) -> List[List[str]]:
+        if file_format == "png":
+            folder_path = os.path.join(results_path, folder_name)
+            os.makedirs(folder_path, exist_ok=True)
+            return self.plot_png(data, folder_path, folder_name)
+        if file_format == "pdf":
+            return self.plot_pdf(data, results_path, folder_name)
+        raise ValueError(f"file_format {file_format!r} is not supported: use 'png' or 'pdf'")
+
+
 def _add_titles(axes: Any, title: str, *subtitles: str) -> None:
     """A bold title above the axes with small grey subtitle lines under it."""
     axes.text(0.5, 1.07, title, fontsize=16, weight="bold", ha="center", va="bottom", transform=axes.transAxes)
@@ -82,7 +121,7 @@ def _add_titles(axes: Any, title: str, *subtitles: str) -> None:
                   transform=axes.transAxes)
 
 
-class TrainingHistoryPlotter:
+class TrainingHistoryPlotter(_FigureReport):
     """Plots how every metric in the training history progressed over the epochs.
 
     Args:
@@ -108,32 +147,18 @@ class TrainingHistoryPlotter:
         Raises:
             ValueError: an unknown ``file_format``.
         """
-        if file_format == "png":
-            plots_local_folder_path = os.path.join(self.experiment_results_local_path, plots_folder_name)
-            os.makedirs(plots_local_folder_path, exist_ok=True)
-            return self.plot_png(training_history, plots_local_folder_path, plots_folder_name)
-        if file_format == "pdf":
-            return self.plot_pdf(training_history, self.experiment_results_local_path, plots_folder_name)
-        raise ValueError(f"file_format {file_format!r} is not supported: use 'png' or 'pdf'")
+        return self._report_in_format(training_history, self.experiment_results_local_path, plots_folder_name,
+                                      file_format)
 
     def plot_png(self, training_history: Any, plots_local_folder_path: str,
                  plots_folder_name: str) -> List[List[str]]:
         """Save one ``<metric>.png`` per plotted metric into ``plots_local_folder_path``."""
-        saved = []
-        for metric_name, figure in self.generate_plots(training_history):
-            file_name = f"{_safe_file_stem(metric_name)}.png"
-            file_path = os.path.join(plots_local_folder_path, file_name)
-            _save_png(figure, file_path)
-            saved.append([os.path.join(plots_folder_name, file_name), file_path])
-        return saved
+        return _save_named_pngs(self.generate_plots(training_history), plots_local_folder_path, plots_folder_name)
 
     def plot_pdf(self, training_history: Any, plots_local_folder_path: str,
                  plots_file_name: str) -> List[List[str]]:
         """Save all plots as the pages of ``<plots_file_name>.pdf`` in ``plots_local_folder_path``."""
-        file_name = f"{plots_file_name}.pdf"
-        file_path = os.path.join(plots_local_folder_path, file_name)
-        _save_pdf((figure for _, figure in self.generate_plots(training_history)), file_path)
-        return [[file_name, file_path]]
+        return _save_named_pdf(self.generate_plots(training_history), plots_local_folder_path, plots_file_name)
 
     @staticmethod
     def generate_plots(training_history: Any) -> Iterator[Tuple[str, Any]]:
@@ -250,7 +275,7 @@ class TrainingHistoryWriter:
         self._append(file_path, buffer.getvalue())
 
 
-class GradientPlotter:
+class GradientPlotter(_FigureReport):
     """Plots the distribution of each layer's gradients.
 
     Args:
@@ -276,33 +301,20 @@ class GradientPlotter:
         Raises:
             ValueError: an unknown ``file_format``.
         """
-        if file_format == "png":
-            folder_path = os.path.join(self.experiment_grad_results_local_path, grad_plots_folder_name)
-            os.makedirs(folder_path, exist_ok=True)
-            return self.plot_png(model_layer_gradients, folder_path, grad_plots_folder_name)
-        if file_format == "pdf":
-            return self.plot_pdf(model_layer_gradients, self.experiment_grad_results_local_path,
-                                 grad_plots_folder_name)
-        raise ValueError(f"file_format {file_format!r} is not supported: use 'png' or 'pdf'")
+        return self._report_in_format(model_layer_gradients, self.experiment_grad_results_local_path,
+                                      grad_plots_folder_name, file_format)
 
     def plot_png(self, model_layer_gradients: Sequence[Any], grad_plots_local_folder_path: str,
                  plots_folder_name: str) -> List[List[str]]:
         """Save one ``layer_<name>.png`` per layer into ``grad_plots_local_folder_path``."""
-        saved = []
-        for layer_name, figure in self.generate_dist_plots(model_layer_gradients):
-            file_name = f"layer_{_safe_file_stem(layer_name)}.png"
-            file_path = os.path.join(grad_plots_local_folder_path, file_name)
-            _save_png(figure, file_path)
-            saved.append([os.path.join(plots_folder_name, file_name), file_path])
-        return saved
+        return _save_named_pngs(self.generate_dist_plots(model_layer_gradients), grad_plots_local_folder_path,
+                                plots_folder_name, file_prefix="layer_")
 
     def plot_pdf(self, model_layer_gradients: Sequence[Any], plots_local_folder_path: str,
                  plots_file_name: str) -> List[List[str]]:
         """Save all layers' plots as the pages of ``<plots_file_name>.pdf``."""
-        file_name = f"{plots_file_name}.pdf"
-        file_path = os.path.join(plots_local_folder_path, file_name)
-        _save_pdf((figure for _, figure in self.generate_dist_plots(model_layer_gradients)), file_path)
-        return [[file_name, file_path]]
+        return _save_named_pdf(self.generate_dist_plots(model_layer_gradients), plots_local_folder_path,
+                               plots_file_name)
 
     @staticmethod
     def generate_dist_plots(model_layer_gradients: Sequence[Any],
