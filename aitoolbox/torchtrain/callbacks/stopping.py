@@ -8,7 +8,7 @@ when the model predicts one value for the whole validation set. aitoolbox 1.x co
 import logging
 import math
 from numbers import Real
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
@@ -30,6 +30,20 @@ def missing_metric_message(metric_name: str, history: Any, hint: str) -> str:
     """The error text for a metric a callback needs but the training history lacks."""
     present = ", ".join(repr(name) for name in history) or "none"
     return f"metric {metric_name!r} is not in train_history (recorded metrics: {present}). {hint}"
+
+
+def monitored_values(train_loop, metric_name: str, hint: str) -> Optional[List[Any]]:
+    """The recorded values of ``metric_name``; None in an epoch that skipped the loop's own evaluation.
+
+    Raises:
+        ValueError: the metric was never recorded; the message lists the recorded metrics and ends with ``hint``.
+    """
+    history = train_loop.train_history
+    if not history.get(metric_name):
+        if not_evaluated_yet(train_loop, metric_name):
+            return None
+        raise ValueError(missing_metric_message(metric_name, history, hint))
+    return history[metric_name]
 
 
 def resolve_mode(mode: str, monitor: str) -> str:
@@ -89,17 +103,12 @@ class EarlyStopping(AbstractCallback):
         self._values_at_epoch_begin = len(self.train_loop_obj.train_history.get(self.monitor, []))
 
     def on_epoch_end(self) -> None:
-        history = self.train_loop_obj.train_history
-        if not history.get(self.monitor):
-            if not_evaluated_yet(self.train_loop_obj, self.monitor):
-                return
-            raise ValueError(missing_metric_message(
-                self.monitor, history,
-                "EarlyStopping needs it at every epoch end: for 'loss'/'val_loss' keep TrainLoop's end_auto_eval on "
-                "(and pass a validation_loader), for other metrics register a callback that records them, e.g. "
-                "ModelPerformanceEvaluation."))
-        values = history[self.monitor]
-        if len(values) <= self._values_at_epoch_begin:
+        values = monitored_values(
+            self.train_loop_obj, self.monitor,
+            "EarlyStopping needs it at every epoch end: for 'loss'/'val_loss' keep TrainLoop's end_auto_eval on "
+            "(and pass a validation_loader), for other metrics register a callback that records them, e.g. "
+            "ModelPerformanceEvaluation.")
+        if values is None or len(values) <= self._values_at_epoch_begin:
             return  # nothing new was evaluated in this epoch
         current = values[-1]
         epoch = self.train_loop_obj.epoch
@@ -149,14 +158,12 @@ class ThresholdEarlyStopping(AbstractCallback):
         self.patience_count = patience
 
     def on_epoch_end(self) -> None:
-        history = self.train_loop_obj.train_history
-        if not history.get(self.monitor):
-            if not_evaluated_yet(self.train_loop_obj, self.monitor):
-                return
-            raise ValueError(missing_metric_message(
-                self.monitor, history, "ThresholdEarlyStopping needs it at every epoch end: register a callback "
-                                       "that records it, e.g. ModelPerformanceEvaluation."))
-        current = history[self.monitor][-1]
+        values = monitored_values(self.train_loop_obj, self.monitor,
+                                  "ThresholdEarlyStopping needs it at every epoch end: register a callback "
+                                  "that records it, e.g. ModelPerformanceEvaluation.")
+        if values is None:
+            return
+        current = values[-1]
         missed = current > self.threshold if self.mode == "min" else current < self.threshold
         self.patience_count = self.patience_count - 1 if missed else self.patience
         if self.patience_count < 0:
@@ -185,15 +192,13 @@ class TerminateOnNaN(AbstractCallback):
         self.monitor = monitor
 
     def on_epoch_end(self) -> None:
-        history = self.train_loop_obj.train_history
-        if not history.get(self.monitor):
-            if not_evaluated_yet(self.train_loop_obj, self.monitor):
-                return
-            raise ValueError(missing_metric_message(
-                self.monitor, history,
-                "TerminateOnNaN checks it at every epoch end: keep TrainLoop's end_auto_eval on to record 'loss' "
-                "and 'val_loss', or monitor 'accumulated_loss', which the loop always records."))
-        last_value = history[self.monitor][-1]
+        values = monitored_values(
+            self.train_loop_obj, self.monitor,
+            "TerminateOnNaN checks it at every epoch end: keep TrainLoop's end_auto_eval on to record 'loss' "
+            "and 'val_loss', or monitor 'accumulated_loss', which the loop always records.")
+        if values is None:
+            return
+        last_value = values[-1]
         if last_value is not None and not math.isfinite(float(last_value)):
             self.train_loop_obj.stop_training(
                 f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch}")
