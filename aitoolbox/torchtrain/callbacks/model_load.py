@@ -5,12 +5,10 @@ from typing import Optional
 
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, SCHEDULERS_KEY, load_checkpoint_file, upgrade_checkpoint_format)
-from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.abstract import _FOLDER_ARGUMENTS, AbstractCallback
 from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
 
 logger = logging.getLogger(__name__)
-
-_FOLDER_DETAILS = ("project_name", "experiment_name", "local_model_result_folder_path")
 
 
 def strip_data_parallel_prefix(state_dict: dict, model) -> dict:
@@ -122,10 +120,10 @@ class ModelLoadContinueTraining(AbstractCallback):
     def _infer_folder_details(self) -> None:
         """Fill the folder arguments left None from the experiment-tracking TrainLoop (as 1.x did)."""
         tl = self.train_loop_obj
-        for name in _FOLDER_DETAILS:
+        for name in _FOLDER_ARGUMENTS:
             if getattr(self, name) is None:
                 setattr(self, name, getattr(tl, name, None))
-        missing = [name for name in _FOLDER_DETAILS if getattr(self, name) is None]
+        missing = [name for name in _FOLDER_ARGUMENTS if getattr(self, name) is None]
         if missing:
             raise ValueError(f"ModelLoadContinueTraining does not know {', '.join(missing)}: pass them to the "
                              "callback, use it with TrainLoopCheckpoint / TrainLoopEndSave / "
