@@ -24,6 +24,20 @@ INIT_SEED = 0
 TRAIN_SEED = 1
 LOADER_SEED = 2
 
+# GradScaler settings under which the loss scale changes within a few steps of the small tests.
+SCALER_ARGS = {"init_scale": 2.0 ** 10, "growth_interval": 3}
+
+
+def single_torch_thread() -> Iterator[None]:
+    """Run with one torch thread, then restore the count; made a module fixture by the tests that need it.
+
+    Tiny models: one thread avoids contention for the cores (and keeps these tests fast).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 def default_device() -> torch.device:
     """The device a single-process TrainLoop trains on: the current CUDA GPU if there is one, else the CPU.

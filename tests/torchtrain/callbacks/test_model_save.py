@@ -31,19 +31,13 @@ from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIter
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.experiment.local_save.crash_support import kill_at_random_moments, run_forked
-from tests.helpers import MLP, classification_data
+from tests.helpers import MLP, classification_data, single_torch_thread
 
 REQUIRED_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "precision", "callbacks", "epoch",
                  "epochs_completed", "iteration", "iteration_idx", "train_history", "hyperparams", "rng", "world_size"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
 
 def loop_arguments(train_samples: int = 20, batch_size: int = 4):

@@ -21,23 +21,16 @@ from aitoolbox.torchtrain.multi_loss_optim import MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import (
-    INIT_SEED, MLP, TRAIN_SEED, assert_params_equal, classification_data, default_device, params_differ,
-    seeded_loader,
+    INIT_SEED, MLP, SCALER_ARGS, TRAIN_SEED, assert_params_equal, classification_data, default_device,
+    params_differ, seeded_loader, single_torch_thread,
 )
 
 NUM_SAMPLES, BATCH_SIZE, BATCHES_PER_EPOCH = 30, 8, 4
 SAVED_TIMESTAMP = "2024-03-05_10-20-30"
 PROJECT, EXPERIMENT = "proj", "exp"
-SCALER_ARGS = {"init_scale": 2.0 ** 10, "growth_interval": 3}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
 
 class LogRecorder(logging.Handler):

@@ -18,22 +18,15 @@ from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler, StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
-    INIT_SEED, MLP, TRAIN_SEED, assert_params_equal, classification_data, default_device, model_pair,
-    params_differ, reference_fit, seeded_loader,
+    INIT_SEED, MLP, SCALER_ARGS, TRAIN_SEED, assert_params_equal, classification_data, default_device,
+    model_pair, params_differ, reference_fit, seeded_loader, single_torch_thread,
 )
 
 # 30 samples in batches of 8: 4 batches per epoch, the last of 6 samples.
 NUM_SAMPLES, BATCH_SIZE, BATCHES_PER_EPOCH = 30, 8, 4
-SCALER_ARGS = {"init_scale": 2.0 ** 10, "growth_interval": 3}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
 
 def sgd(model):

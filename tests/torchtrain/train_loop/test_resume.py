@@ -28,19 +28,13 @@ from aitoolbox.torchtrain.callbacks.model_load import ModelLoadContinueTraining
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint
 from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint, TrainLoopEndSave
-from tests.helpers import MLP, classification_data
+from tests.helpers import MLP, classification_data, single_torch_thread
 from tests.torchtrain.train_loop import resume_workflow as workflow
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
 
 # --- in new processes --------------------------------------------------------------------------------------------

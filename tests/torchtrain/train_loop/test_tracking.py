@@ -22,7 +22,7 @@ from aitoolbox.experiment.result_package.basic_packages import ClassificationRes
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
-from tests.helpers import MLP, classification_data, indexed_classification_data
+from tests.helpers import MLP, classification_data, indexed_classification_data, single_torch_thread
 
 # aitoolbox 1.8's keys, then this package's.
 CHECKPOINT_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "epoch", "iteration_idx",
@@ -31,13 +31,7 @@ CHECKPOINT_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state
 RNG_KEYS = {"python", "numpy", "torch", "cuda", "loader_generators"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids contention for the cores (and keeps these tests fast)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
 
 def preset_arguments(train_samples: int = 20):
