@@ -46,7 +46,8 @@ class TrainLoop(EvaluationMethods):
         validation_loader: batches for ``val_loss`` and validation metrics, or None.
         test_loader: batches for the final test evaluation, or None.
         optimizer: a ``torch.optim.Optimizer`` or a list of them (all step together).
-        criterion: the loss function handed to ``get_loss``; None when the model computes its own loss.
+        criterion: handed to ``get_loss`` as it is (a loss function, a dict of them...); None when the model
+            computes its own loss. An ``nn.Module`` criterion is moved to the training device.
         collate_batch_pred_fn: ``fn(batch_output, collected) -> collected`` collecting predictions per batch.
         pred_transform_fn: ``fn(collected)`` joining the collected predictions (default: ``torch.cat``).
         end_auto_eval: at each epoch end record the train-set ``loss`` and ``val_loss`` (True), never
@@ -78,8 +79,6 @@ class TrainLoop(EvaluationMethods):
         validation.check_loader(validation_loader, "validation_loader", required=False)
         validation.check_loader(test_loader, "test_loader", required=False)
         self.optimizers: List[torch.optim.Optimizer] = validation.as_optimizer_list(optimizer)
-        if criterion is not None and not callable(criterion):
-            raise TypeError(f"criterion must be callable (e.g. nn.CrossEntropyLoss()) or None, got {criterion!r}")
         validation.check_end_auto_eval(end_auto_eval)
         self.train_loader = train_loader
         self.validation_loader = validation_loader

@@ -127,9 +127,19 @@ def test_list_with_a_non_optimizer():
         build(optimizer=[torch.optim.SGD(MLP().parameters(), lr=0.1), None])
 
 
-def test_criterion_not_callable():
-    with pytest.raises(TypeError, match="criterion must be callable"):
-        build(criterion=5)
+def test_the_criterion_is_handed_to_get_loss_as_it_is():
+    """The loop never calls the criterion itself: a dict of losses (a 1.x multi-loss pattern) is fine."""
+    seen = []
+
+    class DictCriterionModel(MLP):
+        def get_loss(self, batch_data, criterion, device):
+            seen.append(criterion)
+            x, y = batch_data
+            return criterion["ce"](self(x), y)
+
+    criteria = {"ce": nn.CrossEntropyLoss()}
+    build(model=DictCriterionModel(), criterion=criteria).fit(num_epochs=1)
+    assert seen and all(criterion is criteria for criterion in seen)
 
 
 def test_criterion_may_be_none():
