@@ -166,8 +166,11 @@ class TrainLoop(EvaluationMethods):
         return self.total_iteration_idx + 1
 
     def should_execute_optimizer_update(self) -> bool:
-        """True when the current batch ends with an optimizer step (gradient accumulation, or the epoch's end)."""
-        return self.optimizer_step_due
+        """True when the current batch ends with an optimizer step: every ``grad_accumulation`` batches, at the
+        epoch's last batch, and at the last batch of a ``num_iterations`` run."""
+        num_batches = loader_length(self.train_loader)
+        return self.optimizer_step_due or (self.iteration + 1) % self.grad_accumulation == 0 \
+            or (num_batches is not None and self.iteration == num_batches - 1)
 
     def get_schedulers(self) -> list:
         """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""

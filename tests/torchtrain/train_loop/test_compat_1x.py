@@ -133,7 +133,7 @@ def test_should_execute_optimizer_update_in_a_1x_callback_with_grad_accumulation
                 for epoch in range(2) for i in range(BATCHES_PER_EPOCH)]
     assert recorder.update_flags == expected
     assert recorder.steps == [(epoch, i) for epoch, i, update in expected if update]
-    assert tl.should_execute_optimizer_update() is False  # outside a batch nothing is due
+    assert tl.should_execute_optimizer_update() is True  # as in 1.x: tl.iteration is the last batch of the epoch
 
 
 def test_get_schedulers_returns_the_scheduler_callbacks_in_order():
@@ -629,3 +629,17 @@ def test_setting_epoch_before_fit_continues_from_that_epoch_as_in_1x():
     tl.fit(num_epochs=4, callbacks=[recorder])
     assert recorder.epochs == [2, 3] and tl.epoch == 3 and tl.epochs_completed == 4
     assert len(tl.train_history["accumulated_loss"]) == 2
+
+
+@pytest.mark.parametrize("num_samples, expected", [(100, [4, 9]), (103, [4, 9, 10]), (115, [4, 9, 11])])
+def test_should_execute_optimizer_update_outside_training_follows_1x(num_samples, expected):
+    """1.x code also asks with tl.iteration set by hand: every grad_accumulation batches and at the last batch."""
+    loader = torch.utils.data.DataLoader(classification_data(num_samples), batch_size=10)
+    tl = TrainLoop(MLP(), loader, None, None, sgd(MLP()), nn.CrossEntropyLoss(), show_progress=False)
+    tl.grad_accumulation = 5
+    due = []
+    for iteration in range(len(loader)):
+        tl.iteration = iteration
+        if tl.should_execute_optimizer_update():
+            due.append(iteration)
+    assert due == expected
