@@ -13,6 +13,7 @@ from aitoolbox.torchtrain.callbacks.performance_eval import ModelPerformanceEval
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
+    distinct_records,
     IN_FEATURES,
     MLP,
     NUM_CLASSES,
@@ -336,7 +337,7 @@ def report_log(caplog, monkeypatch):
     caplog.set_level(logging.INFO)
 
     def messages(level=logging.INFO):
-        return [record.getMessage() for record in caplog.records
+        return [record.getMessage() for record in distinct_records(caplog)
                 if record.name == REPORT_LOGGER and record.levelno == level]
     return messages
 

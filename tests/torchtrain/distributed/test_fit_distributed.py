@@ -60,9 +60,9 @@ def test_two_processes_train_like_one_process_on_the_global_batch(tmp_path):
     for name in ("loss", "val_loss", "train_end_test_loss"):
         assert tl.train_history[name] == pytest.approx(reference.train_history[name], abs=PARAM_TOL), name
     for rank in (rank0, rank1):
-        assert rank["loss_train"] == pytest.approx(reference.evaluate_loss_on_train_set(), abs=PARAM_TOL)
-        assert rank["loss_validation"] == pytest.approx(reference.evaluate_loss_on_validation_set(), abs=PARAM_TOL)
-        assert rank["loss_test"] == pytest.approx(reference.evaluate_loss_on_test_set(), abs=PARAM_TOL)
+        assert rank["loss_train"] == pytest.approx(reference.evaluate_loss_on_train_set(float_dict_format=True), abs=PARAM_TOL)
+        assert rank["loss_validation"] == pytest.approx(reference.evaluate_loss_on_validation_set(float_dict_format=True), abs=PARAM_TOL)
+        assert rank["loss_test"] == pytest.approx(reference.evaluate_loss_on_test_set(float_dict_format=True), abs=PARAM_TOL)
 
     # 35 test samples: 35 predictions (no DistributedSampler padding), in data-set order, on every rank.
     y_pred, y_true, metadata = reference.predict_on_test_set()

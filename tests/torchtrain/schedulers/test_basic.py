@@ -233,7 +233,7 @@ def test_reduce_on_plateau_with_a_multi_loss(make_loader, main_multi_loss):
     callback.scheduler_class = Spy
     tl = TrainLoop(model, make_loader(), val_loader, None, sgd(model), None, show_progress=False)
     expected = []
-    record = FunctionOnTrainLoop(lambda t: expected.append(t.evaluate_loss_on_validation_set()), epoch_end=True)
+    record = FunctionOnTrainLoop(lambda t: expected.append(t.evaluate_loss_on_validation_set(float_dict_format=True)), epoch_end=True)
     tl.fit(num_epochs=2, callbacks=[callback, record])
     for value, losses in zip(steps, expected):
         wanted = (losses["mse"] + losses["l1"]) / 2 if main_multi_loss is None else losses[main_multi_loss]

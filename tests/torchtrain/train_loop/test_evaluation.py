@@ -71,7 +71,8 @@ def test_evaluation_uses_get_loss_eval():
     model = EvalLossModel()
     model.load_state_dict(plain.model.state_dict())
     tl = make_loop(model=model)
-    assert tl.evaluate_loss_on_train_set() == pytest.approx(2 * plain.evaluate_loss_on_train_set(), rel=1e-6)
+    assert tl.evaluate_loss_on_train_set(float_dict_format=True) == pytest.approx(
+        2 * plain.evaluate_loss_on_train_set(float_dict_format=True), rel=1e-6)
 
 
 @pytest.mark.parametrize("start_in_train_mode", [True, False])

@@ -288,7 +288,7 @@ def test_history_after_five_epochs_with_auto_evaluation():
     # The last epoch's evaluation saw the final weights, as does an evaluation now.
     assert history["loss"][-1] == tl.evaluate_loss_on_train_set()
     assert history["val_loss"][-1] == tl.evaluate_loss_on_validation_set()
-    assert history["train_end_test_loss"] == [tl.evaluate_loss_on_test_set()]
+    assert history["train_end_test_loss"] == [tl.evaluate_loss_on_test_set(float_dict_format=True)]
     assert model.training  # evaluation restored train mode
 
 
