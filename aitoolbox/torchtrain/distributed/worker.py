@@ -2,11 +2,13 @@
 import dataclasses
 import os
 import pickle
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, List, Optional, Union
 
 import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 
@@ -72,6 +74,9 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
     """
     if hasattr(os, "setpgrp"):
         os.setpgrp()  # its own process group: the parent can stop it together with its DataLoader workers
+    # A forked process inherits tqdm's write lock, a semaphore shared with the parent: a rank stopped while
+    # writing would leave it taken, and the parent's next progress bar or log message would wait forever.
+    tqdm.set_lock(threading.RLock())
     rank = local_rank
     try:
         # Imported here: the training side imports this module to build jobs.

@@ -9,16 +9,25 @@ import os
 import pickle
 import random
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, List, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 _FORK = multiprocessing.get_context("fork")
 
 
+def _own_tqdm_lock() -> None:
+    """A forked child shares tqdm's write lock (a semaphore) with the parent: killed while writing, it would
+    leave the lock taken and the parent's next log message would wait forever. Give the child its own."""
+    tqdm.set_lock(threading.RLock())
+
+
 def _child(fn: Callable, args: Sequence[Any], result_path: str) -> None:
+    _own_tqdm_lock()
     torch.set_num_threads(1)
     try:
         outcome = ("ok", fn(*args))
@@ -49,6 +58,7 @@ def run_forked(fn: Callable, *args: Any, timeout: float = 60.0) -> Any:
 
 
 def _writer_child(fn: Callable, args: Sequence[Any]) -> None:
+    _own_tqdm_lock()
     torch.set_num_threads(1)
     fn(*args)
 
