@@ -60,33 +60,35 @@ class LinearDecayWarmupFactor(WarmupFactor):
         return max(0.0, remaining / float(max(1, self.num_training_steps - self.num_warmup_steps)))
 
 
-class CosineDecayWarmupFactor(WarmupFactor):
+class _CyclesAfterWarmupFactor(WarmupFactor):
+    """Linear warmup, then a schedule in ``num_cycles`` over the steps up to ``num_training_steps``."""
+
+    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
+        super().__init__(num_warmup_steps)
+        self.num_training_steps = num_training_steps
+        self.num_cycles = num_cycles
+
+    def progress(self, step: int) -> float:
+        """How far past the warmup ``step`` is: 0 at its end, 1 at ``num_training_steps``."""
+        return float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
+
+
+class CosineDecayWarmupFactor(_CyclesAfterWarmupFactor):
     """Linear warmup, then a cosine with ``num_cycles`` periods over the remaining steps (0.5: down to 0)."""
 
-    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
-        super().__init__(num_warmup_steps)
-        self.num_training_steps = num_training_steps
-        self.num_cycles = num_cycles
-
     def __call__(self, step: int) -> float:
         if step < self.num_warmup_steps:
             return self.warmup(step)
-        progress = float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * progress)))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * self.progress(step))))
 
 
-class HardRestartsCosineWarmupFactor(WarmupFactor):
+class HardRestartsCosineWarmupFactor(_CyclesAfterWarmupFactor):
     """Linear warmup, then ``num_cycles`` cosine decays from 1 to 0, each restarting at 1; 0 from the end on."""
 
-    def __init__(self, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
-        super().__init__(num_warmup_steps)
-        self.num_training_steps = num_training_steps
-        self.num_cycles = num_cycles
-
     def __call__(self, step: int) -> float:
         if step < self.num_warmup_steps:
             return self.warmup(step)
-        progress = float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
+        progress = self.progress(step)
         if progress >= 1.0:
             return 0.0
         position_in_cycle = (float(self.num_cycles) * progress) % 1.0
