@@ -13,7 +13,7 @@ from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_st
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
-from aitoolbox.torchtrain.precision.setup import check_use_amp
+from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 

@@ -17,7 +17,7 @@ from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
-from aitoolbox.torchtrain.precision.setup import check_use_amp, create_precision
+from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
