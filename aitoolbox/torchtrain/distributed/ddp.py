@@ -1,7 +1,8 @@
 """The DistributedDataParallel strategy: one process per device, gradients all-reduced by torch DDP."""
+import contextlib
 import datetime
 import logging
-from typing import Any, List, Optional
+from typing import Any, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ class DistributedStrategy(SingleDeviceStrategy):
         self.ddp_model_args = dict(ddp_model_args or {})
         self.sync_bn = sync_bn
         self.timeout_s = timeout_s
+        self._ddp_wrapper: Optional[nn.parallel.DistributedDataParallel] = None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
@@ -80,7 +82,23 @@ class DistributedStrategy(SingleDeviceStrategy):
             args.setdefault("device_ids", [self.device.index])
             args.setdefault("output_device", self.device.index)
         wrapper = nn.parallel.DistributedDataParallel(MethodDispatcher(model), **args)
+        self._ddp_wrapper = wrapper
         return ParallelModelRunner(wrapper, model, evaluate_through_wrapper=False)
+
+    def skip_gradient_sync(self, accumulating: bool) -> ContextManager:
+        # DDP decides in forward whether the coming backward all-reduces: forward and backward both go inside.
+        if accumulating and self._ddp_wrapper is not None:
+            return self._ddp_wrapper.no_sync()
+        return contextlib.nullcontext()
+
+    def sync_skipped_gradients(self) -> None:
+        # What DDP's backward would have done: the gradients averaged over the ranks.
+        if self._ddp_wrapper is None:
+            return
+        for param in self._ddp_wrapper.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+                param.grad.div_(self.world_size)
 
     def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
         return distributed_train_loader(loader, self.rank, self.world_size, shuffle)

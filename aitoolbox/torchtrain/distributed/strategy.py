@@ -3,11 +3,13 @@
 The loop calls a strategy to place the model (``place_model``, then ``wrap_model`` once mixed precision
 has prepared it), to prepare the data loaders
 (``setup_loader``), at the start of each epoch (``on_epoch_begin``), to combine numbers across processes
-(``all_reduce_sum``, ``all_gather_objects``) and to know whether it should write or print
+(``all_reduce_sum``, ``all_gather_objects``), around micro-batches that only accumulate gradients
+(``skip_gradient_sync``) and to know whether it should write or print
 (``is_main_process``). It never asks which strategy it has.
 """
+import contextlib
 import warnings
-from typing import Any, List, Optional
+from typing import Any, ContextManager, List, Optional
 
 import torch
 from torch import nn
@@ -51,6 +53,16 @@ class SingleDeviceStrategy:
     def wrap_model(self, model: nn.Module) -> Any:
         """Return what the loop calls ``get_loss`` on: the model itself, or a parallel wrapper around it."""
         return model
+
+    def skip_gradient_sync(self, accumulating: bool) -> ContextManager:
+        """The context of a micro-batch's forward and backward: where gradients are all-reduced by the backward
+        (DDP), a micro-batch that only accumulates skips that communication; the window's last batch reduces the
+        sum of them all. A single device has nothing to skip."""
+        return contextlib.nullcontext()
+
+    def sync_skipped_gradients(self) -> None:
+        """Reduce gradients that every backward since the last step accumulated under ``skip_gradient_sync``
+        (an epoch of unknown length ended inside an accumulation window). Nothing to do on a single device."""
 
     def setup_criterion(self, criterion: Optional[nn.Module]) -> Optional[nn.Module]:
         """Move a criterion module (it may hold class weights) to the device."""

@@ -410,25 +410,31 @@ class TrainLoop(EvaluationMethods):
         self.total_iteration_idx += 1
         self.optimizer_step_due = force_optimizer_step or (self.iteration + 1) % self.grad_accumulation == 0
         self.callbacks_handler.on_batch_begin()
-        with self.precision.autocast():
-            loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
-        validation.check_loss(loss, "get_loss")
-        self.last_batch_loss = detached_values(loss)
-        self._loss_names = loss_names(loss)
-        if self._loss_names is not None and self.num_optimizers > 1:
-            self._backward_and_step_per_optimizer(loss)
-        else:
-            if self._loss_names is not None:  # several losses, one optimizer: it steps on their sum
-                loss = sum(loss[name] for name in self._loss_names)
-            self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
-                                    accumulating=not self.optimizer_step_due)
-            for optimizer_idx in range(self.num_optimizers):
-                self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-            if self.optimizer_step_due:
-                self._step_optimizers(self.optimizers)
+        with self.strategy.skip_gradient_sync(accumulating=not self.optimizer_step_due):
+            with self.precision.autocast():
+                loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
+            validation.check_loss(loss, "get_loss")
+            self.last_batch_loss = detached_values(loss)
+            self._loss_names = loss_names(loss)
+            if self._loss_names is not None and self.num_optimizers > 1:
+                self._backward_and_step_per_optimizer(loss)
+            else:
+                self._backward_and_step(loss)
         self.optimizer_step_due = False
         self.callbacks_handler.on_batch_end()
         return self.last_batch_loss
+
+    def _backward_and_step(self, loss: Union[torch.Tensor, MultiLoss]) -> None:
+        """Backward pass of the loss (of the sum of a MultiLoss's losses), then, on update iterations, every
+        optimizer's step."""
+        if self._loss_names is not None:
+            loss = sum(loss[name] for name in self._loss_names)
+        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
+                                accumulating=not self.optimizer_step_due)
+        for optimizer_idx in range(self.num_optimizers):
+            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
+        if self.optimizer_step_due:
+            self._step_optimizers(self.optimizers)
 
     def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
@@ -475,6 +481,7 @@ class TrainLoop(EvaluationMethods):
     def _step_pending_gradients(self) -> None:
         """Step on gradients accumulated since the last update (the epoch ended inside a window)."""
         if (self.iteration + 1) % self.grad_accumulation != 0:
+            self.strategy.sync_skipped_gradients()
             self.optimizer_step_due = True
             self._step_optimizers(self.optimizers)
             self.optimizer_step_due = False
