@@ -63,6 +63,18 @@ class AbstractCallback:
     def on_train_end(self) -> None:
         """Once, after the last epoch of a ``fit`` call (and after the final test-set evaluation)."""
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Once, when ``fit`` stops on an exception (``KeyboardInterrupt`` included), before it re-raises it.
+
+        Release what the callback holds: finish or abandon background work, flush and close files. The
+        exception is the one the user will see; do not raise another. Should this hook raise all the same, the
+        error is logged and the other callbacks' ``on_exception`` still run. A later ``fit`` call may continue
+        the training, so leave the callback able to start again at ``on_train_begin``.
+
+        Args:
+            exception: what stopped training.
+        """
+
     def on_epoch_begin(self) -> None:
         """At the start of every epoch."""
 

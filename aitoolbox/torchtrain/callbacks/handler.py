@@ -9,7 +9,7 @@ logger = logging.getLogger(__name__)
 HOOK_NAMES = (
     "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
     "on_epoch_begin", "on_epoch_end", "on_batch_begin", "on_batch_end", "on_after_gradient_update",
-    "on_after_optimizer_step", "on_after_batch_prediction",
+    "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
 )
 
 
@@ -103,6 +103,20 @@ class CallbacksHandler:
     def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
         for callback in self._subscribers["on_after_batch_prediction"]:
             callback.on_after_batch_prediction(y_pred_batch, y_test_batch, metadata_batch, dataset_info)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Let every callback clean up after ``exception`` stopped ``fit``; never raises.
+
+        A callback's ``on_exception`` that raises (or is interrupted by another Ctrl-C) is logged and the
+        others still run, so the user sees the exception that stopped training, not one from the clean-up.
+        """
+        for callback in self._subscribers["on_exception"]:
+            try:
+                callback.on_exception(exception)
+            except (Exception, KeyboardInterrupt):  # noqa: B902 - the clean-up of the others must still run
+                logger.exception("%s (%s) raised in on_exception while cleaning up after %s; the other "
+                                 "callbacks' clean-up goes on", type(callback).__name__, callback.callback_name,
+                                 type(exception).__name__)
 
     # aitoolbox 1.x's names of the same calls, for code that drives the handler itself.
     def execute_train_begin(self) -> None:

@@ -1,4 +1,6 @@
 """CallbacksHandler: registration, execution order, and the order TrainLoop calls the hooks in."""
+import logging
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -6,7 +8,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import HOOK_NAMES, overrides_hook
 from aitoolbox.torchtrain.train_loop import TrainLoop
-from tests.helpers import MLP, HookRecorder, classification_data
+from tests.helpers import MLP, HookRecorder, classification_data, distinct_records
 
 
 def make_loop(num_optimizers=1, validation=None, test=None, end_auto_eval=False, num_samples=10):
@@ -212,3 +214,44 @@ def test_1x_execute_names_call_the_hooks():
     assert [hook for _, hook, _ in log] == [
         "on_train_loop_registration", "on_train_begin", "on_epoch_begin", "on_batch_begin", "on_after_gradient_update", "on_after_optimizer_step",
         "on_batch_end", "on_epoch_end", "on_train_end"]
+
+
+# --- on_exception ---------------------------------------------------------------------------------------------
+class CleanUp(AbstractCallback):
+    """Records the exceptions it is told about; optionally raises ``failure`` from its own on_exception."""
+
+    def __init__(self, name, calls, failure=None, execution_order=0):
+        super().__init__(name, execution_order=execution_order)
+        self.calls, self.failure = calls, failure
+
+    def on_exception(self, exception):
+        self.calls.append((self.callback_name, exception))
+        if self.failure is not None:
+            raise self.failure
+
+
+def test_on_exception_is_a_documented_no_op_hook():
+    assert "on_exception" in HOOK_NAMES
+    assert AbstractCallback("plain").on_exception(RuntimeError("stop")) is None
+    assert overrides_hook(CleanUp("c", []), "on_exception")
+    assert [name for name in HOOK_NAMES if overrides_hook(CleanUp("c", []), name)] == ["on_exception"]
+
+
+def test_on_exception_reaches_every_callback_in_order_even_when_one_fails(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger stops at itself
+    calls = []
+    stop = KeyboardInterrupt()
+    tl = make_loop()
+    tl.callbacks_handler.register_callbacks([
+        CleanUp("late", calls, execution_order=5), CleanUp("breaks", calls, ValueError("flush failed")),
+        CleanUp("interrupted", calls, KeyboardInterrupt(), execution_order=1), EpochEndOnly(),
+        CleanUp("first", calls, execution_order=-1)])
+    with caplog.at_level("ERROR", logger="aitoolbox.torchtrain.callbacks.handler"):
+        tl.callbacks_handler.on_exception(stop)  # returns: what the callbacks raised is logged, not raised
+    assert calls == [("first", stop), ("breaks", stop), ("interrupted", stop), ("late", stop)]
+    failures = [record for record in distinct_records(caplog) if "on_exception" in record.getMessage()]
+    assert len(failures) == 2
+    assert "CleanUp (breaks) raised in on_exception" in failures[0].getMessage()
+    assert "KeyboardInterrupt" in failures[0].getMessage()  # the exception being cleaned up after
+    assert failures[0].exc_info[0] is ValueError and failures[1].exc_info[0] is KeyboardInterrupt
+    assert "(interrupted)" in failures[1].getMessage()
