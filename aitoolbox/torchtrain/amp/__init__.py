@@ -166,6 +166,9 @@ def last_step_skipped(optimizer: torch.optim.Optimizer) -> bool:
 
 def _latest_state(caller: str) -> AmpState:
     state = _registry.latest()
+    if state is None and _registry.had_state():
+        raise RuntimeError(f"amp.{caller} refers to the most recent amp.initialize call, whose models and optimizers "
+                           "have all been freed: keep a reference to the model and optimizer it returned")
     if state is None:
         raise RuntimeError(f"amp.{caller} needs amp.initialize to be called first")
     return state

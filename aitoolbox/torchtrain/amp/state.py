@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 class AmpState:
     """Models, optimizers, loss scalers and master weights prepared by one ``amp.initialize`` call.
 
+    The state refers to its models and optimizers weakly: they own it (through the registry's entries keyed by
+    them and the optimizers' step hooks), never the other way round, so dropping the last reference to a model
+    and its optimizer frees them together with their state and float32 master weights.
+
     Args:
         properties: the resolved opt-level settings.
         models: the models (already on their device).
@@ -35,8 +39,8 @@ class AmpState:
                  enabled: bool = True):
         self.properties = properties
         self.enabled = enabled
-        self.models = models
-        self.optimizers = optimizers
+        self._model_refs = [weakref.ref(model) for model in models]
+        self._optimizer_refs = [weakref.ref(optimizer) for optimizer in optimizers]
         self.device_type = self._device_type(models)
         self.loss_scalers = [LossScaler(properties.loss_scale, min_loss_scale, max_loss_scale)
                              for _ in range(num_losses)]
@@ -46,7 +50,17 @@ class AmpState:
         self._grads_left_scaled = False
         self._stash: Dict[torch.Tensor, torch.Tensor] = {}
         if enabled:
-            self._prepare()
+            self._prepare(models, optimizers)
+
+    @property
+    def models(self) -> List[nn.Module]:
+        """The models of this ``initialize`` call that are still alive."""
+        return [model for model in (ref() for ref in self._model_refs) if model is not None]
+
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """The optimizers of this ``initialize`` call that are still alive."""
+        return [optimizer for optimizer in (ref() for ref in self._optimizer_refs) if optimizer is not None]
 
     @staticmethod
     def _device_type(models: Sequence[nn.Module]) -> str:
@@ -55,9 +69,9 @@ class AmpState:
                 return tensor.device.type
         return "cpu"
 
-    def _prepare(self) -> None:
+    def _prepare(self, models: List[nn.Module], optimizers: List[torch.optim.Optimizer]) -> None:
         props = self.properties
-        for model in self.models:
+        for model in models:
             if props.cast_model_type is not None:
                 cast_model(model, props.cast_model_type, bool(props.keep_batchnorm_fp32))
             input_dtype = props.cast_model_type if props.cast_model_type in (torch.float16, torch.bfloat16) else None
@@ -67,9 +81,10 @@ class AmpState:
                               props.low_precision_dtype).attach(model)
             if input_dtype is not None:
                 register_upcast_state_dict(model)
-        if props.master_weights and self.optimizers:
-            self.master_weights = MasterWeights(self.optimizers)
-        for optimizer in self.optimizers:
+        if props.master_weights and optimizers:
+            self.master_weights = MasterWeights(optimizers)
+        for optimizer in optimizers:
+            # The optimizer holds this state through the hook: the state lives as long as its optimizer does.
             optimizer.register_step_post_hook(self._after_step)
         logger.debug("amp initialized with %s (%s)", props.opt_level, OPT_LEVEL_DESCRIPTIONS[props.opt_level])
 
@@ -166,10 +181,12 @@ class AmpState:
 
 
 class AmpRegistry:
-    """Finds the :class:`AmpState` of an optimizer, and the most recent state for argument-free calls.
+    """Finds the :class:`AmpState` of an optimizer or model, and the most recent state for argument-free calls.
 
     apex's functions take no state argument (``amp.state_dict()``), so the module keeps one registry; the
-    state itself lives in one object per ``initialize`` call and optimizers are held weakly.
+    state itself lives in one object per ``initialize`` call. Entries are keyed weakly by the optimizers and
+    models and hold their state, which refers back to them only weakly: an entry, and with the last one the
+    state, disappears when its optimizer or model is collected.
     """
 
     def __init__(self):
@@ -191,4 +208,9 @@ class AmpRegistry:
         return self._by_model.get(model)
 
     def latest(self) -> Optional[AmpState]:
+        """The state of the most recent ``initialize`` call, while any of its models or optimizers lives."""
         return None if self._latest is None else self._latest()
+
+    def had_state(self) -> bool:
+        """True once a state was registered (to tell "freed" from "never initialized")."""
+        return self._latest is not None

@@ -5,7 +5,8 @@ parameters themselves, so its update arithmetic and its state stay in float32. G
 the model's low-precision gradients are converted (and unscaled) into the masters' ``.grad``; after every
 ``optimizer.step()`` a step post-hook copies the masters back into the model.
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,22 +17,32 @@ def is_low_precision(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.dtype != torch.float32 and tensor.dtype != torch.float64
 
 
+class _OptimizerMasters:
+    """The master bookkeeping of one optimizer."""
+
+    __slots__ = ("pairs", "model_versions", "installed_groups")
+
+    def __init__(self):
+        self.pairs: List[GradPair] = []
+        self.model_versions: List[int] = []
+        self.installed_groups = 0
+
+
 class MasterWeights:
     """Puts float32 masters into optimizers and keeps them in step with the model.
+
+    The optimizers are held weakly (each one holds this object through its step hook): the bookkeeping of an
+    optimizer, its masters included, goes when the optimizer is collected.
 
     Args:
         optimizers: the optimizers of the model, already holding the model's (cast) parameters.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
-        self._optimizers = list(optimizers)
-        self._pairs: Dict[int, List[GradPair]] = {}
-        self._model_versions: Dict[int, List[int]] = {}
-        self._installed_groups: Dict[int, int] = {}
+        self._by_optimizer: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerMasters]" = \
+            weakref.WeakKeyDictionary()
         for optimizer in optimizers:
-            self._pairs[id(optimizer)] = []
-            self._model_versions[id(optimizer)] = []
-            self._installed_groups[id(optimizer)] = 0
+            self._by_optimizer[optimizer] = _OptimizerMasters()
             self._install_new_groups(optimizer)
             optimizer.register_step_post_hook(self._after_step)
 
@@ -43,11 +54,11 @@ class MasterWeights:
         ``add_param_group`` handled it (without patching): its low-precision parameters get masters, its
         float32 parameters are stepped as they are, and the gradients of both are unscaled.
         """
-        installed = self._installed_groups[id(optimizer)]
-        if len(optimizer.param_groups) == installed:
+        record = self._by_optimizer[optimizer]
+        if len(optimizer.param_groups) == record.installed_groups:
             return
         new_pairs = []
-        for group in optimizer.param_groups[installed:]:
+        for group in optimizer.param_groups[record.installed_groups:]:
             for position, param in enumerate(group["params"]):
                 if is_low_precision(param):
                     master = param.detach().clone().float().requires_grad_(param.requires_grad)
@@ -57,26 +68,27 @@ class MasterWeights:
                     new_pairs.append((param, master))
                 else:
                     new_pairs.append((param, param))
-        self._pairs[id(optimizer)].extend(new_pairs)
-        self._model_versions[id(optimizer)].extend(model._version for model, _ in new_pairs)
-        self._installed_groups[id(optimizer)] = len(optimizer.param_groups)
+        record.pairs.extend(new_pairs)
+        record.model_versions.extend(model._version for model, _ in new_pairs)
+        record.installed_groups = len(optimizer.param_groups)
 
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]:
-        """The optimizers holding masters, in construction order."""
-        return list(self._optimizers)
+        """The optimizers holding masters (those still alive), in construction order."""
+        return list(self._by_optimizer.keys())
 
     def manages(self, optimizer: torch.optim.Optimizer) -> bool:
-        return id(optimizer) in self._pairs
+        return optimizer in self._by_optimizer
 
     def grad_pairs(self, optimizer: torch.optim.Optimizer) -> List[GradPair]:
         """``(model parameter, stepped parameter)`` pairs of the optimizer; the two are the same for float32."""
         self._install_new_groups(optimizer)
         self._sync_masters_if_model_changed(optimizer)
-        return self._pairs[id(optimizer)]
+        return self._by_optimizer[optimizer].pairs
 
     def _record_versions(self, optimizer: torch.optim.Optimizer) -> None:
-        self._model_versions[id(optimizer)] = [model._version for model, _ in self._pairs[id(optimizer)]]
+        record = self._by_optimizer[optimizer]
+        record.model_versions = [model._version for model, _ in record.pairs]
 
     def _sync_masters_if_model_changed(self, optimizer: torch.optim.Optimizer) -> None:
         """Refresh masters from the model when something else wrote the model's weights (e.g. load_state_dict).
@@ -87,9 +99,8 @@ class MasterWeights:
         ``amp.load_state_dict`` from the same checkpoint) keeps the more precise master, so restoring does
         not depend on the order of the loads.
         """
-        pairs = self._pairs[id(optimizer)]
-        versions = self._model_versions[id(optimizer)]
-        changed = [(model, master) for (model, master), version in zip(pairs, versions)
+        record = self._by_optimizer[optimizer]
+        changed = [(model, master) for (model, master), version in zip(record.pairs, record.model_versions)
                    if model is not master and model._version != version]
         if changed:
             with torch.no_grad():
@@ -100,36 +111,38 @@ class MasterWeights:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         with torch.no_grad():
-            for model, master in self._pairs[id(optimizer)]:
+            for model, master in self._by_optimizer[optimizer].pairs:
                 if model is not master:
                     model.copy_(master)
         self._record_versions(optimizer)
 
     def state_dict(self) -> List[List[torch.Tensor]]:
         """The masters' values, per optimizer in construction order (float32 tensors)."""
-        for optimizer in self._optimizers:
+        optimizers = self.optimizers
+        for optimizer in optimizers:
             self._install_new_groups(optimizer)
-        return [[master.detach().clone() for model, master in pairs if model is not master]
-                for pairs in self._pairs.values()]
+        return [[master.detach().clone() for model, master in self._by_optimizer[optimizer].pairs
+                 if model is not master] for optimizer in optimizers]
 
     def load_state_dict(self, state: List[List[torch.Tensor]]) -> None:
         """Restore the masters exactly and copy them into the model (what a step would have left there)."""
-        for optimizer in self._optimizers:
+        optimizers = self.optimizers
+        for optimizer in optimizers:
             self._install_new_groups(optimizer)
-        all_pairs = list(self._pairs.values())
-        if len(state) != len(all_pairs):
+        if len(state) != len(optimizers):
             raise ValueError(f"the checkpoint holds master weights for {len(state)} optimizer(s), "
-                             f"this run has {len(all_pairs)}")
+                             f"this run has {len(optimizers)}")
         with torch.no_grad():
-            for optimizer_id, saved, pairs in zip(self._pairs, state, all_pairs):
-                masters = [(model, master) for model, master in pairs if model is not master]
+            for optimizer, saved in zip(optimizers, state):
+                masters = [(model, master) for model, master in self._by_optimizer[optimizer].pairs
+                           if model is not master]
                 if len(saved) != len(masters):
                     raise ValueError(f"the checkpoint holds {len(saved)} master weights for an optimizer that "
                                      f"has {len(masters)}: was it saved from the same model and opt_level?")
                 for (model, master), value in zip(masters, saved):
                     master.copy_(value)
                     model.copy_(master)
-                self._model_versions[optimizer_id] = [model._version for model, _ in pairs]
+                self._record_versions(optimizer)
 
 
 def unscale_into(pairs: Sequence[GradPair], inverse_scaler) -> bool:

@@ -106,7 +106,7 @@ def initialized(opt_level="O1", num_losses=1):
 
 
 def test_state_dict_has_apex_keys_and_loads_with_weights_only(tmp_path):
-    initialized("O1", num_losses=2)
+    model, optimizer = initialized("O1", num_losses=2)
     state = amp.state_dict()
     assert state == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
                      "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0}}
@@ -132,7 +132,7 @@ def test_load_state_dict_restores_an_apex_checkpoint_entry():
 
 
 def test_load_state_dict_rejects_a_key_that_is_not_a_loss_scaler():
-    initialized()
+    model, optimizer = initialized()
     with pytest.raises(ValueError, match="optimizer_state"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "optimizer_state": {}})
 
