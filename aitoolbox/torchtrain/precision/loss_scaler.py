@@ -76,20 +76,28 @@ class LossScaler:
         return loss.float() * self.loss_scale
 
     def unscale_grads(self, grads: Iterable[torch.Tensor]) -> bool:
-        """Divide the gradients by the scale in place; return True if any of them holds inf or NaN."""
+        """Divide the gradients by the scale in place; return True if any of them holds inf or NaN.
+
+        The verdict is read from the device with a blocking copy, so on a GPU it waits for the check to finish
+        (one host sync per device and step; deciding to skip the optimizer step is a host-side decision).
+        """
         grads_by_key: Dict[tuple, list] = {}
         for grad in grads:
             grads_by_key.setdefault((grad.device, grad.dtype), []).append(grad)
         if not grads_by_key:
             return False
-        found_inf_flags = []
+        # One flag per device, shared by its dtype groups: the kernel only ever sets it, never clears it.
+        found_inf_by_device: Dict[torch.device, torch.Tensor] = {}
+        inv_scale_by_device: Dict[torch.device, torch.Tensor] = {}
         for (device, _), group in grads_by_key.items():
-            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-            inv_scale = torch.full((1,), self.loss_scale, dtype=torch.float64, device=device).reciprocal().float()
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-            found_inf_flags.append(found_inf.to("cpu", non_blocking=True))
-        # One host sync per step is needed anyway: skipping the optimizer step is a host-side decision.
-        return bool(sum(flag.item() for flag in found_inf_flags))
+            if device not in found_inf_by_device:
+                found_inf_by_device[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                inv_scale_by_device[device] = torch.full((1,), self.loss_scale, dtype=torch.float64,
+                                                         device=device).reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf_by_device[device],
+                                                             inv_scale_by_device[device])
+        # .item() copies synchronously: a non_blocking copy read at once could still hold the zero it started as.
+        return any(found_inf.item() != 0.0 for found_inf in found_inf_by_device.values())
 
     @staticmethod
     def has_overflow(grads: Iterable[torch.Tensor]) -> bool:

@@ -120,11 +120,12 @@ def test_unscale_matches_torch_grad_scaler_bitwise(scale):
         assert torch.equal(mine, param.grad)
 
 
+@pytest.mark.parametrize("bad_index", [0, 1], ids=["float32_group", "bfloat16_group"])
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_unscale_reports_non_finite_gradients(bad):
-    grads = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16)]
-    grads[1][0] = bad
-    assert LossScaler().unscale_grads(grads)
+def test_unscale_reports_non_finite_gradients(bad, bad_index):
+    grads = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16), torch.ones(4)]
+    grads[bad_index][0] = bad
+    assert LossScaler().unscale_grads(grads)  # one flag per device, shared by its dtype groups
     assert LossScaler.has_overflow(grads)
     assert not LossScaler.has_overflow([torch.ones(3)])
     assert not LossScaler().unscale_grads([])
