@@ -5,6 +5,7 @@ Data goes to a temporary file in the same folder, is flushed and fsync'ed, then 
 power cut. A process killed mid-write leaves at most a ``.tmp-*`` file, which later writes ignore.
 """
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -87,8 +88,9 @@ class _WriteBehindFile:
     background flush reported is not reported again by the final fsync (Linux reports it once per file).
     """
 
-    def __init__(self, handle: IO):
+    def __init__(self, handle: IO, abandon: Optional[threading.Event] = None):
         self._handle = handle
+        self._abandon = abandon
         self._write_behind_bytes = WRITE_BEHIND_BYTES
         self._bytes_written = 0
         self._in_page_cache_until = 0
@@ -98,6 +100,9 @@ class _WriteBehindFile:
         self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
+        if self._abandon is not None and self._abandon.is_set():
+            self.error = self.error or InterruptedError(errno.EINTR, "the write was abandoned")
+            raise self.error
         try:
             written = self._handle.write(data)
             self._bytes_written += written
@@ -152,15 +157,23 @@ class _WriteBehindFile:
             raise self.error
 
 
-def torch_save_atomic(obj, path: str) -> None:
+def torch_save_atomic(obj, path: str, abandon: Optional[threading.Event] = None) -> None:
     """``torch.save`` that never leaves a truncated file at ``path``; returns once the file is on disk.
+
+    Args:
+        obj: what to save.
+        path: the file to write.
+        abandon: when given and set (from another thread) while the file is being written, the write stops at
+            torch.save's next write call and raises ``InterruptedError``; the temporary file is removed and
+            ``path`` keeps its previous content.
 
     Raises:
         OSError: the file could not be written (disk full, file too large, no permission); the message names
             ``path``, which keeps its previous content.
+        InterruptedError: ``abandon`` was set (an ``OSError`` too).
     """
     with atomic_write(path, "wb") as handle:
-        writer = _WriteBehindFile(handle)
+        writer = _WriteBehindFile(handle, abandon)
         try:
             torch.save(obj, writer)
         finally:

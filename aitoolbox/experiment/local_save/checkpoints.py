@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -115,11 +116,12 @@ def load_checkpoint_file(path: str, map_location="cpu") -> dict:
     return checkpoint
 
 
-def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str) -> str:
-    """Write a checkpoint atomically; returns its path."""
+def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str,
+                         abandon: Optional[threading.Event] = None) -> str:
+    """Write a checkpoint atomically; returns its path. ``abandon``: see :func:`torch_save_atomic`."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file_name)
-    torch_save_atomic(checkpoint, path)
+    torch_save_atomic(checkpoint, path, abandon=abandon)
     return path
 
 

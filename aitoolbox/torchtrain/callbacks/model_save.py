@@ -2,6 +2,7 @@
 import concurrent.futures
 import logging
 import os
+import threading
 from typing import Callable, Optional, Union
 
 from aitoolbox.experiment.local_save.checkpoints import (
@@ -40,6 +41,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending_save: Optional[concurrent.futures.Future] = None
         self._last_snapshot: Optional[dict] = None  # host memory the next snapshot is copied into
+        self._abandon = threading.Event()  # set: the background save in flight stops and leaves no file
 
     def __getstate__(self) -> dict:
         # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
@@ -47,7 +49,12 @@ class _CheckpointCallback(AbstractExperimentCallback):
         state["_writer"] = None
         state["_pending_save"] = None
         state["_last_snapshot"] = None
+        state["_abandon"] = None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._abandon = threading.Event()
 
     def on_train_loop_registration(self) -> None:
         super().on_train_loop_registration()
@@ -56,10 +63,37 @@ class _CheckpointCallback(AbstractExperimentCallback):
             self.experiment_folder.hyperparams = self.hyperparams
 
     def on_train_end(self) -> None:
-        self.wait_for_pending_save()
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
+        try:
+            self.wait_for_pending_save()
+        finally:
+            self._stop_writer()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Complete the background save in flight, then stop the writer thread.
+
+        The newest checkpoint file is then complete, and the previous ones are kept until it is. Should that
+        save fail, its error is logged (``fit`` raises the exception that stopped training). Another
+        KeyboardInterrupt while waiting abandons the save instead: its temporary file is removed and the
+        previous checkpoint stays the newest.
+        """
+        try:
+            self.wait_for_pending_save()
+        except KeyboardInterrupt:
+            logger.warning("%s: interrupted while waiting for the checkpoint being written; abandoning it (the "
+                           "previous checkpoint stays the newest)", type(self).__name__)
+            self._abandon.set()
+        except Exception as error:  # noqa: B902 - reported here; fit re-raises what stopped training
+            logger.error("%s: the checkpoint being written when training stopped could not be saved: %s",
+                         type(self).__name__, error)
+        finally:
+            self._stop_writer()
+
+    def _stop_writer(self) -> None:
+        """Let the writer thread finish (after an abandoned save: quickly) and drop the host-memory copy."""
+        writer, self._writer, self._pending_save = self._writer, None, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+        self._abandon = threading.Event()  # a later fit saves again
         self._last_snapshot = None
 
     def wait_for_pending_save(self) -> None:
@@ -100,7 +134,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
     def _write(self, checkpoint: dict, folder: str, file_name: str,
                after_save: Optional[Callable[[str], None]]) -> None:
         try:
-            path = save_checkpoint_file(checkpoint, folder, file_name)
+            path = save_checkpoint_file(checkpoint, folder, file_name, abandon=self._abandon)
         except OSError as error:
             raise self._save_error(error, os.path.join(folder, file_name)) from error
         logger.debug("saved checkpoint %s", path)

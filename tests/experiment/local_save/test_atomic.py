@@ -58,6 +58,18 @@ def test_an_unsaveable_object_keeps_the_old_checkpoint(tmp_path):
     assert temp_files(tmp_path) == []
 
 
+def test_an_abandoned_save_keeps_the_old_checkpoint_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "model.pth"
+    torch_save_atomic({"w": torch.ones(3)}, str(path))
+    abandon = threading.Event()
+    torch_save_atomic({"w": torch.full((3,), 2.0)}, str(path), abandon=abandon)  # not set: saved
+    abandon.set()
+    with pytest.raises(InterruptedError, match=f"cannot write {path}: the write was abandoned"):
+        torch_save_atomic({"w": torch.zeros(3)}, str(path), abandon=abandon)
+    assert torch.equal(torch_load_checked(str(path))["w"], torch.full((3,), 2.0))
+    assert temp_files(tmp_path) == []
+
+
 def test_invalid_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'a'"):
         with atomic_write(str(tmp_path / "x"), "a"):
