@@ -5,7 +5,7 @@ import pickle
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -29,6 +29,8 @@ class DistributedJob:
 
     Attributes:
         train_loop: the parent's TrainLoop (pickled to spawned processes, inherited by forked ones).
+        train_process: a module-level function ``(job, placement)`` that trains in the process (the training
+            side's; this package only launches it).
         fit_arguments: what to train.
         processes_per_node: processes this launcher starts (one per GPU, or CPU processes).
         node_rank: this machine's index among ``num_nodes``.
@@ -45,6 +47,7 @@ class DistributedJob:
     """
 
     train_loop: Any
+    train_process: Callable[["DistributedJob", ProcessPlacement], Any]
     fit_arguments: FitArguments
     processes_per_node: int
     node_rank: int
@@ -79,14 +82,12 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
     tqdm.set_lock(threading.RLock())
     rank = local_rank
     try:
-        # Imported here: the training side imports this module to build jobs.
-        from aitoolbox.torchtrain.train_loop.distributed_fit import train_in_this_process
         if isinstance(job, Connection):
             with job:
                 job = pickle.loads(job.recv_bytes())
         placement = job.placement(local_rank)
         rank = placement.rank
-        train_in_this_process(job, placement)
+        job.train_process(job, placement)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

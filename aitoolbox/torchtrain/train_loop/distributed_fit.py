@@ -1,4 +1,5 @@
 """``TrainLoop.fit_distributed``: validate, launch (or join) the processes, adopt rank 0's result."""
+import dataclasses
 import logging
 import os
 import tempfile
@@ -13,7 +14,6 @@ from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_st
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
-from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 
@@ -23,34 +23,20 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-def enter_distributed_process(tl: "TrainLoop", strategy, amp_init_args: Optional[dict]) -> None:
-    """In a process of a distributed job: train with ``strategy`` and set up the model afresh."""
-    tl.strategy = strategy
-    if amp_init_args is not None:
-        check_use_amp(amp_init_args, strategy.device)
-        tl.use_amp = amp_init_args
-    tl._model_runner = None
-    tl._precision = None
-    tl._evaluation_loaders = {}
-    tl._evaluator.clear_cache()
-
-
 def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
     """Give this process its share of the training data (after in-process data loading)."""
     shuffle = None if train_data_shuffle else False
     tl.train_loader = tl.strategy.setup_loader(tl.train_loader, shuffle)
-    tl._evaluation_loaders = {}
 
 
 def save_distributed_result(tl: "TrainLoop", path: str, train_history: dict) -> None:
     """Save what the launching process adopts: weights, optimizer states, rank 0's history, and counters."""
     torch.save({"model": tl.model.state_dict(), "optimizers": [opt.state_dict() for opt in tl.optimizers],
-                "train_history": train_history, "epoch": tl.epoch,
-                "epochs_completed": tl.epochs_completed, "total_iteration_idx": tl.total_iteration_idx},
+                "train_history": train_history, "loop_state": tl.state.state_dict()},
                path)
 
 
-def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
+def adopt_distributed_result(tl: "TrainLoop", path: str) -> None:
     """In the launching process: take over the trained state, so the TrainLoop continues from it."""
     result = torch.load(path, map_location="cpu", weights_only=True)
     tl.model.load_state_dict(result["model"])
@@ -61,15 +47,12 @@ def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[Lis
             logger.warning("could not restore the optimizer state from the training processes: %s", error)
     tl.train_history.clear()
     tl.train_history.update(result["train_history"])
-    tl.epoch = result["epoch"]
-    tl.epochs_completed = result["epochs_completed"]
-    tl.total_iteration_idx = result["total_iteration_idx"]
+    tl.state.load_state_dict(result["loop_state"])
     # A checkpoint loaded before fit_distributed was applied in the processes; a later fit here must not
     # apply it again over the adopted state.
     tl.pending_restore = None
     if tl.experiment_folder is not None:  # rank 0 may have created the run folder of a lazy preset
         tl.experiment_folder.adopt_if_created_elsewhere()
-    tl._evaluator.clear_cache()
 
 
 def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -83,7 +66,7 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     tl = job.train_loop
     strategy = DistributedStrategy(placement, **job.strategy_options)
     strategy.init_process_group()
-    enter_distributed_process(tl, strategy, job.amp_init_args)
+    tl.use_strategy(strategy, job.amp_init_args)
     tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
     tl.callbacks_handler.on_multiprocess_start()
     shard_data_loaders(tl, job.train_data_shuffle)
@@ -149,31 +132,70 @@ def rendezvous(num_nodes: int, node_rank: int, master_addr: Optional[str], maste
     return master_addr, master_port or 29500
 
 
-def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callbacks: Optional[List[AbstractCallback]],
-                    grad_accumulation: int, train_data_shuffle: bool, ddp_model_args: Optional[dict],
-                    amp_init_args: Optional[dict], in_process_data_load, num_nodes: int, node_rank: int,
-                    num_gpus: Optional[int], backend: Optional[str], init_method: str, master_addr: Optional[str],
-                    master_port: Optional[int], num_cpu_processes: int, sync_bn: bool, start_method: Optional[str],
-                    timeout_s: float, on_gpu: Optional[bool] = None):
-    """See :meth:`TrainLoop.fit_distributed`."""
-    validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
-    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:
-        raise ValueError(f"node_rank must be an int in 0..{num_nodes - 1}, got {node_rank!r}")
-    backend = resolve_backend(backend, on_gpu)
-    if amp_init_args is not None and not isinstance(amp_init_args, dict):
-        raise TypeError(f"amp_init_args must be a dict of amp.initialize arguments, got {amp_init_args!r}")
-    data_load_callbacks = [] if in_process_data_load is None else (
-        list(in_process_data_load) if isinstance(in_process_data_load, (list, tuple)) else [in_process_data_load])
-    strategy_options = dict(backend=backend, init_method=init_method, ddp_model_args=ddp_model_args,
-                            sync_bn=sync_bn, timeout_s=timeout_s)
-    fit_arguments = FitArguments(num_epochs, num_iterations, callbacks, grad_accumulation)
-    common = dict(train_loop=tl, fit_arguments=fit_arguments, strategy_options=strategy_options,
-                  amp_init_args=amp_init_args, train_data_shuffle=train_data_shuffle,
-                  in_process_data_load=data_load_callbacks)
+@dataclasses.dataclass
+class DistributedFitOptions:
+    """The arguments of :meth:`TrainLoop.fit_distributed <aitoolbox.torchtrain.train_loop.train_loop.TrainLoop.fit_distributed>`,
+    documented there."""
 
-    placement = current_external_placement(master_addr, master_port)
+    num_epochs: int = 0
+    num_iterations: int = 0
+    callbacks: Optional[List[AbstractCallback]] = None
+    grad_accumulation: int = 1
+    train_data_shuffle: bool = True
+    ddp_model_args: Optional[dict] = None
+    amp_init_args: Optional[dict] = None
+    in_process_data_load: Any = None
+    num_nodes: int = 1
+    node_rank: int = 0
+    num_gpus: Optional[int] = None
+    backend: Optional[str] = None
+    init_method: str = "env://"
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    num_cpu_processes: int = 2
+    sync_bn: bool = False
+    start_method: Optional[str] = None
+    timeout_s: float = 600.0
+    on_gpu: Optional[bool] = None
+
+    def validate(self) -> None:
+        """Check the job's shape before any process starts.
+
+        Raises:
+            ValueError: a count, rank or backend out of range.
+            TypeError: ``amp_init_args`` is not a dict.
+        """
+        validation.check_fit_arguments(self.num_epochs, self.num_iterations, self.grad_accumulation)
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {self.num_nodes!r}")
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
+                or not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"node_rank must be an int in 0..{self.num_nodes - 1}, got {self.node_rank!r}")
+        if self.amp_init_args is not None and not isinstance(self.amp_init_args, dict):
+            raise TypeError(f"amp_init_args must be a dict of amp.initialize arguments, got {self.amp_init_args!r}")
+
+    def data_load_callbacks(self) -> List[AbstractCallback]:
+        """``in_process_data_load`` as a list."""
+        if self.in_process_data_load is None:
+            return []
+        if isinstance(self.in_process_data_load, (list, tuple)):
+            return list(self.in_process_data_load)
+        return [self.in_process_data_load]
+
+
+def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
+    """See :meth:`TrainLoop.fit_distributed`."""
+    options.validate()
+    backend = resolve_backend(options.backend, options.on_gpu)
+    strategy_options = dict(backend=backend, init_method=options.init_method, ddp_model_args=options.ddp_model_args,
+                            sync_bn=options.sync_bn, timeout_s=options.timeout_s)
+    fit_arguments = FitArguments(options.num_epochs, options.num_iterations, options.callbacks,
+                                 options.grad_accumulation)
+    common = dict(train_loop=tl, train_process=train_in_this_process, fit_arguments=fit_arguments,
+                  strategy_options=strategy_options, amp_init_args=options.amp_init_args,
+                  train_data_shuffle=options.train_data_shuffle, in_process_data_load=options.data_load_callbacks())
+
+    placement = current_external_placement(options.master_addr, options.master_port)
     if placement is not None:  # torchrun / SLURM / OpenMPI started us: this process is one rank
         logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
         job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
@@ -181,17 +203,18 @@ def fit_distributed(tl: "TrainLoop", num_epochs: int, num_iterations: int, callb
                              result_path=None, **common)
         return train_in_this_process(job, placement)
 
-    per_node = processes_per_node(num_gpus, num_cpu_processes, use_cuda=backend != "gloo")
-    addr, port = rendezvous(num_nodes, node_rank, master_addr, master_port)
-    method = choose_start_method(start_method)
+    per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
+    addr, port = rendezvous(options.num_nodes, options.node_rank, options.master_addr, options.master_port)
+    method = choose_start_method(options.start_method)
     threads = None
     if (backend == "gloo" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // per_node)  # CPU processes share the cores
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir:
         result_path = os.path.join(result_dir, "result.pt")
-        job = DistributedJob(processes_per_node=per_node, node_rank=node_rank, world_size=num_nodes * per_node,
-                             master_addr=addr, master_port=port, result_path=result_path,
-                             rng_states=capture_rng_state(), threads_per_process=threads, **common)
+        job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank,
+                             world_size=options.num_nodes * per_node, master_addr=addr, master_port=port,
+                             result_path=result_path, rng_states=capture_rng_state(), threads_per_process=threads,
+                             **common)
         ProcessLauncher(job, method).run()
-        adopt_distributed_result(tl, result_path, callbacks)
+        adopt_distributed_result(tl, result_path)
     return tl.model_for_user

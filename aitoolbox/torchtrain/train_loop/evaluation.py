@@ -110,13 +110,15 @@ class Evaluator:
         self._prediction_cache = {}
         self._loss_cache = {}
 
-    def _cache_key(self, dataset_type: str) -> tuple:
-        return dataset_type, self.train_loop.epoch, self.train_loop.total_iteration_idx
+    def _cache_key(self, dataset_type: str, loader: Any) -> tuple:
+        # The loader's identity too: a result computed on a loader since replaced is not the new loader's. (Cached
+        # values keep their loader alive, so its id cannot be reused by another loader meanwhile.)
+        return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx
 
     @staticmethod
     def _store(cache: dict, key: tuple, value) -> dict:
         """``cache`` with ``value`` under ``key``; what older iterations left behind is dropped."""
-        kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[1:] == key[1:]}
+        kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[2:] == key[2:]}
         kept[key] = value
         return kept
 
@@ -127,10 +129,11 @@ class Evaluator:
         Returns:
             A 0-dim float64 CPU tensor, or a MultiLoss of them when ``get_loss_eval`` returns a MultiLoss.
         """
-        key = self._cache_key(dataset_type)
+        key = self._cache_key(dataset_type, loader)
         if cache and not force and key in self._loss_cache:
-            return self._loss_cache[key]
+            return self._loss_cache[key][1]
         tl = self.train_loop
+        tl.set_up()
         device = tl.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         sample_count = torch.zeros((), dtype=torch.float64, device=device)
@@ -151,7 +154,7 @@ class Evaluator:
         mean = (totals[:-1] / totals[-1]).cpu()
         result = as_loss_result(mean.reshape(()) if names is None else mean, names)
         if cache:
-            self._loss_cache = self._store(self._loss_cache, key, result)
+            self._loss_cache = self._store(self._loss_cache, key, (loader, result))
         return result
 
     def predict(self, loader: DataLoader, dataset_type: str, execute_callbacks: bool = False, force: bool = False,
@@ -167,9 +170,10 @@ class Evaluator:
             dataset_info: handed to the callbacks; ``{'type': dataset_type}`` when None.
         """
         tl = self.train_loop
-        key = self._cache_key(dataset_type)
+        key = self._cache_key(dataset_type, loader)
         if cache and not force and key in self._prediction_cache:
-            return self._prediction_cache[key]
+            return self._prediction_cache[key][1]
+        tl.set_up()
         y_pred, y_true, metadata = [], [], None
         dataset_info = dataset_info if dataset_info is not None else {"type": dataset_type}
         with evaluation_mode(tl, loader):
@@ -194,7 +198,7 @@ class Evaluator:
             y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
         if cache:
-            self._prediction_cache = self._store(self._prediction_cache, key, result)
+            self._prediction_cache = self._store(self._prediction_cache, key, (loader, result))
         return result
 
     def _gather_from_ranks(self, y_pred, y_true, metadata):

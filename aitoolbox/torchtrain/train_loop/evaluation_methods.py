@@ -23,14 +23,11 @@ class EvaluationMethods:
             return self.end_auto_eval
         return (self.epoch + 1) % self.end_auto_eval == 0
 
-    def _evaluate_at_epoch_end(self, accumulated: dict) -> None:
-        summary = dict(accumulated)
+    def _evaluate_at_epoch_end(self) -> None:
         if self.auto_eval_due:
-            summary.update(self._record_loss("loss", self.evaluate_loss_on_train_set()))
+            self._record_loss("loss", self.evaluate_loss_on_train_set())
             if self.validation_loader is not None:
-                summary.update(self._record_loss("val_loss", self.evaluate_loss_on_validation_set()))
-        if self.strategy.is_main_process:
-            logger.info("Epoch %d: %s", self.epoch, ", ".join(f"{k} {v:.6g}" for k, v in summary.items()))
+                self._record_loss("val_loss", self.evaluate_loss_on_validation_set())
 
     def _record_loss(self, metric_name: str, result: LossResult) -> dict:
         """Insert an evaluated loss into the history (one entry per name for a MultiLoss); returns the entries."""
@@ -53,9 +50,12 @@ class EvaluationMethods:
         loader = {"train": self.train_loader, "validation": self.validation_loader, "test": self.test_loader}[dataset_type]
         if loader is None:
             raise ValueError(f"this TrainLoop has no {dataset_type}_loader: pass one to the constructor")
-        if dataset_type not in self._evaluation_loaders:
-            self._evaluation_loaders[dataset_type] = self.strategy.setup_eval_loader(loader)
-        return self._evaluation_loaders[dataset_type]
+        # Prepared once per loader: a loader replaced since (by the user, or by DataSubsetTestRun) is prepared anew.
+        source, prepared = self._evaluation_loaders.get(dataset_type, (None, None))
+        if source is not loader:
+            prepared = self.strategy.setup_eval_loader(loader)
+            self._evaluation_loaders[dataset_type] = (loader, prepared)
+        return prepared
 
     def _evaluate_loss_on(self, dataset_type: str, force_prediction: bool, float_dict_format: bool):
         loss = self._evaluator.evaluate_loss(self._evaluation_loader(dataset_type), dataset_type,

@@ -45,3 +45,8 @@ def history_entries(metric_name: str, values: torch.Tensor, names: Optional[List
     if names is None:
         return {metric_name: values.item()}
     return {f"{metric_name}_{name}": value for name, value in zip(names, values.tolist())}
+
+
+def loss_postfix(values: torch.Tensor, names: Optional[List[str]]) -> Dict[str, str]:
+    """A progress bar's postfix for loss values: ``{'loss': '0.4123'}``, or ``{'loss_<name>': ...}`` per loss."""
+    return {name: f"{value:.4f}" for name, value in history_entries("loss", values, names).items()}

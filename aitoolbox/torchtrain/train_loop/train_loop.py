@@ -4,8 +4,10 @@ Precision (autocast, loss scaling, the optimizer step) lives in :mod:`aitoolbox.
 device placement and multi-process communication in :mod:`aitoolbox.torchtrain.distributed`, whole-set
 evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.torchtrain.callbacks`).
 """
+import contextlib
 import logging
 import math
+import time
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -17,22 +19,24 @@ from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
-from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision
 from aitoolbox.torchtrain.train_loop import validation
-from aitoolbox.torchtrain.train_loop.distributed_fit import fit_distributed
+from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.evaluation_methods import EvaluationMethods
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
+from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
-from aitoolbox.torchtrain.train_loop.losses import detached_values, history_entries, loss_names
+from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
+from aitoolbox.torchtrain.train_loop.losses import detached_values, history_entries, loss_names, loss_postfix
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
-    MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, restore_rng_state,
-    restore_train_state)
+    MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
+    restore_rng_state, restore_train_state, truncate_history)
+from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +104,8 @@ class TrainLoop(EvaluationMethods):
         self._precision: Optional[Precision] = None
         self.amp_scaler = GradScalerView(self._get_precision)
 
-        self.epochs_completed = 0
-        self._epoch = 0
-        self.iteration = 0
-        self.total_iteration_idx = -1  # index of the last batch trained (aitoolbox 1.x): -1 before training
-        self.num_epochs = 0
-        self.num_iterations = 0
-        self.grad_accumulation = 1
-        self.optimizer_step_due = False
-        self.optimizer_step_skipped = False
+        self.state = LoopState()
         self.last_batch_loss: Optional[torch.Tensor] = None
-        self.early_stop = False
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.callbacks_handler = CallbacksHandler(self)
@@ -118,6 +113,9 @@ class TrainLoop(EvaluationMethods):
         self.epoch_loss_sum = torch.zeros(())
         self.epoch_start_rng_state: Optional[dict] = None
         self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
+        self._interrupted_at: Optional[MidEpochResume] = None  # where a fit stopped by an exception continues
+        self._step_point: Optional[MidEpochResume] = None  # the current epoch's last optimizer step (or its end)
+        self._batches_done = 0  # batches of the current epoch trained
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
         self._timestamp = timestamp_now()
@@ -125,6 +123,18 @@ class TrainLoop(EvaluationMethods):
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
         self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
+        self._epoch_report = EpochReport()
+
+    # The loop's counters and flags live in ``self.state``; these are the names callbacks and 1.x code use.
+    epochs_completed = LoopStateField()
+    iteration = LoopStateField()
+    total_iteration_idx = LoopStateField()  # index of the last batch trained (aitoolbox 1.x): -1 before training
+    num_epochs = LoopStateField()
+    num_iterations = LoopStateField()
+    grad_accumulation = LoopStateField()
+    optimizer_step_due = LoopStateField()
+    optimizer_step_skipped = LoopStateField()
+    early_stop = LoopStateField()
 
     # --- the documented surface callbacks use -------------------------------------------------------------
     @property
@@ -147,13 +157,13 @@ class TrainLoop(EvaluationMethods):
     @property
     def epoch(self) -> int:
         """The index of the current epoch (of the last one, after ``fit``)."""
-        return self._epoch
+        return self.state.epoch
 
     @epoch.setter
     def epoch(self, epoch: int) -> None:
         # aitoolbox 1.x users continue training by setting tl.epoch before fit: the next epoch trained is this one.
-        self._epoch = epoch
-        self.epochs_completed = epoch
+        self.state.epoch = epoch
+        self.state.epochs_completed = epoch
 
     @property
     def experiment_timestamp(self) -> str:
@@ -163,7 +173,7 @@ class TrainLoop(EvaluationMethods):
     @property
     def iterations_done(self) -> int:
         """Batches trained over the life of this TrainLoop."""
-        return self.total_iteration_idx + 1
+        return self.state.iterations_done
 
     def should_execute_optimizer_update(self) -> bool:
         """True when the current batch ends with an optimizer step: every ``grad_accumulation`` batches, at the
@@ -189,25 +199,37 @@ class TrainLoop(EvaluationMethods):
 
     @property
     def model_runner(self) -> Any:
-        """What the loop calls ``get_loss``/``get_predictions`` on: the model as set up by the strategy."""
-        self._set_up_model()
+        """What the loop calls ``get_loss``/``get_predictions`` on: the model as set up by the strategy (the model
+        itself, or a parallel wrapper around it). It exists once ``fit``, an evaluation or a prediction started."""
+        if self._model_runner is None:
+            raise RuntimeError("tl.model_runner is set up when fit, an evaluation or a prediction starts (the model "
+                               "is placed on its device and prepared for mixed precision then): read it from a "
+                               "callback hook or after fit")
         return self._model_runner
 
     @property
     def precision(self) -> Precision:
-        """Autocast, loss scaling and the optimizer step (see :mod:`aitoolbox.torchtrain.precision`)."""
-        self._set_up_model()
+        """Autocast, loss scaling and the optimizer step (see :mod:`aitoolbox.torchtrain.precision`). It exists once
+        ``fit``, an evaluation or a prediction started; assign one before to choose it yourself."""
+        if self._precision is None:
+            raise RuntimeError("tl.precision is created from use_amp when fit, an evaluation or a prediction starts "
+                               "(amp.initialize needs the model on its device): read it from a callback hook or "
+                               "after fit, or assign tl.precision = Precision(...) before fit to choose it")
         return self._precision
-
-    def _get_precision(self) -> Precision:
-        return self.precision
 
     @precision.setter
     def precision(self, precision: Precision) -> None:
         self._precision = precision
 
-    def _set_up_model(self) -> None:
-        """On first use: device placement, then mixed precision (amp.initialize), then any parallel wrapper."""
+    def _get_precision(self) -> Precision:
+        # 1.x code may call tl.amp_scaler's methods before fit (e.g. to load a GradScaler state): set up first.
+        self.set_up()
+        return self._precision
+
+    def set_up(self) -> None:
+        """Place the model on its device, then prepare mixed precision (``amp.initialize``), then wrap it for
+        parallel training; once per strategy. ``fit``, the evaluation and prediction methods and
+        :meth:`checkpoint_state` call it first: call it yourself only to inspect the prepared model."""
         if self._model_runner is not None:
             return
         self.strategy.place_model(self.loop_model)
@@ -215,6 +237,23 @@ class TrainLoop(EvaluationMethods):
         if self._precision is None:
             self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
         self._model_runner = self.strategy.wrap_model(self.loop_model)
+
+    def use_strategy(self, strategy: Any, use_amp: Union[bool, dict, None] = None) -> None:
+        """Train with another distribution strategy from now on (a process of a distributed job does this): the
+        model is set up again for it, and evaluation loaders are prepared afresh.
+
+        Args:
+            strategy: the new strategy (see :mod:`aitoolbox.torchtrain.distributed`).
+            use_amp: replaces ``use_amp`` when not None (``fit_distributed``'s ``amp_init_args``).
+        """
+        if use_amp is not None:
+            check_use_amp(use_amp, strategy.device)
+            self.use_amp = use_amp
+        self.strategy = strategy
+        self._model_runner = None
+        self._precision = None
+        self._evaluation_loaders = {}
+        self._evaluator.clear_cache()
 
     def stop_training(self, reason: str = "") -> None:
         """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
@@ -224,6 +263,7 @@ class TrainLoop(EvaluationMethods):
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer``'s gradients true values (undo loss scaling); idempotent within a step."""
+        self.set_up()
         self.precision.unscale_(optimizer)
 
     def insert_metric_result_into_history(self, metric_name: str, metric_result: Any) -> None:
@@ -234,6 +274,7 @@ class TrainLoop(EvaluationMethods):
 
     def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None) -> dict:
         """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process."""
+        self.set_up()
         return capture_train_state(self, mid_epoch, hyperparams)
 
     def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
@@ -246,6 +287,7 @@ class TrainLoop(EvaluationMethods):
             from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
             checkpoint = load_checkpoint_file(checkpoint)
         restore_train_state(self, checkpoint)
+        self._interrupted_at = None  # the checkpoint says where to continue
         return checkpoint
 
     # --- training ---------------------------------------------------------------------------------------
@@ -280,31 +322,42 @@ class TrainLoop(EvaluationMethods):
         self.strategy.configure(**validation.check_fit_keywords(kwargs, self.gpu_mode))
         validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
         validation.check_ready_to_train(self.train_loader, self.optimizers)
-        self.num_epochs, self.num_iterations = num_epochs, num_iterations
+        state = self.state
+        state.num_epochs, state.num_iterations = num_epochs, num_iterations
         if num_iterations > 0 and loader_length(self.train_loader):  # the epochs the run touches, as 1.x reports
-            self.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
-        self.grad_accumulation = grad_accumulation
+            state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
+        state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        self.early_stop = False
+        state.early_stop = False
         if self._target_reached(num_epochs, num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
-                           self.epochs_completed, self.iterations_done)
+                           state.epochs_completed, state.iterations_done)
             return self.model_for_user
+        try:
+            self._train(num_epochs, num_iterations)
+        except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
+            self._interrupted_at = self._interruption_point()
+            self.callbacks_handler.on_exception(exception)
+            raise
+        return self.model_for_user
+
+    def _train(self, num_epochs: int, num_iterations: int) -> None:
+        state = self.state
+        self.set_up()
         self.model_runner.train()
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self.precision.zero_grad(self.optimizers)
         self.callbacks_handler.on_train_begin()
-        resume = apply_pending_states(self)
-        while not self.early_stop and not self._target_reached(num_epochs, num_iterations):
-            self.epoch = self.epochs_completed
+        resume = apply_pending_states(self) or self._take_interruption_point()
+        while not state.early_stop and not self._target_reached(num_epochs, num_iterations):
+            state.epoch = state.epochs_completed
             self._run_epoch(num_iterations, resume)
             resume = None
-            self.epochs_completed += 1
+            state.epochs_completed += 1
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
-        return self.model_for_user
 
     def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
                         callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
@@ -344,10 +397,13 @@ class TrainLoop(EvaluationMethods):
             on_gpu: aitoolbox 1.x's switch: False trains CPU processes over gloo even where CUDA is available; None
                 or True use the GPUs when there are any. ``backend='nccl'`` without CUDA falls back to gloo.
         """
-        return fit_distributed(self, num_epochs, num_iterations, callbacks, grad_accumulation, train_data_shuffle,
-                               ddp_model_args, amp_init_args, in_process_data_load, num_nodes, node_rank, num_gpus,
-                               backend, init_method, master_addr, master_port, num_cpu_processes, sync_bn,
-                               start_method, timeout_s, on_gpu)
+        return fit_distributed(self, DistributedFitOptions(
+            num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
+            grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,
+            amp_init_args=amp_init_args, in_process_data_load=in_process_data_load, num_nodes=num_nodes,
+            node_rank=node_rank, num_gpus=num_gpus, backend=backend, init_method=init_method,
+            master_addr=master_addr, master_port=master_port, num_cpu_processes=num_cpu_processes, sync_bn=sync_bn,
+            start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu))
 
     @property
     def model_for_user(self) -> nn.Module:
@@ -356,40 +412,66 @@ class TrainLoop(EvaluationMethods):
 
     def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
         if num_epochs > 0:
-            return self.epochs_completed >= num_epochs
-        return self.iterations_done >= num_iterations
+            return self.state.epochs_completed >= num_epochs
+        return self.state.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
-        """One pass over the training data: ``_run_batch`` per batch, then auto-evaluation and on_epoch_end.
+        """One pass over the training data (:meth:`_train_batches`), then the epoch's end: its accumulated loss
+        into the history, auto-evaluation, ``on_epoch_end`` and the epoch's summary line.
 
-        ``resume`` continues an epoch that a mid-epoch checkpoint interrupted.
+        ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted.
         """
-        self.strategy.on_epoch_begin(self.epoch, self.train_loader)
-        self.callbacks_handler.on_epoch_begin()
-        num_batches = loader_length(self.train_loader)
-        bar = ProgressBar(num_batches, f"Epoch {self.epoch}", enabled=self.show_progress)
-        batches, batches_done = self._epoch_batches(resume)
-        self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
-        for self.iteration, batch_data in batches:
-            iteration_limit_hit = num_iterations > 0 and self.iterations_done + 1 >= num_iterations
-            epoch_ends = iteration_limit_hit or self.iteration + 1 == num_batches
-            self.epoch_loss_sum = self.epoch_loss_sum + self._run_batch(batch_data, force_optimizer_step=epoch_ends)
-            batches_done += 1
-            bar.update(lambda: {"loss": f"{self.epoch_loss_sum.mean().item() / batches_done:.4f}"})
-            if iteration_limit_hit or (self.early_stop and self.strategy.stops_mid_epoch):
-                break
+        state = self.state
+        if resume is not None and resume.batches_trained:  # stopped in the epoch's end: do it again
+            truncate_history(self.train_history, resume.history_lengths)
+            self._epoch_report.start(self.train_history)
+            batches_done = resume.batches_done
+            self.epoch_loss_sum = torch.tensor(resume.loss_sum, device=self.device)
         else:
-            if num_batches is None:  # a loader without len: its last batch is known only now
-                self._step_pending_gradients()
-        bar.close()
-        if batches_done == 0:
-            raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
+            self._epoch_report.start(self.train_history)
+            self.strategy.on_epoch_begin(state.epoch, self.train_loader)
+            self.callbacks_handler.on_epoch_begin()
+            batches_done = self._train_batches(num_iterations, resume)
+        self._step_point = MidEpochResume(batches_done, self.epoch_loss_sum.tolist(), None, None,
+                                          batches_trained=True, history_lengths=history_lengths(self.train_history))
         accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / batches_done, self._loss_names)
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
-        self._evaluate_at_epoch_end(accumulated)
+        self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
-        self.early_stop = self.strategy.any_process(self.early_stop)  # all ranks stop together
+        self._step_point = None
+        if self.strategy.is_main_process:
+            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
+        state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
+
+    def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> int:
+        """``_run_batch`` for each batch of the epoch (after ``resume``'s); returns the batches trained in all."""
+        state = self.state
+        num_batches = loader_length(self.train_loader)
+        batches, self._batches_done = self._epoch_batches(resume)
+        self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
+        self._mark_step_point()
+        bar = ProgressBar(num_batches, f"Epoch {state.epoch}", enabled=self.show_progress)
+        with contextlib.closing(bar):
+            for state.iteration, batch_data in batches:
+                iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
+                step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
+                    or (state.iteration + 1) % state.grad_accumulation == 0
+                self._run_batch(batch_data, step_due)
+                bar.update(self._running_loss_postfix)
+                if iteration_limit_hit or (state.early_stop and self.strategy.stops_mid_epoch):
+                    break
+            else:
+                if num_batches is None:  # a loader without len: its last batch is known only now
+                    self._step_pending_gradients()
+            if self._batches_done == 0:
+                raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
+            # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
+            bar.set_postfix(loss_postfix(self.epoch_loss_sum / self._batches_done, self._loss_names))
+        return self._batches_done
+
+    def _running_loss_postfix(self) -> dict:
+        return {"loss": f"{self.epoch_loss_sum.mean().item() / self._batches_done:.4f}"}
 
     def _epoch_batches(self, resume: Optional[MidEpochResume]):
         """``(index, batch)`` pairs of this epoch and the number already done (non-zero after a resume)."""
@@ -404,25 +486,55 @@ class TrainLoop(EvaluationMethods):
         restore_rng_state(resume.rng, self.train_loader)
         return batches, resume.batches_done
 
-    def _run_batch(self, batch_data: Any, force_optimizer_step: bool) -> torch.Tensor:
-        """Forward and backward of one batch; on update iterations also the optimizer step. Returns the loss
-        (one value per loss name for a MultiLoss)."""
-        self.total_iteration_idx += 1
-        self.optimizer_step_due = force_optimizer_step or (self.iteration + 1) % self.grad_accumulation == 0
+    def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
+        """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also the
+        optimizer step."""
+        state = self.state
+        state.total_iteration_idx += 1
+        state.optimizer_step_due = optimizer_step
         self.callbacks_handler.on_batch_begin()
-        with self.strategy.skip_gradient_sync(accumulating=not self.optimizer_step_due):
-            with self.precision.autocast():
-                loss = self.model_runner.get_loss(batch_data, self.criterion, self.device)
+        with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
+            with self._precision.autocast():
+                loss = self._model_runner.get_loss(batch_data, self.criterion, self.device)
             validation.check_loss(loss, "get_loss")
             self.last_batch_loss = detached_values(loss)
             self._loss_names = loss_names(loss)
+            self.epoch_loss_sum = self.epoch_loss_sum + self.last_batch_loss
+            self._batches_done += 1
             if self._loss_names is not None and self.num_optimizers > 1:
                 self._backward_and_step_per_optimizer(loss)
             else:
                 self._backward_and_step(loss)
-        self.optimizer_step_due = False
+        if optimizer_step:
+            self._mark_step_point()
+        state.optimizer_step_due = False
         self.callbacks_handler.on_batch_end()
-        return self.last_batch_loss
+
+    # --- continuing after an exception -------------------------------------------------------------------
+    def _mark_step_point(self) -> None:
+        """Remember the last optimizer step of the epoch: an exception continues from there."""
+        self._step_point = MidEpochResume(self._batches_done, self.epoch_loss_sum, None, None,
+                                          total_iteration_idx=self.state.total_iteration_idx)
+
+    def _interruption_point(self) -> Optional[MidEpochResume]:
+        """Where the next ``fit`` continues after an exception: the interrupted epoch's last optimizer step (the
+        batches of a partly accumulated window are trained again) or, stopped in the epoch's end, that end."""
+        point = self._step_point
+        if point is None:
+            return None
+        if not point.batches_trained:
+            point.loss_sum = point.loss_sum.tolist()
+            point.epoch_start_rng = self.epoch_start_rng_state
+            point.rng = capture_rng_state(self.train_loader)
+            self.state.total_iteration_idx = point.total_iteration_idx
+        return point
+
+    def _take_interruption_point(self) -> Optional[MidEpochResume]:
+        point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
+        if point is not None and self.strategy.is_main_process:
+            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.state.epoch,
+                        point.batches_done)
+        return point
 
     def _backward_and_step(self, loss: Union[torch.Tensor, MultiLoss]) -> None:
         """Backward pass of the loss (of the sum of a MultiLoss's losses), then, on update iterations, every
@@ -475,13 +587,17 @@ class TrainLoop(EvaluationMethods):
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
         self.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
+        self._mark_step_point()
         self.callbacks_handler.on_after_optimizer_step()
         self.precision.zero_grad(optimizers)
 
-    def _step_pending_gradients(self) -> None:
-        """Step on gradients accumulated since the last update (the epoch ended inside a window)."""
-        if (self.iteration + 1) % self.grad_accumulation != 0:
-            self.strategy.sync_skipped_gradients()
-            self.optimizer_step_due = True
-            self._step_optimizers(self.optimizers)
-            self.optimizer_step_due = False
+    def _step_pending_gradients(self) -> bool:
+        """Step on gradients accumulated since the last update (the epoch ended inside a window); True if it did."""
+        state = self.state
+        if (state.iteration + 1) % state.grad_accumulation == 0:
+            return False
+        self.strategy.sync_skipped_gradients()
+        state.optimizer_step_due = True
+        self._step_optimizers(self.optimizers)
+        state.optimizer_step_due = False
+        return True

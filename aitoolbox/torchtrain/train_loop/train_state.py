@@ -66,12 +66,41 @@ def restore_rng_state(state: dict, loader: Any = None) -> None:
 
 @dataclasses.dataclass
 class MidEpochResume:
-    """Where a mid-epoch checkpoint stopped inside its epoch."""
+    """Where training stopped inside an epoch: a mid-epoch checkpoint, or an exception in ``fit``.
+
+    Attributes:
+        batches_done: batches of the epoch trained (their optimizer steps taken).
+        loss_sum: the sum of their losses (a list of sums for a MultiLoss).
+        epoch_start_rng: the RNG state at the start of the epoch (its data order is drawn again from it).
+        rng: the RNG state to continue with.
+        batches_trained: the epoch's batches were all trained and its end (evaluation, ``on_epoch_end``) was
+            interrupted: only the end is done again.
+        history_lengths: with ``batches_trained``, the length of each training-history list before the epoch's
+            end, so that what the interrupted end recorded is not recorded twice.
+        total_iteration_idx: the loop's ``total_iteration_idx`` at ``batches_done``.
+    """
 
     batches_done: int
-    loss_sum: float
-    epoch_start_rng: dict
-    rng: dict
+    loss_sum: Any
+    epoch_start_rng: Optional[dict]
+    rng: Optional[dict]
+    batches_trained: bool = False
+    history_lengths: Optional[Dict[str, int]] = None
+    total_iteration_idx: Optional[int] = None
+
+
+def history_lengths(history: Any) -> Dict[str, int]:
+    """The number of values of each metric of a training history."""
+    return {name: len(values) for name, values in history.items()}
+
+
+def truncate_history(history: Any, lengths: Dict[str, int]) -> None:
+    """Drop what was recorded in ``history`` after :func:`history_lengths` returned ``lengths``."""
+    for name in list(history):
+        if name not in lengths:
+            del history[name]
+        else:
+            del history[name][lengths[name]:]
 
 
 def weights_only_safe(value: Any) -> Any:
@@ -170,7 +199,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     if mid_epoch:
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
         # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
-        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.add(tl.last_batch_loss).tolist())
+        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.tolist())
     return checkpoint
 
 

@@ -1,0 +1,226 @@
+"""The loop's failure path, its set-up, its state object, its evaluation loaders and what a fit shows."""
+import ast
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import aitoolbox
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.torchtrain.train_loop.loop_state import LoopState
+from tests.helpers import (
+    MLP, assert_params_equal, classification_data, distinct_records, model_pair, seeded_loader,
+)
+
+PACKAGE_ROOT = pathlib.Path(aitoolbox.__file__).parent
+
+
+class RaiseOnce(AbstractCallback):
+    """Raises ``exception`` once, in hook ``hook`` at the given epoch and iteration; records on_exception."""
+
+    def __init__(self, exception: BaseException, hook: str = "on_batch_end", epoch: int = 1, iteration: int = 2):
+        super().__init__("raise once")
+        self.exception, self.hook, self.epoch, self.iteration = exception, hook, epoch, iteration
+        self.raised = False
+        self.seen = []
+
+    def _maybe_raise(self, hook: str) -> None:
+        tl = self.train_loop_obj
+        at_place = tl.epoch == self.epoch and (hook == "on_epoch_end" or tl.iteration == self.iteration)
+        if hook == self.hook and at_place and not self.raised:
+            self.raised = True
+            raise self.exception
+
+    def on_batch_end(self):
+        self._maybe_raise("on_batch_end")
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self._maybe_raise("on_after_gradient_update")
+
+    def on_epoch_end(self):
+        self._maybe_raise("on_epoch_end")
+
+    def on_exception(self, exception):
+        self.seen.append(exception)
+
+
+def make_loop(model, grad_accumulation_data=40, **kwargs):
+    data = classification_data(grad_accumulation_data)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return TrainLoop(model, seeded_loader(data, 8), seeded_loader(classification_data(16, seed=3), 8), None,
+                     optimizer, nn.CrossEntropyLoss(), end_auto_eval=kwargs.pop("end_auto_eval", True),
+                     show_progress=kwargs.pop("show_progress", False), **kwargs)
+
+
+# --- 3. an exception in fit, and fit again -------------------------------------------------------------
+@pytest.mark.parametrize("hook, exception, grad_accumulation", [
+    ("on_batch_end", RuntimeError("boom"), 1),
+    ("on_batch_end", KeyboardInterrupt(), 1),
+    ("on_after_gradient_update", RuntimeError("in the middle of a window"), 2),
+    ("on_epoch_end", KeyboardInterrupt(), 2),
+])
+def test_fit_after_an_exception_continues_where_it_stopped(hook, exception, grad_accumulation):
+    # No dropout: the random state is not rewound to the last optimizer step, the data order and the
+    # arithmetic are; so without randomness in the model the continued run equals an uninterrupted one bitwise.
+    model, reference_model = model_pair(MLP, dropout=0.0)
+    torch.manual_seed(0)
+    reference = make_loop(reference_model)
+    reference.fit(num_epochs=3, grad_accumulation=grad_accumulation)
+
+    torch.manual_seed(0)
+    raiser = RaiseOnce(exception, hook=hook, epoch=1, iteration=2)
+    tl = make_loop(model)
+    with pytest.raises(type(exception)):
+        tl.fit(num_epochs=3, callbacks=[raiser], grad_accumulation=grad_accumulation)
+    assert raiser.seen == [exception]  # on_exception ran once, with the exception itself
+    assert tl.epochs_completed == 1
+    tl.fit(num_epochs=3, grad_accumulation=grad_accumulation)
+
+    assert_params_equal(tl.model, reference.model)
+    assert tl.iterations_done == reference.iterations_done == 15
+    assert dict(tl.train_history) == dict(reference.train_history)  # nothing recorded twice
+
+
+def test_exception_closes_the_progress_bar_and_propagates_unchanged():
+    import tqdm as tqdm_module
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, show_progress=True)
+    error = ValueError("a batch failed")
+    with pytest.raises(ValueError) as raised:
+        tl.fit(num_epochs=2, callbacks=[RaiseOnce(error, epoch=0, iteration=1)])
+    assert raised.value is error
+    open_bars = [bar for bar in list(tqdm_module.tqdm._instances) if not bar.disable]
+    assert open_bars == []
+
+
+# --- 4. getters without side effects --------------------------------------------------------------------
+def test_reading_precision_or_model_runner_before_set_up_changes_nothing():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, use_amp={"opt_level": "O2"})
+    with pytest.raises(RuntimeError, match="when fit"):
+        tl.precision
+    with pytest.raises(RuntimeError, match="when fit"):
+        tl.model_runner
+    assert all(param.dtype == torch.float32 for param in model.parameters())  # amp.initialize did not run
+    tl.set_up()
+    assert tl.precision is tl.precision and tl.model_runner is model
+    assert model.fc1.weight.dtype == torch.bfloat16  # O2 casts the model, once set up
+
+
+def test_evaluation_sets_up_the_model():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model)
+    assert float(tl.evaluate_loss_on_validation_set()) > 0
+    assert tl.model_runner is model
+
+
+# --- 6. evaluation loaders replaced -------------------------------------------------------------------
+def test_a_replaced_evaluation_loader_is_used():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model)
+    first = float(tl.evaluate_loss_on_validation_set())
+    other = seeded_loader(classification_data(24, seed=99), 8)
+    tl.validation_loader = other  # same iteration: a cached result must not be returned for the new loader
+    second = float(tl.evaluate_loss_on_validation_set())
+    assert second != first
+    assert second == float(tl.evaluate_model_loss(other))
+
+
+# --- 7. the loop state ---------------------------------------------------------------------------------
+def test_loop_state_round_trip_and_attribute_views():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model)
+    tl.fit(num_epochs=2)
+    assert tl.state.state_dict() == {"epoch": 1, "epochs_completed": 2, "iteration": 4, "total_iteration_idx": 9}
+    tl.iteration = 3
+    assert tl.state.iteration == 3
+    fresh = LoopState()
+    fresh.load_state_dict(tl.state.state_dict())
+    assert fresh.state_dict() == tl.state.state_dict() and fresh.iterations_done == 10
+    with pytest.raises(ValueError, match="unknown loop counter"):
+        fresh.load_state_dict({"epoch": 1, "batch": 2})
+
+
+# --- 8. no import cycles -------------------------------------------------------------------------------
+def imported_modules(folder: pathlib.Path):
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                yield path.name, node.module
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield path.name, alias.name
+
+
+@pytest.mark.parametrize("folder, forbidden", [
+    ("torchtrain/distributed", "aitoolbox.torchtrain.train_loop"),
+    ("torchtrain/precision", "aitoolbox.torchtrain.amp"),
+    ("torchtrain/precision", "aitoolbox.torchtrain.train_loop"),
+])
+def test_lower_layers_do_not_import_higher_ones(folder, forbidden):
+    offending = [(name, module) for name, module in imported_modules(PACKAGE_ROOT / folder)
+                 if module == forbidden or module.startswith(forbidden + ".")]
+    assert offending == []
+
+
+# --- 11. the bar's last loss ---------------------------------------------------------------------------
+def test_progress_bar_ends_each_epoch_with_its_accumulated_loss(capsys):
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, show_progress=True, end_auto_eval=False)
+    tl.fit(num_epochs=2)
+    output = capsys.readouterr().err
+    for epoch, accumulated in enumerate(tl.train_history["accumulated_loss"]):
+        segment = output.split(f"Epoch {epoch}")[-1].split("Epoch ")[0]
+        shown = re.findall(r"loss=([0-9.]+)", segment)
+        assert shown and shown[-1] == f"{accumulated:.4f}"
+
+
+# --- 12. one line per epoch --------------------------------------------------------------------------------
+class RecordAccuracy(AbstractCallback):
+    def __init__(self):
+        super().__init__("accuracy")
+
+    def on_epoch_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("val_Accuracy", 0.972222)
+
+
+def test_epoch_line_in_keras_style(caplog):
+    model, _ = model_pair(MLP)
+    tl = make_loop(model)
+    with caplog.at_level(logging.INFO):
+        tl.fit(num_epochs=2, callbacks=[RecordAccuracy()])
+    lines = [record.getMessage() for record in distinct_records(caplog) if record.name == "aitoolbox.epochs"]
+    assert len(lines) == 2
+    history = tl.train_history
+    pattern = (r"Epoch 2/2 - \d+\.\ds - accumulated_loss {acc} - loss {loss} - val_loss {val} - val_Accuracy 0\.9722$"
+               .format(acc=re.escape(f"{history['accumulated_loss'][1]:.4g}"),
+                       loss=re.escape(f"{history['loss'][1]:.4g}"), val=re.escape(f"{history['val_loss'][1]:.4g}")))
+    assert re.match(pattern, lines[1]), lines[1]
+    assert lines[0].startswith("Epoch 1/2 - ")
+
+
+def test_epoch_line_is_printed_without_any_logging_set_up(tmp_path):
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from aitoolbox.torchtrain.train_loop import TrainLoop
+        from tests.helpers import MLP, classification_data, seeded_loader
+        torch.manual_seed(0)
+        model = MLP()
+        tl = TrainLoop(model, seeded_loader(classification_data(16), 8), None, None,
+                       torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), show_progress=False)
+        tl.fit(num_epochs=2)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=str(PACKAGE_ROOT.parent))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("Epoch ")]
+    assert [line.split(" - ")[0] for line in lines] == ["Epoch 1/2", "Epoch 2/2"]
+    assert all(" - accumulated_loss " in line and " - loss " in line for line in lines)
