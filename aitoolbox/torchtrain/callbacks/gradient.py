@@ -180,6 +180,9 @@ class GradientStatsPrint(AbstractCallback):
     def on_epoch_end(self) -> None:
         self.gradients_report(self._grads.at_epoch_end(self.train_loop_obj.model))
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._grads.grads = None  # the gradient tensors (GPU memory) of a stopped fit
+
     def gradients_report(self, gradients: Optional[List[Optional[torch.Tensor]]] = None) -> None:
         """Print the statistics of ``gradients`` (by default the layers' current gradients)."""
         if not self.train_loop_obj.is_main_process:
@@ -253,6 +256,9 @@ class GradDistributionPlot(AbstractExperimentCallback):
     def on_epoch_end(self) -> None:
         if self.is_main_process:
             self.gradient_plot()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._grads.grads = None  # the gradient tensors (GPU memory) of a stopped fit
 
     def prepare_results_saver(self) -> None:
         """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the plots stay local."""

@@ -67,8 +67,8 @@ class ModelPerformanceEvaluation(AbstractCallback):
 
     Args:
         result_package: the metrics to compute, e.g. ``ClassificationResultPackage()``.
-        args: the experiment's hyperparameters (a dict, an ``argparse.Namespace`` or None), handed to the
-            result packages (as a copy).
+        args: the experiment's hyperparameters (a dict, an ``argparse.Namespace``, or None for none), handed
+            to the result packages (as a copy; None as ``{}``). Optional, unlike in aitoolbox 1.x.
         on_each_epoch: evaluate at epoch ends (True) or only at the end of training (False).
         on_train_data: evaluate on the training set.
         on_val_data: evaluate on the validation set.
@@ -84,7 +84,7 @@ class ModelPerformanceEvaluation(AbstractCallback):
             set without a loader.
     """
 
-    def __init__(self, result_package: AbstractResultPackage, args: Any, on_each_epoch: bool = True,
+    def __init__(self, result_package: AbstractResultPackage, args: Any = None, on_each_epoch: bool = True,
                  on_train_data: bool = False, on_val_data: bool = True, eval_frequency: Optional[int] = None,
                  if_available_output_to_project_dir: bool = True, on_test_data: bool = False,
                  execution_order: int = 0):
@@ -158,6 +158,12 @@ class ModelPerformanceEvaluation(AbstractCallback):
 
     def on_train_end(self) -> None:
         self.evaluate_model_performance(prefix=TRAIN_END_PREFIX)
+
+    def on_exception(self, exception: BaseException) -> None:
+        # An evaluation cut short leaves partial updates in torchmetrics metrics: the next fit starts afresh.
+        for package in self._packages():
+            if _is_streaming_package(package):
+                package.metric_reset()
 
     def evaluate_model_performance(self, prefix: str = "") -> None:
         """Evaluate on every chosen data set now and append the results to the training history.

@@ -1,9 +1,10 @@
 """Tensorboard callbacks: the training batch loss, the training history metrics, learning rates and histograms.
 
 Each callback writes with its own ``torch.utils.tensorboard.SummaryWriter``, created at the start of training
-in the main process only and closed at its end. By default the event files go into the experiment folder's
-``tensorboard/`` sub-folder (see :class:`~aitoolbox.torchtrain.callbacks.experiment.AbstractExperimentCallback`);
-``log_dir`` chooses another place. The tensorboard package is imported only when a callback is registered,
+in the main process only and closed at its end, or when ``fit`` stops on an exception (the next ``fit`` opens
+a new one). By default the event files go into the experiment folder's ``tensorboard/`` sub-folder (see
+:class:`~aitoolbox.torchtrain.callbacks.experiment.AbstractExperimentCallback`); ``log_dir`` chooses another
+place. The tensorboard package is imported only when a callback is registered,
 so ``import aitoolbox`` works without it.
 
 Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
@@ -150,9 +151,17 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
             self.tb_writer.flush()
 
     def on_train_end(self) -> None:
-        if self.tb_writer is not None:
-            self.tb_writer.close()
-            self.tb_writer = None
+        self.close_writer()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Write out what was logged and close the writer; a later ``fit`` opens a new one (a new event file)."""
+        self.close_writer()
+
+    def close_writer(self) -> None:
+        """Flush and close the SummaryWriter (and its writer thread), if one is open."""
+        writer, self.tb_writer = self.tb_writer, None
+        if writer is not None:
+            writer.close()  # flushes first
 
     # --- the logging routines --------------------------------------------------------------------------
     def reset_epoch_loss(self) -> None:
@@ -347,6 +356,10 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
     def on_epoch_begin(self) -> None:
         self.reset_epoch_loss()
         self._last_step_grads = {}
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._last_step_grads = {}  # gradient tensors (GPU memory) a stopped fit no longer needs
+        super().on_exception(exception)
 
     def on_batch_end(self) -> None:
         if self.log_batch_loss(self.batch_log_frequency) and self.log_learning_rates:

@@ -174,6 +174,24 @@ def test_gradient_stats_print_on_every_gradient_update(make_model, make_loader, 
         GradientStatsPrint([tl.model.out])
 
 
+def test_gradient_callbacks_let_go_of_the_kept_gradients_on_exception(make_model, make_loader, tmp_path):
+    pytest.importorskip("matplotlib")
+
+    def layers(model):
+        return [model.out]
+
+    callbacks = [GradientStatsPrint(layers),
+                 GradDistributionPlot(layers, project_name="proj", experiment_name="exp",
+                                      local_model_result_folder_path=str(tmp_path))]
+    tl = train_with_trainloop(make_model(), make_loader(num_samples=8), [], num_epochs=1)
+    tl.callbacks_handler.register_callbacks(callbacks)
+    for callback in callbacks:
+        callback.on_after_optimizer_step()  # as after a step: references to the layers' gradients
+    assert all(callback._grads.grads is not None for callback in callbacks)
+    tl.callbacks_handler.on_exception(RuntimeError("stopped"))
+    assert [callback._grads.grads for callback in callbacks] == [None, None]
+
+
 # --- GradDistributionPlot -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("file_format", ["png", "pdf"])
 def test_grad_distribution_plot_files(make_model, make_loader, tmp_path, file_format):

@@ -266,6 +266,14 @@ def test_streaming_metric_packages_are_moved_to_the_device_and_reset_every_epoch
         assert package.metric.resets == 3  # also in epochs without an evaluation
 
 
+def test_on_exception_resets_streaming_metrics_for_the_next_fit():
+    tl = make_train_loop()
+    evaluation = ModelPerformanceEvaluation(StreamingPackage(), on_train_data=True)
+    tl.callbacks_handler.register_callbacks([evaluation])
+    tl.callbacks_handler.on_exception(KeyboardInterrupt())  # e.g. stopped inside an evaluation pass
+    assert [package.metric.resets for package in (evaluation.result_package, evaluation.train_result_package)] == [1, 1]
+
+
 def test_packages_learn_the_experiment_folder_of_a_tracking_loop(tmp_path):
     class FolderPackage(ClassificationResultPackage):
         def set_experiment_dir_path_for_additional_results(self, project_name, experiment_name, experiment_timestamp,
@@ -303,6 +311,22 @@ def test_args_are_copied_and_namespace_accepted():
     namespace = ModelPerformanceEvaluation(ClassificationResultPackage(), argparse.Namespace(lr=0.1, epochs=3))
     assert namespace.args == {"lr": 0.1, "epochs": 3}
     assert ModelPerformanceEvaluation(ClassificationResultPackage(), None).args == {}
+
+
+def test_args_are_optional_and_the_packages_get_an_empty_dict():
+    hyperparameters_seen = []
+
+    class Probe(ClassificationResultPackage):
+        def prepare_result_package(self, y_true, y_predicted, hyperparameters=None, **kwargs):
+            hyperparameters_seen.append(hyperparameters)
+            return super().prepare_result_package(y_true, y_predicted, hyperparameters=hyperparameters, **kwargs)
+
+    evaluation = ModelPerformanceEvaluation(Probe())
+    assert evaluation.args == {}
+    tl = make_train_loop()
+    tl.fit(num_epochs=1, callbacks=[evaluation])
+    assert hyperparameters_seen == [{}, {}]  # the epoch end and the end of training
+    assert len(tl.train_history["val_Accuracy"]) == 1 and len(tl.train_history["train_end_val_Accuracy"]) == 1
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

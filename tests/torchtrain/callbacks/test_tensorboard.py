@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -171,6 +172,34 @@ def test_writer_is_closed_at_train_end_and_a_second_fit_appends(tmp_path):
     assert callback.tb_writer is None
     tl.fit(num_epochs=3)
     assert [step for step, _ in scalars(read_events(tmp_path), "loss/loss")] == [0, 1, 2]
+
+
+def test_on_exception_flushes_and_closes_the_writers_and_the_next_fit_opens_new_ones(tmp_path):
+    tl = make_train_loop()
+    threads_before = set(threading.enumerate())
+    callbacks = [TensorboardTrainHistoryMetric(metric_names=["loss"], log_dir=str(tmp_path / "history"),
+                                               is_project=False, flush_secs=3600),
+                 TensorboardFullTracking(log_dir=str(tmp_path / "full"), is_project=False, log_grad_histograms=True,
+                                         flush_secs=3600)]
+    tl.callbacks_handler.register_callbacks(callbacks)
+    tl.callbacks_handler.on_train_begin()  # as fit starts: the writers (and their writer threads) open
+    callbacks[0].tb_writer.add_scalar("loss/loss", 0.5, 0)
+    callbacks[1].tb_writer.add_scalar("train_loss/last_batch_loss", 0.25, 0)
+    callbacks[1]._last_step_grads = {"fc1.weight": torch.ones(2)}
+    assert set(threading.enumerate()) - threads_before  # something to close
+
+    tl.callbacks_handler.on_exception(KeyboardInterrupt())
+    assert [callback.tb_writer for callback in callbacks] == [None, None]
+    assert callbacks[1]._last_step_grads == {}
+    assert not set(threading.enumerate()) - threads_before
+    # Flushed, although flush_secs would have waited an hour.
+    assert scalars(read_events(tmp_path / "history"), "loss/loss") == [(0, 0.5)]
+    assert scalars(read_events(tmp_path / "full"), "train_loss/last_batch_loss") == [(0, 0.25)]
+
+    tl.fit(num_epochs=2)
+    assert sorted(step for step, _ in scalars(read_events(tmp_path / "history"), "loss/loss")) == [0, 0, 1]
+    assert len(os.listdir(tmp_path / "history")) == 2  # the second fit wrote a new event file
+    assert callbacks[1].tb_writer is None and not set(threading.enumerate()) - threads_before
 
 
 def test_nothing_is_written_outside_the_main_process(tmp_path):
