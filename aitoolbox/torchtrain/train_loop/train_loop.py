@@ -505,8 +505,6 @@ class TrainLoop(EvaluationMethods):
                 self._backward_and_step_per_optimizer(loss)
             else:
                 self._backward_and_step(loss)
-        if optimizer_step:
-            self._mark_step_point()
         state.optimizer_step_due = False
         self.callbacks_handler.on_batch_end()
 
@@ -539,13 +537,14 @@ class TrainLoop(EvaluationMethods):
     def _backward_and_step(self, loss: Union[torch.Tensor, MultiLoss]) -> None:
         """Backward pass of the loss (of the sum of a MultiLoss's losses), then, on update iterations, every
         optimizer's step."""
+        state = self.state
         if self._loss_names is not None:
             loss = sum(loss[name] for name in self._loss_names)
-        self.precision.backward(loss / self.grad_accumulation if self.grad_accumulation > 1 else loss,
-                                accumulating=not self.optimizer_step_due)
+        self._precision.backward(loss / state.grad_accumulation if state.grad_accumulation > 1 else loss,
+                                 accumulating=not state.optimizer_step_due)
         for optimizer_idx in range(self.num_optimizers):
             self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-        if self.optimizer_step_due:
+        if state.optimizer_step_due:
             self._step_optimizers(self.optimizers)
 
     def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
@@ -576,6 +575,7 @@ class TrainLoop(EvaluationMethods):
             if own_step:
                 self.optimizer.step(optimizer_idx, self.iteration, self.amp_scaler)
                 self.optimizer_step_skipped = self.precision.last_step_skipped
+                self._mark_step_point()
                 self.callbacks_handler.on_after_optimizer_step()
                 self.optimizer.zero_grad(optimizer_idx, self.iteration)
             else:
@@ -586,10 +586,10 @@ class TrainLoop(EvaluationMethods):
             self.optimizer_step_skipped = skipped
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
-        self.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
+        self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
         self._mark_step_point()
         self.callbacks_handler.on_after_optimizer_step()
-        self.precision.zero_grad(optimizers)
+        self._precision.zero_grad(optimizers)
 
     def _step_pending_gradients(self) -> bool:
         """Step on gradients accumulated since the last update (the epoch ended inside a window); True if it did."""
