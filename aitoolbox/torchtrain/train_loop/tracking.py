@@ -41,7 +41,7 @@ class _ExperimentTrainLoop(TrainLoop):
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
         if hyperparams is not None and not isinstance(hyperparams, dict):
-            raise TypeError(f"hyperparams must be a dict, got {type(hyperparams).__name__}")
+            raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
         self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
         self.project_name = project_name
         self.experiment_name = experiment_name
@@ -67,7 +67,8 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         project_name: project folder under ``local_model_result_folder_path``.
         experiment_name: prefix of this run's folder.
         local_model_result_folder_path: root folder of all experiments.
-        hyperparams: saved with the experiment (copied, never modified).
+        hyperparams: saved with the experiment (copied, never modified); None (the default) saves an empty dict.
+            Optional, unlike in aitoolbox 1.x.
         cloud_save_mode: None or 'local'; files stay on the local disk.
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
@@ -77,8 +78,8 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
-                 hyperparams: Optional[dict], cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, source_dirs=(),
+                 hyperparams: Optional[dict] = None, cloud_save_mode: Optional[str] = None,
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
                  iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
@@ -102,7 +103,7 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
-                 hyperparams: Optional[dict], val_result_package: Optional[AbstractResultPackage] = None,
+                 hyperparams: Optional[dict] = None, val_result_package: Optional[AbstractResultPackage] = None,
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
@@ -120,7 +121,7 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
-                 hyperparams: Optional[dict], val_result_package: Optional[AbstractResultPackage] = None,
+                 hyperparams: Optional[dict] = None, val_result_package: Optional[AbstractResultPackage] = None,
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,

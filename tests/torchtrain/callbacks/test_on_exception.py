@@ -19,8 +19,10 @@ from torch.utils.data import DataLoader
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 from aitoolbox.experiment.local_save.checkpoints import list_checkpoints, load_checkpoint_file
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
-from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardTrainBatchLoss
+from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import MLP, classification_data, single_torch_thread
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
@@ -148,3 +150,73 @@ def test_on_exception_without_a_save_in_flight_does_nothing_harmful(tmp_path):
     assert not os.path.exists(tmp_path / "proj") and saver_threads() == []
     tl.fit(num_epochs=1)
     assert epochs_on_disk(checkpoint_folder(tmp_path)) == [0]
+
+
+# --- through fit --------------------------------------------------------------------------------------------------
+class RaiseAfterIterationCheckpoint(AbstractCallback):
+    """Raises ``exception`` at the end of ``at_iteration`` (counted over the run), right after the iteration
+    checkpoint callback (order 100) has started that batch's save."""
+
+    def __init__(self, exception: BaseException, at_iteration: int):
+        super().__init__("raise after a checkpoint", execution_order=101)
+        self.exception, self.at_iteration = exception, at_iteration
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.at_iteration:
+            raise self.exception
+
+
+class FailingBatchMLP(MLP):
+    """An MLP whose ``fail_at``-th loss computation (counted from 1) raises."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at, self.losses = fail_at, 0
+
+    def get_loss(self, batch_data, criterion, device):
+        self.losses += 1
+        if self.losses == self.fail_at:
+            raise ValueError("this batch cannot be computed")
+        return super().get_loss(batch_data, criterion, device)
+
+
+def tracked_loop(tmp_path, model) -> TrainLoopCheckpoint:
+    """Checkpoints every epoch and every 2 iterations (5 batches an epoch), written in the background."""
+    torch.manual_seed(0)
+    return TrainLoopCheckpoint(model, DataLoader(classification_data(20), batch_size=4), None, None,
+                               torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+                               "proj", "exp", str(tmp_path), iteration_save_freq=2, background_save=True,
+                               end_auto_eval=False, show_progress=False)
+
+
+@pytest.mark.parametrize("failure", ["callback RuntimeError", "callback KeyboardInterrupt", "batch ValueError"])
+def test_a_fit_stopped_mid_epoch_leaves_complete_checkpoints_closed_writers_and_no_threads(tmp_path, failure):
+    pytest.importorskip("tensorboard")
+    threads_before = set(threading.enumerate())
+    if failure == "batch ValueError":
+        model, callbacks, expected = FailingBatchMLP(fail_at=8), [], ValueError  # the 3rd batch of epoch 1
+    else:
+        exception = RuntimeError("a callback failed") if "Runtime" in failure else KeyboardInterrupt()
+        model, callbacks, expected = MLP(), [RaiseAfterIterationCheckpoint(exception, at_iteration=7)], type(exception)
+    tl = tracked_loop(tmp_path, model)
+    tensorboard = TensorboardTrainBatchLoss()
+    with pytest.raises(expected):
+        tl.fit(num_epochs=3, callbacks=callbacks + [tensorboard])
+
+    assert tensorboard.tb_writer is None
+    assert set(threading.enumerate()) <= threads_before  # writer thread, write-behind and tensorboard threads
+    folder = tl.experiment_folder.checkpoint_dir
+    names = os.listdir(folder)
+    assert not [name for name in names if name.startswith(TEMP_PREFIX)]
+    on_disk = {name: load_checkpoint_file(os.path.join(folder, name)) for name in names}  # each one complete
+    assert len(on_disk) >= 2 and "_E0.pth" in "".join(names)
+    newest = load_checkpoint_file(tl.experiment_folder.path)  # what a resume would load
+    if failure != "batch ValueError":  # the save of the batch that raised right after it is complete too
+        assert newest["iteration_idx"] == 7
+
+    # The next fit continues, checkpoints and ends without threads.
+    callbacks_before = list(tl.callbacks)
+    tl.fit(num_epochs=3)
+    assert tl.callbacks == callbacks_before and tl.epochs_completed == 3
+    assert load_checkpoint_file(tl.experiment_folder.path)["epoch"] == 2
+    assert set(threading.enumerate()) <= threads_before

@@ -251,8 +251,23 @@ def test_a_folder_that_cannot_be_created_fails_at_construction_with_its_path(tmp
         TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(blocker / "results"), {})
 
 
+@pytest.mark.parametrize("preset", [TrainLoopCheckpoint, TrainLoopEndSave, TrainLoopCheckpointEndSave])
+def test_hyperparams_are_optional(tmp_path, preset):
+    """Without hyperparams (unlike aitoolbox 1.x) a preset trains and saves as with an empty dict."""
+    tl = preset(*preset_arguments(), "proj", "exp", str(tmp_path), show_progress=False)
+    assert tl.hyperparams == {}
+    tl.fit(num_epochs=1)
+    folder = tl.experiment_folder.path
+    assert json.loads(open(os.path.join(folder, "hyperparams.json")).read()) == {}
+    assert os.path.isfile(os.path.join(folder, "hyperparams_list.txt"))
+    saved = [os.path.join(folder, path) for path in run_folder_files(tl) if path.endswith(".pth")]
+    assert saved and all(torch.load(path, weights_only=True)["hyperparams"] == {} for path in saved)
+    if preset is not TrainLoopCheckpoint:
+        assert os.path.isfile(os.path.join(folder, "results", "results.json"))
+
+
 def test_bad_hyperparams_are_refused():
-    with pytest.raises(TypeError, match="hyperparams must be a dict, got list"):
+    with pytest.raises(TypeError, match="hyperparams must be a dict or None, got list"):
         TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", "/tmp/unused", [("lr", 0.1)])
 
 
