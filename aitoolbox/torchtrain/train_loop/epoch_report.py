@@ -1,47 +1,19 @@
 """One line per epoch, as Keras prints it: ``Epoch 3/10 - 2.1s - accumulated_loss 0.4123 - val_loss 0.4512``.
 
 The line lists every metric the epoch recorded in the training history (the accumulated and evaluated losses,
-and the metrics of performance callbacks), each to four significant digits. It goes to the logger
-``aitoolbox.epochs`` at INFO. Where the application has configured no logging (a plain script, a notebook),
-the line is printed to stdout anyway, above any progress bar; where it has, the line goes to the root logger's
-handlers like any record, and respects the root logger's level. Silence it with
+and the metrics of performance callbacks), each to four significant digits. It is logged at INFO on the
+``aitoolbox.epochs`` logger, so it shows wherever the package's messages show: by default (an application
+that has not configured logging) printed above the progress bars; silence it alone with
 ``logging.getLogger('aitoolbox.epochs').setLevel(logging.WARNING)``.
 """
 import logging
 import numbers
-import sys
 import time
 from typing import Any, Dict, Mapping
 
 import torch
-from tqdm.auto import tqdm
 
-EPOCH_LOGGER_NAME = "aitoolbox.epochs"
-
-
-class _EpochLineHandler(logging.Handler):
-    """Shows epoch lines whether or not the application configured logging, and never twice."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        root = logging.getLogger()
-        if root.handlers:  # the application's logging setup decides
-            if record.levelno >= root.getEffectiveLevel():
-                root.handle(record)
-            return
-        try:
-            tqdm.write(self.format(record), file=sys.stdout)  # tqdm.write keeps an open bar intact
-        except Exception:  # a broken stdout must not stop training
-            self.handleError(record)
-
-
-def _epoch_logger() -> logging.Logger:
-    epoch_logger = logging.getLogger(EPOCH_LOGGER_NAME)
-    if not any(isinstance(handler, _EpochLineHandler) for handler in epoch_logger.handlers):
-        epoch_logger.addHandler(_EpochLineHandler())
-        epoch_logger.propagate = False  # the handler forwards to the application's handlers itself
-        if epoch_logger.level == logging.NOTSET:
-            epoch_logger.setLevel(logging.INFO)
-    return epoch_logger
+logger = logging.getLogger("aitoolbox.epochs")
 
 
 def format_value(value: Any) -> str:
@@ -77,6 +49,5 @@ class EpochReport:
 
     def log(self, epoch: int, num_epochs: int, history: Mapping[str, list]) -> None:
         """Log :meth:`line` at INFO on the ``aitoolbox.epochs`` logger."""
-        epoch_logger = _epoch_logger()
-        if epoch_logger.isEnabledFor(logging.INFO):
-            epoch_logger.info("%s", self.line(epoch, num_epochs, history))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s", self.line(epoch, num_epochs, history))

@@ -191,7 +191,8 @@ class RecordAccuracy(AbstractCallback):
         self.train_loop_obj.insert_metric_result_into_history("val_Accuracy", 0.972222)
 
 
-def test_epoch_line_in_keras_style(caplog):
+def test_epoch_line_in_keras_style(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger keeps to itself
     model, _ = model_pair(MLP)
     tl = make_loop(model)
     with caplog.at_level(logging.INFO):
@@ -206,7 +207,7 @@ def test_epoch_line_in_keras_style(caplog):
     assert lines[0].startswith("Epoch 1/2 - ")
 
 
-def test_epoch_line_is_printed_without_any_logging_set_up(tmp_path):
+def test_epoch_line_is_shown_without_any_logging_set_up():
     script = textwrap.dedent("""
         import torch
         from torch import nn
@@ -221,6 +222,6 @@ def test_epoch_line_is_printed_without_any_logging_set_up(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             cwd=str(PACKAGE_ROOT.parent))
     assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("Epoch ")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Epoch ")]
     assert [line.split(" - ")[0] for line in lines] == ["Epoch 1/2", "Epoch 2/2"]
     assert all(" - accumulated_loss " in line and " - loss " in line for line in lines)
