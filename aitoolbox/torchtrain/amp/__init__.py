@@ -6,6 +6,8 @@ Differences from apex, all deliberate:
 * the low-precision dtype is bfloat16 on CPUs and float16 on CUDA GPUs (``dtype=`` chooses);
 * O1 runs the model's forward under ``torch.autocast`` (a forward hook) instead of patching torch
   functions, and returns float32 outputs so a loss computed outside the model runs in float32;
+* O1 and O2 do no loss scaling with bfloat16 unless ``loss_scale`` is given (bfloat16 has float32's
+  exponent range); ``amp.state_dict()`` then reports a static scale of 1.0;
 * O2 master weights are part of ``amp.state_dict()``, so resuming is bitwise exact;
 * nothing is patched: a prepared model survives ``copy.deepcopy`` and pickling, and the state of each
   ``initialize`` call is its own object, found again from the optimizer.
@@ -78,7 +80,8 @@ def initialize(models: ModelArg, optimizers: OptimizerArg = None, enabled: bool 
         patch_torch_functions: override: run the forward under autocast (O1 only).
         keep_batchnorm_fp32: override: True/False/'True'/'False' - keep BatchNorm float32 in a cast model.
         master_weights: override: float32 master weights in the optimizer.
-        loss_scale: override: ``'dynamic'`` or a number.
+        loss_scale: override: ``'dynamic'`` or a number. Default: the opt level's, except that O1 and O2
+            scale only when they compute in float16 (no scaling with bfloat16, unlike apex).
         cast_model_outputs: dtype of the model's floating outputs (default float32 when the model is cast
             or autocast).
         num_losses: the number of loss scalers, one per ``loss_id`` of :func:`scale_loss`.
@@ -100,9 +103,8 @@ def initialize(models: ModelArg, optimizers: OptimizerArg = None, enabled: bool 
     state = AmpState(properties, model_list, optimizer_list, num_losses, min_loss_scale, max_loss_scale, enabled)
     _registry.register(state)
     if enabled and verbosity > 0:
-        logger.info("amp: %s on %s, low-precision dtype %s, loss scale %s",
-                                         opt_level, device_type, properties.low_precision_dtype,
-                                         properties.loss_scale)
+        logger.info("amp: %s on %s, low-precision dtype %s, loss scale %s", opt_level, device_type,
+                    properties.low_precision_dtype, properties.loss_scale if properties.uses_loss_scaling else "none")
     if optimizers is None:
         return models
     return models, optimizers

@@ -21,8 +21,9 @@ OPT_LEVELS = {
 }
 OPT_LEVEL_DESCRIPTIONS = {
     "O0": "pure float32 training",
-    "O1": "mixed precision: forward under torch.autocast, float32 weights, dynamic loss scaling",
-    "O2": "almost low precision: model cast (BatchNorm kept float32), float32 master weights, dynamic loss scaling",
+    "O1": "mixed precision: forward under torch.autocast, float32 weights, dynamic loss scaling for float16",
+    "O2": "almost low precision: model cast (BatchNorm kept float32), float32 master weights, dynamic loss scaling "
+          "for float16",
     "O3": "pure low precision training",
 }
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
@@ -38,7 +39,8 @@ class AmpProperties:
         patch_torch_functions: run the forward under ``torch.autocast`` (what apex did by patching torch).
         keep_batchnorm_fp32: keep affine BatchNorm layers in float32 when the model is cast.
         master_weights: the optimizer steps float32 copies of low-precision parameters.
-        loss_scale: ``'dynamic'`` or a float.
+        loss_scale: ``'dynamic'`` or a float; 1.0 is no scaling at all (bfloat16's default, see
+            :func:`resolve_properties`).
         low_precision_dtype: the dtype ``'half'`` stands for, and the autocast dtype.
         cast_model_outputs: dtype of the model's floating outputs, or None to leave them.
     """
@@ -54,6 +56,7 @@ class AmpProperties:
 
     @property
     def uses_loss_scaling(self) -> bool:
+        """False when the loss scale is a static 1.0: then no step scales, unscales or checks for overflow."""
         return self.loss_scale == "dynamic" or self.loss_scale != 1.0
 
 
@@ -96,6 +99,10 @@ def resolve_properties(device_type: str, opt_level: str = "O1", cast_model_type:
                        cast_model_outputs: Any = None, dtype: Optional[torch.dtype] = None) -> AmpProperties:
     """Start from the opt level's table row and apply every keyword that is not None, checking each.
 
+    One deliberate difference from apex's table: unless ``loss_scale`` is given, O1 and O2 scale the loss
+    only when they compute in float16 (the autocast type under O1, the model's type under O2). bfloat16 has
+    float32's exponent range, so its gradients do not underflow and scaling would only cost time.
+
     Raises:
         ValueError: unknown opt level, or an override that contradicts the level.
         TypeError: a dtype argument that is not a floating dtype.
@@ -131,6 +138,10 @@ def resolve_properties(device_type: str, opt_level: str = "O1", cast_model_type:
 
     low_precision = dtype or default_low_precision_dtype(device_type)
     model_type = low_precision if settings["cast_model_type"] == HALF else settings["cast_model_type"]
+    computes_in_float16 = model_type == torch.float16 or (settings["patch_torch_functions"]
+                                                           and low_precision == torch.float16)
+    if loss_scale is None and not computes_in_float16:
+        settings["loss_scale"] = 1.0  # bfloat16 (or float32) gradients do not underflow: no scaling work
     if cast_model_outputs == HALF:
         cast_model_outputs = low_precision
     if cast_model_outputs is None and (settings["patch_torch_functions"] or model_type in LOW_PRECISION_DTYPES):

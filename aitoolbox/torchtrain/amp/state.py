@@ -94,30 +94,34 @@ class AmpState:
 
     @property
     def needs_grad_processing(self) -> bool:
-        """False for O0/O3 with a static scale of 1.0: backward is all there is to do."""
+        """False without loss scaling and master weights (O0, O3, O1 in bfloat16): backward is all there is."""
         return self.enabled and (self.properties.uses_loss_scaling or self.master_weights is not None)
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: Sequence[torch.optim.Optimizer], loss_id: int = 0,
                    delay_unscale: bool = False):
-        """apex's ``scale_loss``: yield the scaled loss; on exit unscale into the stepped params and check."""
+        """apex's ``scale_loss``: yield the scaled loss; on exit unscale into the stepped params and check.
+
+        Without loss scaling nothing is scaled, unscaled or checked: the block yields the float32 loss and, under
+        master weights, only moves the gradients into the float32 masters.
+        """
+        if self.enabled and not 0 <= loss_id < len(self.loss_scalers):
+            raise ValueError(f"loss_id={loss_id} is out of range: amp.initialize was called with "
+                             f"num_losses={len(self.loss_scalers)}")
         if not self.needs_grad_processing:
             yield loss.float()
             return
-        if not 0 <= loss_id < len(self.loss_scalers):
-            raise ValueError(f"loss_id={loss_id} is out of range: amp.initialize was called with "
-                             f"num_losses={len(self.loss_scalers)}")
-        scaler = self.loss_scalers[loss_id]
+        scaler = self.loss_scalers[loss_id] if self.properties.uses_loss_scaling else None
         pairs_by_optimizer = [optimizer_pairs(opt, self.master_weights) for opt in optimizers]
         # Gradients already unscaled by an earlier scale_loss must not be mixed with the new scaled ones:
         # set them aside and add them back after unscaling (gradient accumulation, several losses).
-        if not self._grads_left_scaled:
+        if scaler is not None and not self._grads_left_scaled:
             for pairs in pairs_by_optimizer:
                 for model_param, stepped in pairs:
                     if model_param is stepped and stepped.grad is not None:
                         self._stash[stepped] = stepped.grad
                         stepped.grad = None
-        yield scaler.scale(loss)
+        yield loss.float() if scaler is None else scaler.scale(loss)
         if delay_unscale:
             self._grads_left_scaled = True
             return
@@ -128,7 +132,7 @@ class AmpState:
         for param, grad in self._stash.items():
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         self._stash.clear()
-        if scaler.dynamic:
+        if scaler is not None and scaler.dynamic:
             scaler.update(found_inf)
             if found_inf:
                 logger.info("Gradient overflow: skipping the next optimizer step, loss scale reduced to %g",
@@ -172,6 +176,12 @@ class AmpState:
         if len(scaler_keys) != len(self.loss_scalers):
             logger.warning("the amp state dict holds %d loss scaler(s) but amp.initialize was called with "
                            "num_losses=%d; restoring the ones both have", len(scaler_keys), len(self.loss_scalers))
+        if not self.properties.uses_loss_scaling:
+            # e.g. a checkpoint of apex's dynamic scaling loaded into a bfloat16 run: the scalers stay at 1.0.
+            if any(state[key].get("loss_scale", 1.0) != 1.0 for key in scaler_keys):
+                logger.info("amp.load_state_dict: this run does no loss scaling (%s with %s); the saved loss scale "
+                            "is not used", self.properties.opt_level, self.properties.low_precision_dtype)
+            scaler_keys = []
         for key in scaler_keys:
             index = int(key[len("loss_scaler"):])
             if index < len(self.loss_scalers):

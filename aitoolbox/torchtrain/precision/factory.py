@@ -1,5 +1,5 @@
 """Build the Precision object for TrainLoop's ``use_amp`` argument."""
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -13,18 +13,20 @@ def default_low_precision_dtype(device_type: str) -> torch.dtype:
 
 
 def autocast_precision(device_type: str, dtype: Optional[torch.dtype] = None,
-                       loss_scale="dynamic", loss_scaler: Optional[LossScaler] = None) -> Precision:
+                       loss_scale: Union[str, float, None] = None,
+                       loss_scaler: Optional[LossScaler] = None) -> Precision:
     """Autocast in ``dtype`` (the device default when None), with loss scaling where the dtype needs it.
 
-    float16 has a narrow exponent range, so small gradients underflow without scaling; bfloat16 has
-    float32's range and is not scaled unless ``loss_scale`` is given as a number or a ``loss_scaler`` is given.
+    float16 has a narrow exponent range, so small gradients underflow without scaling: it gets dynamic
+    scaling by default. bfloat16 has float32's range and is not scaled (no scaling work at all) unless
+    ``loss_scale`` (``'dynamic'`` or a number) or a ``loss_scaler`` is given.
     """
     dtype = dtype or default_low_precision_dtype(device_type)
-    needs_scaling = dtype == torch.float16 or loss_scale not in ("dynamic", None)
-    scaler = LossScaler(loss_scale if loss_scale is not None else "dynamic") if needs_scaling else None
-    if loss_scaler is not None:
-        scaler = loss_scaler
-    return Precision(device_type, autocast_dtype=dtype, loss_scaler=scaler)
+    if loss_scaler is None and loss_scale is None and dtype == torch.float16:
+        loss_scale = "dynamic"
+    if loss_scaler is None and loss_scale is not None:
+        loss_scaler = LossScaler(loss_scale)
+    return Precision(device_type, autocast_dtype=dtype, loss_scaler=loss_scaler)
 
 
 def full_precision(device_type: str) -> Precision:

@@ -76,7 +76,8 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
     Args:
         use_amp: False for float32; True for autocast in the device's default low-precision dtype with
             dynamic loss scaling where the dtype needs it (or the configuration of a model the user already
-            passed through ``amp.initialize``); a dict of ``amp.initialize`` keyword arguments; or a dict of
+            passed through ``amp.initialize``); a dict of ``amp.initialize`` keyword arguments (with bfloat16
+            no loss scaling unless the dict has ``loss_scale``); or a dict of
             ``torch.amp.GradScaler`` arguments (aitoolbox 1.8): autocast with dynamic scaling set that way.
         model: the model being trained (on its device).
         optimizers: its optimizers.

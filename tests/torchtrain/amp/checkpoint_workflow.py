@@ -33,10 +33,13 @@ class CheckpointNet(nn.Module):
 
 
 def build(opt_level: str, num_losses: int):
+    """O1 and O2 ask for apex's dynamic scaling (bfloat16's default is none), so a changed scale is restored."""
     torch.manual_seed(0)
     model = CheckpointNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return amp.initialize(model, optimizer, opt_level=opt_level, num_losses=num_losses, verbosity=0)
+    loss_scale = "dynamic" if opt_level in ("O1", "O2") else None
+    return amp.initialize(model, optimizer, opt_level=opt_level, num_losses=num_losses, loss_scale=loss_scale,
+                          verbosity=0)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, num_losses: int, start: int, stop: int) -> None:

@@ -98,15 +98,15 @@ def test_o2_resume_needs_the_amp_state_in_either_load_order(tmp_path):
 
 
 # --- the state dict itself ---------------------------------------------------------------------------------
-def initialized(opt_level="O1", num_losses=1):
+def initialized(opt_level="O1", num_losses=1, **kwargs):
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return amp.initialize(model, optimizer, opt_level=opt_level, num_losses=num_losses, verbosity=0)
+    return amp.initialize(model, optimizer, opt_level=opt_level, num_losses=num_losses, verbosity=0, **kwargs)
 
 
 def test_state_dict_has_apex_keys_and_loads_with_weights_only(tmp_path):
-    model, optimizer = initialized("O1", num_losses=2)
+    model, optimizer = initialized("O1", num_losses=2, loss_scale="dynamic")
     state = amp.state_dict()
     assert state == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
                      "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0}}
@@ -124,7 +124,7 @@ def test_state_dict_has_apex_keys_and_loads_with_weights_only(tmp_path):
 
 
 def test_load_state_dict_restores_an_apex_checkpoint_entry():
-    model, optimizer = initialized("O1", num_losses=2)
+    model, optimizer = initialized("O1", num_losses=2, loss_scale="dynamic")
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 17},
                          "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3}})
     assert [s.state_dict() for s in amp.state_of(optimizer).loss_scalers] == [
@@ -139,7 +139,7 @@ def test_load_state_dict_rejects_a_key_that_is_not_a_loss_scaler():
 
 def test_load_state_dict_warns_on_a_loss_scaler_count_mismatch(caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger may not propagate
-    model, optimizer = initialized("O1", num_losses=1)
+    model, optimizer = initialized("O1", num_losses=1, loss_scale="dynamic")
     with caplog.at_level(logging.WARNING, logger="aitoolbox.torchtrain.amp"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 1},
                              "loss_scaler1": {"loss_scale": 8.0, "unskipped": 2}})
@@ -215,7 +215,8 @@ def test_seed_001_checkpoint_snippet_runs_on_cpu(tmp_path, monkeypatch):
 
     assert (tmp_path / "amp_checkpoint.pt").exists()
     assert not all(torch.equal(a, b) for a, b in zip(trained_one_step, model.parameters()))
-    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 2}}
+    # bfloat16 on the CPU: no loss scaling, reported in apex's format as a static scale of 1.0.
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}}
     model_ref = make_model()
     optimizer_ref = make_optimizer(model_ref)
     model_ref, optimizer_ref = amp.initialize(model_ref, optimizer_ref, opt_level="O1", verbosity=0)

@@ -240,7 +240,7 @@ def test_enabled_false_returns_inputs_untouched(opt_level):
 def test_each_initialize_call_keeps_its_own_state():
     (model_a,), (opt_a,) = models_and_optimizers(1)
     (model_b,), (opt_b,) = models_and_optimizers(1)
-    amp.initialize(model_a, opt_a, opt_level="O1", verbosity=0)
+    amp.initialize(model_a, opt_a, opt_level="O1", loss_scale="dynamic", verbosity=0)
     amp.initialize(model_b, opt_b, opt_level="O2", loss_scale=128.0, verbosity=0)
     state_a, state_b = amp.state_of(opt_a), amp.state_of(opt_b)
     assert state_a is not state_b and amp.state_of(model_a) is state_a

@@ -16,12 +16,14 @@ from aitoolbox.torchtrain import amp
 
 
 def prepared(opt_level, with_optimizer=True):
+    """With dynamic loss scaling wherever the level allows it: the scalers' state is part of what must go."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    loss_scale = "dynamic" if opt_level in ("O1", "O2") else None
     if not with_optimizer:
-        return amp.initialize(model, opt_level=opt_level, verbosity=0), None
+        return amp.initialize(model, opt_level=opt_level, loss_scale=loss_scale, verbosity=0), None
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    return amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    return amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=loss_scale, verbosity=0)
 
 
 def train_steps(model, optimizer, steps=3):

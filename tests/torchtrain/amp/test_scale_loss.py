@@ -3,7 +3,8 @@ gradient accumulation and delay_unscale.
 
 Loss scales are powers of two and bfloat16 has float32's exponent range, so scaling and unscaling are exact
 here: a run with a different scale history gives bitwise the same gradients, which lets the references below
-be the same training without the injected overflow, skipping the same optimizer steps by hand.
+be the same training without the injected overflow, skipping the same optimizer steps by hand. With bfloat16
+O1 and O2 do no loss scaling by default, so the tests of scaling ask for ``loss_scale='dynamic'``.
 """
 import copy
 
@@ -67,7 +68,7 @@ def train_models(opt_level, scenario, overflow_at=None, skip_by_hand_at=None):
         optimizers = [torch.optim.Adam(models[0].parameters(), lr=0.01),
                       torch.optim.SGD(models[1].parameters(), lr=0.05, momentum=0.9)]
     models, optimizers = amp.initialize(models, optimizers, opt_level=opt_level, num_losses=num_losses,
-                                        verbosity=0)
+                                        loss_scale="dynamic", verbosity=0)
     history = [snapshot(models)]
     for iteration in range(NUM_ITERATIONS):
         x, y = batch(iteration)
@@ -119,7 +120,7 @@ def test_last_step_skipped_reports_the_skip_so_a_scheduler_can_hold_back():
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale="dynamic", verbosity=0)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     skips = []
     for iteration in range(4):
@@ -141,7 +142,7 @@ def overflowing_steps(num_steps, **initialize_kwargs):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model, optimizer = amp.initialize(model, optimizer, verbosity=0, **initialize_kwargs)
+    model, optimizer = amp.initialize(model, optimizer, verbosity=0, **{"loss_scale": "dynamic", **initialize_kwargs})
     initial = snapshot([model])
     scales = []
     for iteration in range(num_steps):
@@ -168,7 +169,7 @@ def test_min_loss_scale_floors_the_halving():
 
 def test_max_loss_scale_caps_the_initial_scale():
     model, optimizer = amp.initialize(Net(), torch.optim.SGD(Net().parameters(), lr=0.1), max_loss_scale=1024.0,
-                                      verbosity=0)
+                                      loss_scale="dynamic", verbosity=0)
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 0}
 
 
@@ -176,7 +177,7 @@ def test_overflow_in_the_first_of_two_accumulated_blocks_skips_the_step():
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale="dynamic", verbosity=0)
     initial = snapshot([model])
     for part in range(2):
         x, y = batch(part)
@@ -248,7 +249,7 @@ def prepared_net(opt_level):
     reference = Net()
     model = copy.deepcopy(reference)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
     return reference, model, optimizer
 
 

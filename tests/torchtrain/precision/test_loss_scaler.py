@@ -160,6 +160,10 @@ def test_factory_defaults():
     assert fp16.autocast_dtype == torch.float16 and fp16.loss_scaler.dynamic
     static = autocast_precision("cpu", torch.bfloat16, loss_scale=256.0)
     assert static.loss_scaler.loss_scale == 256.0 and not static.loss_scaler.dynamic
+    asked = autocast_precision("cpu", torch.bfloat16, loss_scale="dynamic")  # an explicit request is honoured
+    assert asked.loss_scaler.dynamic and asked.loss_scaler.loss_scale == 2.0 ** 16
+    assert autocast_precision("cuda").loss_scaler.dynamic  # float16, CUDA's default
+    assert autocast_precision("cuda", torch.bfloat16).loss_scaler is None
     with bf16.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 

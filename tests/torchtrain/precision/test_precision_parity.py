@@ -197,8 +197,9 @@ def test_seed_000_single_device_pattern_trains_without_initializing_twice():
     # ---- end of the guide's code ----
     assert amp.state_of(optimizer) is state  # not initialized a second time
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
-    assert tl.precision.loss_scaler is state.loss_scalers[0]
-    assert state.loss_scalers[0].state_dict() == {"loss_scale": 2.0 ** 16, "unskipped": NUM_EPOCHS * 3}
+    # bfloat16 on the CPU: O1 does no loss scaling, and amp reports apex's format with a static scale of 1.0.
+    assert tl.precision.loss_scaler is None and tl.precision.autocast_dtype == torch.bfloat16
+    assert state.loss_scalers[0].state_dict() == {"loss_scale": 1.0, "unskipped": 0}
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert any(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
     assert len(tl.train_history["val_loss"]) == NUM_EPOCHS and "train_end_test_loss" in tl.train_history
