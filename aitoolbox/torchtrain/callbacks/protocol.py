@@ -1,0 +1,136 @@
+"""What a callback may read and call on the loop it is registered with, in one place.
+
+A callback reaches its loop as ``self.train_loop_obj``. :class:`TrainLoopView` lists that loop's surface for
+callbacks: the attributes to read, the few to write, and the methods to call. :class:`~aitoolbox.torchtrain.
+train_loop.train_loop.TrainLoop` satisfies it (a test checks), and the package's own callbacks use nothing
+else (a test checks that too). Anything else on the loop is an implementation detail that may change.
+"""
+from typing import Any, Dict, List, Optional, Protocol, Union, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class TrainLoopView(Protocol):
+    """The loop as a callback sees it.
+
+    Read at any time:
+
+    - ``model``: the user's module; ``optimizer`` / ``optimizers``: as passed, and as a list.
+    - ``train_loader``, ``validation_loader``, ``test_loader``: the data. A callback that replaces one (as
+      ``DataSubsetTestRun`` does) assigns it; the loop prepares a replaced evaluation loader anew.
+    - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
+    - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``.
+    - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
+      ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
+      ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch).
+    - ``callbacks``: the registered callbacks, in execution order.
+
+    Read once training is set up (from ``on_train_begin`` on): ``precision`` (autocast, loss scaling) and
+    ``amp_scaler`` (aitoolbox 1.x's GradScaler-like view of it).
+
+    Write: ``grad_cb_used`` (aitoolbox 1.x's flag, accepted and ignored: every overridden hook is called),
+    ``pending_restore`` (read and cleared by checkpoint-loading callbacks before training).
+    """
+
+    model: nn.Module
+    optimizer: Any
+    optimizers: List[torch.optim.Optimizer]
+    train_loader: Any
+    validation_loader: Any
+    test_loader: Any
+    train_history: Any
+    state: Any
+    epoch: int
+    epochs_completed: int
+    iteration: int
+    total_iteration_idx: int
+    num_epochs: int
+    num_iterations: int
+    grad_accumulation: int
+    optimizer_step_due: bool
+    optimizer_step_skipped: bool
+    early_stop: bool
+    last_batch_loss: Optional[torch.Tensor]
+    callbacks: List[Any]
+    grad_cb_used: bool
+    pending_restore: Optional[dict]
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process trains on."""
+
+    @property
+    def is_main_process(self) -> Any:
+        """True in the process that prints and writes files; also callable."""
+
+    @property
+    def experiment_timestamp(self) -> str:
+        """The run's timestamp."""
+
+    @property
+    def precision(self) -> Any:
+        """The loop's :class:`~aitoolbox.torchtrain.precision.Precision`, once set up."""
+
+    @property
+    def amp_scaler(self) -> Any:
+        """``torch.amp.GradScaler``'s methods over the precision (aitoolbox 1.x)."""
+
+    def stop_training(self, reason: str = "") -> None:
+        """Stop after the current batch (at the epoch end under distributed training)."""
+
+    def insert_metric_result_into_history(self, metric_name: str, metric_result: Any) -> None:
+        """Append a value to ``train_history[metric_name]``."""
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the optimizer's gradients true values before reading or clipping them."""
+
+    def should_execute_optimizer_update(self) -> bool:
+        """True when the current batch ends with an optimizer step."""
+
+    def get_schedulers(self) -> list:
+        """The registered LR scheduler callbacks."""
+
+    def get_num_training_steps(self) -> int:
+        """Optimizer steps the current ``fit`` makes in all."""
+
+    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None) -> dict:
+        """Everything needed to continue the run exactly (call it in every process)."""
+
+    def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
+        """Continue from a checkpoint at the start of the next ``fit``."""
+
+    def evaluate_loss_on_train_set(self, force_prediction: bool = False, float_dict_format: bool = False) -> Any:
+        """Mean loss per sample over the training set (cached per iteration)."""
+
+    def evaluate_loss_on_validation_set(self, force_prediction: bool = False,
+                                        float_dict_format: bool = False) -> Any:
+        """Mean loss per sample over the validation set (cached per iteration)."""
+
+    def evaluate_loss_on_test_set(self, force_prediction: bool = False, float_dict_format: bool = False) -> Any:
+        """Mean loss per sample over the test set (cached per iteration)."""
+
+    def predict_on_train_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
+        """``(y_pred, y_true, metadata)`` over the training set."""
+
+    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
+        """``(y_pred, y_true, metadata)`` over the validation set."""
+
+    def predict_on_test_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
+        """``(y_pred, y_true, metadata)`` over the test set."""
+
+    def evaluate_model_loss(self, data_loader: Any, move_to_cpu: bool = False,
+                            dataset_info: Optional[Dict] = None) -> Any:
+        """Mean loss per sample over any loader (not cached)."""
+
+    def predict_with_model(self, data_loader: Any, execute_callbacks: bool = False, move_to_cpu: bool = False,
+                           dataset_info: Optional[Dict] = None) -> Any:
+        """``(y_pred, y_true, metadata)`` over any loader (not cached)."""
+
+
+#: The names a callback may use on its loop (the members of :class:`TrainLoopView`).
+TRAIN_LOOP_VIEW_MEMBERS = frozenset(
+    list(TrainLoopView.__annotations__)
+    + [name for name, value in vars(TrainLoopView).items()
+       if not name.startswith("_") and (callable(value) or isinstance(value, property))])
