@@ -1,5 +1,6 @@
 """The experiment folder: ``<root>/<project>/<experiment>_<timestamp>/`` and its sub-folders."""
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -11,6 +12,40 @@ from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
 # Runs of one experiment started within the same second get suffixed folders, up to this many.
 MAX_SAME_SECOND_RUNS = 1000
+
+
+ROOT_ARGUMENT = "local_model_result_folder_path"
+
+
+def _unusable_folder(error_number: int, root: str, reason: str) -> OSError:
+    # OSError(errno, ...) becomes the matching subclass: PermissionError, NotADirectoryError, ...
+    return OSError(error_number, f"{ROOT_ARGUMENT}={root!r} cannot hold the experiment folders: {reason}. Pass a "
+                                 f"folder you can write to as {ROOT_ARGUMENT}")
+
+
+def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
+    """Raise now if the folder ``path`` could not be created or written; creates nothing.
+
+    Looks at the nearest existing folder on the way to ``path``: it must be a folder the process may write
+    into (a process running as root may write anywhere, as it would when the folder is created).
+
+    Args:
+        path: the folder to be created later, e.g. an experiment's run folder.
+        root: the ``local_model_result_folder_path`` it lies in, named in the error; ``path`` when None.
+
+    Raises:
+        NotADirectoryError: a regular file stands where a folder on the way must be.
+        PermissionError: the nearest existing folder is not writable.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    root = path if root is None else root
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable")
 
 
 def timestamp_now() -> str:
@@ -84,10 +119,32 @@ class ExperimentFolder:
         within the same second as another gets the timestamp ``<timestamp>_1`` (``_2``, ...) and that folder.
 
         Raises:
-            PermissionError / OSError: the root is not writable; the message names the folder.
+            PermissionError / NotADirectoryError / OSError: the folder cannot be created; the message names
+                ``local_model_result_folder_path`` and the folder.
         """
         if self._created:
             return self.path
+        try:
+            self._make_run_folder()
+        except OSError as error:
+            if error.errno is None:
+                raise  # the never-overwrite limit: already says what is wrong
+            raise _unusable_folder(error.errno, self.root, f"cannot create {self.path} "
+                                                           f"({error.strerror or error})") from error
+        self._created = True
+        if self.hyperparams is not None:
+            self.save_hyperparams(self.hyperparams)
+        return self.path
+
+    def check_creatable(self) -> None:
+        """Raise now if the run folder could not be created (see :func:`check_folder_creatable`); creates nothing.
+
+        Raises:
+            NotADirectoryError / PermissionError: the message names ``local_model_result_folder_path``.
+        """
+        check_folder_creatable(self.path, self.root)
+
+    def _make_run_folder(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         base_timestamp = self.timestamp
         for suffix in range(1, MAX_SAME_SECOND_RUNS + 1):
@@ -101,10 +158,6 @@ class ExperimentFolder:
                                   "timestamp exist already; they are never overwritten")
         for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
             os.makedirs(sub, exist_ok=True)
-        self._created = True
-        if self.hyperparams is not None:
-            self.save_hyperparams(self.hyperparams)
-        return self.path
 
     def adopt_if_created_elsewhere(self) -> None:
         """Accept the run folder as this run's own when another process of the run created it.

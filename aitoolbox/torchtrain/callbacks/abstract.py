@@ -155,6 +155,8 @@ class AbstractExperimentCallback(AbstractCallback):
 
     Raises:
         ValueError: a given name is empty, or ``project_name`` / ``experiment_name`` contains a path separator.
+        NotADirectoryError / PermissionError: at registration, in the main process, when the callback's own
+            ``local_model_result_folder_path`` cannot hold the experiment folder (nothing is created to find out).
     """
 
     #: Subclasses that always write files set this True: registration then fails when no folder can be found.
@@ -215,6 +217,11 @@ class AbstractExperimentCallback(AbstractCallback):
         except MissingExperimentDetailsError:
             if self.requires_experiment_folder:
                 raise
+        # A root folder of the callback's own is checked now, not when the first file is due after an epoch
+        # (the loop's root was checked when the loop was made).
+        if self._experiment_folder is not None and self.local_model_result_folder_path is not None \
+                and self.is_main_process:
+            self._experiment_folder.check_creatable()
 
     def try_infer_experiment_details(self, infer_cloud_details: bool) -> None:
         """Fill the experiment details left None from the registered TrainLoop (aitoolbox 1.x API).

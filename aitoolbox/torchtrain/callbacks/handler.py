@@ -52,15 +52,19 @@ class CallbacksHandler:
                     f"callbacks[{position}] is a {type(callback).__name__}, not an AbstractCallback. Subclass "
                     "aitoolbox.torchtrain.callbacks.abstract.AbstractCallback and override the hooks you need.")
         rank = self.train_loop_obj.strategy.rank
-        for callback in callbacks:
-            if any(callback is known for known in self.callbacks):
-                continue
-            if callback.device_idx_execution is not None and callback.device_idx_execution != rank:
-                continue
-            self.callbacks.append(callback)
-            callback.register_train_loop_object(self.train_loop_obj)
-        self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
-        self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)] for name in HOOK_NAMES}
+        try:
+            for callback in callbacks:
+                if any(callback is known for known in self.callbacks):
+                    continue
+                if callback.device_idx_execution is not None and callback.device_idx_execution != rank:
+                    continue
+                # Listed only once its registration succeeded: a callback that refused the loop is not run.
+                callback.register_train_loop_object(self.train_loop_obj)
+                self.callbacks.append(callback)
+        finally:
+            self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
+            self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)]
+                                 for name in HOOK_NAMES}
         if print_callbacks:
             logger.info("Registered callbacks: %s", self.callbacks)
 

@@ -51,10 +51,14 @@ class _ExperimentTrainLoop(TrainLoop):
         self.cloud_dir_prefix = cloud_dir_prefix
         self.source_dirs = source_dirs
         # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
-        # first file written into it.
+        # first file written into it. Either way an unusable folder is reported now, not after an epoch.
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
                                                   hyperparams=self.hyperparams)
-        if not self.lazy_experiment_save and writes_files_in_this_process():
+        if not writes_files_in_this_process():
+            return
+        if self.lazy_experiment_save:
+            self.experiment_folder.check_creatable()
+        else:
             self.experiment_folder.create()
             logger.info("Experiment folder: %s", self.experiment_folder.path)
 
@@ -66,7 +70,8 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         model, train_loader, validation_loader, test_loader, optimizer, criterion: as for :class:`TrainLoop`.
         project_name: project folder under ``local_model_result_folder_path``.
         experiment_name: prefix of this run's folder.
-        local_model_result_folder_path: root folder of all experiments.
+        local_model_result_folder_path: root folder of all experiments. A folder that cannot be created or
+            written is an error of the constructor (also with ``lazy_experiment_save``, which only checks).
         hyperparams: saved with the experiment (copied, never modified); None (the default) saves an empty dict.
             Optional, unlike in aitoolbox 1.x.
         cloud_save_mode: None or 'local'; files stay on the local disk.

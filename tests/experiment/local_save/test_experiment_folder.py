@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, timestamp_now
+from aitoolbox.experiment.local_save.experiment_folder import (
+    ExperimentFolder, check_folder_creatable, timestamp_now)
+from tests.experiment.local_save.unwritable import unwritable_root  # noqa: F401 - a fixture
 
 
 def test_layout(tmp_path):
@@ -63,6 +65,40 @@ def test_a_root_under_a_regular_file_fails_with_the_path(tmp_path):
     folder = ExperimentFolder(str(blocker / "results"), "p", "e", timestamp="t")
     with pytest.raises(NotADirectoryError, match="blocker"):
         folder.create()
+
+
+def unusable_root_message(root: str) -> str:
+    return re.escape(f"local_model_result_folder_path={root!r} cannot hold the experiment folders")
+
+
+def test_an_unwritable_root_is_found_without_creating_anything(unwritable_root):
+    folder = ExperimentFolder(unwritable_root, "p", "e", timestamp="t")
+    error = PermissionError if "read_only" in unwritable_root else NotADirectoryError
+    parent_listing = os.listdir(os.path.dirname(os.path.dirname(unwritable_root)))
+    with pytest.raises(error, match=unusable_root_message(unwritable_root)):
+        folder.check_creatable()
+    with pytest.raises(error, match=unusable_root_message(unwritable_root) + ".*cannot create"):
+        folder.create()  # the same error names the argument when the folder is created (lazily)
+    assert os.listdir(os.path.dirname(os.path.dirname(unwritable_root))) == parent_listing
+
+
+def test_a_file_in_place_of_the_project_folder_is_found(tmp_path):
+    (tmp_path / "p").write_text("a file named like the project")
+    folder = ExperimentFolder(str(tmp_path), "p", "e", timestamp="t")
+    with pytest.raises(NotADirectoryError, match=unusable_root_message(str(tmp_path)) + ".*p is a file"):
+        folder.check_creatable()
+    with pytest.raises(FileExistsError, match=unusable_root_message(str(tmp_path))):
+        folder.create()
+
+
+def test_a_writable_root_passes_the_check_and_stays_untouched(tmp_path):
+    root = tmp_path / "not" / "yet" / "there"
+    ExperimentFolder(str(root), "p", "e").check_creatable()
+    assert not (tmp_path / "not").exists()
+    created = ExperimentFolder(str(root), "p", "e")
+    created.create()
+    created.check_creatable()  # an existing run folder is fine too
+    check_folder_creatable(str(tmp_path / "new"))
 
 
 def test_hyperparams_files_and_script_copy(tmp_path):

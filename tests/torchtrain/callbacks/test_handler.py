@@ -1,6 +1,7 @@
 """CallbacksHandler: registration, execution order, and the order TrainLoop calls the hooks in."""
 import logging
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -255,3 +256,18 @@ def test_on_exception_reaches_every_callback_in_order_even_when_one_fails(caplog
     assert "KeyboardInterrupt" in failures[0].getMessage()  # the exception being cleaned up after
     assert failures[0].exc_info[0] is ValueError and failures[1].exc_info[0] is KeyboardInterrupt
     assert "(interrupted)" in failures[1].getMessage()
+
+
+class RefusesTheLoop(EpochEndOnly):
+    def on_train_loop_registration(self):
+        raise ValueError("this loop lacks what the callback needs")
+
+
+def test_a_callback_whose_registration_fails_is_not_registered():
+    tl = make_loop()
+    first, refusing = EpochEndOnly(), RefusesTheLoop()
+    with pytest.raises(ValueError, match="lacks what the callback needs"):
+        tl.fit(num_epochs=1, callbacks=[first, refusing])
+    assert tl.callbacks == [first]
+    tl.fit(num_epochs=1)
+    assert first.calls == 1 and refusing.calls == 0

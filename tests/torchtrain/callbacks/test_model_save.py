@@ -31,6 +31,7 @@ from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIter
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.experiment.local_save.crash_support import kill_at_random_moments, run_forked
+from tests.experiment.local_save.unwritable import unwritable_root  # noqa: F401 - a fixture
 from tests.helpers import MLP, classification_data, single_torch_thread
 
 REQUIRED_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "precision", "callbacks", "epoch",
@@ -354,12 +355,36 @@ def test_a_result_package_without_its_loader_is_an_error(tmp_path):
 
 
 # --- failed writes keep everything -------------------------------------------------------------------------------
+def test_an_unwritable_folder_of_the_callback_fails_before_training(unwritable_root):
+    tl = make_loop()
+    weights = copy.deepcopy(tl.model.state_dict())
+    with pytest.raises((PermissionError, NotADirectoryError),
+                       match=re.escape(f"local_model_result_folder_path={unwritable_root!r} cannot hold")):
+        tl.fit(num_epochs=2, callbacks=[ModelCheckpoint(**folder_arguments(unwritable_root))])
+    assert tl.iterations_done == 0
+    assert_same_weights(tl.model.state_dict(), weights)
+    assert not os.path.exists(unwritable_root)
+
+
+class BlockTheFolderBeforeCheckpoint(SnapshotBeforeCheckpoint):
+    """At the first epoch end, before the checkpoint, a regular file takes the place of the results folder
+    (which passed the check when training started, and is created only by the first write)."""
+
+    def __init__(self, blocker):
+        super().__init__()
+        self.blocker = blocker
+
+    def on_epoch_end(self):
+        super().on_epoch_end()
+        if not self.blocker.exists():
+            self.blocker.write_text("a regular file where the results folder should be")
+
+
 @pytest.mark.parametrize("lazy_preset", [False, True], ids=["ModelCheckpoint", "lazy-TrainLoopCheckpoint"])
-def test_an_unwritable_folder_fails_clearly_and_the_train_loop_keeps_its_state(tmp_path, lazy_preset):
+def test_a_folder_that_becomes_unwritable_fails_clearly_and_the_train_loop_keeps_its_state(tmp_path, lazy_preset):
     blocker = tmp_path / "blocker"
-    blocker.write_text("a regular file where the results folder should be")
     root = blocker / "results"
-    snapshot = SnapshotBeforeCheckpoint()
+    snapshot = BlockTheFolderBeforeCheckpoint(blocker)
     if lazy_preset:
         tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", str(root), {}, lazy_experiment_save=True,
                                  show_progress=False)
@@ -367,7 +392,8 @@ def test_an_unwritable_folder_fails_clearly_and_the_train_loop_keeps_its_state(t
     else:
         tl = make_loop()
         callbacks = [snapshot, ModelCheckpoint(**folder_arguments(root))]
-    with pytest.raises(NotADirectoryError, match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth.*still holds"):
+    with pytest.raises(NotADirectoryError, match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth: "
+                                                  r"local_model_result_folder_path=.*still holds"):
         tl.fit(num_epochs=3, callbacks=callbacks)
     assert blocker.read_text() == "a regular file where the results folder should be"
     assert_same_weights(tl.model.state_dict(), snapshot.weights)  # the failure changed nothing

@@ -22,6 +22,7 @@ from aitoolbox.experiment.result_package.basic_packages import ClassificationRes
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint, TrainLoopCheckpointEndSave, TrainLoopEndSave
+from tests.experiment.local_save.unwritable import unwritable_root  # noqa: F401 - a fixture
 from tests.helpers import MLP, classification_data, indexed_classification_data, single_torch_thread
 
 # aitoolbox 1.8's keys, then this package's.
@@ -154,9 +155,10 @@ def test_iteration_save_freq_adds_mid_epoch_checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("use_amp, scaled, masters", [
-    ({"opt_level": "O1"}, True, False), ({"opt_level": "O2"}, True, True),
+    ({"opt_level": "O1"}, False, False), ({"opt_level": "O2"}, False, True),
+    ({"opt_level": "O2", "loss_scale": "dynamic"}, True, True),
     ({"opt_level": "O1", "dtype": torch.float16}, True, False), (True, False, False)],
-    ids=["O1", "O2", "fp16", "use_amp=True"])
+    ids=["O1", "O2", "O2-dynamic", "fp16", "use_amp=True"])  # bfloat16 (the CPU default) is scaled only on request
 def test_checkpoints_hold_the_mixed_precision_state(tmp_path, use_amp, scaled, masters):
     tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, use_amp=use_amp,
                              show_progress=False)
@@ -264,6 +266,15 @@ def test_hyperparams_are_optional(tmp_path, preset):
     assert saved and all(torch.load(path, weights_only=True)["hyperparams"] == {} for path in saved)
     if preset is not TrainLoopCheckpoint:
         assert os.path.isfile(os.path.join(folder, "results", "results.json"))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy_experiment_save"])
+@pytest.mark.parametrize("preset", [TrainLoopCheckpoint, TrainLoopEndSave])
+def test_an_unwritable_root_fails_at_construction_naming_the_argument(unwritable_root, preset, lazy):
+    with pytest.raises((PermissionError, NotADirectoryError),
+                       match=re.escape(f"local_model_result_folder_path={unwritable_root!r} cannot hold")):
+        preset(*preset_arguments(), "proj", "exp", unwritable_root, lazy_experiment_save=lazy)
+    assert not os.path.exists(unwritable_root)
 
 
 def test_bad_hyperparams_are_refused():
