@@ -43,8 +43,10 @@ PROJECT = "resume"
 # JSON (and the command line) cannot carry a dtype: the precision is chosen by name.
 PRECISIONS = {
     "fp32": False,
-    "O1": {"opt_level": "O1"},
-    "O2": {"opt_level": "O2"},
+    # Dynamic scaling asked for explicitly: bfloat16 (the CPU's type) is not scaled by default, and the resume
+    # must restore the scale's state too.
+    "O1": {"opt_level": "O1", "loss_scale": "dynamic"},
+    "O2": {"opt_level": "O2", "loss_scale": "dynamic"},
     "fp16": {"opt_level": "O1", "dtype": torch.float16},
 }
 
