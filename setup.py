@@ -19,8 +19,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5", "ipykernel>=6",
-                 "sphinx>=7", "sphinx-rtd-theme>=2", "pillow>=9"],
+                 "ipywidgets>=8", "sphinx>=7", "sphinx-rtd-theme>=2", "pillow>=9"],
         "tracking": ["tensorboard>=2.10", "matplotlib>=3.5"],
+        # Jupyter: progress bars as widgets (tqdm.auto falls back to text bars without ipywidgets).
+        "notebook": ["ipywidgets>=8"],
         "examples": ["matplotlib>=3.5", "torchvision", "pillow>=9"],
         "docs": ["sphinx>=7", "sphinx-rtd-theme>=2"],
     },

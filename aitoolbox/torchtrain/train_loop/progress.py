@@ -1,10 +1,37 @@
-"""Progress bars for training and evaluation, cheap enough for tiny models."""
+"""Progress bars for training and evaluation, cheap enough for tiny models.
+
+``tqdm.auto`` draws text bars in a terminal and widgets in Jupyter (with ipywidgets installed:
+``pip install 'aitoolbox[notebook]'``). A transient bar (``leave=False``, the evaluation bars) vanishes when it
+closes; in a notebook tqdm only hides the widget, and the saved ``.ipynb`` would keep its output (a stale
+"0%" bar) and its widget models. There the bar is shown under a display id instead: at close its output is
+emptied and all its widgets are closed, so the saved notebook holds nothing of it.
+"""
+import sys
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from tqdm.auto import tqdm
 
 POSTFIX_INTERVAL_S = 0.5
+
+
+def draws_widgets(bar_class: type = tqdm) -> bool:
+    """True when ``bar_class`` (by default the bar ``tqdm.auto`` chose) draws Jupyter widgets."""
+    # tqdm.auto imports tqdm.notebook only when it picks it: without that module no bar draws widgets.
+    notebook = sys.modules.get("tqdm.notebook")
+    return notebook is not None and issubclass(bar_class, notebook.tqdm_notebook)
+
+
+def _close_widget_tree(widget: Any) -> None:
+    """Close a widget with its children, layouts and styles, so that no model of it stays in the kernel
+    (nor in the widget state saved with the notebook)."""
+    for child in getattr(widget, "children", ()):
+        _close_widget_tree(child)
+    for part in ("layout", "style"):
+        sub_widget = getattr(widget, part, None)
+        if callable(getattr(sub_widget, "close", None)):
+            sub_widget.close()
+    widget.close()
 
 
 class ProgressBar:
@@ -17,12 +44,22 @@ class ProgressBar:
         total: number of steps, if known.
         description: the text left of the bar.
         enabled: False makes every method a no-op.
-        leave: keep the finished bar on screen.
+        leave: keep the finished bar on screen; False removes it at :meth:`close` (in a notebook also from
+            the cell's saved output).
     """
 
     def __init__(self, total: Optional[int], description: str, enabled: bool, leave: bool = True):
-        self._bar = tqdm(total=total, desc=description, leave=leave, dynamic_ncols=True) if enabled else None
+        self._bar = None
+        self._display = None  # the display handle of a transient notebook bar
         self._last_postfix_time = 0.0
+        if not enabled:
+            return
+        if leave or not draws_widgets():
+            self._bar = tqdm(total=total, desc=description, leave=leave, dynamic_ncols=True)
+            return
+        from IPython.display import display  # present wherever tqdm draws widgets
+        self._bar = tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, display=False)
+        self._display = display(self._bar.container, display_id=True)
 
     def update(self, postfix_fn=None) -> None:
         """Advance by one step; ``postfix_fn()`` returns the postfix dict and is called only when due."""
@@ -41,12 +78,20 @@ class ProgressBar:
             self._bar.set_postfix(postfix)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        """Finish the bar (a transient one disappears); calling it again does nothing."""
+        bar, self._bar = self._bar, None
+        if bar is None:
+            return
+        bar.close()
+        if self._display is not None:
+            # Also after an interrupted pass (tqdm would leave a red bar): a transient bar never stays.
+            self._display.update({}, raw=True)
+            self._display = None
+            _close_widget_tree(bar.container)
 
 
 def iterate_with_progress(iterable: Iterable, total: Optional[int], description: str, enabled: bool):
-    """Yield from ``iterable`` while advancing a transient progress bar."""
+    """Yield from ``iterable`` while advancing a transient progress bar (removed when the iteration ends)."""
     bar = ProgressBar(total, description, enabled, leave=False)
     try:
         for item in iterable:
