@@ -117,7 +117,7 @@ class CallbacksHandler:
         for callback in self._subscribers["on_exception"]:
             try:
                 callback.on_exception(exception)
-            except (Exception, KeyboardInterrupt):  # noqa: B902 - the clean-up of the others must still run
+            except (Exception, KeyboardInterrupt):  # the clean-up of the others must still run
                 logger.exception("%s (%s) raised in on_exception while cleaning up after %s; the other "
                                  "callbacks' clean-up goes on", type(callback).__name__, callback.callback_name,
                                  type(exception).__name__)
