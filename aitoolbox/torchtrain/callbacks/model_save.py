@@ -79,9 +79,9 @@ class _CheckpointCallback(AbstractExperimentCallback):
         try:
             self.wait_for_pending_save()
         except KeyboardInterrupt:
+            self._abandon.set()
             logger.warning("%s: interrupted while waiting for the checkpoint being written; abandoning it (the "
                            "previous checkpoint stays the newest)", type(self).__name__)
-            self._abandon.set()
         except Exception as error:  # reported here: fit re-raises what stopped training
             logger.error("%s: the checkpoint being written when training stopped could not be saved: %s",
                          type(self).__name__, error)
