@@ -4,8 +4,13 @@ Three scenarios, each timed per epoch:
 
 * ``bare``: ``TrainLoop(end_auto_eval=False, show_progress=False)`` against the plainest loop
   (forward, loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``).
-* ``tiny-model``: as ``bare`` but with a single linear layer, so that the loop's fixed cost per batch
-  (the "extra us/batch" column) is not hidden by the compute; it has no target.
+* ``tiny-model``: a single linear layer, so that the loop's fixed cost per batch (the "extra us/batch"
+  column) is not hidden by the compute; TrainLoop runs as users run it, with its progress bar on
+  (``show_progress=True``, written to /dev/null). Its epoch is the training digits repeated
+  ``--tiny-epoch-repeat`` times (default 10: 400 batches), so that what TrainLoop does once per ``fit`` and
+  per epoch (set-up, the bar's creation, the RNG snapshot for resuming, the epoch's summary line: about
+  1 ms) weighs per batch as in an epoch of realistic length rather than of 40 batches;
+  ``--tiny-epoch-repeat 1`` shows that per-epoch cost. Target: at most +30 us per batch.
 * ``bars+metrics``: TrainLoop with progress bars and the callbacks
   ``ModelPerformanceEvaluation(ClassificationResultPackage())`` + ``ModelPerformancePrintReport(['val_Accuracy'])``,
   against a hand loop that also predicts the validation set each epoch, computes sklearn's
@@ -46,7 +51,7 @@ sys.path.insert(0, str(_HERE.parent / "examples"))
 import torch  # noqa: E402
 from sklearn.metrics import accuracy_score  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, Subset  # noqa: E402
+from torch.utils.data import ConcatDataset, DataLoader, Subset  # noqa: E402
 
 import _common  # noqa: E402
 from quickstart import DigitsCNN, digits_loaders  # noqa: E402
@@ -58,7 +63,8 @@ from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
 
 SCENARIOS = ("bare", "bars+metrics", "tiny-model")
-TARGETS = {"bare": 1.02, "bars+metrics": 1.05}  # tiny-model has none: it shows the fixed cost per batch
+TARGETS = {"bare": 1.02, "bars+metrics": 1.05}  # median paired ratios
+EXTRA_US_TARGETS = {"tiny-model": 30.0}  # the loop's fixed cost per batch, in microseconds
 
 
 class RngSlot:
@@ -110,6 +116,10 @@ def build_model_and_data(args, scenario: str):
         subset = Subset(train_loader.dataset, range(min(args.train_samples, len(train_loader.dataset))))
         train_loader = DataLoader(subset, batch_size=args.batch_size, shuffle=True,
                                   generator=torch.Generator().manual_seed(args.seed))
+    if scenario == "tiny-model" and args.tiny_epoch_repeat > 1:
+        repeated = ConcatDataset([train_loader.dataset] * args.tiny_epoch_repeat)
+        train_loader = DataLoader(repeated, batch_size=args.batch_size, shuffle=True,
+                                  generator=torch.Generator().manual_seed(args.seed))
     return model, optimizer, train_loader, val_loader
 
 
@@ -154,7 +164,7 @@ class TrainLoopRunner:
         with_metrics = scenario == "bars+metrics"
         self.model, optimizer, self.train_loader, val_loader = build_model_and_data(args, scenario)
         self.train_loop = TrainLoop(self.model, self.train_loader, val_loader, None, optimizer, nn.CrossEntropyLoss(),
-                                    end_auto_eval=False, show_progress=with_metrics)
+                                    end_auto_eval=False, show_progress=scenario != "bare")
         self.callbacks = [ModelPerformanceEvaluation(ClassificationResultPackage(), args=None, on_val_data=True),
                           ModelPerformancePrintReport(["val_Accuracy"])] if with_metrics else []
         self.epochs_done = 0
@@ -302,6 +312,9 @@ def result_rows(scenario: str, result: Dict[str, object], lightning_present: boo
         if name == "TrainLoop" and scenario in TARGETS:
             verdict = "met" if median_ratio <= TARGETS[scenario] else "MISSED"
             target_cell = f"<= {TARGETS[scenario]:.2f}: {verdict}"
+        elif name == "TrainLoop" and scenario in EXTRA_US_TARGETS:
+            verdict = "met" if per_batch_us <= EXTRA_US_TARGETS[scenario] else "MISSED"
+            target_cell = f"<= +{EXTRA_US_TARGETS[scenario]:.0f} us/batch: {verdict}"
         ratio_of_minima = min(times[name]) / min(times["hand"])
         rows.append([scenario, name, str(len(times[name])), f"{hand * 1e3:.1f}", f"{runner_median * 1e3:.1f}",
                      _common.fmt_ratio(ratio_of_medians), _common.fmt_ratio(median_ratio),
@@ -311,7 +324,7 @@ def result_rows(scenario: str, result: Dict[str, object], lightning_present: boo
 
 HEADERS = ["scenario", "loop", "epochs timed", "hand ms/epoch (median)", "loop ms/epoch (median)",
            "ratio of medians", "median paired ratio", "ratio of minima", "extra us/batch (median paired)",
-           "target (paired ratio)", "same weights"]
+           "target", "same weights"]
 
 
 def profile(args, num_epochs: int) -> str:
@@ -345,6 +358,8 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--tiny-epoch-repeat", type=int, default=10,
+                        help="tiny-model's epoch: the training digits this many times (1: 40 batches)")
     parser.add_argument("--no-lightning", action="store_true", help="skip Lightning even if it is installed")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 2 timed epochs of 320 samples, 1 repeat, 1 warm-up")
@@ -357,9 +372,11 @@ def parse_args(argv: Optional[List[str]] = None):
     if args.quick:
         args.epochs, args.repeats, args.warmup = 2, 1, 1
         args.train_samples = args.train_samples or 320
-    for name in ("epochs", "repeats"):
+    if args.quick:
+        args.tiny_epoch_repeat = 1
+    for name in ("epochs", "repeats", "tiny_epoch_repeat"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
@@ -377,7 +394,8 @@ def main(argv: Optional[List[str]] = None) -> str:
             "skipped (neither lightning nor pytorch_lightning is importable)"
     samples = f"first {args.train_samples} training samples" if args.train_samples else "all 1,257 training samples"
     settings = (f"epochs={args.epochs} timed + {args.warmup} warm-up per repeat, repeats={args.repeats}, "
-                f"batch size {args.batch_size}, {samples}, threads={threads}")
+                f"batch size {args.batch_size}, {samples}, threads={threads}, "
+                f"tiny-model epoch = the training set x {args.tiny_epoch_repeat}")
     # The first epochs of a process pay one-off costs (oneDNN kernel creation, lazy imports): pay them here.
     with _common.output_to_devnull():
         for runner_class in (HandLoop, TrainLoopRunner):

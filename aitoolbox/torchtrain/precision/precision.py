@@ -41,6 +41,7 @@ class Precision:
         self.master_weights = master_weights
         self.step_listener = step_listener
         self.last_step_skipped = False
+        self._no_autocast = contextlib.nullcontext()  # reusable, and cheaper than a new one every batch
         self._unscaled_optimizers: set = set()
         self._found_inf = False
         self._skipped_since_update = False
@@ -53,7 +54,7 @@ class Precision:
     def autocast(self) -> ContextManager:
         """Context for the forward pass and the loss (not for backward)."""
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return self._no_autocast
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor, accumulating: bool = False, retain_graph: bool = False) -> None:
@@ -113,6 +114,14 @@ class Precision:
         Returns:
             True if the optimizers stepped, False if the step was skipped.
         """
+        if self.loss_scaler is None and self.master_weights is None:  # nothing to unscale or check (runs per step)
+            for optimizer in optimizers:
+                optimizer.step()
+            self._unscaled_optimizers.clear()
+            self.last_step_skipped = False
+            if self.step_listener is not None:
+                self.step_listener(False, optimizers)
+            return True
         for optimizer in optimizers:
             self.unscale_(optimizer)
         # A static scale never skips (apex semantics): inf/NaN gradients then reach the optimizer as they are.

@@ -5,11 +5,12 @@ of named scalar tensors. The loop sums losses over an epoch as one tensor: 0-dim
 one element per loss name (in sorted order, as aitoolbox 1.x) for a MultiLoss. History keys follow 1.x:
 ``loss``/``val_loss``/``accumulated_loss`` for a single loss, ``loss_<name>``, ``val_loss_<name>``... for several.
 """
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+from aitoolbox.torchtrain.train_loop.validation import check_loss
 
 LossResult = Union[torch.Tensor, MultiLoss]
 
@@ -23,7 +24,18 @@ def detached_values(loss: LossResult) -> torch.Tensor:
     """The loss values without their graph: a 0-dim tensor, or one element per name for a MultiLoss."""
     if isinstance(loss, MultiLoss):
         return torch.stack([loss[name].detach().reshape(()).float() for name in sorted(loss)])
-    return loss.detach().reshape(())
+    loss = loss.detach()
+    return loss if loss.dim() == 0 else loss.reshape(())  # a reshape costs microseconds per batch: only when needed
+
+
+def checked_batch_loss(loss: LossResult) -> Tuple[torch.Tensor, Optional[List[str]]]:
+    """A training batch's loss checked (see :func:`~aitoolbox.torchtrain.train_loop.validation.check_loss`), as
+    ``(detached values, loss names)``: :func:`detached_values` and :func:`loss_names` in one call, since it
+    runs for every batch."""
+    if type(loss) is torch.Tensor and loss.dim() == 0:  # the usual case first
+        return loss.detach(), None
+    check_loss(loss, "get_loss")
+    return detached_values(loss), loss_names(loss)
 
 
 def as_loss_result(values: torch.Tensor, names: Optional[List[str]]) -> LossResult:

@@ -13,6 +13,9 @@ from typing import Any, Iterable, Optional
 from tqdm.auto import tqdm
 
 POSTFIX_INTERVAL_S = 0.5
+# Steps are handed to tqdm at most this often: tqdm's own update costs microseconds, which a tiny model's
+# batch notices, and it redraws no more often than every 0.1 s anyway.
+DRAW_INTERVAL_S = 0.05
 
 
 def draws_widgets(bar_class: type = tqdm) -> bool:
@@ -52,6 +55,8 @@ class ProgressBar:
         self._bar = None
         self._display = None  # the display handle of a transient notebook bar
         self._last_postfix_time = 0.0
+        self._pending_steps = 0  # steps not yet handed to tqdm
+        self._next_draw_time = 0.0
         if not enabled:
             return
         if leave or not draws_widgets():
@@ -65,23 +70,31 @@ class ProgressBar:
         """Advance by one step; ``postfix_fn()`` returns the postfix dict and is called only when due."""
         if self._bar is None:
             return
-        if postfix_fn is not None:
-            now = time.monotonic()
-            if now - self._last_postfix_time >= POSTFIX_INTERVAL_S:
-                self._last_postfix_time = now
-                self._bar.set_postfix(postfix_fn(), refresh=False)
-        self._bar.update(1)
+        self._pending_steps += 1
+        now = time.monotonic()
+        if now < self._next_draw_time:
+            return
+        self._next_draw_time = now + DRAW_INTERVAL_S
+        if postfix_fn is not None and now - self._last_postfix_time >= POSTFIX_INTERVAL_S:
+            self._last_postfix_time = now
+            self._bar.set_postfix(postfix_fn(), refresh=False)
+        self._bar.update(self._pending_steps)
+        self._pending_steps = 0
 
     def set_postfix(self, postfix: dict) -> None:
-        """Show a final postfix now (e.g. the epoch's mean loss)."""
+        """Show a final postfix (e.g. the epoch's mean loss): now, or with the steps still to show at
+        :meth:`close` if there are any."""
         if self._bar is not None:
-            self._bar.set_postfix(postfix)
+            self._bar.set_postfix(postfix, refresh=self._pending_steps == 0)
 
     def close(self) -> None:
         """Finish the bar (a transient one disappears); calling it again does nothing."""
         bar, self._bar = self._bar, None
         if bar is None:
             return
+        if self._pending_steps:
+            bar.update(self._pending_steps)
+            self._pending_steps = 0
         bar.close()
         if self._display is not None:
             # Also after an interrupted pass (tqdm would leave a red bar): a transient bar never stays.

@@ -30,7 +30,7 @@ from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFl
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
-from aitoolbox.torchtrain.train_loop.losses import detached_values, history_entries, loss_names, loss_postfix
+from aitoolbox.torchtrain.train_loop.losses import checked_batch_loss, history_entries, loss_postfix
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
@@ -114,7 +114,7 @@ class TrainLoop(EvaluationMethods):
         self.epoch_start_rng_state: Optional[dict] = None
         self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
         self._interrupted_at: Optional[MidEpochResume] = None  # where a fit stopped by an exception continues
-        self._step_point: Optional[MidEpochResume] = None  # the current epoch's last optimizer step (or its end)
+        self._step_point = None  # the current epoch's last optimizer step, or its end (see _interruption_point)
         self._batches_done = 0  # batches of the current epoch trained
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
@@ -496,9 +496,7 @@ class TrainLoop(EvaluationMethods):
         with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
             with self._precision.autocast():
                 loss = self._model_runner.get_loss(batch_data, self.criterion, self.device)
-            validation.check_loss(loss, "get_loss")
-            self.last_batch_loss = detached_values(loss)
-            self._loss_names = loss_names(loss)
+            self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
             self.epoch_loss_sum = self.epoch_loss_sum + self.last_batch_loss
             self._batches_done += 1
             if self._loss_names is not None and self.num_optimizers > 1:
@@ -510,22 +508,20 @@ class TrainLoop(EvaluationMethods):
 
     # --- continuing after an exception -------------------------------------------------------------------
     def _mark_step_point(self) -> None:
-        """Remember the last optimizer step of the epoch: an exception continues from there."""
-        self._step_point = MidEpochResume(self._batches_done, self.epoch_loss_sum, None, None,
-                                          total_iteration_idx=self.state.total_iteration_idx)
+        """Remember the last optimizer step of the epoch: an exception continues from there. (A tuple: this runs
+        at every step, and the MidEpochResume is only needed if an exception comes.)"""
+        self._step_point = (self._batches_done, self.epoch_loss_sum, self.state.total_iteration_idx)
 
     def _interruption_point(self) -> Optional[MidEpochResume]:
         """Where the next ``fit`` continues after an exception: the interrupted epoch's last optimizer step (the
         batches of a partly accumulated window are trained again) or, stopped in the epoch's end, that end."""
         point = self._step_point
-        if point is None:
-            return None
-        if not point.batches_trained:
-            point.loss_sum = point.loss_sum.tolist()
-            point.epoch_start_rng = self.epoch_start_rng_state
-            point.rng = capture_rng_state(self.train_loader)
-            self.state.total_iteration_idx = point.total_iteration_idx
-        return point
+        if point is None or isinstance(point, MidEpochResume):  # nothing trained yet, or stopped in the epoch's end
+            return point
+        batches_done, loss_sum, total_iteration_idx = point
+        self.state.total_iteration_idx = total_iteration_idx
+        return MidEpochResume(batches_done, loss_sum.tolist(), self.epoch_start_rng_state,
+                              capture_rng_state(self.train_loader))
 
     def _take_interruption_point(self) -> Optional[MidEpochResume]:
         point, self._interrupted_at, self._step_point = self._interrupted_at, None, None

@@ -77,7 +77,6 @@ class MidEpochResume:
             interrupted: only the end is done again.
         history_lengths: with ``batches_trained``, the length of each training-history list before the epoch's
             end, so that what the interrupted end recorded is not recorded twice.
-        total_iteration_idx: the loop's ``total_iteration_idx`` at ``batches_done``.
     """
 
     batches_done: int
@@ -86,7 +85,6 @@ class MidEpochResume:
     rng: Optional[dict]
     batches_trained: bool = False
     history_lengths: Optional[Dict[str, int]] = None
-    total_iteration_idx: Optional[int] = None
 
 
 def history_lengths(history: Any) -> Dict[str, int]:

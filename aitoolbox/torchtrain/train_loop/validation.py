@@ -117,6 +117,8 @@ def check_ready_to_train(train_loader: Any, optimizers: list) -> None:
 def check_loss(loss: Any, method_name: str) -> None:
     """A loss is a tensor with one element (or a MultiLoss of such tensors), so that ``backward`` and sample
     weighting work."""
+    if type(loss) is torch.Tensor and loss.dim() == 0:  # the usual case, checked first: this runs every batch
+        return
     if isinstance(loss, MultiLoss):
         if len(loss) == 0:
             raise ValueError(f"{method_name} returned an empty MultiLoss: it needs at least one named loss")
