@@ -308,8 +308,10 @@ class TrainLoop(EvaluationMethods):
         Pseudocode::
 
             on_train_begin
-            for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end
+            for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end, summary line
             final test-set loss;  on_train_end
+            on an exception:      on_exception(exception), bars closed, the exception re-raised; the next
+                                  fit continues from the interrupted epoch's last optimizer step
 
         Args:
             num_epochs: train until this many epochs are done.
@@ -337,7 +339,7 @@ class TrainLoop(EvaluationMethods):
         try:
             self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
-            self._interrupted_at = self._interruption_point()
+            self._remember_interruption()
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
@@ -522,6 +524,13 @@ class TrainLoop(EvaluationMethods):
         self.state.total_iteration_idx = total_iteration_idx
         return MidEpochResume(batches_done, loss_sum.tolist(), self.epoch_start_rng_state,
                               capture_rng_state(self.train_loader))
+
+    def _remember_interruption(self) -> None:
+        try:
+            self._interrupted_at = self._interruption_point()
+        except Exception:  # e.g. a device in an error state: the user must see their own exception, not this one
+            logger.exception("Could not record where training stopped; the next fit restarts the epoch")
+            self._interrupted_at = None
 
     def _take_interruption_point(self) -> Optional[MidEpochResume]:
         point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
