@@ -134,8 +134,7 @@ def rendezvous(num_nodes: int, node_rank: int, master_addr: Optional[str], maste
 
 @dataclasses.dataclass
 class DistributedFitOptions:
-    """The arguments of :meth:`TrainLoop.fit_distributed <aitoolbox.torchtrain.train_loop.train_loop.TrainLoop.fit_distributed>`,
-    documented there."""
+    """The arguments of ``TrainLoop.fit_distributed`` in one typed object (each documented there)."""
 
     num_epochs: int = 0
     num_iterations: int = 0
@@ -162,7 +161,7 @@ class DistributedFitOptions:
         """Check the job's shape before any process starts.
 
         Raises:
-            ValueError: a count, rank or backend out of range.
+            ValueError: a count or rank out of range.
             TypeError: ``amp_init_args`` is not a dict.
         """
         validation.check_fit_arguments(self.num_epochs, self.num_iterations, self.grad_accumulation)
