@@ -13,7 +13,9 @@ from tests.torchtrain.distributed.support import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
 
-FAILURE_DEADLINE_S = 20.0  # generous for a loaded CI machine; a hang would hit the 600 s collective timeout
+# Not a speed requirement, a hang detector: a failure must not wait for the 600 s collective timeout. Generous,
+# so that a loaded machine never fails it.
+HANG_DEADLINE_S = 120.0
 
 
 def train_loop_with_loader_workers(pid_folder):
@@ -37,7 +39,7 @@ def test_a_raising_rank_fails_the_run_with_its_traceback(tmp_path):
     with pytest.raises(RuntimeError) as error:
         tl.fit_distributed(num_epochs=3, callbacks=[RecordPid(tmp_path), FailOnRank(rank=1, epoch=1)],
                            num_gpus=2, start_method="fork")
-    assert time.monotonic() - start < FAILURE_DEADLINE_S
+    assert time.monotonic() - start < HANG_DEADLINE_S
     message = str(error.value)
     assert "rank 1 failed with ValueError: deliberate failure on rank 1 at epoch 1" in message
     assert "Traceback of rank 1" in message and "in on_epoch_begin" in message  # the rank's own traceback
@@ -57,7 +59,7 @@ def test_a_rank_dying_without_a_report_is_named_and_the_others_do_not_hang(tmp_p
         tl.fit_distributed(num_epochs=3, callbacks=[RecordPid(tmp_path), FailOnRank(rank=1, epoch=1, how=how)],
                            num_gpus=2, start_method="fork")
     assert "rank 0" not in str(error.value)
-    assert time.monotonic() - start < FAILURE_DEADLINE_S
+    assert time.monotonic() - start < HANG_DEADLINE_S
     assert_no_process_left(tmp_path)
 
 
@@ -81,10 +83,8 @@ def test_unpicklable_parts_are_named_before_any_process_starts(tmp_path, part):
         tl.train_loader = DataLoader(regression_data(32), batch_size=4, collate_fn=lambda batch: batch)
     callbacks = [CallbackHoldingLambda(tmp_path)] if part == "callback" else None
     children_before = set(child_pids())
-    start = time.monotonic()
     with pytest.raises(TypeError) as error:
         tl.fit_distributed(num_epochs=1, callbacks=callbacks, num_gpus=2, start_method="spawn")
-    assert time.monotonic() - start < 5.0  # no interpreter was started
     expected = {"model": "the model cannot be pickled", "train_loader": "the train_loader cannot be pickled",
                 "callback": "the callback CallbackHoldingLambda cannot be pickled"}[part]
     assert expected in str(error.value)
@@ -133,11 +133,10 @@ def test_a_process_failing_before_it_receives_the_job_fails_the_run(tmp_path):
     the script never reads it. The parent must not wait on that pipe: the run fails fast, naming the rank."""
     script = tmp_path / "failing_import.py"
     script.write_text(FAILING_IMPORT_SCRIPT)
-    result = run_script(script, [], timeout=120)
+    result = run_script(script, [], timeout=HANG_DEADLINE_S)  # waiting on the pipe would hang: the timeout fails it
     assert result.returncode == 0, result.stderr
     assert "raised after" in result.stdout, result.stdout
     assert "exited with code 1 without reporting an error" in result.stdout
-    assert float(result.stdout.split("raised after ")[1].split(" s")[0]) < FAILURE_DEADLINE_S
     assert "deliberate failure while a spawned process imports the script" in result.stderr  # the child's own
 
 
