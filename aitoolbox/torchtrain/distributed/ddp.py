@@ -1,5 +1,4 @@
 """The DistributedDataParallel strategy: one process per device, gradients all-reduced by torch DDP."""
-import contextlib
 import datetime
 import logging
 from typing import Any, ContextManager, List, Optional
@@ -89,7 +88,7 @@ class DistributedStrategy(SingleDeviceStrategy):
         # DDP decides in forward whether the coming backward all-reduces: forward and backward both go inside.
         if accumulating and self._ddp_wrapper is not None:
             return self._ddp_wrapper.no_sync()
-        return contextlib.nullcontext()
+        return self._no_sync_needed
 
     def sync_skipped_gradients(self) -> None:
         # What DDP's backward would have done: the gradients averaged over the ranks.

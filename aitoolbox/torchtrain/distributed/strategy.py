@@ -32,6 +32,7 @@ class SingleDeviceStrategy:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
+        self._no_sync_needed = contextlib.nullcontext()  # reused: the loop enters it for every batch
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device})"
@@ -58,7 +59,7 @@ class SingleDeviceStrategy:
         """The context of a micro-batch's forward and backward: where gradients are all-reduced by the backward
         (DDP), a micro-batch that only accumulates skips that communication; the window's last batch reduces the
         sum of them all. A single device has nothing to skip."""
-        return contextlib.nullcontext()
+        return self._no_sync_needed
 
     def sync_skipped_gradients(self) -> None:
         """Reduce gradients that every backward since the last step accumulated under ``skip_gradient_sync``

@@ -29,6 +29,7 @@ from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
+from aitoolbox.torchtrain.train_loop.interrupts import InterruptGuard
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
 from aitoolbox.torchtrain.train_loop.losses import checked_batch_loss, history_entries, loss_postfix
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
@@ -124,6 +125,7 @@ class TrainLoop(EvaluationMethods):
         self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
         self._epoch_report = EpochReport()
+        self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
 
     # The loop's counters and flags live in ``self.state``; these are the names callbacks and 1.x code use.
     epochs_completed = LoopStateField()
@@ -337,7 +339,8 @@ class TrainLoop(EvaluationMethods):
                            state.epochs_completed, state.iterations_done)
             return self.model_for_user
         try:
-            self._train(num_epochs, num_iterations)
+            with self._interrupts:
+                self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
             self._remember_interruption()
             self.callbacks_handler.on_exception(exception)
@@ -492,6 +495,7 @@ class TrainLoop(EvaluationMethods):
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also the
         optimizer step."""
         state = self.state
+        self._interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
         self.callbacks_handler.on_batch_begin()
@@ -507,6 +511,7 @@ class TrainLoop(EvaluationMethods):
                 self._backward_and_step(loss)
         state.optimizer_step_due = False
         self.callbacks_handler.on_batch_end()
+        self._interrupts.batch_done()  # a Ctrl-C held during the batch is raised now
 
     # --- continuing after an exception -------------------------------------------------------------------
     def _mark_step_point(self) -> None:

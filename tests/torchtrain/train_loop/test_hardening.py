@@ -1,8 +1,10 @@
 """The loop's failure path, its set-up, its state object, its evaluation loaders and what a fit shows."""
 import ast
 import logging
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -225,3 +227,66 @@ def test_epoch_line_is_shown_without_any_logging_set_up():
     lines = [line for line in result.stderr.splitlines() if line.startswith("Epoch ")]
     assert [line.split(" - ")[0] for line in lines] == ["Epoch 1/2", "Epoch 2/2"]
     assert all(" - accumulated_loss " in line and " - loss " in line for line in lines)
+
+
+# --- 3. Ctrl-C inside a batch waits for its end -------------------------------------------------------------
+class SigintAt(AbstractCallback):
+    """Sends this process SIGINT ``times`` times from ``hook`` at (epoch, iteration), as a Ctrl-C would; records
+    which hooks ran afterwards."""
+
+    def __init__(self, hook, times=1, epoch=1, iteration=2):
+        super().__init__("sigint")
+        self.hook, self.times, self.epoch, self.iteration = hook, times, epoch, iteration
+        self.sent = False
+        self.after = []
+
+    def _maybe_send(self, hook):
+        tl = self.train_loop_obj
+        if self.sent:
+            self.after.append(hook)
+        elif hook == self.hook and tl.epoch == self.epoch and (hook == "on_epoch_end" or tl.iteration == self.iteration):
+            self.sent = True
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self._maybe_send("on_after_gradient_update")
+
+    def on_after_optimizer_step(self):
+        self._maybe_send("on_after_optimizer_step")
+
+    def on_batch_end(self):
+        self._maybe_send("on_batch_end")
+
+    def on_epoch_end(self):
+        self._maybe_send("on_epoch_end")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_inside_a_batch_stops_after_it_and_fit_continues_exactly():
+    model, reference_model = model_pair(MLP, dropout=0.0)
+    reference = make_loop(reference_model)
+    reference.fit(num_epochs=3)
+    tl = make_loop(model)
+    sender = SigintAt("on_after_gradient_update")
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=3, callbacks=[sender])
+    assert sender.after == ["on_after_optimizer_step", "on_batch_end"]  # the batch was completed first
+    assert tl.iterations_done == 5 + 3  # epoch 0, then batches 0..2 of epoch 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard is gone after fit
+    tl.fit(num_epochs=3)
+    assert_params_equal(tl.model, reference.model)
+    assert dict(tl.train_history) == dict(reference.train_history)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("hook, times, expected_after", [
+    ("on_after_gradient_update", 2, []),  # a second Ctrl-C in the same batch stops at once
+    ("on_epoch_end", 1, []),  # outside a batch Ctrl-C acts at once
+])
+def test_ctrl_c_acts_at_once_when_repeated_or_outside_a_batch(hook, times, expected_after):
+    model, _ = model_pair(MLP)
+    sender = SigintAt(hook, times=times)
+    with pytest.raises(KeyboardInterrupt):
+        make_loop(model).fit(num_epochs=3, callbacks=[sender])
+    assert sender.after == expected_after
