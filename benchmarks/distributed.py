@@ -28,10 +28,16 @@ Runs are interleaved (hand, ours; ours, hand; ... so slow drift of a shared mach
 median of the per-pair ratios are reported. Both runners end with rank 0's weights, compared bitwise
 ("same weights": both did the same arithmetic).
 
+With ``--grad-accumulation N`` both step every N batches (and at each epoch's end); the hand worker runs the
+micro-batches before a window's last under DDP's ``no_sync()``, as fit_distributed does, so both all-reduce the
+gradients once per optimizer step.
+
 Run:  python benchmarks/distributed.py                    (about 2 minutes on 2 cores)
+      python benchmarks/distributed.py --grad-accumulation 4
       python benchmarks/distributed.py --quick            (smoke test, about 30 s)
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -156,18 +162,24 @@ def hand_worker(rank: int, world_size: int, port: int, initial_state: dict, imag
     loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
                         generator=torch.Generator().manual_seed(settings["seed"]))
     torch.set_rng_state(rng_state)  # as fit_distributed: every rank trains from the parent's RNG state
+    accumulation = settings["grad_accumulation"]
     first_time = first_perf = last_perf = None
     batches = 0
     ddp_model.train()
     for epoch in range(settings["epochs"]):
         sampler.set_epoch(epoch)
-        for batch_images, batch_labels in loader:
+        for index, (batch_images, batch_labels) in enumerate(loader):
             if first_time is None:
                 first_time, first_perf = time.time(), time.perf_counter()
-            loss = criterion(ddp_model(batch_images), batch_labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            # The usual accumulation under DDP: the gradients are all-reduced only by a window's last backward
+            # (the epoch's last batch closes a window too).
+            steps = (index + 1) % accumulation == 0 or index + 1 == len(loader)
+            with contextlib.nullcontext() if steps else ddp_model.no_sync():
+                loss = criterion(ddp_model(batch_images), batch_labels)
+                (loss / accumulation if accumulation > 1 else loss).backward()
+            if steps:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             last_perf = time.perf_counter()
             batches += 1
     if rank == 0:
@@ -181,7 +193,8 @@ def run_hand(args, workdir: str) -> Dict[str, object]:
     model = fresh_model(args)
     loader = repeated_digits(args)
     images, labels = loader.dataset.tensors
-    settings = {"lr": args.lr, "seed": args.seed, "batch_size": args.batch_size, "epochs": args.epochs}
+    settings = {"lr": args.lr, "seed": args.seed, "batch_size": args.batch_size, "epochs": args.epochs,
+                "grad_accumulation": args.grad_accumulation}
     marker_path, weights_path = os.path.join(workdir, "hand.json"), os.path.join(workdir, "hand_weights.pt")
     torch.manual_seed(args.seed + 1)  # the dropout RNG state both runners hand to their processes
     start = time.time()
@@ -205,7 +218,7 @@ def run_ours(args, workdir: str) -> Dict[str, object]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available: ... CPU processes over gloo"
         trained = tl.fit_distributed(num_epochs=args.epochs, callbacks=[BatchTimer(marker_path)],
-                                     num_cpu_processes=args.processes)
+                                     grad_accumulation=args.grad_accumulation, num_cpu_processes=args.processes)
     call_seconds = time.time() - start
     return collect(args, marker_path, start, call_seconds, len(loader.dataset), trained.state_dict())
 
@@ -300,6 +313,8 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grad-accumulation", type=int, default=1,
+                        help="optimizer step (and gradient all-reduce) every this many batches (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 pair, no warm-up, 2 epochs of the 1,257 digits")
     parser.add_argument("--write-results", action="store_true",
@@ -307,7 +322,7 @@ def parse_args(argv: Optional[List[str]] = None):
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup, args.epochs, args.repeat_data = 1, 0, 2, 1
-    for name in ("processes", "epochs", "repeat_data", "repeats", "batch_size"):
+    for name in ("processes", "epochs", "repeat_data", "repeats", "batch_size", "grad_accumulation"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -321,7 +336,8 @@ def main(argv: Optional[List[str]] = None) -> str:
     info["torch threads"] = "1 per process (OMP_NUM_THREADS=1)"
     dataset_size = len(repeated_digits(args).dataset)
     info["settings"] = (f"{args.processes} CPU processes (gloo), DigitsCNN, {dataset_size} samples an epoch "
-                        f"(digits x{args.repeat_data}), per-process batch size {args.batch_size}, Adam lr {args.lr}, "
+                        f"(digits x{args.repeat_data}), per-process batch size {args.batch_size}, "
+                        f"grad_accumulation {args.grad_accumulation}, Adam lr {args.lr}, "
                         f"{args.epochs} epochs a run ({samples_per_run(args, dataset_size)} samples over all "
                         f"ranks), {args.repeats} timed pairs after {args.warmup} warm-up pair(s), order alternating")
     load_before = _common.load_average()
@@ -331,8 +347,9 @@ def main(argv: Optional[List[str]] = None) -> str:
     text = "\n".join([f"Command: `{_common.command_line()}`", "", _common.info_lines(info), "", table, "",
                       *verdict_lines(outcome), ""])
     print(text)
-    if args.write_results:
-        path = _common.update_results_section("distributed", text)
+    if args.write_results:  # the accumulation runs have a section of their own
+        section = "distributed" if args.grad_accumulation == 1 else f"distributed-ga{args.grad_accumulation}"
+        path = _common.update_results_section(section, text)
         print(f"updated {path}")
     return text
 
