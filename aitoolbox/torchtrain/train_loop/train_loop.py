@@ -457,13 +457,14 @@ class TrainLoop(EvaluationMethods):
         self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
         self._mark_step_point()
         bar = ProgressBar(num_batches, f"Epoch {state.epoch}", enabled=self.show_progress)
+        running_loss = self._running_loss_postfix
         with contextlib.closing(bar):
             for state.iteration, batch_data in batches:
                 iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
                 step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
                     or (state.iteration + 1) % state.grad_accumulation == 0
                 self._run_batch(batch_data, step_due)
-                bar.update(self._running_loss_postfix)
+                bar.update(running_loss)
                 if iteration_limit_hit or (state.early_stop and self.strategy.stops_mid_epoch):
                     break
             else:
