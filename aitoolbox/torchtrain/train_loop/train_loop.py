@@ -493,13 +493,13 @@ class TrainLoop(EvaluationMethods):
         return batches, resume.batches_done
 
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
-        """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also the
-        optimizer step."""
-        state = self.state
+        """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
+        optimizer's step (a MultiLoss with several optimizers: :meth:`_backward_and_step_per_optimizer`)."""
+        state, hooks = self.state, self.callbacks_handler
         self._interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
-        self.callbacks_handler.on_batch_begin()
+        hooks.on_batch_begin()
         with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
             with self._precision.autocast():
                 loss = self._model_runner.get_loss(batch_data, self.criterion, self.device)
@@ -509,9 +509,17 @@ class TrainLoop(EvaluationMethods):
             if self._loss_names is not None and self.num_optimizers > 1:
                 self._backward_and_step_per_optimizer(loss)
             else:
-                self._backward_and_step(loss)
+                if self._loss_names is not None:  # several losses, one optimizer: it steps on their sum
+                    loss = sum(loss[name] for name in self._loss_names)
+                if state.grad_accumulation > 1:
+                    loss = loss / state.grad_accumulation
+                self._precision.backward(loss, accumulating=not optimizer_step)
+                for optimizer_idx in range(self.num_optimizers):
+                    hooks.on_after_gradient_update(optimizer_idx)
+                if optimizer_step:
+                    self._step_optimizers(self.optimizers)
         state.optimizer_step_due = False
-        self.callbacks_handler.on_batch_end()
+        hooks.on_batch_end()
         self._interrupts.batch_done()  # a Ctrl-C held during the batch is raised now
 
     # --- continuing after an exception -------------------------------------------------------------------
@@ -544,19 +552,6 @@ class TrainLoop(EvaluationMethods):
             logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.state.epoch,
                         point.batches_done)
         return point
-
-    def _backward_and_step(self, loss: Union[torch.Tensor, MultiLoss]) -> None:
-        """Backward pass of the loss (of the sum of a MultiLoss's losses), then, on update iterations, every
-        optimizer's step."""
-        state = self.state
-        if self._loss_names is not None:
-            loss = sum(loss[name] for name in self._loss_names)
-        self._precision.backward(loss / state.grad_accumulation if state.grad_accumulation > 1 else loss,
-                                 accumulating=not state.optimizer_step_due)
-        for optimizer_idx in range(self.num_optimizers):
-            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-        if state.optimizer_step_due:
-            self._step_optimizers(self.optimizers)
 
     def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
@@ -598,7 +593,8 @@ class TrainLoop(EvaluationMethods):
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
         self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
-        self._mark_step_point()
+        # From here on an exception continues after this step (see _interruption_point); inline: every step runs it.
+        self._step_point = (self._batches_done, self.epoch_loss_sum, self.state.total_iteration_idx)
         self.callbacks_handler.on_after_optimizer_step()
         self._precision.zero_grad(optimizers)
 
