@@ -185,7 +185,7 @@ def test_two_nodes_on_one_machine(tmp_path):
     # Each launcher returns the trained model and holds rank 0's history.
     assert node0["epoch"] == node1["epoch"] == 1
     assert node0["history"] == node1["history"]
-    assert "Epoch 0:" in outputs[0][1] and "Epoch 0:" not in outputs[1][1]  # only global rank 0 reports
+    assert "Epoch 1/2 - " in outputs[0][1] and "Epoch 1/2 - " not in outputs[1][1]  # only global rank 0 reports
 
 
 @pytest.mark.slow
@@ -200,8 +200,8 @@ def test_seed_snippet_as_a_script_spawns_cpu_processes_and_only_rank_0_reports(t
     check_seed_result(seed_result(result.stdout))
     if not torch.cuda.is_available():
         assert "CUDA is not available: fit_distributed trains with 2 CPU processes over gloo" in result.stderr
-    for epoch in range(10):
-        assert result.stderr.count(f"Epoch {epoch}: accumulated_loss") == 1, result.stderr[-3000:]
+    for epoch in range(1, 11):
+        assert result.stderr.count(f"Epoch {epoch}/10 - ") == 1, result.stderr[-3000:]
     assert result.stderr.count("Test loss at the end of training") == 1
 
 
