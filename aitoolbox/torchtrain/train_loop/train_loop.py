@@ -456,7 +456,7 @@ class TrainLoop(EvaluationMethods):
         batches, self._batches_done = self._epoch_batches(resume)
         self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
         self._mark_step_point()
-        bar = ProgressBar(num_batches, f"Epoch {state.epoch}", enabled=self.show_progress)
+        bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         running_loss = self._running_loss_postfix
         with contextlib.closing(bar):
             for state.iteration, batch_data in batches:

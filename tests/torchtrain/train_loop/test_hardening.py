@@ -179,7 +179,7 @@ def test_progress_bar_ends_each_epoch_with_its_accumulated_loss(capsys):
     tl.fit(num_epochs=2)
     output = capsys.readouterr().err
     for epoch, accumulated in enumerate(tl.train_history["accumulated_loss"]):
-        segment = output.split(f"Epoch {epoch}")[-1].split("Epoch ")[0]
+        segment = output.split(f"Epoch {epoch + 1}/2")[-1].split("Epoch ")[0]  # the bars count epochs from 1
         shown = re.findall(r"loss=([0-9.]+)", segment)
         assert shown and shown[-1] == f"{accumulated:.4f}"
 
