@@ -62,3 +62,37 @@ def history_entries(metric_name: str, values: torch.Tensor, names: Optional[List
 def loss_postfix(values: torch.Tensor, names: Optional[List[str]]) -> Dict[str, str]:
     """A progress bar's postfix for loss values: ``{'loss': '0.4123'}``, or ``{'loss_<name>': ...}`` per loss."""
     return {name: f"{value:.4f}" for name, value in history_entries("loss", values, names).items()}
+
+
+class EpochLossSum:
+    """The sum of an epoch's batch losses, on the device, in batch order (``accumulated_loss`` is its mean).
+
+    The losses of the batches since the last optimizer step wait in :attr:`pending` (the loop appends each
+    batch's detached value) and are added, in place, when the step is taken (:meth:`commit`): :attr:`committed` is then the sum up to the last step, which is where a
+    ``fit`` stopped by an exception continues. Adding in place spares an allocation per batch.
+
+    Args:
+        initial: a sum to start from (a resumed epoch's), as a number or a list of numbers; None starts empty.
+        device: where the sum lives.
+    """
+
+    def __init__(self, initial: Union[float, List[float], None] = None, device: Optional[torch.device] = None):
+        self.device = device
+        self.committed: Optional[torch.Tensor] = None if initial is None else torch.tensor(initial, device=device)
+        self.pending: List[torch.Tensor] = []
+
+    def commit(self) -> None:
+        """Add the pending values to the committed sum (at an optimizer step)."""
+        for value in self.pending:
+            if self.committed is None:  # float32 at least, as a sum starting from a float32 zero would be
+                self.committed = torch.zeros(value.shape, dtype=torch.promote_types(value.dtype, torch.float32),
+                                             device=value.device)
+            self.committed.add_(value)
+        self.pending.clear()
+
+    def total(self) -> torch.Tensor:
+        """Committed and pending values together (a new tensor; the same arithmetic as :meth:`commit`)."""
+        total = self.committed if self.committed is not None else torch.zeros((), device=self.device)
+        for value in self.pending:
+            total = total + value
+        return total

@@ -31,7 +31,7 @@ from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.interrupts import InterruptGuard
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
-from aitoolbox.torchtrain.train_loop.losses import checked_batch_loss, history_entries, loss_postfix
+from aitoolbox.torchtrain.train_loop.losses import EpochLossSum, checked_batch_loss, history_entries, loss_postfix
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
@@ -111,7 +111,7 @@ class TrainLoop(EvaluationMethods):
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
-        self.epoch_loss_sum = torch.zeros(())
+        self.epoch_loss = EpochLossSum()
         self.epoch_start_rng_state: Optional[dict] = None
         self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
         self._interrupted_at: Optional[MidEpochResume] = None  # where a fit stopped by an exception continues
@@ -171,6 +171,11 @@ class TrainLoop(EvaluationMethods):
     def experiment_timestamp(self) -> str:
         """The run's timestamp: its experiment folder's with a preset, else the time the TrainLoop was built."""
         return self.experiment_folder.timestamp if self.experiment_folder is not None else self._timestamp
+
+    @property
+    def epoch_loss_sum(self) -> torch.Tensor:
+        """The sum of the current epoch's batch losses so far (``accumulated_loss`` is its mean)."""
+        return self.epoch_loss.total()
 
     @property
     def iterations_done(self) -> int:
@@ -431,7 +436,7 @@ class TrainLoop(EvaluationMethods):
             truncate_history(self.train_history, resume.history_lengths)
             self._epoch_report.start(self.train_history)
             batches_done = resume.batches_done
-            self.epoch_loss_sum = torch.tensor(resume.loss_sum, device=self.device)
+            self.epoch_loss = EpochLossSum(resume.loss_sum, self.device)
         else:
             self._epoch_report.start(self.train_history)
             self.strategy.on_epoch_begin(state.epoch, self.train_loader)
@@ -454,7 +459,7 @@ class TrainLoop(EvaluationMethods):
         state = self.state
         num_batches = loader_length(self.train_loader)
         batches, self._batches_done = self._epoch_batches(resume)
-        self.epoch_loss_sum = torch.tensor(resume.loss_sum if resume else 0.0, device=self.device)
+        self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, self.device)
         self._mark_step_point()
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         running_loss = self._running_loss_postfix
@@ -504,7 +509,7 @@ class TrainLoop(EvaluationMethods):
             with self._precision.autocast():
                 loss = self._model_runner.get_loss(batch_data, self.criterion, self.device)
             self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
-            self.epoch_loss_sum = self.epoch_loss_sum + self.last_batch_loss
+            self.epoch_loss.pending.append(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
             self._batches_done += 1
             if self._loss_names is not None and self.num_optimizers > 1:
                 self._backward_and_step_per_optimizer(loss)
@@ -526,7 +531,8 @@ class TrainLoop(EvaluationMethods):
     def _mark_step_point(self) -> None:
         """Remember the last optimizer step of the epoch: an exception continues from there. (A tuple: this runs
         at every step, and the MidEpochResume is only needed if an exception comes.)"""
-        self._step_point = (self._batches_done, self.epoch_loss_sum, self.state.total_iteration_idx)
+        self.epoch_loss.commit()
+        self._step_point = (self._batches_done, self.state.total_iteration_idx)
 
     def _interruption_point(self) -> Optional[MidEpochResume]:
         """Where the next ``fit`` continues after an exception: the interrupted epoch's last optimizer step (the
@@ -534,10 +540,11 @@ class TrainLoop(EvaluationMethods):
         point = self._step_point
         if point is None or isinstance(point, MidEpochResume):  # nothing trained yet, or stopped in the epoch's end
             return point
-        batches_done, loss_sum, total_iteration_idx = point
+        batches_done, total_iteration_idx = point
         self.state.total_iteration_idx = total_iteration_idx
-        return MidEpochResume(batches_done, loss_sum.tolist(), self.epoch_start_rng_state,
-                              capture_rng_state(self.train_loader))
+        committed = self.epoch_loss.committed
+        return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
+                              self.epoch_start_rng_state, capture_rng_state(self.train_loader))
 
     def _remember_interruption(self) -> None:
         try:
@@ -593,8 +600,7 @@ class TrainLoop(EvaluationMethods):
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
         self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
-        # From here on an exception continues after this step (see _interruption_point); inline: every step runs it.
-        self._step_point = (self._batches_done, self.epoch_loss_sum, self.state.total_iteration_idx)
+        self._mark_step_point()  # from here on an exception continues after this step
         self.callbacks_handler.on_after_optimizer_step()
         self._precision.zero_grad(optimizers)
 

@@ -290,3 +290,25 @@ def test_ctrl_c_acts_at_once_when_repeated_or_outside_a_batch(hook, times, expec
     with pytest.raises(KeyboardInterrupt):
         make_loop(model).fit(num_epochs=3, callbacks=[sender])
     assert sender.after == expected_after
+
+
+# --- the epoch's loss sum ----------------------------------------------------------------------------------
+def test_epoch_loss_sum_commits_in_batch_order_with_float32_at_least():
+    from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
+    values = [torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.7), torch.tensor(1e-3)]
+    expected = torch.tensor(0.0)
+    for value in values:
+        expected = expected + value  # the sequential sum of a float32 zero and the values
+    epoch_loss = EpochLossSum()
+    epoch_loss.pending.extend(values[:2])
+    epoch_loss.commit()
+    epoch_loss.pending.append(values[2])
+    assert epoch_loss.committed.dtype == torch.float32
+    assert torch.equal(epoch_loss.total(), expected)
+    assert torch.equal(epoch_loss.committed, torch.tensor(0.0) + values[0] + values[1])  # the last step's sum
+    epoch_loss.commit()
+    assert torch.equal(epoch_loss.committed, expected) and epoch_loss.pending == []
+    resumed = EpochLossSum([1.0, 2.0])
+    resumed.pending.append(torch.tensor([0.5, 0.25]))
+    resumed.commit()
+    assert resumed.committed.tolist() == [1.5, 2.25]
