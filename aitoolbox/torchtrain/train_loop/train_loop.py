@@ -7,7 +7,6 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-import time
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -24,9 +23,9 @@ from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOption
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.torchtrain.train_loop.evaluation_methods import EvaluationMethods
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
-from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
-from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
+from aitoolbox.torchtrain.train_loop.compat_methods import CompatMethods
+from aitoolbox.torchtrain.train_loop.continuation import ContinuationAfterException
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.interrupts import InterruptGuard
@@ -42,7 +41,7 @@ from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precis
 logger = logging.getLogger(__name__)
 
 
-class TrainLoop(EvaluationMethods):
+class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
     """Trains a :class:`~aitoolbox.torchtrain.model.TTModel` (or a :class:`~aitoolbox.torchtrain.model.ModelWrap`).
 
     Args:
@@ -181,28 +180,6 @@ class TrainLoop(EvaluationMethods):
     def iterations_done(self) -> int:
         """Batches trained over the life of this TrainLoop."""
         return self.state.iterations_done
-
-    def should_execute_optimizer_update(self) -> bool:
-        """True when the current batch ends with an optimizer step: every ``grad_accumulation`` batches, at the
-        epoch's last batch, and at the last batch of a ``num_iterations`` run."""
-        num_batches = loader_length(self.train_loader)
-        return self.optimizer_step_due or (self.iteration + 1) % self.grad_accumulation == 0 \
-            or (num_batches is not None and self.iteration == num_batches - 1)
-
-    def get_schedulers(self) -> list:
-        """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""
-        return [callback for callback in self.callbacks if isinstance(callback, AbstractScheduler)]
-
-    def get_num_training_steps(self) -> int:
-        """Optimizer steps the current ``fit`` makes in all (for warm-up schedules); needs a sized train loader
-        when training by epochs."""
-        if self.num_iterations > 0:
-            return self.num_iterations // self.grad_accumulation
-        num_batches = loader_length(self.train_loader)
-        if num_batches is None:
-            raise ValueError("get_num_training_steps() needs len(train_loader) when training by num_epochs; the "
-                             "loader has no length: train by num_iterations instead")
-        return num_batches // self.grad_accumulation * self.num_epochs
 
     @property
     def model_runner(self) -> Any:
@@ -526,77 +503,6 @@ class TrainLoop(EvaluationMethods):
         state.optimizer_step_due = False
         hooks.on_batch_end()
         self._interrupts.batch_done()  # a Ctrl-C held during the batch is raised now
-
-    # --- continuing after an exception -------------------------------------------------------------------
-    def _mark_step_point(self) -> None:
-        """Remember the last optimizer step of the epoch: an exception continues from there. (A tuple: this runs
-        at every step, and the MidEpochResume is only needed if an exception comes.)"""
-        self.epoch_loss.commit()
-        self._step_point = (self._batches_done, self.state.total_iteration_idx)
-
-    def _interruption_point(self) -> Optional[MidEpochResume]:
-        """Where the next ``fit`` continues after an exception: the interrupted epoch's last optimizer step (the
-        batches of a partly accumulated window are trained again) or, stopped in the epoch's end, that end."""
-        point = self._step_point
-        if point is None or isinstance(point, MidEpochResume):  # nothing trained yet, or stopped in the epoch's end
-            return point
-        batches_done, total_iteration_idx = point
-        self.state.total_iteration_idx = total_iteration_idx
-        committed = self.epoch_loss.committed
-        return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
-                              self.epoch_start_rng_state, capture_rng_state(self.train_loader))
-
-    def _remember_interruption(self) -> None:
-        try:
-            self._interrupted_at = self._interruption_point()
-        except Exception:  # e.g. a device in an error state: the user must see their own exception, not this one
-            logger.exception("Could not record where training stopped; the next fit restarts the epoch")
-            self._interrupted_at = None
-
-    def _take_interruption_point(self) -> Optional[MidEpochResume]:
-        point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
-        if point is not None and self.strategy.is_main_process:
-            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.state.epoch,
-                        point.batches_done)
-        return point
-
-    def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
-        """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
-        the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step; the loss
-        scale is updated once after the last. A MultiLoss or MultiOptimizer subclass's own ``backward``,
-        ``step`` or ``zero_grad`` is called instead, with ``amp_scaler``, as in 1.x."""
-        if self.grad_accumulation > 1:
-            loss = loss / self.grad_accumulation
-        own_backward = type(loss).backward is not MultiLoss.backward
-        own_step = isinstance(self.optimizer, MultiOptimizer) and (
-            type(self.optimizer).step is not MultiOptimizer.step
-            or type(self.optimizer).zero_grad is not MultiOptimizer.zero_grad)
-        skipped = False
-        for optimizer_idx, optimizer in enumerate(self.optimizers):
-            if own_backward:
-                loss.backward(optimizer_idx, self.iteration, self.amp_scaler)
-            else:
-                if optimizer_idx not in loss.optimizer_loss_map:
-                    raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
-                                     f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
-                retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
-                self.precision.backward(loss[loss.optimizer_loss_map[optimizer_idx]],
-                                        accumulating=not self.optimizer_step_due, retain_graph=retain)
-            self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-            if not self.optimizer_step_due:
-                continue
-            if own_step:
-                self.optimizer.step(optimizer_idx, self.iteration, self.amp_scaler)
-                self.optimizer_step_skipped = self.precision.last_step_skipped
-                self._mark_step_point()
-                self.callbacks_handler.on_after_optimizer_step()
-                self.optimizer.zero_grad(optimizer_idx, self.iteration)
-            else:
-                self._step_optimizers([optimizer], update_scale=False)
-            skipped |= self.optimizer_step_skipped
-        if self.optimizer_step_due:
-            self.precision.update_scale()
-            self.optimizer_step_skipped = skipped
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
         self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
