@@ -19,15 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 class InterruptGuard:
-    """Holds a Ctrl-C that arrives inside a batch until :meth:`batch_done` (a context manager around training).
+    """Holds a Ctrl-C that arrives inside a batch until the batch is done (a context manager around training).
 
     Attributes:
         in_batch: True while a batch is being trained; the loop sets it.
+        pending: a Ctrl-C arrived during the batch; the loop calls :meth:`raise_pending` when the batch is done.
     """
 
     def __init__(self):
         self.in_batch = False
-        self._pending = False
+        self.pending = False
         self._previous_handler: Optional[object] = None
 
     def __enter__(self) -> "InterruptGuard":
@@ -41,18 +42,16 @@ class InterruptGuard:
             signal.signal(signal.SIGINT, self._previous_handler)
             self._previous_handler = None
         self.in_batch = False
-        self._pending = False
+        self.pending = False
 
     def _on_sigint(self, signum, frame) -> None:
-        if self.in_batch and not self._pending:
-            self._pending = True
+        if self.in_batch and not self.pending:
+            self.pending = True
             logger.warning("Ctrl-C: training stops when the current batch is done (Ctrl-C again stops it at once)")
             return
         raise KeyboardInterrupt
 
-    def batch_done(self) -> None:
-        """The batch is complete: raise the KeyboardInterrupt held during it, if any."""
-        self.in_batch = False
-        if self._pending:
-            self._pending = False
-            raise KeyboardInterrupt
+    def raise_pending(self) -> None:
+        """Raise the KeyboardInterrupt held during the batch (the batch is complete)."""
+        self.pending = False
+        raise KeyboardInterrupt

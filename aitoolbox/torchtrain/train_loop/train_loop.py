@@ -477,14 +477,16 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
         optimizer's step (a MultiLoss with several optimizers: :meth:`_backward_and_step_per_optimizer`)."""
-        state, hooks = self.state, self.callbacks_handler
-        self._interrupts.in_batch = True
+        state, hooks, interrupts = self.state, self.callbacks_handler, self._interrupts
+        batch_hooks = hooks.has_batch_hooks  # without any, the empty calls are skipped (microseconds a batch)
+        interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
-        hooks.on_batch_begin()
+        if batch_hooks:
+            hooks.on_batch_begin()
         with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
             with self._precision.autocast():
-                loss = self._model_runner.get_loss(batch_data, self.criterion, self.device)
+                loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
             self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
             self.epoch_loss.pending.append(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
             self._batches_done += 1
@@ -496,18 +498,23 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                 if state.grad_accumulation > 1:
                     loss = loss / state.grad_accumulation
                 self._precision.backward(loss, accumulating=not optimizer_step)
-                for optimizer_idx in range(self.num_optimizers):
-                    hooks.on_after_gradient_update(optimizer_idx)
+                if batch_hooks:
+                    for optimizer_idx in range(self.num_optimizers):
+                        hooks.on_after_gradient_update(optimizer_idx)
                 if optimizer_step:
                     self._step_optimizers(self.optimizers)
         state.optimizer_step_due = False
-        hooks.on_batch_end()
-        self._interrupts.batch_done()  # a Ctrl-C held during the batch is raised now
+        if batch_hooks:
+            hooks.on_batch_end()
+        interrupts.in_batch = False
+        if interrupts.pending:  # a Ctrl-C held during the batch is raised now
+            interrupts.raise_pending()
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
         self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
         self._mark_step_point()  # from here on an exception continues after this step
-        self.callbacks_handler.on_after_optimizer_step()
+        if self.callbacks_handler.has_batch_hooks:
+            self.callbacks_handler.on_after_optimizer_step()
         self._precision.zero_grad(optimizers)
 
     def _step_pending_gradients(self) -> bool:

@@ -271,3 +271,32 @@ def test_a_callback_whose_registration_fails_is_not_registered():
     assert tl.callbacks == [first]
     tl.fit(num_epochs=1)
     assert first.calls == 1 and refusing.calls == 0
+
+
+class EpochOnly(AbstractCallback):
+    def __init__(self):
+        super().__init__("epoch only")
+        self.epochs = 0
+
+    def on_epoch_end(self):
+        self.epochs += 1
+
+
+class StepCounting(AbstractCallback):
+    def __init__(self):
+        super().__init__("step counting")
+        self.steps = 0
+
+    def on_after_optimizer_step(self):
+        self.steps += 1
+
+
+def test_batch_hooks_are_skipped_only_while_no_callback_has_one():
+    tl = make_loop()
+    epoch_only = EpochOnly()
+    tl.fit(num_epochs=1, callbacks=[epoch_only])
+    assert not tl.callbacks_handler.has_batch_hooks and epoch_only.epochs == 1
+    counting = StepCounting()
+    tl.fit(num_epochs=2, callbacks=[counting])  # a later fit registering a batch-level hook turns the calls on
+    assert tl.callbacks_handler.has_batch_hooks
+    assert counting.steps == tl.iterations_done // 2  # every step of the second epoch
