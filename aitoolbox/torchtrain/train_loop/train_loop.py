@@ -343,6 +343,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             self._run_epoch(num_iterations, resume)
             resume = None
             state.epochs_completed += 1
+            self._step_point = None  # until here an exception redoes the epoch's end
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
 
@@ -426,7 +427,6 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             self.insert_metric_result_into_history(name, value)
         self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
-        self._step_point = None
         if self.strategy.is_main_process:
             self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
         state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
