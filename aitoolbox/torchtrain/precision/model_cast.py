@@ -82,8 +82,13 @@ class ForwardCaster:
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.autocast_device_type is not None:
-            context = torch.autocast(device_type=self.autocast_device_type, dtype=self.autocast_dtype)
-            context.__enter__()
+            # Under an autocast of the same kind already (TrainLoop's, around get_loss) there is nothing to enter;
+            # the model then also compiles (dynamo cannot trace an autocast entered in one hook, left in another).
+            context = None
+            if not (torch.is_autocast_enabled(self.autocast_device_type)
+                    and torch.get_autocast_dtype(self.autocast_device_type) == self.autocast_dtype):
+                context = torch.autocast(device_type=self.autocast_device_type, dtype=self.autocast_dtype)
+                context.__enter__()
             self._autocast_stack().append(context)
         if self.input_dtype is not None:
             return cast_floating(args, self.input_dtype), cast_floating(kwargs, self.input_dtype)
@@ -92,7 +97,9 @@ class ForwardCaster:
     def after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         # Registered with always_call=True: runs even when forward raised, so autocast is always left.
         if self.autocast_device_type is not None and self._autocast_stack():
-            self._autocast_stack().pop().__exit__(None, None, None)
+            context = self._autocast_stack().pop()
+            if context is not None:
+                context.__exit__(None, None, None)
         if self.output_dtype is not None:
             return cast_floating(output, self.output_dtype)
         return None

@@ -30,6 +30,10 @@ class Precision:
         master_weights: float32 master copies held by the optimizers of a model cast to low precision.
         step_listener: called as ``step_listener(skipped, optimizers)`` after every step decision (amp uses it to
             keep ``amp.last_step_skipped`` true when the loop skips a step).
+
+    Attributes:
+        step_optimizer: ``fn(optimizer)`` that performs one optimizer's update once the step is decided:
+            ``optimizer.step()`` by default; TrainLoop's ``torch_compile`` puts the compiled step here.
     """
 
     def __init__(self, device_type: str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
@@ -40,6 +44,7 @@ class Precision:
         self.loss_scaler = loss_scaler
         self.master_weights = master_weights
         self.step_listener = step_listener
+        self.step_optimizer = _eager_step
         self.last_step_skipped = False
         self._no_autocast = contextlib.nullcontext()  # reusable, and cheaper than a new one every batch
         self._unscaled_optimizers: set = set()
@@ -116,7 +121,7 @@ class Precision:
         """
         if self.loss_scaler is None and self.master_weights is None:  # nothing to unscale or check (runs per step)
             for optimizer in optimizers:
-                optimizer.step()
+                self.step_optimizer(optimizer)
             self._unscaled_optimizers.clear()
             self.last_step_skipped = False
             if self.step_listener is not None:
@@ -128,7 +133,7 @@ class Precision:
         skip = self._found_inf and self.loss_scaler is not None and self.loss_scaler.dynamic
         if not skip:
             for optimizer in optimizers:
-                optimizer.step()
+                self.step_optimizer(optimizer)
         self._skipped_since_update |= skip
         if update_scale:
             self.update_scale()
@@ -164,3 +169,7 @@ class Precision:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         if state.get("master_weights") is not None and self.master_weights is not None:
             self.master_weights.load_state_dict(state["master_weights"])
+
+
+def _eager_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()

@@ -7,7 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
+from aitoolbox.torchtrain.compiling import CompileOptions, CompileStats, Compiler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
 from aitoolbox.torchtrain.precision.precision import Precision
@@ -65,6 +66,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         use_amp: mixed precision: False, True (autocast in the device's default low-precision dtype with
             dynamic loss scaling where needed), or a dict of ``amp.initialize`` keyword arguments.
         show_progress: show tqdm progress bars.
+        torch_compile: compile the model's forward (in place: ``state_dict`` keys are unchanged) and the optimizers'
+            steps with ``torch.compile``: False, True (torch's defaults), or a dict of ``torch.compile`` options
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus ``'fallback': 'eager'`` (warn and
+            run uncompiled what cannot be compiled, instead of an error) and ``'optimizer_step': False`` (compile
+            only the model). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
     """
 
     def __init__(self, model: Union[TTModel, ModelWrap], train_loader: DataLoader,
@@ -74,7 +80,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                  collate_batch_pred_fn: Callable = append_predictions, pred_transform_fn: Callable = torch_cat_transf,
                  end_auto_eval: Union[bool, int] = True, lazy_experiment_save: bool = False,
                  print_callbacks: bool = False, gpu_mode: str = "single", cuda_device_idx: Optional[int] = None,
-                 use_amp: Union[bool, dict] = False, show_progress: bool = True):
+                 use_amp: Union[bool, dict] = False, show_progress: bool = True,
+                 torch_compile: Union[bool, dict] = False):
         # The TTModel the loop calls (an adapter for a ModelWrap); ``model`` is the user's own module, as in 1.x.
         self.loop_model = validation.resolve_model(model)
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
@@ -102,6 +109,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         check_use_amp(use_amp, self.strategy.device)
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
+        compile_options = CompileOptions.from_argument(torch_compile)
+        self.torch_compile = torch_compile
+        self._compiler = Compiler(compile_options, self._loop_position) if compile_options else None
         self.amp_scaler = GradScalerView(self._get_precision)
 
         self.state = LoopState()
@@ -182,6 +192,14 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         return self.state.iterations_done
 
     @property
+    def compile_stats(self) -> Optional[CompileStats]:
+        """With ``torch_compile``: the compilations so far (count, recompilations, seconds, when); else None."""
+        return self._compiler.stats if self._compiler is not None else None
+
+    def _loop_position(self) -> tuple:
+        return self.state.epoch, self.state.iteration
+
+    @property
     def model_runner(self) -> Any:
         """What the loop calls ``get_loss``/``get_predictions`` on: the model as set up by the strategy (the model
         itself, or a parallel wrapper around it). It exists once ``fit``, an evaluation or a prediction started."""
@@ -220,6 +238,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         self.criterion = self.strategy.setup_criterion(self.criterion)
         if self._precision is None:
             self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+        if self._compiler is not None:  # after amp.initialize (which may cast the model), before a parallel wrap
+            self._compiler.compile_model(self.model)
+            self._precision.step_optimizer = self._compiler.step
         self._model_runner = self.strategy.wrap_model(self.loop_model)
 
     def use_strategy(self, strategy: Any, use_amp: Union[bool, dict, None] = None) -> None:
@@ -321,13 +342,18 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                            state.epochs_completed, state.iterations_done)
             return self.model_for_user
         try:
-            with self._interrupts:
+            with self._interrupts, self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
             self._remember_interruption()
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
+
+    @property
+    def _compile_recording(self) -> ContextManager:
+        # Compilations during fit are this loop's (a backward compiled lazily runs outside the compiled calls).
+        return self._compiler.stats if self._compiler is not None else contextlib.nullcontext()
 
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
@@ -344,6 +370,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             resume = None
             state.epochs_completed += 1
             self._step_point = None  # until here an exception redoes the epoch's end
+            if self._compiler is not None:
+                self._compiler.warn_if_forward_unused()
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
 

@@ -1,0 +1,74 @@
+"""The compiler of one TrainLoop: what ``torch_compile`` compiles, and the optimizer step the loop calls."""
+import logging
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from aitoolbox.torchtrain.compiling.model import CompiledModelCall, compile_in_place
+from aitoolbox.torchtrain.compiling.optimizer import CompiledOptimizerStep
+from aitoolbox.torchtrain.compiling.options import CompileOptions
+from aitoolbox.torchtrain.compiling.stats import CompileStats
+
+logger = logging.getLogger(__name__)
+
+
+class Compiler:
+    """Compiles a TrainLoop's model forward (in place) and its optimizers' steps.
+
+    What runs compiled is what ``get_loss`` and ``get_predictions`` call: ``self(...)`` on the model (or the
+    ``ModelWrap``-ed module) goes through the compiled graph, for training and evaluation alike. Dynamo keeps
+    one graph per mode (train, eval, no_grad), so switching between them recompiles nothing after each has run
+    once. A smaller last batch makes dynamo recompile the forward once with a dynamic batch dimension (torch's
+    automatic dynamic shapes); from the second epoch on nothing recompiles.
+
+    Args:
+        options: what to compile and how (from ``TrainLoop(torch_compile=...)``).
+        position: returns the loop's ``(epoch, iteration)`` for :class:`CompileStats`.
+    """
+
+    def __init__(self, options: CompileOptions, position: Callable[[], tuple]):
+        self.options = options
+        self.stats = CompileStats(position)
+        self.model_call: Optional[CompiledModelCall] = None
+        self._optimizer_steps: Dict[int, CompiledOptimizerStep] = {}
+        self._unused_forward_warned = False
+
+    def __getstate__(self) -> dict:
+        # Sent to the processes of fit_distributed: compiled functions do not pickle; each process compiles anew.
+        state = self.__dict__.copy()
+        state["model_call"] = None
+        state["_optimizer_steps"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        return f"Compiler({self.options}, {self.stats})"
+
+    def compile_model(self, module: nn.Module) -> None:
+        """Compile ``module``'s forward in place (see :func:`~.model.compile_in_place`)."""
+        self.stats.listen()
+        self.model_call = compile_in_place(module, self.options, self.stats)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` (compiled when ``optimizer_step`` is on); the Precision object calls this."""
+        compiled = self._optimizer_steps.get(id(optimizer))
+        if compiled is None or compiled.optimizer is not optimizer:
+            if not self.options.optimizer_step:
+                optimizer.step()
+                return
+            compiled = self._optimizer_steps[id(optimizer)] = CompiledOptimizerStep(optimizer, self.options,
+                                                                                   self.stats)
+        compiled()
+
+    def warn_if_forward_unused(self) -> None:
+        """After an epoch: a ``get_loss`` that never calls ``self(...)`` (only submodules) compiles no forward."""
+        if self.model_call is not None and self.model_call.calls == 0 and not self._unused_forward_warned:
+            self._unused_forward_warned = True
+            logger.warning("torch_compile: get_loss never called the model itself (self(...)), so no forward was "
+                           "compiled; only the optimizer step is. Call self(...) in get_loss, or compile the "
+                           "submodules it calls yourself with submodule.compile().")
+
+    @property
+    def optimizer_steps(self) -> List[CompiledOptimizerStep]:
+        """The compiled steps, one per optimizer stepped so far."""
+        return list(self._optimizer_steps.values())

@@ -1,0 +1,120 @@
+"""Compiling a model in place: ``model(x)`` runs compiled, and the model stays the user's own object.
+
+``torch.compile(model)`` returns a wrapper whose ``state_dict`` keys carry ``_orig_mod.``, which breaks loading
+checkpoints into the plain model. ``nn.Module.compile()`` keeps the object, but in torch 2.13 it compiles
+nothing for a module whose ``forward`` is torch's own (``nn.Sequential``, a ``ModelWrap``-ed torchvision
+model): dynamo skips frames in torch's files, and ``Module._call_impl`` is one. So we do what
+``torch.compile(model)`` does inside, on the model itself: compile a small function of ours that calls the
+module (a frame dynamo traces, with the module's hooks inlined) and install it where ``nn.Module.compile``
+does, as the module's compiled call. ``model(x)`` then runs the compiled graph; the parameters, buffers and
+``state_dict`` are the model's own, so a checkpoint of a compiled run loads into an uncompiled model and the
+other way round.
+"""
+import logging
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from aitoolbox.torchtrain.compiling.options import CompileOptions
+from aitoolbox.torchtrain.compiling.stats import CompileStats
+
+logger = logging.getLogger(__name__)
+
+
+def compile_failure_types() -> tuple:
+    """The exceptions by which torch.compile reports that it could not compile (as opposed to the user's code
+    failing when run): dynamo's own (``Unsupported`` on a graph break under ``fullgraph=True``,
+    ``BackendCompilerFailed``, ...)."""
+    from torch._dynamo.exc import TorchDynamoException
+    return (TorchDynamoException,)
+
+
+class CompiledModelCall:
+    """The module's compiled call: the compiled graph, or on a compile failure a clear error or eager execution.
+
+    Installed as the module's ``_compiled_call_impl`` (the attribute ``nn.Module.compile`` sets and
+    ``nn.Module.__call__`` consults). ``nn.Module`` drops it when pickled or deep-copied, so a model sent to
+    other processes arrives uncompiled and is compiled there again.
+
+    Args:
+        module: the model to compile.
+        options: TrainLoop's compile options.
+        stats: records the compilations.
+    """
+
+    def __init__(self, module: nn.Module, options: CompileOptions, stats: CompileStats):
+        self.options = options
+        self.module_name = type(module).__name__
+        self.stats = stats
+        self.eager_only = False
+        self.calls = 0
+        # The uncompiled call (forward with its hooks), as nn.Module.__call__ runs it when nothing is compiled.
+        self._eager_call: Callable = module._call_impl
+        self._compiled: Callable = torch.compile(_traceable_call(self._eager_call), **options.torch_kwargs)
+
+    def __repr__(self) -> str:
+        state = "eager after a compile failure" if self.eager_only else "compiled"
+        return f"CompiledModelCall({self.module_name}, {state}, options={self.options.torch_kwargs})"
+
+    def __call__(self, *args, **kwargs) -> Any:
+        self.calls += 1
+        if self.eager_only:
+            return self._eager_call(*args, **kwargs)
+        try:
+            with self.stats:
+                return self._compiled(*args, **kwargs)
+        except compile_failure_types() as failure:
+            self._handle_failure(failure)
+            return self._eager_call(*args, **kwargs)
+
+    def _handle_failure(self, failure: Exception) -> None:
+        reason = first_line(failure)
+        if self.options.fallback != "eager":
+            raise RuntimeError(
+                f"torch.compile could not compile the forward of {self.module_name} (TrainLoop torch_compile="
+                f"{self.options.torch_kwargs or True}): {reason}\nMake the forward compilable (with "
+                f"'fullgraph': True every graph break is an error; TORCH_LOGS=graph_breaks lists them), or pass "
+                f"torch_compile={{'fallback': 'eager'}} to train it uncompiled.") from failure
+        warnings.warn(f"torch.compile could not compile the forward of {self.module_name}: {reason}. It runs "
+                      f"uncompiled (torch_compile 'fallback': 'eager').", RuntimeWarning, stacklevel=2)
+        self.eager_only = True
+
+
+def _traceable_call(call: Callable) -> Callable:
+    # A function in this package: dynamo traces it (and inlines nn.Module's call, hooks and all) where it would
+    # skip torch's own Module._call_impl as the top frame.
+    def call_module(*args, **kwargs):
+        return call(*args, **kwargs)
+    return call_module
+
+
+def compile_in_place(module: nn.Module, options: CompileOptions, stats: CompileStats) -> CompiledModelCall:
+    """Make ``module(...)`` run compiled, keeping ``module`` the same object (see the module docstring).
+
+    Idempotent for the same options: a module already compiled by TrainLoop keeps its compiled call (and the
+    graphs compiled so far). A module the user compiled with ``module.compile()`` is compiled again by TrainLoop
+    (its ``nn.Module.compile`` graph would miss forwards that are torch's own).
+    """
+    current = compiled_call_of(module)
+    if current is not None and current.options == options:
+        return current
+    if getattr(module, "_compiled_call_impl", None) is not None and current is None:
+        logger.info("%s was compiled with nn.Module.compile(); TrainLoop compiles it again with torch_compile=%s",
+                    type(module).__name__, options.torch_kwargs or True)
+    compiled = CompiledModelCall(module, options, stats)
+    module._compiled_call_impl = compiled
+    return compiled
+
+
+def compiled_call_of(module: nn.Module) -> Optional[CompiledModelCall]:
+    """The TrainLoop compiled call installed on ``module``, or None."""
+    current = getattr(module, "_compiled_call_impl", None)
+    return current if isinstance(current, CompiledModelCall) else None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (dynamo's run to dozens of lines of hints)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

@@ -1,0 +1,138 @@
+"""What compiling cost a TrainLoop: each compilation, its duration and whether it was a recompilation.
+
+Dynamo announces every compilation through ``torch._dynamo.callback`` (start and end, with a compile id
+``"<frame>/<attempt>"``: an attempt above 0 is a recompilation of a frame whose earlier graphs' guards failed,
+e.g. on a new input shape). A :class:`CompileStats` listens from the first compiled call of its TrainLoop
+and keeps the compilations that happen while that TrainLoop is running (training, evaluation or a compiled
+call of its own), so that other code compiling in the same process is not counted.
+"""
+import dataclasses
+import logging
+import time
+import weakref
+from typing import Callable, List, Optional
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileEvent:
+    """One compilation.
+
+    Attributes:
+        compile_id: dynamo's id, ``"<frame>/<attempt>"`` (a backward compiled lazily has its own trigger).
+        seconds: wall time the compilation took.
+        epoch: the TrainLoop's epoch when it happened.
+        iteration: the batch index within that epoch.
+        trigger: ``'dynamo'`` (a frame traced), ``'lazy_backward'`` or ``'cudagraph_recording'``.
+    """
+    compile_id: str
+    seconds: float
+    epoch: int
+    iteration: int
+    trigger: str
+
+    @property
+    def is_recompile(self) -> bool:
+        """True for a further graph of a frame compiled before (its earlier graphs' guards failed)."""
+        attempt = self.compile_id.rsplit("/", 1)[-1]
+        return attempt.isdigit() and int(attempt) > 0
+
+
+class CompileStats:
+    """The compilations of one TrainLoop's compiled model and optimizer steps (``tl.compile_stats``).
+
+    Args:
+        position: returns the loop's current ``(epoch, iteration)``, recorded with each compilation.
+    """
+
+    def __init__(self, position: Callable[[], tuple]):
+        self.events: List[CompileEvent] = []
+        self._position = position
+        self._depth = 0  # > 0 while this TrainLoop runs: compilations then are its own
+        self._started: Optional[float] = None
+        self._listener: Optional[_DynamoListener] = None
+
+    def __getstate__(self) -> dict:
+        # A copy in another process listens there anew (the registration is this process's).
+        state = self.__dict__.copy()
+        state.update(_depth=0, _started=None, _listener=None)
+        return state
+
+    def __repr__(self) -> str:
+        return (f"CompileStats(compiles={self.compiles}, recompiles={self.recompiles}, "
+                f"compile_time_s={self.compile_time_s:.2f})")
+
+    @property
+    def compiles(self) -> int:
+        """Compilations so far (first compilations and recompilations)."""
+        return len(self.events)
+
+    @property
+    def recompiles(self) -> int:
+        """Compilations of a frame compiled before (guards failed: a new shape, mode or dtype)."""
+        return sum(event.is_recompile for event in self.events)
+
+    @property
+    def compile_time_s(self) -> float:
+        """Seconds spent compiling in all."""
+        return sum(event.seconds for event in self.events)
+
+    def compiles_since(self, epoch: int) -> List[CompileEvent]:
+        """The compilations during epoch ``epoch`` or later (none after warm-up is what a steady run shows)."""
+        return [event for event in self.events if event.epoch >= epoch]
+
+    def listen(self) -> None:
+        """Start listening to dynamo's compilation announcements (once; they stop when this object is freed)."""
+        if self._listener is None:
+            self._listener = _DynamoListener(self)
+
+    def __enter__(self) -> "CompileStats":
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._depth -= 1
+
+    def _on_start(self) -> None:
+        if self._depth > 0:
+            self._started = time.perf_counter()
+
+    def _on_end(self, compile_id: str, trigger: str) -> None:
+        if self._started is None:
+            return
+        seconds, self._started = time.perf_counter() - self._started, None
+        epoch, iteration = self._position()
+        event = CompileEvent(compile_id, seconds, epoch, iteration, trigger)
+        self.events.append(event)
+        logger.debug("torch.compile: %s %s in %.2f s (epoch %d, batch %d); %d compilations so far",
+                     "recompiled" if event.is_recompile else "compiled", compile_id, seconds, epoch, iteration,
+                     self.compiles)
+
+
+class _DynamoListener:
+    """Registers with ``torch._dynamo.callback`` and forwards to a CompileStats while it lives."""
+
+    def __init__(self, stats: CompileStats):
+        from torch._dynamo.callback import callback_handler
+        stats_ref = weakref.ref(stats)
+
+        def on_start(args) -> None:
+            target = stats_ref()
+            if target is not None:
+                target._on_start()
+
+        def on_end(args) -> None:
+            target = stats_ref()
+            if target is not None:
+                target._on_end(str(args.compile_id), args.callback_trigger.name.lower())
+
+        callback_handler.register_start_callback(on_start)
+        callback_handler.register_end_callback(on_end)
+        # The handler is process-wide: unregister when the stats are freed, or it would grow with every TrainLoop.
+        weakref.finalize(stats, _unregister, callback_handler, on_start, on_end)
+
+
+def _unregister(handler, on_start, on_end) -> None:
+    handler.remove_start_callback(on_start)
+    handler.remove_end_callback(on_end)
