@@ -115,6 +115,12 @@ def compiled_call_of(module: nn.Module) -> Optional[CompiledModelCall]:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (dynamo's run to dozens of lines of hints)."""
+    """The gist of a compile failure: the first line of its message (dynamo's run to dozens of lines of hints),
+    and for a failing backend the backend's own error."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    gist = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: what the backend raised
+    if inner is not None:
+        inner_text = str(inner).strip()
+        gist += f" {type(inner).__name__}: {inner_text.splitlines()[0] if inner_text else ''}"
+    return gist

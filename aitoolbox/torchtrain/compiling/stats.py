@@ -88,6 +88,8 @@ class CompileStats:
             self._listener = _DynamoListener(self)
 
     def __enter__(self) -> "CompileStats":
+        if self._depth == 0 and self._listener is not None:
+            self._listener.ensure_registered()  # torch._dynamo.reset() unregisters every listener
         self._depth += 1
         return self
 
@@ -127,12 +129,20 @@ class _DynamoListener:
             if target is not None:
                 target._on_end(str(args.compile_id), args.callback_trigger.name.lower())
 
-        callback_handler.register_start_callback(on_start)
-        callback_handler.register_end_callback(on_end)
+        self._handler, self._on_start, self._on_end = callback_handler, on_start, on_end
+        self.ensure_registered()
         # The handler is process-wide: unregister when the stats are freed, or it would grow with every TrainLoop.
         weakref.finalize(stats, _unregister, callback_handler, on_start, on_end)
 
+    def ensure_registered(self) -> None:
+        if self._on_start not in self._handler.start_callbacks:
+            self._handler.register_start_callback(self._on_start)
+        if self._on_end not in self._handler.end_callbacks:
+            self._handler.register_end_callback(self._on_end)
+
 
 def _unregister(handler, on_start, on_end) -> None:
-    handler.remove_start_callback(on_start)
-    handler.remove_end_callback(on_end)
+    if on_start in handler.start_callbacks:
+        handler.remove_start_callback(on_start)
+    if on_end in handler.end_callbacks:
+        handler.remove_end_callback(on_end)
