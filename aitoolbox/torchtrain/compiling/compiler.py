@@ -60,8 +60,15 @@ class Compiler:
                                                                                    self.stats)
         compiled()
 
-    def warn_if_forward_unused(self) -> None:
-        """After an epoch: a ``get_loss`` that never calls ``self(...)`` (only submodules) compiles no forward."""
+    def check_after_epoch(self) -> None:
+        """Warn once about what an epoch revealed: dynamo's recompile limit reached (something then runs uncompiled),
+        or a ``get_loss`` that never calls ``self(...)`` (only submodules): then no forward is compiled."""
+        compiled_calls = [self.model_call] if self.model_call is not None else []
+        compiled_calls += self.optimizer_steps
+        never_compiled = [call.label for call in compiled_calls
+                          if call.calls > 0 and call.compiles == 0 and not call.eager_only]
+        if not self.options.torch_kwargs.get("disable", False):
+            self.stats.check_recompile_limit(never_compiled)
         if self.model_call is not None and self.model_call.calls == 0 and not self._unused_forward_warned:
             self._unused_forward_warned = True
             logger.warning("torch_compile: get_loss never called the model itself (self(...)), so no forward was "

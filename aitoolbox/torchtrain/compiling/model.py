@@ -47,12 +47,21 @@ class CompiledModelCall:
     def __init__(self, module: nn.Module, options: CompileOptions, stats: CompileStats):
         self.options = options
         self.module_name = type(module).__name__
+        self.label = f"the forward of {self.module_name}"
         self.stats = stats
         self.eager_only = False
         self.calls = 0
+        self.compiles = 0  # compilations while this call ran (CompileStats counts them here)
+        # dynamic=None (torch's automatic dynamic shapes) compiles a static graph for the first batch size and a
+        # dynamic one when another size (the smaller last batch) comes: which graph serves a batch then depends
+        # on the order the process met the sizes, and the two may round differently, so a run resumed in a new
+        # process would not be bitwise the same. Marking the batch dimension dynamic from the first call makes
+        # one graph serve every batch size (sizes 0 and 1 excepted: torch specializes them), whatever the order.
+        self._mark_batch_dynamic = options.torch_kwargs.get("dynamic") is None
         # The uncompiled call (forward with its hooks), as nn.Module.__call__ runs it when nothing is compiled.
         self._eager_call: Callable = module._call_impl
-        self._compiled: Callable = torch.compile(_traceable_call(self._eager_call), **options.torch_kwargs)
+        self._compiled: Callable = torch.compile(_traceable_call(self._eager_call, self.module_name),
+                                                 **options.torch_kwargs)
 
     def __repr__(self) -> str:
         state = "eager after a compile failure" if self.eager_only else "compiled"
@@ -62,6 +71,9 @@ class CompiledModelCall:
         self.calls += 1
         if self.eager_only:
             return self._eager_call(*args, **kwargs)
+        if self._mark_batch_dynamic:
+            mark_batch_dimension_dynamic(args, kwargs)
+        self.stats.caller = self
         try:
             with self.stats:
                 return self._compiled(*args, **kwargs)
@@ -82,11 +94,29 @@ class CompiledModelCall:
         self.eager_only = True
 
 
-def _traceable_call(call: Callable) -> Callable:
-    # A function in this package: dynamo traces it (and inlines nn.Module's call, hooks and all) where it would
-    # skip torch's own Module._call_impl as the top frame.
+def mark_batch_dimension_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark dimension 0 of the tensors a forward is called with (by convention the batch) as dynamic, without
+    insisting: a dimension the graph needs constant stays constant."""
+    for value in args:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
+def _traceable_call(call: Callable, module_name: str) -> Callable:
+    """A function of this package calling ``call``: dynamo traces it (and inlines nn.Module's call, hooks and all)
+    where it would skip torch's own ``Module._call_impl`` as the top frame."""
     def call_module(*args, **kwargs):
         return call(*args, **kwargs)
+    # Dynamo keeps compiled graphs per code object and counts all graphs kept there, those of freed models too,
+    # against torch._dynamo.config.recompile_limit (8). With one code object shared by every compiled model, the
+    # TrainLoops built before in the process (a notebook cell run again) would use up this model's budget, and
+    # a model with hooks (amp's input casts) needs graphs of its own: each model gets its own code object, freed
+    # with it. The name shows in torch's logs ("compiled_call_of_MyNet").
+    call_module.__code__ = call_module.__code__.replace(co_name=f"compiled_call_of_{module_name}",
+                                                        co_qualname=f"compiled_call_of_{module_name}")
     return call_module
 
 

@@ -40,7 +40,10 @@ class CompiledOptimizerStep:
         self.options = options
         self.stats = stats
         self.eager_only = False
+        self.calls = 0
+        self.compiles = 0  # compilations while this step ran (CompileStats counts them here)
         self.name = type(optimizer).__name__
+        self.label = f"{self.name}.step"
         self._replaced_step_logged = False
         self._compiled: Callable = torch.compile(type(optimizer).step, **options.optimizer_kwargs)
         self._tensor_lrs: List[Optional[torch.Tensor]] = [self._tensor_lr_for(group)
@@ -74,6 +77,8 @@ class CompiledOptimizerStep:
             if tensor_lr is not None and isinstance(group["lr"], float):
                 tensor_lr.fill_(group["lr"])
                 group["lr"] = tensor_lr
+        self.calls += 1
+        self.stats.caller = self
         try:
             try:
                 with self.stats:

@@ -52,11 +52,16 @@ class CompileStats:
         self._depth = 0  # > 0 while this TrainLoop runs: compilations then are its own
         self._started: Optional[float] = None
         self._listener: Optional[_DynamoListener] = None
+        self._limit_hits_seen = 0
+        self.recompile_limit_reached = False
+        # The compiled callable (model call or optimizer step) that ran last: a compilation is counted to it (a
+        # backward compiled lazily, after the forward returned, belongs to that forward).
+        self.caller = None
 
     def __getstate__(self) -> dict:
         # A copy in another process listens there anew (the registration is this process's).
         state = self.__dict__.copy()
-        state.update(_depth=0, _started=None, _listener=None)
+        state.update(_depth=0, _started=None, _listener=None, _limit_hits_seen=0, caller=None)
         return state
 
     def __repr__(self) -> str:
@@ -82,10 +87,31 @@ class CompileStats:
         """The compilations during epoch ``epoch`` or later (none after warm-up is what a steady run shows)."""
         return [event for event in self.events if event.epoch >= epoch]
 
+    def check_recompile_limit(self, never_compiled: List[str]) -> bool:
+        """True (and a warning, the first time) if dynamo gave up compiling part of this run because a code object
+        reached ``torch._dynamo.config.recompile_limit``: that code then runs uncompiled.
+
+        Args:
+            never_compiled: the compiled callables that ran but never compiled a graph (dynamo skipping them).
+        """
+        hits = recompile_limit_hits()
+        if (hits > self._limit_hits_seen or never_compiled) and not self.recompile_limit_reached:
+            self.recompile_limit_reached = True
+            logger.warning(
+                "torch.compile reached torch._dynamo.config.recompile_limit (%d): %s of this run now runs "
+                "uncompiled. torch counts the graphs of models and optimizers freed "
+                "earlier in this process against the limit, so this happens after several TrainLoops in one "
+                "notebook or script: call torch._dynamo.reset() before building the next TrainLoop, or raise "
+                "torch._dynamo.config.recompile_limit. TORCH_LOGS=recompiles shows what recompiled.",
+                _recompile_limit(), " and ".join(never_compiled) or "part")
+        self._limit_hits_seen = hits
+        return self.recompile_limit_reached
+
     def listen(self) -> None:
         """Start listening to dynamo's compilation announcements (once; they stop when this object is freed)."""
         if self._listener is None:
             self._listener = _DynamoListener(self)
+            self._limit_hits_seen = recompile_limit_hits()
 
     def __enter__(self) -> "CompileStats":
         if self._depth == 0 and self._listener is not None:
@@ -107,9 +133,23 @@ class CompileStats:
         epoch, iteration = self._position()
         event = CompileEvent(compile_id, seconds, epoch, iteration, trigger)
         self.events.append(event)
+        if self.caller is not None:
+            self.caller.compiles += 1
         logger.debug("torch.compile: %s %s in %.2f s (epoch %d, batch %d); %d compilations so far",
                      "recompiled" if event.is_recompile else "compiled", compile_id, seconds, epoch, iteration,
                      self.compiles)
+
+
+def recompile_limit_hits() -> int:
+    """How often dynamo gave up on a frame in this process because it reached its recompile limit."""
+    from torch._dynamo.utils import counters
+    return sum(count for reason, count in counters["unimplemented"].items()
+               if "recompile limit" in reason.lower() or "recompile_limit" in reason)
+
+
+def _recompile_limit() -> int:
+    import torch._dynamo.config
+    return torch._dynamo.config.recompile_limit
 
 
 class _DynamoListener:

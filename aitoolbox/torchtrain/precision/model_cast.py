@@ -43,6 +43,15 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
                 module.float()
 
 
+class _AutocastStacks(threading.local):
+    """One stack of entered autocast contexts per thread, present from the thread's first access (a stack created
+    on demand would make torch.compile recompile the forward once it exists)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: List[Any] = []
+
+
 class ForwardCaster:
     """Forward hooks of a model prepared by ``amp.initialize``.
 
@@ -59,7 +68,7 @@ class ForwardCaster:
         self.output_dtype = output_dtype
         self.autocast_device_type = autocast_device_type
         self.autocast_dtype = autocast_dtype
-        self._local = threading.local()  # DataParallel runs replicas in threads sharing these hooks
+        self._local = _AutocastStacks()  # DataParallel runs replicas in threads sharing these hooks
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -68,7 +77,7 @@ class ForwardCaster:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._local = threading.local()
+        self._local = _AutocastStacks()
 
     def __deepcopy__(self, memo) -> "ForwardCaster":
         copied = ForwardCaster(self.input_dtype, self.output_dtype, self.autocast_device_type, self.autocast_dtype)
@@ -76,8 +85,6 @@ class ForwardCaster:
         return copied
 
     def _autocast_stack(self) -> List[Any]:
-        if not hasattr(self._local, "stack"):
-            self._local.stack = []
         return self._local.stack
 
     def before_forward(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -371,7 +371,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             state.epochs_completed += 1
             self._step_point = None  # until here an exception redoes the epoch's end
             if self._compiler is not None:
-                self._compiler.warn_if_forward_unused()
+                self._compiler.check_after_epoch()
         self._evaluate_at_train_end()
         self.callbacks_handler.on_train_end()
 
