@@ -63,6 +63,8 @@ class Case:
         grad_accumulation: optimizer step every this many batches.
         load: 'load_checkpoint' (tl.load_checkpoint(run folder)), 'callback_path'
             (ModelLoadContinueTraining(saved_model_path=...)) or 'callback_parts' (the aitoolbox 1.x arguments).
+        compiled: train with ``torch_compile`` (the deterministic ``aot_eager`` backend): both runs compile in
+            their own process, the resumed one from the loaded state.
     """
 
     precision: str
@@ -71,6 +73,7 @@ class Case:
     iteration_checkpoints: bool = False
     grad_accumulation: int = 1
     load: str = "load_checkpoint"
+    compiled: bool = False
 
     @property
     def name(self) -> str:
@@ -81,6 +84,8 @@ class Case:
             parts.append(f"acc{self.grad_accumulation}")
         if self.load != "load_checkpoint":
             parts.append(self.load)
+        if self.compiled:
+            parts.append("compiled")
         return "-".join(parts)
 
 
@@ -91,8 +96,12 @@ CASES: List[Case] = (
        Case("fp16", crash_at=9 + 6, iteration_checkpoints=True, grad_accumulation=2),
        Case("O2", crash_at=7, iteration_checkpoints=True, grad_accumulation=2),
        Case("fp32", load="callback_path"),
-       Case("O1", crash_at=9 + 7, iteration_checkpoints=True, load="callback_parts")]
+       Case("O1", crash_at=9 + 7, iteration_checkpoints=True, load="callback_parts"),
+       Case("fp32", compiled=True),
+       Case("O1", crash_at=9 + 7, iteration_checkpoints=True, compiled=True),
+       Case("O2", crash_at=7, iteration_checkpoints=True, grad_accumulation=2, compiled=True)]
 )
+COMPILE_OPTIONS = {"backend": "aot_eager"}
 CASES_BY_NAME: Dict[str, Case] = {case.name: case for case in CASES}
 
 
@@ -159,7 +168,8 @@ def build(case: Case, root: str, experiment: str) -> TrainLoopCheckpoint:
                                project_name=PROJECT, experiment_name=experiment,
                                local_model_result_folder_path=root, hyperparams={"case": case.name},
                                iteration_save_freq=ITERATION_SAVE_FREQ if case.iteration_checkpoints else 0,
-                               use_amp=PRECISIONS[case.precision], show_progress=False)
+                               use_amp=PRECISIONS[case.precision], show_progress=False,
+                               torch_compile=COMPILE_OPTIONS if case.compiled else False)
 
 
 def lr_decay(step: int) -> float:
@@ -183,6 +193,7 @@ def outcome(tl: TrainLoopCheckpoint) -> dict:
         "train_history": tl.train_history.get_train_history_dict(),
         "counters": [tl.epoch, tl.epochs_completed, tl.total_iteration_idx],
         "lr": [group["lr"] for group in tl.optimizers[0].param_groups],
+        "compiles": tl.compile_stats.compiles if tl.compile_stats is not None else 0,
     }
 
 
