@@ -9,6 +9,7 @@ from aitoolbox.torchtrain.compiling.model import CompiledModelCall, compile_in_p
 from aitoolbox.torchtrain.compiling.optimizer import CompiledOptimizerStep
 from aitoolbox.torchtrain.compiling.options import CompileOptions
 from aitoolbox.torchtrain.compiling.stats import CompileStats
+from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,13 @@ class Compiler:
     def __repr__(self) -> str:
         return f"Compiler({self.options}, {self.stats})"
 
-    def compile_model(self, module: nn.Module) -> None:
-        """Compile ``module``'s forward in place (see :func:`~.model.compile_in_place`)."""
+    def prepare(self, module: nn.Module, precision: Precision) -> None:
+        """Compile ``module``'s forward in place (see :func:`~.model.compile_in_place`) and make ``precision`` step
+        the optimizers compiled. Idempotent: TrainLoop calls it whenever it sets up (a copy of the TrainLoop that
+        was pickled, e.g. in a process of ``fit_distributed``, compiles again there)."""
         self.stats.listen()
         self.model_call = compile_in_place(module, self.options, self.stats)
+        precision.step_optimizer = self.step
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` (compiled when ``optimizer_step`` is on); the Precision object calls this."""

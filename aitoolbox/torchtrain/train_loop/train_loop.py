@@ -110,6 +110,10 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
         compile_options = CompileOptions.from_argument(torch_compile)
+        if compile_options is not None and gpu_mode == "dp":
+            raise ValueError("torch_compile does not work with gpu_mode='dp': DataParallel copies the model to every "
+                             "GPU at every forward, and the copies would call the compiled original. Use "
+                             "gpu_mode='ddp' (one process per GPU), which compiles in every process.")
         self.torch_compile = torch_compile
         self._compiler = Compiler(compile_options, self._loop_position) if compile_options else None
         self.amp_scaler = GradScalerView(self._get_precision)
@@ -230,18 +234,16 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
 
     def set_up(self) -> None:
         """Place the model on its device, then prepare mixed precision (``amp.initialize``), then wrap it for
-        parallel training; once per strategy. ``fit``, the evaluation and prediction methods and
+        parallel training, once per strategy; with ``torch_compile``, compile the model in place. ``fit``, the evaluation and prediction methods and
         :meth:`checkpoint_state` call it first: call it yourself only to inspect the prepared model."""
-        if self._model_runner is not None:
-            return
-        self.strategy.place_model(self.loop_model)
-        self.criterion = self.strategy.setup_criterion(self.criterion)
-        if self._precision is None:
-            self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
-        if self._compiler is not None:  # after amp.initialize (which may cast the model), before a parallel wrap
-            self._compiler.compile_model(self.model)
-            self._precision.step_optimizer = self._compiler.step
-        self._model_runner = self.strategy.wrap_model(self.loop_model)
+        if self._model_runner is None:
+            self.strategy.place_model(self.loop_model)
+            self.criterion = self.strategy.setup_criterion(self.criterion)
+            if self._precision is None:
+                self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+            self._model_runner = self.strategy.wrap_model(self.loop_model)
+        if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
+            self._compiler.prepare(self.model, self._precision)
 
     def use_strategy(self, strategy: Any, use_amp: Union[bool, dict, None] = None) -> None:
         """Train with another distribution strategy from now on (a process of a distributed job does this): the

@@ -49,3 +49,11 @@ def test_compile_stats_is_none_without_torch_compile():
     tl = TrainLoop(model, DataLoader(classification_data(), batch_size=8), None, None,
                    torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     assert tl.compile_stats is None
+
+
+def test_dataparallel_mode_is_refused():
+    model = MLP()
+    with pytest.raises(ValueError, match="torch_compile does not work with gpu_mode='dp'.*gpu_mode='ddp'"):
+        TrainLoop(model, DataLoader(classification_data(), batch_size=8), None, None,
+                  torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), gpu_mode="dp",
+                  torch_compile=True)

@@ -249,8 +249,14 @@ def test_a_compiled_model_pickles_uncompiled():
     assert copied._compiled_call_impl is None
     x = torch.randn(4, IN_FEATURES)
     torch.testing.assert_close(copied(x), tl.model(x), rtol=1e-5, atol=1e-6)
-    deep_copied_loop = pickle.loads(pickle.dumps(tl._compiler))
-    assert deep_copied_loop.model_call is None and deep_copied_loop.stats.compiles == tl.compile_stats.compiles
+    # A pickled TrainLoop (as fit_distributed sends it) compiles again when it trains on.
+    copied_loop = pickle.loads(pickle.dumps(tl))
+    assert copied_loop.model._compiled_call_impl is None and copied_loop._compiler.model_call is None
+    compiles_before = copied_loop.compile_stats.compiles
+    copied_loop.fit(num_epochs=2)
+    assert copied_loop._compiler.model_call.compiles > 0
+    assert copied_loop.compile_stats.compiles > compiles_before
+    assert not copied_loop.compile_stats.recompile_limit_reached
 
 
 # --- failures ------------------------------------------------------------------------------------------------
