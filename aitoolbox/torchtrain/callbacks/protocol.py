@@ -26,6 +26,8 @@ class TrainLoopView(Protocol):
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch).
     - ``callbacks``: the registered callbacks, in execution order.
+    - ``compile_stats``: with ``torch_compile``, the :class:`~aitoolbox.torchtrain.compiling.CompileStats` so far
+      (compilations, recompilations, seconds); None without.
 
     Read once training is set up (from ``on_train_begin`` on): ``precision`` (autocast, loss scaling) and
     ``amp_scaler`` (aitoolbox 1.x's GradScaler-like view of it).
@@ -72,6 +74,10 @@ class TrainLoopView(Protocol):
     @property
     def precision(self) -> Any:
         """The loop's :class:`~aitoolbox.torchtrain.precision.Precision`, once set up."""
+
+    @property
+    def compile_stats(self) -> Any:
+        """With ``torch_compile``: the compilations so far; else None."""
 
     @property
     def amp_scaler(self) -> Any:

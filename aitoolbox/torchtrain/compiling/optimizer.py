@@ -2,12 +2,14 @@
 
 Two details make the recipe work inside a training loop:
 
-* **The learning rate is a tensor during the compiled step.** A Python float learning rate is baked into the
-  graph (or made symbolic after one recompilation); a warm-up scheduler changing it every step would
-  recompile. Each parameter group gets one 0-dim float64 tensor that takes the group's current learning rate
+* **The learning rate is a tensor during the compiled step** (and Adam's and AdamW's ``betas``, which
+  ``OneCycleLR`` cycles). A Python float is baked into the graph; a scheduler changing it every step would
+  recompile every step. Each parameter group gets 0-dim float64 tensors that take the group's current values
   just before the step; ``param_groups[i]['lr']`` holds the user's float again right after. Schedulers,
   callbacks and checkpoints never see a tensor, so a checkpoint of a compiled run is the same as an
-  uncompiled one's.
+  uncompiled one's. Another hyperparameter that keeps changing (SGD's ``momentum`` under a cycling
+  scheduler: torch's SGD cannot take it as a tensor) would recompile at every change, so after a few changes
+  that optimizer is stepped uncompiled, with a warning naming the hyperparameter.
 * **The optimizer's class ``step`` is compiled**, called with the optimizer. ``optimizer.step`` may be an
   instance attribute put there by a torch LR scheduler (a wrapper recording that the optimizer stepped, in a
   file dynamo does not trace: with it nothing of the step would compile); we call the class's step and record
@@ -15,7 +17,7 @@ Two details make the recipe work inside a training loop:
 """
 import logging
 import warnings
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -35,6 +37,9 @@ class CompiledOptimizerStep:
         stats: records the compilations.
     """
 
+    # Changes of one untensorised hyperparameter after which the step runs uncompiled (each change recompiles).
+    MAX_HYPERPARAMETER_CHANGES = 4
+
     def __init__(self, optimizer: torch.optim.Optimizer, options: CompileOptions, stats: CompileStats):
         self.optimizer = optimizer
         self.options = options
@@ -46,45 +51,46 @@ class CompiledOptimizerStep:
         self.label = f"{self.name}.step"
         self._replaced_step_logged = False
         self._compiled: Callable = torch.compile(type(optimizer).step, **options.optimizer_kwargs)
-        self._tensor_lrs: List[Optional[torch.Tensor]] = [self._tensor_lr_for(group)
-                                                          for group in optimizer.param_groups]
+        self._tensor_slots: List[Dict[str, Any]] = []
+        self._last_hyperparameters: Optional[list] = None
+        self._hyperparameter_changes: Dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"CompiledOptimizerStep({self.name}, {'eager' if self.eager_only else 'compiled'})"
 
-    @staticmethod
-    def _tensor_lr_for(group: dict) -> Optional[torch.Tensor]:
-        # torch's foreach implementations refuse a tensor lr unless capturable: such a group keeps its float (dynamo
-        # then makes it symbolic after one recompilation).
-        if not isinstance(group.get("lr"), float) or (group.get("foreach") and not group.get("capturable")):
-            return None
-        return torch.tensor(group["lr"], dtype=torch.float64)
+    def _tensor_slots_for(self, group: dict) -> Dict[str, Any]:
+        """The group's hyperparameters that ride into the compiled step as tensors: ``{key: tensor(s)}``."""
+        # torch's foreach implementations refuse tensor hyperparameters unless capturable.
+        if group.get("foreach") and not group.get("capturable"):
+            return {}
+        slots = {}
+        if isinstance(group.get("lr"), float):
+            slots["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+        betas = group.get("betas")
+        if isinstance(self.optimizer, torch.optim.Adam) and isinstance(betas, tuple) and len(betas) == 2 \
+                and all(isinstance(beta, float) for beta in betas):  # Adam (and AdamW) take tensor betas
+            slots["betas"] = tuple(torch.tensor(beta, dtype=torch.float64) for beta in betas)
+        return slots
 
     def __call__(self) -> None:
         optimizer = self.optimizer
         # Looked up at every step: a scheduler made after set-up (a callback's on_train_begin) wraps step then.
         instance_step = optimizer.__dict__.get("step")
         from_scheduler = instance_step is not None and getattr(instance_step, "_wrapped_by_lr_sched", False)
-        if self.eager_only or (instance_step is not None and not from_scheduler):
+        if self.eager_only or (instance_step is not None and not from_scheduler) or self._hyperparameters_keep_changing():
             self._log_replaced_step(instance_step)
             optimizer.step()
             return
-        if len(self._tensor_lrs) != len(optimizer.param_groups):  # add_param_group since: new groups too
-            self._tensor_lrs = [self._tensor_lr_for(group) for group in optimizer.param_groups]
-        float_lrs = []
-        for group, tensor_lr in zip(optimizer.param_groups, self._tensor_lrs):
-            float_lrs.append(group["lr"])
-            if tensor_lr is not None and isinstance(group["lr"], float):
-                tensor_lr.fill_(group["lr"])
-                group["lr"] = tensor_lr
         self.calls += 1
         self.stats.caller = self
+        saved = self._swap_in_tensors()
         try:
             try:
                 with self.stats:
                     self._compiled(optimizer)
             finally:
-                self._restore_lrs(float_lrs)
+                for group, values in zip(optimizer.param_groups, saved):
+                    group.update(values)
         except compile_failure_types() as failure:
             self._handle_failure(failure)
             optimizer.step()
@@ -93,15 +99,57 @@ class CompiledOptimizerStep:
             # What the scheduler's step wrapper records (its check that optimizer.step ran before scheduler.step).
             optimizer._opt_called = True
 
+    def _swap_in_tensors(self) -> List[dict]:
+        """Put each group's tensor slots in place of its floats; returns the floats to put back."""
+        groups = self.optimizer.param_groups
+        if len(self._tensor_slots) != len(groups):  # at the first step, or add_param_group since
+            self._tensor_slots = [self._tensor_slots_for(group) for group in groups]
+        saved = []
+        for group, slots in zip(groups, self._tensor_slots):
+            values = {}
+            for key, tensors in slots.items():
+                value = group[key]
+                if key == "betas" and isinstance(value, tuple) and all(isinstance(v, float) for v in value):
+                    for tensor, beta in zip(tensors, value):
+                        tensor.fill_(beta)
+                elif isinstance(value, float) and key != "betas":
+                    tensors.fill_(value)
+                else:  # the user put something else there since: leave it
+                    continue
+                values[key] = value
+                group[key] = tensors
+            saved.append(values)
+        return saved
+
+    def _hyperparameters_keep_changing(self) -> bool:
+        """True once a hyperparameter that is not a tensor slot changed too often (each change recompiles)."""
+        current = [{key: value for key, value in group.items()
+                    if key != "params" and key not in slots and isinstance(value, (float, int, tuple))}
+                   for group, slots in zip(self.optimizer.param_groups, self._tensor_slots or
+                                           [{}] * len(self.optimizer.param_groups))]
+        previous, self._last_hyperparameters = self._last_hyperparameters, current
+        if previous is None or len(previous) != len(current):
+            return False
+        for old, new in zip(previous, current):
+            for key in new:
+                if key in old and old[key] != new[key]:
+                    self._hyperparameter_changes[key] = self._hyperparameter_changes.get(key, 0) + 1
+                    if self._hyperparameter_changes[key] >= self.MAX_HYPERPARAMETER_CHANGES:
+                        warnings.warn(
+                            f"{self.name}'s {key!r} changed at {self._hyperparameter_changes[key]} steps (a "
+                            f"scheduler cycling it?): torch.compile would recompile {self.name}.step at every "
+                            f"change, so it runs uncompiled from now on. Keep {key!r} constant (e.g. OneCycleLR("
+                            f"cycle_momentum=False)) to keep the step compiled.", RuntimeWarning, stacklevel=4)
+                        self.eager_only = True
+                        return True
+        return False
+
     def _log_replaced_step(self, instance_step) -> None:
-        if instance_step is not None and not self._replaced_step_logged:
+        if instance_step is not None and not getattr(instance_step, "_wrapped_by_lr_sched", False) \
+                and not self._replaced_step_logged:
             logger.info("%s.step was replaced on the optimizer object (%r): it is stepped as it is, uncompiled",
                         self.name, instance_step)
             self._replaced_step_logged = True
-
-    def _restore_lrs(self, float_lrs: list) -> None:
-        for group, lr in zip(self.optimizer.param_groups, float_lrs):
-            group["lr"] = lr
 
     def _handle_failure(self, failure: Exception) -> None:
         reason = first_line(failure)

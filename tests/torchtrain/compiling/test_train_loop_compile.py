@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
-from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
+from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback, LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
     MLP, ClassifierFeedDefinition, IN_FEATURES, NUM_CLASSES, SCALER_ARGS, classification_data, distinct_records,
@@ -154,6 +154,34 @@ def test_the_optimizer_step_is_compiled_even_with_a_torch_lr_scheduler_attached(
     # AdamW's update (exp_avg.lerp_, addcdiv_) traced into a graph of its own.
     assert any(any("lerp" in target for target in graph) and any("addcdiv" in target for target in graph)
                for graph in graphs)
+
+
+def one_cycle(**kwargs):
+    return GeneralLRSchedulerCallback(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.05, total_steps=20,
+                                      step_per_optimizer_step=True, **kwargs)
+
+
+def test_one_cycle_with_adamw_cycles_lr_and_betas_without_recompiling():
+    eager, tl = build(False), build(AOT_EAGER)
+    eager.fit(num_epochs=4, callbacks=[one_cycle()])
+    counts = CompileCountPerEpoch()
+    tl.fit(num_epochs=4, callbacks=[one_cycle(), counts])
+    assert_params_close(tl.model, eager.model, rtol=1e-4, atol=1e-4)
+    assert counts.frames == [counts.frames[0]] * 4
+    assert tl.optimizer.param_groups[0]["betas"] == eager.optimizer.param_groups[0]["betas"]
+    assert all(isinstance(beta, float) for beta in tl.optimizer.param_groups[0]["betas"])
+
+
+def test_a_cycling_sgd_momentum_makes_the_step_run_uncompiled_with_a_warning():
+    """torch's SGD cannot take its momentum as a tensor: every change would recompile the step."""
+    eager = build(False, optimizer_class=torch.optim.SGD)
+    eager.fit(num_epochs=3, callbacks=[one_cycle()])
+    tl = build(AOT_EAGER, optimizer_class=torch.optim.SGD)
+    with pytest.warns(RuntimeWarning, match="SGD's 'momentum' changed at 4 steps.*cycle_momentum=False"):
+        tl.fit(num_epochs=3, callbacks=[one_cycle()])
+    assert tl._compiler.optimizer_steps[0].eager_only
+    assert_params_close(tl.model, eager.model, rtol=1e-4, atol=1e-4)
+    assert not tl.compile_stats.recompile_limit_reached
 
 
 def test_a_modelwrap_around_nn_sequential_is_compiled():
