@@ -26,6 +26,7 @@ from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
     MLP, ClassifierFeedDefinition, IN_FEATURES, NUM_CLASSES, SCALER_ARGS, classification_data, distinct_records,
     seeded_loader, single_torch_thread)
+from tests.torchtrain.train_loop.resume_workflow import InjectOverflow
 
 AOT_EAGER = {"backend": "aot_eager"}
 SAMPLES = 30  # batches of 8: the last one has 6 samples
@@ -88,6 +89,7 @@ USE_AMP_MODES = {
     "O2": {"opt_level": "O2"},
     "O3": {"opt_level": "O3"},
     "O1-dynamic-scale": {"opt_level": "O1", "loss_scale": "dynamic"},
+    "O1-float16": {"opt_level": "O1", "dtype": torch.float16},
     "GradScaler-dict": SCALER_ARGS,
 }
 
@@ -241,6 +243,31 @@ def test_several_optimizers_and_sgd_with_momentum():
     assert_params_close(model, eager_model, rtol=1e-4, atol=1e-4)
     assert [step.name for step in tl._compiler.optimizer_steps] == ["SGD", "Adam"]
     assert tl.compile_stats.compiles_since(1) == []
+
+
+class RecordSkippedSteps(AbstractCallback):
+    def __init__(self):
+        super().__init__("record skipped steps")
+        self.skipped = []
+
+    def on_after_optimizer_step(self):
+        self.skipped.append(self.train_loop_obj.optimizer_step_skipped)
+
+
+@pytest.mark.parametrize("use_amp", [{"opt_level": "O1", "loss_scale": "dynamic"},
+                                     {"opt_level": "O2", "loss_scale": "dynamic"}], ids=["O1", "O2"])
+def test_a_step_with_overflowing_gradients_is_skipped_as_in_eager_training(use_amp):
+    """Batch 2's gradients are made inf: the (compiled) step is skipped and the loss scale halves, as in eager."""
+    results = []
+    for torch_compile in (False, AOT_EAGER):
+        tl = build(torch_compile, use_amp)
+        skipped = RecordSkippedSteps()
+        tl.fit(num_epochs=2, callbacks=[InjectOverflow(), skipped])
+        results.append((tl, skipped.skipped))
+    (eager, eager_skipped), (compiled, compiled_skipped) = results
+    assert compiled_skipped == eager_skipped and compiled_skipped[2] and sum(compiled_skipped) == 1
+    assert compiled.precision.loss_scaler.state_dict() == eager.precision.loss_scaler.state_dict()
+    assert_params_close(compiled.model, eager.model, rtol=2e-2, atol=2e-2)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------
