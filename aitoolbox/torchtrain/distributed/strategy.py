@@ -28,6 +28,7 @@ class SingleDeviceStrategy:
     world_size = 1
     rank = 0
     is_distributed = False
+    shards_parameters = False  # FSDP: each process holds only a shard of the parameters
     stops_mid_epoch = True  # a stop request ends the epoch at once (see DistributedStrategy)
 
     def __init__(self, device: torch.device):
@@ -54,6 +55,42 @@ class SingleDeviceStrategy:
     def wrap_model(self, model: nn.Module) -> Any:
         """Return what the loop calls ``get_loss`` on: the model itself, or a parallel wrapper around it."""
         return model
+
+    def wrap_model_and_optimizers(self, model: nn.Module, optimizers: List[torch.optim.Optimizer]) -> Any:
+        """:meth:`wrap_model`, for strategies that also adapt the optimizers (FSDP re-points them at the sharded
+        parameters)."""
+        return self.wrap_model(model)
+
+    def set_mixed_precision(self, policy: Any) -> None:
+        """A sharding strategy's mixed-precision policy; the others take mixed precision from autocast alone.
+
+        Raises:
+            ValueError: a policy is given to a strategy that does not shard.
+        """
+        if policy is not None:
+            raise ValueError(f"{type(self).__name__} takes no mixed-precision policy")
+
+    def evaluation_context(self) -> ContextManager:
+        """The context of a whole evaluation or prediction pass (FSDP gathers the parameters once for it)."""
+        return self._no_sync_needed
+
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """The model's state dict for a checkpoint (FSDP gathers the full one to rank 0; every rank calls this)."""
+        return model.state_dict()
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state dict for a checkpoint (every rank calls this)."""
+        return optimizer.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state_dict: dict) -> None:
+        """Load a checkpoint's model state dict."""
+        model.load_state_dict(state_dict)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a checkpoint's optimizer state dict: index keyed (``optimizer.state_dict()``), or keyed by parameter
+        name (written by a sharded run)."""
+        optimizer.load_state_dict(index_keyed_optimizer_state(model, optimizer, state) if _keyed_by_name(state)
+                                  else state)
 
     def skip_gradient_sync(self, accumulating: bool) -> ContextManager:
         """The context of a micro-batch's forward and backward: where gradients are all-reduced by the backward
@@ -102,6 +139,31 @@ class SingleDeviceStrategy:
         """Wait for every process (nothing to wait for here)."""
 
 
+def index_keyed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """A name-keyed optimizer state dict turned into ``optimizer.load_state_dict``'s form (parameters numbered
+    in the order of ``optimizer``'s parameter groups).
+
+    Raises:
+        ValueError: the state names parameters the optimizer does not hold.
+    """
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names = [name_of.get(id(param)) for group in optimizer.param_groups for param in group["params"]]
+    index_of = {name: index for index, name in enumerate(names) if name is not None}
+    unknown = sorted({name for group in state["param_groups"] for name in group["params"]} - set(index_of))
+    if unknown:
+        raise ValueError(f"the optimizer state names parameters {unknown[:5]} that this {type(optimizer).__name__} "
+                         "does not hold: the checkpoint is of another model or optimizer")
+    return {"state": {index_of[name]: value for name, value in state["state"].items()},
+            "param_groups": [dict(group, params=[index_of[name] for name in group["params"]])
+                             for group in state["param_groups"]]}
+
+
+def _keyed_by_name(optimizer_state: dict) -> bool:
+    """True for an optimizer state dict keyed by parameter names (torch.distributed.checkpoint's form)."""
+    groups = optimizer_state.get("param_groups") or []
+    return any(isinstance(key, str) for group in groups for key in group.get("params", []))
+
+
 class DataParallelStrategy(SingleDeviceStrategy):
     """``torch.nn.DataParallel`` over several GPUs of this machine, driven from one process.
 
@@ -131,7 +193,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
         return ParallelModelRunner(wrapper, model)
 
 
-GPU_MODES = ("single", "dp", "ddp")
+GPU_MODES = ("single", "dp", "ddp", "fsdp")
 
 
 def resolve_device(cuda_device_idx: Optional[int]) -> torch.device:
@@ -158,7 +220,7 @@ def resolve_device(cuda_device_idx: Optional[int]) -> torch.device:
 def create_strategy(gpu_mode: str, cuda_device_idx: Optional[int]) -> SingleDeviceStrategy:
     """The strategy for TrainLoop's ``gpu_mode`` in this (parent) process.
 
-    ``'ddp'`` also gets a single-device strategy here: the processes it launches build their own.
+    ``'ddp'`` and ``'fsdp'`` also get a single-device strategy here: the processes they launch build their own.
 
     ``'dp'`` without CUDA trains on the CPU with a warning (as aitoolbox 1.x did).
 

@@ -12,6 +12,7 @@ from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.distributed.environment import current_external_placement, find_free_port, port_is_free
 from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
+from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fsdp_model_args
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
 from aitoolbox.torchtrain.train_loop import validation
@@ -29,11 +30,13 @@ def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
     tl.train_loader = tl.strategy.setup_loader(tl.train_loader, shuffle)
 
 
-def save_distributed_result(tl: "TrainLoop", path: str, train_history: dict) -> None:
-    """Save what the launching process adopts: weights, optimizer states, rank 0's history, and counters."""
-    torch.save({"model": tl.model.state_dict(), "optimizers": [opt.state_dict() for opt in tl.optimizers],
-                "train_history": train_history, "loop_state": tl.state.state_dict()},
-               path)
+def distributed_result(tl: "TrainLoop", train_history: dict) -> dict:
+    """What the launching process adopts: weights, optimizer states, rank 0's history, and counters. Call it in
+    every process (a sharded model's full state dicts are gathered to rank 0)."""
+    strategy = tl.strategy
+    return {"model": strategy.model_state_dict(tl.model_for_user),
+            "optimizers": [strategy.optimizer_state_dict(tl.loop_model, opt) for opt in tl.optimizers],
+            "train_history": train_history, "loop_state": tl.state.state_dict()}
 
 
 def adopt_distributed_result(tl: "TrainLoop", path: str) -> None:
@@ -42,7 +45,7 @@ def adopt_distributed_result(tl: "TrainLoop", path: str) -> None:
     tl.model.load_state_dict(result["model"])
     for optimizer, state in zip(tl.optimizers, result["optimizers"]):
         try:
-            optimizer.load_state_dict(state)
+            tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
         except (ValueError, KeyError, RuntimeError) as error:
             logger.warning("could not restore the optimizer state from the training processes: %s", error)
     tl.train_history.clear()
@@ -64,7 +67,9 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     if placement.rank != 0:
         logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
     tl = job.train_loop
-    strategy = DistributedStrategy(placement, **job.strategy_options)
+    options = dict(job.strategy_options)
+    strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
+    strategy = strategy_class(placement, **options)
     strategy.init_process_group()
     tl.use_strategy(strategy, job.amp_init_args)
     tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
@@ -77,8 +82,9 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
         # the replicas identical). Histories differ per rank (accumulated_loss is this rank's batches), so all
         # nodes report rank 0's.
         history = strategy.broadcast_object(tl.train_history.get_train_history_dict())
+        result = distributed_result(tl, history)
         if placement.local_rank == 0:
-            save_distributed_result(tl, job.result_path, history)
+            torch.save(result, job.result_path)
     return model
 
 
@@ -143,6 +149,8 @@ class DistributedFitOptions:
     train_data_shuffle: bool = True
     ddp_model_args: Optional[dict] = None
     amp_init_args: Optional[dict] = None
+    fsdp_model_args: Optional[dict] = None
+    shard_parameters: bool = False
     in_process_data_load: Any = None
     num_nodes: int = 1
     node_rank: int = 0
@@ -172,6 +180,15 @@ class DistributedFitOptions:
             raise ValueError(f"node_rank must be an int in 0..{self.num_nodes - 1}, got {self.node_rank!r}")
         if self.amp_init_args is not None and not isinstance(self.amp_init_args, dict):
             raise TypeError(f"amp_init_args must be a dict of amp.initialize arguments, got {self.amp_init_args!r}")
+        if self.shard_parameters:
+            check_fsdp_model_args(self.fsdp_model_args)
+            if self.ddp_model_args:
+                raise ValueError("ddp_model_args configure DistributedDataParallel, which gpu_mode='fsdp' does not use: "
+                                 "pass FSDP options as fsdp_model_args")
+            if self.sync_bn:
+                raise ValueError("sync_bn is not available with gpu_mode='fsdp': use gpu_mode='ddp' for SyncBatchNorm")
+        elif self.fsdp_model_args is not None:
+            raise ValueError("fsdp_model_args needs TrainLoop(..., gpu_mode='fsdp')")
 
     def data_load_callbacks(self) -> List[AbstractCallback]:
         """``in_process_data_load`` as a list."""
@@ -186,8 +203,13 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     """See :meth:`TrainLoop.fit_distributed`."""
     options.validate()
     backend = resolve_backend(options.backend, options.on_gpu)
-    strategy_options = dict(backend=backend, init_method=options.init_method, ddp_model_args=options.ddp_model_args,
-                            sync_bn=options.sync_bn, timeout_s=options.timeout_s)
+    if options.shard_parameters:
+        strategy_options = dict(shard_parameters=True, backend=backend, init_method=options.init_method,
+                                fsdp_model_args=options.fsdp_model_args, timeout_s=options.timeout_s)
+    else:
+        strategy_options = dict(backend=backend, init_method=options.init_method,
+                                ddp_model_args=options.ddp_model_args, sync_bn=options.sync_bn,
+                                timeout_s=options.timeout_s)
     fit_arguments = FitArguments(options.num_epochs, options.num_iterations, options.callbacks,
                                  options.grad_accumulation)
     common = dict(train_loop=tl, train_process=train_in_this_process, fit_arguments=fit_arguments,

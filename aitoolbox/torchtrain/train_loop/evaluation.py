@@ -77,7 +77,8 @@ def preserved_generator_states(generators: List[torch.Generator]):
 
 @contextlib.contextmanager
 def evaluation_mode(train_loop: "TrainLoop", loader: Any):
-    """Eval mode, no gradients and forked random state; the previous train/eval mode is restored after.
+    """Eval mode, no gradients and forked random state (and the strategy's evaluation context: FSDP gathers the
+    parameters once); the previous train/eval mode is restored after.
 
     Both the global torch RNG and the loader's own generators are restored: evaluating on the training
     loader (seeded with ``DataLoader(generator=...)``) must not change the order of the next training epoch.
@@ -88,7 +89,7 @@ def evaluation_mode(train_loop: "TrainLoop", loader: Any):
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
     was_training = train_loop.loop_model.training
     with torch.random.fork_rng(devices=rng_devices), preserved_generator_states(loader_generators(loader)), \
-            torch.no_grad():
+            torch.no_grad(), train_loop.strategy.evaluation_context():
         train_loop.model_runner.eval()
         try:
             yield

@@ -37,7 +37,7 @@ from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
     restore_rng_state, restore_train_state, truncate_history)
-from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision
+from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision, create_sharded_precision
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +60,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         lazy_experiment_save: for the experiment-tracking presets: create the experiment folder only when the
             first file is written.
         print_callbacks: log the registered callbacks at the start of training.
-        gpu_mode: ``'single'`` (one GPU, or the CPU), ``'dp'`` (DataParallel over local GPUs) or ``'ddp'``
-            (one process per device, see :meth:`fit_distributed`).
+        gpu_mode: ``'single'`` (one GPU, or the CPU), ``'dp'`` (DataParallel over local GPUs), ``'ddp'``
+            (one process per device, see :meth:`fit_distributed`) or ``'fsdp'`` (one process per device, each
+            holding a shard of the parameters, gradients and optimizer state: FSDP2).
         cuda_device_idx: the GPU to train on in single mode; None picks the current one (or the CPU).
         use_amp: mixed precision: False, True (autocast in the device's default low-precision dtype with
             dynamic loss scaling where needed), or a dict of ``amp.initialize`` keyword arguments.
@@ -239,9 +240,13 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         if self._model_runner is None:
             self.strategy.place_model(self.loop_model)
             self.criterion = self.strategy.setup_criterion(self.criterion)
-            if self._precision is None:
+            if self._precision is None and self.strategy.shards_parameters:
+                self._precision, policy = create_sharded_precision(self.use_amp, self.loop_model, self.optimizers,
+                                                                   self.device)
+                self.strategy.set_mixed_precision(policy)
+            elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
-            self._model_runner = self.strategy.wrap_model(self.loop_model)
+            self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
             self._compiler.prepare(self.model, self._precision)
 
@@ -326,7 +331,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.gpu_mode == "ddp" and not self.strategy.is_distributed:
+        if self.gpu_mode in ("ddp", "fsdp") and not self.strategy.is_distributed:
             return self.fit_distributed(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
         self.strategy.configure(**validation.check_fit_keywords(kwargs, self.gpu_mode))
         validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
@@ -385,7 +390,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                         init_method: str = "env://", master_addr: Optional[str] = None,
                         master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
                         start_method: Optional[str] = None, timeout_s: float = 600.0,
-                        on_gpu: Optional[bool] = None) -> nn.Module:
+                        on_gpu: Optional[bool] = None, fsdp_model_args: Optional[dict] = None) -> nn.Module:
         """Train with DistributedDataParallel, one process per device, and return the trained model.
 
         Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
@@ -414,6 +419,10 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             timeout_s: how long collectives wait for a missing rank before failing.
             on_gpu: aitoolbox 1.x's switch: False trains CPU processes over gloo even where CUDA is available; None
                 or True use the GPUs when there are any. ``backend='nccl'`` without CUDA falls back to gloo.
+            fsdp_model_args: with ``gpu_mode='fsdp'``: ``shard_modules`` (module classes that become shard units),
+                ``min_num_params`` (otherwise: submodules of at least this many parameters, default 1,000,000),
+                ``reshard_after_forward`` (default True) and ``cpu_offload`` (default False); see
+                :class:`~aitoolbox.torchtrain.distributed.fsdp.FullyShardedStrategy`.
         """
         return fit_distributed(self, DistributedFitOptions(
             num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
@@ -421,7 +430,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             amp_init_args=amp_init_args, in_process_data_load=in_process_data_load, num_nodes=num_nodes,
             node_rank=node_rank, num_gpus=num_gpus, backend=backend, init_method=init_method,
             master_addr=master_addr, master_port=master_port, num_cpu_processes=num_cpu_processes, sync_bn=sync_bn,
-            start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu))
+            start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu, fsdp_model_args=fsdp_model_args,
+            shard_parameters=self.gpu_mode == "fsdp"))
 
     @property
     def model_for_user(self) -> nn.Module:

@@ -147,9 +147,8 @@ def optimizer_state(tl: "TrainLoop") -> Any:
     if lacking:
         raise TypeError(f"cannot checkpoint optimizer(s) {', '.join(lacking)}: a checkpoint needs the optimizer's "
                         "state_dict() and load_state_dict()")
-    if isinstance(tl.optimizer, torch.optim.Optimizer):
-        return tl.optimizer.state_dict()
-    return [optimizer.state_dict() for optimizer in tl.optimizers]
+    states = [tl.strategy.optimizer_state_dict(tl.loop_model, optimizer) for optimizer in tl.optimizers]
+    return states[0] if isinstance(tl.optimizer, torch.optim.Optimizer) else states
 
 
 def saved_optimizer_states(checkpoint: dict) -> List[dict]:
@@ -170,7 +169,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     history = weights_only_safe(tl.train_history.get_train_history_dict())
     checkpoint = {
         # aitoolbox 1.x's keys: 1.x loading code reads these.
-        MODEL_KEY: tl.model_for_user.state_dict(),
+        MODEL_KEY: tl.strategy.model_state_dict(tl.model_for_user),
         OPTIMIZER_KEY: optimizer_state(tl),
         SCHEDULERS_KEY: [weights_only_safe(scheduler.state_dict()) for scheduler in tl.get_schedulers()],
         "epoch": tl.epoch,
@@ -215,13 +214,13 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     missing = [key for key in (MODEL_KEY, OPTIMIZER_KEY, "epoch") if key not in checkpoint]
     if missing:
         raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing (it has {sorted(checkpoint)})")
-    tl.model_for_user.load_state_dict(checkpoint[MODEL_KEY])
+    tl.strategy.load_model_state_dict(tl.model_for_user, checkpoint[MODEL_KEY])
     states = saved_optimizer_states(checkpoint)
     if len(states) != len(tl.optimizers):
         raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) but the TrainLoop "
                          f"has {len(tl.optimizers)} optimizer(s)")
     for optimizer, state in zip(tl.optimizers, states):
-        optimizer.load_state_dict(state)
+        tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
     if "rng" not in checkpoint:  # aitoolbox 1.x: saved at the end of epoch ``epoch``
         logger.warning("the checkpoint was written by aitoolbox 1.x: it holds no random state or training history, "
                        "so training continues from epoch %d but not bitwise as the original run would have",

@@ -1,7 +1,7 @@
 """Turn TrainLoop's ``use_amp`` argument into the Precision object the loop calls."""
 import inspect
 import logging
-from typing import List, Union
+from typing import Any, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -9,7 +9,7 @@ from torch import nn
 from aitoolbox.torchtrain import amp
 from aitoolbox.torchtrain.amp.properties import resolve_properties
 from aitoolbox.torchtrain.model import FeedDefinitionModel
-from aitoolbox.torchtrain.precision.factory import autocast_precision, full_precision
+from aitoolbox.torchtrain.precision.factory import autocast_precision, default_low_precision_dtype, full_precision
 from aitoolbox.torchtrain.precision.loss_scaler import LossScaler
 from aitoolbox.torchtrain.precision.model_cast import register_upcast_state_dict
 from aitoolbox.torchtrain.precision.precision import Precision
@@ -114,3 +114,54 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
     if meaning == "default":
         return autocast_precision(device.type)
     return full_precision(device.type)
+
+
+def create_sharded_precision(use_amp: Union[bool, dict, None], model: nn.Module,
+                             optimizers: List[torch.optim.Optimizer], device: torch.device) -> Tuple[Precision, Any]:
+    """The precision of a fully sharded (FSDP) run, and FSDP's ``MixedPrecisionPolicy`` for it (None: none).
+
+    FSDP keeps the sharded parameters in float32 and casts them when it gathers them, so the opt levels map onto
+    its policy instead of casting the model:
+
+    ==========================  ===========================================  =======================================
+    ``use_amp``                 FSDP policy                                  the loop
+    ==========================  ===========================================  =======================================
+    False, O0                   none: everything in float32                  float32
+    True, O1, GradScaler dict   compute in the low dtype, reduce gradients   autocast (float32 where autocast keeps
+                                in float32                                   it), loss scaling for float16
+    O2                          compute and reduce in the low dtype (the     no autocast, loss scaling for float16
+                                float32 shards are O2's master weights)
+    O3                          none: the model is cast to the low dtype     no autocast, no master weights
+    ==========================  ===========================================  =======================================
+
+    Raises:
+        NotImplementedError: float16 with loss scaling (the overflow check does not reach sharded gradients yet):
+            use bfloat16.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    meaning = use_amp_meaning(use_amp)
+    if meaning == "off":
+        return full_precision(device.type), None
+    if meaning == "amp_initialize":
+        property_keys = inspect.signature(resolve_properties).parameters
+        props = resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
+        level, low = props.opt_level, props.low_precision_dtype
+    else:
+        level, low = "O1", default_low_precision_dtype(device.type)
+        props = None
+    if level == "O0":
+        return full_precision(device.type), None
+    scaled = meaning == "grad_scaler" or (props is not None and props.uses_loss_scaling) \
+        or (props is None and low == torch.float16)
+    if scaled:
+        raise NotImplementedError(
+            f"gpu_mode='fsdp' with loss scaling ({use_amp!r} in {low}) is not supported yet: the overflow check does "
+            "not reach sharded gradients. Train in bfloat16 (use_amp={'opt_level': 'O1', 'dtype': torch.bfloat16}),"
+            " which needs no loss scaling, or with gpu_mode='ddp'.")
+    if level == "O3":
+        amp.initialize(model, optimizers, **use_amp)
+        return full_precision(device.type), None
+    if level == "O2":
+        return full_precision(device.type), MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
+    return (autocast_precision(device.type, dtype=low),
+            MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
