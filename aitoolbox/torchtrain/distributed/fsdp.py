@@ -149,12 +149,12 @@ class FullyShardedStrategy(DistributedStrategy):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         logger.debug("FSDP: %d shard units below the root %s", len(units), type(model).__name__)
+        self._sharded_model = model
         sharded = dict(model.named_parameters())
         for optimizer, full_state in zip(optimizers, full_states):
             _repoint_optimizer(optimizer, names, sharded)
             if full_state is not None:
                 self.load_optimizer_state_dict(model, optimizer, full_state)
-        self._sharded_model = model
         # The model itself is what the loop calls: its forward (through get_loss) gathers the root's parameters.
         return model
 

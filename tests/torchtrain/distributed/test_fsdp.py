@@ -1,0 +1,263 @@
+"""gpu_mode='fsdp': FSDP2 training in two real processes over gloo, against DDP on the same global batch.
+
+FSDP and DDP compute the same update: DDP all-reduces each gradient and averages; FSDP reduce-scatters (a sum
+over the ranks of each shard, then the same division). Gloo sums two ranks' values in the same order either
+way, so on two processes the weights usually agree bitwise; the tests allow 1e-5 for a reduction order that
+may differ (FSDP flattens each shard unit's gradients into one buffer, padded to a multiple of the world size).
+"""
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.gradient import GradNormClip
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelTrainEndSave
+from aitoolbox.torchtrain.distributed.fsdp import check_fsdp_model_args, shard_units
+from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.experiment.local_save.checkpoints import list_checkpoints
+from tests.torchtrain.distributed.support import assert_state_dicts_close, regression_data
+
+pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
+
+UNITS = {"shard_modules": [nn.Linear]}
+
+
+class Tower(TTModel):
+    """Four linear layers with dropout-free nonlinearities; predictions carry the sample index."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                    nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+    def get_loss(self, batch_data, criterion, device):
+        return criterion(self(batch_data[0].to(device)), batch_data[1].to(device))
+
+    def get_predictions(self, batch_data, device):
+        x, y, index = batch_data
+        return self(x.to(device)).float().cpu(), y, {"index": index}
+
+
+def make_loop(gpu_mode: str, model: nn.Module, use_amp=False, optimizer_class=torch.optim.AdamW) -> TrainLoop:
+    """34 training samples (batches of 4 per process: a smaller last batch), 35 evaluation samples (the ranks
+    get 18 and 17: unequal evaluation batch counts)."""
+    train = DataLoader(regression_data(34), batch_size=4)
+    validation = DataLoader(regression_data(35, seed=1), batch_size=3)
+    test = DataLoader(regression_data(35, seed=2), batch_size=3)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
+    return TrainLoop(model, train, validation, test, optimizer, nn.MSELoss(), gpu_mode=gpu_mode, use_amp=use_amp,
+                     show_progress=False)
+
+
+class RecordShards(AbstractCallback):
+    """At train end in every rank: the full weights (gathered), evaluation and predictions, and the bytes this
+    rank holds in parameters, gradients and optimizer state."""
+
+    def __init__(self, folder):
+        super().__init__("record shards")
+        self.folder = str(folder)
+
+    def on_train_end(self):
+        tl = self.train_loop_obj
+        full = tl.strategy.model_state_dict(tl.model)
+        y_pred, _, metadata = tl.predict_on_test_set()
+        record = {"full_state_dict": full, "loss_validation": tl.evaluate_loss_on_validation_set(),
+                  "test_pred": y_pred, "test_index": list(metadata["index"]),
+                  "held_bytes": held_bytes(tl.model, tl.optimizers),
+                  "param_dtypes": sorted({str(local(p).dtype) for p in tl.model.parameters()})}
+        torch.save(record, os.path.join(self.folder, f"rank{tl.strategy.rank}.pt"))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def held_bytes(model: nn.Module, optimizers) -> int:
+    """Bytes of the parameters, gradients and optimizer state this process holds (its shards under FSDP)."""
+    total = 0
+    for param in model.parameters():
+        total += local(param).numel() * local(param).element_size()
+        if param.grad is not None:
+            total += local(param.grad).numel() * local(param.grad).element_size()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    total += local(value).numel() * local(value).element_size()
+    return total
+
+
+class KeepGradients(AbstractCallback):
+    """Zeroing sets gradients to None after each step; keep them for the byte count by not zeroing the last."""
+
+    def __init__(self):
+        super().__init__("keep gradients")
+
+    def on_train_end(self):
+        tl = self.train_loop_obj
+        loss = tl.model.get_loss(next(iter(tl.train_loader)), tl.criterion, tl.device)
+        loss.backward()
+
+
+def records(folder):
+    return [torch.load(os.path.join(str(folder), f"rank{rank}.pt"), weights_only=False) for rank in (0, 1)]
+
+
+def run(gpu_mode, folder, model, use_amp=False, fsdp_model_args=None, callbacks=(), num_epochs=3, **kwargs):
+    os.makedirs(folder, exist_ok=True)
+    tl = make_loop(gpu_mode, model, use_amp)
+    options = {"fsdp_model_args": fsdp_model_args} if gpu_mode == "fsdp" else {}
+    tl.fit_distributed(num_epochs=num_epochs, callbacks=[KeepGradients(), RecordShards(folder)] + list(callbacks),
+                       train_data_shuffle=False, num_gpus=2, start_method="fork", **options, **kwargs)
+    return tl
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ddp")
+    torch.manual_seed(0)
+    initial = Tower()
+    tl = run("ddp", folder, copy.deepcopy(initial), callbacks=[GradNormClip(0.5)])
+    return initial, tl, records(folder)
+
+
+@pytest.mark.parametrize("fsdp_model_args", [None, UNITS], ids=["root-only", "linear-units"])
+def test_fsdp_trains_like_ddp_with_exact_evaluation(tmp_path, ddp_reference, fsdp_model_args):
+    """Same weights (gradient clipping by the global norm across shards included), the same evaluation losses
+    and predictions in data-set order, the parent's model unsharded with its own state_dict keys."""
+    initial, ddp, (ddp0, _) = ddp_reference
+    fsdp = run("fsdp", tmp_path, copy.deepcopy(initial), fsdp_model_args=fsdp_model_args,
+               callbacks=[GradNormClip(0.5)])
+    rank0, rank1 = records(tmp_path)
+    assert_state_dicts_close(rank0["full_state_dict"], ddp0["full_state_dict"], atol=1e-5)
+    assert rank1["full_state_dict"] == {}  # gathered to rank 0 only
+    assert type(fsdp.model) is Tower and list(fsdp.model.state_dict()) == list(initial.state_dict())
+    assert_state_dicts_close(fsdp.model.state_dict(), ddp.model.state_dict(), atol=1e-5)
+    for rank in (rank0, rank1):
+        assert rank["loss_validation"] == pytest.approx(ddp0["loss_validation"], abs=1e-6)
+        assert rank["test_index"] == list(range(35))
+        torch.testing.assert_close(rank["test_pred"], ddp0["test_pred"], rtol=1e-5, atol=1e-5)
+    assert fsdp.train_history["val_loss"] == pytest.approx(ddp.train_history["val_loss"], abs=1e-6)
+    # The parent's optimizer holds the trained AdamW state, as after a DDP run.
+    assert len(fsdp.optimizer.state_dict()["state"]) == len(list(initial.parameters()))
+
+
+def test_each_rank_holds_about_half_of_ddps_parameter_gradient_and_optimizer_bytes(tmp_path, ddp_reference):
+    initial, _, (ddp0, ddp1) = ddp_reference
+    run("fsdp", tmp_path, copy.deepcopy(initial), fsdp_model_args=UNITS)
+    rank0, rank1 = records(tmp_path)
+    for fsdp_rank, ddp_rank in ((rank0, ddp0), (rank1, ddp1)):
+        assert fsdp_rank["held_bytes"] <= 0.55 * ddp_rank["held_bytes"]
+    assert rank0["held_bytes"] + rank1["held_bytes"] >= ddp0["held_bytes"]  # every element is held somewhere
+
+
+def test_bfloat16_policy_trains_with_float32_shards(tmp_path):
+    torch.manual_seed(0)
+    fsdp = run("fsdp", tmp_path, Tower(), use_amp=True, fsdp_model_args=UNITS, num_epochs=4)
+    rank0, _ = records(tmp_path)
+    assert rank0["param_dtypes"] == ["torch.float32"]  # O1: the shards stay float32, compute is bfloat16
+    losses = fsdp.train_history["loss"]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("use_amp", [{"opt_level": "O2"}, {"opt_level": "O3"}], ids=["O2", "O3"])
+def test_o2_and_o3_train(tmp_path, use_amp):
+    torch.manual_seed(0)
+    fsdp = run("fsdp", tmp_path, Tower(), use_amp=use_amp, fsdp_model_args=UNITS, num_epochs=4)
+    rank0, _ = records(tmp_path)
+    # O2: float32 shards are the master weights; O3: the whole model in bfloat16.
+    assert rank0["param_dtypes"] == (["torch.float32"] if use_amp["opt_level"] == "O2" else ["torch.bfloat16"])
+    losses = fsdp.train_history["loss"]
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
+    """Epoch checkpoints (gathered full state dicts, written by rank 0) resume in new processes exactly; the
+    final model is one ordinary .pth file loadable into the plain model."""
+    torch.manual_seed(0)
+    initial = Tower()
+    folder_args = dict(project_name="proj", local_model_result_folder_path=str(tmp_path / "runs"))
+    straight = make_loop("fsdp", copy.deepcopy(initial))
+    straight.fit_distributed(num_epochs=3, callbacks=[ModelTrainEndSave(experiment_name="straight", **folder_args)],
+                             train_data_shuffle=False, num_gpus=2, start_method="fork", fsdp_model_args=UNITS)
+    make_loop("fsdp", copy.deepcopy(initial)).fit_distributed(
+        num_epochs=2, callbacks=[ModelCheckpoint(experiment_name="stopped", **folder_args)], train_data_shuffle=False,
+        num_gpus=2, start_method="fork", fsdp_model_args=UNITS)
+    (stopped_run,) = [name for name in os.listdir(tmp_path / "runs" / "proj") if name.startswith("stopped")]
+    newest = list_checkpoints(str(tmp_path / "runs" / "proj" / stopped_run / "checkpoint_model"))[-1]
+    checkpoint = torch.load(newest, weights_only=True)
+    assert list(checkpoint["model_state_dict"]) == list(initial.state_dict())
+
+    resumed = make_loop("fsdp", copy.deepcopy(initial))
+    resumed.load_checkpoint(newest)
+    resumed.fit_distributed(num_epochs=3, train_data_shuffle=False, num_gpus=2, start_method="fork",
+                            fsdp_model_args=UNITS)
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), key
+    assert resumed.train_history == straight.train_history
+
+    (straight_run,) = [name for name in os.listdir(tmp_path / "runs" / "proj") if name.startswith("straight")]
+    model_folder = tmp_path / "runs" / "proj" / straight_run / "model"
+    (final_file,) = [name for name in os.listdir(model_folder) if name.endswith(".pth")]
+    final = torch.load(model_folder / final_file, weights_only=True)
+    plain = Tower()
+    plain.load_state_dict(final["model_state_dict"])
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+
+
+class FailOnRank1(AbstractCallback):
+    def __init__(self):
+        super().__init__("fail on rank 1")
+
+    def on_batch_end(self):
+        tl = self.train_loop_obj
+        if tl.strategy.rank == 1 and tl.total_iteration_idx == 2:
+            raise RuntimeError("rank 1 fails on purpose")
+
+
+def test_a_failing_rank_surfaces_and_nothing_hangs(tmp_path):
+    tl = make_loop("fsdp", Tower())
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        tl.fit_distributed(num_epochs=2, callbacks=[FailOnRank1()], num_gpus=2, start_method="fork", timeout_s=60,
+                           fsdp_model_args=UNITS)
+
+
+# --- in this process -----------------------------------------------------------------------------------------
+def test_shard_units_by_class_and_by_size():
+    model = Tower(width=32)
+    by_class = shard_units(model, [nn.Linear])
+    assert by_class == [model.head, model.layers[4], model.layers[2], model.layers[0]]
+    # By size: the 32x32 layers (1,056 parameters) qualify, then the rest of `layers` does not reach 1,000.
+    assert shard_units(model, min_num_params=1000) == [model.layers[2], model.layers[4]]
+    assert shard_units(model, min_num_params=10 ** 6) == []
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ([nn.Linear], TypeError, "fsdp_model_args must be a dict"),
+    ({"shard": [nn.Linear]}, ValueError, r"unknown keys \['shard'\]"),
+    ({"shard_modules": ["Linear"]}, TypeError, "must be nn.Module classes"),
+    ({"min_num_params": 0}, ValueError, "must be an int >= 1"),
+    ({"cpu_offload": "yes"}, TypeError, r"cpu_offload'\] must be True or False"),
+])
+def test_fsdp_model_args_are_checked(args, error, message):
+    with pytest.raises(error, match=message):
+        check_fsdp_model_args(args)
+
+
+def test_arguments_that_do_not_fit_fsdp_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="sync_bn is not available with gpu_mode='fsdp'"):
+        make_loop("fsdp", Tower()).fit_distributed(num_epochs=1, sync_bn=True, num_gpus=2)
+    with pytest.raises(ValueError, match="ddp_model_args configure DistributedDataParallel"):
+        make_loop("fsdp", Tower()).fit_distributed(num_epochs=1, ddp_model_args={"bucket_cap_mb": 1}, num_gpus=2)
+    with pytest.raises(ValueError, match="fsdp_model_args needs TrainLoop\\(..., gpu_mode='fsdp'\\)"):
+        make_loop("ddp", Tower()).fit_distributed(num_epochs=1, fsdp_model_args=UNITS, num_gpus=2)
