@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from aitoolbox.torchtrain.activation_checkpointing import (
+    apply_activation_checkpointing, check_module_classes, checkpointed_modules)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.compiling import CompileOptions, CompileStats, Compiler
@@ -72,6 +74,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
             (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus ``'fallback': 'eager'`` (warn and
             run uncompiled what cannot be compiled, instead of an error) and ``'optimizer_step': False`` (compile
             only the model). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
+        activation_checkpointing: ``nn.Module`` classes (e.g. ``[nn.TransformerEncoderLayer]``) whose instances in
+            the model recompute their activations in backward instead of keeping them (less memory, about one
+            more forward of them); see :mod:`aitoolbox.torchtrain.activation_checkpointing`.
     """
 
     def __init__(self, model: Union[TTModel, ModelWrap], train_loader: DataLoader,
@@ -82,7 +87,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                  end_auto_eval: Union[bool, int] = True, lazy_experiment_save: bool = False,
                  print_callbacks: bool = False, gpu_mode: str = "single", cuda_device_idx: Optional[int] = None,
                  use_amp: Union[bool, dict] = False, show_progress: bool = True,
-                 torch_compile: Union[bool, dict] = False):
+                 torch_compile: Union[bool, dict] = False,
+                 activation_checkpointing: Optional[Sequence[type]] = None):
         # The TTModel the loop calls (an adapter for a ModelWrap); ``model`` is the user's own module, as in 1.x.
         self.loop_model = validation.resolve_model(model)
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
@@ -116,6 +122,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                              "GPU at every forward, and the copies would call the compiled original. Use "
                              "gpu_mode='ddp' (one process per GPU), which compiles in every process.")
         self.torch_compile = torch_compile
+        self.activation_checkpointing = check_module_classes(activation_checkpointing)
+        if self.activation_checkpointing:
+            checkpointed_modules(self.model, self.activation_checkpointing)  # none selected: an error now
         self._compiler = Compiler(compile_options, self._loop_position) if compile_options else None
         self.amp_scaler = GradScalerView(self._get_precision)
 
@@ -238,6 +247,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         parallel training, once per strategy; with ``torch_compile``, compile the model in place. ``fit``, the evaluation and prediction methods and
         :meth:`checkpoint_state` call it first: call it yourself only to inspect the prepared model."""
         if self._model_runner is None:
+            if self.activation_checkpointing:  # before any wrap: sharding and compiling see the checkpointed forwards
+                apply_activation_checkpointing(self.model, self.activation_checkpointing)
             self.strategy.place_model(self.loop_model)
             self.criterion = self.strategy.setup_criterion(self.criterion)
             if self._precision is None and self.strategy.shards_parameters:
