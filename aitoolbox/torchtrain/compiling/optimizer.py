@@ -77,7 +77,8 @@ class CompiledOptimizerStep:
         # Looked up at every step: a scheduler made after set-up (a callback's on_train_begin) wraps step then.
         instance_step = optimizer.__dict__.get("step")
         from_scheduler = instance_step is not None and getattr(instance_step, "_wrapped_by_lr_sched", False)
-        if self.eager_only or (instance_step is not None and not from_scheduler) or self._hyperparameters_keep_changing():
+        replaced = instance_step is not None and not from_scheduler
+        if self.eager_only or replaced or self._hyperparameters_keep_changing():
             self._log_replaced_step(instance_step)
             optimizer.step()
             return

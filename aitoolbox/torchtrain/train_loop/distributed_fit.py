@@ -183,8 +183,8 @@ class DistributedFitOptions:
         if self.shard_parameters:
             check_fsdp_model_args(self.fsdp_model_args)
             if self.ddp_model_args:
-                raise ValueError("ddp_model_args configure DistributedDataParallel, which gpu_mode='fsdp' does not use: "
-                                 "pass FSDP options as fsdp_model_args")
+                raise ValueError("ddp_model_args configure DistributedDataParallel, which gpu_mode='fsdp' does not "
+                                 "use: pass FSDP options as fsdp_model_args")
             if self.sync_bn:
                 raise ValueError("sync_bn is not available with gpu_mode='fsdp': use gpu_mode='ddp' for SyncBatchNorm")
         elif self.fsdp_model_args is not None:

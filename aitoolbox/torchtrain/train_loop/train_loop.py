@@ -243,8 +243,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
         return self._precision
 
     def set_up(self) -> None:
-        """Place the model on its device, then prepare mixed precision (``amp.initialize``), then wrap it for
-        parallel training, once per strategy; with ``torch_compile``, compile the model in place. ``fit``, the evaluation and prediction methods and
+        """Apply activation checkpointing, place the model on its device, prepare mixed precision
+        (``amp.initialize``), then wrap it for parallel training (FSDP: shard it), once per strategy; with
+        ``torch_compile``, compile the model in place. ``fit``, the evaluation and prediction methods and
         :meth:`checkpoint_state` call it first: call it yourself only to inspect the prepared model."""
         if self._model_runner is None:
             if self.activation_checkpointing:  # before any wrap: sharding and compiling see the checkpointed forwards

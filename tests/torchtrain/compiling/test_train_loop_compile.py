@@ -351,7 +351,8 @@ def failing_backend(graph_module, example_inputs):
 
 def test_a_failing_backend_is_an_error_naming_the_module():
     tl = build({"backend": failing_backend})
-    with pytest.raises(RuntimeError, match="could not compile the forward of MLP.*NotImplementedError: this backend cannot compile anything"):
+    with pytest.raises(RuntimeError,
+                       match="could not compile the forward of MLP.*NotImplementedError: this backend cannot compile"):
         tl.fit(num_epochs=1)
 
 
@@ -424,7 +425,8 @@ def test_compile_stats_record_each_compilation_and_log_it_at_debug_level(caplog,
     assert stats.compiles == len(stats.events) > 0
     assert stats.compile_time_s == pytest.approx(sum(event.seconds for event in stats.events))
     assert all(event.epoch == 0 and event.seconds > 0 for event in stats.events)
-    logged = [record.getMessage() for record in distinct_records(caplog) if record.getMessage().startswith("torch.compile:")]
+    logged = [record.getMessage() for record in distinct_records(caplog)
+              if record.getMessage().startswith("torch.compile:")]
     assert len(logged) == stats.compiles
     assert "CompileStats(compiles=" in repr(stats)
 
