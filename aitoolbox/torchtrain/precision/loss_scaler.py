@@ -83,6 +83,7 @@ class LossScaler:
         """
         grads_by_key: Dict[tuple, list] = {}
         for grad in grads:
+            grad = local_part(grad)
             grads_by_key.setdefault((grad.device, grad.dtype), []).append(grad)
         if not grads_by_key:
             return False
@@ -102,7 +103,7 @@ class LossScaler:
     @staticmethod
     def has_overflow(grads: Iterable[torch.Tensor]) -> bool:
         """Return True if any gradient holds inf or NaN, without changing them."""
-        return any(not torch.isfinite(grad).all() for grad in grads)
+        return any(not torch.isfinite(local_part(grad)).all() for grad in grads)
 
     def update(self, found_inf: bool) -> None:
         """Apply the dynamic-scaling rule after one step (a static scaler ignores it)."""
@@ -142,3 +143,11 @@ class LossScaler:
         self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
         self.growth_interval = int(state.get("growth_interval", self.growth_interval))
         self.unskipped = int(state.get("_growth_tracker", 0))
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this process holds: a sharded gradient's (a DTensor under FSDP) local shard, whose
+    in-place unscaling is the DTensor's; any other tensor itself. Whether some rank found an overflow is then
+    agreed by the precision object (``Precision.agree_on_overflow``)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

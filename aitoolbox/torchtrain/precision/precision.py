@@ -34,6 +34,9 @@ class Precision:
     Attributes:
         step_optimizer: ``fn(optimizer)`` that performs one optimizer's update once the step is decided:
             ``optimizer.step()`` by default; TrainLoop's ``torch_compile`` puts the compiled step here.
+        agree_on_overflow: ``fn(found_inf) -> bool`` deciding the overflow verdict of all processes: the verdict
+            itself by default (under DDP every rank unscales the same all-reduced gradients); under FSDP each rank
+            checks only its gradient shards, and TrainLoop puts the strategy's ``any_process`` here.
     """
 
     def __init__(self, device_type: str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
@@ -45,6 +48,7 @@ class Precision:
         self.master_weights = master_weights
         self.step_listener = step_listener
         self.step_optimizer = _eager_step
+        self.agree_on_overflow = _own_verdict
         self.last_step_skipped = False
         self._no_autocast = contextlib.nullcontext()  # reusable, and cheaper than a new one every batch
         self._unscaled_optimizers: set = set()
@@ -130,7 +134,7 @@ class Precision:
         for optimizer in optimizers:
             self.unscale_(optimizer)
         # A static scale never skips (apex semantics): inf/NaN gradients then reach the optimizer as they are.
-        skip = self._found_inf and self.loss_scaler is not None and self.loss_scaler.dynamic
+        skip = self.loss_scaler is not None and self.loss_scaler.dynamic and self.agree_on_overflow(self._found_inf)
         if not skip:
             for optimizer in optimizers:
                 self.step_optimizer(optimizer)
@@ -173,3 +177,7 @@ class Precision:
 
 def _eager_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
+
+
+def _own_verdict(found_inf: bool) -> bool:
+    return found_inf

@@ -256,6 +256,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException):
                 self._precision, policy = create_sharded_precision(self.use_amp, self.loop_model, self.optimizers,
                                                                    self.device)
                 self.strategy.set_mixed_precision(policy)
+                self._precision.agree_on_overflow = self.strategy.any_process  # each rank sees only its shards
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)

@@ -128,40 +128,38 @@ def create_sharded_precision(use_amp: Union[bool, dict, None], model: nn.Module,
     ==========================  ===========================================  =======================================
     False, O0                   none: everything in float32                  float32
     True, O1, GradScaler dict   compute in the low dtype, reduce gradients   autocast (float32 where autocast keeps
-                                in float32                                   it), loss scaling for float16
-    O2                          compute and reduce in the low dtype (the     no autocast, loss scaling for float16
-                                float32 shards are O2's master weights)
+                                in float32                                   it), loss scaling as without FSDP
+    O2                          compute and reduce in the low dtype (the     no autocast, loss scaling as
+                                float32 shards are O2's master weights)      without FSDP
     O3                          none: the model is cast to the low dtype     no autocast, no master weights
     ==========================  ===========================================  =======================================
 
-    Raises:
-        NotImplementedError: float16 with loss scaling (the overflow check does not reach sharded gradients yet):
-            use bfloat16.
+    Loss scaling (float16, or asked for) works on the sharded gradients; whether any rank found an overflow is
+    agreed across the ranks by the loop (``Precision.agree_on_overflow``), so all skip a step together.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
     meaning = use_amp_meaning(use_amp)
     if meaning == "off":
         return full_precision(device.type), None
-    if meaning == "amp_initialize":
-        property_keys = inspect.signature(resolve_properties).parameters
-        props = resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
-        level, low = props.opt_level, props.low_precision_dtype
-    else:
-        level, low = "O1", default_low_precision_dtype(device.type)
-        props = None
-    if level == "O0":
+    if meaning == "grad_scaler":
+        scaler_args = {key: value for key, value in use_amp.items() if key != "enabled"}
+        low = default_low_precision_dtype(device.type)
+        return (autocast_precision(device.type, loss_scaler=LossScaler.from_grad_scaler_args(**scaler_args)),
+                MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))
+    if meaning == "default":
+        low = default_low_precision_dtype(device.type)
+        return autocast_precision(device.type), MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    property_keys = inspect.signature(resolve_properties).parameters
+    props = resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
+    low = props.low_precision_dtype
+    loss_scaler = LossScaler(props.loss_scale) if props.uses_loss_scaling else None
+    if props.opt_level == "O0":
         return full_precision(device.type), None
-    scaled = meaning == "grad_scaler" or (props is not None and props.uses_loss_scaling) \
-        or (props is None and low == torch.float16)
-    if scaled:
-        raise NotImplementedError(
-            f"gpu_mode='fsdp' with loss scaling ({use_amp!r} in {low}) is not supported yet: the overflow check does "
-            "not reach sharded gradients. Train in bfloat16 (use_amp={'opt_level': 'O1', 'dtype': torch.bfloat16}),"
-            " which needs no loss scaling, or with gpu_mode='ddp'.")
-    if level == "O3":
+    if props.opt_level == "O3":
         amp.initialize(model, optimizers, **use_amp)
-        return full_precision(device.type), None
-    if level == "O2":
-        return full_precision(device.type), MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low)
-    return (autocast_precision(device.type, dtype=low),
+        return amp.state_of(model).precision(), None
+    if props.opt_level == "O2":
+        return (Precision(device.type, loss_scaler=loss_scaler),
+                MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low))
+    return (Precision(device.type, autocast_dtype=low, loss_scaler=loss_scaler),
             MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32))

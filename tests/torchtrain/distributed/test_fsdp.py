@@ -215,6 +215,48 @@ def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
         assert torch.equal(plain.state_dict()[key], value), key
 
 
+class OverflowOnRank1(AbstractCallback):
+    """Before the step of batch 2, rank 1 puts an inf into its own gradient shard; every rank records whether
+    its step was skipped and the loss scale after it."""
+
+    def __init__(self, folder):
+        super().__init__("overflow on rank 1")
+        self.folder = str(folder)
+        self.skipped = []
+
+    def on_after_gradient_update(self, optimizer_idx):
+        tl = self.train_loop_obj
+        if tl.strategy.rank == 1 and tl.total_iteration_idx == 2:
+            local(tl.model.layers[2].weight.grad).view(-1)[0] = float("inf")
+
+    def on_after_optimizer_step(self):
+        tl = self.train_loop_obj
+        self.skipped.append((tl.optimizer_step_skipped, tl.precision.loss_scaler.loss_scale))
+
+    def on_train_end(self):
+        tl = self.train_loop_obj
+        torch.save(self.skipped, os.path.join(self.folder, f"skipped{tl.strategy.rank}.pt"))
+
+
+@pytest.mark.parametrize("use_amp", [{"init_scale": 256.0, "growth_interval": 1000},
+                                     {"opt_level": "O1", "dtype": torch.float16},
+                                     {"opt_level": "O2", "dtype": torch.float16}],
+                         ids=["GradScaler-dict", "O1-float16", "O2-float16"])
+def test_loss_scaling_skips_a_step_on_every_rank_when_one_shard_overflows(tmp_path, use_amp):
+    """Only rank 1's shard holds the inf: without agreeing, rank 0 would step and rank 1 skip."""
+    torch.manual_seed(0)
+    tl = make_loop("fsdp", Tower(), use_amp)
+    tl.fit_distributed(num_epochs=2, callbacks=[OverflowOnRank1(tmp_path)], train_data_shuffle=False, num_gpus=2,
+                       start_method="fork", fsdp_model_args=UNITS)
+    skipped = [torch.load(tmp_path / f"skipped{rank}.pt") for rank in (0, 1)]
+    assert skipped[0] == skipped[1]  # the same decisions and scales on both ranks
+    assert skipped[0][2][0] is True
+    if "init_scale" in use_amp:  # bfloat16 at a scale of 256 never overflows by itself: only batch 2 is skipped
+        assert [flag for flag, _ in skipped[0]] == [False, False, True] + [False] * (len(skipped[0]) - 3)
+        assert skipped[0][2][1] == 128.0
+    assert tl.train_history["loss"][-1] < tl.train_history["loss"][0]
+
+
 class FailOnRank1(AbstractCallback):
     def __init__(self):
         super().__init__("fail on rank 1")
