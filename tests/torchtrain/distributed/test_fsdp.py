@@ -47,7 +47,8 @@ class Tower(TTModel):
         return self(x.to(device)).float().cpu(), y, {"index": index}
 
 
-def make_loop(gpu_mode: str, model: nn.Module, use_amp=False, optimizer_class=torch.optim.AdamW) -> TrainLoop:
+def make_loop(gpu_mode: str, model: nn.Module, use_amp=False, optimizer_class=torch.optim.AdamW,
+              **options) -> TrainLoop:
     """34 training samples (batches of 4 per process: a smaller last batch), 35 evaluation samples (the ranks
     get 18 and 17: unequal evaluation batch counts)."""
     train = DataLoader(regression_data(34), batch_size=4)
@@ -55,7 +56,7 @@ def make_loop(gpu_mode: str, model: nn.Module, use_amp=False, optimizer_class=to
     test = DataLoader(regression_data(35, seed=2), batch_size=3)
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
     return TrainLoop(model, train, validation, test, optimizer, nn.MSELoss(), gpu_mode=gpu_mode, use_amp=use_amp,
-                     show_progress=False)
+                     show_progress=False, **options)
 
 
 class RecordShards(AbstractCallback):
@@ -213,6 +214,18 @@ def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
     plain.load_state_dict(final["model_state_dict"])
     for key, value in straight.model.state_dict().items():
         assert torch.equal(plain.state_dict()[key], value), key
+
+
+def test_torch_compile_under_fsdp_trains_like_eager_fsdp():
+    torch.manual_seed(0)
+    initial = Tower()
+    trained = []
+    for torch_compile in (False, {"backend": "aot_eager"}):
+        tl = make_loop("fsdp", copy.deepcopy(initial), torch_compile=torch_compile)
+        tl.fit_distributed(num_epochs=2, train_data_shuffle=False, num_gpus=2, start_method="fork",
+                           fsdp_model_args=UNITS)
+        trained.append(tl.model.state_dict())
+    assert_state_dicts_close(trained[1], trained[0], atol=1e-5)
 
 
 class OverflowOnRank1(AbstractCallback):
