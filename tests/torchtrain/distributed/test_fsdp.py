@@ -216,6 +216,7 @@ def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
         assert torch.equal(plain.state_dict()[key], value), key
 
 
+@pytest.mark.slow
 def test_torch_compile_under_fsdp_trains_like_eager_fsdp():
     torch.manual_seed(0)
     initial = Tower()
