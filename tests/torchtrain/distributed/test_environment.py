@@ -127,6 +127,48 @@ def check_joined_results(folder):
     return results
 
 
+FSDP_JOIN_SCRIPT = textwrap.dedent("""
+    import os
+    import sys
+
+    import torch
+
+    from tests.torchtrain.distributed.support import make_train_loop
+
+    if __name__ == "__main__":
+        tl = make_train_loop(gpu_mode="fsdp")
+        model = tl.fit_distributed(num_epochs=2, num_gpus=2)
+        full = tl.strategy.model_state_dict(model)  # a collective: gathered to rank 0
+        rank = int(os.environ["RANK"])
+        torch.save({"full": full, "sharded": type(model.hidden.weight).__name__, "epoch": tl.epoch},
+                   os.path.join(sys.argv[1], f"rank{rank}.pt"))
+""")
+
+
+@pytest.mark.slow
+def test_torchrun_style_environment_joins_an_fsdp_job(tmp_path):
+    """Under torchrun each process keeps its sharded model; the full weights are gathered on request."""
+    script = tmp_path / "join_fsdp.py"
+    script.write_text(FSDP_JOIN_SCRIPT)
+    port = str(free_port())
+    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=script_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+                 for rank in (0, 1)]
+    try:
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr
+    rank0, rank1 = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert rank0["sharded"] == rank1["sharded"] == "DTensor" and rank0["epoch"] == 1
+    assert rank1["full"] == {} and set(rank0["full"]) == set(make_model().state_dict())
+    assert not torch.equal(rank0["full"]["out.weight"], make_model().state_dict()["out.weight"])
+
+
 def test_torchrun_style_environment_joins_without_spawning(tmp_path):
     """Two processes started by the test with torchrun's variables form the job themselves."""
     script = tmp_path / "join.py"
