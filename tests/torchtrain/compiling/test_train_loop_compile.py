@@ -16,11 +16,10 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip
-from aitoolbox.torchtrain.model import ModelWrap, TTModel
+from aitoolbox.torchtrain.model import ModelWrap
 from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback, LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
