@@ -158,7 +158,7 @@ def test_bad_use_amp():
 
 
 def test_unknown_gpu_mode():
-    with pytest.raises(ValueError, match=r"gpu_mode must be one of 'single', 'dp', 'ddp'; got 'tpu'"):
+    with pytest.raises(ValueError, match=r"gpu_mode must be one of 'single', 'dp', 'ddp', 'fsdp'; got 'tpu'"):
         build(gpu_mode="tpu")
 
 
