@@ -259,9 +259,7 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
     rank = tl.strategy.rank
     rng_states: List[dict] = checkpoint["rng"]
     if len(rng_states) != tl.strategy.world_size:
-        raise ValueError(f"the checkpoint was saved by {len(rng_states)} process(es) and is resumed by "
-                         f"{tl.strategy.world_size}: resume with the same number of processes for an exact "
-                         "continuation")
+        return continue_with_another_world_size(tl, checkpoint, len(rng_states))
     if "train_history_per_rank" in checkpoint:
         tl.train_history.clear()
         tl.train_history.update(checkpoint["train_history_per_rank"][rank])
@@ -269,6 +267,29 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
         return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])
     restore_rng_state(rng_states[rank], tl.train_loader)
+    return None
+
+
+def continue_with_another_world_size(tl: "TrainLoop", checkpoint: dict, saved_world_size: int) -> None:
+    """An epoch-end checkpoint resumed by a different number of processes: the weights, optimizer and training
+    state carry over, but each process now sees another share of the data, so the run goes on from the next
+    epoch without being the bitwise continuation of the saved one (a warning says so).
+
+    Raises:
+        ValueError: a mid-epoch checkpoint: the batches done so far were another split of the data.
+    """
+    world_size = tl.strategy.world_size
+    if checkpoint["iteration"] > 0:
+        raise ValueError(f"the checkpoint was saved by {saved_world_size} process(es) in the middle of an epoch and "
+                         f"is resumed by {world_size}: a mid-epoch checkpoint continues only with the same number of "
+                         "processes (the epoch's batches were split among them). Resume with "
+                         f"{saved_world_size} process(es), or from an epoch-end checkpoint")
+    if tl.strategy.is_main_process:
+        logger.warning("the checkpoint was saved by %d process(es) and is resumed by %d: training continues from "
+                       "epoch %d with the saved weights and optimizer state, but not bitwise as the saved run would "
+                       "have (the data is split differently)", saved_world_size, world_size,
+                       checkpoint["epochs_completed"])
+    restore_rng_state(checkpoint["rng"][tl.strategy.rank % saved_world_size], tl.train_loader)
     return None
 
 

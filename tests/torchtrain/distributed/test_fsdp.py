@@ -6,6 +6,7 @@ way, so on two processes the weights usually agree bitwise; the tests allow 1e-5
 may differ (FSDP flattens each shard unit's gradients into one buffer, padded to a multiple of the world size).
 """
 import copy
+import logging
 import os
 
 import pytest
@@ -227,6 +228,48 @@ def test_torch_compile_under_fsdp_trains_like_eager_fsdp():
                            fsdp_model_args=UNITS)
         trained.append(tl.model.state_dict())
     assert_state_dicts_close(trained[1], trained[0], atol=1e-5)
+
+
+def epoch_checkpoint(tmp_path, tl: TrainLoop, fit) -> str:
+    """Train ``tl`` two epochs with ModelCheckpoint (``fit(tl, callbacks)``); the newest checkpoint's path."""
+    fit(tl, [ModelCheckpoint(project_name="proj", experiment_name="run", local_model_result_folder_path=str(tmp_path))])
+    (run_folder,) = os.listdir(tmp_path / "proj")
+    return list_checkpoints(str(tmp_path / "proj" / run_folder / "checkpoint_model"))[-1]
+
+
+def fit_fsdp(tl, callbacks, num_epochs=2):
+    tl.fit_distributed(num_epochs=num_epochs, callbacks=callbacks, train_data_shuffle=False, num_gpus=2,
+                       start_method="fork", fsdp_model_args=UNITS)
+
+
+def test_a_two_process_checkpoint_continues_in_one_process(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    torch.manual_seed(0)
+    path = epoch_checkpoint(tmp_path, make_loop("fsdp", Tower()), fit_fsdp)
+    saved = torch.load(path, weights_only=True)
+    single = make_loop("single", Tower())
+    single.load_checkpoint(path)
+    for key, value in saved["model_state_dict"].items():
+        assert torch.equal(single.model.state_dict()[key], value)
+    # The AdamW state written by the sharded run (keyed by parameter name) is the optimizer's again.
+    assert len(single.optimizer.state_dict()["state"]) == len(saved["model_state_dict"])
+    with caplog.at_level(logging.WARNING):
+        single.fit(num_epochs=3)
+    assert any("saved by 2 process(es) and is resumed by 1" in record.getMessage() for record in caplog.records)
+    assert single.epochs_completed == 3 and single.train_history["loss"][-1] < single.train_history["loss"][0]
+
+
+def test_a_one_process_checkpoint_continues_in_two_fsdp_processes(tmp_path):
+    torch.manual_seed(0)
+    path = epoch_checkpoint(tmp_path, make_loop("single", Tower()), lambda tl, callbacks: tl.fit(
+        num_epochs=2, callbacks=callbacks))
+    saved = torch.load(path, weights_only=True)
+    sharded = make_loop("fsdp", Tower())
+    sharded.load_checkpoint(path)
+    fit_fsdp(sharded, [], num_epochs=3)
+    assert sharded.epochs_completed == 3
+    assert not torch.equal(sharded.model.state_dict()["head.weight"], saved["model_state_dict"]["head.weight"])
+    assert sharded.train_history["loss"][-1] < sharded.train_history["loss"][0]
 
 
 class OverflowOnRank1(AbstractCallback):

@@ -227,7 +227,7 @@ def test_two_process_resume_from_a_mid_epoch_checkpoint_is_bitwise_exact(tmp_pat
 
     single = ddp_loop()  # a checkpoint of two processes cannot continue exactly in one
     single.load_checkpoint(newest)
-    with pytest.raises(ValueError, match="saved by 2 process\\(es\\) and is resumed by 1"):
+    with pytest.raises(ValueError, match="saved by 2 process\\(es\\) in the middle of an epoch and is resumed by 1"):
         single.fit(num_epochs=3)
 
 
