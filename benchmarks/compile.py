@@ -70,7 +70,17 @@ from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
 
 PATHS = ("a", "b", "c")
-PATH_NAMES = {"a": "a: hand eager", "b": "b: hand compiled", "c": "c: TrainLoop torch_compile"}
+# --variants: loop b with some of TrainLoop's choices, to tell which of them costs time. name: (description,
+# dtype of the tensor learning rate, dtype of tensor betas or None for floats, batch dimension dynamic)
+VARIANTS = {
+    "b-lr64": ("b, lr a float64 tensor", torch.float64, None, False),
+    "b-betas64": ("b, lr and betas float64 tensors", torch.float64, torch.float64, False),
+    "b-betas32": ("b, lr and betas float32 tensors", torch.float32, torch.float32, False),
+    "b-dynamic": ("b, batch dimension dynamic", torch.float32, None, True),
+    "b-like-c": ("b, lr and betas float64 tensors, batch dimension dynamic", torch.float64, torch.float64, True),
+}
+PATH_NAMES = {"a": "a: hand eager", "b": "b: hand compiled", "c": "c: TrainLoop torch_compile",
+              **{name: variant[0] for name, variant in VARIANTS.items()}}
 TARGETS_C_OVER_A = {"mlp": 1.5, "vit": 1.3}  # the CNN is reported without a target
 TARGET_C_OVER_B = 0.97
 LR = 1e-3
@@ -100,17 +110,20 @@ class MLP(TTModel):
 MODELS: Dict[str, tuple] = {
     "mlp": (MLP, (512,), 64, 80),
     "cnn": (DigitsCNN, (1, 8, 8), 32, 150),
-    "vit": (TinyViT, (3, 32, 32), 32, 8),
+    "vit": (TinyViT, (3, 32, 32), 32, 12),
 }
 
 
 def make_loader(model_name: str, args) -> DataLoader:
-    """Random samples: ``batches`` full batches and a last one of half the size, always in the same order."""
+    """Random inputs labelled by a fixed random linear map (a task every model can learn, so that the losses of
+    the loops stay comparable as training goes on): ``batches`` full batches and a last one of half the size,
+    always in the same order."""
     _, shape, batch_size, default_batches = MODELS[model_name]
     num_samples = batch_size * (args.batches or default_batches) + batch_size // 2
     generator = torch.Generator().manual_seed(args.seed)
     inputs = torch.randn(num_samples, *shape, generator=generator)
-    labels = torch.randint(0, 10, (num_samples,), generator=generator)
+    teacher = torch.randn(inputs[0].numel(), 10, generator=generator)
+    labels = (inputs.flatten(1) @ teacher).argmax(dim=1)
     return DataLoader(TensorDataset(inputs, labels), batch_size=batch_size, shuffle=False)
 
 
@@ -127,11 +140,29 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+class DynamicBatches:
+    """The loader's batches with dimension 0 of the inputs marked dynamic (as TrainLoop's compiled forward does)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for inputs, labels in self.loader:
+            torch._dynamo.maybe_mark_dynamic(inputs, 0)
+            yield inputs, labels
+
+
 class HandLoop:
-    """Runners ``a`` (eager) and ``b`` (model and optimizer step compiled): one epoch per ``run_epoch``."""
+    """Runners ``a`` (eager), ``b`` (model and optimizer step compiled) and b's variants: one epoch per
+    ``run_epoch``."""
 
     def __init__(self, path: str, model_name: str, loader: DataLoader, args):
-        self.path, self.loader = path, loader
+        self.path = path
+        _, lr_dtype, betas_dtype, dynamic = VARIANTS.get(path, (None, torch.float32, None, False))
+        self.loader = DynamicBatches(loader) if dynamic else loader
         self.model = new_model(model_name, args.seed)
         self.criterion = nn.CrossEntropyLoss()
         if path == "a":
@@ -139,7 +170,10 @@ class HandLoop:
             self.forward, self.step = self.model, self.optimizer.step
         else:
             # torch's compiled-optimizer recipe: a tensor learning rate, step() inside a compiled function.
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(LR))
+            betas = (0.9, 0.999) if betas_dtype is None else \
+                (torch.tensor(0.9, dtype=betas_dtype), torch.tensor(0.999, dtype=betas_dtype))
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=torch.tensor(LR, dtype=lr_dtype),
+                                               betas=betas)
             self.forward = torch.compile(self.model, **compile_kwargs(args))
             optimizer = self.optimizer
 
@@ -225,7 +259,7 @@ def first_compile_child(model_name: str, path: str, args) -> dict:
 def run_cold_child(model_name: str, path: str, args, cache_dir: str) -> dict:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", model_name, path,
                "--threads", str(args.threads), "--seed", str(args.seed), "--backend", args.backend,
-               "--batches", str(args.batches)]
+               "--batches", str(args.batches)] + (["--deterministic"] if args.deterministic else [])
     environment = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     completed = subprocess.run(command, capture_output=True, text=True, env=environment)
     if completed.returncode != 0:
@@ -255,23 +289,26 @@ def pay_process_one_offs(args, cache_dir: str) -> None:
 def benchmark_model(model_name: str, args, cache_dirs: Dict[str, str]) -> dict:
     """Warm-up epoch per runner, then ``repeats`` rounds of ``epochs`` epochs each, in rotating order."""
     loader = make_loader(model_name, args)
+    paths = PATHS + tuple(args.variants)
     result = {"samples": len(loader.dataset), "batches": len(loader), "cold": {}}
     if not args.no_cold:
         for path in ("b", "c"):
             result["cold"][path] = run_cold_child(model_name, path, args, cache_dirs[path])
-    runners = {path: make_runner(path, model_name, loader, args) for path in PATHS}
-    warmup, losses = {}, {path: [] for path in PATHS}
+    runners = {path: make_runner(path, model_name, loader, args) for path in paths}
+    warmup, losses = {}, {path: [] for path in paths}
     for path, runner in runners.items():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs[path]  # read by inductor at every compile
+        # Read by inductor at every compile. The variants share b's (and compile the graphs they change).
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dirs.get(path, cache_dirs["b"])
         seconds, loss, graphs = timed_epoch(runner)
         warmup[path] = {"seconds": seconds, "graphs": graphs}
         losses[path].append(loss)
     result["compiled_frames_b"] = runners["b"].compiled_frames()
-    epoch_s = {path: [] for path in PATHS}
-    round_rate = {path: [] for path in PATHS}
-    late_graphs = dict.fromkeys(PATHS, 0)
+    epoch_s = {path: [] for path in paths}
+    round_rate = {path: [] for path in paths}
+    late_graphs = dict.fromkeys(paths, 0)
     for round_index in range(args.repeats):
-        order = PATHS[round_index % 3:] + PATHS[:round_index % 3]
+        shift = round_index % len(paths)
+        order = paths[shift:] + paths[:shift]
         for path in order:
             seconds = []
             for _ in range(args.epochs):
@@ -281,11 +318,41 @@ def benchmark_model(model_name: str, args, cache_dirs: Dict[str, str]) -> dict:
             losses[path].append(loss)
             epoch_s[path] += seconds
             round_rate[path].append(result["samples"] * args.epochs / sum(seconds))
-    result.update(warmup=warmup, epoch_s=epoch_s, round_rate=round_rate, late_graphs=late_graphs,
+    result.update(paths=paths, warmup=warmup, epoch_s=epoch_s, round_rate=round_rate, late_graphs=late_graphs,
                   losses={path: (values[0], values[-1]) for path, values in losses.items()},
-                  stats=stats_of(runners["c"]))
+                  stats=stats_of(runners["c"]), gradients=gradient_check(runners, loader))
     torch._dynamo.reset()  # this model's compiled code is not needed any more: keep dynamo's caches small
     return result
+
+
+def gradient_check(runners: dict, loader: DataLoader) -> Dict[str, str]:
+    """After the timed epochs: every loop computes the gradients of one full batch from loop a's weights.
+
+    Returns, per loop, the parameters whose gradient is zero where the eager loop's is not (a compiled graph
+    that computes wrong gradients), else how far the gradient norms are from the eager loop's (bfloat16 rounding;
+    for the CNN also dropout masks, which compiled code draws differently).
+    """
+    inputs, labels = next(iter(loader))
+    weights = runners["a"].model.state_dict()
+    norms = {}
+    for path, runner in runners.items():
+        runner.model.load_state_dict(weights)
+        runner.optimizer.zero_grad()
+        forward = runner.model if path == "c" else runner.forward  # c: the model's compiled call, as get_loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(forward(inputs), labels)
+        loss.backward()
+        norms[path] = {name: 0.0 if param.grad is None else param.grad.norm().item()
+                       for name, param in runner.model.named_parameters()}
+    report = {"a": "(reference)"}
+    for path in list(runners)[1:]:
+        zero = [name for name, norm in norms[path].items() if norm == 0.0 and norms["a"][name] > 0.0]
+        if zero:
+            report[path] = f"ZERO for {len(zero)} of {len(norms['a'])} parameters: {', '.join(zero)}"
+            continue
+        worst = max(abs(norm - norms["a"][name]) / max(norms["a"][name], 1e-12) for name, norm in norms[path].items())
+        report[path] = f"norms within {worst:.1%}"
+    return report
 
 
 # --- the report -----------------------------------------------------------------------------------------
@@ -310,22 +377,25 @@ def speed_rows(results: Dict[str, dict]) -> List[List[str]]:
     rows = []
     for model_name, result in results.items():
         c_over_a, c_over_b = paired(result, "c", "a"), paired(result, "c", "b")
-        for path in PATHS:
+        for path in result["paths"]:
             recompiles = str(result["late_graphs"][path])
             if path == "c":
                 recompiles += f" (compile_stats: {result['stats']['after_warmup']})"
             first, last = result["losses"][path]
             same = all(similar(loss, reference) for loss, reference in zip((first, last), result["losses"]["a"]))
             ratio_a = "1.000" if path == "a" else _common.fmt_ratio(paired(result, path, "a"))
+            ratio_b = _common.fmt_ratio(paired(result, path, "b")) if path not in ("a", "b") else ""
             rows.append([model_name, PATH_NAMES[path], f"{_common.median(result['round_rate'][path]):.0f}",
-                         ratio_a, _common.fmt_ratio(c_over_b) if path == "c" else "",
+                         ratio_a, ratio_b,
                          target_cell(model_name, c_over_a, c_over_b) if path == "c" else "", recompiles,
-                         f"{first:.4f} / {last:.4f}" + ("" if same else " (DIFFERS from a)")])
+                         f"{first:.4f} / {last:.4f}" + ("" if same else " (DIFFERS from a)"),
+                         result["gradients"][path]])
     return rows
 
 
-SPEED_HEADERS = ["model", "loop", "samples/s (median)", "x a (median paired)", "c / b (median paired)", "targets",
-                 "graphs compiled after warm-up", "loss: warm-up / last epoch"]
+SPEED_HEADERS = ["model", "loop", "samples/s (median)", "x a (median paired)", "x b (median paired)", "targets",
+                 "graphs compiled after warm-up", "loss: warm-up / last epoch",
+                 "gradients of one batch from a's weights, vs a"]
 
 
 def compile_rows(results: Dict[str, dict]) -> List[List[str]]:
@@ -368,10 +438,16 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per runner in each round")
     parser.add_argument("--repeats", type=int, default=5, help="rounds (runner order rotating)")
     parser.add_argument("--batches", type=int, default=0,
-                        help="full batches per epoch (0: the model's default: mlp 80, cnn 150, vit 8)")
+                        help="full batches per epoch (0: the model's default: mlp 80, cnn 150, vit 12)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of b and c")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[],
+                        help="also time loop b with some of TrainLoop's choices: " + "; ".join(
+                            f"{name}: {variant[0]}" for name, variant in VARIANTS.items()))
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) in every loop (inductor then keeps the native "
+                             "max-pool backward: works around torch 2.13's zero gradients, see RESULTS.md)")
     parser.add_argument("--no-cold", action="store_true",
                         help="skip the first-compile measurement in fresh processes with empty caches")
     parser.add_argument("--write-results", action="store_true",
@@ -391,13 +467,16 @@ def main(argv: Optional[List[str]] = None) -> str:
     args = parse_args(argv)
     threads = _common.set_threads(args.threads)
     logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # the epoch summary lines
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     if args.child:
         print(json.dumps(first_compile_child(*args.child, args)))
         return ""
     info = _common.machine_info(torch.device("cpu"))
     info["models"] = describe_models(args)
     info["settings"] = (f"bfloat16 autocast, AdamW(lr={LR}), 1 warm-up epoch per loop, then {args.repeats} rounds "
-                        f"x {args.epochs} epochs per loop, threads={threads}, backend {args.backend}")
+                        f"x {args.epochs} epochs per loop, threads={threads}, backend {args.backend}"
+                        + (", torch.use_deterministic_algorithms(True)" if args.deterministic else ""))
     base = Path(tempfile.mkdtemp(prefix="aitoolbox-bench-compile-"))
     results = {}
     load_before = _common.load_average()

@@ -2,8 +2,8 @@
 
 The numbers are not checked (the machine is shared); what is: every loop of the model has its row, the hand
 compiled loop really compiled its forward and its optimizer step, nothing compiled after the warm-up epoch (the
-smaller last batch compiled there), the three loops trained to similar losses, and the first-compile processes
-(with their own empty inductor caches) reported back.
+smaller last batch compiled there), the three loops trained to similar losses and compute the eager loop's
+gradients, and the first-compile processes (with their own empty inductor caches) reported back.
 """
 import subprocess
 import sys
@@ -45,6 +45,8 @@ def test_compile_benchmark_runs_every_loop_with_no_recompile_after_warmup():
         assert row[6].split()[0] == "0", row  # graphs compiled after the warm-up epoch
         assert "DIFFERS" not in row[7], row  # losses close to the eager loop's
     assert "(compile_stats: 0)" in speed[2][6]
+    # One batch's gradients from the eager loop's weights: no parameter left with a zero gradient.
+    assert [row[8].split()[0] for row in speed] == ["(reference)", "norms", "norms"], speed
     assert "c/a >= 1.5: " in speed[2][5] and "c/b >= 0.97: " in speed[2][5]
 
     first_compile = table_rows(output, "model | loop | steady epoch")
