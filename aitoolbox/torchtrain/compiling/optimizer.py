@@ -2,10 +2,11 @@
 
 Two details make the recipe work inside a training loop:
 
-* **The learning rate is a tensor during the compiled step** (and Adam's and AdamW's ``betas``, which
-  ``OneCycleLR`` cycles). A Python float is baked into the graph; a scheduler changing it every step would
-  recompile every step. Each parameter group gets 0-dim float64 tensors that take the group's current values
-  just before the step; ``param_groups[i]['lr']`` holds the user's float again right after. Schedulers,
+* **The learning rate is a tensor during the compiled step** (and Adam's and AdamW's ``betas`` once a
+  scheduler such as ``OneCycleLR`` changes them). A Python float is baked into the graph; a scheduler changing
+  it every step would recompile every step. Each parameter group gets 0-dim float32 tensors (float64 ones
+  make the fused update compute in float64: measurably slower) that take the group's current values just
+  before the step; ``param_groups[i]['lr']`` holds the user's float again right after. Schedulers,
   callbacks and checkpoints never see a tensor, so a checkpoint of a compiled run is the same as an
   uncompiled one's. Another hyperparameter that keeps changing (SGD's ``momentum`` under a cycling
   scheduler: torch's SGD cannot take it as a tensor) would recompile at every change, so after a few changes
@@ -59,18 +60,26 @@ class CompiledOptimizerStep:
         return f"CompiledOptimizerStep({self.name}, {'eager' if self.eager_only else 'compiled'})"
 
     def _tensor_slots_for(self, group: dict) -> Dict[str, Any]:
-        """The group's hyperparameters that ride into the compiled step as tensors: ``{key: tensor(s)}``."""
-        # torch's foreach implementations refuse tensor hyperparameters unless capturable.
-        if group.get("foreach") and not group.get("capturable"):
+        """The group's hyperparameters that ride into the compiled step as tensors: ``{key: tensor(s)}``.
+
+        Only the learning rate from the start (float32, as in torch's compiled-optimizer recipe: a float64 tensor
+        makes the fused update compute in float64, measurably slower); Adam's ``betas`` once a scheduler has
+        changed them (see :meth:`_hyperparameters_keep_changing`): as tensors they cost time in every step.
+        """
+        if not self._takes_tensors(group) or not isinstance(group.get("lr"), float):
             return {}
-        slots = {}
-        if isinstance(group.get("lr"), float):
-            slots["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+        return {"lr": torch.tensor(group["lr"], dtype=torch.float32)}
+
+    def _takes_tensors(self, group: dict) -> bool:
+        # torch's foreach implementations refuse tensor hyperparameters unless capturable.
+        return not (group.get("foreach") and not group.get("capturable"))
+
+    def _tensor_betas_for(self, group: dict) -> Optional[tuple]:
         betas = group.get("betas")
-        if isinstance(self.optimizer, torch.optim.Adam) and isinstance(betas, tuple) and len(betas) == 2 \
-                and all(isinstance(beta, float) for beta in betas):  # Adam (and AdamW) take tensor betas
-            slots["betas"] = tuple(torch.tensor(beta, dtype=torch.float64) for beta in betas)
-        return slots
+        if isinstance(self.optimizer, torch.optim.Adam) and self._takes_tensors(group) and isinstance(betas, tuple) \
+                and len(betas) == 2 and all(isinstance(beta, float) for beta in betas):  # Adam, AdamW take them
+            return tuple(torch.tensor(beta, dtype=torch.float32) for beta in betas)
+        return None
 
     def __call__(self) -> None:
         optimizer = self.optimizer
@@ -123,26 +132,34 @@ class CompiledOptimizerStep:
         return saved
 
     def _hyperparameters_keep_changing(self) -> bool:
-        """True once a hyperparameter that is not a tensor slot changed too often (each change recompiles)."""
+        """True once a hyperparameter that is not a tensor slot changed too often (each change recompiles).
+
+        Adam's ``betas`` become a tensor slot at their first change instead (one recompilation, then none).
+        """
+        groups = self.optimizer.param_groups
+        slots_per_group = self._tensor_slots if len(self._tensor_slots) == len(groups) else [{}] * len(groups)
         current = [{key: value for key, value in group.items()
                     if key != "params" and key not in slots and isinstance(value, (float, int, tuple))}
-                   for group, slots in zip(self.optimizer.param_groups, self._tensor_slots or
-                                           [{}] * len(self.optimizer.param_groups))]
+                   for group, slots in zip(groups, slots_per_group)]
         previous, self._last_hyperparameters = self._last_hyperparameters, current
         if previous is None or len(previous) != len(current):
             return False
-        for old, new in zip(previous, current):
+        for group, slots, old, new in zip(groups, slots_per_group, previous, current):
             for key in new:
-                if key in old and old[key] != new[key]:
-                    self._hyperparameter_changes[key] = self._hyperparameter_changes.get(key, 0) + 1
-                    if self._hyperparameter_changes[key] >= self.MAX_HYPERPARAMETER_CHANGES:
-                        warnings.warn(
-                            f"{self.name}'s {key!r} changed at {self._hyperparameter_changes[key]} steps (a "
-                            f"scheduler cycling it?): torch.compile would recompile {self.name}.step at every "
-                            f"change, so it runs uncompiled from now on. Keep {key!r} constant (e.g. OneCycleLR("
-                            f"cycle_momentum=False)) to keep the step compiled.", RuntimeWarning, stacklevel=4)
-                        self.eager_only = True
-                        return True
+                if key not in old or old[key] == new[key]:
+                    continue
+                if key == "betas" and self._tensor_betas_for(group) is not None:
+                    slots["betas"] = self._tensor_betas_for(group)
+                    continue
+                self._hyperparameter_changes[key] = self._hyperparameter_changes.get(key, 0) + 1
+                if self._hyperparameter_changes[key] >= self.MAX_HYPERPARAMETER_CHANGES:
+                    warnings.warn(
+                        f"{self.name}'s {key!r} changed at {self._hyperparameter_changes[key]} steps (a "
+                        f"scheduler cycling it?): torch.compile would recompile {self.name}.step at every "
+                        f"change, so it runs uncompiled from now on. Keep {key!r} constant (e.g. OneCycleLR("
+                        f"cycle_momentum=False)) to keep the step compiled.", RuntimeWarning, stacklevel=4)
+                    self.eager_only = True
+                    return True
         return False
 
     def _log_replaced_step(self, instance_step) -> None:
