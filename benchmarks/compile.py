@@ -70,9 +70,11 @@ from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
 
 PATHS = ("a", "b", "c")
-# --variants: loop b with some of TrainLoop's choices, to tell which of them costs time. name: (description,
-# dtype of the tensor learning rate, dtype of tensor betas or None for floats, batch dimension dynamic)
+# --variants: loop b with some of TrainLoop's choices, to tell which of them costs time, and loop a with a fused
+# AdamW (no compiling at all). name: (description, dtype of the tensor learning rate, dtype of tensor betas or None
+# for floats, batch dimension dynamic)
 VARIANTS = {
+    "a-fused": ("a, AdamW(fused=True), uncompiled", None, None, False),
     "b-lr64": ("b, lr a float64 tensor", torch.float64, None, False),
     "b-betas64": ("b, lr and betas float64 tensors", torch.float64, torch.float64, False),
     "b-betas32": ("b, lr and betas float32 tensors", torch.float32, torch.float32, False),
@@ -165,8 +167,8 @@ class HandLoop:
         self.loader = DynamicBatches(loader) if dynamic else loader
         self.model = new_model(model_name, args.seed)
         self.criterion = nn.CrossEntropyLoss()
-        if path == "a":
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        if path in ("a", "a-fused"):
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=path == "a-fused")
             self.forward, self.step = self.model, self.optimizer.step
         else:
             # torch's compiled-optimizer recipe: a tensor learning rate, step() inside a compiled function.
@@ -200,7 +202,7 @@ class HandLoop:
     def compiled_frames(self) -> List[str]:
         """Which of this runner's functions dynamo holds compiled code for (proof that ``b`` compiles)."""
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-        if self.path == "a":
+        if self.path in ("a", "a-fused"):
             return []
         functions = {"forward": type(self.model).forward, "step": self.step._torchdynamo_orig_callable}
         return [name for name, function in functions.items() if _debug_get_cache_entry_list(function.__code__)]
