@@ -133,6 +133,11 @@ def samples_per_epoch(args) -> int:
     return math.ceil(args.samples / args.processes) * args.processes
 
 
+def batches_per_epoch(args) -> int:
+    """Batches of each rank in an epoch."""
+    return math.ceil(samples_per_epoch(args) // args.processes / args.batch_size)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -188,8 +193,7 @@ class RankRecorder(AbstractCallback):
     def __init__(self, folder: str, runner: str, warmup_epochs: int):
         super().__init__("rank recorder")
         self.folder, self.runner, self.warmup_epochs = folder, runner, warmup_epochs
-        self.start: Optional[float] = None
-        self.end: Optional[float] = None
+        self.start = self.end = self.start_cpu = self.end_cpu = 0.0
         self.start_rss: Optional[int] = None
 
     def on_train_begin(self) -> None:
@@ -197,17 +201,17 @@ class RankRecorder(AbstractCallback):
 
     def on_epoch_begin(self) -> None:
         if self.train_loop_obj.epoch == self.warmup_epochs:
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
     def on_epoch_end(self) -> None:
-        self.end = time.perf_counter()
+        self.end, self.end_cpu = time.perf_counter(), time.process_time()
 
     def on_train_end(self) -> None:
         tl = self.train_loop_obj
         # Gradients exist again (the loop set them to None after the last step), as between a backward and a step.
         tl.model.get_loss(next(iter(tl.train_loader)), tl.criterion, tl.device).backward()
         write_rank_record(self.folder, self.runner, tl.strategy.rank, {
-            "seconds": self.end - self.start, "held": held_bytes(tl.model, tl.optimizers),
+            "seconds": self.end - self.start, "cpu_seconds": self.end_cpu - self.start_cpu, "held": held_bytes(tl.model, tl.optimizers),
             "start_rss": self.start_rss, "peak_rss": rss_bytes("VmHWM"),
             "losses": list(tl.train_history["accumulated_loss"]),
             "threads": torch.get_num_threads()})
@@ -235,12 +239,12 @@ def hand_fsdp_worker(rank: int, world_size: int, port: int, initial_state: dict,
     dataset = TensorDataset(tokens, targets)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=settings["seed"])
     loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler)
-    losses, start = [], None
+    losses, start, start_cpu = [], 0.0, 0.0
     model.train()
     for epoch in range(settings["epochs"]):
         sampler.set_epoch(epoch)
         if epoch == settings["warmup_epochs"]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
         loss_sum, batches = torch.zeros(()), 0
         for batch_tokens, batch_targets in loader:
             loss = criterion(model(batch_tokens), batch_targets)
@@ -250,11 +254,11 @@ def hand_fsdp_worker(rank: int, world_size: int, port: int, initial_state: dict,
             loss_sum += loss.detach()
             batches += 1
         losses.append(loss_sum.item() / batches)
-    end = time.perf_counter()
+    end, end_cpu = time.perf_counter(), time.process_time()
     batch_tokens, batch_targets = next(iter(loader))
     criterion(model(batch_tokens), batch_targets).backward()
     write_rank_record(folder, "hand_fsdp", rank, {
-        "seconds": end - start, "held": held_bytes(model, [optimizer]), "start_rss": start_rss,
+        "seconds": end - start, "cpu_seconds": end_cpu - start_cpu, "held": held_bytes(model, [optimizer]), "start_rss": start_rss,
         "peak_rss": rss_bytes("VmHWM"),
         "losses": losses, "threads": torch.get_num_threads()})
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -304,6 +308,7 @@ def collect(args, folder: str, runner: str, weights: dict) -> Dict[str, object]:
         os.remove(path)
     timed_epochs = args.epochs - args.warmup_epochs
     return {"samples_per_s": samples_per_epoch(args) * timed_epochs / ranks[0]["seconds"],
+            "cpu_ms_per_batch": 1000 * ranks[0]["cpu_seconds"] / (batches_per_epoch(args) * timed_epochs),
             "held": [sum(rank["held"].values()) for rank in ranks], "held_parts": ranks[0]["held"],
             "peak_rss": [rank["peak_rss"] for rank in ranks], "start_rss": [rank["start_rss"] for rank in ranks],
             "losses": ranks[0]["losses"],
@@ -320,7 +325,7 @@ def max_difference(weights_a: dict, weights_b: dict) -> float:
 
 def run_benchmark(args) -> Dict[str, object]:
     results: Dict[str, List[Dict[str, object]]] = {name: [] for name in RUNNERS}
-    ratios = []
+    ratios, cpu_ratios = [], []
     with tempfile.TemporaryDirectory(prefix="aitoolbox-bench-fsdp-") as folder:
         for round_index in range(args.warmup + args.repeats):
             shift = round_index % len(RUNNERS)
@@ -333,11 +338,12 @@ def run_benchmark(args) -> Dict[str, object]:
             for name in RUNNERS:
                 results[name].append(outcome[name])
             ratios.append(outcome["fsdp"]["samples_per_s"] / outcome["hand_fsdp"]["samples_per_s"])
-    return {"results": results, "ratios": ratios}
+            cpu_ratios.append(outcome["fsdp"]["cpu_ms_per_batch"] / outcome["hand_fsdp"]["cpu_ms_per_batch"])
+    return {"results": results, "ratios": ratios, "cpu_ratios": cpu_ratios}
 
 
 # --- the report ----------------------------------------------------------------------------------------------------
-HEADERS = ["runner", "runs", "samples/s (median)", "samples/s", "params / grads / optimizer MB (rank 0)",
+HEADERS = ["runner", "runs", "samples/s (median)", "samples/s", "rank 0 CPU ms per batch (median)", "params / grads / optimizer MB (rank 0)",
            "held MB per rank (rank 0, rank 1)", "held / DDP's", "RSS MB at training start -> peak, per rank (median)",
            "threads per process", "epoch losses (rank 0, last run)", "max abs weight diff to hand_fsdp"]
 
@@ -359,6 +365,7 @@ def result_rows(outcome: Dict[str, object]) -> List[List[str]]:
                 _common.median([run["peak_rss"][rank] for run in runs[name]])) for rank in range(len(last["held"]))]
         rows.append([
             name, str(len(rates)), f"{_common.median(rates):.1f}", ", ".join(f"{rate:.1f}" for rate in rates),
+            f"{_common.median([run['cpu_ms_per_batch'] for run in runs[name]]):.1f}",
             " / ".join(megabytes(parts[key]) for key in ("params", "grads", "optimizer")),
             ", ".join(megabytes(held) for held in last["held"]),
             ", ".join(f"{held / ddp:.3f}" for held, ddp in zip(last["held"], ddp_held)),
@@ -398,6 +405,8 @@ def verdict_lines(outcome: Dict[str, object]) -> List[str]:
         f"- samples/s fsdp / hand_fsdp: median paired {ratio:.3f} (rounds: {_common.fmt_list(outcome['ratios'])}), "
         f"ratio of medians {ratio_of_medians:.3f}; target >= {RATIO_TARGET:.2f}: "
         f"{'met' if ratio >= RATIO_TARGET else 'MISSED'}",
+        f"- rank 0's CPU time per batch fsdp / hand_fsdp (less sensitive to other load than wall time): median "
+        f"paired {_common.median(outcome['cpu_ratios']):.3f} (rounds: {_common.fmt_list(outcome['cpu_ratios'])})",
         "- RSS MB, median of the larger rank: peak " + ", ".join(
             f"{name} {megabytes(median_of_larger_rank(name, 'peak_rss'))}" for name in RUNNERS)
         + "; peak - training start " + ", ".join(f"{name} {megabytes(growth(name))}" for name in RUNNERS),

@@ -40,20 +40,22 @@ def test_fsdp_benchmark_quick_prints_every_runner_and_the_verdicts():
     for name, row in rows.items():
         assert row[1] == "1"  # one timed run
         assert float(row[2]) > 0  # samples/s
-        assert row[8] == "1", row  # OMP_NUM_THREADS=1 reached every process
-        start, peak = (float(value) for value in row[7].split(",")[0].split("->"))
+        assert float(row[4]) > 0  # rank 0's CPU ms per batch
+        assert row[9] == "1", row  # OMP_NUM_THREADS=1 reached every process
+        start, peak = (float(value) for value in row[8].split(",")[0].split("->"))
         assert 0 < start <= peak, row
     # Exact byte counts: FSDP holds about half of every tensor (a shard, padded to the world size), both sharded
     # runners the same amounts.
-    assert rows["ddp"][6] == "1.000, 1.000"
+    assert rows["ddp"][7] == "1.000, 1.000"
     for name in ("fsdp", "hand_fsdp"):
-        assert all(0.45 <= float(ratio) <= 0.55 for ratio in rows[name][6].split(",")), rows[name]
-    assert rows["fsdp"][4:6] == rows["hand_fsdp"][4:6]
+        assert all(0.45 <= float(ratio) <= 0.55 for ratio in rows[name][7].split(",")), rows[name]
+    assert rows["fsdp"][5:7] == rows["hand_fsdp"][5:7]
     # The three trained the same model on the same data order.
-    assert rows["ddp"][9] == rows["fsdp"][9] == rows["hand_fsdp"][9]
+    assert rows["ddp"][10] == rows["fsdp"][10] == rows["hand_fsdp"][10]
     for name in ("ddp", "fsdp"):
-        assert float(rows[name][10]) <= 1e-5, rows[name]
+        assert float(rows[name][11]) <= 1e-5, rows[name]
     assert re.search(r"held bytes fsdp / ddp .*: 0\.\d+; target <= 0\.55: met", output)
     assert re.search(r"samples/s fsdp / hand_fsdp: median paired \d+\.\d+ .*target >= 0\.97: (met|MISSED)", output)
+    assert re.search(r"CPU time per batch fsdp / hand_fsdp .*: median paired \d+\.\d+", output)
     assert "in every run: yes" in output
     assert "1 per process (OMP_NUM_THREADS=1)" in output
