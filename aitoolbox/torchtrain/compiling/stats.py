@@ -108,8 +108,9 @@ class CompileStats:
         return self.recompile_limit_reached
 
     def listen(self) -> None:
-        """Start listening to dynamo's compilation announcements (once; they stop when this object is freed)."""
-        if self._listener is None:
+        """Start listening to dynamo's compilation announcements (once; they stop when this object is freed).
+        A torch without them (before 2.5) compiles the same, with no statistics recorded."""
+        if self._listener is None and _has_compile_callbacks():
             self._listener = _DynamoListener(self)
             self._limit_hits_seen = recompile_limit_hits()
 
@@ -138,6 +139,11 @@ class CompileStats:
         logger.debug("torch.compile: %s %s in %.2f s (epoch %d, batch %d); %d compilations so far",
                      "recompiled" if event.is_recompile else "compiled", compile_id, seconds, epoch, iteration,
                      self.compiles)
+
+
+def _has_compile_callbacks() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch._dynamo.callback") is not None
 
 
 def recompile_limit_hits() -> int:

@@ -196,6 +196,11 @@ class DataParallelStrategy(SingleDeviceStrategy):
 GPU_MODES = ("single", "dp", "ddp", "fsdp")
 
 
+def _has_fully_shard() -> bool:
+    import torch.distributed.fsdp as fsdp
+    return hasattr(fsdp, "fully_shard")
+
+
 def resolve_device(cuda_device_idx: Optional[int]) -> torch.device:
     """The device of a single-process run: the given (or current) CUDA GPU when there is one, else the CPU.
 
@@ -229,6 +234,9 @@ def create_strategy(gpu_mode: str, cuda_device_idx: Optional[int]) -> SingleDevi
     """
     if gpu_mode not in GPU_MODES:
         raise ValueError(f"gpu_mode must be one of {', '.join(repr(m) for m in GPU_MODES)}; got {gpu_mode!r}")
+    if gpu_mode == "fsdp" and not _has_fully_shard():
+        raise ValueError(f"gpu_mode='fsdp' needs torch's FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); "
+                         f"this is torch {torch.__version__}: upgrade torch, or use gpu_mode='ddp'")
     device = resolve_device(cuda_device_idx)
     if gpu_mode == "dp":
         if device.type != "cuda":
