@@ -210,7 +210,8 @@ def test_evaluation_after_training_uses_the_compiled_graphs_and_matches_eager():
     eager.fit(num_epochs=2)
     tl.fit(num_epochs=2)
     frames = frames_compiled()
-    assert tl.evaluate_loss_on_validation_set() == pytest.approx(eager.evaluate_loss_on_validation_set(), rel=1e-4)
+    assert float(tl.evaluate_loss_on_validation_set()) == pytest.approx(
+        float(eager.evaluate_loss_on_validation_set()), rel=1e-4)
     predicted, targets, _ = tl.predict_on_validation_set()
     assert torch.equal(predicted, eager.predict_on_validation_set()[0])
     assert frames_compiled() == frames

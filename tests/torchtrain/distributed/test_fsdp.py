@@ -145,7 +145,7 @@ def test_fsdp_trains_like_ddp_with_exact_evaluation(tmp_path, ddp_reference, fsd
     assert type(fsdp.model) is Tower and list(fsdp.model.state_dict()) == list(initial.state_dict())
     assert_state_dicts_close(fsdp.model.state_dict(), ddp.model.state_dict(), atol=1e-5)
     for rank in (rank0, rank1):
-        assert rank["loss_validation"] == pytest.approx(ddp0["loss_validation"], abs=1e-6)
+        assert float(rank["loss_validation"]) == pytest.approx(float(ddp0["loss_validation"]), abs=1e-6)
         assert rank["test_index"] == list(range(35))
         torch.testing.assert_close(rank["test_pred"], ddp0["test_pred"], rtol=1e-5, atol=1e-5)
     assert fsdp.train_history["val_loss"] == pytest.approx(ddp.train_history["val_loss"], abs=1e-6)
