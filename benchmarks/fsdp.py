@@ -44,7 +44,9 @@ Run:  python benchmarks/fsdp.py                 (about 6 minutes on 2 cores)
       python benchmarks/fsdp.py --quick         (smoke test, well under a minute)
 """
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -53,7 +55,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 # Before torch is imported: one intra-op thread per process, for this process and every child of every runner.
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -72,6 +74,8 @@ import _common  # noqa: E402
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback  # noqa: E402
 from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 MEMORY_TARGET = 0.55  # FSDP's per-rank parameter+gradient+optimizer bytes / DDP's, at most
 RATIO_TARGET = 0.97  # samples/s of TrainLoop FSDP / samples/s of the hand-written FSDP2 script, at least
@@ -211,7 +215,8 @@ class RankRecorder(AbstractCallback):
         # Gradients exist again (the loop set them to None after the last step), as between a backward and a step.
         tl.model.get_loss(next(iter(tl.train_loader)), tl.criterion, tl.device).backward()
         write_rank_record(self.folder, self.runner, tl.strategy.rank, {
-            "seconds": self.end - self.start, "cpu_seconds": self.end_cpu - self.start_cpu, "held": held_bytes(tl.model, tl.optimizers),
+            "seconds": self.end - self.start, "cpu_seconds": self.end_cpu - self.start_cpu,
+            "held": held_bytes(tl.model, tl.optimizers),
             "start_rss": self.start_rss, "peak_rss": rss_bytes("VmHWM"),
             "losses": list(tl.train_history["accumulated_loss"]),
             "threads": torch.get_num_threads()})
@@ -258,7 +263,8 @@ def hand_fsdp_worker(rank: int, world_size: int, port: int, initial_state: dict,
     batch_tokens, batch_targets = next(iter(loader))
     criterion(model(batch_tokens), batch_targets).backward()
     write_rank_record(folder, "hand_fsdp", rank, {
-        "seconds": end - start, "cpu_seconds": end_cpu - start_cpu, "held": held_bytes(model, [optimizer]), "start_rss": start_rss,
+        "seconds": end - start, "cpu_seconds": end_cpu - start_cpu, "held": held_bytes(model, [optimizer]),
+        "start_rss": start_rss,
         "peak_rss": rss_bytes("VmHWM"),
         "losses": losses, "threads": torch.get_num_threads()})
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -323,27 +329,62 @@ def max_difference(weights_a: dict, weights_b: dict) -> float:
     return max((weights_a[key] - weights_b[key]).abs().max().item() for key in weights_a)
 
 
+@contextlib.contextmanager
+def stderr_to_file(path: str) -> Iterator[None]:
+    """Send file descriptor 2 (TrainLoop's log lines, the ranks' warnings and tracebacks) to ``path`` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def run_logged(name: str, args, folder: str, failures: List[str]) -> Dict[str, object]:
+    """One run of ``name``, its processes' stderr kept in a file; a failed run is tried once more (a rank of the
+    shared machine's jobs can die for reasons of its own), and what its stderr ended with goes into ``failures``."""
+    log_path = os.path.join(folder, f"{name}.stderr")
+    for attempt in (1, 2):
+        try:
+            with stderr_to_file(log_path):
+                return RUN[name](args, folder)
+        except Exception as error:  # a rank's exit surfaces as several exception types
+            with open(log_path) as log:
+                lines = [line.strip() for line in log if line.strip() and "Warning" not in line]
+            last = lines[-1] if lines else "(nothing on stderr)"
+            failures.append(f"{name}: {type(error).__name__}: {error}; stderr's last line: {last}")
+            if attempt == 2:
+                raise RuntimeError(f"{name} failed twice; its stderr ended with:\n" + "\n".join(lines[-20:])) from error
+            logger.warning("%s failed (%s), running it again; its stderr ended with:\n%s", name, error,
+                           "\n".join(lines[-20:]))
+    raise AssertionError("unreachable")
+
+
 def run_benchmark(args) -> Dict[str, object]:
     results: Dict[str, List[Dict[str, object]]] = {name: [] for name in RUNNERS}
-    ratios, cpu_ratios = [], []
+    ratios, cpu_ratios, failures = [], [], []
     with tempfile.TemporaryDirectory(prefix="aitoolbox-bench-fsdp-") as folder:
         for round_index in range(args.warmup + args.repeats):
             shift = round_index % len(RUNNERS)
             outcome = {}
             for name in RUNNERS[shift:] + RUNNERS[:shift]:
-                with _common.stderr_to_devnull():
-                    outcome[name] = RUN[name](args, folder)
+                outcome[name] = run_logged(name, args, folder, failures)
             if round_index < args.warmup:
                 continue
             for name in RUNNERS:
                 results[name].append(outcome[name])
             ratios.append(outcome["fsdp"]["samples_per_s"] / outcome["hand_fsdp"]["samples_per_s"])
             cpu_ratios.append(outcome["fsdp"]["cpu_ms_per_batch"] / outcome["hand_fsdp"]["cpu_ms_per_batch"])
-    return {"results": results, "ratios": ratios, "cpu_ratios": cpu_ratios}
+    return {"results": results, "ratios": ratios, "cpu_ratios": cpu_ratios, "failures": failures}
 
 
 # --- the report ----------------------------------------------------------------------------------------------------
-HEADERS = ["runner", "runs", "samples/s (median)", "samples/s", "rank 0 CPU ms per batch (median)", "params / grads / optimizer MB (rank 0)",
+HEADERS = ["runner", "runs", "samples/s (median)", "samples/s", "rank 0 CPU ms per batch (median)",
+           "params / grads / optimizer MB (rank 0)",
            "held MB per rank (rank 0, rank 1)", "held / DDP's", "RSS MB at training start -> peak, per rank (median)",
            "threads per process", "epoch losses (rank 0, last run)", "max abs weight diff to hand_fsdp"]
 
@@ -412,6 +453,7 @@ def verdict_lines(outcome: Dict[str, object]) -> List[str]:
         + "; peak - training start " + ", ".join(f"{name} {megabytes(growth(name))}" for name in RUNNERS),
         f"- epoch losses of the three runners within {LOSS_RTOL:g} (relative) of hand_fsdp's in every run: "
         f"{'yes' if losses_agree(outcome) else 'NO'}",
+        "- runs that failed and were run again: " + ("; ".join(outcome["failures"]) or "none"),
     ]
 
 

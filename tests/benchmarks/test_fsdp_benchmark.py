@@ -58,4 +58,5 @@ def test_fsdp_benchmark_quick_prints_every_runner_and_the_verdicts():
     assert re.search(r"samples/s fsdp / hand_fsdp: median paired \d+\.\d+ .*target >= 0\.97: (met|MISSED)", output)
     assert re.search(r"CPU time per batch fsdp / hand_fsdp .*: median paired \d+\.\d+", output)
     assert "in every run: yes" in output
+    assert "runs that failed and were run again: " in output
     assert "1 per process (OMP_NUM_THREADS=1)" in output
