@@ -1,0 +1,459 @@
+"""Sharded checkpoints: a folder written by every process of a sharded (FSDP) run, with torch's DCP.
+
+Under ``gpu_mode='fsdp'`` each process holds only its shard of the parameters and optimizer state, so a
+checkpoint is written by all of them at once with ``torch.distributed.checkpoint`` (DCP) instead of one
+``.pth`` file written by rank 0. Nothing is gathered: each process writes its own shards.
+
+Layout on disk: the checkpoint of ``model_<experiment>_<timestamp>_E<epoch>[_ITER<i>].pth`` is the folder of
+the same name without ``.pth`` (:func:`sharded_checkpoint_name`)::
+
+    checkpoint_model/model_<experiment>_<timestamp>_E<epoch>[_ITER<i>]/
+        .metadata               DCP's index of every tensor and where its pieces are (written by rank 0)
+        __<rank>_0.distcp       each process's shards of the model and optimizer states
+        extra_rank<rank>.pt     each process's own other state (counters, history, RNG states): torch.save
+        checkpoint.json         the completion marker: written last; names the number of processes
+
+The DCP state is ``{"model": <model state dict>, "optimizers": {"0": <state dict>, ...}}``, both keyed by
+parameter names (``get_model_state_dict`` / ``get_optimizer_state_dict``): the same keys whether the model is
+sharded or not, which is what lets a checkpoint load into another number of processes. The extra state is one
+file per process because RNG states differ per process; it must load with ``torch.load(weights_only=True)``
+(tensors, numbers, strings and containers of them), which is checked when it is saved.
+
+Atomicity: every process writes into ``.tmp-<name>/`` beside the final folder. When DCP has finished (all
+processes' files and ``.metadata`` are on disk), rank 0 writes the marker, fsyncs, renames the folder to its
+final name and fsyncs the parent. A folder counts as a checkpoint only with its marker
+(:func:`is_sharded_checkpoint`): a save killed at any moment leaves at most a ``.tmp-`` folder, which listing
+ignores and the next save of that name removes, and the previous checkpoint stays the newest. Replacing an
+existing folder of the same name renames it aside first: killed in between, that name is missing (never
+half-written) and the checkpoint before it is the newest.
+
+Asynchronous saving (``async_save=True``): the state is copied to host memory (the only stall), DCP writes it in
+a background thread while training goes on, and rank 0 renames the folder when the write completes. DCP needs a
+process group with a CPU backend for this: gloo on the CPU, ``init_process_group("cpu:gloo,cuda:nccl")`` on
+GPUs. Its background collectives must not interleave with training's, so pass a group of its own made once by
+every process with :func:`checkpoint_process_group`. Wait for a save's :meth:`ShardedCheckpointSave.wait`
+before the next save, and before the program ends.
+
+Resharding: loading works with any number of processes. DCP reads into each process's shards the pieces it
+needs, whatever the sharding was at save time; a single process without a process group loads into a plain
+model (2 -> 1), and a single process can write a checkpoint the same way that a sharded run loads (1 -> 2).
+Process ``r`` gets the extra state of saved process ``r % saved_world_size``: counters and history are the
+same in every process, RNG states then come from that process.
+
+:func:`consolidate_sharded_checkpoint` turns a checkpoint into one ordinary ``.pth`` file of the full model state
+dict, offline in one process; :func:`gather_full_model_state_dict` gathers it from a live sharded model.
+"""
+import concurrent.futures
+import contextlib
+import io
+import itertools
+import json
+import os
+import shutil
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from aitoolbox.experiment.local_save.atomic import (
+    TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, torch_load_checked)
+
+# torch.distributed.checkpoint is imported where it is used: this module is imported wherever checkpoints are
+# listed, and most runs never touch DCP.
+
+MARKER_FILE = "checkpoint.json"
+FORMAT = "aitoolbox-sharded-checkpoint"
+FORMAT_VERSION = 1
+_MODEL = "model"
+_OPTIMIZERS = "optimizers"
+
+
+def sharded_checkpoint_name(file_name: str) -> str:
+    """The folder name of a sharded checkpoint: its ``.pth`` file name without the suffix."""
+    if not file_name.endswith(".pth") or os.sep in file_name:
+        raise ValueError(f"expected a checkpoint file name such as 'model_exp_ts_E3.pth', got {file_name!r}")
+    return file_name[:-len(".pth")]
+
+
+def _extra_state_file(rank: int) -> str:
+    return f"extra_rank{rank}.pt"
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """True for a complete sharded checkpoint folder (one with its completion marker, not a temporary one)."""
+    return (not os.path.basename(os.path.normpath(path)).startswith(TEMP_PREFIX)
+            and os.path.isfile(os.path.join(path, MARKER_FILE)))
+
+
+def sharded_checkpoint_info(path: str) -> Dict[str, Any]:
+    """The completion marker of a checkpoint: ``world_size`` (processes that saved it), ``num_optimizers``,
+    ``stateless_optimizers`` (indices of optimizers that had no state yet), ``torch_version``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete sharded checkpoint (no such folder, a temporary folder
+            of an interrupted save, or a folder without its marker).
+    """
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: a checkpoint folder holds "
+                                f"{MARKER_FILE}, written once every process has saved its part (a folder without it, "
+                                f"or named {TEMP_PREFIX}*, is an interrupted save)")
+    with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as handle:
+        info = json.load(handle)
+    if info.get("format") != FORMAT or info.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path}/{MARKER_FILE} is not a {FORMAT} marker of version <= {FORMAT_VERSION}: {info}")
+    return info
+
+
+def checkpoint_process_group() -> Any:
+    """A gloo process group of all processes for checkpoint saves, apart from training's collectives.
+
+    A collective: every process calls it, once, at the same point. Returns None when no process group is
+    initialised (a single process). An asynchronous save runs DCP's collectives in a background thread; on the
+    training group they could interleave with training's own collectives differently in different processes.
+    """
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+class ShardedCheckpointSave:
+    """A save started by :func:`save_sharded_checkpoint`: done at once for a synchronous save.
+
+    Attributes:
+        path: the checkpoint folder, present once rank 0's save has completed.
+    """
+
+    def __init__(self, path: str, future: "concurrent.futures.Future[str]"):
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        """Block until this process's part is written (on rank 0: and the folder renamed); return the path.
+
+        Raises:
+            Exception: what the save met in this process (DCP reports a failure of any process to every one).
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        return self._future.result(timeout)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_intended(no_dist: bool) -> Iterator[None]:
+    """DCP warns at every single-process save and load that it assumes one process: here that is the intent."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
+
+
+def _group_rank_and_size(process_group: Any) -> tuple:
+    import torch.distributed as dist
+    if _distributed():
+        return dist.get_rank(process_group), dist.get_world_size(process_group)
+    if process_group is not None:
+        raise ValueError("a process_group was given but torch.distributed is not initialised")
+    return 0, 1
+
+
+def _all_gather(obj: Any, process_group: Any, world_size: int) -> List[Any]:
+    if not _distributed():
+        return [obj]
+    import torch.distributed as dist
+    gathered: List[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj, group=process_group)
+    return gathered
+
+
+def _as_list(optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]) -> list:
+    if optimizers is None:
+        return []
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+
+
+def _serialised_extra_state(extra_state: dict) -> bytes:
+    """``extra_state`` as torch.save bytes, refused now rather than at resume if weights-only loading fails."""
+    if not isinstance(extra_state, dict):
+        raise TypeError(f"extra_state must be a dict, got {type(extra_state).__name__}")
+    buffer = io.BytesIO()
+    torch.save(extra_state, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:
+        raise TypeError("extra_state must load with torch.load(weights_only=True): keep to tensors, numbers, "
+                        f"strings and lists/tuples/dicts of them (convert numpy values first); {error}") from error
+    return data
+
+
+def _optimizer_state_dicts(model: nn.Module, optimizers: list) -> tuple:
+    """The optimizers' state dicts keyed by parameter name (sharded under FSDP), and the indices of those that
+    had no state yet. DCP's ``get_optimizer_state_dict`` fills an empty optimizer's state with a step at lr 0;
+    that state is dropped again here so that saving changes nothing."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    states, stateless = {}, []
+    for index, optimizer in enumerate(optimizers):
+        if not optimizer.state:
+            stateless.append(index)
+        states[str(index)] = get_optimizer_state_dict(model, optimizer)
+        if index in stateless:
+            optimizer.state.clear()
+    return states, stateless
+
+
+def _replace_folder(temp_path: str, path: str) -> None:
+    """Rename the finished ``temp_path`` to ``path`` (a folder of that name is moved aside and removed)."""
+    parent = os.path.dirname(path)
+    aside = os.path.join(parent, f"{TEMP_PREFIX}{os.path.basename(path)}.old")
+    if os.path.lexists(path):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+    os.rename(temp_path, path)
+    _fsync_directory(parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _finish(temp_path: str, path: str, world_size: int, num_optimizers: int, stateless: List[int]) -> str:
+    marker = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world_size,
+              "num_optimizers": num_optimizers, "stateless_optimizers": stateless, "torch_version": torch.__version__}
+    atomic_write_text(os.path.join(temp_path, MARKER_FILE), json.dumps(marker, indent=1))  # fsyncs the folder
+    _replace_folder(temp_path, path)
+    return path
+
+
+def _start(path: str, temp_path: str, extra_state: dict, rank: int, world_size: int, process_group: Any) -> None:
+    """Check the arguments in every process, have rank 0 create the temporary folder (removing what an
+    interrupted save of this name left), then write this process's extra state into it. What is wrong in one
+    process is raised in all of them, before any of them enters DCP's collectives (where the others would wait)."""
+    error = None
+    try:
+        extra_bytes = _serialised_extra_state(extra_state)
+    except TypeError as type_error:
+        error = ("TypeError", f"process {rank}: {type_error}")
+    if rank == 0 and error is None:
+        try:
+            for leftover in (temp_path, f"{temp_path}.old"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            os.makedirs(temp_path)
+        except OSError as os_error:
+            error = ("OSError", f"cannot create the checkpoint folder {temp_path}: {os_error}")
+    gathered = _all_gather((path, error), process_group, world_size)
+    errors = [error for _, error in gathered if error is not None]
+    paths = [saved_path for saved_path, _ in gathered]
+    if (errors or len(set(paths)) > 1) and rank == 0:
+        shutil.rmtree(temp_path, ignore_errors=True)
+    if errors:
+        kind, message = errors[0]
+        raise (TypeError if kind == "TypeError" else OSError)(message)
+    if len(set(paths)) > 1:
+        raise ValueError(f"save_sharded_checkpoint was given different folders in different processes: {paths}; "
+                         "every process must save into the same folder (name it on rank 0 and broadcast it)")
+    atomic_write_bytes(os.path.join(temp_path, _extra_state_file(rank)), extra_bytes)
+
+
+def save_sharded_checkpoint(folder_path: str, model: nn.Module,
+                            optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None],
+                            extra_state: dict, async_save: bool = False,
+                            process_group: Any = None) -> ShardedCheckpointSave:
+    """Write a sharded checkpoint of ``model`` and ``optimizers`` to the folder ``folder_path``.
+
+    A collective: every process of the group calls it with the same ``folder_path``. Without an initialised
+    process group one process writes the same format (its model plain or sharded on one process).
+
+    Args:
+        folder_path: the final checkpoint folder (see :func:`sharded_checkpoint_name`); replaced if it exists.
+        model: the model, sharded with ``fully_shard`` or plain.
+        optimizers: an optimizer or a list of them (over ``model``'s parameters), or None.
+        extra_state: this process's other state (counters, history, RNG states...); loadable with
+            ``torch.load(weights_only=True)``.
+        async_save: return once the state is copied to host memory and write it in the background.
+        process_group: the group that saves (None: the default group). For ``async_save`` use
+            :func:`checkpoint_process_group`.
+
+    Returns:
+        The save: :meth:`ShardedCheckpointSave.wait` returns the path once it is complete.
+
+    Raises:
+        ValueError: the processes were given different folders.
+        TypeError: ``extra_state`` of some process does not load with ``weights_only=True``.
+        OSError: rank 0 could not create or complete the folder.
+        AssertionError: ``async_save`` in a process group without a CPU backend (DCP's check).
+        torch.distributed.checkpoint.api.CheckpointException: DCP's save failed, in any process (an
+            asynchronous save raises it from ``wait``).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    rank, world_size = _group_rank_and_size(process_group)
+    path = os.path.abspath(os.path.expanduser(folder_path))
+    temp_path = os.path.join(os.path.dirname(path), TEMP_PREFIX + os.path.basename(path))
+    _start(path, temp_path, extra_state, rank, world_size, process_group)
+    optimizers = _as_list(optimizers)
+    optimizer_states, stateless = _optimizer_state_dicts(model, optimizers)
+    state = {_MODEL: get_model_state_dict(model), _OPTIMIZERS: optimizer_states}
+    result: "concurrent.futures.Future[str]" = concurrent.futures.Future()
+    no_dist = not _distributed()
+    if not async_save:
+        with _single_process_intended(no_dist):
+            dcp.save(state, checkpoint_id=temp_path, process_group=process_group, no_dist=no_dist)
+        # DCP returns in every process once all files and .metadata are written.
+        finish_error = None
+        if rank == 0:
+            try:
+                _finish(temp_path, path, world_size, len(optimizers), stateless)
+            except OSError as error:
+                finish_error = f"cannot complete the checkpoint {path}: {error}"
+        errors = _all_gather(finish_error, process_group, world_size)
+        if errors[0] is not None:
+            raise OSError(errors[0])
+        result.set_result(path)
+        return ShardedCheckpointSave(path, result)
+
+    written = dcp.async_save(state, checkpoint_id=temp_path, process_group=process_group, no_dist=no_dist)
+
+    def on_written(future: concurrent.futures.Future) -> None:
+        # Runs in DCP's writer thread. Its future completes in rank 0 only after every process's write results
+        # were gathered and .metadata was written, so rank 0 may complete the folder then.
+        try:
+            future.result()
+            result.set_result(_finish(temp_path, path, world_size, len(optimizers), stateless) if rank == 0 else path)
+        except BaseException as error:  # hand every failure to wait()
+            result.set_exception(error)
+
+    written.add_done_callback(on_written)
+    return ShardedCheckpointSave(path, result)
+
+
+def load_sharded_checkpoint(folder_path: str, model: nn.Module,
+                            optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None],
+                            process_group: Any = None) -> dict:
+    """Load a sharded checkpoint into ``model`` and ``optimizers``; return this process's extra state.
+
+    A collective in a process group (every process calls it); a single process needs none. The model and
+    optimizers are as they will train: sharded with ``fully_shard`` (any number of processes) or plain; each
+    process reads the pieces of its shards, so the number of processes may differ from the saved one.
+
+    Args:
+        folder_path: a checkpoint folder (see :func:`is_sharded_checkpoint`).
+        model: the model, sharded or plain, with the saved parameter names.
+        optimizers: the optimizers, as many as were saved, over ``model``'s parameters.
+        process_group: the group that loads (None: the default group, or none at all).
+
+    Returns:
+        The extra state of saved process ``rank % saved_world_size``.
+
+    Raises:
+        FileNotFoundError: not a complete checkpoint.
+        ValueError: the number of optimizers differs from the saved one.
+        RuntimeError: DCP's load failed, e.g. a parameter is missing or has another shape in the checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+
+    path = os.path.abspath(os.path.expanduser(folder_path))
+    info = sharded_checkpoint_info(path)
+    optimizers = _as_list(optimizers)
+    if len(optimizers) != info["num_optimizers"]:
+        raise ValueError(f"the checkpoint {path} holds {info['num_optimizers']} optimizer state(s), "
+                         f"{len(optimizers)} optimizer(s) were given: pass the optimizers of the saved run")
+    rank, _ = _group_rank_and_size(process_group)
+    stateless = set(info["stateless_optimizers"])
+    with_state = [index for index in range(len(optimizers)) if index not in stateless]
+    # DCP loads into existing tensors: an optimizer without state gets it (zeros) from a step at lr 0, which
+    # DCP skips while gradients exist; set them aside meanwhile (loading replaces the training state anyway).
+    grads = {}
+    for index in with_state:
+        for group in optimizers[index].param_groups:
+            for param in group["params"]:
+                grads[param] = param.grad
+                param.grad = None
+    try:
+        optimizer_states = {str(index): get_optimizer_state_dict(model, optimizers[index]) for index in with_state}
+    finally:
+        for param, grad in grads.items():
+            param.grad = grad
+    state = {_MODEL: get_model_state_dict(model), _OPTIMIZERS: optimizer_states}
+    with _single_process_intended(not _distributed()):
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
+    set_model_state_dict(model, state[_MODEL])
+    for index, optimizer in enumerate(optimizers):
+        if index in stateless:
+            optimizer.state.clear()
+        else:
+            set_optimizer_state_dict(model, optimizer, state[_OPTIMIZERS][str(index)])
+    return torch_load_checked(os.path.join(path, _extra_state_file(rank % info["world_size"])))
+
+
+def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optional[str] = None) -> str:
+    """Write the full model state dict of a sharded checkpoint to one ordinary ``.pth`` file; returns its path.
+
+    Offline, in one process without a process group (it holds the whole model in memory). The file loads with
+    ``model.load_state_dict(torch.load(output_pth))`` into the plain, unsharded model.
+
+    Args:
+        folder_path: the checkpoint folder.
+        output_pth: the file to write (atomically).
+        key: None: the file is the state dict; a key such as ``'model_state_dict'``: ``{key: state dict}``, as
+            aitoolbox 1.x's checkpoints hold it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from aitoolbox.experiment.local_save.atomic import torch_save_atomic
+
+    path = os.path.abspath(os.path.expanduser(folder_path))
+    sharded_checkpoint_info(path)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = f"{_MODEL}."
+    # The model state dict is flat (parameter name -> tensor), so its DCP keys are "model." + the name.
+    model_state = {}
+    for name, item in metadata.state_dict_metadata.items():
+        if name.startswith(prefix):
+            model_state[name[len(prefix):]] = (torch.empty(item.size, dtype=item.properties.dtype)
+                                               if isinstance(item, TensorStorageMetadata) else io.BytesIO())
+    with _single_process_intended(True):
+        dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True)
+    torch_save_atomic(model_state if key is None else {key: model_state}, output_pth)
+    return output_pth
+
+
+def gather_full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full model state dict of a sharded model on rank 0's CPU (other ranks get an empty dict).
+
+    A collective under FSDP: every process calls it. A plain model in a single process gives its state dict
+    copied to the CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Unsharded tensors (buffers) on the CPU come back as the model's own: copy them, so that training on
+    # does not change what was gathered.
+    own = {_local(tensor).data_ptr() for tensor in itertools.chain(model.parameters(), model.buffers())}
+    return {name: tensor.clone() if isinstance(tensor, torch.Tensor) and tensor.data_ptr() in own else tensor
+            for name, tensor in full.items()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def remove_sharded_checkpoint(path: str) -> None:
+    """Delete a checkpoint folder: renamed to a temporary name first, so it is never seen half-deleted."""
+    path = os.path.abspath(path)
+    aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{os.path.basename(path)}.old")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(path, aside)
+    shutil.rmtree(aside)
