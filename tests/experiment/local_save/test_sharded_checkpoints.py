@@ -189,7 +189,8 @@ def test_sharded_save_then_load_in_new_processes_and_with_another_number_of_proc
     assert sorted(os.listdir(os.path.join(folder, E1))) == sorted(
         [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt", MARKER_FILE])
     assert sharded_checkpoint_info(os.path.join(folder, E1))["world_size"] == 2
-    assert not torch.equal(saved[0]["after_async_local"]["params"]["0.weight"], saved[0]["e2_local"]["params"]["0.weight"])
+    trained_on = saved[0]["after_async_local"]["params"]["0.weight"]
+    assert not torch.equal(trained_on, saved[0]["e2_local"]["params"]["0.weight"])  # while the async save ran
 
     # 2 -> 1: one process without a process group, plain model; the sync and async saves are the same state.
     e1_full = saved[0]["e1_full"]
@@ -234,7 +235,8 @@ def test_sharded_save_then_load_in_new_processes_and_with_another_number_of_proc
 
 def test_a_save_killed_midway_leaves_no_checkpoint_and_the_previous_one_loads(tmp_path):
     folder = str(tmp_path)
-    # Rank 1 exits in the second save; rank 0 fails in DCP's next collective (gloo sees the peer gone) or is killed by the launcher.
+    # Rank 1 exits in the second save; rank 0 fails in DCP's next collective (gloo sees the peer gone) or is
+    # killed by the launcher.
     with pytest.raises(RuntimeError, match="_die_during_second_save"):
         run_distributed(_die_during_second_save, 2, (folder,))
     temp_folder = TEMP_PREFIX + E2_SYNC
