@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
@@ -271,6 +272,29 @@ def test_single_process_roundtrip_replacing_and_removing(tmp_path):
     assert_bitwise(full_state(restored, restored_optimizer), expected)
     remove_sharded_checkpoint(path)
     assert os.listdir(os.path.dirname(path)) == []
+
+
+class _FailsWhenPickled:
+    """Copied fine when the state is staged, refused when the writer thread serialises it."""
+
+    def __deepcopy__(self, memo):
+        return _FailsWhenPickled()
+
+    def __reduce__(self):
+        raise RuntimeError("this value cannot be written")
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_an_async_save_that_fails_raises_from_wait_and_leaves_no_checkpoint(tmp_path):
+    model, optimizer = plain_model_and_optimizer(seed=0)
+    train(model, optimizer, steps=1, seed=0)
+    optimizer.param_groups[0]["unwritable"] = _FailsWhenPickled()  # DCP pickles it in the writer thread
+    pending = save_sharded_checkpoint(str(tmp_path / "model_x_ts_E1"), model, optimizer, {}, async_save=True)
+    with pytest.raises(CheckpointException) as raised:  # DCP's report of the failures of every process
+        pending.wait(timeout=30)
+    assert "this value cannot be written" in repr(raised.value.failures[0])
+    assert pending.done()
+    assert os.listdir(tmp_path) == [TEMP_PREFIX + "model_x_ts_E1"]
 
 
 def test_an_optimizer_without_state_is_saved_and_loaded_without_state(tmp_path):
