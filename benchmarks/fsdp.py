@@ -40,7 +40,7 @@ three) over ``--repeats`` rounds after ``--warmup`` untimed rounds; medians are 
 ratio fsdp / hand_fsdp is the median of the per-round ratios. Each runner's final full weights (gathered to
 rank 0) are compared with the hand script's.
 
-Run:  python benchmarks/fsdp.py                 (about 6 minutes on 2 cores)
+Run:  python benchmarks/fsdp.py                 (about 4 minutes on 2 idle cores)
       python benchmarks/fsdp.py --quick         (smoke test, well under a minute)
 """
 import argparse
