@@ -147,7 +147,9 @@ class FullyShardedStrategy(DistributedStrategy):
         units = shard_units(model, args.get("shard_modules"), args.get("min_num_params", DEFAULT_MIN_NUM_PARAMS))
         for unit in units:
             fully_shard(unit, **options)
-        fully_shard(model, **options)
+        # The root's parameters are needed again at once for backward: freeing them after forward would only add an
+        # all-gather per batch (torch's own default for the root).
+        fully_shard(model, **dict(options, reshard_after_forward=False))
         logger.debug("FSDP: %d shard units below the root %s", len(units), type(model).__name__)
         self._sharded_model = model
         sharded = dict(model.named_parameters())

@@ -182,6 +182,52 @@ def test_o2_and_o3_train(tmp_path, use_amp):
     assert losses[-1] < 0.6 * losses[0]
 
 
+class RecordResharding(AbstractCallback):
+    """In every rank, before training starts and at train end (after an evaluation gathered everything): which
+    parameters stay gathered after a training forward. FSDP swaps a unit's registered parameters between sharded
+    DTensors and gathered plain tensors."""
+
+    def __init__(self, folder):
+        super().__init__("record resharding")
+        self.folder = str(folder)
+        self.seen = []
+
+    def probe(self):
+        from torch.distributed.tensor import DTensor
+        tl = self.train_loop_obj
+        tl.model.train()
+        tl.model(next(iter(tl.train_loader))[0])
+        self.seen.append({name: not isinstance(param, DTensor) for name, param in tl.model.named_parameters()})
+
+    def on_epoch_begin(self):
+        if not self.seen:
+            self.probe()
+
+    def on_train_end(self):
+        self.probe()
+        torch.save(self.seen, os.path.join(self.folder, f"rank{self.train_loop_obj.strategy.rank}.pt"))
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_the_root_keeps_its_parameters_for_backward_and_units_follow_reshard_after_forward(
+        tmp_path, reshard_after_forward):
+    """The root unit is needed again at once for backward (torch's default never reshards it after forward: that
+    would cost one more all-gather per batch); the other units free their gathered parameters after forward
+    unless ``reshard_after_forward=False``. Both hold before and after an evaluation."""
+    torch.manual_seed(0)
+    tl = make_loop("fsdp", Tower())
+    # 1000 parameters: the two 32x32 linear layers become units; the first layer and the head stay in the root.
+    tl.fit_distributed(num_epochs=1, callbacks=[RecordResharding(tmp_path)], train_data_shuffle=False, num_gpus=2,
+                       start_method="fork",
+                       fsdp_model_args={"min_num_params": 1000, "reshard_after_forward": reshard_after_forward})
+    for seen in records(tmp_path):
+        assert len(seen) == 2
+        for gathered in seen:
+            assert gathered["layers.0.weight"] and gathered["head.weight"] and gathered["head.bias"]
+            assert gathered["layers.2.weight"] is (not reshard_after_forward)
+            assert gathered["layers.4.bias"] is (not reshard_after_forward)
+
+
 def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
     """Epoch checkpoints (gathered full state dicts, written by rank 0) resume in new processes exactly; the
     final model is one ordinary .pth file loadable into the plain model."""
