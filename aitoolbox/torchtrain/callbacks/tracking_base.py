@@ -139,6 +139,7 @@ class TrackingCallback(AbstractExperimentCallback):
         self._epoch_loss_sum: Optional[torch.Tensor] = None
         self._epoch_batches = 0
         self._stepped = False  # an optimizer step since the last batch record ('step' mode)
+        self._batch_learning_rates: Optional[Dict[tuple, float]] = None  # in effect for the batch to be logged
 
     # --- what a subclass implements ---------------------------------------------------------------------------
     def start_run(self) -> None:
@@ -191,6 +192,18 @@ class TrackingCallback(AbstractExperimentCallback):
 
     def on_epoch_begin(self) -> None:
         self.reset_epoch_loss()
+
+    def on_batch_begin(self) -> None:
+        # The learning rates this batch's optimizer step uses: a scheduler stepping after the optimizer step
+        # changes them before on_batch_end.
+        tl = self.train_loop_obj
+        if not self.run_active or not self.log_learning_rates or self.batch_log_frequency is None:
+            return
+        if self.batch_log_frequency == PER_OPTIMIZER_STEP:
+            due = tl.optimizer_step_due
+        else:
+            due = tl.total_iteration_idx % self.batch_log_frequency == 0
+        self._batch_learning_rates = self.current_learning_rates() if due else None
 
     def on_after_optimizer_step(self) -> None:
         self._stepped = True
@@ -246,6 +259,7 @@ class TrackingCallback(AbstractExperimentCallback):
         self._epoch_loss_sum = None
         self._epoch_batches = 0
         self._stepped = False
+        self._batch_learning_rates = None
 
     def loss_names(self, loss: torch.Tensor) -> List[str]:
         """``['loss']``, or the names of a MultiLoss's losses (their index when the loop does not name them)."""
@@ -259,19 +273,30 @@ class TrackingCallback(AbstractExperimentCallback):
         tl = self.train_loop_obj
         names = self.loss_names(loss)
         values = loss.reshape(-1).tolist()
-        if self._epoch_loss_sum is None:  # the step logged at the end of an epoch without batch records
-            means = values
-        else:
+        # The loop's own sum, where it offers one, includes the batches trained before a resume (a mid-epoch
+        # checkpoint, or the fit before an exception); the callback's sum covers this fit's batches only.
+        loop_sum = getattr(tl, "epoch_loss_sum", None)
+        if isinstance(loop_sum, torch.Tensor):
+            means = (loop_sum.float() / (tl.iteration + 1)).reshape(-1).tolist()
+        elif self._epoch_loss_sum is not None:
             means = (self._epoch_loss_sum / self._epoch_batches).reshape(-1).tolist()
-        rates = {}
-        if self.log_learning_rates:
-            for optimizer_idx, optimizer in enumerate(tl.optimizers):
-                for group_idx, group in enumerate(optimizer.param_groups):
-                    rate = scalar_value(group.get("lr"))
-                    if rate is not None:
-                        rates[(optimizer_idx, group_idx)] = rate
+        else:
+            means = values
+        rates, self._batch_learning_rates = self._batch_learning_rates, None
+        if rates is None and self.log_learning_rates:
+            rates = self.current_learning_rates()
         return BatchRecord(tl.epoch, tl.iteration, tl.total_iteration_idx, dict(zip(names, values)),
-                           dict(zip(names, means)), rates)
+                           dict(zip(names, means)), rates or {})
+
+    def current_learning_rates(self) -> Dict[tuple, float]:
+        """``{(optimizer index, group index): learning rate}`` of every parameter group now."""
+        rates = {}
+        for optimizer_idx, optimizer in enumerate(self.train_loop_obj.optimizers):
+            for group_idx, group in enumerate(optimizer.param_groups):
+                rate = scalar_value(group.get("lr"))
+                if rate is not None:
+                    rates[(optimizer_idx, group_idx)] = rate
+        return rates
 
     def new_history_metrics(self, epoch: Optional[int] = None) -> Dict[str, float]:
         """The selected history metrics recorded since the last epoch end logged, with their newest value.
@@ -308,7 +333,8 @@ class TrackingCallback(AbstractExperimentCallback):
         return metrics
 
     # --- where files go (for the callbacks that write locally) ------------------------------------------------
-    def resolve_log_dir(self, log_dir: Optional[str], is_project: bool, default_sub_folder: Optional[str]) -> Optional[str]:
+    def resolve_log_dir(self, log_dir: Optional[str], is_project: bool,
+                        default_sub_folder: Optional[str]) -> Optional[str]:
         """The absolute folder for local files, after registration.
 
         ``is_project=True``: a relative (or no) ``log_dir`` lies in the experiment folder (``default_sub_folder``
