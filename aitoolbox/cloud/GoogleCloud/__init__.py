@@ -1,1 +1,1 @@
-"""aitoolbox 1.x's Google Cloud modules: not supported yet."""
+"""aitoolbox 1.x's Google Cloud modules: Google Cloud Storage savers and loaders (``pip install aitoolbox[gcs]``)."""

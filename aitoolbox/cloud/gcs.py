@@ -1,0 +1,148 @@
+"""Google Cloud Storage through google-cloud-storage, Google's maintained client.
+
+The client comes from Google's standard configuration: Application Default Credentials
+(``GOOGLE_APPLICATION_CREDENTIALS`` naming a service-account key file, ``gcloud auth application-default login``,
+or the metadata server on Google Cloud machines) and the project from ``GOOGLE_CLOUD_PROJECT`` or the
+credentials. With ``STORAGE_EMULATOR_HOST`` set (e.g. ``http://127.0.0.1:9023``) the client talks to that
+emulator with anonymous credentials. Objects above 8 MiB go up in a resumable upload, published only when
+complete.
+"""
+from typing import IO, Any, Iterator, Optional
+
+from aitoolbox.cloud.storage import (
+    CloudNotFoundError, CloudObject, CloudPermissionError, CloudStorage, Failure, MissingBucket, MissingObject,
+    RetryPolicy)
+
+_INSTALL = "Google Cloud Storage support needs google-cloud-storage: pip install aitoolbox[gcs]"
+_CREDENTIALS_HINT = ("Give credentials the standard Google way: GOOGLE_APPLICATION_CREDENTIALS naming a "
+                     "service-account key file, or `gcloud auth application-default login`; for an emulator set "
+                     "STORAGE_EMULATOR_HOST")
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def import_storage():
+    """``google.cloud.storage``, or an ImportError that names the pip extra."""
+    try:
+        from google.cloud import storage
+    except ImportError as error:
+        raise ImportError(_INSTALL) from error
+    return storage
+
+
+class GCSStorage(CloudStorage):
+    """One Google Cloud Storage bucket.
+
+    Args:
+        bucket_name: the bucket.
+        project: the project billed for requests; None: ``GOOGLE_CLOUD_PROJECT`` or the credentials' project.
+        endpoint_url: another API endpoint (``client_options={'api_endpoint': ...}``); None: Google's, or
+            ``STORAGE_EMULATOR_HOST`` when it is set.
+        retry: the backoff for transient errors (the client's own retries are turned off: this policy is the
+            only one).
+        timeout_s: the connect and read timeout of each request.
+    """
+
+    service = "Google Cloud Storage"
+    scheme = "gs"
+
+    def __init__(self, bucket_name: str, project: Optional[str] = None, endpoint_url: Optional[str] = None,
+                 retry: Optional[RetryPolicy] = None, timeout_s: float = 60.0):
+        super().__init__(bucket_name, retry)
+        import_storage()  # fail here, at construction, when the extra is missing
+        self.project = project
+        self.endpoint_url = endpoint_url
+        self.timeout_s = timeout_s
+
+    def _make_client(self) -> Any:
+        storage = import_storage()
+        options = {"api_endpoint": self.endpoint_url} if self.endpoint_url else None
+        return storage.Client(project=self.project, client_options=options)
+
+    @property
+    def bucket(self) -> Any:
+        """The client's ``Bucket`` object (no request is made)."""
+        return self.client.bucket(self.bucket_name)
+
+    def _put(self, handle: IO[bytes], key: str, size: int) -> None:
+        try:
+            self.bucket.blob(key).upload_from_file(handle, size=size, timeout=self.timeout_s, retry=None)
+        except Exception as error:
+            self._raise_missing(error, key, object_expected=False)
+            raise
+
+    def _get(self, key: str, handle: IO[bytes]) -> None:
+        try:
+            self.bucket.blob(key).download_to_file(handle, timeout=self.timeout_s, retry=None)
+        except Exception as error:
+            self._raise_missing(error, key, object_expected=True)
+            raise
+
+    def _list(self, prefix: str) -> Iterator[CloudObject]:
+        try:
+            blobs = list(self.client.list_blobs(self.bucket_name, prefix=prefix or None, timeout=self.timeout_s,
+                                                retry=None))
+        except Exception as error:
+            self._raise_missing(error, prefix, object_expected=False)
+            raise
+        return iter([CloudObject(blob.name, int(blob.size or 0)) for blob in blobs])
+
+    def _size(self, key: str) -> Optional[int]:
+        blob = self.bucket.get_blob(key, timeout=self.timeout_s, retry=None)
+        if blob is not None:
+            return int(blob.size or 0)
+        if not self.bucket.exists(timeout=self.timeout_s, retry=None):
+            raise MissingBucket()
+        return None
+
+    def _delete(self, key: str) -> None:
+        from google.api_core import exceptions
+        try:
+            self.bucket.blob(key).delete(timeout=self.timeout_s, retry=None)
+        except exceptions.NotFound:
+            if not self.bucket.exists(timeout=self.timeout_s, retry=None):
+                raise MissingBucket() from None
+
+    def _raise_missing(self, error: Exception, key: str, object_expected: bool) -> None:
+        """Turn GCS's 404, the same for a missing bucket and a missing object, into the one it is (asking whether
+        the bucket exists)."""
+        from google.api_core import exceptions
+        if not isinstance(error, exceptions.NotFound):
+            return
+        if object_expected and self.bucket.exists(timeout=self.timeout_s, retry=None):
+            raise MissingObject() from error
+        raise MissingBucket() from error
+
+    def _classify(self, error: BaseException) -> Optional[Failure]:
+        import requests
+        from google.api_core import exceptions
+        from google.auth import exceptions as auth_exceptions
+        if isinstance(error, auth_exceptions.DefaultCredentialsError):
+            return Failure(False, "NoCredentials", _CREDENTIALS_HINT, CloudPermissionError)
+        if isinstance(error, auth_exceptions.RefreshError):
+            return Failure(False, "InvalidCredentials", _CREDENTIALS_HINT, CloudPermissionError)
+        if isinstance(error, (auth_exceptions.TransportError, requests.exceptions.ConnectionError,
+                              requests.exceptions.Timeout, requests.exceptions.ChunkedEncodingError,
+                              ConnectionError, TimeoutError)):
+            return Failure(True, "ConnectionError")
+        if isinstance(error, exceptions.GoogleAPICallError):
+            status = int(error.code or 0)
+            reason = type(error).__name__
+            if status in _TRANSIENT_STATUS or isinstance(error, (exceptions.ServerError,
+                                                                 exceptions.TooManyRequests)):
+                return Failure(True, reason)
+            if isinstance(error, (exceptions.Forbidden, exceptions.Unauthorized)):
+                return Failure(False, reason, "Check the credentials and their permissions on the bucket "
+                                              f"{self.bucket_name!r}", CloudPermissionError)
+            if isinstance(error, exceptions.NotFound):
+                return Failure(False, reason, "", CloudNotFoundError)
+            return Failure(False, reason)
+        try:
+            from google.resumable_media import common
+        except ImportError:  # pragma: no cover - comes with google-cloud-storage
+            return None
+        if isinstance(error, common.DataCorruption):
+            return Failure(True, "DataCorruption")
+        if isinstance(error, common.InvalidResponse):
+            status = int(getattr(error.response, "status_code", 0) or 0)
+            return Failure(status in _TRANSIENT_STATUS, f"HTTP{status}")
+        return None

@@ -1,0 +1,503 @@
+"""A small object-storage interface (upload, download, list, exists, delete) with retries and clear errors.
+
+:class:`CloudStorage` holds what AWS S3 (:class:`~aitoolbox.cloud.s3.S3Storage`) and Google Cloud Storage
+(:class:`~aitoolbox.cloud.gcs.GCSStorage`) share: the retry loop, the errors, folders with a completion marker,
+atomic downloads. A subclass implements five primitives on one service's client and says which of its errors
+are transient.
+
+Faults:
+
+- transient errors (connection refused or reset, timeouts, HTTP 5xx, throttling) are retried with exponential
+  backoff (:class:`RetryPolicy`); the clients' own retries are turned off so that one policy holds for both
+  services;
+- permanent errors (missing bucket or object, access denied, no credentials) and transient ones that outlast the
+  retries raise :class:`CloudStorageError` (or a subclass) naming the service, bucket, key and local file;
+- a single object is never seen half-written (S3 and GCS publish an object only once its upload completes);
+  a folder is complete only once its marker object (:data:`FOLDER_MARKER`, a manifest of the files and their
+  sizes) is written, after every file;
+- downloads write into a temporary file that replaces the target only once complete.
+"""
+import abc
+import contextlib
+import io
+import json
+import logging
+import os
+import posixpath
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The completion marker of a folder uploaded by :meth:`CloudStorage.upload_folder`: written after every file.
+FOLDER_MARKER = ".aitoolbox-folder-complete.json"
+FOLDER_MARKER_FORMAT = "aitoolbox-cloud-folder"
+FOLDER_MARKER_VERSION = 1
+# A sharded checkpoint's own marker (see aitoolbox.experiment.local_save.sharded_checkpoints): uploaded after the
+# folder's other files, so that a reader of the bucket that checks only it still never sees a partial folder.
+_SHARDED_MARKER = "checkpoint.json"
+
+
+class CloudStorageError(OSError):
+    """An operation on a bucket failed: the message names the service, bucket, key and (for transfers) the local
+    file, the reason, and the attempts made.
+
+    Attributes:
+        service: ``'AWS S3'`` or ``'Google Cloud Storage'``.
+        bucket: the bucket's name.
+        key: the object's key (or the prefix for listings).
+        operation: ``'upload'``, ``'download'``, ``'list'``, ``'exists'``, ``'delete'``.
+        reason: the service's error code or the exception's class (``'NoSuchBucket'``, ``'ConnectionError'``).
+        transient: the error was of a kind that is retried (the retries ran out).
+        attempts: how many attempts were made.
+        local_path: the local file of an upload or download, else None.
+    """
+
+    def __init__(self, message: str, *, service: str = "", bucket: str = "", key: str = "", operation: str = "",
+                 reason: str = "", transient: bool = False, attempts: int = 1, local_path: Optional[str] = None):
+        super().__init__(message)
+        self.service, self.bucket, self.key, self.operation = service, bucket, key, operation
+        self.reason, self.transient, self.attempts, self.local_path = reason, transient, attempts, local_path
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CloudNotFoundError(CloudStorageError, FileNotFoundError):
+    """The bucket or the object does not exist."""
+
+
+class CloudPermissionError(CloudStorageError, PermissionError):
+    """No credentials were found, or they do not allow the operation."""
+
+
+class MissingBucket(Exception):
+    """Raised by a primitive when the bucket does not exist (a permanent error, reported by name)."""
+
+
+class MissingObject(Exception):
+    """Raised by a primitive when the object does not exist in an existing bucket."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How a subclass classifies a client error: retry it or not, its code, and advice for the user."""
+    transient: bool
+    reason: str
+    hint: str = ""
+    kind: type = CloudStorageError
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff for transient errors: attempt ``n`` (from 1) waits
+    ``min(max_delay_s, initial_delay_s * multiplier ** (n - 1))`` seconds, scaled by a random factor in
+    ``[1 - jitter, 1]`` so that many processes do not retry in step.
+
+    Args:
+        attempts: how many times an operation is tried in all (1: no retries).
+        initial_delay_s: the wait after the first failure.
+        max_delay_s: the longest wait.
+        multiplier: the growth of the wait per failure.
+        jitter: the random part of each wait, between 0 and 1.
+    """
+    attempts: int = 6
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def __post_init__(self):
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
+        if self.initial_delay_s < 0 or self.max_delay_s < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
+            raise ValueError(f"RetryPolicy needs delays >= 0, multiplier >= 1 and 0 <= jitter <= 1, got {self}")
+
+    def delay(self, failed_attempt: int) -> float:
+        """Seconds to wait after attempt ``failed_attempt`` (counted from 1) failed."""
+        base = min(self.max_delay_s, self.initial_delay_s * self.multiplier ** (failed_attempt - 1))
+        return base * (1 - self.jitter * random.random())
+
+
+@dataclass(frozen=True)
+class CloudObject:
+    """One object of a listing: its key and size in bytes."""
+    key: str
+    size: int
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts as aitoolbox 1.x did (``os.path.join`` on POSIX): empty parts vanish, no doubled slashes."""
+    return posixpath.join(*[part for part in parts if part]) if any(parts) else ""
+
+
+class CloudStorage(abc.ABC):
+    """One bucket of an object store. Thread-safe: the client is made once, on first use.
+
+    Args:
+        bucket_name: the bucket.
+        retry: the backoff for transient errors; :class:`RetryPolicy` ``()`` when None.
+    """
+
+    service = "cloud storage"
+    scheme = ""
+
+    def __init__(self, bucket_name: str, retry: Optional[RetryPolicy] = None):
+        if not isinstance(bucket_name, str) or not bucket_name or "/" in bucket_name:
+            raise ValueError(f"bucket_name must be a bucket's name (no '/'), got {bucket_name!r}")
+        self.bucket_name = bucket_name
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    # The primitives of one service ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _make_client(self) -> Any:
+        """Build the service's client from its standard environment and configuration."""
+
+    @abc.abstractmethod
+    def _put(self, handle: IO[bytes], key: str, size: int) -> None:
+        """Upload ``size`` bytes read from ``handle`` (at position 0) as ``key``."""
+
+    @abc.abstractmethod
+    def _get(self, key: str, handle: IO[bytes]) -> None:
+        """Write the object ``key`` into ``handle``; raise :class:`MissingBucket` / :class:`MissingObject`."""
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> Iterator[CloudObject]:
+        """Every object whose key starts with ``prefix``; raise :class:`MissingBucket` without the bucket."""
+
+    @abc.abstractmethod
+    def _size(self, key: str) -> Optional[int]:
+        """The size of ``key``; None when there is no such object; :class:`MissingBucket` without the bucket."""
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None:
+        """Delete ``key``; a missing object is not an error, a missing bucket raises :class:`MissingBucket`."""
+
+    @abc.abstractmethod
+    def _classify(self, error: BaseException) -> Optional[Failure]:
+        """How to treat ``error`` raised by the client; None for errors that are not the service's (bugs)."""
+
+    # Public operations ---------------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The service's client, made on first use."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    def uri(self, key: str = "") -> str:
+        """``s3://bucket/key`` or ``gs://bucket/key``."""
+        return f"{self.scheme}://{self.bucket_name}/{key}"
+
+    def upload_file(self, local_path: str, key: str) -> str:
+        """Upload the file ``local_path`` as ``key``; returns the object's URI. The local file is kept.
+
+        Raises:
+            FileNotFoundError: there is no such local file.
+            CloudStorageError: the upload failed (after the retries, for transient errors).
+        """
+        local_path = os.path.expanduser(local_path)
+        with open(local_path, "rb") as handle:
+            return self.upload_handle(handle, key, local_path=local_path)
+
+    def upload_handle(self, handle: IO[bytes], key: str, local_path: Optional[str] = None) -> str:
+        """Upload everything in the seekable binary ``handle`` as ``key``; returns the object's URI."""
+        size = os.fstat(handle.fileno()).st_size if _has_fileno(handle) else len(handle.getbuffer())
+
+        def put() -> None:
+            handle.seek(0)
+            self._put(handle, key, size)
+        self._call("upload", key, put, local_path=local_path)
+        return self.uri(key)
+
+    def upload_bytes(self, data: bytes, key: str) -> str:
+        """Upload ``data`` as ``key``; returns the object's URI."""
+        return self.upload_handle(io.BytesIO(data), key)
+
+    def upload_folder(self, local_folder: str, key_prefix: str, complete_marker: bool = True) -> List[str]:
+        """Upload every file below ``local_folder`` to ``<key_prefix>/<path inside the folder>``.
+
+        Temporary files of interrupted local writes (``.tmp-*``) are skipped. With ``complete_marker``, an earlier
+        marker of the prefix is removed first and a new one (:data:`FOLDER_MARKER`, listing each file and its
+        size) is written after every file: :meth:`is_complete_folder` is true only for a fully uploaded folder.
+
+        Returns:
+            The keys written, the marker last.
+        """
+        return self.upload_open_folder(open_folder(local_folder), key_prefix, complete_marker)
+
+    def upload_open_folder(self, files: "OpenFolder", key_prefix: str, complete_marker: bool = True) -> List[str]:
+        """:meth:`upload_folder` of files opened beforehand (:func:`open_folder`); closes them."""
+        key_prefix = key_prefix.rstrip("/")
+        marker_key = join_key(key_prefix, FOLDER_MARKER)
+        written = []
+        with files:
+            if complete_marker:
+                self._call("delete", marker_key, lambda: self._delete(marker_key))
+            for relative_path, handle in files.handles:
+                key = join_key(key_prefix, relative_path)
+                self.upload_handle(handle, key, local_path=os.path.join(files.folder, relative_path))
+                written.append(key)
+            if complete_marker:
+                manifest = {"format": FOLDER_MARKER_FORMAT, "version": FOLDER_MARKER_VERSION,
+                            "files": {path: size for path, size in files.sizes.items()}}
+                self.upload_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"), marker_key)
+                written.append(marker_key)
+        return written
+
+    def download_file(self, key: str, local_path: str) -> str:
+        """Download ``key`` to ``local_path`` (folders are created); returns ``local_path``.
+
+        The file appears only once complete: a failed download leaves an earlier file of that name as it was.
+
+        Raises:
+            CloudNotFoundError: there is no such bucket or object.
+            CloudStorageError: the download failed.
+        """
+        local_path = os.path.expanduser(local_path)
+        directory = os.path.dirname(os.path.abspath(local_path))
+        os.makedirs(directory, exist_ok=True)
+        fd, temp_path = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.path.basename(local_path)}.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                def get() -> None:
+                    handle.seek(0)
+                    handle.truncate()
+                    self._get(key, handle)
+                self._call("download", key, get, local_path=local_path)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp_path, local_path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp_path)
+            raise
+        return local_path
+
+    def download_bytes(self, key: str) -> bytes:
+        """The content of ``key``."""
+        buffer = io.BytesIO()
+
+        def get() -> None:
+            buffer.seek(0)
+            buffer.truncate()
+            self._get(key, buffer)
+        self._call("download", key, get)
+        return buffer.getvalue()
+
+    def folder_manifest(self, key_prefix: str) -> Optional[Dict[str, int]]:
+        """The files (path inside the folder -> size) of a complete folder; None when its marker is missing."""
+        marker_key = join_key(key_prefix.rstrip("/"), FOLDER_MARKER)
+        if not self.exists(marker_key):
+            return None
+        return _parse_manifest(self.download_bytes(marker_key), self.uri(marker_key))
+
+    def is_complete_folder(self, key_prefix: str) -> bool:
+        """True when the folder's marker exists and every file it lists is there with its size."""
+        manifest = self.folder_manifest(key_prefix)
+        if manifest is None:
+            return False
+        present = {obj.key: obj.size for obj in self.list(key_prefix.rstrip("/") + "/")}
+        return all(present.get(join_key(key_prefix.rstrip("/"), path)) == size for path, size in manifest.items())
+
+    def download_folder(self, key_prefix: str, local_folder: str) -> str:
+        """Download a complete folder (see :meth:`upload_folder`) into ``local_folder``; returns its path.
+
+        The files are gathered in a temporary folder beside ``local_folder`` that takes its name only once
+        every file is there; an existing ``local_folder`` is replaced.
+
+        Raises:
+            CloudNotFoundError: the folder has no completion marker (it is missing, or its upload was
+                interrupted) or a file it lists is missing.
+        """
+        key_prefix = key_prefix.rstrip("/")
+        manifest = self.folder_manifest(key_prefix)
+        if manifest is None:
+            raise self._error(CloudNotFoundError, "download", join_key(key_prefix, FOLDER_MARKER),
+                              "IncompleteFolder", f"{self.uri(key_prefix)}/ is not a complete folder: its "
+                              f"completion marker {FOLDER_MARKER} is missing (the folder does not exist, or its "
+                              "upload was interrupted)", local_path=local_folder)
+        local_folder = os.path.abspath(os.path.expanduser(local_folder))
+        parent = os.path.dirname(local_folder)
+        os.makedirs(parent, exist_ok=True)
+        temp_folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(local_folder)}.", dir=parent)
+        try:
+            for relative_path in manifest:
+                self.download_file(join_key(key_prefix, relative_path), os.path.join(temp_folder, relative_path))
+            if os.path.isdir(local_folder):
+                shutil.rmtree(local_folder)
+            os.replace(temp_folder, local_folder)
+        except BaseException:
+            shutil.rmtree(temp_folder, ignore_errors=True)
+            raise
+        return local_folder
+
+    def list(self, prefix: str = "") -> List[CloudObject]:
+        """Every object whose key starts with ``prefix`` (a plain string prefix: end it with ``/`` for a folder)."""
+        return self._call("list", prefix, lambda: list(self._list(prefix)))
+
+    def exists(self, key: str) -> bool:
+        """True when the object ``key`` exists.
+
+        Raises:
+            CloudNotFoundError: the bucket does not exist.
+        """
+        return self._call("exists", key, lambda: self._size(key)) is not None
+
+    def delete(self, key: str) -> None:
+        """Delete the object ``key`` (nothing happens when it does not exist)."""
+        self._call("delete", key, lambda: self._delete(key))
+
+    def delete_folder(self, key_prefix: str) -> int:
+        """Delete the folder's marker first (so it is never seen complete while half-deleted), then its files.
+
+        Returns:
+            How many objects were deleted.
+        """
+        key_prefix = key_prefix.rstrip("/")
+        marker_key = join_key(key_prefix, FOLDER_MARKER)
+        self.delete(marker_key)
+        objects = [obj for obj in self.list(key_prefix + "/") if obj.key != marker_key]
+        for obj in objects:
+            self.delete(obj.key)
+        return len(objects)
+
+    # The retry loop and the errors ---------------------------------------------------------------------------
+
+    def _call(self, operation: str, key: str, function: Callable[[], T], local_path: Optional[str] = None) -> T:
+        """Run ``function`` (an operation on ``key``), retrying transient errors per :attr:`retry`."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return function()
+            except MissingBucket as error:
+                raise self._error(CloudNotFoundError, operation, key, "NoSuchBucket",
+                                  f"the bucket {self.bucket_name!r} does not exist: create it (or fix bucket_name)",
+                                  local_path=local_path) from error
+            except MissingObject as error:
+                raise self._error(CloudNotFoundError, operation, key, "NoSuchKey",
+                                  f"the bucket {self.bucket_name!r} has no object {key!r}", local_path=local_path) \
+                    from error
+            except Exception as error:
+                failure = self._classify(error)
+                if failure is None:
+                    raise
+                if not failure.transient or attempt >= self.retry.attempts:
+                    raise self._error(failure.kind, operation, key, failure.reason,
+                                      _describe(error) + (f". {failure.hint}" if failure.hint else ""),
+                                      local_path=local_path, transient=failure.transient, attempts=attempt) \
+                        from error
+                delay = self.retry.delay(attempt)
+                logger.warning("%s %s of %s failed (%s: %s); attempt %d of %d in %.2f s", self.service, operation,
+                               self.uri(key), failure.reason, _describe(error), attempt + 1, self.retry.attempts,
+                               delay)
+                time.sleep(delay)
+
+    def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
+               local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
+        transfer = {"upload": f" from {local_path}", "download": f" to {local_path}"}.get(operation, "") \
+            if local_path else ""
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        message = (f"{self.service} {operation} of {self.uri(key)}{transfer} failed{tries} "
+                   f"(bucket {self.bucket_name!r}, key {key!r}): {reason}: {detail}")
+        return kind(message, service=self.service, bucket=self.bucket_name, key=key, operation=operation,
+                    reason=reason, transient=transient, attempts=attempts, local_path=local_path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.bucket_name!r})"
+
+
+class OpenFolder:
+    """The files of a local folder, opened for reading (so later changes of the folder do not reach an upload
+    queued now: a file replaced or deleted after opening is still read as it was). A context manager: closes them.
+
+    Attributes:
+        folder: the folder's path.
+        handles: ``(path inside the folder with '/' separators, open binary file)``, in upload order.
+        sizes: ``{path inside the folder: size}``.
+    """
+
+    def __init__(self, folder: str, handles: List[Tuple[str, IO[bytes]]]):
+        self.folder = folder
+        self.handles = handles
+        self.sizes = {path: os.fstat(handle.fileno()).st_size for path, handle in handles}
+
+    def close(self) -> None:
+        for _, handle in self.handles:
+            handle.close()
+
+    def __enter__(self) -> "OpenFolder":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def open_folder(local_folder: str) -> OpenFolder:
+    """Open every file below ``local_folder`` except ``.tmp-*`` ones and an old :data:`FOLDER_MARKER`.
+
+    A sharded checkpoint's own marker comes after its other files.
+
+    Raises:
+        NotADirectoryError: ``local_folder`` is not a folder.
+    """
+    local_folder = os.path.expanduser(local_folder)
+    if not os.path.isdir(local_folder):
+        raise NotADirectoryError(f"cannot upload the folder {local_folder}: it is not a folder")
+    paths = []
+    for root, dirs, names in os.walk(local_folder):
+        dirs[:] = sorted(name for name in dirs if not name.startswith(TEMP_PREFIX))
+        for name in names:
+            if name.startswith(TEMP_PREFIX) or name == FOLDER_MARKER:
+                continue
+            relative = os.path.relpath(os.path.join(root, name), local_folder).replace(os.sep, "/")
+            paths.append(relative)
+    paths.sort(key=lambda path: (path == _SHARDED_MARKER, path))
+    handles: List[Tuple[str, IO[bytes]]] = []
+    try:
+        for relative in paths:
+            handles.append((relative, open(os.path.join(local_folder, relative), "rb")))
+    except BaseException:
+        for _, handle in handles:
+            handle.close()
+        raise
+    return OpenFolder(local_folder, handles)
+
+
+def _parse_manifest(data: bytes, where: str) -> Dict[str, int]:
+    try:
+        manifest = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where} is not a folder marker written by aitoolbox: {error}") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FOLDER_MARKER_FORMAT \
+            or manifest.get("version", 0) > FOLDER_MARKER_VERSION or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{where} is not a {FOLDER_MARKER_FORMAT} marker of version <= {FOLDER_MARKER_VERSION}")
+    return {str(path): int(size) for path, size in manifest["files"].items()}
+
+
+def _has_fileno(handle: IO[bytes]) -> bool:
+    try:
+        handle.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return False
+    return True
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text if len(text) <= 500 else text[:500] + "..."

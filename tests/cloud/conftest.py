@@ -1,0 +1,124 @@
+"""Fixtures of the cloud tests: moto's S3 server and a GCS emulator, started once per session on 127.0.0.1.
+
+The tests of a service are skipped when its client or server package is not installed
+(``pip install 'moto[server]' boto3 google-cloud-storage gcp-storage-emulator``). Each test gets its own bucket,
+and the standard environment variables (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ...) set through
+monkeypatch, pointing at the servers. Nothing reaches beyond 127.0.0.1: the clients' metadata-server
+lookups (EC2 instance roles, GCE credentials) are switched off.
+"""
+import itertools
+import logging
+
+import pytest
+
+from aitoolbox.cloud.storage import RetryPolicy
+from tests.cloud.servers import FaultyProxy, free_port, gcs_emulator, moto_server
+
+# Quick retries, so that tests of retried faults take milliseconds.
+FAST_RETRY = RetryPolicy(attempts=3, initial_delay_s=0.01, max_delay_s=0.05)
+_bucket_numbers = itertools.count()
+
+
+def unique_bucket_name(service: str) -> str:
+    return f"aitoolbox-test-{service}-{next(_bucket_numbers)}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server", reason="moto's server needs: pip install 'moto[server]'")
+    pytest.importorskip("flask", reason="moto's server needs: pip install 'moto[server]'")
+    server = moto_server(free_port()).start(str(tmp_path_factory.mktemp("servers")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    pytest.importorskip("google.cloud.storage")
+    pytest.importorskip("gcp_storage_emulator")
+    server = gcs_emulator(free_port()).start(str(tmp_path_factory.mktemp("servers")))
+    yield server
+    server.stop()
+
+
+def no_aws_metadata(monkeypatch, tmp_path) -> None:
+    """No AWS configuration from this machine, and no instance-metadata lookups (they would leave 127.0.0.1)."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_SES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+
+
+@pytest.fixture
+def s3_env(monkeypatch, tmp_path, s3_server):
+    """The standard AWS variables pointing at moto's server, with test credentials."""
+    no_aws_metadata(monkeypatch, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return s3_server
+
+
+@pytest.fixture
+def gcs_env(monkeypatch, gcs_server):
+    """``STORAGE_EMULATOR_HOST`` pointing at the emulator (the client then uses anonymous credentials)."""
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "aitoolbox-test")
+    return gcs_server
+
+
+def create_bucket(service: str, name: str) -> None:
+    """Create a bucket with the service's own client (not the code under test)."""
+    if service == "s3":
+        import boto3
+        boto3.session.Session().client("s3").create_bucket(Bucket=name)
+    else:
+        from google.cloud import storage
+        storage.Client().create_bucket(name)
+
+
+def make_storage(service: str, bucket_name: str, retry: RetryPolicy = FAST_RETRY, **options):
+    if service == "s3":
+        from aitoolbox.cloud.s3 import S3Storage
+        return S3Storage(bucket_name, retry=retry, **options)
+    from aitoolbox.cloud.gcs import GCSStorage
+    return GCSStorage(bucket_name, retry=retry, **options)
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def service(request):
+    """Each test that takes it runs against S3 (moto) and GCS (the emulator), with the environment set."""
+    request.getfixturevalue(f"{request.param}_env")
+    return request.param
+
+
+@pytest.fixture
+def bucket(service):
+    """A new, empty bucket of ``service``: its CloudStorage."""
+    name = unique_bucket_name(service)
+    create_bucket(service, name)
+    return make_storage(service, name)
+
+
+@pytest.fixture
+def proxy(service, request, monkeypatch):
+    """A FaultyProxy in front of the service's server, with the environment pointing through it."""
+    server = request.getfixturevalue(f"{service}_server")
+    faulty = FaultyProxy(server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL" if service == "s3" else "STORAGE_EMULATOR_HOST", faulty.url)
+    yield faulty
+    faulty.close()
+
+
+@pytest.fixture
+def aitoolbox_records(monkeypatch, caplog):
+    """caplog with the records of the ``aitoolbox`` logger (which does not propagate by default)."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="aitoolbox")
+    return caplog

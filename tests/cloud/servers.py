@@ -1,0 +1,186 @@
+"""Real storage servers on 127.0.0.1 for the cloud tests, and a TCP proxy in front of them that injects faults."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import List, Optional
+
+# Every test loop below is bounded by these (the servers are local; nothing leaves 127.0.0.1).
+START_TIMEOUT_S = 60.0
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on (at the moment of the call)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server started as a subprocess, waited for until ``probe_path`` answers over HTTP, stopped by
+    :meth:`stop`."""
+
+    def __init__(self, name: str, command: List[str], port: int, probe_path: str = "/"):
+        self.name, self.command, self.port, self.probe_path = name, command, port, probe_path
+        self.process: Optional[subprocess.Popen] = None
+        self.log_path: Optional[str] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self, log_dir: str) -> "ServerProcess":
+        self.log_path = os.path.join(log_dir, f"{self.name}.log")
+        log = open(self.log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode} at start: {self.log_tail()}")
+            try:
+                urllib.request.urlopen(self.url + self.probe_path, timeout=2).close()
+                return self
+            except urllib.error.HTTPError:  # it answers, even if with an error status
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer on {self.url} within {START_TIMEOUT_S} s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if self.log_path and os.path.exists(self.log_path):
+            with open(self.log_path, "rb") as handle:
+                return handle.read()[-3000:].decode("utf-8", "replace")
+        return ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def moto_server(port: int) -> ServerProcess:
+    """moto's standalone S3 (and SES) server."""
+    command = [sys.executable, "-c", "from moto.server import main; main()", "-H", HOST, "-p", str(port)]
+    return ServerProcess("moto_server", command, port, "/moto-api/")
+
+
+def gcs_emulator(port: int) -> ServerProcess:
+    """gcp-storage-emulator, keeping its data in memory."""
+    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", HOST, "--port", str(port),
+               "--in-memory"]
+    return ServerProcess("gcp-storage-emulator", command, port, "/storage/v1/b")
+
+
+class FaultyProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server, with faults switched on by the test:
+
+    - ``drop_next(n)``: the next ``n`` connections are closed at once (a connection reset);
+    - ``delay_s``: each chunk forwarded waits this long (a slow network);
+    - ``cut_after_bytes``: once that many request bytes have gone through, every connection is closed and new
+      ones are dropped (the network goes down in the middle of an upload).
+    """
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.delay_s = 0.0
+        self.cut_after_bytes: Optional[int] = None
+        self.forwarded_bytes = 0
+        self.dropped = 0
+        self._drop = 0
+        self._down = False
+        self._lock = threading.Lock()
+        self._sockets: List[socket.socket] = []
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((HOST, 0))
+        self._listener.listen(32)
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def drop_next(self, connections: int) -> None:
+        with self._lock:
+            self._drop = connections
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                refuse = self._down or self._drop > 0
+                if self._drop > 0:
+                    self._drop -= 1
+                if refuse:
+                    self.dropped += 1
+            if refuse:
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                client.close()  # linger 0: the client sees a reset
+                continue
+            try:
+                upstream = socket.create_connection((HOST, self.upstream_port), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, request: bool) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                if request:
+                    with self._lock:
+                        self.forwarded_bytes += len(data)
+                        cut = self.cut_after_bytes is not None and self.forwarded_bytes > self.cut_after_bytes
+                        if cut:
+                            self._down = True
+                    if cut:
+                        self._close_all()
+                        return
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, target):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _close_all(self) -> None:
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._close_all()
