@@ -24,7 +24,8 @@ import os
 import posixpath
 from typing import Dict, List, Optional, Tuple
 
-from aitoolbox.cloud.storage import FOLDER_MARKER, CloudNotFoundError, CloudStorage, _parse_manifest, join_key
+from aitoolbox.cloud.folders import FOLDER_MARKER, parse_folder_marker
+from aitoolbox.cloud.storage import CloudNotFoundError, CloudStorage, join_key
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_position
 
 CHECKPOINT_DIR = "checkpoint_model"
@@ -138,7 +139,7 @@ def list_cloud_checkpoints(storage: CloudStorage, prefix: str) -> List[str]:
 def _folder_complete(storage: CloudStorage, folder_key: str, contents: Dict[str, int]) -> bool:
     marker_key = join_key(folder_key, FOLDER_MARKER)
     try:
-        manifest = _parse_manifest(storage.download_bytes(marker_key), storage.uri(marker_key))
+        manifest = parse_folder_marker(storage.download_bytes(marker_key), storage.uri(marker_key))
     except (CloudNotFoundError, ValueError):  # removed since the listing, or not our marker
         return False
     return all(contents.get(path) == size for path, size in manifest.items())

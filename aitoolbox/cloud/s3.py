@@ -76,9 +76,7 @@ class S3Storage(CloudStorage):
                                               config=config)
 
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
-        # boto3's transfer manager closes the file it was given, even when the upload fails: a retry reads the
-        # same handle again, so it gets a view whose close() leaves the handle open.
-        self.client.upload_fileobj(_KeepOpen(handle), self.bucket_name, key, Config=self.transfer_config)
+        self.client.upload_fileobj(_Window(handle, size), self.bucket_name, key, Config=self.transfer_config)
 
     def _get(self, key: str, handle: IO[bytes]) -> None:
         _, botocore = import_boto3()
@@ -156,22 +154,36 @@ class S3Storage(CloudStorage):
         return None
 
 
-class _KeepOpen:
-    """A seekable binary reader over ``handle`` that does not close it."""
+class _Window:
+    """The first ``size`` bytes of the seekable binary ``handle``, as a file that close() leaves open.
+
+    boto3's transfer manager closes the file it was given even when the upload fails, and a retry reads the same
+    handle again. It also takes the size from seeking to the end: a file that grows meanwhile (a TensorBoard event
+    file being written) is uploaded as it was when opened, matching the size its folder's marker records.
+    """
 
     closed = False
 
-    def __init__(self, handle: IO[bytes]):
+    def __init__(self, handle: IO[bytes], size: int):
         self._handle = handle
+        self._size = size
+        self._position = 0
 
     def read(self, size: int = -1) -> bytes:
-        return self._handle.read(size)
+        remaining = max(0, self._size - self._position)
+        count = remaining if size is None or size < 0 else min(size, remaining)
+        self._handle.seek(self._position)
+        data = self._handle.read(count)
+        self._position += len(data)
+        return data
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._handle.seek(offset, whence)
+        base = {0: 0, 1: self._position, 2: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
 
     def tell(self) -> int:
-        return self._handle.tell()
+        return self._position
 
     def readable(self) -> bool:
         return True

@@ -20,113 +20,29 @@ Faults:
 import abc
 import contextlib
 import io
-import json
 import logging
 import os
 import posixpath
-import random
 import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
+from aitoolbox.cloud.errors import (
+    CloudNotFoundError, CloudPermissionError, CloudStorageError, Failure, MissingBucket, MissingObject, RetryPolicy)
+from aitoolbox.cloud.folders import FOLDER_MARKER, OpenFolder, folder_marker, open_folder, parse_folder_marker
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+
+# The errors and folder helpers are importable from here too: this is the module users meet first.
+__all__ = ["CloudStorage", "CloudObject", "join_key", "CloudStorageError", "CloudNotFoundError",
+           "CloudPermissionError", "RetryPolicy", "Failure", "MissingBucket", "MissingObject", "FOLDER_MARKER",
+           "OpenFolder", "open_folder"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# The completion marker of a folder uploaded by :meth:`CloudStorage.upload_folder`: written after every file.
-FOLDER_MARKER = ".aitoolbox-folder-complete.json"
-FOLDER_MARKER_FORMAT = "aitoolbox-cloud-folder"
-FOLDER_MARKER_VERSION = 1
-# A sharded checkpoint's own marker (see aitoolbox.experiment.local_save.sharded_checkpoints): uploaded after the
-# folder's other files, so that a reader of the bucket that checks only it still never sees a partial folder.
-_SHARDED_MARKER = "checkpoint.json"
-
-
-class CloudStorageError(OSError):
-    """An operation on a bucket failed: the message names the service, bucket, key and (for transfers) the local
-    file, the reason, and the attempts made.
-
-    Attributes:
-        service: ``'AWS S3'`` or ``'Google Cloud Storage'``.
-        bucket: the bucket's name.
-        key: the object's key (or the prefix for listings).
-        operation: ``'upload'``, ``'download'``, ``'list'``, ``'exists'``, ``'delete'``.
-        reason: the service's error code or the exception's class (``'NoSuchBucket'``, ``'ConnectionError'``).
-        transient: the error was of a kind that is retried (the retries ran out).
-        attempts: how many attempts were made.
-        local_path: the local file of an upload or download, else None.
-    """
-
-    def __init__(self, message: str, *, service: str = "", bucket: str = "", key: str = "", operation: str = "",
-                 reason: str = "", transient: bool = False, attempts: int = 1, local_path: Optional[str] = None):
-        super().__init__(message)
-        self.service, self.bucket, self.key, self.operation = service, bucket, key, operation
-        self.reason, self.transient, self.attempts, self.local_path = reason, transient, attempts, local_path
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-class CloudNotFoundError(CloudStorageError, FileNotFoundError):
-    """The bucket or the object does not exist."""
-
-
-class CloudPermissionError(CloudStorageError, PermissionError):
-    """No credentials were found, or they do not allow the operation."""
-
-
-class MissingBucket(Exception):
-    """Raised by a primitive when the bucket does not exist (a permanent error, reported by name)."""
-
-
-class MissingObject(Exception):
-    """Raised by a primitive when the object does not exist in an existing bucket."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """How a subclass classifies a client error: retry it or not, its code, and advice for the user."""
-    transient: bool
-    reason: str
-    hint: str = ""
-    kind: type = CloudStorageError
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff for transient errors: attempt ``n`` (from 1) waits
-    ``min(max_delay_s, initial_delay_s * multiplier ** (n - 1))`` seconds, scaled by a random factor in
-    ``[1 - jitter, 1]`` so that many processes do not retry in step.
-
-    Args:
-        attempts: how many times an operation is tried in all (1: no retries).
-        initial_delay_s: the wait after the first failure.
-        max_delay_s: the longest wait.
-        multiplier: the growth of the wait per failure.
-        jitter: the random part of each wait, between 0 and 1.
-    """
-    attempts: int = 6
-    initial_delay_s: float = 0.5
-    max_delay_s: float = 30.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-
-    def __post_init__(self):
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
-        if self.initial_delay_s < 0 or self.max_delay_s < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
-            raise ValueError(f"RetryPolicy needs delays >= 0, multiplier >= 1 and 0 <= jitter <= 1, got {self}")
-
-    def delay(self, failed_attempt: int) -> float:
-        """Seconds to wait after attempt ``failed_attempt`` (counted from 1) failed."""
-        base = min(self.max_delay_s, self.initial_delay_s * self.multiplier ** (failed_attempt - 1))
-        return base * (1 - self.jitter * random.random())
-
 
 @dataclass(frozen=True)
 class CloudObject:
@@ -167,7 +83,8 @@ class CloudStorage(abc.ABC):
 
     @abc.abstractmethod
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
-        """Upload ``size`` bytes read from ``handle`` (at position 0) as ``key``."""
+        """Upload the first ``size`` bytes of ``handle`` (at position 0) as ``key``: no more, even if the file
+        has grown since it was opened."""
 
     @abc.abstractmethod
     def _get(self, key: str, handle: IO[bytes]) -> None:
@@ -214,9 +131,15 @@ class CloudStorage(abc.ABC):
         with open(local_path, "rb") as handle:
             return self.upload_handle(handle, key, local_path=local_path)
 
-    def upload_handle(self, handle: IO[bytes], key: str, local_path: Optional[str] = None) -> str:
-        """Upload everything in the seekable binary ``handle`` as ``key``; returns the object's URI."""
-        size = os.fstat(handle.fileno()).st_size if _has_fileno(handle) else len(handle.getbuffer())
+    def upload_handle(self, handle: IO[bytes], key: str, local_path: Optional[str] = None,
+                      size: Optional[int] = None) -> str:
+        """Upload the first ``size`` bytes (all, when None) of the seekable binary ``handle`` as ``key``.
+
+        Returns:
+            The object's URI.
+        """
+        if size is None:
+            size = os.fstat(handle.fileno()).st_size if _has_fileno(handle) else len(handle.getbuffer())
 
         def put() -> None:
             handle.seek(0)
@@ -250,12 +173,11 @@ class CloudStorage(abc.ABC):
                 self._call("delete", marker_key, lambda: self._delete(marker_key))
             for relative_path, handle in files.handles:
                 key = join_key(key_prefix, relative_path)
-                self.upload_handle(handle, key, local_path=os.path.join(files.folder, relative_path))
+                self.upload_handle(handle, key, local_path=os.path.join(files.folder, relative_path),
+                                   size=files.sizes[relative_path])
                 written.append(key)
             if complete_marker:
-                manifest = {"format": FOLDER_MARKER_FORMAT, "version": FOLDER_MARKER_VERSION,
-                            "files": {path: size for path, size in files.sizes.items()}}
-                self.upload_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"), marker_key)
+                self.upload_bytes(folder_marker(files), marker_key)
                 written.append(marker_key)
         return written
 
@@ -304,7 +226,7 @@ class CloudStorage(abc.ABC):
         marker_key = join_key(key_prefix.rstrip("/"), FOLDER_MARKER)
         if not self.exists(marker_key):
             return None
-        return _parse_manifest(self.download_bytes(marker_key), self.uri(marker_key))
+        return parse_folder_marker(self.download_bytes(marker_key), self.uri(marker_key))
 
     def is_complete_folder(self, key_prefix: str) -> bool:
         """True when the folder's marker exists and every file it lists is there with its size."""
@@ -420,74 +342,6 @@ class CloudStorage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.bucket_name!r})"
-
-
-class OpenFolder:
-    """The files of a local folder, opened for reading (so later changes of the folder do not reach an upload
-    queued now: a file replaced or deleted after opening is still read as it was). A context manager: closes them.
-
-    Attributes:
-        folder: the folder's path.
-        handles: ``(path inside the folder with '/' separators, open binary file)``, in upload order.
-        sizes: ``{path inside the folder: size}``.
-    """
-
-    def __init__(self, folder: str, handles: List[Tuple[str, IO[bytes]]]):
-        self.folder = folder
-        self.handles = handles
-        self.sizes = {path: os.fstat(handle.fileno()).st_size for path, handle in handles}
-
-    def close(self) -> None:
-        for _, handle in self.handles:
-            handle.close()
-
-    def __enter__(self) -> "OpenFolder":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-def open_folder(local_folder: str) -> OpenFolder:
-    """Open every file below ``local_folder`` except ``.tmp-*`` ones and an old :data:`FOLDER_MARKER`.
-
-    A sharded checkpoint's own marker comes after its other files.
-
-    Raises:
-        NotADirectoryError: ``local_folder`` is not a folder.
-    """
-    local_folder = os.path.expanduser(local_folder)
-    if not os.path.isdir(local_folder):
-        raise NotADirectoryError(f"cannot upload the folder {local_folder}: it is not a folder")
-    paths = []
-    for root, dirs, names in os.walk(local_folder):
-        dirs[:] = sorted(name for name in dirs if not name.startswith(TEMP_PREFIX))
-        for name in names:
-            if name.startswith(TEMP_PREFIX) or name == FOLDER_MARKER:
-                continue
-            relative = os.path.relpath(os.path.join(root, name), local_folder).replace(os.sep, "/")
-            paths.append(relative)
-    paths.sort(key=lambda path: (path == _SHARDED_MARKER, path))
-    handles: List[Tuple[str, IO[bytes]]] = []
-    try:
-        for relative in paths:
-            handles.append((relative, open(os.path.join(local_folder, relative), "rb")))
-    except BaseException:
-        for _, handle in handles:
-            handle.close()
-        raise
-    return OpenFolder(local_folder, handles)
-
-
-def _parse_manifest(data: bytes, where: str) -> Dict[str, int]:
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{where} is not a folder marker written by aitoolbox: {error}") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FOLDER_MARKER_FORMAT \
-            or manifest.get("version", 0) > FOLDER_MARKER_VERSION or not isinstance(manifest.get("files"), dict):
-        raise ValueError(f"{where} is not a {FOLDER_MARKER_FORMAT} marker of version <= {FOLDER_MARKER_VERSION}")
-    return {str(path): int(size) for path, size in manifest["files"].items()}
 
 
 def _has_fileno(handle: IO[bytes]) -> bool:

@@ -110,10 +110,11 @@ class CloudUploader:
         """
         local_path = os.path.expanduser(local_path)
         handle = open(local_path, "rb")
+        size = os.fstat(handle.fileno()).st_size  # a file still growing (TensorBoard's) goes up as it is now
 
         def upload() -> str:
             with handle:
-                return self.storage.upload_handle(handle, key, local_path=local_path)
+                return self.storage.upload_handle(handle, key, local_path=local_path, size=size)
         try:
             return self._enqueue(upload, f"{local_path} -> {self.storage.uri(key)}")
         except BaseException:

@@ -57,6 +57,23 @@ def test_an_upload_carries_the_file_as_it_was_when_submitted(bucket, tmp_path):
     assert bucket.download_bytes("old.pth") == b"pruned later"
 
 
+def test_a_growing_file_goes_up_as_it_was_when_submitted_and_its_folder_is_complete(bucket, tmp_path):
+    events = write(tmp_path / "tensorboard" / "events.out.tfevents.1", b"record 1;")
+    single = write(tmp_path / "log.txt", b"line 1\n")
+    with CloudUploader(bucket) as uploader:
+        block = threading.Event()
+        uploader._enqueue(block.wait, "a job that holds the queue")
+        uploader.submit_folder(str(tmp_path / "tensorboard"), "run/tensorboard")
+        uploader.submit(single, "run/log.txt")
+        for path, more in ((events, b"record 2;"), (single, b"line 2\n")):  # the writers go on appending
+            with open(path, "ab") as handle:
+                handle.write(more)
+        block.set()
+    assert bucket.download_bytes("run/tensorboard/events.out.tfevents.1") == b"record 1;"
+    assert bucket.is_complete_folder("run/tensorboard")
+    assert bucket.download_bytes("run/log.txt") == b"line 1\n"
+
+
 def test_uploads_run_in_the_order_submitted(bucket, tmp_path):
     uploader = CloudUploader(bucket)
     finished = []
