@@ -6,22 +6,12 @@ and the standard environment variables (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR
 monkeypatch, pointing at the servers. Nothing reaches beyond 127.0.0.1: the clients' metadata-server
 lookups (EC2 instance roles, GCE credentials) are switched off.
 """
-import itertools
 import logging
 
 import pytest
 
-from aitoolbox.cloud.storage import RetryPolicy
+from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
 from tests.cloud.servers import FaultyProxy, free_port, gcs_emulator, moto_server
-
-# Quick retries, so that tests of retried faults take milliseconds.
-FAST_RETRY = RetryPolicy(attempts=3, initial_delay_s=0.01, max_delay_s=0.05)
-_bucket_numbers = itertools.count()
-
-
-def unique_bucket_name(service: str) -> str:
-    return f"aitoolbox-test-{service}-{next(_bucket_numbers)}"
-
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
@@ -71,24 +61,6 @@ def gcs_env(monkeypatch, gcs_server):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
     monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "aitoolbox-test")
     return gcs_server
-
-
-def create_bucket(service: str, name: str) -> None:
-    """Create a bucket with the service's own client (not the code under test)."""
-    if service == "s3":
-        import boto3
-        boto3.session.Session().client("s3").create_bucket(Bucket=name)
-    else:
-        from google.cloud import storage
-        storage.Client().create_bucket(name)
-
-
-def make_storage(service: str, bucket_name: str, retry: RetryPolicy = FAST_RETRY, **options):
-    if service == "s3":
-        from aitoolbox.cloud.s3 import S3Storage
-        return S3Storage(bucket_name, retry=retry, **options)
-    from aitoolbox.cloud.gcs import GCSStorage
-    return GCSStorage(bucket_name, retry=retry, **options)
 
 
 @pytest.fixture(params=["s3", "gcs"])

@@ -9,7 +9,7 @@ from torch import nn
 
 from aitoolbox.cloud.storage import CloudNotFoundError
 from aitoolbox.cloud.uploader import CloudUploader
-from tests.cloud.conftest import create_bucket, make_storage, unique_bucket_name
+from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
 
 TIMESTAMP = "2026-01-02_03-04-05"
 RUN = f"team/proj/exp_{TIMESTAMP}"

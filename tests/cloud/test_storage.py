@@ -9,7 +9,7 @@ import pytest
 
 from aitoolbox.cloud.storage import (
     FOLDER_MARKER, CloudNotFoundError, CloudPermissionError, CloudStorageError, RetryPolicy, join_key)
-from tests.cloud.conftest import FAST_RETRY, create_bucket, make_storage, unique_bucket_name
+from tests.cloud.buckets import FAST_RETRY, create_bucket, make_storage, unique_bucket_name
 from tests.cloud.servers import free_port
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from aitoolbox.cloud.storage import FOLDER_MARKER, CloudNotFoundError
 from aitoolbox.cloud.uploader import CloudUploader, cloud_service, storage_for, uploader_for
-from tests.cloud.conftest import create_bucket, make_storage, unique_bucket_name
+from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
 
 
 def write(path, data: bytes) -> str:

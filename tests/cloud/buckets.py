@@ -1,0 +1,31 @@
+"""Helpers of the cloud tests: buckets made with the services' own clients, and storages under test."""
+import uuid
+
+from aitoolbox.cloud.storage import RetryPolicy
+
+# Quick retries, so that tests of retried faults take milliseconds.
+FAST_RETRY = RetryPolicy(attempts=3, initial_delay_s=0.01, max_delay_s=0.05)
+
+
+def unique_bucket_name(service: str) -> str:
+    """A bucket name no other test uses (the servers live for the whole session)."""
+    return f"aitoolbox-test-{service}-{uuid.uuid4().hex[:16]}"
+
+
+def create_bucket(service: str, name: str) -> None:
+    """Create a bucket with the service's own client (not the code under test)."""
+    if service == "s3":
+        import boto3
+        boto3.session.Session().client("s3").create_bucket(Bucket=name)
+    else:
+        from google.cloud import storage
+        storage.Client().create_bucket(name)
+
+
+def make_storage(service: str, bucket_name: str, retry: RetryPolicy = FAST_RETRY, **options):
+    """The storage under test for ``service``, with quick retries."""
+    if service == "s3":
+        from aitoolbox.cloud.s3 import S3Storage
+        return S3Storage(bucket_name, retry=retry, **options)
+    from aitoolbox.cloud.gcs import GCSStorage
+    return GCSStorage(bucket_name, retry=retry, **options)
