@@ -234,7 +234,8 @@ class WandBTracking(TrackingCallback):
     def write_epoch_metrics(self, epoch: int, step: int, metrics: Dict[str, float], train_end: bool) -> None:
         metrics_log = {"epoch": epoch}
         metrics_log.update({epoch_metric_key(name): value for name, value in metrics.items()})
-        self.run.log(metrics_log, step=step, commit=True)
+        # Not committed here: the metrics recorded at the end of training join the last epoch's row (same step).
+        self.run.log(metrics_log, step=step)
         if self.alerts and not train_end:
             self.send_configured_alerts(self.alerts, self._alert_values(metrics_log), run=self.run)
 

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Dict, Iterator, List
 
 import pytest
@@ -164,11 +165,23 @@ def _item_key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def wait_for_exit_record(path: str, timeout_s: float = 20.0) -> None:
+    """Wait until the run file holds its exit record: wandb's service process writes the file on its own schedule,
+    and ``run.finish()`` may return before the last records are on disk."""
+    deadline = time.monotonic() + timeout_s
+    while not any(record.WhichOneof("record_type") == "exit" for record in wandb_records(path)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} has no exit record {timeout_s} s after the run finished")
+        time.sleep(0.05)
+
+
 class WandbRun:
-    """What an offline run wrote: its run record, config, history rows by step, summary, alerts, artifacts."""
+    """What a finished offline run wrote: its run record, config, history rows by step, summary, alerts,
+    artifacts and exit code."""
 
     def __init__(self, run_dir: str):
         (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+        wait_for_exit_record(path)
         self.path = path
         self.run = None
         self.config: dict = {}
