@@ -7,6 +7,7 @@ credentials. With ``STORAGE_EMULATOR_HOST`` set (e.g. ``http://127.0.0.1:9023``)
 emulator with anonymous credentials. Objects above 8 MiB go up in a resumable upload, published only when
 complete.
 """
+import importlib
 from typing import IO, Any, Iterator, Optional
 
 from aitoolbox.cloud.storage import (
@@ -23,10 +24,9 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 def import_storage():
     """``google.cloud.storage``, or an ImportError that names the pip extra."""
     try:
-        from google.cloud import storage
+        return importlib.import_module("google.cloud.storage")
     except ImportError as error:
         raise ImportError(_INSTALL) from error
-    return storage
 
 
 class GCSStorage(CloudStorage):

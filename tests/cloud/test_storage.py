@@ -232,6 +232,20 @@ def test_bad_arguments_are_refused_plainly():
         S3Storage("bucket/with/slash")
 
 
+def test_a_missing_client_names_the_pip_extra(monkeypatch):
+    from aitoolbox.cloud.gcs import GCSStorage
+    from aitoolbox.cloud.s3 import S3Storage
+    from aitoolbox.cloud.uploader import uploader_for
+    monkeypatch.setitem(sys.modules, "boto3", None)  # importing it now raises ImportError
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
+    with pytest.raises(ImportError, match=r"pip install aitoolbox\[aws\]"):
+        S3Storage("bucket-name")
+    with pytest.raises(ImportError, match=r"pip install aitoolbox\[gcs\]"):
+        GCSStorage("bucket-name")
+    with pytest.raises(ImportError, match=r"aitoolbox\[gcs\]"):
+        uploader_for("gcs", "bucket-name")
+
+
 def test_backoff_grows_exponentially_up_to_its_ceiling():
     policy = RetryPolicy(attempts=10, initial_delay_s=0.5, max_delay_s=4.0, multiplier=2.0, jitter=0.0)
     assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
