@@ -231,6 +231,13 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     threads = None
     if (backend == "gloo" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, (os.cpu_count() or 1) // per_node)  # CPU processes share the cores
+        if method == "fork" and threads > 1:
+            # GNU OpenMP cannot start threads in a forked child of a process that already ran a parallel region:
+            # the child's first multi-threaded operation would hang forever.
+            logger.warning("forked CPU processes compute with one thread each (%d would hang: OpenMP cannot start "
+                           "threads in a forked child); run fit_distributed from a script (spawned processes) to "
+                           "use %d threads per process", threads, threads)
+            threads = 1
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir:
         result_path = os.path.join(result_dir, "result.pt")
         job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank,

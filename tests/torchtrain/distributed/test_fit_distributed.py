@@ -219,3 +219,24 @@ def test_1x_ddp_keywords_train_cpu_processes(tmp_path):
     other = make_train_loop(copy.deepcopy(initial), batch_size=BATCH, shuffle=False)
     other.fit_distributed(num_epochs=1, on_gpu=False, num_gpus=2, start_method="fork")
     assert_state_dicts_equal(other.model.state_dict(), tl.model.state_dict())
+
+
+def test_a_forked_cpu_process_computes_with_one_thread_instead_of_hanging(tmp_path, caplog, monkeypatch):
+    """GNU OpenMP cannot start threads in a forked child of a process that ran a parallel region: one process on
+    two cores would hang at its first multi-threaded operation. Forked CPU processes get one thread each."""
+    import logging
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.tanh(torch.randn(1_000_000)).sum()  # a parallel region in this (the parent) process
+        tl = make_train_loop(make_model(), batch_size=BATCH, shuffle=False)
+        with caplog.at_level(logging.WARNING):
+            tl.fit_distributed(num_epochs=1, callbacks=[RecordRankResult(tmp_path)], num_gpus=1, start_method="fork")
+    finally:
+        torch.set_num_threads(threads)
+    assert any("forked CPU processes compute with one thread each" in record.getMessage()
+               for record in caplog.records if record.name.startswith("aitoolbox"))
+    assert tl.epoch == 0 and len(tl.train_history["loss"]) == 1
