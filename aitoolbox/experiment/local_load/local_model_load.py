@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 import torch
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, load_checkpoint_file)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, load_checkpoint_file)
 from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
 
@@ -126,6 +126,11 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             ``model``.
         """
         self.check_if_model_loaded()
+        if MODEL_KEY not in self.model_representation and SHARDED_CHECKPOINT_KEY in self.model_representation:
+            # A sharded (FSDP) run's checkpoint: its weights are gathered into this process only now.
+            from aitoolbox.experiment.local_save.sharded_checkpoints import read_full_model_state_dict
+            self.model_representation[MODEL_KEY] = read_full_model_state_dict(
+                self.model_representation[SHARDED_CHECKPOINT_KEY])
         state_dict = self.model_representation[MODEL_KEY]
         if used_data_parallel:
             state_dict = {key[len(DATA_PARALLEL_PREFIX):] if key.startswith(DATA_PARALLEL_PREFIX) else key: value
@@ -153,6 +158,10 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
         state = self.model_representation.get(OPTIMIZER_KEY)
         if state is None:
             raise KeyError(f"the checkpoint holds no {OPTIMIZER_KEY!r}: the optimizer cannot be restored from it")
+        if SHARDED_CHECKPOINT_KEY in self.model_representation:
+            raise ValueError(f"{self.model_representation[SHARDED_CHECKPOINT_KEY]} is a sharded (FSDP) checkpoint: "
+                             "its optimizer states are keyed by parameter name and load together with the model. "
+                             "Continue training with TrainLoop.load_checkpoint(path) or ModelLoadContinueTraining")
         if isinstance(optimizer, (list, tuple)):
             states = state if isinstance(state, (list, tuple)) else [state]
             if len(states) != len(optimizer):

@@ -10,6 +10,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
+from aitoolbox.experiment.local_save.sharded_checkpoints import (
+    is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +47,40 @@ def checkpoint_position(file_name: str) -> Optional[Tuple[int, int, int]]:
 
 
 def list_checkpoints(folder: str) -> List[str]:
-    """Complete checkpoint files in ``folder``, oldest training progress first (temporary files ignored)."""
+    """Complete checkpoints in ``folder``, oldest training progress first: checkpoint files, and the folders of
+    sharded checkpoints (``model_<experiment>_<timestamp>_E<epoch>[_ITER<i>]/``, see
+    :mod:`~aitoolbox.experiment.local_save.sharded_checkpoints`) that hold their completion marker. Temporary files
+    and folders of interrupted saves are ignored."""
     if not os.path.isdir(folder):
         return []
-    named = [(checkpoint_position(name), name) for name in os.listdir(folder)]
-    return [os.path.join(folder, name) for position, name in sorted(p for p in named if p[0] is not None)]
+    named = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            position = checkpoint_position(f"{name}.pth") if is_sharded_checkpoint(path) else None
+        else:
+            position = checkpoint_position(name)
+        if position is not None:
+            named.append((position, name))
+    return [os.path.join(folder, name) for position, name in sorted(named)]
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint's folder (never seen half-deleted)."""
+    if os.path.isdir(path):
+        remove_sharded_checkpoint(path)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def find_checkpoint(path: str) -> str:
-    """The checkpoint file ``path`` names: itself, or the newest one of an experiment or checkpoint folder."""
+    """The checkpoint ``path`` names: itself (a file or a sharded checkpoint's folder), or the newest one of an
+    experiment or checkpoint folder."""
     path = os.path.expanduser(path)
-    if os.path.isfile(path):
+    if os.path.isfile(path) or is_sharded_checkpoint(path):
         return path
+    if path.endswith(".pth") and not os.path.exists(path) and is_sharded_checkpoint(path[:-len(".pth")]):
+        return path[:-len(".pth")]  # the file name of a checkpoint that a sharded run wrote as a folder
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint file or experiment folder at {path}")
     for folder in (path, os.path.join(path, "checkpoint_model")):
@@ -72,6 +96,9 @@ def find_checkpoint(path: str) -> str:
 MODEL_KEY = "model_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 SCHEDULERS_KEY = "schedulers_state_dict"
+# A sharded checkpoint loaded by :func:`load_checkpoint_file`: its folder. The dict then holds the training state
+# but not the weights, which the TrainLoop reads into its (sharded) model and optimizers once they are set up.
+SHARDED_CHECKPOINT_KEY = "sharded_checkpoint"
 
 
 def upgrade_checkpoint_format(checkpoint: dict) -> dict:
@@ -99,8 +126,15 @@ def load_checkpoint_file(path: str, map_location="cpu") -> dict:
 
     A file that holds other pickled Python objects (aitoolbox 1.x wrote hyperparameters as given) is loaded
     with full unpickling after a warning: only load files you trust, such as your own experiments.
+
+    A sharded checkpoint's folder gives its training state without the weights: the model and optimizer states
+    stay on disk and ``SHARDED_CHECKPOINT_KEY`` names the folder (:meth:`TrainLoop.load_checkpoint` reads them
+    into the set-up model, each process its own shards). For the full model state dict in one process, use
+    :func:`~aitoolbox.experiment.local_save.sharded_checkpoints.consolidate_sharded_checkpoint`.
     """
     file_path = find_checkpoint(path)
+    if os.path.isdir(file_path):
+        return dict(read_sharded_checkpoint_state(file_path), **{SHARDED_CHECKPOINT_KEY: file_path})
     try:
         checkpoint = torch_load_checked(file_path, map_location=map_location)
     except RuntimeError as error:
@@ -171,12 +205,12 @@ def snapshot_checkpoint(checkpoint, reuse=None):
 
 def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_always: List[str],
                       higher_is_better: bool) -> List[str]:
-    """Delete all but the ``keep_best`` best-scored files (and ``keep_always``); return the deleted paths."""
+    """Delete all but the ``keep_best`` best-scored checkpoints (and ``keep_always``); return the deleted paths."""
     ranked = sorted(scored, key=lambda item: item[0], reverse=higher_is_better)
     keep = {path for _, path in ranked[:keep_best]} | set(keep_always)
     deleted = []
     for _, path in ranked:
         if path not in keep and os.path.exists(path):
-            os.remove(path)
+            remove_checkpoint(path)
             deleted.append(path)
     return deleted

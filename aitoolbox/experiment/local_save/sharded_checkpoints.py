@@ -391,7 +391,17 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
             optimizer.state.clear()
         else:
             set_optimizer_state_dict(model, optimizer, state[_OPTIMIZERS][str(index)])
-    return torch_load_checked(os.path.join(path, _extra_state_file(rank % info["world_size"])))
+    return read_sharded_checkpoint_state(path, rank)
+
+
+def read_sharded_checkpoint_state(folder_path: str, rank: int = 0) -> dict:
+    """The extra state saved process ``rank % saved_world_size`` wrote, without loading any weights.
+
+    Raises:
+        FileNotFoundError: not a complete checkpoint.
+    """
+    info = sharded_checkpoint_info(folder_path)
+    return torch_load_checked(os.path.join(folder_path, _extra_state_file(rank % info["world_size"])))
 
 
 def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optional[str] = None) -> str:
@@ -406,10 +416,19 @@ def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optio
         key: None: the file is the state dict; a key such as ``'model_state_dict'``: ``{key: state dict}``, as
             aitoolbox 1.x's checkpoints hold it.
     """
+    from aitoolbox.experiment.local_save.atomic import torch_save_atomic
+
+    model_state = read_full_model_state_dict(folder_path)
+    torch_save_atomic(model_state if key is None else {key: model_state}, output_pth)
+    return output_pth
+
+
+def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
+    """The full model state dict of a sharded checkpoint, read into this process's memory (no process group
+    needed): what :func:`consolidate_sharded_checkpoint` writes, for ``model.load_state_dict`` on the plain model.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from aitoolbox.experiment.local_save.atomic import torch_save_atomic
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     sharded_checkpoint_info(path)
@@ -423,8 +442,7 @@ def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optio
                                                if isinstance(item, TensorStorageMetadata) else io.BytesIO())
     with _single_process_intended(True):
         dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True)
-    torch_save_atomic(model_state if key is None else {key: model_state}, output_pth)
-    return output_pth
+    return model_state
 
 
 def gather_full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:

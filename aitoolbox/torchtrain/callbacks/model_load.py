@@ -84,7 +84,8 @@ class ModelLoadContinueTraining(AbstractCallback):
 
     def on_train_loop_registration(self) -> None:
         checkpoint = self._load()
-        checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
+        if MODEL_KEY in checkpoint:  # a sharded checkpoint keeps its weights on disk until the model is set up
+            checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
         if self.ignore_saved_schedulers:
             checkpoint.pop(SCHEDULERS_KEY, None)
         self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint)

@@ -6,7 +6,8 @@ import threading
 from typing import Callable, Optional, Union
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    checkpoint_file_name, prune_checkpoints, save_checkpoint_file, snapshot_checkpoint)
+    checkpoint_file_name, prune_checkpoints, remove_checkpoint, save_checkpoint_file, snapshot_checkpoint)
+from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
 
@@ -42,6 +43,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         self._pending_save: Optional[concurrent.futures.Future] = None
         self._last_snapshot: Optional[dict] = None  # host memory the next snapshot is copied into
         self._abandon = threading.Event()  # set: the background save in flight stops and leaves no file
+        self._save_group = None  # sharded saves: the process group DCP's collectives run in
 
     def __getstate__(self) -> dict:
         # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
@@ -50,6 +52,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         state["_pending_save"] = None
         state["_last_snapshot"] = None
         state["_abandon"] = None
+        state["_save_group"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -61,6 +64,19 @@ class _CheckpointCallback(AbstractExperimentCallback):
         if self.hyperparams and self.experiment_folder.hyperparams is None:
             # A folder of the callback's own: write the hyperparameters when the first checkpoint creates it.
             self.experiment_folder.hyperparams = self.hyperparams
+
+    @property
+    def saves_shards(self) -> bool:
+        """Every process writes its shards of the model and optimizer states (``gpu_mode='fsdp'``): checkpoints
+        are DCP folders (see :mod:`~aitoolbox.experiment.local_save.sharded_checkpoints`)."""
+        return bool(self.train_loop_obj.shards_parameters)
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()
+        if self.saves_shards and self._save_group is None:
+            # Every process, at the same point: DCP's collectives (in a background thread for background_save)
+            # get a gloo group of their own, apart from training's.
+            self._save_group = checkpoint_process_group()
 
     def on_train_end(self) -> None:
         try:
@@ -131,6 +147,58 @@ class _CheckpointCallback(AbstractExperimentCallback):
         self._pending_save = self._writer.submit(self._write, snapshot, folder, file_name, after_save)
         return path
 
+    def _save_checkpoint(self, mid_epoch: bool, folder: str, file_name: str,
+                         after_save: Optional[Callable[[str], None]] = None) -> Optional[str]:
+        """Capture the loop's state and save it as ``folder/file_name`` (a call in every process): one file written
+        by the main process, or under sharding a DCP folder every process writes into. Returns the path in the
+        main process, None in the others."""
+        tl = self.train_loop_obj
+        if self.saves_shards:
+            return self._save_shards(mid_epoch, folder, file_name, after_save)
+        checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.hyperparams)
+        if not self.is_main_process:
+            return None
+        return self._save(checkpoint, folder, file_name, after_save)
+
+    def _save_shards(self, mid_epoch: bool, folder: str, file_name: str,
+                     after_save: Optional[Callable[[str], None]]) -> Optional[str]:
+        """Every process writes its shards into the folder named after ``file_name`` (without ``.pth``), with the
+        training state beside them. With ``background_save`` DCP writes in the background; the main process
+        completes the folder and then runs ``after_save(path)``."""
+        tl = self.train_loop_obj
+        path, error = None, None
+        if self.is_main_process:  # the run folder (and its timestamp) is the main process's
+            path = os.path.join(folder, sharded_checkpoint_name(file_name))
+            try:
+                self.ensure_folder(folder)
+            except OSError as os_error:
+                error = str(self._save_error(os_error, path))
+        path, error = tl.broadcast_object((path, error))
+        if error is not None:
+            raise OSError(error)
+        self.wait_for_pending_save()  # one save in flight at a time, in every process
+        try:
+            handle = tl.save_sharded_checkpoint(path, mid_epoch, self.hyperparams, async_save=self.background_save,
+                                                process_group=self._save_group)
+        except OSError as os_error:
+            raise self._save_error(os_error, path) from os_error
+        run_after = after_save if self.is_main_process else None
+
+        def complete() -> None:
+            handle.wait()
+            logger.debug("saved sharded checkpoint %s", path)
+            if run_after is not None:
+                run_after(path)
+
+        if not self.background_save:
+            complete()
+            return path if self.is_main_process else None
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="aitoolbox-checkpoint")
+        self._pending_save = self._writer.submit(complete)
+        return path if self.is_main_process else None
+
     def _write(self, checkpoint: dict, folder: str, file_name: str,
                after_save: Optional[Callable[[str], None]]) -> None:
         try:
@@ -195,18 +263,15 @@ class ModelCheckpoint(_CheckpointCallback):
 
     def on_epoch_end(self) -> None:
         tl = self.train_loop_obj
-        checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.hyperparams)
-        if not self.is_main_process:
-            return
         folder = self.experiment_folder
         file_name = checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch)
         if self.rm_subopt_local_models is False:
-            self._save(checkpoint, folder.checkpoint_dir, file_name)
+            self._save_checkpoint(False, folder.checkpoint_dir, file_name)
             return
         metric = self._monitored_metric()
         values = tl.train_history.get(metric)
         if not values:
-            self._save(checkpoint, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
+            self._save_checkpoint(False, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
             raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
                              f"(recorded: {sorted(k for k, v in tl.train_history.items() if v)}); pass "
                              "rm_subopt_local_models=<metric name>")
@@ -218,7 +283,7 @@ class ModelCheckpoint(_CheckpointCallback):
                                         higher_is_better=higher_is_better(metric))
             self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
 
-        self._save(checkpoint, folder.checkpoint_dir, file_name, after_save=keep_the_best)
+        self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
 
 class ModelIterationCheckpoint(_CheckpointCallback):
@@ -268,20 +333,17 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         if not (self._save_due and self._batch_steps):
             return
         self._save_due = False
-        checkpoint = tl.checkpoint_state(mid_epoch=True, hyperparams=self.hyperparams)
-        if not self.is_main_process:
-            return
         folder = self.experiment_folder
-        self._save(checkpoint, folder.checkpoint_dir,
-                   checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.total_iteration_idx),
-                   after_save=self._keep_the_last)
+        self._save_checkpoint(
+            True, folder.checkpoint_dir,
+            checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.total_iteration_idx),
+            after_save=self._keep_the_last)
 
     def _keep_the_last(self, path: str) -> None:
         self._written.append(path)
         if self.keep_last is not None:
             for old in self._written[:-self.keep_last]:
-                if os.path.exists(old):
-                    os.remove(old)
+                remove_checkpoint(old)
             self._written = self._written[-self.keep_last:]
 
 

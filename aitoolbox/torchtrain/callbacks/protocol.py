@@ -30,7 +30,8 @@ class TrainLoopView(Protocol):
       (compilations, recompilations, seconds); None without.
 
     Read once training is set up (from ``on_train_begin`` on): ``precision`` (autocast, loss scaling) and
-    ``amp_scaler`` (aitoolbox 1.x's GradScaler-like view of it).
+    ``amp_scaler`` (aitoolbox 1.x's GradScaler-like view of it). ``shards_parameters``: whether checkpoints are
+    sharded (written by every process with :meth:`save_sharded_checkpoint`).
 
     Write: ``grad_cb_used`` (aitoolbox 1.x's flag, accepted and ignored: every overridden hook is called),
     ``pending_restore`` (read and cleared by checkpoint-loading callbacks before training).
@@ -83,6 +84,17 @@ class TrainLoopView(Protocol):
     def amp_scaler(self) -> Any:
         """``torch.amp.GradScaler``'s methods over the precision (aitoolbox 1.x)."""
 
+    @property
+    def shards_parameters(self) -> bool:
+        """True under ``gpu_mode='fsdp'``: checkpoints are written by every process (sharded)."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's value of ``obj`` in every process (a collective: every process calls it)."""
+
+    def save_sharded_checkpoint(self, folder_path: str, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+                                async_save: bool = False, process_group: Any = None) -> Any:
+        """Write a sharded (DCP) checkpoint folder; every process calls it with the same path."""
+
     def stop_training(self, reason: str = "") -> None:
         """Stop after the current batch (at the epoch end under distributed training)."""
 
@@ -101,7 +113,8 @@ class TrainLoopView(Protocol):
     def get_num_training_steps(self) -> int:
         """Optimizer steps the current ``fit`` makes in all."""
 
-    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None) -> dict:
+    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+                         include_weights: bool = True) -> dict:
         """Everything needed to continue the run exactly (call it in every process)."""
 
     def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:

@@ -175,15 +175,24 @@ class FullyShardedStrategy(DistributedStrategy):
 
     def model_state_dict(self, model: nn.Module) -> dict:
         """The full model state dict, gathered to the CPU of rank 0 (other ranks get an empty dict); a collective:
-        every rank calls it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        every rank calls it. Copies: training on does not change it."""
+        from aitoolbox.experiment.local_save.sharded_checkpoints import gather_full_model_state_dict
+        return gather_full_model_state_dict(model)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """The full optimizer state dict, gathered to rank 0's CPU, keyed by parameter names (a collective)."""
+        """The full optimizer state dict, gathered to rank 0's CPU, keyed by parameter names (a collective).
+        Copies: training on does not change it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        return get_optimizer_state_dict(model, optimizer,
+        full = get_optimizer_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Unsharded state on the CPU (e.g. Adam's scalar ``step`` tensors) comes back as the optimizer's own.
+        live = {_local(value).data_ptr() for state in optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor)}
+        for state in full.get("state", {}).values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.data_ptr() in live:
+                    state[key] = value.clone()
+        return full
 
     def load_model_state_dict(self, model: nn.Module, state_dict: dict) -> None:
         """Load a full model state dict (every rank holds it): into the model as it is before sharding (sharding
@@ -225,6 +234,10 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict, sharded: d
                              "the model: under gpu_mode='fsdp' an optimizer may only hold the model's parameters")
         group["params"] = [sharded[names[id(param)]] for param in group["params"]]
     optimizer.state.clear()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions,
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
-    restore_rng_state, restore_train_state, truncate_history)
+    load_pending_sharded_weights, restore_rng_state, restore_train_state, truncate_history)
 from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision, create_sharded_precision
 
 logger = logging.getLogger(__name__)
@@ -210,6 +210,41 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         """With ``torch_compile``: the compilations so far (count, recompilations, seconds, when); else None."""
         return self._compiler.stats if self._compiler is not None else None
 
+    @property
+    def shards_parameters(self) -> bool:
+        """True under ``gpu_mode='fsdp'``: each process holds only its shards of the weights and optimizer state,
+        and checkpoints are sharded (see :meth:`save_sharded_checkpoint`)."""
+        return bool(self.strategy.shards_parameters)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main process's value of ``obj`` (picklable), in every process; a collective in a distributed run:
+        every process calls it at the same point."""
+        return self.strategy.broadcast_object(obj)
+
+    def save_sharded_checkpoint(self, folder_path: str, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+                                async_save: bool = False, process_group: Any = None) -> Any:
+        """Write a sharded checkpoint of this run into the folder ``folder_path`` (a collective: every process
+        calls it with the same path): each process writes its shards of the model and optimizer states with
+        torch's DCP, and the rest of :meth:`checkpoint_state` beside them. :meth:`load_checkpoint` continues from
+        the folder with any number of processes. See :mod:`aitoolbox.experiment.local_save.sharded_checkpoints`.
+
+        Args:
+            folder_path: the checkpoint folder, e.g. ``checkpoint_model/model_<experiment>_<timestamp>_E<epoch>``.
+            mid_epoch: True inside an epoch (after an optimizer step), False at its end.
+            hyperparams: stored with the checkpoint.
+            async_save: return once the state is copied to host memory; DCP writes it in the background.
+            process_group: the group DCP's collectives run in (for ``async_save``, one of their own:
+                :func:`~aitoolbox.experiment.local_save.sharded_checkpoints.checkpoint_process_group`).
+
+        Returns:
+            A :class:`~aitoolbox.experiment.local_save.sharded_checkpoints.ShardedCheckpointSave`: its ``wait()``
+            returns the path once the checkpoint is complete (raising what the save met).
+        """
+        from aitoolbox.experiment.local_save.sharded_checkpoints import save_sharded_checkpoint
+        extra_state = self.checkpoint_state(mid_epoch=mid_epoch, hyperparams=hyperparams, include_weights=False)
+        return save_sharded_checkpoint(folder_path, self.loop_model, self.optimizers, extra_state,
+                                       async_save=async_save, process_group=process_group)
+
     def _loop_position(self) -> tuple:
         return self.state.epoch, self.state.iteration
 
@@ -251,6 +286,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             if self.activation_checkpointing:  # before any wrap: sharding and compiling see the checkpointed forwards
                 apply_activation_checkpointing(self.model, self.activation_checkpointing)
             self.strategy.place_model(self.loop_model)
+            if not self.strategy.shards_parameters:  # a sharded checkpoint read whole, before amp copies the weights
+                load_pending_sharded_weights(self)
             self.criterion = self.strategy.setup_criterion(self.criterion)
             if self._precision is None and self.strategy.shards_parameters:
                 self._precision, policy = create_sharded_precision(self.use_amp, self.loop_model, self.optimizers,
@@ -260,6 +297,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
+            load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
             self._compiler.prepare(self.model, self._precision)
 
@@ -297,13 +335,18 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
 
     check_loss = staticmethod(validation.check_loss)
 
-    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None) -> dict:
-        """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process."""
+    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+                         include_weights: bool = True) -> dict:
+        """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process.
+
+        ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
+        with DCP and stores this dict beside them)."""
         self.set_up()
-        return capture_train_state(self, mid_epoch, hyperparams)
+        return capture_train_state(self, mid_epoch, hyperparams, include_weights)
 
     def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
-        """Continue from a checkpoint (a dict, a ``.pth`` file, or an experiment folder: its newest checkpoint).
+        """Continue from a checkpoint (a dict, a ``.pth`` file, a sharded checkpoint's folder, or an experiment
+        folder: its newest checkpoint).
 
         Call it before ``fit``; ``fit`` then trains on from the saved epoch and iteration, bitwise as if the
         run had not stopped (same model, data loaders and callbacks given). Returns the checkpoint dict.
@@ -312,6 +355,10 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
             checkpoint = load_checkpoint_file(checkpoint)
         restore_train_state(self, checkpoint)
+        if self._model_runner is not None or self.gpu_mode != "fsdp":
+            # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then each
+            # process reads its own shards when fit sets it up.
+            load_pending_sharded_weights(self)
         self._interrupted_at = None  # the checkpoint says where to continue
         return checkpoint
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, upgrade_checkpoint_format)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -157,20 +157,31 @@ def saved_optimizer_states(checkpoint: dict) -> List[dict]:
     return [states] if isinstance(states, dict) else list(states)
 
 
-def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None) -> dict:
+def optimizer_hyperparameters(tl: "TrainLoop") -> Any:
+    """The optimizers' ``param_groups`` without their parameters, as :func:`optimizer_state` nests them: what a
+    sharded checkpoint keeps beside its DCP files (the learning rates LR schedulers set, restored at resume)."""
+    states = [{"param_groups": [{key: value for key, value in group.items() if key != "params"}
+                                for group in optimizer.param_groups]} for optimizer in tl.optimizers]
+    return states[0] if isinstance(tl.optimizer, torch.optim.Optimizer) else states
+
+
+def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
+                        include_weights: bool = True) -> dict:
     """The checkpoint of ``tl`` now. Call it in every process: the ranks' RNG states are gathered.
 
     Args:
         tl: the loop.
         mid_epoch: True inside an epoch (after an optimizer step), False at the end of an epoch.
         hyperparams: stored with the checkpoint.
+        include_weights: False leaves out the model state and the optimizers' states (only their parameter
+            groups' hyperparameters are kept): the state a sharded checkpoint stores beside its DCP files.
     """
     rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
     history = weights_only_safe(tl.train_history.get_train_history_dict())
     checkpoint = {
         # aitoolbox 1.x's keys: 1.x loading code reads these.
-        MODEL_KEY: tl.strategy.model_state_dict(tl.model_for_user),
-        OPTIMIZER_KEY: optimizer_state(tl),
+        **({MODEL_KEY: tl.strategy.model_state_dict(tl.model_for_user)} if include_weights else {}),
+        OPTIMIZER_KEY: optimizer_state(tl) if include_weights else weights_only_safe(optimizer_hyperparameters(tl)),
         SCHEDULERS_KEY: [weights_only_safe(scheduler.state_dict()) for scheduler in tl.get_schedulers()],
         "epoch": tl.epoch,
         "iteration_idx": tl.total_iteration_idx,
@@ -203,7 +214,9 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
 def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     """Load a checkpoint into ``tl`` before ``fit``; the next ``fit`` continues exactly where it was saved.
 
-    The model and optimizer states are loaded now. The precision state (loss scale, master weights), callback
+    The model and optimizer states are loaded now, but those of a sharded checkpoint (``SHARDED_CHECKPOINT_KEY``)
+    when the model is set up (:func:`load_pending_sharded_weights`): under FSDP each process then reads only its
+    shards. The precision state (loss scale, master weights), callback
     states and RNG states are applied when ``fit`` has set up the model, registered the callbacks and is
     about to train, in every process of a distributed run.
 
@@ -211,16 +224,19 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     that continuation is not bitwise (1.x did not save the random state).
     """
     checkpoint = upgrade_checkpoint_format(checkpoint)
-    missing = [key for key in (MODEL_KEY, OPTIMIZER_KEY, "epoch") if key not in checkpoint]
+    sharded = SHARDED_CHECKPOINT_KEY in checkpoint
+    required = (OPTIMIZER_KEY, "epoch") if sharded else (MODEL_KEY, OPTIMIZER_KEY, "epoch")
+    missing = [key for key in required if key not in checkpoint]
     if missing:
         raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing (it has {sorted(checkpoint)})")
-    tl.strategy.load_model_state_dict(tl.model_for_user, checkpoint[MODEL_KEY])
     states = saved_optimizer_states(checkpoint)
     if len(states) != len(tl.optimizers):
         raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) but the TrainLoop "
                          f"has {len(tl.optimizers)} optimizer(s)")
-    for optimizer, state in zip(tl.optimizers, states):
-        tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
+    if not sharded:
+        tl.strategy.load_model_state_dict(tl.model_for_user, checkpoint[MODEL_KEY])
+        for optimizer, state in zip(tl.optimizers, states):
+            tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
     if "rng" not in checkpoint:  # aitoolbox 1.x: saved at the end of epoch ``epoch``
         logger.warning("the checkpoint was written by aitoolbox 1.x: it holds no random state or training history, "
                        "so training continues from epoch %d but not bitwise as the original run would have",
@@ -233,6 +249,19 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     tl.epochs_completed = checkpoint["epochs_completed"]
     tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
     tl.pending_restore = checkpoint
+
+
+def load_pending_sharded_weights(tl: "TrainLoop") -> None:
+    """Read the model and optimizer states of a loaded sharded checkpoint (see :func:`restore_train_state`) into
+    ``tl``'s model and optimizers as they are now, once: sharded (each process reads its own shards, whatever the
+    number of processes that saved them) or plain. A collective in a process group: every process calls it."""
+    from aitoolbox.experiment.local_save.sharded_checkpoints import load_sharded_checkpoint
+    checkpoint = tl.pending_restore
+    if checkpoint is None or SHARDED_CHECKPOINT_KEY not in checkpoint:
+        return
+    path = checkpoint.pop(SHARDED_CHECKPOINT_KEY)
+    logger.debug("loading the weights of the sharded checkpoint %s", path)
+    load_sharded_checkpoint(path, tl.loop_model, tl.optimizers)
 
 
 def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:

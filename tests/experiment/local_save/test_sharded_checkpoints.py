@@ -456,3 +456,38 @@ def test_async_save_of_cuda_shards_in_a_cpu_and_cuda_process_group(tmp_path):
     model = mlp(seed=2)
     model.load_state_dict(torch.load(consolidate_sharded_checkpoint(os.path.join(folder, E1),
                                                                     str(tmp_path / "final.pth")), weights_only=True))
+
+
+def test_checkpoint_listing_finding_loading_and_pruning_know_sharded_folders(tmp_path):
+    """The checkpoint helpers every callback and loader uses treat a complete folder as a checkpoint, ordered by
+    the training progress its name stands for among .pth files; interrupted saves are never found."""
+    from aitoolbox.experiment.local_save.checkpoints import (
+        SHARDED_CHECKPOINT_KEY, find_checkpoint, list_checkpoints, load_checkpoint_file, prune_checkpoints)
+    from aitoolbox.experiment.local_save.sharded_checkpoints import read_full_model_state_dict
+
+    folder = tmp_path / "checkpoint_model"
+    model, optimizer = plain_model_and_optimizer(seed=0)
+    train(model, optimizer, steps=1, seed=0)
+    extra = {"epoch": 1, "optimizer_state_dict": {"param_groups": [{"lr": 0.5}]}}
+    for name in ("model_x_ts_E1_ITER4", "model_x_ts_E1"):
+        save_sharded_checkpoint(str(folder / name), model, optimizer, extra).wait()
+    torch.save({"model_state_dict": model.state_dict()}, folder / "model_x_ts_E0.pth")
+    os.makedirs(folder / f"{TEMP_PREFIX}model_x_ts_E2")  # an interrupted save
+    os.makedirs(folder / "model_x_ts_E3")  # a folder without its marker
+    assert [os.path.basename(path) for path in list_checkpoints(str(folder))] == [
+        "model_x_ts_E0.pth", "model_x_ts_E1_ITER4", "model_x_ts_E1"]
+    assert find_checkpoint(str(tmp_path)) == str(folder / "model_x_ts_E1")
+    assert find_checkpoint(str(folder / "model_x_ts_E1_ITER4.pth")) == str(folder / "model_x_ts_E1_ITER4")
+
+    loaded = load_checkpoint_file(str(folder / "model_x_ts_E1"))
+    assert loaded["epoch"] == 1 and loaded[SHARDED_CHECKPOINT_KEY] == str(folder / "model_x_ts_E1")
+    assert "model_state_dict" not in loaded  # the weights stay on disk until a model is there to take them
+    full = read_full_model_state_dict(loaded[SHARDED_CHECKPOINT_KEY])
+    assert full.keys() == model.state_dict().keys()
+    assert all(torch.equal(full[key], value) for key, value in model.state_dict().items())
+
+    deleted = prune_checkpoints([(1.0, str(folder / "model_x_ts_E1_ITER4")), (0.5, str(folder / "model_x_ts_E1"))],
+                                keep_best=1, keep_always=[], higher_is_better=False)
+    assert deleted == [str(folder / "model_x_ts_E1_ITER4")]
+    assert [os.path.basename(path) for path in list_checkpoints(str(folder))] == [
+        "model_x_ts_E0.pth", "model_x_ts_E1"]

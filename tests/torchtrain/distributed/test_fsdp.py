@@ -16,11 +16,14 @@ from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip
-from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelTrainEndSave
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
 from aitoolbox.torchtrain.distributed.fsdp import check_fsdp_model_args, shard_units
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.experiment.local_load.local_model_load import PyTorchLocalModelLoader
 from aitoolbox.experiment.local_save.checkpoints import list_checkpoints
+from aitoolbox.experiment.local_save.sharded_checkpoints import (
+    consolidate_sharded_checkpoint, is_sharded_checkpoint, sharded_checkpoint_info)
 from tests.torchtrain.distributed.support import assert_state_dicts_close, regression_data
 
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
@@ -228,39 +231,101 @@ def test_the_root_keeps_its_parameters_for_backward_and_units_follow_reshard_aft
             assert gathered["layers.4.bias"] is (not reshard_after_forward)
 
 
-def test_checkpoints_are_full_state_dicts_and_resume_exactly(tmp_path):
-    """Epoch checkpoints (gathered full state dicts, written by rank 0) resume in new processes exactly; the
-    final model is one ordinary .pth file loadable into the plain model."""
+class KillRank1(AbstractCallback):
+    """Rank 1 dies abruptly (no exception, no cleanup) at the start of batch 2 of epoch 2."""
+
+    def __init__(self):
+        super().__init__("kill rank 1")
+
+    def on_batch_begin(self):
+        tl = self.train_loop_obj
+        if tl.strategy.rank == 1 and tl.epoch == 2 and tl.iteration == 2:
+            os._exit(3)
+
+
+def only_run_folder(root, prefix):
+    (run,) = [name for name in os.listdir(root) if name.startswith(prefix)]
+    return root / run
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp_run(tmp_path_factory):
+    """Four epochs without a stop, with the final model saved (ModelTrainEndSave)."""
+    root = tmp_path_factory.mktemp("straight")
     torch.manual_seed(0)
     initial = Tower()
-    folder_args = dict(project_name="proj", local_model_result_folder_path=str(tmp_path / "runs"))
     straight = make_loop("fsdp", copy.deepcopy(initial))
-    straight.fit_distributed(num_epochs=3, callbacks=[ModelTrainEndSave(experiment_name="straight", **folder_args)],
-                             train_data_shuffle=False, num_gpus=2, start_method="fork", fsdp_model_args=UNITS)
-    make_loop("fsdp", copy.deepcopy(initial)).fit_distributed(
-        num_epochs=2, callbacks=[ModelCheckpoint(experiment_name="stopped", **folder_args)], train_data_shuffle=False,
-        num_gpus=2, start_method="fork", fsdp_model_args=UNITS)
-    (stopped_run,) = [name for name in os.listdir(tmp_path / "runs" / "proj") if name.startswith("stopped")]
-    newest = list_checkpoints(str(tmp_path / "runs" / "proj" / stopped_run / "checkpoint_model"))[-1]
-    checkpoint = torch.load(newest, weights_only=True)
-    assert list(checkpoint["model_state_dict"]) == list(initial.state_dict())
+    fit_fsdp(straight, [ModelTrainEndSave(project_name="proj", experiment_name="straight",
+                                          local_model_result_folder_path=str(root))], num_epochs=4)
+    return initial, straight, only_run_folder(root / "proj", "straight")
+
+
+@pytest.mark.parametrize("checkpoint_callback, stop", [
+    (lambda **folder: ModelCheckpoint(**folder), "end"),
+    (lambda **folder: ModelCheckpoint(background_save=True, **folder), "end"),
+    (lambda **folder: ModelIterationCheckpoint(save_frequency=4, **folder), "end"),
+    (lambda **folder: ModelCheckpoint(**folder), "killed"),
+], ids=["epoch-end", "asynchronous", "mid-epoch", "rank-killed"])
+def test_sharded_checkpoints_resume_bitwise_in_new_processes(tmp_path, straight_fsdp_run, checkpoint_callback,
+                                                             stop):
+    """Every rank writes its shards into a DCP folder; new processes continue from the newest complete one
+    exactly as the run that never stopped (after an abrupt death of a rank too)."""
+    initial, straight, _ = straight_fsdp_run
+    folder = dict(project_name="proj", experiment_name="stopped", local_model_result_folder_path=str(tmp_path))
+    stopped = make_loop("fsdp", copy.deepcopy(initial))
+    if stop == "killed":
+        with pytest.raises(Exception):
+            fit_fsdp(stopped, [checkpoint_callback(**folder), KillRank1()], num_epochs=4)
+    else:
+        fit_fsdp(stopped, [checkpoint_callback(**folder)], num_epochs=3)
+    checkpoint_dir = only_run_folder(tmp_path / "proj", "stopped") / "checkpoint_model"
+    saved = list_checkpoints(str(checkpoint_dir))
+    assert saved and all(is_sharded_checkpoint(path) for path in saved)
+    assert sharded_checkpoint_info(saved[-1])["world_size"] == 2
+    assert sorted(os.listdir(checkpoint_dir)) == sorted(os.path.basename(path) for path in saved)  # no leftovers
+    newest = saved[-1]
+    assert newest.endswith("_E1") if stop == "killed" else newest.endswith(("_E2", "_E2_ITER11"))
 
     resumed = make_loop("fsdp", copy.deepcopy(initial))
-    resumed.load_checkpoint(newest)
-    resumed.fit_distributed(num_epochs=3, train_data_shuffle=False, num_gpus=2, start_method="fork",
-                            fsdp_model_args=UNITS)
+    resumed.load_checkpoint(str(checkpoint_dir.parent))  # the run folder: its newest checkpoint
+    fit_fsdp(resumed, [], num_epochs=4)
     for key, value in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[key], value), key
     assert resumed.train_history == straight.train_history
+    for mine, theirs in zip(resumed.optimizer.state_dict()["state"].values(),
+                            straight.optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
 
-    (straight_run,) = [name for name in os.listdir(tmp_path / "runs" / "proj") if name.startswith("straight")]
-    model_folder = tmp_path / "runs" / "proj" / straight_run / "model"
-    (final_file,) = [name for name in os.listdir(model_folder) if name.endswith(".pth")]
-    final = torch.load(model_folder / final_file, weights_only=True)
+
+def test_the_final_model_is_one_ordinary_file_of_the_gathered_weights(straight_fsdp_run):
+    initial, straight, run_folder = straight_fsdp_run
+    (final_file,) = [name for name in os.listdir(run_folder / "model") if name.endswith(".pth")]
+    final = torch.load(run_folder / "model" / final_file, weights_only=True)
     plain = Tower()
     plain.load_state_dict(final["model_state_dict"])
     for key, value in straight.model.state_dict().items():
         assert torch.equal(plain.state_dict()[key], value), key
+
+
+def test_a_sharded_checkpoint_consolidates_into_one_file_and_loads_with_the_1x_loader(tmp_path):
+    torch.manual_seed(0)
+    tl = make_loop("fsdp", Tower())
+    path = epoch_checkpoint(tmp_path, tl, fit_fsdp)
+    consolidated = consolidate_sharded_checkpoint(path, str(tmp_path / "model.pth"))
+    plain = Tower()
+    plain.load_state_dict(torch.load(consolidated, weights_only=True))
+    for key, value in tl.model.state_dict().items():  # the parent adopted the trained weights
+        assert torch.equal(plain.state_dict()[key], value), key
+    # aitoolbox 1.x's loader: the checkpoint's file name leads to its folder; the weights are gathered on init.
+    run_folder = os.path.dirname(os.path.dirname(path))
+    experiment, timestamp = os.path.basename(run_folder).split("_", 1)
+    loader = PyTorchLocalModelLoader(str(tmp_path))
+    loader.load_model("proj", experiment, timestamp, epoch_num=1)
+    loaded = loader.init_model(Tower())
+    for key, value in tl.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="sharded .*TrainLoop.load_checkpoint"):
+        loader.init_optimizer(torch.optim.AdamW(Tower().parameters()))
 
 
 @pytest.mark.slow
@@ -291,31 +356,59 @@ def fit_fsdp(tl, callbacks, num_epochs=2):
 def test_a_two_process_checkpoint_continues_in_one_process(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
     torch.manual_seed(0)
-    path = epoch_checkpoint(tmp_path, make_loop("fsdp", Tower()), fit_fsdp)
-    saved = torch.load(path, weights_only=True)
+    sharded = make_loop("fsdp", Tower())
+    path = epoch_checkpoint(tmp_path, sharded, fit_fsdp)
+    assert is_sharded_checkpoint(path)
     single = make_loop("single", Tower())
     single.load_checkpoint(path)
-    for key, value in saved["model_state_dict"].items():
+    for key, value in sharded.model.state_dict().items():  # the weights the two processes ended with
         assert torch.equal(single.model.state_dict()[key], value)
-    # The AdamW state written by the sharded run (keyed by parameter name) is the optimizer's again.
-    assert len(single.optimizer.state_dict()["state"]) == len(saved["model_state_dict"])
+    # The AdamW state written in shards (keyed by parameter name) is the optimizer's again, whole.
+    for mine, theirs in zip(single.optimizer.state_dict()["state"].values(),
+                            sharded.optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
     with caplog.at_level(logging.WARNING):
         single.fit(num_epochs=3)
     assert any("saved by 2 process(es) and is resumed by 1" in record.getMessage() for record in caplog.records)
     assert single.epochs_completed == 3 and single.train_history["loss"][-1] < single.train_history["loss"][0]
 
 
-def test_a_one_process_checkpoint_continues_in_two_fsdp_processes(tmp_path):
+@pytest.mark.parametrize("saved_by", ["single", "fsdp"], ids=["plain-file", "sharded-folder"])
+def test_a_one_process_checkpoint_continues_in_two_fsdp_processes(tmp_path, caplog, monkeypatch, saved_by):
+    """A plain run's .pth file, or a one-process FSDP run's DCP folder, continues in two FSDP processes: the
+    first step there starts from the saved weights and optimizer state."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
     torch.manual_seed(0)
-    path = epoch_checkpoint(tmp_path, make_loop("single", Tower()), lambda tl, callbacks: tl.fit(
-        num_epochs=2, callbacks=callbacks))
-    saved = torch.load(path, weights_only=True)
+    one = make_loop(saved_by, Tower())
+    path = epoch_checkpoint(tmp_path, one, lambda tl, callbacks: tl.fit_distributed(
+        num_epochs=2, callbacks=callbacks, train_data_shuffle=False, num_gpus=1, start_method="fork")
+        if saved_by == "fsdp" else tl.fit(num_epochs=2, callbacks=callbacks))
+    assert is_sharded_checkpoint(path) is (saved_by == "fsdp")
     sharded = make_loop("fsdp", Tower())
     sharded.load_checkpoint(path)
-    fit_fsdp(sharded, [], num_epochs=3)
+    with caplog.at_level(logging.WARNING):
+        fit_fsdp(sharded, [LoadedWeights(tmp_path)], num_epochs=3)
+    for rank in (0, 1):
+        loaded = torch.load(tmp_path / f"loaded{rank}.pt", weights_only=True)
+        for key, value in one.model.state_dict().items():
+            assert torch.equal(loaded[key], value), key
     assert sharded.epochs_completed == 3
-    assert not torch.equal(sharded.model.state_dict()["head.weight"], saved["model_state_dict"]["head.weight"])
     assert sharded.train_history["loss"][-1] < sharded.train_history["loss"][0]
+
+
+class LoadedWeights(AbstractCallback):
+    """At train begin (the checkpoint loaded, nothing trained yet): the full weights, gathered in every rank."""
+
+    def __init__(self, folder):
+        super().__init__("loaded weights")
+        self.folder = str(folder)
+
+    def on_train_begin(self):
+        from torch.distributed.tensor import DTensor
+        tl = self.train_loop_obj
+        full = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+                for name, value in tl.model.state_dict().items()}
+        torch.save(full, os.path.join(self.folder, f"loaded{tl.strategy.rank}.pt"))
 
 
 class OverflowOnRank1(AbstractCallback):
