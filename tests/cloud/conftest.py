@@ -11,14 +11,14 @@ import logging
 import pytest
 
 from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
-from tests.cloud.servers import FaultyProxy, free_port, gcs_emulator, moto_server
+from tests.cloud.servers import FaultyProxy, gcs_emulator, moto_server, start_server
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     pytest.importorskip("boto3")
     pytest.importorskip("moto.server", reason="moto's server needs: pip install 'moto[server]'")
     pytest.importorskip("flask", reason="moto's server needs: pip install 'moto[server]'")
-    server = moto_server(free_port()).start(str(tmp_path_factory.mktemp("servers")))
+    server = start_server(moto_server, str(tmp_path_factory.mktemp("servers")))
     yield server
     server.stop()
 
@@ -27,7 +27,7 @@ def s3_server(tmp_path_factory):
 def gcs_server(tmp_path_factory):
     pytest.importorskip("google.cloud.storage")
     pytest.importorskip("gcp_storage_emulator")
-    server = gcs_emulator(free_port()).start(str(tmp_path_factory.mktemp("servers")))
+    server = start_server(gcs_emulator, str(tmp_path_factory.mktemp("servers")))
     yield server
     server.stop()
 

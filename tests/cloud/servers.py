@@ -72,6 +72,16 @@ class ServerProcess:
                 self.process.wait(timeout=10)
 
 
+def start_server(make, log_dir: str, tries: int = 3) -> ServerProcess:
+    """``make(port).start(log_dir)`` on a free port, trying another port if one was taken meanwhile."""
+    for attempt in range(1, tries + 1):
+        try:
+            return make(free_port()).start(log_dir)
+        except RuntimeError:
+            if attempt == tries:
+                raise
+
+
 def moto_server(port: int) -> ServerProcess:
     """moto's standalone S3 (and SES) server."""
     command = [sys.executable, "-c", "from moto.server import main; main()", "-H", HOST, "-p", str(port)]
