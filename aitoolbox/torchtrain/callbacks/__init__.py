@@ -11,6 +11,7 @@ from aitoolbox.torchtrain.callbacks.performance_eval import (
     ModelPerformanceEvaluation, ModelPerformancePrintReport, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking, TensorboardTrainHistoryMetric
 from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
+from aitoolbox.torchtrain.callbacks.weight_averaging import WeightAveraging
 from aitoolbox.torchtrain.schedulers.basic import ReduceLROnPlateauMetricScheduler, ReduceLROnPlateauScheduler
 from aitoolbox.torchtrain.schedulers.warmup import LinearWithWarmupScheduler
 
@@ -18,4 +19,5 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "EmailNotification", "TerminateOnNaN", "AllPredictionsSame", "LogUpload", "ModelPerformanceEvaluation",
            "ModelPerformancePrintReport", "ModelTrainHistoryFileWriter", "ModelTrainHistoryPlot", "GradNormClip",
            "GradValueClip", "TensorboardFullTracking", "TensorboardTrainHistoryMetric", "WandBTracking",
-           "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler", "ReduceLROnPlateauMetricScheduler"]
+           "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
+           "ReduceLROnPlateauMetricScheduler"]
