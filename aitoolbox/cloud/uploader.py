@@ -15,7 +15,9 @@ import threading
 from typing import Any, List, Optional, Tuple
 
 from aitoolbox.cloud import gcs_available_options, s3_available_options
+from aitoolbox.cloud.layout import ExperimentKeys
 from aitoolbox.cloud.storage import CloudStorage, open_folder
+from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +209,76 @@ class CloudUploader:
 
     def __repr__(self) -> str:
         return f"CloudUploader({self.storage!r}, pending={self.pending})"
+
+
+class ExperimentUploader:
+    """Uploads files of one run's local experiment folder to the same place under the run's key in the bucket
+    (aitoolbox 1.8's layout, see :mod:`aitoolbox.cloud.layout`).
+
+    Args:
+        uploader: the uploader (several ExperimentUploaders may share one, so that one ``wait`` covers all).
+        keys: the run's keys.
+        local_experiment_folder: the run's local folder (``<root>/<project>/<experiment>_<timestamp>``).
+    """
+
+    def __init__(self, uploader: CloudUploader, keys: ExperimentKeys, local_experiment_folder: str):
+        self.uploader = uploader
+        self.keys = keys
+        self.local_experiment_folder = os.path.abspath(os.path.expanduser(local_experiment_folder))
+
+    @property
+    def storage(self) -> CloudStorage:
+        return self.uploader.storage
+
+    def upload(self, local_path: str) -> concurrent.futures.Future:
+        """Queue the upload of a file, or of a folder (with its completion marker), of the run folder.
+
+        Returns:
+            The upload's future (see :meth:`CloudUploader.submit`).
+
+        Raises:
+            ValueError: ``local_path`` is not inside the run folder.
+            FileNotFoundError: there is no such file or folder.
+        """
+        key = self.keys.for_local_path(local_path, self.local_experiment_folder)
+        if os.path.isdir(local_path):
+            return self.uploader.submit_folder(local_path, key)
+        return self.uploader.submit(local_path, key)
+
+    def wait(self, timeout: Optional[float] = None) -> List[Any]:
+        """:meth:`CloudUploader.wait` of the shared uploader."""
+        return self.uploader.wait(timeout)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """:meth:`CloudUploader.close` of the shared uploader."""
+        self.uploader.close(timeout)
+
+
+def experiment_uploader_for(cloud_save_mode: Optional[str], bucket_name: str, cloud_dir_prefix: Optional[str],
+                            project_name: str, experiment_name: str, experiment_timestamp: str,
+                            local_model_result_folder_path: str,
+                            uploader: Optional[CloudUploader] = None, **options: Any) -> Optional[ExperimentUploader]:
+    """An :class:`ExperimentUploader` for one run, or None for local saving.
+
+    Args:
+        cloud_save_mode, bucket_name: as :func:`uploader_for`.
+        cloud_dir_prefix: the folder inside the bucket that holds the projects (None or ``''``: the top).
+        project_name, experiment_name, experiment_timestamp: the run.
+        local_model_result_folder_path: the local folder that holds the projects.
+        uploader: share this uploader (of the same bucket) instead of making a new one.
+        **options: for the storage class, when a new uploader is made.
+    """
+    if cloud_service(cloud_save_mode) is None:
+        return None
+    if uploader is None:
+        uploader = uploader_for(cloud_save_mode, bucket_name, **options)
+    elif uploader.storage.bucket_name != bucket_name:
+        raise ValueError(f"the uploader writes to the bucket {uploader.storage.bucket_name!r}, not to "
+                         f"bucket_name={bucket_name!r}")
+    _, folder = ExperimentFolder.get_base_folder_paths(project_name, experiment_name, experiment_timestamp,
+                                                       local_model_result_folder_path)
+    keys = ExperimentKeys(cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
+    return ExperimentUploader(uploader, keys, folder)
 
 
 def _log_failure(future: concurrent.futures.Future, description: str) -> None:

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from aitoolbox.cloud.storage import FOLDER_MARKER, CloudNotFoundError
-from aitoolbox.cloud.uploader import CloudUploader, cloud_service, storage_for, uploader_for
+from aitoolbox.cloud.uploader import (
+    CloudUploader, cloud_service, experiment_uploader_for, storage_for, uploader_for)
 from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
 
 
@@ -160,3 +161,22 @@ def test_uploader_for_builds_the_services_storage(s3_env, gcs_env):
         uploader_for("ftp", "bucket-a")
     with pytest.raises(TypeError, match="must be a CloudStorage"):
         CloudUploader("bucket-a")
+
+
+def test_an_experiment_uploader_puts_each_file_of_the_run_folder_under_the_runs_key(service, bucket, tmp_path):
+    uploader = CloudUploader(bucket)
+    sync = experiment_uploader_for(service, bucket.bucket_name, "team", "proj", "exp", "ts", str(tmp_path),
+                                   uploader=uploader)
+    run = tmp_path / "proj" / "exp_ts"
+    checkpoint = write(run / "checkpoint_model" / "model_exp_ts_E1.pth", b"weights")
+    write(run / "tensorboard" / "proj_exp" / "events.out.tfevents.1", b"event")
+    sync.upload(checkpoint)
+    sync.upload(str(run / "tensorboard" / "proj_exp"))
+    sync.close()
+    assert bucket.download_bytes("team/proj/exp_ts/checkpoint_model/model_exp_ts_E1.pth") == b"weights"
+    assert bucket.is_complete_folder("team/proj/exp_ts/tensorboard/proj_exp")
+    with pytest.raises(ValueError, match="not inside the experiment folder"):
+        sync.upload(write(tmp_path / "elsewhere.txt", b"x"))
+    assert experiment_uploader_for("local", bucket.bucket_name, "", "proj", "exp", "ts", str(tmp_path)) is None
+    with pytest.raises(ValueError, match="writes to the bucket"):
+        experiment_uploader_for(service, "other-bucket", "", "proj", "exp", "ts", str(tmp_path), uploader=uploader)
