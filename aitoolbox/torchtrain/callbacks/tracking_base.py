@@ -86,7 +86,7 @@ def final_model_path(callbacks: Sequence[Any]) -> Optional[str]:
     """The final model file :class:`ModelTrainEndSave` wrote in this process, or None.
 
     ModelTrainEndSave documents its file as ``model/model_<experiment>_<timestamp>.pth`` in its experiment
-    folder; the path is returned only once that file exists.
+    folder; the path is returned only once that file exists (the trackers run after the saving callbacks).
     """
     for callback in callbacks:
         if isinstance(callback, ModelTrainEndSave) and callback.has_experiment_folder:
