@@ -6,7 +6,9 @@ EarlyStopping``); none of them imports TensorBoard, matplotlib or a cloud SDK be
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
 from aitoolbox.torchtrain.callbacks.basic import (
     AllPredictionsSame, EarlyStopping, EmailNotification, LogUpload, TerminateOnNaN, ThresholdEarlyStopping)
+from aitoolbox.torchtrain.callbacks.csv_logger import CSVLogger
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip, GradValueClip
+from aitoolbox.torchtrain.callbacks.mlflow import MLflowTracking
 from aitoolbox.torchtrain.callbacks.performance_eval import (
     ModelPerformanceEvaluation, ModelPerformancePrintReport, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking, TensorboardTrainHistoryMetric
@@ -19,5 +21,5 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "EmailNotification", "TerminateOnNaN", "AllPredictionsSame", "LogUpload", "ModelPerformanceEvaluation",
            "ModelPerformancePrintReport", "ModelTrainHistoryFileWriter", "ModelTrainHistoryPlot", "GradNormClip",
            "GradValueClip", "TensorboardFullTracking", "TensorboardTrainHistoryMetric", "WandBTracking",
-           "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
+           "MLflowTracking", "CSVLogger", "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
            "ReduceLROnPlateauMetricScheduler"]
