@@ -76,7 +76,7 @@ class WeightAveraging(AbstractCallback):
 
     Under DDP every process keeps the average of its (identical) replica; buffers, which each process updates with
     its own batches, are taken from rank 0 whenever the average is used, so all processes hold the same averaged
-    weights. ``gpu_mode='fsdp'`` is refused.
+    weights. ``gpu_mode='fsdp'`` is refused, and so is a second WeightAveraging on the same loop.
 
     Args:
         mode: ``'ema'`` or ``'swa'``.
@@ -184,6 +184,9 @@ class WeightAveraging(AbstractCallback):
     # --- hooks ------------------------------------------------------------------------------------------------
     def on_train_loop_registration(self) -> None:
         self._refuse_sharding()
+        # A second one would average (or put back) the first one's average while it is in the model.
+        if any(isinstance(cb, WeightAveraging) and cb is not self for cb in self.train_loop_obj.callbacks):
+            raise ValueError("a TrainLoop takes one WeightAveraging callback, and this one already has one")
 
     def on_train_begin(self) -> None:
         self._refuse_sharding()
@@ -216,7 +219,8 @@ class WeightAveraging(AbstractCallback):
             self._end_of_epoch_training()
 
     def on_epoch_train_end(self) -> None:
-        """After the epoch's last optimizer step, before the epoch-end evaluation (a hook of newer loops)."""
+        """After the epoch's last optimizer step, before the epoch-end evaluation, on a loop that has this hook (else
+        :meth:`on_batch_end` finds the epoch's last batch, and :meth:`on_epoch_end` catches what it cannot)."""
         self._update_after_steps()
         self._end_of_epoch_training()
 
