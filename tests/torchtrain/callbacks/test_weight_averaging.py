@@ -380,6 +380,7 @@ class RecordAverage(AbstractCallback):
     def __init__(self, folder):
         super().__init__("record average", execution_order=95)
         self.folder = str(folder)
+        os.makedirs(self.folder, exist_ok=True)
 
     def on_train_end(self):
         tl = self.train_loop_obj
@@ -390,9 +391,9 @@ class RecordAverage(AbstractCallback):
         torch.save(record, os.path.join(self.folder, f"rank{torch.distributed.get_rank()}.pt"))
 
 
-def fit_two_processes(tl: TrainLoop, callbacks, sync_bn: bool) -> None:
+def fit_two_processes(tl: TrainLoop, callbacks, sync_bn: bool, num_epochs: int = 3) -> None:
     with pytest.warns(UserWarning, match="CUDA is not available"):
-        tl.fit_distributed(num_epochs=3, callbacks=callbacks, train_data_shuffle=False, num_gpus=2,
+        tl.fit_distributed(num_epochs=num_epochs, callbacks=callbacks, train_data_shuffle=False, num_gpus=2,
                            start_method="fork", sync_bn=sync_bn)
 
 
@@ -429,6 +430,26 @@ def test_two_ddp_processes_hold_the_same_average(tmp_path, options, sync_bn):
     for name, value in ranks[0]["average"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
     assert ranks[0]["history"]["val_loss"] == pytest.approx(single.train_history["val_loss"], abs=1e-5)
+
+
+def test_two_ddp_processes_resume_bitwise_from_an_epoch_checkpoint(tmp_path):
+    """Averaged buffers too (use_buffers): each rank's, taken from rank 0 at every epoch end."""
+    initial = make_model(BatchNormRegressor)
+    options = dict(mode="ema", decay=0.8, use_buffers=True)
+    straight = make_train_loop(copy.deepcopy(initial), batch_size=4)
+    fit_two_processes(straight, [WeightAveraging(**options), RecordAverage(tmp_path / "straight")], False, 3)
+    stopped = make_train_loop(copy.deepcopy(initial), batch_size=4)
+    fit_two_processes(stopped, [WeightAveraging(**options), ModelCheckpoint("proj", "ddp", str(tmp_path))], False, 2)
+    (run,) = os.listdir(tmp_path / "proj")
+    resumed = make_train_loop(make_model(BatchNormRegressor, seed=1), batch_size=4)
+    resumed.load_checkpoint(list_checkpoints(str(tmp_path / "proj" / run / "checkpoint_model"))[-1])
+    fit_two_processes(resumed, [WeightAveraging(**options), RecordAverage(tmp_path / "resumed")], False, 3)
+    for rank in (0, 1):
+        expected, got = (torch.load(tmp_path / name / f"rank{rank}.pt", weights_only=True)
+                         for name in ("straight", "resumed"))
+        assert_states_equal(expected["average"], got["average"])
+        assert_states_equal(expected["model"], got["model"])
+        assert expected["history"] == got["history"]
 
 
 def test_fsdp_is_refused(tmp_path):
