@@ -32,6 +32,9 @@ one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", n
 EPOCHS = 3
 TRAIN = classification_data(30)  # batches of 8: 4 per epoch, the last one of 6
 VALIDATION = classification_data(12, seed=3)
+# TrainLoop's device: the references compute there too, so that bitwise holds on a GPU (is_available, unlike
+# tests.helpers.default_device, leaves CUDA uninitialised: the DDP tests fork their CPU processes).
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class BatchNormMLP(ClassifierMixin, TTModel):
@@ -45,6 +48,13 @@ class BatchNormMLP(ClassifierMixin, TTModel):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def pair(model_class=MLP):
+    """Equal models for TrainLoop and for a reference run, the reference already on the training device (its
+    AveragedModel is a copy made there)."""
+    model, reference = model_pair(model_class)
+    return model, reference.to(DEVICE)
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -73,13 +83,13 @@ def evaluate_by_hand(module: nn.Module) -> float:
     """The loop's validation loss: the sample-weighted mean of the batch losses, in eval mode."""
     was_training = module.training
     module.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, count = (torch.zeros((), dtype=torch.float64, device=DEVICE) for _ in range(2))
     with torch.no_grad():
         for x, y in validation_loader():
-            total = total + nn.functional.cross_entropy(module(x), y).double() * len(x)
+            total = total + nn.functional.cross_entropy(module(x.to(DEVICE)), y.to(DEVICE)).double() * len(x)
             count += len(x)
     module.train(was_training)
-    return float(total / count)
+    return float(total / count)  # a tensor divisor: on CUDA a Python number would be multiplied by its inverse
 
 
 def reference_run(model: nn.Module, averaged: AveragedModel, num_epochs: int = EPOCHS, update_step=None,
@@ -94,7 +104,7 @@ def reference_run(model: nn.Module, averaged: AveragedModel, num_epochs: int = E
     for epoch in range(num_epochs):
         for x, y in loader:
             batch_index += 1
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(model(x.to(DEVICE)), y.to(DEVICE)).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if update_step is not None and update_step(step, epoch, batch_index):
@@ -122,7 +132,7 @@ class RecordAtEpochEnd(AbstractCallback):
 def assert_states_equal(expected: dict, got: dict) -> None:
     assert list(expected) == list(got)
     for key in expected:
-        assert torch.equal(expected[key], got[key]), f"{key} differs"
+        assert torch.equal(expected[key].cpu(), got[key].cpu()), f"{key} differs"
 
 
 def assert_same_run(expected: TrainLoop, got: TrainLoop, expected_cb: WeightAveraging, got_cb: WeightAveraging):
@@ -134,7 +144,7 @@ def assert_same_run(expected: TrainLoop, got: TrainLoop, expected_cb: WeightAver
 
 # --- the averages -------------------------------------------------------------------------------------------------
 def test_ema_matches_averaged_model_and_evaluation_uses_it():
-    model, reference = model_pair()  # dropout: the training run draws random numbers
+    model, reference = pair()  # dropout: the training run draws random numbers
     record = RecordAtEpochEnd()
     averaging = WeightAveraging(decay=0.9, save_average=False)
     tl = fit(model, [averaging, record])
@@ -151,19 +161,19 @@ def test_ema_matches_averaged_model_and_evaluation_uses_it():
         ema.module.load_state_dict(state)
         ema.module.eval()
         with torch.no_grad():
-            by_hand = torch.cat([ema.module(x).argmax(dim=1) for x, _ in validation_loader()])
+            by_hand = torch.cat([ema.module(x.to(DEVICE)).argmax(dim=1).cpu() for x, _ in validation_loader()])
         assert torch.equal(record.predictions[epoch], by_hand)
 
 
 def test_swa_from_a_start_epoch_with_batchnorm_statistics_recomputed_at_the_end():
-    model, reference = model_pair(BatchNormMLP)
+    model, reference = pair(BatchNormMLP)
     averaging = WeightAveraging(mode="swa", start_epoch=1, update_bn=True)
     tl = fit(model, [averaging], num_epochs=4, test_loader=validation_loader())
 
     swa = AveragedModel(reference)
     loader = seeded_loader(TRAIN, 8)
     expected = reference_run(reference, swa, num_epochs=4, update_epoch=lambda epoch: epoch >= 1, loader=loader)
-    update_bn(loader, swa)  # its generator drawn from 4 times, as the loop's was
+    update_bn(loader, swa, device=DEVICE)  # its generator drawn from 4 times, as the loop's was
 
     assert averaging.num_averaged == 3
     assert_states_equal(swa.module.state_dict(), averaging.average_module.state_dict())
@@ -176,7 +186,7 @@ def test_swa_from_a_start_epoch_with_batchnorm_statistics_recomputed_at_the_end(
 
 
 def test_swa_every_n_steps_from_a_start_iteration():
-    model, reference = model_pair()
+    model, reference = pair()
     averaging = WeightAveraging(mode="swa", update_every=3, start_iteration=5)
     fit(model, [averaging])
 
@@ -213,7 +223,7 @@ def test_fit_continued_after_the_average_was_left_in_the_model():
 
 @pytest.mark.parametrize("save_average", [True, False])
 def test_final_model_saved_by_model_train_end_save(tmp_path, save_average):
-    model, reference = model_pair()
+    model, reference = pair()
     averaging = WeightAveraging(decay=0.9, save_average=save_average)
     tl = fit(model, [averaging, ModelTrainEndSave("proj", "exp", str(tmp_path))])
     (run,) = os.listdir(tmp_path / "proj")
@@ -319,7 +329,7 @@ def test_a_loader_without_len_averages_the_same(caplog, monkeypatch):
     """Its last batch is known only after the loop: the average is in the model for the on_epoch_end callbacks after
     WeightAveraging, and for the loop's own evaluation only with the on_epoch_train_end hook (else a warning)."""
     monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
-    model, reference = model_pair()
+    model, reference = pair()
     record = RecordAtEpochEnd()
     record.execution_order = 95  # after WeightAveraging
     averaging = WeightAveraging(decay=0.9)
@@ -364,13 +374,19 @@ def test_a_second_weight_averaging_is_refused():
 
 def test_nothing_averaged_leaves_the_training_weights_with_a_warning(caplog, monkeypatch):
     monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
-    model, reference = model_pair()
+    model, reference = pair()
     averaging = WeightAveraging(mode="swa", start_epoch=5)
     with caplog.at_level(logging.WARNING, logger="aitoolbox"):
         tl = fit(model, [averaging])
     assert averaging.num_averaged == 0 and not averaging.average_in_model
     assert_states_equal(reference_weights(reference), tl.model.state_dict())
     assert any("averaged no weights" in r.getMessage() for r in distinct_records(caplog))
+
+
+# The CPU processes are forked, which CUDA initialised in this process forbids, and a TrainLoop initialises it
+# on a machine with a GPU. There, run these tests with CUDA_VISIBLE_DEVICES="".
+cpu_processes_only = pytest.mark.skipif(torch.cuda.is_available(), reason="forked CPU processes: run with "
+                                        'CUDA_VISIBLE_DEVICES="" on a machine with a GPU')
 
 
 # --- distributed ----------------------------------------------------------------------------------------------------
@@ -394,9 +410,10 @@ class RecordAverage(AbstractCallback):
 def fit_two_processes(tl: TrainLoop, callbacks, sync_bn: bool, num_epochs: int = 3) -> None:
     with pytest.warns(UserWarning, match="CUDA is not available"):
         tl.fit_distributed(num_epochs=num_epochs, callbacks=callbacks, train_data_shuffle=False, num_gpus=2,
-                           start_method="fork", sync_bn=sync_bn)
+                           start_method="fork", sync_bn=sync_bn, on_gpu=False)
 
 
+@cpu_processes_only
 @pytest.mark.parametrize("options, sync_bn", [
     (dict(mode="ema", decay=0.8), False), (dict(mode="swa", update_bn=True), False),
     (dict(mode="swa", update_bn=True), True)], ids=["ema", "swa-update-bn", "swa-update-bn-sync-bn"])
@@ -428,10 +445,11 @@ def test_two_ddp_processes_hold_the_same_average(tmp_path, options, sync_bn):
     single.fit(num_epochs=3, callbacks=[single_cb])
     expected = single_cb.average_module.state_dict()
     for name, value in ranks[0]["average"].items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(value, expected[name].cpu(), rtol=0, atol=1e-5)
     assert ranks[0]["history"]["val_loss"] == pytest.approx(single.train_history["val_loss"], abs=1e-5)
 
 
+@cpu_processes_only
 def test_two_ddp_processes_resume_bitwise_from_an_epoch_checkpoint(tmp_path):
     """Averaged buffers too (use_buffers): each rank's, taken from rank 0 at every epoch end."""
     initial = make_model(BatchNormRegressor)
@@ -452,10 +470,11 @@ def test_two_ddp_processes_resume_bitwise_from_an_epoch_checkpoint(tmp_path):
         assert expected["history"] == got["history"]
 
 
+@cpu_processes_only
 def test_fsdp_is_refused(tmp_path):
     tl = make_train_loop(make_model(), gpu_mode="fsdp")
     with pytest.warns(UserWarning, match="CUDA is not available"), \
             pytest.raises(Exception, match="WeightAveraging does not support gpu_mode='fsdp'"):
-        tl.fit_distributed(num_epochs=1, callbacks=[WeightAveraging()], num_gpus=2, start_method="fork")
+        tl.fit_distributed(num_epochs=1, callbacks=[WeightAveraging()], num_gpus=2, start_method="fork", on_gpu=False)
 
 
