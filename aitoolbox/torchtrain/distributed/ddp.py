@@ -1,5 +1,8 @@
 """The DistributedDataParallel strategy: one process per device, gradients all-reduced by torch DDP."""
+import atexit
 import datetime
+import os
+import time
 import logging
 from typing import Any, ContextManager, List, Optional
 
@@ -57,11 +60,25 @@ class DistributedStrategy(SingleDeviceStrategy):
             torch.cuda.set_device(self.device)
         if dist.is_initialized():
             return
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # A process that joined a torchrun/SLURM job goes on with the user's script after fit_distributed, so
+        # the group stays until the program ends; see _destroy_process_group_at_exit.
+        atexit.register(_destroy_process_group_at_exit)
+        if self.init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent keeps one store for all attempts of a job it restarts (--max-restarts), and the
+            # keys of the failed attempt stay: a process of the new attempt could read its peer's old address
+            # and fail to connect. Each attempt gets keys of its own.
+            store = dist.TCPStore(self.placement.master_addr, self.placement.master_port, self.world_size,
+                                  is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"aitoolbox/attempt_{attempt}", store),
+                                    rank=self.rank, world_size=self.world_size, timeout=timeout)
+            return
         init_method = self.init_method
         if init_method == "env://":
             init_method = f"tcp://{self.placement.master_addr}:{self.placement.master_port}"
         dist.init_process_group(self.backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+                                timeout=timeout)
 
     def place_model(self, model: nn.Module) -> None:
         if self.sync_bn:
@@ -136,3 +153,17 @@ class DistributedStrategy(SingleDeviceStrategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Shut the process group down while the interpreter still runs.
+
+    A gloo worker thread frees each finished collective's tensors itself, a moment after the caller's wait
+    returned. Freeing a tensor made in Python takes the GIL; once the interpreter is finalising, that thread is
+    made to exit mid-destructor and the C++ runtime aborts the process ("terminate called without an active
+    exception", seen under torchrun after training succeeded, which torchrun then reports as a failure). So
+    the group is shut down here, and its threads get a moment to finish what they were freeing.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        time.sleep(0.2)
