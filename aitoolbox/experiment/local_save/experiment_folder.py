@@ -3,9 +3,10 @@ import datetime
 import errno
 import json
 import os
+import re
 import shutil
 import sys
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
@@ -51,6 +52,43 @@ def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
 def timestamp_now() -> str:
     """A folder-name-safe timestamp, e.g. ``2026-11-23_14-05-09``."""
     return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+_TIMESTAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:_(\d+))?"
+
+
+def newest_resumable_run(root: str, project_name: str, experiment_name: str) -> Optional[Tuple[str, str]]:
+    """The newest run of an experiment that holds a complete checkpoint, for continuing it (``auto_resume``).
+
+    Runs are the folders ``<root>/<project>/<experiment>_<timestamp>`` (``<timestamp>`` as
+    :func:`timestamp_now` makes it, with the ``_<n>`` of same-second runs), newest timestamp first; the first
+    with a checkpoint in ``checkpoint_model/`` (or, for a finished run, a final model in ``model/``) wins.
+
+    Returns:
+        ``(timestamp, checkpoint path)`` of its newest complete checkpoint (a file or a sharded checkpoint's
+        folder), or None when no run of the experiment has one.
+    """
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_position, list_checkpoints
+
+    project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
+    if not os.path.isdir(project_folder):
+        return None
+    pattern = re.compile(rf"^{re.escape(experiment_name)}_(?P<timestamp>{_TIMESTAMP})$")
+    runs: List[Tuple[Tuple[str, int], str]] = []
+    for name in os.listdir(project_folder):
+        match = pattern.match(name)
+        if match and os.path.isdir(os.path.join(project_folder, name)):
+            timestamp = match.group("timestamp")
+            runs.append(((timestamp[:19], int(match.group(2) or 0)), timestamp))
+    for _, timestamp in sorted(runs, reverse=True):
+        run_folder = os.path.join(project_folder, f"{experiment_name}_{timestamp}")
+        found = (list_checkpoints(os.path.join(run_folder, "checkpoint_model"))
+                 + list_checkpoints(os.path.join(run_folder, "model")))
+        if found:
+            newest = max(found, key=lambda path: checkpoint_position(
+                os.path.basename(path) + ("" if path.endswith(".pth") else ".pth")))
+            return timestamp, newest
+    return None
 
 
 class ExperimentFolder:

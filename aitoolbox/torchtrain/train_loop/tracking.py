@@ -5,9 +5,10 @@ evaluation results, plots and history files, and ``TrainLoopCheckpointEndSave`` 
 arguments of :class:`TrainLoop` pass through.
 """
 import logging
+import os
 from typing import Optional, Union
 
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
 from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
@@ -37,11 +38,13 @@ class _ExperimentTrainLoop(TrainLoop):
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
                  hyperparams: Optional[dict], cloud_save_mode: Optional[str], bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
+                 cloud_dir_prefix: Optional[str] = None, source_dirs=(), auto_resume: bool = False, **kwargs):
         check_local_save_mode(cloud_save_mode, type(self).__name__)
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
         if hyperparams is not None and not isinstance(hyperparams, dict):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
+        if not isinstance(auto_resume, bool):
+            raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
         self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
         self.project_name = project_name
         self.experiment_name = experiment_name
@@ -52,8 +55,21 @@ class _ExperimentTrainLoop(TrainLoop):
         self.source_dirs = source_dirs
         # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
         # first file written into it. Either way an unusable folder is reported now, not after an epoch.
+        self.auto_resume = auto_resume
+        self.resumed_from: Optional[str] = None
+        found = newest_resumable_run(local_model_result_folder_path, project_name, experiment_name) \
+            if auto_resume else None
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
-                                                  hyperparams=self.hyperparams)
+                                                  timestamp=found[0] if found else None, hyperparams=self.hyperparams)
+        if found:
+            # Every process of the job finds the same run; its folder is this run's again.
+            self.experiment_folder.adopt_if_created_elsewhere()
+            self.resumed_from = found[1]
+            self.load_checkpoint(found[1])
+            if writes_files_in_this_process():
+                logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", self.experiment_folder.path,
+                            os.path.basename(found[1]), self.epochs_completed)
+            return
         if not writes_files_in_this_process():
             return
         if self.lazy_experiment_save:
@@ -78,6 +94,9 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
         background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
+        auto_resume: continue the newest run of this experiment that holds a complete checkpoint (its folder
+            ``<experiment>_<timestamp>`` and newest checkpoint, found anew by every process of a restarted job),
+            or start a new run when there is none. See :ref:`auto-resume`.
         **kwargs: any other :class:`TrainLoop` argument.
     """
 
@@ -86,10 +105,10 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
                  hyperparams: Optional[dict] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
         self.callbacks_handler.register_callbacks(checkpoint_callbacks(
             self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq, background_save))
 
@@ -103,6 +122,8 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
             :class:`TrainLoopCheckpoint`.
         val_result_package: metrics evaluated on the validation set at the end, or None.
         test_result_package: metrics evaluated on the test set at the end, or None.
+        auto_resume: as for :class:`TrainLoopCheckpoint` (without checkpoints only a finished run's final model
+            is found).
         **kwargs: any other :class:`TrainLoop` argument.
     """
 
@@ -110,10 +131,11 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
                  hyperparams: Optional[dict] = None, val_result_package: Optional[AbstractResultPackage] = None,
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
-                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(), **kwargs):
+                 bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
+                 auto_resume: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
         self.callbacks_handler.register_callbacks(end_save_callbacks(self.hyperparams, val_result_package,
                                                                      test_result_package))
 
@@ -130,10 +152,10 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, background_save: bool = False, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
         self.callbacks_handler.register_callbacks(
             checkpoint_callbacks(self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept,
                                  iteration_save_freq, background_save)

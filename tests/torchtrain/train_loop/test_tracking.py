@@ -326,3 +326,69 @@ def test_end_save_hands_the_prediction_metadata_and_the_loss_to_the_packages(tmp
     assert results["n_indices"] == 12
     assert results["loss"] == pytest.approx(tl.evaluate_loss_on_validation_set(float_dict_format=True))
     assert package.pkg_name == "MetadataPackage_VAL"  # named after the set, as in 1.x
+
+
+class CrashAt(AbstractCallback):
+    """Raises at the start of a batch, as a crashed or preempted job stops."""
+
+    def __init__(self, epoch: int, iteration: int):
+        super().__init__("crash")
+        self.epoch, self.iteration = epoch, iteration
+
+    def on_batch_begin(self):
+        tl = self.train_loop_obj
+        if (tl.epoch, tl.iteration) == (self.epoch, self.iteration):
+            raise RuntimeError("the machine went away")
+
+
+@pytest.mark.parametrize("preset", [TrainLoopCheckpoint, TrainLoopCheckpointEndSave])
+def test_auto_resume_continues_the_newest_run_bitwise_after_a_crash(tmp_path, preset):
+    """Started again with the same arguments, the run finds its own folder and newest checkpoint (a mid-epoch
+    one here) and ends exactly as the run that never crashed; no second run folder is made."""
+    straight = preset(*preset_arguments(), "proj", "exp", str(tmp_path / "straight"), {}, iteration_save_freq=2,
+                      show_progress=False)
+    straight.fit(num_epochs=3)
+
+    root = str(tmp_path / "crashing")
+    first = preset(*preset_arguments(), "proj", "exp", root, {}, iteration_save_freq=2, auto_resume=True,
+                   show_progress=False)
+    assert first.resumed_from is None  # nothing to resume: a new run
+    with pytest.raises(RuntimeError, match="went away"):
+        first.fit(num_epochs=3, callbacks=[CrashAt(epoch=1, iteration=4)])
+    again = preset(*preset_arguments(), "proj", "exp", root, {}, iteration_save_freq=2, auto_resume=True,
+                   show_progress=False)
+    assert again.experiment_folder.path == first.experiment_folder.path
+    assert os.path.basename(again.resumed_from) == f"model_exp_{first.experiment_timestamp}_E1_ITER7.pth"
+    again.fit(num_epochs=3)
+    assert os.listdir(os.path.join(root, "proj")) == [os.path.basename(first.experiment_folder.path)]
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+    assert again.train_history == straight.train_history
+
+    # Finished: started once more, it finds the last checkpoint and has nothing left to train.
+    done = preset(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True, show_progress=False)
+    assert done.epochs_completed == 3
+    done.fit(num_epochs=3)
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(done.model.state_dict()[key], value), key
+    for name in ("loss", "accumulated_loss", "val_loss"):
+        assert done.train_history[name] == straight.train_history[name]
+
+
+def test_auto_resume_picks_the_newest_run_with_a_checkpoint_and_only_runs_of_that_experiment(tmp_path):
+    from aitoolbox.experiment.local_save.experiment_folder import newest_resumable_run
+    project = tmp_path / "proj"
+    for run, checkpoint in (("exp_2026-01-01_10-00-00", "model_exp_2026-01-01_10-00-00_E4.pth"),
+                            ("exp_2026-01-02_10-00-00", "model_exp_2026-01-02_10-00-00_E1.pth"),
+                            ("exp_2026-01-02_10-00-00_1", "model_exp_2026-01-02_10-00-00_1_E0.pth"),
+                            ("exp_other_2026-01-05_10-00-00", "model_exp_other_2026-01-05_10-00-00_E9.pth")):
+        os.makedirs(project / run / "checkpoint_model")
+        torch.save({}, project / run / "checkpoint_model" / checkpoint)
+    os.makedirs(project / "exp_2026-01-03_10-00-00" / "checkpoint_model")  # crashed before its first checkpoint
+    assert newest_resumable_run(str(tmp_path), "proj", "exp") == (
+        "2026-01-02_10-00-00_1", str(project / "exp_2026-01-02_10-00-00_1" / "checkpoint_model" /
+                                     "model_exp_2026-01-02_10-00-00_1_E0.pth"))
+    assert newest_resumable_run(str(tmp_path), "proj", "nothing") is None
+    assert newest_resumable_run(str(tmp_path / "absent"), "proj", "exp") is None
+    with pytest.raises(TypeError, match="auto_resume must be True or False"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), auto_resume="yes")
