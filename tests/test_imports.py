@@ -102,18 +102,6 @@ def test_1x_module_paths_import(module, name):
     assert hasattr(imported, name), f"{module} has no {name}"
 
 
-@pytest.mark.parametrize("module, name, alternative", [
-    ("aitoolbox.cloud.AWS.model_save", "PyTorchS3ModelSaver", "PyTorchLocalModelSaver"),
-    ("aitoolbox.cloud.AWS.results_save", "S3ResultsSaver", "LocalResultsSaver"),
-    ("aitoolbox.cloud.GoogleCloud.model_load", "PyTorchGoogleStorageModelLoader", "PyTorchLocalModelLoader"),
-    ("aitoolbox.cloud.AWS.simple_email_service", "SESSender", "smtplib"),
-])
-def test_1x_cloud_classes_say_they_are_not_supported_yet_and_name_the_local_alternative(module, name, alternative):
-    cloud_class = getattr(__import__(module, fromlist=[name]), name)
-    with pytest.raises(NotImplementedError, match=f"{name}: .* is not supported yet. Use .*{alternative}"):
-        cloud_class("bucket-name", "local/folder")
-
-
 def test_1x_nlp_modules_say_they_are_not_supported_yet():
     with pytest.raises(ImportError, match="aitoolbox.nlp .* is not supported yet"):
         __import__("aitoolbox.nlp.core.core")
