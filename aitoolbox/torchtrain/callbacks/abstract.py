@@ -78,6 +78,10 @@ class AbstractCallback:
     def on_epoch_begin(self) -> None:
         """At the start of every epoch."""
 
+    def on_epoch_train_end(self) -> None:
+        """After the last optimizer step of every epoch, before the epoch-end evaluation and ``on_epoch_end``
+        (e.g. to put other weights in the model for the evaluation, as ``WeightAveraging`` does)."""
+
     def on_epoch_end(self) -> None:
         """At the end of every epoch, after the automatic loss evaluation."""
 

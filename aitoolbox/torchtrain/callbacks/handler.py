@@ -8,8 +8,8 @@ logger = logging.getLogger(__name__)
 
 HOOK_NAMES = (
     "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
-    "on_epoch_begin", "on_epoch_end", "on_batch_begin", "on_batch_end", "on_after_gradient_update",
-    "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
+    "on_epoch_begin", "on_epoch_train_end", "on_epoch_end", "on_batch_begin", "on_batch_end",
+    "on_after_gradient_update", "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
 )
 
 # The hooks called for every batch: when no callback has one, the loop skips calling them (on a tiny model the
@@ -89,6 +89,10 @@ class CallbacksHandler:
     def on_epoch_begin(self) -> None:
         for callback in self._subscribers["on_epoch_begin"]:
             callback.on_epoch_begin()
+
+    def on_epoch_train_end(self) -> None:
+        for callback in self._subscribers["on_epoch_train_end"]:
+            callback.on_epoch_train_end()
 
     def on_epoch_end(self) -> None:
         for callback in self._subscribers["on_epoch_end"]:

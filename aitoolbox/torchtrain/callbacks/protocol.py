@@ -24,7 +24,8 @@ class TrainLoopView(Protocol):
     - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``.
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
-      ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch).
+      ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
+      ``last_batch_loss_names`` (a MultiLoss's names) and ``epoch_loss_sum`` (the epoch's losses so far).
     - ``callbacks``: the registered callbacks, in execution order.
     - ``compile_stats``: with ``torch_compile``, the :class:`~aitoolbox.torchtrain.compiling.CompileStats` so far
       (compilations, recompilations, seconds); None without.
@@ -71,6 +72,14 @@ class TrainLoopView(Protocol):
     @property
     def experiment_timestamp(self) -> str:
         """The run's timestamp."""
+
+    @property
+    def epoch_loss_sum(self) -> torch.Tensor:
+        """The sum of the current epoch's batch losses so far, batches trained before a resume included."""
+
+    @property
+    def last_batch_loss_names(self) -> Optional[List[str]]:
+        """The names of the last batch's losses for a MultiLoss, else None."""
 
     @property
     def precision(self) -> Any:

@@ -265,7 +265,7 @@ class TrackingCallback(AbstractExperimentCallback):
         """``['loss']``, or the names of a MultiLoss's losses (their index when the loop does not name them)."""
         if loss.numel() == 1:
             return ["loss"]
-        names = getattr(self.train_loop_obj, "last_batch_loss_names", None)
+        names = self.train_loop_obj.last_batch_loss_names
         return list(names) if names is not None else [str(index) for index in range(loss.numel())]
 
     def batch_record(self, loss: torch.Tensor) -> BatchRecord:
@@ -275,7 +275,7 @@ class TrackingCallback(AbstractExperimentCallback):
         values = loss.reshape(-1).tolist()
         # The loop's own sum, where it offers one, includes the batches trained before a resume (a mid-epoch
         # checkpoint, or the fit before an exception); the callback's sum covers this fit's batches only.
-        loop_sum = getattr(tl, "epoch_loss_sum", None)
+        loop_sum = tl.epoch_loss_sum
         if isinstance(loop_sum, torch.Tensor):
             means = (loop_sum.float() / (tl.iteration + 1)).reshape(-1).tolist()
         elif self._epoch_loss_sum is not None:
