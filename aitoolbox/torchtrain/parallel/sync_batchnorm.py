@@ -11,6 +11,7 @@ The arithmetic, per channel, over a global batch split unevenly across processes
   one BatchNorm over the global batch. The weight and bias gradients stay local (the sums over this
   process's samples): DistributedDataParallel then averages them like any other parameter gradient.
 """
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
@@ -22,6 +23,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 # torch's own kernel-backed implementation (CUDA/NCCL only); private, but the module-level entry point
 # that torch's nn.SyncBatchNorm itself calls.
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
+
+# torch's BatchNorm layers take ``bias=`` (a weight without a bias) from torch 2.12 on.
+_BATCH_NORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 _STATS_DTYPE = torch.float64
 
@@ -154,8 +158,13 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"num_features must be a positive int (the number of channels), got {num_features!r}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1] or None (cumulative average), got {momentum!r}")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+        if _BATCH_NORM_TAKES_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                             bias=bias)
+        else:  # torch before 2.12: a BatchNorm always has a bias with its weight
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+            if affine and not bias:
+                self.register_parameter("bias", None)
         self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu

@@ -201,6 +201,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         return self.epoch_loss.total()
 
     @property
+    def last_batch_loss_names(self) -> Optional[List[str]]:
+        """The names of the last batch's losses when ``get_loss`` returned a MultiLoss, else None."""
+        return self._loss_names
+
+    @property
     def iterations_done(self) -> int:
         """Batches trained over the life of this TrainLoop."""
         return self.state.iterations_done
@@ -286,6 +291,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             if self.activation_checkpointing:  # before any wrap: sharding and compiling see the checkpointed forwards
                 apply_activation_checkpointing(self.model, self.activation_checkpointing)
             self.strategy.place_model(self.loop_model)
+            for optimizer in self.optimizers:
+                if _state_on_another_device(optimizer) and callable(getattr(optimizer, "load_state_dict", None)):
+                    # A checkpoint loaded before the model was placed: its state follows the parameters
+                    # (load_state_dict puts each state tensor where its parameter is).
+                    optimizer.load_state_dict(optimizer.state_dict())
             if not self.strategy.shards_parameters:  # a sharded checkpoint read whole, before amp copies the weights
                 load_pending_sharded_weights(self)
             self.criterion = self.strategy.setup_criterion(self.criterion)
@@ -474,6 +484,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / batches_done, self._loss_names)
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
+        self.callbacks_handler.on_epoch_train_end()
         self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
         if self.strategy.is_main_process:
@@ -576,3 +587,13 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self._step_optimizers(self.optimizers)
         state.optimizer_step_due = False
         return True
+
+
+def _state_on_another_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a tensor of the optimizer's state lies on another device than its parameter (scalar ``step``
+    counters aside, which torch keeps on the CPU on purpose)."""
+    for param, state in getattr(optimizer, "state", {}).items():  # an optimizer-like object may have none
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != param.device:
+                return True
+    return False

@@ -368,3 +368,26 @@ def test_the_saved_checkpoint_loads_weights_only_and_as_a_file(tmp_path):
     resumed = small_loop()
     resumed.load_checkpoint(str(path))
     assert resumed.epoch == 0 and resumed.train_history == tl.train_history
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_checkpoint_loaded_before_fit_moves_its_optimizer_state_to_the_gpu_with_the_model(tmp_path):
+    """A checkpoint file loads onto the CPU and load_checkpoint fills the optimizer state there (the model is
+    placed on its device only when fit sets it up); the state must follow the parameters to the GPU, or the
+    first step fails on mixed devices."""
+    def make_loop():
+        torch.manual_seed(0)
+        model = MLP()
+        return TrainLoop(model, DataLoader(classification_data(16), batch_size=4), None, None,
+                         torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), show_progress=False)
+
+    first = make_loop()
+    first.fit(num_epochs=1)
+    torch.save(first.checkpoint_state(), tmp_path / "checkpoint.pth")
+    again = make_loop()
+    again.load_checkpoint(str(tmp_path / "checkpoint.pth"))
+    assert all(value.device.type == "cpu" for state in again.optimizer.state.values() for value in state.values())
+    again.fit(num_epochs=2)
+    for state in again.optimizer.state.values():
+        assert all(value.device.type == "cuda" for value in state.values() if value.dim() > 0)
