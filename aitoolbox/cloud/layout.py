@@ -22,6 +22,7 @@ an interrupted local save.
 """
 import os
 import posixpath
+import re
 from typing import Dict, List, Optional, Tuple
 
 from aitoolbox.cloud.folders import FOLDER_MARKER, parse_folder_marker
@@ -166,12 +167,18 @@ def find_newest_cloud_checkpoint(storage: CloudStorage, prefix: str) -> str:
         key=prefix, operation="list", reason="NoCheckpoint")
 
 
-def download_checkpoint(storage: CloudStorage, key: str, local_folder: str) -> str:
+def download_checkpoint(storage: CloudStorage, key: str, local_folder: str, replace: bool = True) -> str:
     """Download the checkpoint ``key`` (a file, or a sharded checkpoint's complete folder) into ``local_folder``.
 
+    Args:
+        storage: the bucket.
+        key: the checkpoint's key (a file, or a folder without a trailing ``/``).
+        local_folder: where to put it.
+        replace: replace an existing local file or folder of that name (once the download is complete); with
+            False an existing sharded checkpoint folder is kept (files are always replaced atomically).
+
     Returns:
-        The local path: ``<local_folder>/<name>``. An existing local file or folder of that name is replaced
-        only once the download is complete.
+        The local path: ``<local_folder>/<name>``.
 
     Raises:
         CloudNotFoundError: there is no such file, nor a complete folder.
@@ -180,4 +187,43 @@ def download_checkpoint(storage: CloudStorage, key: str, local_folder: str) -> s
     local_path = os.path.join(os.path.expanduser(local_folder), posixpath.basename(key))
     if storage.exists(key):
         return storage.download_file(key, local_path)
-    return storage.download_folder(key, local_path)
+    return storage.download_folder(key, local_path, replace=replace)
+
+
+# A run folder's timestamp as aitoolbox writes it (``%Y-%m-%d_%H-%M-%S``), with the ``_<n>`` of runs started in
+# the same second.
+_RUN_TIMESTAMP = r"(?P<timestamp>\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:_(?P<same_second>\d+))?)"
+
+
+def newest_cloud_run(storage: CloudStorage, cloud_dir_prefix: Optional[str], project_name: str,
+                     experiment_name: str) -> Optional[Tuple[str, str]]:
+    """The newest run of an experiment in the bucket that holds a complete checkpoint (for ``auto_resume``).
+
+    Mirrors :func:`~aitoolbox.experiment.local_save.experiment_folder.newest_resumable_run`: the runs are the
+    folders ``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/``, newest timestamp first; the first one
+    with a complete checkpoint in ``checkpoint_model/`` (or a final model in ``model/``) wins.
+
+    Returns:
+        ``(timestamp, key of its newest complete checkpoint)``, or None when no run of the experiment has one.
+    """
+    project_key = join_key(cloud_dir_prefix or "", project_name)
+    pattern = re.compile(rf"^{re.escape(experiment_name)}_{_RUN_TIMESTAMP}$")
+    runs: Dict[str, Tuple[str, int]] = {}
+    for obj in storage.list(f"{project_key}/{experiment_name}_"):
+        run_name = obj.key[len(project_key) + 1:].split("/", 1)[0]
+        match = pattern.match(run_name)
+        if match:
+            timestamp = match.group("timestamp")
+            runs[timestamp] = (timestamp[:19], int(match.group("same_second") or 0))
+    for timestamp in sorted(runs, key=runs.get, reverse=True):
+        run_key = join_key(project_key, f"{experiment_name}_{timestamp}")
+        found = (list_cloud_checkpoints(storage, join_key(run_key, CHECKPOINT_DIR))
+                 + list_cloud_checkpoints(storage, join_key(run_key, FINAL_MODEL_DIR)))
+        if found:
+            return timestamp, max(found, key=_key_position)
+    return None
+
+
+def _key_position(key: str) -> Tuple[int, int, int]:
+    name = posixpath.basename(key)
+    return checkpoint_position(name if name.endswith(".pth") else f"{name}.pth")

@@ -236,11 +236,12 @@ class CloudStorage(abc.ABC):
         present = {obj.key: obj.size for obj in self.list(key_prefix.rstrip("/") + "/")}
         return all(present.get(join_key(key_prefix.rstrip("/"), path)) == size for path, size in manifest.items())
 
-    def download_folder(self, key_prefix: str, local_folder: str) -> str:
+    def download_folder(self, key_prefix: str, local_folder: str, replace: bool = True) -> str:
         """Download a complete folder (see :meth:`upload_folder`) into ``local_folder``; returns its path.
 
         The files are gathered in a temporary folder beside ``local_folder`` that takes its name only once
-        every file is there; an existing ``local_folder`` is replaced.
+        every file is there. An existing ``local_folder`` is replaced; with ``replace=False`` it is kept instead
+        (e.g. the same folder placed meanwhile by another process downloading it too) and the download dropped.
 
         Raises:
             CloudNotFoundError: the folder has no completion marker (it is missing, or its upload was
@@ -261,8 +262,16 @@ class CloudStorage(abc.ABC):
             for relative_path in manifest:
                 self.download_file(join_key(key_prefix, relative_path), os.path.join(temp_folder, relative_path))
             if os.path.isdir(local_folder):
+                if not replace:
+                    shutil.rmtree(temp_folder, ignore_errors=True)
+                    return local_folder
                 shutil.rmtree(local_folder)
-            os.replace(temp_folder, local_folder)
+            try:
+                os.replace(temp_folder, local_folder)
+            except OSError:
+                if replace or not os.path.isdir(local_folder):
+                    raise
+                shutil.rmtree(temp_folder, ignore_errors=True)  # another process placed it first: keep that one
         except BaseException:
             shutil.rmtree(temp_folder, ignore_errors=True)
             raise

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from torch import nn
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.torchtrain.callbacks.cloud_upload import cloud_destination
 from aitoolbox.torchtrain.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
@@ -108,24 +109,24 @@ class PyTorchModelPredictor:
             project_name: the project folder.
             experiment_name: prefix of the run folder.
             local_model_result_folder_path: root of the project folders.
-            cloud_save_mode: ``'local'`` or None; the cloud modes of aitoolbox 1.8 (``'s3'``, ``'gcs'``, ...) are
-                not supported yet.
-            bucket_name: unused until cloud saving is supported.
-            cloud_dir_prefix: unused until cloud saving is supported.
+            cloud_save_mode: ``'local'`` (the default; aitoolbox 1.8 defaulted to ``'s3'``) or None: the local
+                file only. ``'s3'`` / ``'aws_s3'`` / ``'aws'`` or ``'gcs'`` / ``'google_storage'`` /
+                ``'google storage'``: also upload it (before returning) to the same place under the run's key
+                in the bucket (see :doc:`cloud_storage`).
+            bucket_name: the bucket.
+            cloud_dir_prefix: the folder inside the bucket that holds the projects.
             save_true_pred_labels: also save ``y_true`` and ``y_predicted``.
 
         Returns:
             The path of the results file.
 
         Raises:
-            NotImplementedError: for a cloud ``cloud_save_mode``.
+            ValueError: an unknown ``cloud_save_mode``.
+            CloudStorageError: the upload failed (after retrying transient errors); the message names the bucket
+                and key, and the local file is kept.
         """
-        if cloud_save_mode in CLOUD_SAVE_MODES:
-            raise NotImplementedError(
-                f"cloud_save_mode={cloud_save_mode!r}: saving results to cloud storage is not supported yet; use "
-                "cloud_save_mode='local' and upload the experiment folder yourself.")
-        if cloud_save_mode not in LOCAL_SAVE_MODES:
-            raise ValueError(f"cloud_save_mode must be 'local' or None, got {cloud_save_mode!r}")
+        destination = cloud_destination(cloud_save_mode, bucket_name, cloud_dir_prefix,
+                                        owner='PyTorchModelPredictor.evaluate_model')
 
         folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
                                   timestamp=self.train_loop.experiment_timestamp)
@@ -147,7 +148,13 @@ class PyTorchModelPredictor:
             content['y_true'] = _jsonable(evaluated.y_true)
             content['y_predicted'] = _jsonable(evaluated.y_predicted)
         file_name = f'results_hyperParams_hist_{experiment_name}_{folder.timestamp}.json'
-        return folder.save_json(os.path.join('results', file_name), content)
+        path = folder.save_json(os.path.join('results', file_name), content)
+        if destination is not None:
+            storage = destination.storage()
+            key = destination.keys(folder).for_local_path(path, folder.path)
+            logger.info('Uploading %s to %s', path, storage.uri(key))
+            storage.upload_file(path, key)
+        return path
 
     def execute_batch_end_callbacks(self) -> None:
         """Run the registered callbacks' ``on_batch_end``."""

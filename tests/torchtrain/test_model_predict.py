@@ -143,14 +143,6 @@ def test_evaluate_model_without_labels_and_in_an_existing_folder(tmp_path):
         assert 'y_true' not in json.load(results_file)
 
 
-@pytest.mark.parametrize('mode', ['s3', 'aws', 'gcs', 'google_storage'])
-def test_evaluate_model_refuses_cloud_modes(tmp_path, mode):
-    predictor = PyTorchModelPredictor(eval_model(), loader())
-    with pytest.raises(NotImplementedError, match="cloud_save_mode='local'"):
-        predictor.evaluate_model(AccuracyPackage(), 'proj', 'exp', str(tmp_path), cloud_save_mode=mode)
-    assert not (tmp_path / 'proj').exists()
-
-
 def test_evaluate_model_rejects_an_unknown_mode(tmp_path):
     with pytest.raises(ValueError, match='dropbox'):
         PyTorchModelPredictor(eval_model(), loader()).evaluate_model(AccuracyPackage(), 'p', 'e', str(tmp_path),

@@ -3,12 +3,14 @@
 :class:`AbstractCallback` is the base of all callbacks. :class:`AbstractExperimentCallback` adds the experiment
 details (project, experiment, root folder) of callbacks that write files into an experiment folder.
 """
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 
 if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination, CloudUploads
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 _FOLDER_ARGUMENTS = ("project_name", "experiment_name", "local_model_result_folder_path")
@@ -150,15 +152,18 @@ class AbstractExperimentCallback(AbstractCallback):
         project_name: the project folder, or None to take the loop's.
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: aitoolbox 1.x's storage selector; kept for callbacks that check it. Files are
-            written locally only.
-        bucket_name: aitoolbox 1.x's cloud bucket (kept, unused).
-        cloud_dir_prefix: aitoolbox 1.x's folder inside the bucket (kept, unused).
+        cloud_save_mode: also upload the files to a bucket: ``'s3'`` / ``'aws_s3'`` / ``'aws'`` (AWS S3),
+            ``'gcs'`` / ``'google_storage'`` / ``'google storage'`` (Google Cloud Storage); None or ``'local'``:
+            local files only. When ``cloud_save_mode``, ``bucket_name`` and ``cloud_dir_prefix`` are all None,
+            the loop's are taken (an experiment-tracking preset's), as in aitoolbox 1.x.
+        bucket_name: the bucket (None with a cloud mode: aitoolbox 1.8's default ``'model-result'``).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects (None or ``''``: the top).
         execution_order: position among the callbacks.
         device_idx_execution: under distributed training, run only in the process of this global rank.
 
     Raises:
-        ValueError: a given name is empty, or ``project_name`` / ``experiment_name`` contains a path separator.
+        ValueError: a given name is empty, ``project_name`` / ``experiment_name`` contains a path separator, or
+            ``cloud_save_mode`` is not one of the values above.
         NotADirectoryError / PermissionError: at registration, in the main process, when the callback's own
             ``local_model_result_folder_path`` cannot hold the experiment folder (nothing is created to find out).
     """
@@ -177,10 +182,14 @@ class AbstractExperimentCallback(AbstractCallback):
         self.experiment_name = experiment_name
         self.local_model_result_folder_path = (os.path.expanduser(local_model_result_folder_path)
                                                if local_model_result_folder_path is not None else None)
+        from aitoolbox.torchtrain.callbacks.cloud_upload import check_cloud_save_mode
+        check_cloud_save_mode(cloud_save_mode, type(self).__name__)
         self.cloud_save_mode = cloud_save_mode
         self.bucket_name = bucket_name
         self.cloud_dir_prefix = cloud_dir_prefix
         self._experiment_folder: Optional[ExperimentFolder] = None
+        self._cloud_destination: Optional["CloudDestination"] = None
+        self._cloud_uploads: Optional["CloudUploads"] = None
 
     @property
     def has_folder_arguments(self) -> bool:
@@ -226,6 +235,7 @@ class AbstractExperimentCallback(AbstractCallback):
         if self._experiment_folder is not None and self.local_model_result_folder_path is not None \
                 and self.is_main_process:
             self._experiment_folder.check_creatable()
+        self.setup_cloud_destination()
 
     def try_infer_experiment_details(self, infer_cloud_details: bool) -> None:
         """Fill the experiment details left None from the registered TrainLoop (aitoolbox 1.x API).
@@ -249,6 +259,57 @@ class AbstractExperimentCallback(AbstractCallback):
         if infer_cloud_details and all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
             for name in _CLOUD_ARGUMENTS:
                 setattr(self, name, getattr(self.train_loop_obj, name, None))
+
+    @property
+    def cloud_destination(self) -> Optional["CloudDestination"]:
+        """The bucket this callback uploads its files to (known after registration), or None: local files only."""
+        return self._cloud_destination
+
+    def resolve_cloud_destination(self) -> Optional["CloudDestination"]:
+        """The bucket of this callback's cloud arguments or, when all three are None, the loop's.
+
+        A callback writing to the loop's bucket uses the loop's storage options (``cloud_storage_options`` of
+        the presets: endpoint, retries, ...).
+        """
+        from aitoolbox.torchtrain.callbacks.cloud_upload import cloud_destination, loop_cloud_destination
+        from_loop = loop_cloud_destination(self.train_loop_obj)
+        if all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
+            return from_loop
+        own = cloud_destination(self.cloud_save_mode, self.bucket_name, self.cloud_dir_prefix,
+                                owner=type(self).__name__)
+        if own is not None and from_loop is not None \
+                and (own.service, own.bucket_name) == (from_loop.service, from_loop.bucket_name):
+            own = dataclasses.replace(own, storage_options=from_loop.storage_options)
+        return own
+
+    def setup_cloud_destination(self) -> None:
+        """Resolve :attr:`cloud_destination` and, when there is one, make sure the loop has its
+        :class:`~aitoolbox.torchtrain.callbacks.cloud_upload.CloudUploads` (called at registration)."""
+        from aitoolbox.torchtrain.callbacks.cloud_upload import CloudUploads
+        self._cloud_destination = self.resolve_cloud_destination()
+        self._cloud_uploads = CloudUploads.of(self.train_loop_obj) if self._cloud_destination is not None else None
+
+    def cloud_upload(self, local_path: str, only_if_changed: bool = False) -> Any:
+        """Queue the upload of a file (or folder) this callback wrote into the experiment folder, to the same place
+        under the run's key in the bucket; returns at once (the upload's future, or None).
+
+        Nothing happens without a :attr:`cloud_destination` or outside the main process. Failures are raised when
+        ``fit`` ends (see :class:`~aitoolbox.torchtrain.callbacks.cloud_upload.CloudUploads`).
+
+        Args:
+            local_path: a file or folder inside :attr:`experiment_folder`.
+            only_if_changed: skip a file unchanged (size, modification time) since its last upload.
+        """
+        if self._cloud_uploads is None or not self.is_main_process:
+            return None
+        return self._cloud_uploads.upload(self._cloud_destination, self.experiment_folder, local_path,
+                                          only_if_changed)
+
+    def cloud_upload_run_files(self) -> None:
+        """Queue the files at the top of the run folder (hyperparameters, the script copy) that changed since
+        their last upload (main process, with a :attr:`cloud_destination`)."""
+        if self._cloud_uploads is not None and self.is_main_process:
+            self._cloud_uploads.upload_run_files(self._cloud_destination, self.experiment_folder)
 
     def resolve_experiment_folder(self) -> ExperimentFolder:
         """The folder for this callback's details completed by the loop's (nothing is created on disk).

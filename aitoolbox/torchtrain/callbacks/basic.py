@@ -2,9 +2,11 @@
 
 The stopping callbacks (:class:`EarlyStopping`, :class:`ThresholdEarlyStopping`, :class:`TerminateOnNaN`,
 :class:`AllPredictionsSame`) live in :mod:`.stopping` and are importable from here, as in aitoolbox 1.x.
-:class:`EmailNotification` and :class:`LogUpload` (AWS e-mail and cloud upload) are not supported yet.
+:class:`LogUpload` uploads a log file to the run's folder in S3 / Google Cloud Storage;
+:class:`EmailNotification` (AWS e-mail) is not supported yet.
 """
 import logging
+import os
 from typing import Any, Callable, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
@@ -64,10 +66,22 @@ class EmailNotification(AbstractCallback):
 
 
 class LogUpload(AbstractExperimentCallback):
-    """aitoolbox 1.x's upload of a log file to S3 / Google Cloud Storage: not supported yet.
+    """Upload a log file (e.g. the ``tee``'d output of the training script) to the run's folder in the bucket,
+    after every epoch, at the end of training and when ``fit`` stops on an exception, as
+    ``<run key>/<log file name>``.
+
+    The log file is read where it is; it is not copied into the experiment folder. Uploads run in the
+    background (see :doc:`cloud_storage`); only the main process uploads.
+
+    Args:
+        log_file_path: the log file.
+        fail_if_cloud_missing: without a cloud ``cloud_save_mode`` (the callback's or the preset's), raise a
+            ``ValueError`` at registration; False only logs a warning and the callback does nothing.
+        project_name, experiment_name, local_model_result_folder_path: the run (None: the preset's).
+        cloud_save_mode, bucket_name, cloud_dir_prefix: the bucket (all None: the preset's).
 
     Raises:
-        NotImplementedError: always; the log file stays on the local disk, copy it with your own tools.
+        ValueError: at registration, no cloud storage is configured and ``fail_if_cloud_missing`` is True.
     """
 
     def __init__(self, log_file_path: str = "~/project/training.log", fail_if_cloud_missing: bool = True,
@@ -77,9 +91,40 @@ class LogUpload(AbstractExperimentCallback):
         super().__init__("Upload the logging file to cloud storage", project_name, experiment_name,
                          local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix,
                          execution_order=1500, device_idx_execution=0)
-        raise NotImplementedError(
-            "LogUpload (uploading the log file to S3 / Google Cloud Storage) is not supported yet: the log file stays "
-            f"on the local disk ({log_file_path}); copy it to cloud storage with your own tools")
+        self.log_file_path = os.path.expanduser(log_file_path)
+        self.log_filename = os.path.basename(self.log_file_path)
+        self.fail_if_cloud_missing = fail_if_cloud_missing
+
+    def on_train_loop_registration(self) -> None:
+        super().on_train_loop_registration()
+        if self.cloud_destination is not None:
+            self.experiment_folder  # noqa: B018 - the key needs the run: unknown details fail now
+            return
+        message = (f"LogUpload has no cloud storage to upload {self.log_file_path} to: pass cloud_save_mode ('s3' or "
+                   "'gcs') and bucket_name, or use an experiment-tracking TrainLoop with them. The log could be "
+                   "lost with the machine")
+        if self.fail_if_cloud_missing:
+            raise ValueError(message)
+        logger.warning(message)
+
+    def on_epoch_end(self) -> None:
+        self.upload_log_file()
+
+    def on_train_end(self) -> None:
+        self.upload_log_file()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.upload_log_file()  # the log of a run that stopped is the one most worth keeping
+
+    def upload_log_file(self) -> None:
+        """Queue the upload of the log file (when it exists and changed since its last upload)."""
+        if self._cloud_uploads is None or not self.is_main_process:
+            return
+        if not os.path.isfile(self.log_file_path):
+            logger.warning("LogUpload: there is no log file %s (yet) to upload", self.log_file_path)
+            return
+        key = self.cloud_destination.keys(self.experiment_folder).experiment_file(self.log_filename)
+        self._cloud_uploads.upload_to_key(self.cloud_destination, self.log_file_path, key, only_if_changed=True)
 
 
 class FunctionOnTrainLoop(AbstractCallback):

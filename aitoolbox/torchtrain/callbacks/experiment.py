@@ -8,25 +8,21 @@ from typing import Any, Optional
 
 import torch
 
-from aitoolbox.cloud import gcs_available_options, s3_available_options
 from aitoolbox.torchtrain.callbacks.abstract import AbstractExperimentCallback, MissingExperimentDetailsError
+from aitoolbox.torchtrain.callbacks.cloud_upload import check_cloud_save_mode
 
-__all__ = ["AbstractExperimentCallback", "MissingExperimentDetailsError", "check_local_save_mode", "scalar_value"]
-
-# aitoolbox 1.x's cloud_save_mode values that meant an upload to S3 or Google Cloud Storage.
-_CLOUD_MODES = tuple(s3_available_options + gcs_available_options)
+__all__ = ["AbstractExperimentCallback", "MissingExperimentDetailsError", "check_cloud_save_mode",
+           "check_local_save_mode", "scalar_value"]
 
 
-def check_local_save_mode(cloud_save_mode: Optional[str], callback_name: str) -> None:
-    """Accept aitoolbox 1.x's ``cloud_save_mode`` argument for local saving; refuse cloud uploads plainly.
+def check_local_save_mode(cloud_save_mode: Optional[str], callback_name: str) -> Optional[str]:
+    """The earlier name of :func:`~aitoolbox.torchtrain.callbacks.cloud_upload.check_cloud_save_mode`: checks
+    ``cloud_save_mode`` and returns ``'s3'``, ``'gcs'`` or None (local). Cloud modes are accepted now.
 
     Raises:
-        ValueError: ``cloud_save_mode`` names S3 or Google Cloud Storage, which are not supported yet.
+        ValueError: an unknown ``cloud_save_mode``.
     """
-    if isinstance(cloud_save_mode, str) and cloud_save_mode.lower() in _CLOUD_MODES:
-        raise ValueError(f"{callback_name}: cloud_save_mode={cloud_save_mode!r} is not supported yet, files are "
-                         "written to the local experiment folder only. Leave cloud_save_mode None (or 'local') and "
-                         "copy the folder to cloud storage with your own tools")
+    return check_cloud_save_mode(cloud_save_mode, callback_name)
 
 
 def scalar_value(value: Any) -> Optional[float]:

@@ -16,7 +16,6 @@ from torch import nn
 
 from aitoolbox.experiment.local_save.atomic import atomic_write
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
-from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -213,12 +212,13 @@ class GradDistributionPlot(AbstractExperimentCallback):
         project_name: the project folder, or None to take the loop's.
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
-        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
-        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_save_mode: also upload each plot to a bucket (``'s3'``, ``'gcs'``, ...; see :doc:`cloud_storage`);
+            None or ``'local'``: local files only. With all three cloud arguments None the loop's are taken.
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
 
     Raises:
-        ValueError: a bad ``file_format`` or a cloud ``cloud_save_mode``.
+        ValueError: a bad ``file_format`` or an unknown ``cloud_save_mode``.
         TypeError: ``model_layers_extract_def`` is not callable.
         ImportError: at registration, when matplotlib is not installed.
     """
@@ -232,7 +232,6 @@ class GradDistributionPlot(AbstractExperimentCallback):
         super().__init__("Gradient distribution plotter", project_name, experiment_name,
                          local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix)
         _check_layers_fn(model_layers_extract_def)
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
         if file_format not in GRAD_PLOT_FORMATS:
             raise ValueError(f"file_format must be one of {list(GRAD_PLOT_FORMATS)}, got {file_format!r}")
         if not isinstance(grad_plots_dir_name, str) or not grad_plots_dir_name:
@@ -255,13 +254,15 @@ class GradDistributionPlot(AbstractExperimentCallback):
 
     def on_epoch_end(self) -> None:
         if self.is_main_process:
-            self.gradient_plot()
+            for path in self.gradient_plot():
+                self.cloud_upload(path)
 
     def on_exception(self, exception: BaseException) -> None:
         self._grads.grads = None  # the gradient tensors (GPU memory) of a stopped fit
 
     def prepare_results_saver(self) -> None:
-        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the plots stay local."""
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do (the bucket is known after registration, see
+        :attr:`cloud_destination`)."""
 
     def create_plot_dirs(self) -> str:
         """Create (if needed) and return the folder of the plots, ``results/<grad_plots_dir_name>``."""

@@ -17,7 +17,7 @@ import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import atomic_write, atomic_write_text
-from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
+from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,14 @@ class ModelTrainHistoryBaseCB(AbstractExperimentCallback):
         project_name: the project folder, or None to take the loop's.
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
-        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
-        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_save_mode: also upload each file written to a bucket (``'s3'``, ``'gcs'``, ...; see
+            :doc:`cloud_storage`); None or ``'local'``: local files only. With all three cloud arguments None
+            the loop's are taken (an experiment-tracking preset's).
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
 
     Raises:
-        ValueError: both flags False, a cloud ``cloud_save_mode`` or a bad folder name.
+        ValueError: both flags False, an unknown ``cloud_save_mode`` or a bad folder name.
         TypeError: a flag that is not a bool.
     """
 
@@ -115,15 +117,15 @@ class ModelTrainHistoryBaseCB(AbstractExperimentCallback):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
                          cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
         _check_flags(epoch_end, train_end, type(self).__name__)
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
         self.epoch_end = epoch_end
         self.train_end = train_end
         self.file_format = file_format
         self.history_epochs = HistoryEpochs()
-        self.cloud_results_saver = None  # aitoolbox 1.x attribute: no cloud saving
+        self.cloud_results_saver = None  # aitoolbox 1.x attribute: uploads go through cloud_upload
 
     def prepare_results_saver(self) -> None:
-        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, files are saved locally only."""
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do (the bucket is known after registration,
+        see :attr:`cloud_destination`)."""
         self.cloud_results_saver = None
 
     def on_epoch_end(self) -> None:
@@ -155,9 +157,11 @@ class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
         project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
-        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
-        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_save_mode: also upload each file written to a bucket (``'s3'``, ``'gcs'``, ...; see
+            :doc:`cloud_storage`); None or ``'local'``: local files only. With all three cloud arguments None
+            the loop's are taken (an experiment-tracking preset's).
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
         execution_order: position among the callbacks; the default 97 runs after those that add metrics.
 
     Raises:
@@ -195,8 +199,9 @@ class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
                 logger.debug("Not plotting %r: its values are not all single numbers", name)
                 continue
             epochs = self.history_epochs.epochs.get(name, list(range(len(values))))
-            self.save_plot(os.path.join(plots_dir, f"{safe_file_name(name)}.{self.file_format}"), name, epochs,
-                           numbers_)
+            path = os.path.join(plots_dir, f"{safe_file_name(name)}.{self.file_format}")
+            self.save_plot(path, name, epochs, numbers_)
+            self.cloud_upload(path)
 
     def plot_current_train_history(self, prefix: str = "") -> None:
         """aitoolbox 1.x's name of :meth:`write`."""
@@ -244,9 +249,11 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
         project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
-        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
-        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_save_mode: also upload each file written to a bucket (``'s3'``, ``'gcs'``, ...; see
+            :doc:`cloud_storage`); None or ``'local'``: local files only. With all three cloud arguments None
+            the loop's are taken (an experiment-tracking preset's).
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
         execution_order: position among the callbacks; the default 97 runs after those that add metrics.
 
     Raises:
@@ -284,6 +291,7 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
             text = json.dumps({name: [_plain(value) for value in values] for name, values in history.items()},
                               indent=2, default=repr)
             atomic_write_text(path, text)
+            self.cloud_upload(path)
             return
         latest = newest_values(history)
         epoch = self.train_loop_obj.epoch
@@ -295,6 +303,7 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
             text = self._table_rows(path, epoch, latest)
         with open(path, "a", encoding="utf-8", newline="") as handle:
             handle.write(text)  # one write per block, so a reader sees whole blocks or rows
+        self.cloud_upload(path)
 
     def write_current_train_history(self, prefix: str = "") -> None:
         """aitoolbox 1.x's name of :meth:`write`."""

@@ -3,10 +3,16 @@ import logging
 import os
 from typing import Optional
 
+from aitoolbox.cloud.layout import ExperimentKeys, download_checkpoint, list_cloud_checkpoints
+from aitoolbox.cloud.storage import CloudNotFoundError
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, SCHEDULERS_KEY, load_checkpoint_file, upgrade_checkpoint_format)
-from aitoolbox.torchtrain.callbacks.abstract import _FOLDER_ARGUMENTS, AbstractCallback
-from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
+    MODEL_KEY, SCHEDULERS_KEY, checkpoint_position, list_checkpoints, load_checkpoint_file,
+    upgrade_checkpoint_format)
+from aitoolbox.experiment.local_save.local_model_save import model_file_name
+from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
+from aitoolbox.torchtrain.callbacks.abstract import _CLOUD_ARGUMENTS, _FOLDER_ARGUMENTS, AbstractCallback
+from aitoolbox.torchtrain.callbacks.cloud_upload import (
+    CloudDestination, check_cloud_save_mode, cloud_destination, loop_cloud_destination)
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +51,15 @@ class ModelLoadContinueTraining(AbstractCallback):
             ``load_model(project_name, experiment_name, saved_experiment_timestamp, saved_model_dir, epoch_num,
             **kwargs)`` returns the checkpoint dict.
         project_name, experiment_name, local_model_result_folder_path: the saved run's experiment folder.
-        cloud_save_mode: None or ``'local'`` (loading from cloud storage is not supported yet).
-        bucket_name, cloud_dir_prefix: accepted for 1.x compatibility.
+        cloud_save_mode: load from a bucket: ``'s3'`` / ``'aws_s3'`` / ``'aws'`` or ``'gcs'`` /
+            ``'google_storage'`` / ``'google storage'``. The checkpoint (a file, or a sharded checkpoint's complete
+            folder) is downloaded into the same place of the local experiment folder, unless it is there already,
+            then loaded from there. With ``epoch_num=None`` the newest complete checkpoint in the bucket is taken
+            (or the local one, when it is newer). None or ``'local'``: the local disk only. When
+            ``cloud_save_mode``, ``bucket_name`` and ``cloud_dir_prefix`` are all None, the TrainLoop's are taken
+            (an experiment-tracking preset's), as in aitoolbox 1.x.
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
         saved_model_path: a checkpoint file, a run folder, or its checkpoint folder (instead of the above).
         **kwargs: passed to ``custom_local_loader_class.load_model``.
     """
@@ -59,7 +72,7 @@ class ModelLoadContinueTraining(AbstractCallback):
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, saved_model_path: Optional[str] = None, **kwargs):
         super().__init__("Continue training from a checkpoint", execution_order=-100)
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
+        check_cloud_save_mode(cloud_save_mode, type(self).__name__)
         if saved_model_path is None and saved_experiment_timestamp is None:
             raise ValueError("ModelLoadContinueTraining needs saved_experiment_timestamp (with the experiment folder "
                              "arguments, or used with a TrainLoopCheckpoint-style TrainLoop) or saved_model_path")
@@ -106,6 +119,9 @@ class ModelLoadContinueTraining(AbstractCallback):
         if self.saved_model_path is not None and self.custom_local_loader_class is None:
             return load_checkpoint_file(self.saved_model_path)
         self._infer_folder_details()
+        destination = self._cloud_destination()
+        if destination is not None:
+            self._download(destination)
         if self.custom_local_loader_class is not None:
             loader = self.custom_local_loader_class(self.local_model_result_folder_path)
             return upgrade_checkpoint_format(dict(loader.load_model(
@@ -129,3 +145,61 @@ class ModelLoadContinueTraining(AbstractCallback):
             raise ValueError(f"ModelLoadContinueTraining does not know {', '.join(missing)}: pass them to the "
                              "callback, use it with TrainLoopCheckpoint / TrainLoopEndSave / "
                              "TrainLoopCheckpointEndSave, or pass saved_model_path")
+
+    def _cloud_destination(self) -> Optional[CloudDestination]:
+        """The bucket of the callback's cloud arguments or, when all three are None, the TrainLoop's."""
+        from_loop = loop_cloud_destination(self.train_loop_obj)
+        if all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
+            return from_loop
+        own = cloud_destination(self.cloud_save_mode, self.bucket_name, self.cloud_dir_prefix,
+                                owner=type(self).__name__)
+        if own is not None and from_loop is not None \
+                and (own.service, own.bucket_name) == (from_loop.service, from_loop.bucket_name):
+            own = CloudDestination(own.cloud_save_mode, own.service, own.bucket_name, own.cloud_dir_prefix,
+                                   from_loop.storage_options)
+        return own
+
+    def _download(self, destination: CloudDestination) -> None:
+        """Bring the checkpoint to load from the bucket into the local experiment folder (unless it is there)."""
+        storage = destination.storage()
+        keys = ExperimentKeys(destination.cloud_dir_prefix, self.project_name, self.experiment_name,
+                              self.saved_experiment_timestamp)
+        folder_key = keys.folder(self.saved_model_dir)
+        local_folder = os.path.join(os.path.expanduser(self.local_model_result_folder_path), self.project_name,
+                                    f"{self.experiment_name}_{self.saved_experiment_timestamp}", self.saved_model_dir)
+        if self.epoch_num is not None or self.custom_local_loader_class is not None:
+            # A named file (1.x: the final model when epoch_num is None), or the sharded folder of that name.
+            name = model_file_name(self.experiment_name, self.saved_experiment_timestamp, self.epoch_num,
+                                   self.local_loader_kwargs.get("iteration_idx"))
+            local_path = os.path.join(local_folder, name)
+            if os.path.isfile(local_path) or is_sharded_checkpoint(local_path[:-len(".pth")]):
+                return
+            key = f"{folder_key}/{name}"
+            if not storage.exists(key) and storage.folder_manifest(key[:-len(".pth")]) is not None:
+                key = key[:-len(".pth")]
+            logger.info("Downloading %s to %s", storage.uri(key), local_folder)
+            # CloudNotFoundError names the bucket and key. A folder another process placed meanwhile is kept.
+            download_checkpoint(storage, key, local_folder, replace=False)
+            return
+        local = list_checkpoints(local_folder)
+        cloud = list_cloud_checkpoints(storage, folder_key)
+        if not cloud:
+            if local:
+                logger.warning("%s has no complete checkpoint; continuing from the local %s", storage.uri(folder_key),
+                               local[-1])
+                return
+            raise CloudNotFoundError(
+                f"ModelLoadContinueTraining: no complete checkpoint in {storage.uri(folder_key)}/ (bucket "
+                f"{storage.bucket_name!r}, prefix {folder_key!r}) nor in the local folder {local_folder}",
+                service=storage.service, bucket=storage.bucket_name, key=folder_key, operation="list",
+                reason="NoCheckpoint")
+        newest_key = cloud[-1]
+        cloud_name = os.path.basename(newest_key)
+        if local and _position(os.path.basename(local[-1])) >= _position(cloud_name):
+            return  # the newest checkpoint is on the local disk already (or a newer one)
+        logger.info("Downloading %s to %s", storage.uri(newest_key), local_folder)
+        download_checkpoint(storage, newest_key, local_folder, replace=False)
+
+
+def _position(name: str):
+    return checkpoint_position(name if name.endswith(".pth") else f"{name}.pth")

@@ -9,7 +9,7 @@ from aitoolbox.experiment.local_save.checkpoints import (
     checkpoint_file_name, prune_checkpoints, remove_checkpoint, save_checkpoint_file, snapshot_checkpoint)
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
-from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
+from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +24,15 @@ def higher_is_better(metric_name: str) -> bool:
 
 
 class _CheckpointCallback(AbstractExperimentCallback):
-    """Shared parts: hyperparameters, the save itself (now or in the background), and the error that keeps the
-    in-memory state usable."""
+    """Shared parts: hyperparameters, the save itself (now or in the background), the upload of what was saved,
+    and the error that keeps the in-memory state usable."""
 
     def __init__(self, callback_name: str, project_name, experiment_name, local_model_result_folder_path,
-                 hyperparams: Optional[dict], cloud_save_mode, background_save: bool = False,
-                 execution_order: int = CHECKPOINT_EXECUTION_ORDER):
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
+                 hyperparams: Optional[dict], cloud_save_mode=None, background_save: bool = False,
+                 execution_order: int = CHECKPOINT_EXECUTION_ORDER, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         execution_order=execution_order)
+                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
         if hyperparams is not None and not isinstance(hyperparams, dict):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
         if not isinstance(background_save, bool):
@@ -73,6 +73,8 @@ class _CheckpointCallback(AbstractExperimentCallback):
 
     def on_train_begin(self) -> None:
         super().on_train_begin()
+        if self.cloud_destination is not None and self.is_main_process:
+            self.cloud_upload_run_files()  # the hyperparameters of a folder made when the preset was built
         if self.saves_shards and self._save_group is None:
             # Every process, at the same point: DCP's collectives (in a background thread for background_save)
             # get a gloo group of their own, apart from training's.
@@ -187,6 +189,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         def complete() -> None:
             handle.wait()
             logger.debug("saved sharded checkpoint %s", path)
+            self.cloud_upload(path)  # the main process: the whole folder, complete now; its marker goes up last
             if run_after is not None:
                 run_after(path)
 
@@ -206,6 +209,7 @@ class _CheckpointCallback(AbstractExperimentCallback):
         except OSError as error:
             raise self._save_error(error, os.path.join(folder, file_name)) from error
         logger.debug("saved checkpoint %s", path)
+        self.cloud_upload(path)  # queued: the file goes up as it is now, even if pruning removes it later
         if after_save is not None:
             after_save(path)  # e.g. delete older checkpoints: only once the new one is complete
 
@@ -229,11 +233,17 @@ class ModelCheckpoint(_CheckpointCallback):
     Args:
         project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
         hyperparams: stored in each checkpoint.
-        cloud_save_mode: None/'local' (cloud uploads are not supported).
+        cloud_save_mode: also upload each checkpoint to a bucket, once it is complete on the local disk, in the
+            background: ``'s3'`` / ``'aws_s3'`` / ``'aws'`` or ``'gcs'`` / ``'google_storage'`` /
+            ``'google storage'``; None / ``'local'``: local files only. With all three cloud arguments None the
+            preset's are taken. See :doc:`cloud_storage`.
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
         rm_subopt_local_models: False keeps every checkpoint; True keeps the ``num_best_checkpoints_kept`` best by
             ``val_loss`` (``loss`` without validation); a metric name ranks by that metric (higher is better unless
             the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming; older ones
-            are deleted only once the newest is complete on disk.
+            are deleted only once the newest is complete on disk. Only local files are deleted: the bucket keeps
+            every checkpoint uploaded (as in aitoolbox 1.8).
         num_best_checkpoints_kept: how many best checkpoints to keep.
         background_save: copy the state to host memory and write the file in a background thread while
             training goes on (training waits only for the copy; see :doc:`checkpointing`). Holds a copy of the
@@ -246,7 +256,8 @@ class ModelCheckpoint(_CheckpointCallback):
                  cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
                  num_best_checkpoints_kept: int = 2, background_save: bool = False):
         super().__init__("Model checkpoint at each epoch", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save)
+                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save,
+                         bucket_name=bucket_name, cloud_dir_prefix=cloud_dir_prefix)
         if not isinstance(rm_subopt_local_models, (bool, str)):
             raise TypeError(f"rm_subopt_local_models must be a bool or a metric name, got {rm_subopt_local_models!r}")
         if isinstance(num_best_checkpoints_kept, bool) or not isinstance(num_best_checkpoints_kept, int) \
@@ -294,8 +305,9 @@ class ModelIterationCheckpoint(_CheckpointCallback):
 
     Args:
         save_frequency: iterations (batches) between checkpoints.
-        project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
+        project_name, experiment_name, local_model_result_folder_path, hyperparams: as for
             :class:`ModelCheckpoint`.
+        cloud_save_mode, bucket_name, cloud_dir_prefix: as for :class:`ModelCheckpoint`.
         rm_subopt_local_models, num_best_checkpoints_kept: accepted for aitoolbox 1.x compatibility, which did
             not use them for iteration checkpoints either; use ``keep_last``.
         keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
@@ -310,7 +322,8 @@ class ModelIterationCheckpoint(_CheckpointCallback):
                  num_best_checkpoints_kept: int = 2, keep_last: Optional[int] = None,
                  background_save: bool = False):
         super().__init__("Model checkpoint every N iterations", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save)
+                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save,
+                         bucket_name=bucket_name, cloud_dir_prefix=cloud_dir_prefix)
         if isinstance(save_frequency, bool) or not isinstance(save_frequency, int) or save_frequency < 1:
             raise ValueError(f"save_frequency must be an int >= 1 (iterations between checkpoints), got {save_frequency!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -358,7 +371,8 @@ class ModelTrainEndSave(_CheckpointCallback):
         hyperparams: written to ``hyperparams_list.txt`` / ``hyperparams.json`` and into the checkpoint.
         val_result_package: evaluated on the validation set, or None.
         test_result_package: evaluated on the test set, or None.
-        cloud_save_mode: None/'local' (cloud uploads are not supported).
+        cloud_save_mode, bucket_name, cloud_dir_prefix: also upload the final model, the results and the
+            hyperparameters to a bucket, as for :class:`ModelCheckpoint`.
     """
 
     def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
@@ -367,7 +381,8 @@ class ModelTrainEndSave(_CheckpointCallback):
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None):
         super().__init__("Model save at the end of training", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode)
+                         local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name=bucket_name,
+                         cloud_dir_prefix=cloud_dir_prefix)
         for name, package in (("val_result_package", val_result_package), ("test_result_package", test_result_package)):
             if package is not None and not isinstance(package, AbstractResultPackage):
                 raise TypeError(f"{name} must be a result package (e.g. ClassificationResultPackage()) or None, "
@@ -411,6 +426,8 @@ class ModelTrainEndSave(_CheckpointCallback):
         folder = self.experiment_folder
         self._save(checkpoint, folder.model_dir, f"model_{folder.experiment_name}_{folder.timestamp}.pth")
         folder.save_hyperparams(self.hyperparams)
-        folder.save_json(os.path.join("results", "results.json"),
-                         {"results": results, "train_history": tl.train_history.get_train_history_dict(),
-                          "epochs_completed": tl.epochs_completed})
+        self.cloud_upload_run_files()
+        results_path = folder.save_json(os.path.join("results", "results.json"),
+                                        {"results": results, "train_history": tl.train_history.get_train_history_dict(),
+                                         "epochs_completed": tl.epochs_completed})
+        self.cloud_upload(results_path)

@@ -7,6 +7,10 @@ a new one). By default the event files go into the experiment folder's ``tensorb
 place. The tensorboard package is imported only when a callback is registered,
 so ``import aitoolbox`` works without it.
 
+With a ``cloud_save_mode`` (the callback's, or an experiment-tracking preset's) the event files of a callback
+writing into the experiment folder are also uploaded, in the background, after every epoch and at the end of
+training, under aitoolbox 1.8's key ``<run key>/<log dir>/<project>_<experiment>/<event file>``.
+
 Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
 
 - ``train_loss/last_batch_loss`` and ``train_loss/accumulated_batch_loss`` (mean over the epoch so far),
@@ -23,7 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, check_local_save_mode, scalar_value
+from aitoolbox.cloud.storage import join_key
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -81,16 +87,18 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
         project_name: the project folder, or None to take the loop's (e.g. TrainLoopCheckpoint's).
         experiment_name: prefix of the run folder, or None to take the loop's.
         local_model_result_folder_path: root folder of all projects, or None to take the loop's.
-        cloud_save_mode: None or ``'local'``; uploads to cloud storage are not supported yet.
-        bucket_name: accepted for aitoolbox 1.x compatibility (unused).
-        cloud_dir_prefix: accepted for aitoolbox 1.x compatibility (unused).
+        cloud_save_mode: with ``is_project=True``, also upload the event files to a bucket after every epoch and
+            at the end (``'s3'``, ``'gcs'``, ...; see :doc:`cloud_storage`); None or ``'local'``: local files
+            only. With all three cloud arguments None the loop's are taken (an experiment-tracking preset's).
+        bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
         execution_order: position among the callbacks; the default 97 runs after the callbacks that add
             metrics to the training history.
         **summary_writer_kwargs: further ``SummaryWriter`` arguments (e.g. ``flush_secs``).
 
     Raises:
-        ValueError: a bad ``log_dir``, a cloud save mode, or (at registration) an experiment folder that is
-            needed but unknown.
+        ValueError: a bad ``log_dir``, an unknown ``cloud_save_mode``, or (at registration) an experiment folder
+            that is needed but unknown.
     """
 
     def __init__(self, callback_name: str, log_dir: Optional[str] = None, is_project: bool = True,
@@ -100,7 +108,6 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
                  execution_order: int = 97, **summary_writer_kwargs):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
                          cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
         if log_dir is not None:
             if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
                 raise ValueError(f"log_dir must be None or a folder path, got {log_dir!r}")
@@ -137,8 +144,16 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
         if self.uses_experiment_folder:
             super().on_train_loop_registration()
             self.log_dir_path = os.path.join(self.experiment_folder.path, self.log_dir or "tensorboard")
-        else:
-            self.log_dir_path = os.path.abspath(self.log_dir)
+            return
+        self.log_dir_path = os.path.abspath(self.log_dir)
+        self._cloud_destination = self._cloud_uploads = None
+        if self.is_project:  # an absolute log_dir: uploaded under the run's key, as aitoolbox 1.8 did
+            self.setup_cloud_destination()
+            if self.cloud_destination is not None:
+                self.experiment_folder  # noqa: B018 - the bucket's keys need the run: unknown details fail now
+        elif self.cloud_save_mode is not None and self.resolve_cloud_destination() is not None:
+            logger.warning("%s: is_project=False, so the event files in %s are not uploaded to cloud storage (as in "
+                           "aitoolbox 1.x)", type(self).__name__, self.log_dir_path)
 
     def on_train_begin(self) -> None:
         if not self.is_main_process or self.tb_writer is not None:
@@ -149,13 +164,17 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
     def on_epoch_end(self) -> None:
         if self.tb_writer is not None:
             self.tb_writer.flush()
+            self.upload_to_cloud()
 
     def on_train_end(self) -> None:
         self.close_writer()
+        self.upload_to_cloud()
 
     def on_exception(self, exception: BaseException) -> None:
-        """Write out what was logged and close the writer; a later ``fit`` opens a new one (a new event file)."""
+        """Write out what was logged and close the writer (and upload the event files, with a cloud mode); a later
+        ``fit`` opens a new one (a new event file)."""
         self.close_writer()
+        self.upload_to_cloud()
 
     def close_writer(self) -> None:
         """Flush and close the SummaryWriter (and its writer thread), if one is open."""
@@ -244,10 +263,35 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
         return self.log_dir_path
 
     def prepare_results_saver(self) -> None:
-        """aitoolbox 1.x's set-up of the cloud saver: nothing to do, the logs stay local."""
+        """aitoolbox 1.x's set-up of the cloud saver: nothing to do (the bucket is known after registration, see
+        :attr:`cloud_destination`)."""
+
+    def cloud_log_key(self) -> str:
+        """The folder of the event files in the bucket: ``<run key>/<log dir>/<project>_<experiment>`` (aitoolbox
+        1.8's key; ``<log dir>`` is the folder's path inside the run folder, or its name when it lies elsewhere)."""
+        folder = self.experiment_folder
+        if self.uses_experiment_folder:
+            log_dir = os.path.relpath(self.log_dir_path, folder.path).replace(os.sep, "/")
+        else:
+            log_dir = os.path.basename(self.log_dir_path.rstrip(os.sep))
+        return self.cloud_destination.keys(folder).experiment_file(
+            f"{log_dir}/{folder.project_name}_{folder.experiment_name}")
 
     def upload_to_cloud(self) -> None:
-        """aitoolbox 1.x's upload of the logs to cloud storage: nothing to do, the logs stay local."""
+        """Queue the upload of the event files changed since their last upload (nothing without a cloud mode,
+        with ``is_project=False`` or outside the main process); returns at once."""
+        if self._cloud_uploads is None or not self.is_main_process or not os.path.isdir(self.log_dir_path or ""):
+            return
+        prefix = self.cloud_log_key()
+        for root, dirs, names in os.walk(self.log_dir_path):
+            dirs[:] = sorted(name for name in dirs if not name.startswith(TEMP_PREFIX))
+            for name in sorted(names):
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                path = os.path.join(root, name)
+                relative = os.path.relpath(path, self.log_dir_path).replace(os.sep, "/")
+                self._cloud_uploads.upload_to_key(self.cloud_destination, path, join_key(prefix, relative),
+                                                  only_if_changed=True)
 
 
 # The name this base class had before aitoolbox 1.x's name was adopted.

@@ -2,15 +2,17 @@
 
 ``TrainLoopCheckpoint`` saves a checkpoint every epoch, ``TrainLoopEndSave`` saves the final model with its
 evaluation results, plots and history files, and ``TrainLoopCheckpointEndSave`` does both. All keyword
-arguments of :class:`TrainLoop` pass through.
+arguments of :class:`TrainLoop` pass through. With ``cloud_save_mode`` ('s3' or 'gcs') every file also goes to
+a bucket (see :doc:`cloud_storage`).
 """
 import logging
 import os
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
+from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
-from aitoolbox.torchtrain.callbacks.experiment import check_local_save_mode
+from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination, cloud_destination
 from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
 from aitoolbox.torchtrain.distributed.environment import current_external_placement
@@ -32,14 +34,43 @@ def writes_files_in_this_process() -> bool:
     return placement is None or placement.rank == 0
 
 
+def resume_from_bucket(destination: CloudDestination, root: str, project_name: str,
+                       experiment_name: str) -> Optional[Tuple[str, str]]:
+    """``auto_resume`` when no local run has a checkpoint: the newest run of the experiment in the bucket that holds
+    a complete checkpoint, whose newest checkpoint is downloaded into the local run folder of the same name.
+
+    Every process of a job started by torchrun (or SLURM, OpenMPI) does this for itself; a sharded checkpoint
+    folder placed by another process meanwhile is kept, not replaced.
+
+    Returns:
+        ``(timestamp, local checkpoint path)`` as
+        :func:`~aitoolbox.experiment.local_save.experiment_folder.newest_resumable_run`, or None.
+    """
+    storage = destination.storage()
+    found = newest_cloud_run(storage, destination.cloud_dir_prefix, project_name, experiment_name)
+    if found is None:
+        logger.info("auto_resume: no run of %s/%s with a checkpoint on the local disk nor in %s", project_name,
+                    experiment_name, storage.uri(destination.cloud_dir_prefix))
+        return None
+    timestamp, key = found
+    run_key = destination.keys(ExperimentFolder(root, project_name, experiment_name, timestamp)).experiment
+    local_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name,
+                                f"{experiment_name}_{timestamp}", os.path.dirname(key[len(run_key) + 1:]))
+    if writes_files_in_this_process():
+        logger.info("auto_resume: downloading %s to %s", storage.uri(key), local_folder)
+    return timestamp, download_checkpoint(storage, key, local_folder, replace=False)
+
+
 class _ExperimentTrainLoop(TrainLoop):
     """A TrainLoop with an experiment folder ``<root>/<project>/<experiment>_<timestamp>/``."""
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
                  hyperparams: Optional[dict], cloud_save_mode: Optional[str], bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, source_dirs=(), auto_resume: bool = False, **kwargs):
-        check_local_save_mode(cloud_save_mode, type(self).__name__)
+                 cloud_dir_prefix: Optional[str] = None, source_dirs=(), auto_resume: bool = False,
+                 cloud_storage_options: Optional[dict] = None, **kwargs):
+        destination = cloud_destination(cloud_save_mode, bucket_name, cloud_dir_prefix, cloud_storage_options,
+                                        type(self).__name__)
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
         if hyperparams is not None and not isinstance(hyperparams, dict):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
@@ -52,6 +83,7 @@ class _ExperimentTrainLoop(TrainLoop):
         self.cloud_save_mode = cloud_save_mode
         self.bucket_name = bucket_name
         self.cloud_dir_prefix = cloud_dir_prefix
+        self.cloud_storage_options = cloud_storage_options
         self.source_dirs = source_dirs
         # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
         # first file written into it. Either way an unusable folder is reported now, not after an epoch.
@@ -59,6 +91,8 @@ class _ExperimentTrainLoop(TrainLoop):
         self.resumed_from: Optional[str] = None
         found = newest_resumable_run(local_model_result_folder_path, project_name, experiment_name) \
             if auto_resume else None
+        if auto_resume and found is None and destination is not None:
+            found = resume_from_bucket(destination, local_model_result_folder_path, project_name, experiment_name)
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
                                                   timestamp=found[0] if found else None, hyperparams=self.hyperparams)
         if found:
@@ -90,13 +124,25 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
             written is an error of the constructor (also with ``lazy_experiment_save``, which only checks).
         hyperparams: saved with the experiment (copied, never modified); None (the default) saves an empty dict.
             Optional, unlike in aitoolbox 1.x.
-        cloud_save_mode: None or 'local'; files stay on the local disk.
+        cloud_save_mode: also upload every file of the run (checkpoints, final model, results, plots, TensorBoard
+            logs, hyperparameters) to a bucket, in the background: ``'s3'`` / ``'aws_s3'`` / ``'aws'`` (AWS S3)
+            or ``'gcs'`` / ``'google_storage'`` / ``'google storage'`` (Google Cloud Storage). None (the default,
+            unlike aitoolbox 1.x's ``'s3'``) or ``'local'``: local files only. See :doc:`cloud_storage`.
+        bucket_name: the bucket; None: ``'model-result'`` (aitoolbox 1.8's default).
+        cloud_dir_prefix: the folder inside the bucket that holds the projects (None or ``''``: its top).
+        source_dirs: aitoolbox 1.x's source folders (kept in ``self.source_dirs``).
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
         background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
         auto_resume: continue the newest run of this experiment that holds a complete checkpoint (its folder
             ``<experiment>_<timestamp>`` and newest checkpoint, found anew by every process of a restarted job),
-            or start a new run when there is none. See :ref:`auto-resume`.
+            or start a new run when there is none. See :ref:`auto-resume`. With a ``cloud_save_mode``, when no
+            local run has a checkpoint, the newest run in the bucket with a complete checkpoint is continued: the
+            checkpoint is downloaded into the local run folder of the same name.
+        cloud_storage_options: keyword arguments of the storage class (``endpoint_url``, ``region_name``,
+            ``retry`` (a :class:`~aitoolbox.cloud.storage.RetryPolicy`), timeouts...; see
+            :class:`~aitoolbox.cloud.s3.S3Storage` and :class:`~aitoolbox.cloud.gcs.GCSStorage`); None: the
+            service's standard configuration.
         **kwargs: any other :class:`TrainLoop` argument.
     """
 
@@ -105,10 +151,11 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
                  hyperparams: Optional[dict] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False,
+                 cloud_storage_options: Optional[dict] = None, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, cloud_storage_options, **kwargs)
         self.callbacks_handler.register_callbacks(checkpoint_callbacks(
             self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept, iteration_save_freq, background_save))
 
@@ -118,7 +165,9 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
 
     Args:
         model, train_loader, validation_loader, test_loader, optimizer, criterion: as for :class:`TrainLoop`.
-        project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode: as for
+        project_name, experiment_name, local_model_result_folder_path, hyperparams: as for
+            :class:`TrainLoopCheckpoint`.
+        cloud_save_mode, bucket_name, cloud_dir_prefix, source_dirs, cloud_storage_options: as for
             :class:`TrainLoopCheckpoint`.
         val_result_package: metrics evaluated on the validation set at the end, or None.
         test_result_package: metrics evaluated on the test set at the end, or None.
@@ -132,10 +181,10 @@ class TrainLoopEndSave(_ExperimentTrainLoop):
                  hyperparams: Optional[dict] = None, val_result_package: Optional[AbstractResultPackage] = None,
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
-                 auto_resume: bool = False, **kwargs):
+                 auto_resume: bool = False, cloud_storage_options: Optional[dict] = None, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, cloud_storage_options, **kwargs)
         self.callbacks_handler.register_callbacks(end_save_callbacks(self.hyperparams, val_result_package,
                                                                      test_result_package))
 
@@ -152,10 +201,11 @@ class TrainLoopCheckpointEndSave(_ExperimentTrainLoop):
                  test_result_package: Optional[AbstractResultPackage] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, source_dirs=(),
                  rm_subopt_local_models: Union[bool, str] = False, num_best_checkpoints_kept: int = 2,
-                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False, **kwargs):
+                 iteration_save_freq: int = 0, background_save: bool = False, auto_resume: bool = False,
+                 cloud_storage_options: Optional[dict] = None, **kwargs):
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, project_name,
                          experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode, bucket_name,
-                         cloud_dir_prefix, source_dirs, auto_resume, **kwargs)
+                         cloud_dir_prefix, source_dirs, auto_resume, cloud_storage_options, **kwargs)
         self.callbacks_handler.register_callbacks(
             checkpoint_callbacks(self.hyperparams, rm_subopt_local_models, num_best_checkpoints_kept,
                                  iteration_save_freq, background_save)

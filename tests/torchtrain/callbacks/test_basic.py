@@ -160,8 +160,15 @@ def test_list_registered_callbacks_report_text():
            "execution_order: 5" in text
 
 
-def test_email_and_log_upload_are_not_supported_yet():
+def test_email_is_not_supported_yet_and_log_upload_needs_cloud_storage(make_model, make_loader):
     with pytest.raises(NotImplementedError, match="not supported yet.*ModelPerformancePrintReport"):
         EmailNotification("me", "me@example.com", "you@example.com")
-    with pytest.raises(NotImplementedError, match="not supported yet.*training.log"):
-        LogUpload()
+    # LogUpload uploads to a bucket (tests/cloud); without one it refuses the loop, or only warns.
+    model = make_model()
+    tl = TrainLoop(model, make_loader(), None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+    with pytest.raises(ValueError, match="LogUpload has no cloud storage to upload .*training.log"):
+        tl.callbacks_handler.register_callbacks([LogUpload(project_name="p", experiment_name="e",
+                                                           local_model_result_folder_path="/results")])
+    quiet = LogUpload(fail_if_cloud_missing=False)
+    tl.callbacks_handler.register_callbacks([quiet])
+    assert quiet.cloud_destination is None

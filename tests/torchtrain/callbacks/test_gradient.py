@@ -219,8 +219,8 @@ def test_grad_distribution_plot_files(make_model, make_loader, tmp_path, file_fo
 def test_grad_distribution_plot_arguments(make_model, make_loader):
     with pytest.raises(ValueError, match="file_format must be one of"):
         GradDistributionPlot(lambda m: [m.out], file_format="svg")
-    with pytest.raises(ValueError, match="cloud_save_mode"):
-        GradDistributionPlot(lambda m: [m.out], cloud_save_mode="s3")
+    with pytest.raises(ValueError, match="cloud_save_mode='dropbox' is not one of"):
+        GradDistributionPlot(lambda m: [m.out], cloud_save_mode="dropbox")
     model = make_model()
     tl = TrainLoop(model, make_loader(), None, None, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss())
     with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path"):

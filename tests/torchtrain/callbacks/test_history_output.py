@@ -247,7 +247,7 @@ def test_some_folder_arguments_are_completed_from_the_preset(tmp_path, callback_
     (dict(epoch_end=False), ValueError, "never write"),
     (dict(epoch_end=1), TypeError, "epoch_end"),
     (dict(file_format="xlsx"), ValueError, "file_format"),
-    (dict(cloud_save_mode="gcs"), ValueError, "cloud_save_mode"),
+    (dict(cloud_save_mode="gcp"), ValueError, "cloud_save_mode='gcp' is not one of"),
 ])
 @pytest.mark.parametrize("callback_class", [ModelTrainHistoryPlot, ModelTrainHistoryFileWriter])
 def test_bad_arguments_are_refused(callback_class, kwargs, error, match):

@@ -150,7 +150,7 @@ def test_ranking_by_a_metric_the_history_lacks_is_an_error(tmp_path):
     (lambda: ModelCheckpoint(num_best_checkpoints_kept=0), ValueError, "num_best_checkpoints_kept must be an int >= 1"),
     (lambda: ModelCheckpoint(rm_subopt_local_models=3), TypeError, "rm_subopt_local_models must be a bool or a metric"),
     (lambda: ModelCheckpoint(hyperparams=[1]), TypeError, "hyperparams must be a dict or None, got list"),
-    (lambda: ModelCheckpoint(cloud_save_mode="s3"), ValueError, "cloud_save_mode='s3' is not supported"),
+    (lambda: ModelCheckpoint(cloud_save_mode="s4"), ValueError, "ModelCheckpoint: cloud_save_mode='s4' is not one of"),
     (lambda: ModelIterationCheckpoint(0), ValueError, "save_frequency must be an int >= 1"),
     (lambda: ModelIterationCheckpoint(2, keep_last=0), ValueError, "keep_last must be None or an int >= 1"),
     (lambda: ModelTrainEndSave(val_result_package="accuracy"), TypeError, "val_result_package must be a result package"),

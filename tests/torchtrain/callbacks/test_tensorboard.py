@@ -222,7 +222,7 @@ def test_missing_folder_information_fails_at_registration():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(batch_log_frequency=0), ValueError, "batch_log_frequency"),
     (dict(project_name="p/q"), ValueError, "project_name"),
-    (dict(cloud_save_mode="s3"), ValueError, "cloud_save_mode"),
+    (dict(cloud_save_mode="ftp"), ValueError, "cloud_save_mode='ftp' is not one of"),
     (dict(log_dir=""), ValueError, "log_dir"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
