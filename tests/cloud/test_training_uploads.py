@@ -259,6 +259,11 @@ def test_auto_resume_continues_the_newest_run_in_the_bucket_bitwise(service, buc
     fresh = TrainLoopCheckpoint(*preset_arguments(), "proj", "other", root, {}, auto_resume=True,
                                 **cloud(service, bucket))
     assert fresh.resumed_from is None and fresh.epochs_completed == 0
+    # A bucket that cannot be read is an error, not a new run beside the one to continue.
+    with pytest.raises(CloudStorageError, match="aitoolbox-no-such-bucket"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "new_machine"), {}, auto_resume=True,
+                            cloud_save_mode=service, bucket_name="aitoolbox-no-such-bucket")
+    assert not os.path.exists(tmp_path / "new_machine" / "proj")
 
 
 def test_model_predict_uploads_its_results_file(service, bucket, tmp_path):
