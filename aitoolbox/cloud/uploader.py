@@ -186,14 +186,22 @@ class CloudUploader:
         return [future.result() for _, future in submitted]
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Wait for every upload (see :meth:`wait`), then stop the worker threads. Later submits raise."""
+        """Wait for every upload (see :meth:`wait`), then stop the worker threads. Later submits raise.
+
+        Interrupted (KeyboardInterrupt), it stops waiting at once: the uploads not started yet are dropped and the
+        one in progress finishes in its thread.
+        """
         with self._lock:
             self._closed = True
+        interrupted = False
         try:
             self.wait(timeout)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             if self._executor is not None:
-                self._executor.shutdown(wait=timeout is None)
+                self._executor.shutdown(wait=timeout is None and not interrupted, cancel_futures=interrupted)
 
     def __enter__(self) -> "CloudUploader":
         return self

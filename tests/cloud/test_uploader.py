@@ -180,3 +180,27 @@ def test_an_experiment_uploader_puts_each_file_of_the_run_folder_under_the_runs_
     assert experiment_uploader_for("local", bucket.bucket_name, "", "proj", "exp", "ts", str(tmp_path)) is None
     with pytest.raises(ValueError, match="writes to the bucket"):
         experiment_uploader_for(service, "other-bucket", "", "proj", "exp", "ts", str(tmp_path), uploader=uploader)
+
+
+def test_an_interrupted_close_stops_waiting_and_drops_the_uploads_not_started(bucket, tmp_path):
+    uploader = CloudUploader(bucket)
+    release = threading.Event()
+    uploader._enqueue(release.wait, "a job that holds the queue")  # the upload in progress
+    later = uploader.submit(write(tmp_path / "m.pth", b"1"), "m.pth")
+    original_wait = uploader.wait
+
+    def interrupted_wait(timeout=None):
+        raise KeyboardInterrupt  # Ctrl-C while waiting
+
+    uploader.wait = interrupted_wait
+    safety = threading.Timer(10, release.set)  # were close to wait after all, the test fails instead of hanging
+    safety.start()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        uploader.close()
+    assert time.perf_counter() - started < 5  # it did not wait for the job in progress
+    safety.cancel()
+    assert later.cancelled()
+    release.set()
+    uploader.wait = original_wait
+    assert not bucket.exists("m.pth")
