@@ -17,16 +17,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from aitoolbox.cloud.layout import ExperimentKeys
 from aitoolbox.cloud.storage import CloudStorage, CloudStorageError
 from aitoolbox.cloud.uploader import CloudUploader, cloud_service, storage_for
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
-
-if TYPE_CHECKING:  # pragma: no cover
-    from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class CloudDestination:
         """A new storage object for the bucket (it connects on first use)."""
         return storage_for(self.cloud_save_mode, self.bucket_name, **self.storage_options)
 
-    def keys(self, folder: "ExperimentFolder") -> ExperimentKeys:
+    def keys(self, folder: ExperimentFolder) -> ExperimentKeys:
         """The keys of the run ``folder`` in the bucket."""
         return ExperimentKeys(self.cloud_dir_prefix, folder.project_name, folder.experiment_name, folder.timestamp)
 
@@ -170,7 +168,7 @@ class CloudUploads(AbstractCallback):
         return uploads
 
     # --- uploading ---------------------------------------------------------------------------------------
-    def upload(self, destination: CloudDestination, folder: "ExperimentFolder", local_path: str,
+    def upload(self, destination: CloudDestination, folder: ExperimentFolder, local_path: str,
                only_if_changed: bool = False) -> Optional[concurrent.futures.Future]:
         """Queue the upload of a file (or a folder, with its completion marker) of the run ``folder`` to the same
         place under the run's key; returns at once. A run's first upload also uploads the files at the top of
@@ -199,7 +197,7 @@ class CloudUploads(AbstractCallback):
             self.upload_run_files(destination, folder)
         return self.upload_to_key(destination, local_path, key, only_if_changed)
 
-    def upload_run_files(self, destination: CloudDestination, folder: "ExperimentFolder") -> None:
+    def upload_run_files(self, destination: CloudDestination, folder: ExperimentFolder) -> None:
         """Queue the files at the top of the run folder (``hyperparams_list.txt``, the script copy, ...) that
         changed since their last upload."""
         if not os.path.isdir(folder.path):
