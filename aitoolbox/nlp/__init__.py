@@ -1,7 +1,11 @@
-"""aitoolbox 1.x's NLP helpers (vocabulary, NLP metrics and result packages): not supported yet.
+"""NLP helpers of aitoolbox 1.x: vocabulary and text utilities, NLP metrics and NLP result packages.
 
-Importing any ``aitoolbox.nlp`` module raises an ImportError that says so, rather than a bare "no module named".
+* :mod:`aitoolbox.nlp.core` -- text normalisation (:mod:`~aitoolbox.nlp.core.core`) and the
+  :class:`~aitoolbox.nlp.core.vocabulary.Vocabulary` of token indices;
+* :mod:`aitoolbox.nlp.experiment_evaluation` -- metrics (exact match and F1 for question answering, ROUGE,
+  BLEU, perplexity, GLUE), attention heat maps and the result packages built on them;
+* :mod:`aitoolbox.nlp.torch_collate_fns` -- a padding collate function for question answering batches.
+
+Importing these modules needs nothing beyond aitoolbox itself; the metric libraries (rouge-score, sacrebleu,
+nltk) and matplotlib are imported when a metric that needs them is computed: ``pip install aitoolbox[nlp]``.
 """
-raise ImportError("aitoolbox.nlp (aitoolbox 1.x's vocabulary, NLP metrics and result packages) is not supported yet. "
-                  "Compute NLP metrics with a maintained library such as Hugging Face evaluate, e.g. through "
-                  "aitoolbox.experiment.result_package.hf_evaluate_packages.HFEvaluateResultPackage.")

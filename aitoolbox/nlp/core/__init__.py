@@ -1,0 +1,1 @@
+"""Text helpers (:mod:`.core`) and the token vocabulary (:mod:`.vocabulary`)."""
