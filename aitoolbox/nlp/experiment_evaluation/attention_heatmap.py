@@ -55,6 +55,7 @@ class AttentionHeatMap(AbstractBaseMetric):
         super().__init__(None, None, metric_name="Attention_HeatMap", np_array=False)
 
     def calculate_metric(self) -> List[str]:
+        import_optional("matplotlib.figure", "AttentionHeatMap")  # before emptying the plot folder
         dir_path = self.prepare_folder_for_saving(self.plot_save_dir)
         paths = []
         rows = zip(self.attention_matrices, self.source_sentences, self.target_sentences)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict
 import numpy as np
 
 from aitoolbox.experiment.core_metrics.abstract_metric import AbstractBaseMetric
+from aitoolbox.experiment.result_package.inputs import to_numpy
 
 
 def _accuracy(labels: np.ndarray, preds: np.ndarray) -> Dict[str, float]:
@@ -102,7 +103,8 @@ class GLUEMetric(AbstractBaseMetric):
     def __init__(self, y_true: Any, y_predicted: Any, task_name: str):
         check_glue_task(task_name)
         self.task_name = task_name
-        super().__init__(y_true, y_predicted, metric_name=f"GLUE_{task_name}")
+        # to_numpy: tensors (on any device) become arrays without numpy's deprecated __array__ path.
+        super().__init__(to_numpy(y_true), to_numpy(y_predicted), metric_name=f"GLUE_{task_name}")
 
     def calculate_metric(self) -> Dict[str, float]:
         _check_aligned(self.y_true, self.y_predicted)
@@ -124,7 +126,7 @@ class XNLIMetric(AbstractBaseMetric):
     """
 
     def __init__(self, y_true: Any, y_predicted: Any):
-        super().__init__(y_true, y_predicted, metric_name="xnli_accuracy")
+        super().__init__(to_numpy(y_true), to_numpy(y_predicted), metric_name="xnli_accuracy")
 
     def calculate_metric(self) -> Dict[str, float]:
         _check_aligned(self.y_true, self.y_predicted)

@@ -90,6 +90,7 @@ class ROUGEMetric(AbstractBaseMetric):
         super().__init__(y_true, y_predicted, metric_name="ROGUE", np_array=False)
 
     def calculate_metric(self) -> Dict[str, Dict[str, float]]:
+        import_optional("rouge_score.rouge_scorer", "ROUGEMetric")  # before writing any file
         if self.output_text_dir is not None:
             self.dump_answer_text_to_disk(self.y_true, self.y_predicted, self.output_text_dir,
                                           self.output_text_cleaning_regex, self.target_actual_text)
@@ -167,6 +168,7 @@ class ROUGEPerlMetric(AbstractBaseMetric):
         super().__init__(y_true, y_predicted, metric_name="ROGUE_Perl", np_array=False)
 
     def calculate_metric(self) -> Dict[str, float]:
+        import_optional("rouge_score.rouge_scorer", "ROUGEPerlMetric")  # before writing any file
         references, predictions = self.dump_answer_text_to_disk(
             self.y_true, self.y_predicted, self.output_text_dir, self.output_text_cleaning_regex,
             self.target_actual_text)
