@@ -320,6 +320,22 @@ def test_machine_translation_package_on_index_lists():
     assert package.y_predicted_text == [["w0", "w1", "w2", "w3", "w4", "w9"]]
 
 
+def test_machine_translation_package_on_variable_length_tensors(tmp_path):
+    # aitoolbox 1.x's translation example: get_predictions returns lists of 1-D tensors of different lengths
+    # (collected with append_concat_predictions and keep_list_transf) and one attention matrix per sentence.
+    vocabulary = word_vocabulary()
+    package = MachineTranslationResultPackage(vocabulary, source_vocab=vocabulary,
+                                              output_attn_heatmap_dir=str(tmp_path))
+    y_true = [torch.tensor([4, 5, 6, 3]), torch.tensor([7, 3])]
+    y_pred = [torch.tensor([4, 5, 6, 3]), torch.tensor([7, 8, 9, 3])]
+    metadata = {"loss": 0., "source_sent_text": [torch.tensor([10, 11, 12]), torch.tensor([13])],
+                "attention_matrices": [torch.rand(4, 3), torch.rand(4, 1)]}
+    results = package.prepare_result_package(y_true, y_pred, additional_results=metadata).get_results()
+    assert package.y_predicted_text == [["w0", "w1", "w2"], ["w3", "w4", "w5"]]
+    assert results["Perplexity"] == 1.
+    assert len(results["Attention_HeatMap"]) == 2 and all(os.path.isfile(path) for path in results["Attention_HeatMap"])
+
+
 # --- summarisation, GLUE, XNLI ---------------------------------------------------------------------------------
 def test_text_summarization_package():
     package = TextSummarizationResultPackage()

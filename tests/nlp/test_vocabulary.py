@@ -81,8 +81,19 @@ def test_convert_idx_sent2sent_takes_tensors_and_arrays(vocab):
 
 
 def test_convert_idx_sent2sent_unknown_index(vocab):
-    with pytest.raises(KeyError, match=r"indices \[99\] are not in vocabulary 'test'"):
+    with pytest.raises(KeyError, match=r"indices \[99\] are not in vocabulary 'test' \(17 words"):
         vocab.convert_idx_sent2sent([4, 99])
+
+
+def test_index2word_replaced_by_a_list():
+    # As aitoolbox 1.x's translation example did with torchtext's index-to-word list.
+    vocabulary = Vocabulary("itos")
+    vocabulary.index2word = ["<unk>", "<pad>", "<eos>", "hello", "world"]
+    vocabulary.default_tokens = [1, 2]
+    assert vocabulary.convert_idx_sent2sent(torch.tensor([3, 4, 2, 1]), rm_default_tokens=True) == ["hello", "world"]
+    assert vocabulary.convert_idx_sent2sent([0, 3]) == ["<unk>", "hello"]
+    with pytest.raises(KeyError, match=r"indices \[-1, 5\]"):
+        vocabulary.convert_idx_sent2sent([5, -1])
 
 
 def test_trim_keeps_frequent_words_reindexed_with_their_counts(vocab, caplog, monkeypatch):

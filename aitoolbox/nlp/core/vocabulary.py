@@ -1,5 +1,6 @@
 """A word vocabulary: token strings to indices and back, with reserved indices for padding and sentence marks."""
 import logging
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, List
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,9 @@ class Vocabulary:
     Attributes:
         word2index: ``{word: index}`` of the added words (reserved tokens not included).
         word2count: ``{word: number of times added}``.
-        index2word: ``{index: word}``, reserved tokens included (``'PAD'``, ``'OOV'``, ``'SOS'``, ...).
+        index2word: ``{index: word}``, reserved tokens included (``'PAD'``, ``'OOV'``, ``'SOS'``, ...). It may be
+            replaced by a list of words indexed by position (e.g. another library's index-to-word list), with
+            ``default_tokens`` set to that list's reserved indices.
         num_words: the number of indices in use, reserved ones included.
         default_tokens: the reserved indices.
 
@@ -140,7 +143,14 @@ class Vocabulary:
         if rm_default_tokens:
             reserved = set(self.default_tokens)
             indices = [idx for idx in indices if idx not in reserved]
-        unknown = sorted({idx for idx in indices if idx not in self.index2word})
+        unknown = sorted({idx for idx in indices if not self._known_index(idx)})
         if unknown:
-            raise KeyError(f"indices {unknown} are not in vocabulary {self.name!r} (indices 0 to {self.num_words - 1})")
+            raise KeyError(f"indices {unknown} are not in vocabulary {self.name!r} "
+                           f"({len(self.index2word)} words, reserved tokens included)")
         return [self.index2word[idx] for idx in indices]
+
+    def _known_index(self, idx: int) -> bool:
+        # index2word may have been replaced by a list (e.g. torchtext's itos), as aitoolbox 1.x's examples did.
+        if isinstance(self.index2word, Mapping):
+            return idx in self.index2word
+        return 0 <= idx < len(self.index2word)
