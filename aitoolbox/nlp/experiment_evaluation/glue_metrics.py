@@ -1,19 +1,18 @@
 """GLUE and XNLI benchmark metrics, computed with scikit-learn and SciPy.
 
 aitoolbox 1.x called HuggingFace Transformers' ``glue_compute_metrics`` / ``xnli_compute_metrics``, which
-Transformers has deprecated and removed; the same metrics are computed here under the same names, so
+Transformers has deprecated for removal; the same metrics are computed here under the same names, so
 Transformers is not needed:
 
-=========================================  ====================================================
-task                                       results
-=========================================  ====================================================
-``cola``                                   ``mcc`` (Matthews correlation)
-``sst-2``, ``qnli``, ``rte``, ``wnli``,    ``acc``
-``hans``
-``mrpc``, ``qqp``                          ``acc``, ``f1`` (binary, class 1), ``acc_and_f1`` (their mean)
-``sts-b``                                  ``pearson``, ``spearmanr``, ``corr`` (their mean)
-``mnli``, ``mnli-mm``                      ``mnli_acc``, ``mnli-mm_acc``
-=========================================  ====================================================
+=================================================  ==============================================================
+task                                               results
+=================================================  ==============================================================
+``cola``                                           ``mcc`` (Matthews correlation)
+``sst-2``, ``qnli``, ``rte``, ``wnli``, ``hans``   ``acc``
+``mrpc``, ``qqp``                                  ``acc``, ``f1`` (binary, class 1), ``acc_and_f1`` (their mean)
+``sts-b``                                          ``pearson``, ``spearmanr``, ``corr`` (their mean)
+``mnli``, ``mnli-mm``                              ``mnli_acc``, ``mnli-mm_acc``
+=================================================  ==============================================================
 """
 from typing import Any, Callable, Dict
 
