@@ -15,6 +15,7 @@ from aitoolbox.experiment.core_metrics.classification import AccuracyMetric
 from aitoolbox.experiment.local_save.local_results_save import BaseLocalResultsSaver
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.nlp.core.vocabulary import Vocabulary
+from aitoolbox.nlp.experiment_evaluation import text_dump
 from aitoolbox.nlp.experiment_evaluation.attention_heatmap import AttentionHeatMap
 from aitoolbox.nlp.experiment_evaluation.glue_metrics import check_glue_task
 from aitoolbox.nlp.experiment_evaluation.NLP_metrics import (
@@ -49,8 +50,9 @@ def _in_experiment_dir(path: Optional[str], project_name: str, experiment_name: 
 
 
 def _zipped_dump(package: AbstractResultPackage, folder: Optional[str]) -> List[List[str]]:
-    """``[[zip name, zip path]]`` of ``folder`` zipped, or nothing when the folder was not written."""
-    if folder is None or not os.path.isdir(folder):
+    """``[[zip name, zip path]]`` of ``folder`` zipped, or nothing when the folder was not written (or in a process
+    other than the main one, which writes it)."""
+    if folder is None or not os.path.isdir(folder) or not text_dump.is_main_process():
         return []
     zip_path = package.zip_additional_results_dump(folder, folder)
     return [[os.path.basename(zip_path), zip_path]]

@@ -29,7 +29,8 @@ class AttentionHeatMap(AbstractBaseMetric):
     """Save one attention heat map per sentence; the result is the list of PNG paths (``'Attention_HeatMap'``).
 
     The files are ``<plot_save_dir>/attention_heatmaps/attn_plot_<i>.png``. Each matrix is cut to the
-    sentences' lengths (rows: target tokens, columns: source tokens), so padded matrices may be given.
+    sentences' lengths (rows: target tokens, columns: source tokens), so padded matrices may be given. Under
+    distributed training only the main process draws and saves the plots; every process returns their paths.
 
     Args:
         attention_matrices: per sentence a 2-D attention matrix (target x source), as arrays or tensors.
@@ -65,7 +66,8 @@ class AttentionHeatMap(AbstractBaseMetric):
                 raise ValueError(f"attention matrix {position} has shape {matrix.shape} but its sentences have "
                                  f"{len(target)} target and {len(source)} source tokens; it needs at least that")
             path = os.path.join(dir_path, f"attn_plot_{position}.png")
-            self.plot_sentence_attention(matrix[:len(target), :len(source)], source, target, path)
+            if text_dump.is_main_process():  # the other processes name the files the main one writes
+                self.plot_sentence_attention(matrix[:len(target), :len(source)], source, target, path)
             paths.append(path)
         return paths
 

@@ -207,10 +207,11 @@ class ROUGEPerlMetric(AbstractBaseMetric):
         # An empty prediction is written as a space: ROUGE-1.5.5 rejected empty files.
         predictions = [" ".join(ROUGEPerlMetric.regex_clean_text(text, output_text_cleaning_regex)) or " "
                        for text in pred_text]
-        for position, text in enumerate(references):
-            _write(os.path.join(true_dir, f"true_answer_text.{position}.txt"), _reference_text(text))
-        for position, text in enumerate(predictions):
-            _write(os.path.join(pred_dir, f"pred_answer_text.{position}.txt"), text)
+        if text_dump.is_main_process():
+            for position, text in enumerate(references):
+                _write(os.path.join(true_dir, f"true_answer_text.{position}.txt"), _reference_text(text))
+            for position, text in enumerate(predictions):
+                _write(os.path.join(pred_dir, f"pred_answer_text.{position}.txt"), text)
         return references, predictions
 
     @staticmethod

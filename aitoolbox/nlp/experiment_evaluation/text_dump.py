@@ -2,15 +2,24 @@
 
 The files do not affect any metric. Writing again into the same folder first removes the files of the earlier
 dump (those named as these helpers name them), so a smaller evaluation leaves no stale examples behind; other
-files in the folder are left alone (aitoolbox 1.x deleted the whole folder).
+files in the folder are left alone (aitoolbox 1.x deleted the whole folder). Under distributed training every
+process computes the metrics but only the main process (global rank 0) touches the files, so the processes do
+not delete and write the same files at once.
 """
 import glob
 import os
 import shutil
 from typing import Any, Iterable, Sequence
 
+import torch.distributed as dist
+
 ANSWER_FILE_PATTERN = "answer_pred_true_{}.txt"
 TRANSLATION_FILE_PATTERN = "transl_{}.txt"
+
+
+def is_main_process() -> bool:
+    """True outside distributed training and in the process of global rank 0."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def prepare_dump_folder(output_dir: str, file_pattern: str) -> str:
@@ -33,6 +42,8 @@ def prepare_dump_folder(output_dir: str, file_pattern: str) -> str:
 def reset_subfolder(output_dir: str, subfolder: str) -> str:
     """Empty (or create) ``output_dir/subfolder``, a folder that holds only files these helpers write."""
     path = os.path.join(os.path.expanduser(output_dir), subfolder)
+    if not is_main_process():
+        return path
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)
@@ -52,6 +63,8 @@ def write_answer_texts(true_texts: Sequence[str], pred_texts: Sequence[str], out
     Returns:
         The folder's path.
     """
+    if not is_main_process():
+        return os.path.expanduser(output_dir)
     output_dir = prepare_dump_folder(output_dir, ANSWER_FILE_PATTERN)
     for position, (pred_text, true_text) in enumerate(zip(pred_texts, true_texts)):
         path = os.path.join(output_dir, ANSWER_FILE_PATTERN.format(position))
@@ -67,6 +80,8 @@ def write_translation_texts(source_sents: Sequence[Any], pred_translations: Sequ
     Returns:
         The folder's path.
     """
+    if not is_main_process():
+        return os.path.expanduser(output_dir)
     output_dir = prepare_dump_folder(output_dir, TRANSLATION_FILE_PATTERN)
     rows = zip(source_sents, pred_translations, true_translations, scores)
     for position, (source, pred_text, true_text, score) in enumerate(rows):
