@@ -22,13 +22,16 @@ setup(
                  "ipywidgets>=8", "sphinx>=7", "sphinx-rtd-theme>=2", "pillow>=9",
                  # The cloud and tracking tests run against real local servers and offline stores.
                  "boto3>=1.28.57", "moto[server]>=5", "google-cloud-storage>=2.10", "gcp-storage-emulator",
-                 "wandb>=0.17", "mlflow-skinny>=2.10", "sqlalchemy>=2.0", "alembic>=1.13"],
+                 "wandb>=0.17", "mlflow-skinny>=2.10", "sqlalchemy>=2.0", "alembic>=1.13",
+                 "rouge-score>=0.1.2", "sacrebleu>=2.0", "nltk>=3.8"],
         "tracking": ["tensorboard>=2.10", "matplotlib>=3.5"],
         # Cloud storage of experiments: AWS S3 (and S3-compatible stores), Google Cloud Storage.
         "aws": ["boto3>=1.28.57"],
         "gcs": ["google-cloud-storage>=2.10"],
         "wandb": ["wandb>=0.17"],
         "mlflow": ["mlflow-skinny>=2.10"],
+        # aitoolbox.nlp's metrics: ROUGE, BLEU (token and text), heat maps.
+        "nlp": ["rouge-score>=0.1.2", "sacrebleu>=2.0", "nltk>=3.8", "matplotlib>=3.5"],
         # Jupyter: progress bars as widgets (tqdm.auto falls back to text bars without ipywidgets).
         "notebook": ["ipywidgets>=8"],
         "examples": ["matplotlib>=3.5", "torchvision", "pillow>=9"],

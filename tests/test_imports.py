@@ -63,6 +63,12 @@ MODULE_PATHS = {
     "aitoolbox.torchtrain.tl_components.pred_collate_fns": "torch_cat_transf",
     "aitoolbox.torchtrain.tl_components.callback_handler": "CallbacksHandler",
     "aitoolbox.cloud": "s3_available_options",
+    "aitoolbox.nlp.core.core": "find_sub_list",
+    "aitoolbox.nlp.core.vocabulary": "Vocabulary",
+    "aitoolbox.nlp.torch_collate_fns": "qa_concat_ctx_span_collate_fn",
+    "aitoolbox.nlp.experiment_evaluation.NLP_metrics": "ROUGEMetric",
+    "aitoolbox.nlp.experiment_evaluation.NLP_result_package": "QuestionAnswerResultPackage",
+    "aitoolbox.nlp.experiment_evaluation.attention_heatmap": "AttentionHeatMap",
     "aitoolbox.cloud.AWS.model_save": "PyTorchS3ModelSaver",
     "aitoolbox.cloud.AWS.model_load": "PyTorchS3ModelLoader",
     "aitoolbox.cloud.AWS.results_save": "S3ResultsSaver",
@@ -100,8 +106,3 @@ def test_star_exports_give_the_1x_names_without_heavy_imports():
 def test_1x_module_paths_import(module, name):
     imported = __import__(module, fromlist=[name])
     assert hasattr(imported, name), f"{module} has no {name}"
-
-
-def test_1x_nlp_modules_say_they_are_not_supported_yet():
-    with pytest.raises(ImportError, match="aitoolbox.nlp .* is not supported yet"):
-        __import__("aitoolbox.nlp.core.core")

@@ -5,6 +5,8 @@ from typing import Any, Dict, Tuple, Union
 
 import numpy as np
 
+from aitoolbox.experiment.result_package.inputs import to_numpy
+
 
 def _is_scalar(value: Any) -> bool:
     """True for int / float results (Python or NumPy), which are the only ones that can be ordered.
@@ -34,8 +36,9 @@ class AbstractBaseMetric(ABC):
     """
 
     def __init__(self, y_true: Any, y_predicted: Any, metric_name: str, np_array: bool = True):
-        self.y_true = np.array(y_true) if np_array else y_true
-        self.y_predicted = np.array(y_predicted) if np_array else y_predicted
+        # Tensors through to_numpy: numpy 2 deprecates np.array(tensor) (its __array__ lacks the copy keyword).
+        self.y_true = np.array(to_numpy(y_true)) if np_array else y_true
+        self.y_predicted = np.array(to_numpy(y_predicted)) if np_array else y_predicted
         self.metric_name = metric_name
         # Set before computing so that calculate_metric may read (or build on) the attribute.
         self.metric_result: Any = None

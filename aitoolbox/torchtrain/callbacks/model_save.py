@@ -402,6 +402,11 @@ class ModelTrainEndSave(_CheckpointCallback):
     def on_train_end(self) -> None:
         tl = self.train_loop_obj
         results = {}
+        folder = self.experiment_folder
+        for package in (self.val_result_package, self.test_result_package):
+            if package is not None:  # as 1.x: extra output files (texts, heat maps) go into the run folder
+                package.set_experiment_dir_path_for_additional_results(folder.project_name, folder.experiment_name,
+                                                                       folder.timestamp, folder.root)
         for name, package, suffix, predict, evaluate_loss in (
                 ("validation", self.val_result_package, "_VAL", tl.predict_on_validation_set,
                  tl.evaluate_loss_on_validation_set),
