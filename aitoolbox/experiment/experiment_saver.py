@@ -1,16 +1,19 @@
 """aitoolbox 1.x's experiment savers: save a model together with its evaluated results in one call.
 
-The local savers are in :mod:`aitoolbox.experiment.local_experiment_saver`. The cloud savers of aitoolbox 1.x
-(AWS S3, Google Cloud Storage) keep their names here, but building one raises ``NotImplementedError``: cloud
-storage is not supported yet. Save locally with ``FullPyTorchExperimentLocalSaver`` and copy the experiment
-folder to the bucket with your own tools.
+The local savers are in :mod:`aitoolbox.experiment.local_experiment_saver`. The cloud savers here (AWS S3,
+Google Cloud Storage, aitoolbox 1.x's classes) write the same files into the local experiment folder, then upload
+them under aitoolbox 1.x's keys (see :doc:`cloud_storage`); the service clients are imported when a saver is
+built (``pip install aitoolbox[aws]`` / ``aitoolbox[gcs]``).
 """
 import datetime
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
+
+if TYPE_CHECKING:
+    from aitoolbox.cloud.uploader import CloudUploader
 
 # Besides its own names, ``import *`` gives what it gave in aitoolbox 1.x, whose modules had no __all__ (1.x
 # scripts and tests use e.g. ``datetime`` after ``from <module> import *``).
@@ -82,87 +85,149 @@ class BaseFullExperimentSaver(AbstractExperimentSaver):
         return model_path, results_path
 
 
-def _cloud_not_supported(saver_name: str, storage: str) -> NotImplementedError:
-    local_name = "FullKerasExperimentLocalSaver" if "Keras" in saver_name else "FullPyTorchExperimentLocalSaver"
-    return NotImplementedError(
-        f"{saver_name}: saving experiments to {storage} is not supported yet. Use "
-        f"aitoolbox.experiment.local_experiment_saver.{local_name} (same arguments without bucket_name and "
-        "cloud_dir_prefix) and copy the experiment folder to the bucket with your own tools")
+def _model_saver_and_results_saver(service: str, keras: bool, bucket_name: str, cloud_dir_prefix: str,
+                                   local_model_result_folder_path: str,
+                                   uploader: Optional["CloudUploader"]) -> Tuple[Any, Any]:
+    # Imported here: the cloud savers import the local savers, which import this module.
+    if service == "s3":
+        from aitoolbox.cloud.AWS.model_save import KerasS3ModelSaver as KerasSaver
+        from aitoolbox.cloud.AWS.model_save import PyTorchS3ModelSaver as PyTorchSaver
+        from aitoolbox.cloud.AWS.results_save import S3ResultsSaver as ResultsSaver
+    else:
+        from aitoolbox.cloud.GoogleCloud.model_save import KerasGoogleStorageModelSaver as KerasSaver
+        from aitoolbox.cloud.GoogleCloud.model_save import PyTorchGoogleStorageModelSaver as PyTorchSaver
+        from aitoolbox.cloud.GoogleCloud.results_save import GoogleStorageResultsSaver as ResultsSaver
+    model_saver_class = KerasSaver if keras else PyTorchSaver
+    model_saver = model_saver_class(bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader=uploader)
+    results_saver = ResultsSaver(bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader=uploader)
+    return model_saver, results_saver
 
 
-class BaseFullExperimentS3Saver(BaseFullExperimentSaver):
-    """aitoolbox 1.x's AWS S3 experiment saver: not supported yet.
+class _CloudExperimentSaver(BaseFullExperimentSaver):
+    """A full experiment saver whose model saver and results saver write locally, then upload to one bucket.
 
-    Raises:
-        NotImplementedError: always, naming the local saver to use instead.
+    Subclasses set ``service`` (``'s3'`` / ``'gcs'``) and ``keras``.
     """
 
-    def __init__(self, model_saver: Any = None, project_name: Optional[str] = None,
-                 experiment_name: Optional[str] = None, bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "AWS S3")
+    service = "s3"
+    keras = False
+
+    def __init__(self, model_saver: Any, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        default_model_saver, results_saver = _model_saver_and_results_saver(
+            self.service, self.keras, bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader)
+        super().__init__(model_saver if model_saver is not None else default_model_saver, results_saver,
+                         project_name, experiment_name)
+        self.bucket_name = bucket_name
+        self.cloud_dir_prefix = cloud_dir_prefix
+        self.local_model_result_folder_path = local_model_result_folder_path
+
+
+class BaseFullExperimentS3Saver(_CloudExperimentSaver):
+    """Save a model and its results into the local experiment folder and upload both to AWS S3.
+
+    The results go up with :class:`aitoolbox.cloud.AWS.results_save.S3ResultsSaver`; keys follow aitoolbox 1.x's
+    layout (``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/model/...`` and ``.../results/...``, see
+    :mod:`aitoolbox.cloud.layout`). Needs ``pip install aitoolbox[aws]``; endpoint and credentials come from
+    boto3's standard configuration (see :doc:`cloud_storage`). The local files are always kept.
+
+    Args:
+        model_saver: the cloud model saver (an S3 model saver of the same bucket); None: the PyTorch one.
+        project_name: the project's name.
+        experiment_name: the experiment's name.
+        bucket_name: the bucket.
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
+        local_model_result_folder_path: the local folder that holds the projects.
+        uploader: upload in the background through this :class:`~aitoolbox.cloud.uploader.CloudUploader` (of the
+            same bucket; its ``wait()`` reports failures) instead of at once. Not in aitoolbox 1.x.
+    """
+
+    service = "s3"
 
 
 class FullPyTorchExperimentS3Saver(BaseFullExperimentS3Saver):
-    """aitoolbox 1.x's AWS S3 saver of PyTorch experiments: not supported yet.
+    """Save a PyTorch experiment (checkpoint dict and results) locally and to AWS S3.
 
-    Raises:
-        NotImplementedError: always; use ``FullPyTorchExperimentLocalSaver``.
+    ``save_experiment(model, result_package, training_history, ...)`` returns
+    ``(<bucket>/<key> of the model, <bucket>/<key> of the main results file)``.
+
+    Args:
+        project_name: the project's name.
+        experiment_name: the experiment's name.
+        bucket_name: the bucket.
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
+        local_model_result_folder_path: the local folder that holds the projects.
+        uploader: upload in the background through this uploader instead of at once (not in aitoolbox 1.x).
     """
 
-    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "AWS S3")
+    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
+                         local_model_result_folder_path, uploader=uploader)
 
 
 class FullKerasExperimentS3Saver(BaseFullExperimentS3Saver):
-    """aitoolbox 1.x's AWS S3 saver of Keras experiments: not supported yet.
+    """Save a Keras experiment (the model as ``.h5``, through its own ``save``, and the results) locally and to
+    AWS S3. Keras is not imported by this package: any model with a ``save(path)`` method is saved.
 
-    Raises:
-        NotImplementedError: always; use ``FullKerasExperimentLocalSaver``.
+    Arguments as :class:`FullPyTorchExperimentS3Saver`.
     """
 
-    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "AWS S3")
+    keras = True
+
+    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
+                         local_model_result_folder_path, uploader=uploader)
 
 
-class BaseFullExperimentGoogleStorageSaver(BaseFullExperimentSaver):
-    """aitoolbox 1.x's Google Cloud Storage experiment saver: not supported yet.
+class BaseFullExperimentGoogleStorageSaver(_CloudExperimentSaver):
+    """Save a model and its results into the local experiment folder and upload both to Google Cloud Storage.
 
-    Raises:
-        NotImplementedError: always, naming the local saver to use instead.
+    As :class:`BaseFullExperimentS3Saver`, with
+    :class:`aitoolbox.cloud.GoogleCloud.results_save.GoogleStorageResultsSaver`. Needs
+    ``pip install aitoolbox[gcs]``; credentials come from Google's application default credentials
+    (``STORAGE_EMULATOR_HOST`` selects an emulator).
+
+    Args:
+        model_saver: the cloud model saver (a GCS model saver of the same bucket); None: the PyTorch one.
+        project_name: the project's name.
+        experiment_name: the experiment's name.
+        bucket_name: the bucket.
+        cloud_dir_prefix: the folder inside the bucket that holds the projects.
+        local_model_result_folder_path: the local folder that holds the projects.
+        uploader: upload in the background through this uploader instead of at once (not in aitoolbox 1.x).
     """
 
-    def __init__(self, model_saver: Any = None, project_name: Optional[str] = None,
-                 experiment_name: Optional[str] = None, bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "Google Cloud Storage")
+    service = "gcs"
 
 
 class FullPyTorchExperimentGoogleStorageSaver(BaseFullExperimentGoogleStorageSaver):
-    """aitoolbox 1.x's Google Cloud Storage saver of PyTorch experiments: not supported yet.
+    """Save a PyTorch experiment (checkpoint dict and results) locally and to Google Cloud Storage.
 
-    Raises:
-        NotImplementedError: always; use ``FullPyTorchExperimentLocalSaver``.
+    Arguments and ``save_experiment`` as :class:`FullPyTorchExperimentS3Saver`.
     """
 
-    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "Google Cloud Storage")
+    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
+                         local_model_result_folder_path, uploader=uploader)
 
 
 class FullKerasExperimentGoogleStorageSaver(BaseFullExperimentGoogleStorageSaver):
-    """aitoolbox 1.x's Google Cloud Storage saver of Keras experiments: not supported yet.
+    """Save a Keras experiment (the model as ``.h5`` and the results) locally and to Google Cloud Storage.
 
-    Raises:
-        NotImplementedError: always; use ``FullKerasExperimentLocalSaver``.
+    Arguments as :class:`FullPyTorchExperimentS3Saver`.
     """
 
-    def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 bucket_name: str = "model-result", cloud_dir_prefix: str = "",
-                 local_model_result_folder_path: str = "~/project/model_result"):
-        raise _cloud_not_supported(type(self).__name__, "Google Cloud Storage")
+    keras = True
+
+    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
+                         local_model_result_folder_path, uploader=uploader)

@@ -6,23 +6,12 @@ from aitoolbox.experiment.experiment_saver import (
     FullPyTorchExperimentGoogleStorageSaver, FullPyTorchExperimentS3Saver)
 
 
-@pytest.mark.parametrize("saver_class, storage, local_alternative", [
-    (FullPyTorchExperimentS3Saver, "AWS S3", "FullPyTorchExperimentLocalSaver"),
-    (FullKerasExperimentS3Saver, "AWS S3", "FullKerasExperimentLocalSaver"),
-    (FullPyTorchExperimentGoogleStorageSaver, "Google Cloud Storage", "FullPyTorchExperimentLocalSaver"),
-    (FullKerasExperimentGoogleStorageSaver, "Google Cloud Storage", "FullKerasExperimentLocalSaver"),
-])
-def test_cloud_savers_are_not_supported_yet_and_name_the_local_saver(saver_class, storage, local_alternative):
-    with pytest.raises(NotImplementedError, match=f"{storage}.*{local_alternative}"):
-        saver_class(project_name="proj", experiment_name="exp", bucket_name="model-result",
-                    local_model_result_folder_path="/tmp/unused")
-    assert issubclass(saver_class, BaseFullExperimentSaver)
-
-
-@pytest.mark.parametrize("base_class", [BaseFullExperimentS3Saver, BaseFullExperimentGoogleStorageSaver])
-def test_cloud_base_savers_are_not_supported_yet(base_class):
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        base_class(None, "proj", "exp")
+def test_the_cloud_savers_are_full_experiment_savers():
+    # Their uploads are tested against the local S3 / GCS servers in tests/cloud/test_experiment_savers.py.
+    for saver_class in (FullPyTorchExperimentS3Saver, FullKerasExperimentS3Saver, BaseFullExperimentS3Saver,
+                        FullPyTorchExperimentGoogleStorageSaver, FullKerasExperimentGoogleStorageSaver,
+                        BaseFullExperimentGoogleStorageSaver):
+        assert issubclass(saver_class, BaseFullExperimentSaver)
 
 
 def test_the_abstract_saver_needs_save_experiment():

@@ -54,15 +54,39 @@ class HyperParamSourceReporter:
 
     def copy_to_cloud_storage(self, local_hyperparams_file_path: str, cloud_saver: Any,
                               file_name: Optional[str] = None) -> str:
-        """Upload a saved file to S3 / Google Cloud Storage: not supported yet.
+        """Upload a file of the run folder to the top of the run's folder in the bucket.
+
+        The key is ``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/<file name>``, next to the ``model/``
+        and ``results/`` folders, as in aitoolbox 1.x. The local file is kept.
+
+        Args:
+            local_hyperparams_file_path: the local file (e.g. :attr:`local_hyperparams_file_path`).
+            cloud_saver: one of the cloud model or results savers (``aitoolbox.cloud.AWS.model_save``,
+                ``...results_save`` and their ``GoogleCloud`` twins): its bucket, ``cloud_dir_prefix`` and uploader
+                (with an uploader the upload runs in the background and its ``wait()`` reports failures).
+            file_name: the name in the bucket; None: ``hyperparams_list.txt``, as in aitoolbox 1.x.
+
+        Returns:
+            The file's key in the bucket.
 
         Raises:
-            NotImplementedError: always; the files stay in the local experiment folder
-                (``self.experiment_dir_path``).
+            TypeError: ``cloud_saver`` is not a cloud saver.
+            FileNotFoundError: the local file does not exist.
+            aitoolbox.cloud.storage.CloudStorageError: the upload failed (a saver without an uploader).
         """
-        raise NotImplementedError(
-            "Copying experiment files to cloud storage is not supported yet; they are kept in the local "
-            f"experiment folder {self.experiment_dir_path!r} (use cloud_save_mode='local' / None)")
+        if not (hasattr(cloud_saver, "create_experiment_cloud_storage_folder_structure")
+                and hasattr(cloud_saver, "save_file")):
+            raise TypeError(f"cloud_saver must be a cloud model or results saver (e.g. "
+                            f"aitoolbox.cloud.AWS.results_save.BaseResultsSaver), not {type(cloud_saver).__name__}")
+        if not os.path.isfile(os.path.expanduser(local_hyperparams_file_path)):
+            raise FileNotFoundError(f"{local_hyperparams_file_path!r} does not exist: save it first "
+                                    "(e.g. with save_hyperparams_to_text_file)")
+        # The savers' folder is the run's model/ or results/ folder; the file goes one level up, in the run's.
+        saver_folder_key = cloud_saver.create_experiment_cloud_storage_folder_structure(
+            self.project_name, self.experiment_name, self.experiment_timestamp)
+        cloud_file_path = f"{saver_folder_key.rsplit('/', 1)[0]}/{file_name or self.file_name}"
+        cloud_saver.save_file(local_hyperparams_file_path, cloud_file_path)
+        return cloud_file_path
 
     def save_experiment_python_file(self, hyperparams: Mapping[str, Any]) -> Optional[str]:
         """Copy the experiment's main script (``hyperparams['experiment_file_path']``) into the run folder.

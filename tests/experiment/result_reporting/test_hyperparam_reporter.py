@@ -68,6 +68,17 @@ def test_no_source_folders_means_no_zip(reporter):
     assert reporter.save_experiment_source_files({"source_dirs_paths": []}) is None
 
 
-def test_copy_to_cloud_storage_is_not_supported_yet(reporter):
-    with pytest.raises(NotImplementedError, match="not supported yet"):
+def test_copy_to_cloud_storage_needs_a_cloud_saver_and_the_file(reporter):
+    # The uploads themselves are tested against the local S3 / GCS servers in tests/cloud/test_experiment_savers.py.
+    with pytest.raises(TypeError, match="cloud model or results saver"):
         reporter.copy_to_cloud_storage(reporter.local_hyperparams_file_path, cloud_saver=object())
+
+    class FolderOnly:
+        def create_experiment_cloud_storage_folder_structure(self, project, experiment, timestamp):
+            return f"{project}/{experiment}_{timestamp}/results"
+
+        def save_file(self, local_file_path, cloud_file_path):
+            raise AssertionError("nothing may be uploaded for a missing file")
+
+    with pytest.raises(FileNotFoundError, match="save_hyperparams_to_text_file"):
+        reporter.copy_to_cloud_storage(reporter.local_hyperparams_file_path, cloud_saver=FolderOnly())
