@@ -329,3 +329,22 @@ def test_a_missing_client_library_or_a_bad_option_fails_before_training(monkeypa
                                            bucket_name="my-bucket")
     with pytest.raises(ImportError, match=r"pip install aitoolbox\[aws\]"):
         tl.callbacks_handler.register_callbacks([callback])
+
+
+def test_the_csv_logs_go_to_the_bucket_after_each_epoch_and_when_fit_stops(service, bucket, tmp_path):
+    from aitoolbox.torchtrain.callbacks.csv_logger import CSVLogger
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "results"), {"lr": 1e-2},
+                             **cloud(service, bucket))
+    outside = CSVLogger(log_dir=str(tmp_path / "elsewhere"))
+    with pytest.raises(RuntimeError, match="went away"):
+        tl.fit(num_epochs=3, callbacks=[CSVLogger(), outside, CrashAt(epoch=1, iteration=2)])
+    run_key = f"team/proj/exp_{tl.experiment_timestamp}"
+    csv_folder = os.path.join(tl.experiment_folder.path, "csv_logs")
+    local = local_files(csv_folder)
+    assert set(local) == {"batch_log.csv", "epoch_log.csv", "run_info.json"}
+    # The batches of the interrupted epoch are in the bucket too: the files were uploaded when fit stopped.
+    assert local["batch_log.csv"].count(b"\n") == 1 + 5 + 2
+    assert bucket_files(bucket, f"{run_key}/csv_logs") == local
+    # A log folder outside the run folder stays local only.
+    assert os.path.isfile(tmp_path / "elsewhere" / "batch_log.csv")
+    assert not [item.key for item in bucket.list(f"{run_key}/") if "elsewhere" in item.key]

@@ -136,6 +136,10 @@ class CSVLogger(TrackingCallback):
     - ``run_info.json``: the hyperparameters and, once training ended, ``final_model_path`` (when
       ``ModelTrainEndSave`` or an EndSave preset saved the final model).
 
+    With a preset's ``cloud_save_mode`` (see :doc:`cloud_storage`) the files also go to the bucket, under the
+    run's key like every file of the run folder, after every epoch and when ``fit`` ends or stops on an
+    exception (the files that changed only, in the background). A ``log_dir`` outside the run folder stays local.
+
     Continuing: at the start of each ``fit`` the files keep only the rows of what the TrainLoop has already
     trained (batches up to its ``total_iteration_idx``, epochs before ``epochs_completed``), so a run resumed
     from a checkpoint, or continued after an exception, appends after the last row it keeps and no batch trained
@@ -242,6 +246,24 @@ class CSVLogger(TrackingCallback):
             if table is not None:
                 table.close()
         self.batch_table = self.epoch_table = None
+        self.upload_files()
+
+    def on_epoch_end(self) -> None:
+        super().on_epoch_end()
+        if self.run_active:
+            self.upload_files()
+
+    def upload_files(self) -> None:
+        """Queue the upload of the files that changed since their last upload, when the run has a bucket
+        (``cloud_save_mode`` of the preset) and ``log_dir`` lies in the run folder; returns at once."""
+        if self.cloud_destination is None or not self.has_experiment_folder or self.log_dir_path is None:
+            return
+        run_folder = os.path.abspath(self.experiment_folder.path)
+        if os.path.commonpath([run_folder, os.path.abspath(self.log_dir_path)]) != run_folder:
+            return
+        for path in dict.fromkeys((self.batch_file_path, self.epoch_file_path, self.info_file_path)):
+            if os.path.isfile(path):
+                self.cloud_upload(path, only_if_changed=True)
 
     def _update_info(self, **values: Any) -> None:
         info = {}
