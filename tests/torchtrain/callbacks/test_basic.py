@@ -160,9 +160,11 @@ def test_list_registered_callbacks_report_text():
            "execution_order: 5" in text
 
 
-def test_email_is_not_supported_yet_and_log_upload_needs_cloud_storage(make_model, make_loader):
-    with pytest.raises(NotImplementedError, match="not supported yet.*ModelPerformancePrintReport"):
-        EmailNotification("me", "me@example.com", "you@example.com")
+def test_email_needs_project_names_and_log_upload_needs_cloud_storage(make_model, make_loader):
+    # EmailNotification sends through AWS SES (tests/cloud/test_email_notification.py); names come first.
+    with pytest.raises(AttributeError, match="pass project_name and experiment_name to EmailNotification"):
+        TrainLoop(make_model(), make_loader(), None, None, None, nn.MSELoss()).callbacks_handler.register_callbacks(
+            [EmailNotification("me", "me@example.com", "you@example.com")])
     # LogUpload uploads to a bucket (tests/cloud); without one it refuses the loop, or only warns.
     model = make_model()
     tl = TrainLoop(model, make_loader(), None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
