@@ -67,12 +67,26 @@ class CallbacksHandler:
                 callback.register_train_loop_object(self.train_loop_obj)
                 self.callbacks.append(callback)
         finally:
-            self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
-            self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)]
-                                 for name in HOOK_NAMES}
-            self.has_batch_hooks = any(self._subscribers[name] for name in BATCH_HOOK_NAMES)
+            self._index_hooks()
         if print_callbacks:
             logger.info("Registered callbacks: %s", self.callbacks)
+
+    def drop_callbacks_of_other_ranks(self) -> None:
+        """Remove the callbacks whose ``device_idx_execution`` names another rank than this process's.
+
+        Called in each process of distributed training: callbacks registered before the loop travelled to the
+        processes were kept by the launching process's rank, not by the rank of the process they run in.
+        """
+        rank = self.train_loop_obj.strategy.rank
+        kept = [cb for cb in self.callbacks if cb.device_idx_execution is None or cb.device_idx_execution == rank]
+        if len(kept) != len(self.callbacks):
+            self.callbacks = kept
+            self._index_hooks()
+
+    def _index_hooks(self) -> None:
+        self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
+        self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)] for name in HOOK_NAMES}
+        self.has_batch_hooks = any(self._subscribers[name] for name in BATCH_HOOK_NAMES)
 
     def on_multiprocess_start(self) -> None:
         for callback in self._subscribers["on_multiprocess_start"]:

@@ -73,6 +73,7 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     strategy = strategy_class(placement, **options)
     strategy.init_process_group()
     tl.use_strategy(strategy, job.amp_init_args)
+    tl.callbacks_handler.drop_callbacks_of_other_ranks()
     tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
     tl.callbacks_handler.on_multiprocess_start()
     shard_data_loaders(tl, job.train_data_shuffle)

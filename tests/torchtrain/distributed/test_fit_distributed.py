@@ -5,6 +5,7 @@ torch and the test's objects). The launch paths that need a real script (spawn, 
 subprocesses.
 """
 import copy
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from tests.torchtrain.distributed.support import (
     BatchNormRegressor, BuildLoadersInProcess, IndexRecordingRegressor, RecordRankResult, assert_state_dicts_close,
     assert_state_dicts_equal, check_seed_result, free_port, load_rank_results, make_model, make_train_loop,
@@ -240,3 +242,28 @@ def test_a_forked_cpu_process_computes_with_one_thread_instead_of_hanging(tmp_pa
     assert any("forked CPU processes compute with one thread each" in record.getMessage()
                for record in caplog.records if record.name.startswith("aitoolbox"))
     assert tl.epoch == 0 and len(tl.train_history["loss"]) == 1
+
+
+class TouchFileOnTrainBegin(AbstractCallback):
+    """Writes ``<folder>/<name>_rank<r>`` in every process it runs in."""
+
+    def __init__(self, folder, name: str, device_idx_execution=None):
+        super().__init__(f"touch {name}", device_idx_execution=device_idx_execution)
+        self.folder, self.name = str(folder), name
+
+    def on_train_begin(self):
+        rank = self.train_loop_obj.strategy.rank
+        with open(os.path.join(self.folder, f"{self.name}_rank{rank}"), "w"):
+            pass
+
+
+def test_callbacks_registered_before_fit_distributed_run_only_in_their_rank(tmp_path):
+    tl = make_train_loop(make_model())
+    # Registered in the launching process (rank 0 there): they travel to both processes with the loop.
+    tl.callbacks_handler.register_callbacks([TouchFileOnTrainBegin(tmp_path, "rank0_only", device_idx_execution=0),
+                                             TouchFileOnTrainBegin(tmp_path, "everywhere")])
+    tl.fit_distributed(num_epochs=1, callbacks=[TouchFileOnTrainBegin(tmp_path, "given_to_fit_rank1_only",
+                                                                      device_idx_execution=1)],
+                       num_gpus=2, start_method="fork")
+    assert sorted(os.listdir(tmp_path)) == ["everywhere_rank0", "everywhere_rank1", "given_to_fit_rank1_only_rank1",
+                                            "rank0_only_rank0"]
