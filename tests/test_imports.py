@@ -27,6 +27,7 @@ MODULE_PATHS = {
     "aitoolbox.torchtrain.train_loop.train_loop_tracking": "TrainLoopCheckpoint",
     "aitoolbox.torchtrain.train_loop.components.pred_collate_fns": "append_concat_predictions",
     "aitoolbox.torchtrain.train_loop.components.callback_handler": "CallbacksHandler",
+    "aitoolbox.torchtrain.train_loop.components.message_passing": "MessageService",
     "aitoolbox.torchtrain.model": "TTBasicModel",
     "aitoolbox.torchtrain.multi_loss_optim": "MultiOptimizer",
     "aitoolbox.torchtrain.model_predict": "PyTorchModelPredictor",

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, MissingExperimentDetailsError
 from aitoolbox.torchtrain.callbacks.basic import EmailNotification
-from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
+from aitoolbox.torchtrain.callbacks.history_output import (
+    FILE_WRITER_PATHS_MESSAGE_KEY, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.cloud.test_ses import sent_messages
 from tests.helpers import MLP, classification_data, single_torch_thread
@@ -74,35 +75,15 @@ def all_subjects(server_url: str) -> list:
     return [email.message_from_string(item["raw_data"])["Subject"] for item in data["ses"]["RawMessage"]]
 
 
-class MessageService:
-    """aitoolbox 1.x's message service, as far as EmailNotification uses it (our TrainLoop has none yet)."""
+class AnnounceMissingFile(AbstractCallback):
+    """Announces, under ModelTrainHistoryFileWriter's key, a file that does not exist."""
 
-    def __init__(self):
-        self.messages = {}
-
-    def write_message(self, key, value):
-        self.messages.setdefault(key, []).append(value)
-
-    def read_messages(self, key):
-        return self.messages.get(key)
-
-
-class AnnounceHistoryFiles(AbstractCallback):
-    """Announces, under 1.x's keys, the files the history callbacks wrote this epoch (as 1.x's callbacks did),
-    plus ``extra_missing``, a file that does not exist."""
-
-    def __init__(self, plot: ModelTrainHistoryPlot, writer: ModelTrainHistoryFileWriter, extra_missing: str):
-        super().__init__("announce the history files", execution_order=97)
-        self.plot, self.writer, self.extra_missing = plot, writer, extra_missing
+    def __init__(self, missing: str):
+        super().__init__("announce a missing file", execution_order=97)
+        self.missing = missing
 
     def on_epoch_end(self):
-        service = self.train_loop_obj.message_service
-        service.messages.clear()  # 1.x kept these messages until the end of the epoch
-        plots_dir = self.plot.experiment_folder.plots_dir
-        service.write_message("ModelTrainHistoryPlot_results_file_local_paths",
-                              sorted(os.path.join(plots_dir, name) for name in os.listdir(plots_dir)))
-        service.write_message("ModelTrainHistoryFileWriter_results_file_local_paths",
-                              [self.writer.output_path(), self.extra_missing])
+        self.message_service.write_message(FILE_WRITER_PATHS_MESSAGE_KEY, [self.missing])
 
 
 def test_an_email_after_every_epoch_and_at_the_end_of_training(s3_env, tmp_path):
@@ -144,42 +125,28 @@ def test_a_plain_train_loop_with_names_given_reports_no_hyperparameters(s3_env):
     assert f"<li><p>loss: {tl.train_history['loss'][-1]}</p></li>" in final
 
 
-def test_files_announced_through_the_message_service_are_attached(s3_env, tmp_path, aitoolbox_records):
+def test_the_history_callbacks_files_are_attached_and_a_missing_one_is_skipped(s3_env, tmp_path,
+                                                                              aitoolbox_records):
     pytest.importorskip("matplotlib")
     verify_sender()
     project = unique_project()
     tl = TrainLoopCheckpoint(*loop_arguments(), project, "exp", str(tmp_path))
-    tl.message_service = MessageService()  # a loop offering 1.x's message service
-    plot, writer = ModelTrainHistoryPlot(), ModelTrainHistoryFileWriter()
+    writer = ModelTrainHistoryFileWriter()
     missing = str(tmp_path / "deleted_meanwhile.txt")
-    tl.fit(num_epochs=2, callbacks=[plot, writer, AnnounceHistoryFiles(plot, writer, missing),
+    tl.fit(num_epochs=2, callbacks=[ModelTrainHistoryPlot(), writer, AnnounceMissingFile(missing),
                                     EmailNotification("Bot", SENDER, RECIPIENT)])
 
     for epoch in range(2):
-        files = attachments(one_email(s3_env.url, f"End of epoch {epoch} report: {project}: exp"))
-        assert {"loss.png", "accumulated_loss.png", "val_loss.png", "results.txt"} <= set(files)
-        assert "deleted_meanwhile.txt" not in files
-        assert files["loss.png"].startswith(b"\x89PNG")
-        assert f"Epoch: {epoch}" in files["results.txt"].decode()
-    with open(writer.output_path(), "rb") as handle:
-        assert files["results.txt"] == handle.read()
+        message = one_email(s3_env.url, f"End of epoch {epoch} report: {project}: exp")
+        files = attachments(message)
+        # Each epoch's e-mail has that epoch's files once (the messages last until the end of the epoch).
+        names = [part.get_filename() for part in message.walk() if part.get_content_disposition() == "attachment"]
+        assert sorted(names) == ["accumulated_loss.png", "loss.png", "results.txt", "val_loss.png"]
+        with open(writer.output_path(), "rb") as handle:
+            if epoch == 1:
+                assert files["results.txt"] == handle.read()
     warnings = [record.getMessage() for record in aitoolbox_records.records if record.levelname == "WARNING"]
     assert any(missing in text and "no such file" in text for text in warnings)
-
-
-# Strict: when the loop and the history callbacks announce their files, this passes and the mark must go.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="TrainLoop has no message service, and ModelTrainHistoryPlot / ModelTrainHistoryFileWriter "
-                          "do not announce their files yet")
-def test_the_history_callbacks_files_are_attached(s3_env, tmp_path):
-    pytest.importorskip("matplotlib")
-    verify_sender()
-    project = unique_project()
-    tl = TrainLoopCheckpoint(*loop_arguments(), project, "exp", str(tmp_path))
-    tl.fit(num_epochs=1, callbacks=[ModelTrainHistoryPlot(), ModelTrainHistoryFileWriter(),
-                                    EmailNotification("Bot", SENDER, RECIPIENT)])
-    files = attachments(one_email(s3_env.url, f"End of epoch 0 report: {project}: exp"))
-    assert {"loss.png", "results.txt"} <= set(files)
 
 
 def test_an_unverified_sender_does_not_stop_training(s3_env, aitoolbox_records):
@@ -258,7 +225,6 @@ def test_an_attachment_gone_before_the_send_does_not_stop_training(s3_env, tmp_p
     verify_sender()
     project = unique_project()
     tl = TrainLoop(*loop_arguments())
-    tl.message_service = MessageService()
     announced = tmp_path / "plot.png"
     announced.write_bytes(b"png")
     tl.message_service.write_message("ModelTrainHistoryPlot_results_file_local_paths", [str(announced)])

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 PLOT_FORMATS = ("png", "pdf", "svg")
 FILE_FORMATS = ("txt", "tsv", "csv", "json")
 TRAIN_END_PREFIX = "train_end_"
+# aitoolbox 1.x's message keys: after each write, the list of files written (read by e.g. EmailNotification).
+PLOT_PATHS_MESSAGE_KEY = "ModelTrainHistoryPlot_results_file_local_paths"
+FILE_WRITER_PATHS_MESSAGE_KEY = "ModelTrainHistoryFileWriter_results_file_local_paths"
 
 
 class HistoryEpochs:
@@ -142,6 +145,12 @@ class ModelTrainHistoryBaseCB(AbstractExperimentCallback):
         """Write the current training history (``prefix`` is ``'train_end_'`` at the end of training)."""
         raise NotImplementedError
 
+    def announce(self, key: str, paths: List[str]) -> None:
+        """Tell the other callbacks which files were written, through the loop's message service (until the
+        epoch's end, as in aitoolbox 1.x)."""
+        if self.message_service is not None:
+            self.message_service.write_message(key, paths)
+
 
 class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
     """Plot each training-history metric against the epoch, one file per metric in ``results/plots/``.
@@ -193,6 +202,7 @@ class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
         """Plot every numeric metric of the training history now (the same files at every write)."""
         history = self.train_loop_obj.train_history
         plots_dir = self.ensure_folder(self.experiment_folder.plots_dir)
+        written: List[str] = []
         for name, values in history.items():
             numbers_ = [scalar_value(value) for value in values]
             if not numbers_ or any(number is None for number in numbers_):
@@ -202,6 +212,8 @@ class ModelTrainHistoryPlot(ModelTrainHistoryBaseCB):
             path = os.path.join(plots_dir, f"{safe_file_name(name)}.{self.file_format}")
             self.save_plot(path, name, epochs, numbers_)
             self.cloud_upload(path)
+            written.append(path)
+        self.announce(PLOT_PATHS_MESSAGE_KEY, written)
 
     def plot_current_train_history(self, prefix: str = "") -> None:
         """aitoolbox 1.x's name of :meth:`write`."""
@@ -292,6 +304,7 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
                               indent=2, default=repr)
             atomic_write_text(path, text)
             self.cloud_upload(path)
+            self.announce(FILE_WRITER_PATHS_MESSAGE_KEY, [path])
             return
         latest = newest_values(history)
         epoch = self.train_loop_obj.epoch
@@ -304,6 +317,7 @@ class ModelTrainHistoryFileWriter(ModelTrainHistoryBaseCB):
         with open(path, "a", encoding="utf-8", newline="") as handle:
             handle.write(text)  # one write per block, so a reader sees whole blocks or rows
         self.cloud_upload(path)
+        self.announce(FILE_WRITER_PATHS_MESSAGE_KEY, [path])
 
     def write_current_train_history(self, prefix: str = "") -> None:
         """aitoolbox 1.x's name of :meth:`write`."""

@@ -58,6 +58,7 @@ class TrainLoopView(Protocol):
     early_stop: bool
     last_batch_loss: Optional[torch.Tensor]
     callbacks: List[Any]
+    message_service: Any  # aitoolbox.torchtrain.callbacks.messages.MessageService
     grad_cb_used: bool
     pending_restore: Optional[dict]
 

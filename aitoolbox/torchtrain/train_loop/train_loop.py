@@ -17,6 +17,7 @@ from aitoolbox.torchtrain.activation_checkpointing import (
     apply_activation_checkpointing, check_module_classes, checkpointed_modules)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
+from aitoolbox.torchtrain.callbacks.messages import MessageService
 from aitoolbox.torchtrain.compiling import CompileOptions, CompileStats, Compiler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
@@ -132,6 +133,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self.last_batch_loss: Optional[torch.Tensor] = None
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
+        self.message_service = MessageService()  # before any callback registers: they keep a reference
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         self.epoch_loss = EpochLossSum()
@@ -487,6 +489,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self.callbacks_handler.on_epoch_train_end()
         self._evaluate_at_epoch_end()
         self.callbacks_handler.on_epoch_end()
+        self.message_service.end_of_epoch_trigger()
         if self.strategy.is_main_process:
             self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
         state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
