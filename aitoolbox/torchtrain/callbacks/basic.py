@@ -3,17 +3,15 @@
 The stopping callbacks (:class:`EarlyStopping`, :class:`ThresholdEarlyStopping`, :class:`TerminateOnNaN`,
 :class:`AllPredictionsSame`) live in :mod:`.stopping` and are importable from here, as in aitoolbox 1.x.
 :class:`LogUpload` uploads a log file to the run's folder in S3 / Google Cloud Storage;
-:class:`EmailNotification` e-mails a report after every epoch and at the end of training through AWS SES.
+:class:`EmailNotification` (in :mod:`.email_notification`, importable from here as in aitoolbox 1.x) e-mails a
+report after every epoch and at the end of training through AWS SES.
 """
-import html
 import logging
-import numbers
 import os
 from typing import Any, Callable, Iterable, List, Optional
 
-from aitoolbox.torchtrain.callbacks.abstract import (AbstractCallback, AbstractExperimentCallback,
-                                                     MissingExperimentDetailsError)
-from aitoolbox.torchtrain.callbacks.experiment import scalar_value
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
+from aitoolbox.torchtrain.callbacks.email_notification import EmailNotification  # noqa: F401  (1.x import path)
 from aitoolbox.torchtrain.callbacks.stopping import (  # noqa: F401  (aitoolbox 1.x import path)
     AllPredictionsSame, EarlyStopping, TerminateOnNaN, ThresholdEarlyStopping)
 
@@ -49,164 +47,6 @@ class ListRegisteredCallbacks(AbstractCallback):
     def on_train_begin(self) -> None:
         if self.train_loop_obj.is_main_process:
             print(registered_callbacks_report(self.train_loop_obj.callbacks))  # the report the user asked for
-
-
-class EmailNotification(AbstractCallback):
-    """E-mail a training report at the end of every epoch and at the end of training, through AWS SES.
-
-    Each epoch's e-mail (subject ``"End of epoch <epoch> report: <project>: <experiment>"``) lists the newest
-    value of every metric in the training history; the final one (``"End of training: <project>:
-    <experiment>"``) adds the TrainLoop's hyperparameters ("Not given" when the loop has none). Names and values
-    are HTML-escaped. Files that other callbacks announce through the loop's aitoolbox 1.x message service, under
-    the keys in :attr:`ATTACHMENT_MESSAGE_KEYS`, are attached; an announced file that does not exist is left out
-    with a warning.
-
-    The e-mails go through :class:`~aitoolbox.cloud.AWS.simple_email_service.SESSender` (``pip install
-    aitoolbox[aws]``), with boto3's standard credentials and endpoint configuration (``AWS_ENDPOINT_URL_SES`` /
-    ``AWS_ENDPOINT_URL``); the sender's address must be verified in SES. A notification never stops training:
-    an e-mail SES refuses or cannot take, or an attachment that cannot be read, is logged as an error and training
-    goes on. Only the main process (global rank 0) sends.
-
-    Args:
-        sender_name: the name shown as the sender.
-        sender_email: the sender's address, verified in SES.
-        recipient_email: where the e-mails go.
-        project_name: the project named in the subjects; None takes the TrainLoop's (an experiment-tracking
-            TrainLoop's ``project_name``).
-        experiment_name: the experiment named in the subjects; None takes the TrainLoop's.
-        aws_region: the SES region.
-
-    Raises:
-        ValueError: an address, name or region that is not a non-empty string.
-        MissingExperimentDetailsError: at registration, ``project_name`` or ``experiment_name`` is None and the
-            TrainLoop has none (an ``AttributeError``, as in aitoolbox 1.x, and a ``ValueError``).
-        ImportError: at registration, when boto3 is not installed (the message names the ``aws`` extra).
-    """
-
-    #: Message-service keys under which aitoolbox 1.x's ModelTrainHistoryPlot and ModelTrainHistoryFileWriter
-    #: announce the files they wrote (each message a list of local paths).
-    ATTACHMENT_MESSAGE_KEYS = ("ModelTrainHistoryPlot_results_file_local_paths",
-                               "ModelTrainHistoryFileWriter_results_file_local_paths")
-
-    def __init__(self, sender_name: str, sender_email: str, recipient_email: str, project_name: Optional[str] = None,
-                 experiment_name: Optional[str] = None, aws_region: str = "eu-west-1"):
-        super().__init__("Send email to notify about the state of training", execution_order=98,
-                         device_idx_execution=0)
-        for name, value, optional in (("sender_name", sender_name, False), ("sender_email", sender_email, False),
-                                      ("recipient_email", recipient_email, False),
-                                      ("project_name", project_name, True),
-                                      ("experiment_name", experiment_name, True),
-                                      ("aws_region", aws_region, False)):
-            if not (optional and value is None) and (not isinstance(value, str) or not value.strip()):
-                allowed = "a non-empty string or None" if optional else "a non-empty string"
-                raise ValueError(f"EmailNotification: {name} must be {allowed}, got {value!r}")
-        self.sender_name = sender_name
-        self.sender_email = sender_email
-        self.recipient_email = recipient_email
-        self.project_name = project_name
-        self.experiment_name = experiment_name
-        self.aws_region = aws_region
-        self.ses_sender: Any = None  # the SESSender, made at registration
-
-    def __getstate__(self) -> dict:
-        # Sent to the processes of distributed training: the boto3 client is not picklable, and the sending
-        # process makes its own sender when it first needs one.
-        state = self.__dict__.copy()
-        state["ses_sender"] = None
-        return state
-
-    def on_train_loop_registration(self) -> None:
-        for name in ("project_name", "experiment_name"):
-            if getattr(self, name) is None:
-                value = getattr(self.train_loop_obj, name, None)
-                if value is None:
-                    raise MissingExperimentDetailsError(
-                        f"EmailNotification names the project and experiment in its subjects, but {name} is None "
-                        "and the TrainLoop has none: pass project_name and experiment_name to EmailNotification, "
-                        "or use it with an experiment-tracking TrainLoop (TrainLoopCheckpoint, TrainLoopEndSave or "
-                        "TrainLoopCheckpointEndSave)")
-                setattr(self, name, value)
-        self.ses_sender = self.make_sender()  # a missing boto3 is reported now, not after the first epoch
-
-    def make_sender(self) -> Any:
-        """A new :class:`~aitoolbox.cloud.AWS.simple_email_service.SESSender` for this callback's addresses."""
-        from aitoolbox.cloud.AWS.simple_email_service import SESSender  # boto3 is optional: imported when used
-        return SESSender(self.sender_name, self.sender_email, self.recipient_email, self.aws_region)
-
-    def on_epoch_end(self) -> None:
-        epoch = self.train_loop_obj.epoch
-        subject = f"End of epoch {epoch} report: {self.project_name}: {self.experiment_name}"
-        body = f"<h2>End of epoch {epoch}</h2>\n{self.get_metric_list_html()}\n"
-        self.send_report(subject, body)
-
-    def on_train_end(self) -> None:
-        subject = f"End of training: {self.project_name}: {self.experiment_name}"
-        body = (f"<h2>End of training at epoch {self.train_loop_obj.epoch}</h2>\n{self.get_metric_list_html()}\n"
-                f"<h3>Used hyper parameters:</h3>\n{self.get_hyperparams_html()}\n")
-        self.send_report(subject, body)
-
-    def get_metric_list_html(self) -> str:
-        """An HTML list of the newest value of every metric in the training history (metrics without values are
-        left out)."""
-        items = [f"<li><p>{html.escape(str(name))}: {_html_value(values[-1])}</p></li>"
-                 for name, values in self.train_loop_obj.train_history.items() if len(values) > 0]
-        return "<ul>\n" + "\n".join(items) + "\n</ul>"
-
-    def get_hyperparams_html(self) -> str:
-        """An HTML list of the TrainLoop's hyperparameters, or ``'Not given'`` when it has none."""
-        hyperparams = getattr(self.train_loop_obj, "hyperparams", None)
-        if not hyperparams:
-            return "Not given"
-        items = [f"<li><p>{html.escape(str(name))}: {_html_value(value)}</p></li>"
-                 for name, value in hyperparams.items()]
-        return "<ul>\n" + "\n".join(items) + "\n</ul>"
-
-    def get_attachment_paths(self) -> List[str]:
-        """The existing files announced under :attr:`ATTACHMENT_MESSAGE_KEYS` (none without a message service).
-
-        Announced files that do not exist are left out with a warning.
-        """
-        if self.message_service is None:
-            return []
-        paths: List[str] = []
-        for key in self.ATTACHMENT_MESSAGE_KEYS:
-            for message in self.message_service.read_messages(key) or []:
-                # 1.x's messages are lists of paths; a single path is taken as well.
-                for path in [message] if isinstance(message, (str, os.PathLike)) else message:
-                    path = os.path.expanduser(os.fspath(path))
-                    if path in paths:
-                        continue
-                    if os.path.isfile(path):
-                        paths.append(path)
-                    else:
-                        logger.warning("EmailNotification: not attaching %s (announced under %s): there is no "
-                                       "such file", path, key)
-        return paths
-
-    def send_report(self, subject: str, body: str) -> Optional[str]:
-        """Send an e-mail with the announced attachments; returns SES's message id, or None when it failed
-        (the reason is logged; training goes on). Outside the main process nothing is sent."""
-        # device_idx_execution keeps the callbacks given to fit out of other ranks; one registered with the loop
-        # before fit_distributed travels to every process.
-        if not self.train_loop_obj.is_main_process:
-            return None
-        if self.ses_sender is None:  # in a process of distributed training, the sender is made here
-            self.ses_sender = self.make_sender()
-        try:
-            return self.ses_sender.send_email(subject, body, self.get_attachment_paths())
-        except OSError as error:  # an attachment removed or unreadable since it was checked
-            logger.error("EmailNotification could not attach a file to the e-mail %r, which was not sent: %s",
-                         subject, error)
-            return None
-
-
-def _html_value(value: Any) -> str:
-    """``value`` as escaped HTML text; a one-element tensor or array shows as its number."""
-    if not isinstance(value, numbers.Number):
-        number = scalar_value(value)
-        if number is not None:
-            value = number
-    return html.escape(str(value))
 
 
 class LogUpload(AbstractExperimentCallback):
