@@ -1,5 +1,7 @@
-"""Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k."""
+"""Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k (and
+the ranking that does so across processes)."""
 import collections
+import json
 import logging
 import os
 import re
@@ -9,7 +11,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_load_checked, torch_save_atomic
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, atomic_write_text, torch_load_checked, torch_save_atomic
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
     is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
 
@@ -214,3 +216,38 @@ def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_alwa
             remove_checkpoint(path)
             deleted.append(path)
     return deleted
+
+
+# Beside the checkpoints of a run: the scores the best-k pruning ranked them by, so that a run continued in a new
+# process (auto_resume, ModelLoadContinueTraining into the same folder) keeps pruning the checkpoints written before.
+RANKING_FILE_NAME = ".aitoolbox-checkpoint-ranking.json"
+
+
+def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> None:
+    """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``."""
+    entries = [[score, os.path.basename(path)] for score, path in scored if os.path.dirname(path) == folder]
+    atomic_write_text(os.path.join(folder, RANKING_FILE_NAME), json.dumps({"metric": metric, "checkpoints": entries}))
+
+
+def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]:
+    """The ``(score, path)`` recorded by :func:`write_checkpoint_ranking` for ``metric``, of the checkpoints that
+    still exist; nothing when there is no record, it ranks by another metric, or it cannot be read (the
+    checkpoints it named are then kept, never deleted by mistake)."""
+    path = os.path.join(folder, RANKING_FILE_NAME)
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        entries = [(float(score), os.path.join(folder, name)) for score, name in record["checkpoints"]
+                   if isinstance(name, str) and os.sep not in name]
+        recorded_metric = record["metric"]
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,
+                       RANKING_FILE_NAME, error)
+        return []
+    if recorded_metric != metric:
+        logger.info("The checkpoints saved before in %s were ranked by %r, not %r: they are kept", folder,
+                    recorded_metric, metric)
+        return []
+    return [(score, checkpoint) for score, checkpoint in entries if os.path.exists(checkpoint)]

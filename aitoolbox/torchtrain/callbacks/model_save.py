@@ -6,7 +6,8 @@ import threading
 from typing import Callable, Optional, Union
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    checkpoint_file_name, prune_checkpoints, remove_checkpoint, save_checkpoint_file, snapshot_checkpoint)
+    checkpoint_file_name, checkpoint_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
+    remove_checkpoint, save_checkpoint_file, snapshot_checkpoint, write_checkpoint_ranking)
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
@@ -16,6 +17,12 @@ logger = logging.getLogger(__name__)
 # Checkpoints run after every other epoch-end callback (LR schedulers, metrics), so what they save is
 # exactly the state the next epoch starts from.
 CHECKPOINT_EXECUTION_ORDER = 100
+
+
+def _position(path: str):
+    """:func:`checkpoint_position` of a checkpoint file or sharded checkpoint folder."""
+    name = os.path.basename(path)
+    return checkpoint_position(name if name.endswith(".pth") else f"{name}.pth")
 
 
 def higher_is_better(metric_name: str) -> bool:
@@ -243,7 +250,9 @@ class ModelCheckpoint(_CheckpointCallback):
             ``val_loss`` (``loss`` without validation); a metric name ranks by that metric (higher is better unless
             the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming; older ones
             are deleted only once the newest is complete on disk. Only local files are deleted: the bucket keeps
-            every checkpoint uploaded (as in aitoolbox 1.8).
+            every checkpoint uploaded (as in aitoolbox 1.8). The scores are recorded beside the checkpoints
+            (``.aitoolbox-checkpoint-ranking.json``), so a run resumed in a new process into the same run folder
+            (``auto_resume``) keeps the same best checkpoints as a run that never stopped.
         num_best_checkpoints_kept: how many best checkpoints to keep.
         background_save: copy the state to host memory and write the file in a background thread while
             training goes on (training waits only for the copy; see :doc:`checkpointing`). Holds a copy of the
@@ -266,6 +275,7 @@ class ModelCheckpoint(_CheckpointCallback):
         self.rm_subopt_local_models = rm_subopt_local_models
         self.num_best_checkpoints_kept = num_best_checkpoints_kept
         self.saved_checkpoints = []  # (score, path) of checkpoints this run wrote and still exist
+        self._ranking_restored = False  # those an earlier process recorded in the run folder were read
 
     def _monitored_metric(self) -> str:
         if isinstance(self.rm_subopt_local_models, str):
@@ -287,12 +297,19 @@ class ModelCheckpoint(_CheckpointCallback):
                              f"(recorded: {sorted(k for k, v in tl.train_history.items() if v)}); pass "
                              "rm_subopt_local_models=<metric name>")
         score = scalar_value(values[-1])
+        if self.is_main_process and not self._ranking_restored:
+            # The checkpoints this run folder got from an earlier process (a resumed run) are ranked too.
+            self._ranking_restored = True
+            known = {path for _, path in self.saved_checkpoints}
+            self.saved_checkpoints = [entry for entry in read_checkpoint_ranking(folder.checkpoint_dir, metric)
+                                      if entry[1] not in known] + self.saved_checkpoints
 
         def keep_the_best(path: str) -> None:
             self.saved_checkpoints.append((score, path))
             deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
                                         higher_is_better=higher_is_better(metric))
             self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
+            write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints)
 
         self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
@@ -311,7 +328,8 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         rm_subopt_local_models, num_best_checkpoints_kept: accepted for aitoolbox 1.x compatibility, which did
             not use them for iteration checkpoints either; use ``keep_last``.
         keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
-            only once the newest is complete on disk.
+            only once the newest is complete on disk. In a run resumed into the same run folder, the iteration
+            checkpoints written there before the new one count too.
         background_save: write in a background thread, as for :class:`ModelCheckpoint`.
     """
 
@@ -333,6 +351,7 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         self._save_due = False
         self._batch_steps = False
         self._written = []
+        self._earlier_listed = False  # the run folder's iteration checkpoints from an earlier process were listed
 
     def on_after_gradient_update(self, optimizer_idx: int) -> None:
         # Whether this batch ends its accumulation window with an optimizer step (also the step forced at
@@ -353,6 +372,14 @@ class ModelIterationCheckpoint(_CheckpointCallback):
             after_save=self._keep_the_last)
 
     def _keep_the_last(self, path: str) -> None:
+        if not self._earlier_listed:
+            # The iteration checkpoints an earlier process wrote into this run folder before this one (a resumed
+            # run) count too; any after it (a run continued from an older checkpoint) are left alone.
+            self._earlier_listed = True
+            position = _position(path)
+            self._written = [earlier for earlier in list_checkpoints(os.path.dirname(path))
+                             if earlier != path and earlier not in self._written and _position(earlier) is not None
+                             and _position(earlier)[1] == 0 and _position(earlier) < position] + self._written
         self._written.append(path)
         if self.keep_last is not None:
             for old in self._written[:-self.keep_last]:

@@ -105,3 +105,25 @@ def test_prune_keeps_the_best_and_the_always_kept(tmp_path, higher_is_better, ke
                                 higher_is_better=higher_is_better)
     assert set(os.listdir(tmp_path)) == kept
     assert {os.path.basename(p) for p in deleted} == {f"e{i}" for i in range(5)} - kept
+
+
+def test_the_checkpoint_ranking_is_read_back_for_its_metric_and_existing_checkpoints_only(tmp_path, caplog,
+                                                                                         monkeypatch):
+    import logging
+
+    from aitoolbox.experiment.local_save.checkpoints import (
+        RANKING_FILE_NAME, read_checkpoint_ranking, write_checkpoint_ranking)
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    folder = str(tmp_path)
+    kept, pruned = os.path.join(folder, "model_e_t_E1.pth"), os.path.join(folder, "model_e_t_E0.pth")
+    torch.save({}, kept)
+    write_checkpoint_ranking(folder, "val_loss", [(0.5, pruned), (0.25, kept), (0.1, "/elsewhere/model_e_t_E9.pth")])
+    assert read_checkpoint_ranking(folder, "val_loss") == [(0.25, kept)]  # E0 is gone; other folders not recorded
+    assert read_checkpoint_ranking(folder, "val_acc") == []  # ranked by another metric: nothing is pruned
+    assert read_checkpoint_ranking(str(tmp_path / "empty"), "val_loss") == []
+
+    with open(os.path.join(folder, RANKING_FILE_NAME), "w") as handle:
+        handle.write('{"metric": "val_loss", "checkpoints": [[0.2')  # cut off
+    with caplog.at_level(logging.WARNING, logger="aitoolbox"):
+        assert read_checkpoint_ranking(folder, "val_loss") == []
+    assert "cannot be read" in caplog.text and os.path.isfile(kept)

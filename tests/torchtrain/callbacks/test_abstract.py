@@ -32,7 +32,7 @@ def test_registration_returns_the_callback_and_runs_the_registration_hook(make_m
     tl = make_loop(make_model, make_loader)
     callback = Probe("probe")
     assert callback.register_train_loop_object(tl) is callback
-    assert calls == [tl] and callback.message_service is None
+    assert calls == [tl] and callback.message_service is tl.message_service
     tl.message_service = "messages"  # a loop that offers aitoolbox 1.x's message service hands it over
     assert callback.register_train_loop_object(tl).message_service == "messages"
     base = AbstractCallback("base")

@@ -392,3 +392,35 @@ def test_auto_resume_picks_the_newest_run_with_a_checkpoint_and_only_runs_of_tha
     assert newest_resumable_run(str(tmp_path / "absent"), "proj", "exp") is None
     with pytest.raises(TypeError, match="auto_resume must be True or False"):
         TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), auto_resume="yes")
+
+
+def test_a_resumed_run_keeps_the_checkpoints_a_straight_run_keeps(tmp_path):
+    """Best-k pruning and keep_last count the checkpoints an earlier process wrote into the run folder: the crashed
+    and auto-resumed run ends with the same checkpoint files as the run that never stopped."""
+    from aitoolbox.experiment.local_save.checkpoints import RANKING_FILE_NAME
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+
+    def run(root, crash_at=None):
+        def make():
+            return TrainLoopCheckpoint(*preset_arguments(train_samples=24), "proj", "exp", root, {},
+                                       rm_subopt_local_models="accumulated_loss", num_best_checkpoints_kept=2,
+                                       auto_resume=True, show_progress=False)
+        tl = make()
+        if crash_at is not None:
+            with pytest.raises(RuntimeError, match="went away"):
+                tl.fit(num_epochs=6, callbacks=[ModelIterationCheckpoint(4, keep_last=2), crash_at])
+            tl = make()  # a new process: new callbacks, nothing remembered but the files
+            assert tl.resumed_from is not None
+        tl.fit(num_epochs=6, callbacks=[ModelIterationCheckpoint(4, keep_last=2)])
+        folder = tl.experiment_folder.checkpoint_dir
+        names = sorted(name.replace(tl.experiment_timestamp, "<ts>") for name in os.listdir(folder))
+        assert names[0] == RANKING_FILE_NAME
+        return names[1:], [tl.train_history["accumulated_loss"]]
+
+    straight_files, straight_history = run(str(tmp_path / "straight"))
+    resumed_files, resumed_history = run(str(tmp_path / "crashing"), CrashAt(epoch=3, iteration=2))
+    assert resumed_history == straight_history
+    assert resumed_files == straight_files
+    epoch_checkpoints = [name for name in straight_files if "ITER" not in name]
+    assert len(epoch_checkpoints) in (2, 3)  # the best 2, and the newest when it is not one of them
+    assert len(straight_files) - len(epoch_checkpoints) == 2  # keep_last
