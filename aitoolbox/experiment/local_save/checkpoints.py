@@ -223,10 +223,13 @@ def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_alwa
 RANKING_FILE_NAME = ".aitoolbox-checkpoint-ranking.json"
 
 
-def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> None:
-    """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``."""
+def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> str:
+    """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``; returns the
+    record's path."""
     entries = [[score, os.path.basename(path)] for score, path in scored if os.path.dirname(path) == folder]
-    atomic_write_text(os.path.join(folder, RANKING_FILE_NAME), json.dumps({"metric": metric, "checkpoints": entries}))
+    path = os.path.join(folder, RANKING_FILE_NAME)
+    atomic_write_text(path, json.dumps({"metric": metric, "checkpoints": entries}))
+    return path
 
 
 def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]:

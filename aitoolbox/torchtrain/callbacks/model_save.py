@@ -309,7 +309,8 @@ class ModelCheckpoint(_CheckpointCallback):
             deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
                                         higher_is_better=higher_is_better(metric))
             self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
-            write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints)
+            # Uploaded too, so that the bucket keeps mirroring the run folder.
+            self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints))
 
         self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
