@@ -124,6 +124,16 @@ class _CloudExperimentSaver(BaseFullExperimentSaver):
         self.local_model_result_folder_path = local_model_result_folder_path
 
 
+class _SaverOfItsOwnModelSaver:
+    """The full savers' signature: no ``model_saver`` argument, the saver makes its own (PyTorch or Keras)."""
+
+    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
+                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
+                 uploader: Optional["CloudUploader"] = None):
+        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
+                         local_model_result_folder_path, uploader=uploader)
+
+
 class BaseFullExperimentS3Saver(_CloudExperimentSaver):
     """Save a model and its results into the local experiment folder and upload both to AWS S3.
 
@@ -146,7 +156,7 @@ class BaseFullExperimentS3Saver(_CloudExperimentSaver):
     service = "s3"
 
 
-class FullPyTorchExperimentS3Saver(BaseFullExperimentS3Saver):
+class FullPyTorchExperimentS3Saver(_SaverOfItsOwnModelSaver, BaseFullExperimentS3Saver):
     """Save a PyTorch experiment (checkpoint dict and results) locally and to AWS S3.
 
     ``save_experiment(model, result_package, training_history, ...)`` returns
@@ -161,14 +171,8 @@ class FullPyTorchExperimentS3Saver(BaseFullExperimentS3Saver):
         uploader: upload in the background through this uploader instead of at once (not in aitoolbox 1.x).
     """
 
-    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
-                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
-                 uploader: Optional["CloudUploader"] = None):
-        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
-                         local_model_result_folder_path, uploader=uploader)
 
-
-class FullKerasExperimentS3Saver(BaseFullExperimentS3Saver):
+class FullKerasExperimentS3Saver(_SaverOfItsOwnModelSaver, BaseFullExperimentS3Saver):
     """Save a Keras experiment (the model as ``.h5``, through its own ``save``, and the results) locally and to
     AWS S3. Keras is not imported by this package: any model with a ``save(path)`` method is saved.
 
@@ -176,12 +180,6 @@ class FullKerasExperimentS3Saver(BaseFullExperimentS3Saver):
     """
 
     keras = True
-
-    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
-                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
-                 uploader: Optional["CloudUploader"] = None):
-        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
-                         local_model_result_folder_path, uploader=uploader)
 
 
 class BaseFullExperimentGoogleStorageSaver(_CloudExperimentSaver):
@@ -205,29 +203,17 @@ class BaseFullExperimentGoogleStorageSaver(_CloudExperimentSaver):
     service = "gcs"
 
 
-class FullPyTorchExperimentGoogleStorageSaver(BaseFullExperimentGoogleStorageSaver):
+class FullPyTorchExperimentGoogleStorageSaver(_SaverOfItsOwnModelSaver, BaseFullExperimentGoogleStorageSaver):
     """Save a PyTorch experiment (checkpoint dict and results) locally and to Google Cloud Storage.
 
     Arguments and ``save_experiment`` as :class:`FullPyTorchExperimentS3Saver`.
     """
 
-    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
-                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
-                 uploader: Optional["CloudUploader"] = None):
-        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
-                         local_model_result_folder_path, uploader=uploader)
 
-
-class FullKerasExperimentGoogleStorageSaver(BaseFullExperimentGoogleStorageSaver):
+class FullKerasExperimentGoogleStorageSaver(_SaverOfItsOwnModelSaver, BaseFullExperimentGoogleStorageSaver):
     """Save a Keras experiment (the model as ``.h5`` and the results) locally and to Google Cloud Storage.
 
     Arguments as :class:`FullPyTorchExperimentS3Saver`.
     """
 
     keras = True
-
-    def __init__(self, project_name: str, experiment_name: str, bucket_name: str = "model-result",
-                 cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
-                 uploader: Optional["CloudUploader"] = None):
-        super().__init__(None, project_name, experiment_name, bucket_name, cloud_dir_prefix,
-                         local_model_result_folder_path, uploader=uploader)

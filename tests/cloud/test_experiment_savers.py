@@ -14,6 +14,7 @@ from aitoolbox.experiment.experiment_saver import (
     BaseFullExperimentGoogleStorageSaver, BaseFullExperimentS3Saver, FullKerasExperimentGoogleStorageSaver,
     FullKerasExperimentS3Saver, FullPyTorchExperimentGoogleStorageSaver, FullPyTorchExperimentS3Saver)
 from aitoolbox.experiment.result_reporting.hyperparam_reporter import HyperParamSourceReporter
+from tests.cloud.test_1x_classes import ResultPackage
 
 TIMESTAMP = "2026-01-02_03-04-05"
 RUN = f"team/proj/exp_{TIMESTAMP}"
@@ -25,20 +26,6 @@ def saver_classes(service):
         return FullPyTorchExperimentS3Saver, FullKerasExperimentS3Saver, BaseFullExperimentS3Saver
     return (FullPyTorchExperimentGoogleStorageSaver, FullKerasExperimentGoogleStorageSaver,
             BaseFullExperimentGoogleStorageSaver)
-
-
-class ResultPackage:
-    """The parts of a result package the results savers read."""
-    y_true, y_predicted = [1, 0], [1, 1]
-
-    def get_results(self):
-        return {"accuracy": 0.5}
-
-    def get_hyperparameters(self):
-        return {"lr": 0.1}
-
-    def get_additional_results_dump_paths(self):
-        return []
 
 
 def checkpoint_dict():
