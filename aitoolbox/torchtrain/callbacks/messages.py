@@ -52,20 +52,17 @@ class MessageService:
         self.message_store: Dict[str, List[Message]] = {}
 
     def read_messages(self, key: str) -> Optional[List[Any]]:
-        """The values written under ``key``, oldest first, or None when there are none.
+        """The values written under ``key``, oldest first; None when nothing was written under it.
 
-        Messages written with ``UNTIL_READ`` are removed by this read.
+        Messages written with ``UNTIL_READ`` are removed by this read. As in aitoolbox 1.x, a key whose messages
+        were all read stays known (its reads return ``[]``) until the end of the epoch.
         """
-        messages = self.message_store.get(key)
-        if not messages:
+        if key not in self.message_store:
             return None
-        values = [message.value for message in messages]
-        remaining = [message for message in messages if MessageHandling.UNTIL_READ not in message.msg_handling_settings]
-        if remaining:
-            self.message_store[key] = remaining
-        else:
-            del self.message_store[key]
-        return values
+        messages = self.message_store[key]
+        self.message_store[key] = [message for message in messages
+                                   if MessageHandling.UNTIL_READ not in message.msg_handling_settings]
+        return [message.value for message in messages]
 
     def write_message(self, key: str, value: Any,
                       msg_handling_settings: Union[MessageHandling, Sequence[MessageHandling]] =
