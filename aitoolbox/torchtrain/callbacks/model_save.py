@@ -315,8 +315,14 @@ class ModelCheckpoint(_CheckpointCallback):
         self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
 
-class ModelIterationCheckpoint(_CheckpointCallback):
-    """Save a checkpoint every ``save_frequency`` training iterations, to resume inside an epoch.
+class ModelIterationCheckpoint(ModelCheckpoint):
+    """Save a checkpoint every ``save_frequency`` training iterations, to resume inside an epoch, and one at the end of
+    every epoch as :class:`ModelCheckpoint` does.
+
+    As in aitoolbox 1.x, where this class extends ``ModelCheckpoint``, the epoch checkpoints come with it. When a
+    :class:`ModelCheckpoint` of the same run folder is registered too (the Checkpoint presets with
+    ``iteration_save_freq`` register both), that one saves them and this one saves the iteration checkpoints only,
+    so no epoch checkpoint is written twice.
 
     With gradient accumulation, a save that falls inside an accumulation window waits for the window's
     optimizer step, so a checkpoint never holds half-accumulated gradients.
@@ -326,8 +332,8 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         project_name, experiment_name, local_model_result_folder_path, hyperparams: as for
             :class:`ModelCheckpoint`.
         cloud_save_mode, bucket_name, cloud_dir_prefix: as for :class:`ModelCheckpoint`.
-        rm_subopt_local_models, num_best_checkpoints_kept: accepted for aitoolbox 1.x compatibility, which did
-            not use them for iteration checkpoints either; use ``keep_last``.
+        rm_subopt_local_models, num_best_checkpoints_kept: which epoch checkpoints to keep, as for
+            :class:`ModelCheckpoint`; the iteration checkpoints are kept by ``keep_last``.
         keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
             only once the newest is complete on disk. In a run resumed into the same run folder, the iteration
             checkpoints written there before the new one count too.
@@ -340,9 +346,10 @@ class ModelIterationCheckpoint(_CheckpointCallback):
                  cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
                  num_best_checkpoints_kept: int = 2, keep_last: Optional[int] = None,
                  background_save: bool = False):
-        super().__init__("Model checkpoint every N iterations", project_name, experiment_name,
-                         local_model_result_folder_path, hyperparams, cloud_save_mode, background_save,
-                         bucket_name=bucket_name, cloud_dir_prefix=cloud_dir_prefix)
+        super().__init__(project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode,
+                         bucket_name, cloud_dir_prefix, rm_subopt_local_models, num_best_checkpoints_kept,
+                         background_save)
+        self.callback_name = "Model checkpoint every N iterations"
         if isinstance(save_frequency, bool) or not isinstance(save_frequency, int) or save_frequency < 1:
             raise ValueError(f"save_frequency must be an int >= 1 (iterations between checkpoints), got {save_frequency!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -353,6 +360,19 @@ class ModelIterationCheckpoint(_CheckpointCallback):
         self._batch_steps = False
         self._written = []
         self._earlier_listed = False  # the run folder's iteration checkpoints from an earlier process were listed
+        self.saves_epoch_checkpoints = True  # decided when training begins
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()
+        self.saves_epoch_checkpoints = not any(
+            isinstance(callback, ModelCheckpoint) and not isinstance(callback, ModelIterationCheckpoint)
+            and callback.has_experiment_folder and self.has_experiment_folder
+            and callback.experiment_folder.path == self.experiment_folder.path
+            for callback in self.train_loop_obj.callbacks)
+
+    def on_epoch_end(self) -> None:
+        if self.saves_epoch_checkpoints:
+            super().on_epoch_end()
 
     def on_after_gradient_update(self, optimizer_idx: int) -> None:
         # Whether this batch ends its accumulation window with an optimizer step (also the step forced at

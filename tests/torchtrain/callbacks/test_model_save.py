@@ -175,8 +175,8 @@ class RecordSteps(AbstractCallback):
         self.after_batches.append(self.train_loop_obj.total_iteration_idx + 1)
 
 
-@pytest.mark.parametrize("save_frequency, names", [(3, ["E0_ITER3", "E1_ITER6", "E1_ITER8"]),
-                                                         (5, ["E0_ITER4", "E1_ITER9"])])
+@pytest.mark.parametrize("save_frequency, names", [(3, ["E0_ITER3", "E0", "E1_ITER6", "E1_ITER8", "E1"]),
+                                                         (5, ["E0_ITER4", "E0", "E1_ITER9", "E1"])])
 def test_iteration_checkpoints_wait_for_the_accumulation_windows_step(tmp_path, save_frequency, names):
     """5 batches per epoch, grad_accumulation=2: steps after batches 2, 4 and 5 (forced at the epoch end).
 
@@ -192,6 +192,8 @@ def test_iteration_checkpoints_wait_for_the_accumulation_windows_step(tmp_path, 
     paths = list_checkpoints(folder)
     assert [progress_suffix(path) for path in paths] == names
     for path in paths:
+        if "_ITER" not in path:
+            continue  # the epoch checkpoints that come with it, as in aitoolbox 1.x
         checkpoint = torch.load(path, weights_only=True)
         assert checkpoint["iteration_idx"] + 1 in steps.after_batches
         assert checkpoint["iteration_idx"] == int(path.rsplit("_ITER", 1)[1][:-4])
@@ -202,7 +204,42 @@ def test_keep_last_removes_older_iteration_checkpoints(tmp_path):
     tl = make_loop()
     tl.fit(num_epochs=2, callbacks=[ModelIterationCheckpoint(2, keep_last=2, **folder_arguments(tmp_path))])
     paths = list_checkpoints(os.path.join(only_run_folder(tmp_path), "checkpoint_model"))
-    assert [progress_suffix(path) for path in paths] == ["E1_ITER7", "E1_ITER9"]
+    assert [progress_suffix(path) for path in paths] == ["E0", "E1_ITER7", "E1_ITER9", "E1"]
+
+
+def test_epoch_checkpoints_come_with_iteration_checkpoints_unless_a_model_checkpoint_saves_them(tmp_path):
+    """As in aitoolbox 1.x, where ModelIterationCheckpoint extends ModelCheckpoint, it saves (and prunes) the epoch
+    checkpoints too; next to a ModelCheckpoint of the same run folder it leaves them to that one."""
+    alone = ModelIterationCheckpoint(4, **folder_arguments(tmp_path, "alone"),
+                                     rm_subopt_local_models="accumulated_loss", num_best_checkpoints_kept=1)
+    make_loop().fit(num_epochs=3, callbacks=[alone])
+    assert isinstance(alone, ModelCheckpoint) and alone.saves_epoch_checkpoints
+    names = [progress_suffix(path) for path in list_checkpoints(
+        os.path.join(only_run_folder(tmp_path, "alone"), "checkpoint_model"))]
+    assert [name for name in names if "ITER" not in name] in (["E2"], ["E0", "E2"], ["E1", "E2"])  # best 1 + newest
+
+    iteration = ModelIterationCheckpoint(4, **folder_arguments(tmp_path, "both"))
+    epoch = SaveCounter(**folder_arguments(tmp_path, "both"))
+    make_loop().fit(num_epochs=3, callbacks=[iteration, epoch])
+    assert not iteration.saves_epoch_checkpoints and epoch.saved == 3  # each epoch file written once
+    names = [progress_suffix(path) for path in list_checkpoints(
+        os.path.join(only_run_folder(tmp_path, "both"), "checkpoint_model"))]
+    assert [name for name in names if "ITER" not in name] == ["E0", "E1", "E2"]
+    other_folder = ModelIterationCheckpoint(4, **folder_arguments(tmp_path, "third"))
+    make_loop().fit(num_epochs=1, callbacks=[other_folder, ModelCheckpoint(**folder_arguments(tmp_path, "fourth"))])
+    assert other_folder.saves_epoch_checkpoints  # a ModelCheckpoint of another folder does not count
+
+
+class SaveCounter(ModelCheckpoint):
+    """A ModelCheckpoint counting its epoch saves."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.saved = 0
+
+    def on_epoch_end(self):
+        super().on_epoch_end()
+        self.saved += 1
 
 
 # --- background saves --------------------------------------------------------------------------------------------
