@@ -1,23 +1,17 @@
 """Checkpoint callbacks: every epoch (keeping the best k), every N iterations, and the final model at the end."""
-import concurrent.futures
 import logging
 import os
-import threading
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from aitoolbox.experiment.local_save.checkpoints import (
     checkpoint_file_name, checkpoint_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
-    remove_checkpoint, save_checkpoint_file, snapshot_checkpoint, write_checkpoint_ranking)
-from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
+    remove_checkpoint, write_checkpoint_ranking)
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
-from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
+from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHECKPOINT_EXECUTION_ORDER: used from here)
+    CHECKPOINT_EXECUTION_ORDER, CheckpointCallback)
+from aitoolbox.torchtrain.callbacks.experiment import scalar_value
 
 logger = logging.getLogger(__name__)
-
-# Checkpoints run after every other epoch-end callback (LR schedulers, metrics), so what they save is
-# exactly the state the next epoch starts from.
-CHECKPOINT_EXECUTION_ORDER = 100
-
 
 def _position(path: str):
     """:func:`checkpoint_position` of a checkpoint file or sharded checkpoint folder."""
@@ -30,207 +24,7 @@ def higher_is_better(metric_name: str) -> bool:
     return not ("loss" in name or "error" in name)
 
 
-class _CheckpointCallback(AbstractExperimentCallback):
-    """Shared parts: hyperparameters, the save itself (now or in the background), the upload of what was saved,
-    and the error that keeps the in-memory state usable."""
-
-    def __init__(self, callback_name: str, project_name, experiment_name, local_model_result_folder_path,
-                 hyperparams: Optional[dict], cloud_save_mode=None, background_save: bool = False,
-                 execution_order: int = CHECKPOINT_EXECUTION_ORDER, bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None):
-        super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
-        if hyperparams is not None and not isinstance(hyperparams, dict):
-            raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
-        if not isinstance(background_save, bool):
-            raise TypeError(f"background_save must be True or False, got {background_save!r}")
-        self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
-        self.background_save = background_save
-        self._writer: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._pending_save: Optional[concurrent.futures.Future] = None
-        self._last_snapshot: Optional[dict] = None  # host memory the next snapshot is copied into
-        self._abandon = threading.Event()  # set: the background save in flight stops and leaves no file
-        self._save_group = None  # sharded saves: the process group DCP's collectives run in
-
-    def __getstate__(self) -> dict:
-        # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
-        state = self.__dict__.copy()
-        state["_writer"] = None
-        state["_pending_save"] = None
-        state["_last_snapshot"] = None
-        state["_abandon"] = None
-        state["_save_group"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._abandon = threading.Event()
-
-    def on_train_loop_registration(self) -> None:
-        super().on_train_loop_registration()
-        if self.hyperparams and self.experiment_folder.hyperparams is None:
-            # A folder of the callback's own: write the hyperparameters when the first checkpoint creates it.
-            self.experiment_folder.hyperparams = self.hyperparams
-
-    @property
-    def saves_shards(self) -> bool:
-        """Every process writes its shards of the model and optimizer states (``gpu_mode='fsdp'``): checkpoints
-        are DCP folders (see :mod:`~aitoolbox.experiment.local_save.sharded_checkpoints`)."""
-        return bool(self.train_loop_obj.shards_parameters)
-
-    def on_train_begin(self) -> None:
-        super().on_train_begin()
-        if self.cloud_destination is not None and self.is_main_process:
-            self.cloud_upload_run_files()  # the hyperparameters of a folder made when the preset was built
-        if self.saves_shards and self._save_group is None:
-            # Every process, at the same point: DCP's collectives (in a background thread for background_save)
-            # get a gloo group of their own, apart from training's.
-            self._save_group = checkpoint_process_group()
-
-    def on_train_end(self) -> None:
-        try:
-            self.wait_for_pending_save()
-        finally:
-            self._stop_writer()
-
-    def on_exception(self, exception: BaseException) -> None:
-        """Complete the background save in flight, then stop the writer thread.
-
-        The newest checkpoint file is then complete, and the previous ones are kept until it is. Should that
-        save fail, its error is logged (``fit`` raises the exception that stopped training). Another
-        KeyboardInterrupt while waiting abandons the save instead: its temporary file is removed and the
-        previous checkpoint stays the newest.
-        """
-        try:
-            self.wait_for_pending_save()
-        except KeyboardInterrupt:
-            self._abandon.set()
-            logger.warning("%s: interrupted while waiting for the checkpoint being written; abandoning it (the "
-                           "previous checkpoint stays the newest)", type(self).__name__)
-        except Exception as error:  # reported here: fit re-raises what stopped training
-            logger.error("%s: the checkpoint being written when training stopped could not be saved: %s",
-                         type(self).__name__, error)
-        finally:
-            self._stop_writer()
-
-    def _stop_writer(self) -> None:
-        """Let the writer thread finish (after an abandoned save: quickly) and drop the host-memory copy."""
-        writer, self._writer, self._pending_save = self._writer, None, None
-        if writer is not None:
-            writer.shutdown(wait=True)
-        self._abandon = threading.Event()  # a later fit saves again
-        self._last_snapshot = None
-
-    def wait_for_pending_save(self) -> None:
-        """Return once the background save in flight, if any, is complete; raise the error it met.
-
-        Called before the next save and at the end of training, so ``fit`` never returns before the last
-        checkpoint is on disk, and a failed background save stops training one checkpoint later.
-        """
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.result()
-
-    def _save(self, checkpoint: dict, folder: str, file_name: str,
-              after_save: Optional[Callable[[str], None]] = None) -> str:
-        """Write ``checkpoint`` to ``folder/file_name`` and then run ``after_save(path)``; returns the path.
-
-        With ``background_save`` the state is first copied to host memory (the stall training sees), into the
-        previous save's copy when there is one, and the write happens in a thread while training goes on; one
-        save is in flight at a time.
-        """
-        path = os.path.join(folder, file_name)
-        try:
-            self.ensure_folder(folder)
-        except OSError as error:
-            raise self._save_error(error, path) from error
-        if not self.background_save:
-            self._write(checkpoint, folder, file_name, after_save)
-            return path
-        self.wait_for_pending_save()  # also frees the last snapshot for reuse
-        snapshot = snapshot_checkpoint(checkpoint, reuse=self._last_snapshot)
-        self._last_snapshot = snapshot
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix="aitoolbox-checkpoint")
-        self._pending_save = self._writer.submit(self._write, snapshot, folder, file_name, after_save)
-        return path
-
-    def _save_checkpoint(self, mid_epoch: bool, folder: str, file_name: str,
-                         after_save: Optional[Callable[[str], None]] = None) -> Optional[str]:
-        """Capture the loop's state and save it as ``folder/file_name`` (a call in every process): one file written
-        by the main process, or under sharding a DCP folder every process writes into. Returns the path in the
-        main process, None in the others."""
-        tl = self.train_loop_obj
-        if self.saves_shards:
-            return self._save_shards(mid_epoch, folder, file_name, after_save)
-        checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.hyperparams)
-        if not self.is_main_process:
-            return None
-        return self._save(checkpoint, folder, file_name, after_save)
-
-    def _save_shards(self, mid_epoch: bool, folder: str, file_name: str,
-                     after_save: Optional[Callable[[str], None]]) -> Optional[str]:
-        """Every process writes its shards into the folder named after ``file_name`` (without ``.pth``), with the
-        training state beside them. With ``background_save`` DCP writes in the background; the main process
-        completes the folder and then runs ``after_save(path)``."""
-        tl = self.train_loop_obj
-        path, error = None, None
-        if self.is_main_process:  # the run folder (and its timestamp) is the main process's
-            path = os.path.join(folder, sharded_checkpoint_name(file_name))
-            try:
-                self.ensure_folder(folder)
-            except OSError as os_error:
-                error = str(self._save_error(os_error, path))
-        path, error = tl.broadcast_object((path, error))
-        if error is not None:
-            raise OSError(error)
-        self.wait_for_pending_save()  # one save in flight at a time, in every process
-        try:
-            handle = tl.save_sharded_checkpoint(path, mid_epoch, self.hyperparams, async_save=self.background_save,
-                                                process_group=self._save_group)
-        except OSError as os_error:
-            raise self._save_error(os_error, path) from os_error
-        run_after = after_save if self.is_main_process else None
-
-        def complete() -> None:
-            handle.wait()
-            logger.debug("saved sharded checkpoint %s", path)
-            self.cloud_upload(path)  # the main process: the whole folder, complete now; its marker goes up last
-            if run_after is not None:
-                run_after(path)
-
-        if not self.background_save:
-            complete()
-            return path if self.is_main_process else None
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix="aitoolbox-checkpoint")
-        self._pending_save = self._writer.submit(complete)
-        return path if self.is_main_process else None
-
-    def _write(self, checkpoint: dict, folder: str, file_name: str,
-               after_save: Optional[Callable[[str], None]]) -> None:
-        try:
-            path = save_checkpoint_file(checkpoint, folder, file_name, abandon=self._abandon)
-        except OSError as error:
-            raise self._save_error(error, os.path.join(folder, file_name)) from error
-        logger.debug("saved checkpoint %s", path)
-        self.cloud_upload(path)  # queued: the file goes up as it is now, even if pruning removes it later
-        if after_save is not None:
-            after_save(path)  # e.g. delete older checkpoints: only once the new one is complete
-
-    def _save_error(self, error: OSError, path: str) -> OSError:
-        reason = str(error.strerror or error).rstrip(".")
-        message = (f"{type(self).__name__} could not save {path}: {reason}. Training stopped; the TrainLoop still "
-                   "holds the trained state in memory (save it elsewhere with torch.save(tl.checkpoint_state(), "
-                   "path)).")
-        if error.errno is None:  # e.g. FileExistsError(message): keep its type
-            return type(error)(message)
-        return OSError(error.errno, message)  # OSError picks the subclass of the errno
-
-
-class ModelCheckpoint(_CheckpointCallback):
+class ModelCheckpoint(CheckpointCallback):
     """Save a checkpoint at the end of every epoch; optionally keep only the best ones.
 
     Files: ``checkpoint_model/model_<experiment>_<timestamp>_E<epoch>.pth`` holding aitoolbox 1.x's keys
@@ -408,7 +202,7 @@ class ModelIterationCheckpoint(ModelCheckpoint):
             self._written = self._written[-self.keep_last:]
 
 
-class ModelTrainEndSave(_CheckpointCallback):
+class ModelTrainEndSave(CheckpointCallback):
     """At the end of training: save the final model, evaluate the result packages, write the results.
 
     Files: ``model/model_<experiment>_<timestamp>.pth`` (a full checkpoint), ``results/results.json`` with the
