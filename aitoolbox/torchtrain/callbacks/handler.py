@@ -80,7 +80,7 @@ class CallbacksHandler:
         rank = self.train_loop_obj.strategy.rank
         kept = [cb for cb in self.callbacks if cb.device_idx_execution is None or cb.device_idx_execution == rank]
         if len(kept) != len(self.callbacks):
-            self.callbacks = kept
+            self.callbacks[:] = kept  # in place: the TrainLoop's ``callbacks`` is this same list
             self._index_hooks()
 
     def _index_hooks(self) -> None:

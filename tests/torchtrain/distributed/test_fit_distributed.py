@@ -253,8 +253,10 @@ class TouchFileOnTrainBegin(AbstractCallback):
 
     def on_train_begin(self):
         rank = self.train_loop_obj.strategy.rank
-        with open(os.path.join(self.folder, f"{self.name}_rank{rank}"), "w"):
-            pass
+        with open(os.path.join(self.folder, f"{self.name}_rank{rank}"), "w") as handle:
+            # What the loop lists as its callbacks in this process.
+            handle.write(",".join(sorted(cb.name for cb in self.train_loop_obj.callbacks
+                                         if isinstance(cb, TouchFileOnTrainBegin))))
 
 
 def test_callbacks_registered_before_fit_distributed_run_only_in_their_rank(tmp_path):
@@ -267,3 +269,5 @@ def test_callbacks_registered_before_fit_distributed_run_only_in_their_rank(tmp_
                        num_gpus=2, start_method="fork")
     assert sorted(os.listdir(tmp_path)) == ["everywhere_rank0", "everywhere_rank1", "given_to_fit_rank1_only_rank1",
                                             "rank0_only_rank0"]
+    listed = {rank: (tmp_path / f"everywhere_rank{rank}").read_text() for rank in (0, 1)}
+    assert listed == {0: "everywhere,rank0_only", 1: "everywhere,given_to_fit_rank1_only"}
