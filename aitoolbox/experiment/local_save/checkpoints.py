@@ -58,13 +58,19 @@ def list_checkpoints(folder: str) -> List[str]:
     named = []
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if os.path.isdir(path):
-            position = checkpoint_position(f"{name}.pth") if is_sharded_checkpoint(path) else None
-        else:
-            position = checkpoint_position(name)
+        if os.path.isdir(path) and not is_sharded_checkpoint(path):
+            continue
+        position = checkpoint_path_position(path)
         if position is not None:
             named.append((position, name))
     return [os.path.join(folder, name) for position, name in sorted(named)]
+
+
+def checkpoint_path_position(path: str) -> Optional[Tuple[int, int, int]]:
+    """:func:`checkpoint_position` of a checkpoint file, or of a sharded checkpoint's folder (named as its file
+    without ``.pth``)."""
+    name = os.path.basename(path)
+    return checkpoint_position(f"{name}.pth" if os.path.isdir(path) else name)
 
 
 def remove_checkpoint(path: str) -> None:

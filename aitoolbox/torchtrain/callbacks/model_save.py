@@ -4,7 +4,7 @@ import os
 from typing import Optional, Union
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    checkpoint_file_name, checkpoint_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
+    checkpoint_file_name, checkpoint_path_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
     remove_checkpoint, write_checkpoint_ranking)
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHECKPOINT_EXECUTION_ORDER: used from here)
@@ -12,12 +12,6 @@ from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHE
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
 
 logger = logging.getLogger(__name__)
-
-def _position(path: str):
-    """:func:`checkpoint_position` of a checkpoint file or sharded checkpoint folder."""
-    name = os.path.basename(path)
-    return checkpoint_position(name if name.endswith(".pth") else f"{name}.pth")
-
 
 def higher_is_better(metric_name: str) -> bool:
     name = metric_name.lower()
@@ -191,10 +185,15 @@ class ModelIterationCheckpoint(ModelCheckpoint):
             # The iteration checkpoints an earlier process wrote into this run folder before this one (a resumed
             # run) count too; any after it (a run continued from an older checkpoint) are left alone.
             self._earlier_listed = True
-            position = _position(path)
+            position = checkpoint_path_position(path)
+
+            def iteration_checkpoint_before(earlier: str) -> bool:
+                earlier_position = checkpoint_path_position(earlier)  # not None: list_checkpoints lists checkpoints
+                return earlier_position[1] == 0 and earlier_position < position
+
             self._written = [earlier for earlier in list_checkpoints(os.path.dirname(path))
-                             if earlier != path and earlier not in self._written and _position(earlier) is not None
-                             and _position(earlier)[1] == 0 and _position(earlier) < position] + self._written
+                             if earlier != path and earlier not in self._written
+                             and iteration_checkpoint_before(earlier)] + self._written
         self._written.append(path)
         if self.keep_last is not None:
             for old in self._written[:-self.keep_last]:
