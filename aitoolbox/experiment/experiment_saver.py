@@ -85,9 +85,8 @@ class BaseFullExperimentSaver(AbstractExperimentSaver):
         return model_path, results_path
 
 
-def _model_saver_and_results_saver(service: str, keras: bool, bucket_name: str, cloud_dir_prefix: str,
-                                   local_model_result_folder_path: str,
-                                   uploader: Optional["CloudUploader"]) -> Tuple[Any, Any]:
+def _cloud_saver_classes(service: str, keras: bool) -> Tuple[Any, Any]:
+    """The (model saver, results saver) classes of ``service``."""
     # Imported here: the cloud savers import the local savers, which import this module.
     if service == "s3":
         from aitoolbox.cloud.AWS.model_save import KerasS3ModelSaver as KerasSaver
@@ -97,10 +96,7 @@ def _model_saver_and_results_saver(service: str, keras: bool, bucket_name: str, 
         from aitoolbox.cloud.GoogleCloud.model_save import KerasGoogleStorageModelSaver as KerasSaver
         from aitoolbox.cloud.GoogleCloud.model_save import PyTorchGoogleStorageModelSaver as PyTorchSaver
         from aitoolbox.cloud.GoogleCloud.results_save import GoogleStorageResultsSaver as ResultsSaver
-    model_saver_class = KerasSaver if keras else PyTorchSaver
-    model_saver = model_saver_class(bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader=uploader)
-    results_saver = ResultsSaver(bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader=uploader)
-    return model_saver, results_saver
+    return (KerasSaver if keras else PyTorchSaver), ResultsSaver
 
 
 class _CloudExperimentSaver(BaseFullExperimentSaver):
@@ -115,10 +111,13 @@ class _CloudExperimentSaver(BaseFullExperimentSaver):
     def __init__(self, model_saver: Any, project_name: str, experiment_name: str, bucket_name: str = "model-result",
                  cloud_dir_prefix: str = "", local_model_result_folder_path: str = "~/project/model_result", *,
                  uploader: Optional["CloudUploader"] = None):
-        default_model_saver, results_saver = _model_saver_and_results_saver(
-            self.service, self.keras, bucket_name, cloud_dir_prefix, local_model_result_folder_path, uploader)
-        super().__init__(model_saver if model_saver is not None else default_model_saver, results_saver,
-                         project_name, experiment_name)
+        model_saver_class, results_saver_class = _cloud_saver_classes(self.service, self.keras)
+        if model_saver is None:
+            model_saver = model_saver_class(bucket_name, cloud_dir_prefix, local_model_result_folder_path,
+                                            uploader=uploader)
+        results_saver = results_saver_class(bucket_name, cloud_dir_prefix, local_model_result_folder_path,
+                                            uploader=uploader)
+        super().__init__(model_saver, results_saver, project_name, experiment_name)
         self.bucket_name = bucket_name
         self.cloud_dir_prefix = cloud_dir_prefix
         self.local_model_result_folder_path = local_model_result_folder_path
