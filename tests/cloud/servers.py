@@ -101,8 +101,13 @@ class FaultyProxy:
     - ``drop_next(n)``: the next ``n`` connections are closed at once (a connection reset);
     - ``delay_s``: each chunk forwarded waits this long (a slow network);
     - ``cut_after_bytes``: once that many request bytes have gone through, every connection is closed and new
-      ones are dropped (the network goes down in the middle of an upload).
+      ones are dropped (the network goes down in the middle of an upload);
+    - ``hold()`` / ``release()``: nothing is forwarded between the two (a network stalled for as long as the test
+      needs, so "still uploading" holds however fast or slow the machine is). A hold ends by itself after
+      ``HOLD_LIMIT_S``, so a test that forgets to release fails instead of hanging.
     """
+
+    HOLD_LIMIT_S = 120.0
 
     def __init__(self, upstream_port: int):
         self.upstream_port = upstream_port
@@ -113,6 +118,8 @@ class FaultyProxy:
         self._drop = 0
         self._down = False
         self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
         self._sockets: List[socket.socket] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -125,6 +132,12 @@ class FaultyProxy:
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     def drop_next(self, connections: int) -> None:
         with self._lock:
@@ -162,6 +175,7 @@ class FaultyProxy:
                 data = source.recv(65536)
                 if not data:
                     break
+                self._open.wait(self.HOLD_LIMIT_S)
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 if request:
@@ -191,6 +205,7 @@ class FaultyProxy:
                 sock.close()
 
     def close(self) -> None:
+        self._open.set()
         with contextlib.suppress(OSError):
             self._listener.close()
         self._close_all()

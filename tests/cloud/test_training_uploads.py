@@ -81,9 +81,9 @@ class Probe(AbstractCallback):
     """After the checkpoints of each epoch (and before the uploads are waited for): runs ``at_epoch_end(tl)``
     and records the uploads still pending then."""
 
-    def __init__(self, at_epoch_end=None):
+    def __init__(self, at_epoch_end=None, at_train_end=None):
         super().__init__("probe", execution_order=500)
-        self.at_epoch_end = at_epoch_end
+        self.at_epoch_end, self.at_train_end = at_epoch_end, at_train_end
         self.pending_at_epoch_end, self.pending_at_train_end = [], None
 
     def on_epoch_end(self):
@@ -93,6 +93,8 @@ class Probe(AbstractCallback):
 
     def on_train_end(self):
         self.pending_at_train_end = CloudUploads.of(self.train_loop_obj).pending
+        if self.at_train_end is not None:
+            self.at_train_end(self.train_loop_obj)
 
 
 def test_a_preset_run_uploads_every_file_under_1_8s_keys(service, bucket, tmp_path):
@@ -147,14 +149,14 @@ def test_a_preset_run_uploads_every_file_under_1_8s_keys(service, bucket, tmp_pa
 
 
 def test_uploads_do_not_stall_training_and_fit_returns_once_they_are_done(service, bucket, proxy, tmp_path):
-    proxy.delay_s = 0.1  # a slow network: every chunk forwarded waits
-    probe = Probe()
+    # The network stalls for the whole training: no upload can finish before the uploads are waited for, so
+    # training that went on through three epochs never waited for one.
+    proxy.hold()
+    probe = Probe(at_train_end=lambda tl: proxy.release())
     tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, **cloud(service, bucket))
     tl.fit(num_epochs=3, callbacks=[probe])
-    # Each epoch ended with its checkpoint (at least) still uploading, and so did training: it never waited.
     assert all(pending >= 1 for pending in probe.pending_at_epoch_end) and probe.pending_at_train_end >= 1
     assert CloudUploads.of(tl).pending == 0  # fit returned only once they were done
-    proxy.delay_s = 0.0
     keys = list_cloud_checkpoints(bucket, f"team/proj/exp_{tl.experiment_timestamp}/checkpoint_model")
     assert [os.path.basename(key) for key in keys] == [f"model_exp_{tl.experiment_timestamp}_E{epoch}.pth"
                                                        for epoch in range(3)]

@@ -2,7 +2,6 @@
 local files, and upload a file as it was when submitted."""
 import os
 import threading
-import time
 
 import pytest
 
@@ -25,19 +24,15 @@ def test_submit_returns_before_a_slow_upload_finishes(service, proxy, tmp_path):
     uploader = CloudUploader(make_storage(service, name))
     data = os.urandom(300_000)
     local = write(tmp_path / "model_exp_ts_E1.pth", data)
-    proxy.delay_s = 0.05  # a slow network: each forwarded chunk waits
+    proxy.hold()  # the network stalls: the upload cannot finish until the test releases it
 
-    started = time.perf_counter()
     future = uploader.submit(local, "run/checkpoint_model/model_exp_ts_E1.pth")
-    submit_seconds = time.perf_counter() - started
+    # submit returned although nothing can reach the bucket yet: it did not wait for the upload.
     assert not future.done() and uploader.pending == 1
-
+    proxy.release()
     uris = uploader.wait(timeout=60)
-    # 300 kB go through in reads of at most 64 kiB, each delayed 50 ms: the upload takes 0.25 s or more.
-    assert time.perf_counter() - started >= 0.25 and submit_seconds < 0.1
     assert uris == [f"{uploader.storage.uri('run/checkpoint_model/model_exp_ts_E1.pth')}"]
     assert future.result() == uris[0] and uploader.pending == 0
-    proxy.delay_s = 0.0
     assert uploader.storage.download_bytes("run/checkpoint_model/model_exp_ts_E1.pth") == data
     uploader.close()
 
@@ -193,12 +188,11 @@ def test_an_interrupted_close_stops_waiting_and_drops_the_uploads_not_started(bu
         raise KeyboardInterrupt  # Ctrl-C while waiting
 
     uploader.wait = interrupted_wait
-    safety = threading.Timer(10, release.set)  # were close to wait after all, the test fails instead of hanging
+    safety = threading.Timer(120, release.set)  # were close to wait after all, the test fails instead of hanging
     safety.start()
-    started = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         uploader.close()
-    assert time.perf_counter() - started < 5  # it did not wait for the job in progress
+    assert not release.is_set()  # close returned while the job in progress was still blocked: it did not wait
     safety.cancel()
     assert later.cancelled()
     release.set()

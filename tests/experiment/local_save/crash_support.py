@@ -64,13 +64,19 @@ def _writer_child(fn: Callable, args: Sequence[Any]) -> None:
 
 
 def kill_at_random_moments(writer: Callable, args_for_run: Callable[[int], Sequence[Any]],
-                           after_kill: Callable[[int], None], kills: int = 10, min_delay: float = 0.05,
-                           max_delay: float = 0.5, seed: int = 0) -> List[float]:
-    """Start ``writer(*args_for_run(i))`` in a forked child, SIGKILL it after a random delay, call
+                           after_kill: Callable[[int], None], ready: Callable[[int], bool], kills: int = 10,
+                           min_delay: float = 0.0, max_delay: float = 0.5, seed: int = 0,
+                           ready_timeout_s: float = 180.0) -> List[float]:
+    """Start ``writer(*args_for_run(i))`` in a forked child, wait until ``ready(i)`` (something the writer made
+    observable on disk, such as its first complete save), SIGKILL it after a further random delay, call
     ``after_kill(i)``; ``kills`` times, restarting the writer each time. Returns the delays used.
 
+    The random delay is counted from ``ready``, not from the start, so on a busy machine, where the child takes
+    longer to get going, every run still has something to check.
+
     Raises:
-        AssertionError: a writer exited by itself before it was killed (it must write until killed).
+        AssertionError: a writer exited by itself before it was killed (it must write until killed), or it was
+            not ready within ``ready_timeout_s`` (a hang fails the test, not the suite).
     """
     delays = []
     rng = random.Random(seed)
@@ -78,6 +84,14 @@ def kill_at_random_moments(writer: Callable, args_for_run: Callable[[int], Seque
         delay = rng.uniform(min_delay, max_delay)
         process = _FORK.Process(target=_writer_child, args=(writer, tuple(args_for_run(run))), daemon=True)
         process.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not ready(run):
+            if not process.is_alive() or time.monotonic() > deadline:
+                process.kill()
+                process.join()
+                raise AssertionError(f"writer run {run} was not ready within {ready_timeout_s} s "
+                                     f"(exit code {process.exitcode})")
+            time.sleep(0.01)
         time.sleep(delay)
         assert process.is_alive(), f"writer run {run} ended by itself (exit code {process.exitcode}) before the kill"
         process.kill()  # SIGKILL: no cleanup, no atexit, no flushing

@@ -192,29 +192,34 @@ def test_a_failed_write_with_background_flushes_running_names_the_file_and_keeps
     assert result["threads_left"] == []
 
 
-def _save_forever(path: str) -> None:
-    """Write ~2 MB checkpoints whose every element equals the step number, until killed."""
+def _save_forever(path: str, first_save_marker: str) -> None:
+    """Write ~2 MB checkpoints whose every element equals the step number, until killed; create
+    ``first_save_marker`` once the first one is complete."""
     step = 0
     while True:
         step += 1
         torch_save_atomic({"step": step, "w": torch.full((512, 1024), float(step))}, path)
+        if step == 1:
+            open(first_save_marker, "w").close()
 
 
 @pytest.mark.slow
 def test_a_writer_killed_at_random_moments_never_leaves_a_partial_file(tmp_path):
-    path = str(tmp_path / "model.pth")
+    folder = tmp_path / "checkpoints"
+    markers = tmp_path / "markers"
+    folder.mkdir()
+    markers.mkdir()
+    path = str(folder / "model.pth")
     seen = []
 
     def check(run: int) -> None:
-        if not os.path.exists(path):  # killed before its first save completed
-            assert run == 0 or seen, "an earlier complete checkpoint disappeared"
-            return
         checkpoint = torch_load_checked(path)
         assert checkpoint["w"].shape == (512, 1024)
         assert torch.equal(checkpoint["w"], torch.full((512, 1024), float(checkpoint["step"])))
         seen.append(checkpoint["step"])
 
-    kill_at_random_moments(_save_forever, lambda run: (path,), check, kills=10)
-    assert len(seen) >= 8, f"too few kills found a checkpoint to check: {seen}"
+    kill_at_random_moments(_save_forever, lambda run: (path, str(markers / f"run{run}")), check,
+                           ready=lambda run: (markers / f"run{run}").exists(), kills=10)
+    assert len(seen) == 10
     # A kill mid-write leaves at most temporary files; they never replace or hide the complete checkpoint.
-    assert set(os.listdir(tmp_path)) - {"model.pth"} == set(temp_files(tmp_path))
+    assert set(os.listdir(folder)) - {"model.pth"} == set(temp_files(folder))

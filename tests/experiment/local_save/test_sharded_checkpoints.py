@@ -358,7 +358,7 @@ def _fill(model: nn.Module, optimizer: torch.optim.Optimizer, value: float) -> N
                 (tensor.to_local() if hasattr(tensor, "to_local") else tensor).fill_(value)
 
 
-def _save_until_killed(rank: int, world_size: int, folder: str, first_value: int) -> None:
+def _save_until_killed(rank: int, world_size: int, folder: str, first_value: int, started_marker: str) -> None:
     model, optimizer = sharded_mlp(seed=0, world_size=world_size)
     train(model, optimizer, steps=1, seed=rank)
     value = first_value
@@ -367,6 +367,10 @@ def _save_until_killed(rank: int, world_size: int, folder: str, first_value: int
         # Three names in turn: later saves replace earlier folders.
         save_sharded_checkpoint(os.path.join(folder, f"model_x_ts_E{value % 3}"), model, optimizer,
                                 {"value": value, "rank": rank}).wait()
+        if value == first_value and rank == 0:
+            # Tells the test that this run's first save is complete on disk: the kill moment is chosen after it,
+            # so a slow start on a busy machine cannot leave a run with nothing to check.
+            open(started_marker, "w").close()
         value += 1
 
 
@@ -380,8 +384,23 @@ def _rank_main(fn, rank: int, world_size: int, init_method: str, args, backend: 
         dist.destroy_process_group()
 
 
+def _wait_for_file(path: str, processes, timeout_s: float) -> None:
+    """Wait until ``path`` exists; fail (killing ``processes``) if a process dies first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        dead = [process.exitcode for process in processes if not process.is_alive()]
+        if dead or time.monotonic() > deadline:
+            for process in processes:
+                process.kill()
+            pytest.fail(f"no complete first save within {timeout_s} s (exit codes of dead ranks: {dead})")
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_killing_both_ranks_at_random_moments_leaves_only_complete_checkpoints(tmp_path):
+    """Both ranks are SIGKILLed at a random moment of a stream of saves, four times; the folder holds only complete
+    checkpoints (each one save's values throughout) and temporary folders. The random moment is counted from
+    the run's first complete save, so the test does not depend on how fast the ranks start."""
     folder = str(tmp_path / "checkpoint_model")
     os.makedirs(folder)
     context = multiprocessing.get_context("forkserver")
@@ -390,12 +409,15 @@ def test_killing_both_ranks_at_random_moments_leaves_only_complete_checkpoints(t
     interrupted, checked = 0, 0
     for run in range(4):
         store = tmp_path / f"store_{run}"
+        started = str(tmp_path / f"first_save_done_{run}")
         processes = [context.Process(target=_rank_main, daemon=True,
-                                     args=(_save_until_killed, rank, 2, f"file://{store}", (folder, 1000 * (run + 1))))
+                                     args=(_save_until_killed, rank, 2, f"file://{store}",
+                                           (folder, 1000 * (run + 1), started)))
                      for rank in range(2)]
         for process in processes:
             process.start()
-        time.sleep(rng.uniform(2.0, 3.5))
+        _wait_for_file(started, processes, timeout_s=180)
+        time.sleep(rng.uniform(0.0, 1.0))
         assert all(process.is_alive() for process in processes), [process.exitcode for process in processes]
         for process in processes:
             process.kill()  # SIGKILL, as a machine failure

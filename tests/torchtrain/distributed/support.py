@@ -208,7 +208,7 @@ def recorded_pids(folder) -> Dict[str, int]:
     return {path.name: int(path.read_text()) for path in Path(folder).glob("pid-*")}
 
 
-def wait_until_gone(pids: Iterable[int], timeout_s: float = 5.0) -> List[int]:
+def wait_until_gone(pids: Iterable[int], timeout_s: float = 60.0) -> List[int]:
     """Wait until none of ``pids`` runs; return those still running at the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
