@@ -16,6 +16,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from aitoolbox.torchtrain.precision.factory import cpu_capability, cpu_has_native_bfloat16
+
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS_DIR.parent
 RESULTS_PATH = BENCHMARKS_DIR / "RESULTS.md"
@@ -50,6 +52,9 @@ def machine_info(device: torch.device) -> Dict[str, str]:
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": f"{cpu_model()} ({usable_cores} usable cores of {os.cpu_count()})",
+        # use_amp=True trains in bfloat16 only where the CPU computes it natively (else float32): numbers of
+        # mixed-precision runs on the CPU mean little without this line.
+        "cpu capability": f"{cpu_capability()}, native bfloat16: {'yes' if cpu_has_native_bfloat16() else 'no'}",
         "torch threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -1,4 +1,5 @@
 """Shared test fixtures: a tiny regression model, its data, and a hand-written PyTorch training loop."""
+import os
 from typing import Callable, Optional, Sequence, Set
 
 import pytest
@@ -7,6 +8,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.precision.factory import NATIVE_BFLOAT16_ENV
+
+# use_amp=True means bfloat16 autocast on a CPU with native bfloat16 and float32 on one without (it would be ~10x
+# slower there). The suite checks the bfloat16 path whatever CPU runs it, so it answers "native" for every test
+# and for every process the tests start; the tests of the float32 fallback set "0" themselves.
+os.environ[NATIVE_BFLOAT16_ENV] = "1"
 
 
 class TinyRegressor(TTModel):

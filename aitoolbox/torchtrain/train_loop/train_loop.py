@@ -68,7 +68,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             holding a shard of the parameters, gradients and optimizer state: FSDP2).
         cuda_device_idx: the GPU to train on in single mode; None picks the current one (or the CPU).
         use_amp: mixed precision: False, True (autocast in the device's default low-precision dtype with
-            dynamic loss scaling where needed), or a dict of ``amp.initialize`` keyword arguments.
+            dynamic loss scaling where needed; float32, with a warning, on a CPU without native bfloat16, where
+            bfloat16 is emulated and slower), or a dict of ``amp.initialize`` keyword arguments (honoured as given).
         show_progress: show tqdm progress bars.
         torch_compile: compile the model's forward (in place: ``state_dict`` keys are unchanged) and the optimizers'
             steps with ``torch.compile``: False, True (torch's defaults), or a dict of ``torch.compile`` options

@@ -9,7 +9,9 @@ from torch import nn
 from aitoolbox.torchtrain import amp
 from aitoolbox.torchtrain.amp.properties import resolve_properties
 from aitoolbox.torchtrain.model import FeedDefinitionModel
-from aitoolbox.torchtrain.precision.factory import autocast_precision, default_low_precision_dtype, full_precision
+from aitoolbox.torchtrain.precision.factory import (
+    autocast_precision, default_low_precision_dtype, default_mixed_precision_helps, full_precision,
+    warn_float32_fallback)
 from aitoolbox.torchtrain.precision.loss_scaler import LossScaler
 from aitoolbox.torchtrain.precision.model_cast import register_upcast_state_dict
 from aitoolbox.torchtrain.precision.precision import Precision
@@ -59,6 +61,16 @@ def use_amp_meaning(use_amp: Union[bool, dict, None]) -> str:
     return "amp_initialize" if amp_keys else "default"
 
 
+def falls_back_to_float32(meaning: str, device: torch.device) -> bool:
+    """Whether a ``use_amp`` that names no precision (True, or a GradScaler dict) trains in float32 on ``device``
+    because mixed precision would slow it down (a CPU without native bfloat16); warns once when so. An explicit
+    ``amp.initialize`` dict (an opt level, ``cast_model_type``...) is always honoured as given."""
+    if meaning not in ("default", "grad_scaler") or default_mixed_precision_helps(device.type):
+        return False
+    warn_float32_fallback()
+    return True
+
+
 def check_use_amp(use_amp: Union[bool, dict, None], device: torch.device) -> None:
     """Validate ``use_amp`` in the constructor, so a bad setting fails before any training."""
     meaning = use_amp_meaning(use_amp)
@@ -75,7 +87,8 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
 
     Args:
         use_amp: False for float32; True for autocast in the device's default low-precision dtype with
-            dynamic loss scaling where the dtype needs it (or the configuration of a model the user already
+            dynamic loss scaling where the dtype needs it, on a device where that is faster (a CPU without
+            native bfloat16 trains in float32, with a warning) (or the configuration of a model the user already
             passed through ``amp.initialize``); a dict of ``amp.initialize`` keyword arguments (with bfloat16
             no loss scaling unless the dict has ``loss_scale``); or a dict of
             ``torch.amp.GradScaler`` arguments (aitoolbox 1.8): autocast with dynamic scaling set that way.
@@ -98,6 +111,8 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
                            "amp configuration anyway (pass use_amp=True to silence this)",
                            existing.properties.opt_level)
         return existing.precision()
+    if falls_back_to_float32(meaning, device):
+        return full_precision(device.type)
     if meaning == "grad_scaler":
         scaler_args = {key: value for key, value in use_amp.items() if key != "enabled"}
         return autocast_precision(device.type, loss_scaler=LossScaler.from_grad_scaler_args(**scaler_args))
@@ -139,7 +154,7 @@ def create_sharded_precision(use_amp: Union[bool, dict, None], model: nn.Module,
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
     meaning = use_amp_meaning(use_amp)
-    if meaning == "off":
+    if meaning == "off" or falls_back_to_float32(meaning, device):
         return full_precision(device.type), None
     if meaning == "grad_scaler":
         scaler_args = {key: value for key, value in use_amp.items() if key != "enabled"}
