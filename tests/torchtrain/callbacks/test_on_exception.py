@@ -10,7 +10,9 @@ thread: it waits there until the test lets it go. The second Ctrl-C is a real SI
 import collections
 import os
 import signal
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -117,6 +119,20 @@ def test_on_exception_completes_the_checkpoint_in_flight_and_stops_the_writer(tm
     assert saver_threads() == []
 
 
+def ctrl_c_once_waiting_in(function_name: str) -> None:
+    """Send SIGINT to the main thread as soon as its stack is inside ``function_name`` (polled)."""
+    main = threading.main_thread().ident
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(main)
+        while frame is not None and frame.f_code.co_name != function_name:
+            frame = frame.f_back
+        if frame is not None:
+            break
+        time.sleep(0.005)
+    signal.pthread_kill(main, signal.SIGINT)
+
+
 @pytest.fixture
 def ctrl_c_raises_keyboard_interrupt():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -128,8 +144,9 @@ def test_a_second_ctrl_c_abandons_the_checkpoint_in_flight_and_leaves_no_file(tm
                                                                               ctrl_c_raises_keyboard_interrupt):
     # The save stays held until it is abandoned, so it is certainly abandoned before it writes anything.
     tl, checkpoint, slow = start_a_held_save(tmp_path, gate_of=lambda checkpoint: checkpoint._abandon)
-    # To the main thread itself: a signal the kernel gives another thread would not interrupt the wait.
-    ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    # To the main thread itself (a signal the kernel gives another thread would not interrupt the wait), once it
+    # is waiting for the save: however slow the machine, the second Ctrl-C comes during the wait.
+    ctrl_c = threading.Thread(target=ctrl_c_once_waiting_in, args=("wait_for_pending_save",))
     ctrl_c.start()
     checkpoint.on_exception(KeyboardInterrupt())  # the first Ctrl-C; the second arrives while it waits
     ctrl_c.join()

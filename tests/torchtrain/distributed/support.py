@@ -232,7 +232,7 @@ def child_pids(pid: Optional[int] = None) -> List[int]:
     return children
 
 
-def run_script(script: Path, args: Sequence[str] = (), env: Optional[dict] = None, timeout: float = 120.0,
+def run_script(script: Path, args: Sequence[str] = (), env: Optional[dict] = None, timeout: float = 300.0,
                cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Run ``python script args`` with the repository importable; return the finished process (text output)."""
     return subprocess.run([sys.executable, str(script), *args], env=script_env(env), timeout=timeout,

@@ -157,7 +157,7 @@ def test_torchrun_style_environment_joins_an_fsdp_job(tmp_path):
                                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
                  for rank in (0, 1)]
     try:
-        outputs = [process.communicate(timeout=120) for process in processes]
+        outputs = [process.communicate(timeout=300) for process in processes]
     finally:
         for process in processes:
             process.kill()
@@ -181,7 +181,7 @@ def test_torchrun_style_environment_joins_without_spawning(tmp_path):
         processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
-        outputs = [process.communicate(timeout=120) for process in processes]
+        outputs = [process.communicate(timeout=300) for process in processes]
     finally:
         for process in processes:
             process.kill()

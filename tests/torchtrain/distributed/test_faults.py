@@ -107,7 +107,7 @@ def test_a_script_without_main_guard_gets_a_clear_error_before_any_process_start
     script = tmp_path / "no_guard.py"
     script.write_text(NO_GUARD_SCRIPT)
     marker = tmp_path / "marker.txt"
-    result = run_script(script, [str(marker)], timeout=120)
+    result = run_script(script, [str(marker)], timeout=300)
     assert result.returncode != 0
     assert "RuntimeError" in result.stderr and "no 'if __name__ == \"__main__\":' guard" in result.stderr
     assert "bootstrapping phase" not in result.stderr  # multiprocessing's own, later error

@@ -175,7 +175,7 @@ def test_two_nodes_on_one_machine(tmp_path):
                                   env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for node in (0, 1)]
     try:
-        outputs = [process.communicate(timeout=120) for process in processes]
+        outputs = [process.communicate(timeout=300) for process in processes]
     finally:
         for process in processes:
             process.kill()
