@@ -21,15 +21,25 @@ class CompatMethods:
         return [callback for callback in self.callbacks if isinstance(callback, AbstractScheduler)]
 
     def get_num_training_steps(self) -> int:
-        """Optimizer steps the current ``fit`` makes in all (for warm-up schedules); needs a sized train loader
-        when training by epochs."""
-        if self.num_iterations > 0:
-            return self.num_iterations // self.grad_accumulation
+        """Optimizer steps the current ``fit`` takes over the whole run (``num_epochs`` / ``num_iterations`` are
+        totals), for warm-up and decay schedules: exactly the steps the loop takes.
+
+        The loop steps every ``grad_accumulation`` batches, at the last batch of every epoch (a window that does
+        not divide the epoch) and at the last batch of a ``num_iterations`` run, so an epoch of ``n`` batches
+        takes ``ceil(n / grad_accumulation)`` steps (aitoolbox 1.x floored, and undercounted). Training by epochs
+        needs a sized train loader; by iterations without one, epochs are taken to be longer than the run.
+        """
+        accumulation = self.grad_accumulation
         num_batches = loader_length(self.train_loader)
+        if self.num_iterations > 0:
+            if not num_batches:
+                return -(-self.num_iterations // accumulation)
+            full_epochs, remainder = divmod(self.num_iterations, num_batches)
+            return full_epochs * -(-num_batches // accumulation) + -(-remainder // accumulation)
         if num_batches is None:
             raise ValueError("get_num_training_steps() needs len(train_loader) when training by num_epochs; the "
                              "loader has no length: train by num_iterations instead")
-        return num_batches // self.grad_accumulation * self.num_epochs
+        return -(-num_batches // accumulation) * self.num_epochs
 
     def _backward_and_step_per_optimizer(self, loss: MultiLoss) -> None:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of

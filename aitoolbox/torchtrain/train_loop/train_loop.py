@@ -588,6 +588,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             return False
         self.strategy.sync_skipped_gradients()
         state.optimizer_step_due = True
+        # The hooks every step gets: a clipping callback clips these gradients (its earlier call for this batch
+        # saw optimizer_step_due False, as the loader's end was not known yet).
+        if self.callbacks_handler.has_batch_hooks:
+            for optimizer_idx in range(self.num_optimizers):
+                self.callbacks_handler.on_after_gradient_update(optimizer_idx)
         self._step_optimizers(self.optimizers)
         state.optimizer_step_due = False
         return True
