@@ -68,3 +68,39 @@ def test_the_epoch_end_step_of_a_loader_without_len_is_clipped():
                 optimizer.step()
                 optimizer.zero_grad()
     assert_params_equal(model, reference)
+
+
+# --- an abandoned step leaves no precision state behind ---------------------------------------------------------
+class FailOnceAfterClipping(AbstractCallback):
+    """Raises in on_after_gradient_update of one step, after GradNormClip unscaled and clipped (runs after it)."""
+
+    def __init__(self, at_iteration: int):
+        super().__init__("fail once", execution_order=10)
+        self.at_iteration, self.failed = at_iteration, False
+
+    def on_after_gradient_update(self, optimizer_idx):
+        tl = self.train_loop_obj
+        if not self.failed and tl.total_iteration_idx == self.at_iteration and tl.optimizer_step_due:
+            self.failed = True
+            raise RuntimeError("a failure between unscale_ and the step")
+
+
+def test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit():
+    """With loss scaling (1024) and clipping: a fit stopped after the clipping callback unscaled, then continued,
+    ends bitwise where a straight run does (before the fix the next step ran on still-scaled gradients)."""
+    def run(fail_at):
+        torch.manual_seed(0)
+        model = MLP(dropout=0.0)  # the window before the failure is trained again: no randomness to replay
+        tl = plain_loop(model, seeded_loader(classification_data(40)), use_amp={"init_scale": 1024.0})
+        callbacks = [GradNormClip(1.0)] + ([FailOnceAfterClipping(fail_at)] if fail_at is not None else [])
+        if fail_at is not None:
+            with pytest.raises(RuntimeError, match="between unscale_ and the step"):
+                tl.fit(num_epochs=3, grad_accumulation=2, callbacks=callbacks)
+            callbacks = None  # registered by the first call
+        tl.fit(num_epochs=3, grad_accumulation=2, callbacks=callbacks)
+        return model, tl
+
+    straight, straight_tl = run(None)
+    continued, continued_tl = run(fail_at=8)
+    assert_params_equal(continued, straight)
+    assert continued_tl.precision.loss_scaler.loss_scale == straight_tl.precision.loss_scaler.loss_scale

@@ -148,6 +148,13 @@ class Precision:
             self.step_listener(skip, optimizers)
         return not skip
 
+    def reset(self) -> None:
+        """Forget the per-step state of a step that was abandoned (an exception between ``unscale_`` and
+        ``step``): which optimizers were unscaled and whether an overflow was found. The loop calls it whenever
+        a step is abandoned and when training starts, so the next step unscales its own gradients."""
+        self._unscaled_optimizers.clear()
+        self._found_inf = False
+
     def update_scale(self) -> None:
         """Apply the dynamic-scaling rule once for the steps since the last update (backing off if any skipped)."""
         if self.loss_scaler is not None:

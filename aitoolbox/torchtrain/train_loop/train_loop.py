@@ -425,6 +425,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             with self._interrupts, self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
+            if self._precision is not None:
+                self._precision.reset()  # the step in progress is abandoned: the next one starts clean
             self._remember_interruption()
             self.callbacks_handler.on_exception(exception)
             raise
@@ -441,6 +443,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self.model_runner.train()
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
+        self.precision.reset()  # nothing unscaled yet, whatever happened to it outside fit
         self.precision.zero_grad(self.optimizers)
         self.callbacks_handler.on_train_begin()
         resume = apply_pending_states(self) or self._take_interruption_point()
