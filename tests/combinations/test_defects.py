@@ -104,3 +104,80 @@ def test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit()
     continued, continued_tl = run(fail_at=8)
     assert_params_equal(continued, straight)
     assert continued_tl.precision.loss_scaler.loss_scale == straight_tl.precision.loss_scaler.loss_scale
+
+
+# --- replicas stay identical: O2 + DDP + accumulation, MultiLoss under DDP ---------------------------------------
+def _ranks_agree_worker(rank, world_size, cells):
+    from tests.combinations.support import join_as_torchrun, train_cell
+    join_as_torchrun(rank, world_size)
+    return {cell.name: train_cell(cell)["disagreements"] for cell in cells}
+
+
+def test_ddp_replicas_stay_identical_with_master_weights_accumulation_and_multiloss():
+    """O2's accumulating micro-batches go into the float32 masters, where DDP's all-reduce does not see them (the
+    replicas drifted by ~0.1 after one epoch); a MultiLoss with two optimizers stepped optimizer 0 before DDP had
+    synchronised its gradients (after the last backward), and a MultiLoss crashed under DDP (``loss.dim()``)."""
+    from tests.combinations.support import Cell
+    from tests.distributed_helpers import run_distributed
+    cells = [Cell("O2", "ddp", 3), Cell("scaler", "ddp", 3), Cell("O2", "ddp", 3, loss="multi1"),
+             Cell("fp32", "ddp", 1, loss="multi2"), Cell("O2", "ddp", 3, loss="multi2", clipping=True)]
+    results = run_distributed(_ranks_agree_worker, 2, (cells,))
+    for rank_result in results:
+        assert rank_result == {cell.name: [] for cell in cells}
+
+
+def _unsized_epoch_end_worker(rank, world_size):
+    from tests.combinations.support import RanksAgree, build_loop, Cell, join_as_torchrun
+    from tests.helpers import IterableTensorData
+    join_as_torchrun(rank, world_size)
+    # Unsized loader, O2, accumulation: the epoch ends inside a window (sync_skipped_gradients' path).
+    tl = build_loop(Cell("O2", "ddp", 3))
+    data = tl.train_loader.dataset
+    own = torch.utils.data.Subset(data, range(rank, len(data), world_size))
+    tl.train_loader = DataLoader(IterableTensorData(own), batch_size=4)  # 5 batches: the last window holds 2
+    agree = RanksAgree()
+    tl.fit_distributed(num_epochs=2, grad_accumulation=3, callbacks=[agree])
+    return agree.disagreements
+
+
+def test_ddp_replicas_stay_identical_when_an_unsized_epoch_ends_inside_an_accumulation_window():
+    from tests.distributed_helpers import run_distributed
+    assert run_distributed(_unsized_epoch_end_worker, 2) == [[], []]
+
+
+# --- several optimizers: the batch is the unit of progress ------------------------------------------------------
+class FailAfterFirstOptimizerStep(AbstractCallback):
+    def __init__(self, at_iteration: int):
+        super().__init__("fail after optimizer 0")
+        self.at_iteration, self.failed = at_iteration, False
+
+    def on_after_gradient_update(self, optimizer_idx):
+        tl = self.train_loop_obj
+        if optimizer_idx == 1 and tl.total_iteration_idx == self.at_iteration and not self.failed:
+            self.failed = True  # optimizer 0 stepped on this batch, optimizer 1 not yet
+            raise RuntimeError("a failure between two optimizers' steps")
+
+
+def _adam_steps(optimizer) -> int:
+    return int(next(iter(optimizer.state.values()))["step"])
+
+
+def test_an_exception_between_two_optimizers_steps_trains_the_batch_again():
+    """Before: the resume point moved after optimizer 0's step, so the continued fit skipped optimizer 1's step
+    for that batch. Now the batch is redone: optimizer 1 takes every step a straight run takes."""
+    from tests.combinations.support import Cell, build_loop
+    cell = Cell(loss="multi2")
+
+    def run(fail_at):
+        tl = build_loop(cell)
+        tl.optimizers[1] = torch.optim.Adam(tl.optimizers[1].param_groups[0]["params"], lr=1e-2)
+        tl.optimizer[1] = tl.optimizers[1]
+        if fail_at is not None:
+            with pytest.raises(RuntimeError, match="between two optimizers"):
+                tl.fit(num_epochs=2, callbacks=[FailAfterFirstOptimizerStep(fail_at)])
+        tl.fit(num_epochs=2)
+        return tl
+
+    straight, continued = run(None), run(fail_at=6)
+    assert _adam_steps(continued.optimizers[1]) == _adam_steps(straight.optimizers[1]) == 10
+    assert _adam_steps(continued.optimizers[0]) == 11  # optimizer 0 stepped on the failed batch before

@@ -116,6 +116,20 @@ class DistributedStrategy(SingleDeviceStrategy):
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
                 param.grad.div_(self.world_size)
 
+    def average_tensors(self, tensors: List[torch.Tensor]) -> None:
+        """Average ``tensors`` in place over the ranks, in one all-reduce per dtype (coalesced)."""
+        by_dtype = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            flat = torch.cat([tensor.reshape(-1) for tensor in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(self.world_size)
+            offset = 0
+            for tensor in group:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
     def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
         return distributed_train_loader(loader, self.rank, self.world_size, shuffle)
 

@@ -4,6 +4,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+
 
 class MethodDispatcher(nn.Module):
     """A module whose forward calls a named method of the wrapped TTModel.
@@ -31,6 +33,10 @@ class MethodDispatcher(nn.Module):
         return getattr(self.model, method_name)(*args)
 
 
+def _mean_over_replicas(loss: torch.Tensor) -> torch.Tensor:
+    return loss.mean() if loss.dim() > 0 else loss
+
+
 class ParallelModelRunner:
     """Gives a parallel wrapper the calling interface the training loop uses on a TTModel.
 
@@ -47,10 +53,13 @@ class ParallelModelRunner:
         self.model = model
         self.evaluate_through_wrapper = evaluate_through_wrapper
 
-    def _loss(self, method_name: str, batch_data, criterion, device) -> torch.Tensor:
+    def _loss(self, method_name: str, batch_data, criterion, device) -> Any:
         loss = self.wrapper(method_name, batch_data, criterion, device)
-        # DataParallel gathers one loss per replica into a vector; DDP returns the scalar itself.
-        return loss.mean() if loss.dim() > 0 else loss
+        # DataParallel gathers one loss per replica into a vector; DDP returns the scalar itself. A MultiLoss
+        # (several named losses) gets the same treatment for each of its losses.
+        if isinstance(loss, MultiLoss):
+            return loss._map(_mean_over_replicas)
+        return _mean_over_replicas(loss)
 
     def get_loss(self, batch_data, criterion, device) -> torch.Tensor:
         return self._loss("get_loss", batch_data, criterion, device)

@@ -37,6 +37,10 @@ class Precision:
         agree_on_overflow: ``fn(found_inf) -> bool`` deciding the overflow verdict of all processes: the verdict
             itself by default (under DDP every rank unscales the same all-reduced gradients); under FSDP each rank
             checks only its gradient shards, and TrainLoop puts the strategy's ``any_process`` here.
+        average_across_processes: ``fn(tensors)`` averaging tensors in place over the processes, or None (one
+            process). Under DDP, gradient accumulation with master weights moves each accumulating micro-batch's
+            gradients into the float32 masters, where DDP's all-reduce (of the model's ``.grad``) does not see
+            them: the step averages them with this before adding the synchronised last micro-batch.
     """
 
     def __init__(self, device_type: str = "cpu", autocast_dtype: Optional[torch.dtype] = None,
@@ -49,10 +53,12 @@ class Precision:
         self.step_listener = step_listener
         self.step_optimizer = _eager_step
         self.agree_on_overflow = _own_verdict
+        self.average_across_processes = None
         self.last_step_skipped = False
         self._no_autocast = contextlib.nullcontext()  # reusable, and cheaper than a new one every batch
         self._unscaled_optimizers: set = set()
         self._found_inf = False
+        self._masters_hold_local_grads = False  # accumulated into the masters since the last step, unsynchronised
         self._skipped_since_update = False
 
     def __repr__(self) -> str:
@@ -93,6 +99,23 @@ class Precision:
             pairs = [(model, master) for model, master in self.master_weights.grad_pairs(optimizer)
                      if model is not master]
             self._found_inf |= unscale_into(pairs, self.loss_scaler)
+        self._masters_hold_local_grads = True
+
+    def _average_accumulated_master_grads(self) -> None:
+        """Average what the accumulating micro-batches left in the masters' ``.grad`` over the processes (DDP
+        synchronises only the model's ``.grad`` of the last micro-batch), once per step, before any unscaling.
+
+        The overflow verdict of those micro-batches is then read from the averaged gradients, identical on every
+        rank (an inf or NaN of any rank survives the average), so all ranks skip or step together.
+        """
+        self._masters_hold_local_grads = False
+        grads = [master.grad for optimizer in self.master_weights.optimizers
+                 for model, master in self.master_weights.grad_pairs(optimizer)
+                 if model is not master and master.grad is not None]
+        if not grads:
+            return
+        self.average_across_processes(grads)
+        self._found_inf = not bool(torch.stack([grad.isfinite().all() for grad in grads]).all())
 
     @staticmethod
     def stepped_parameters(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -106,6 +129,8 @@ class Precision:
         """
         if id(optimizer) in self._unscaled_optimizers:
             return
+        if self._masters_hold_local_grads and self.average_across_processes is not None:
+            self._average_accumulated_master_grads()
         if self.loss_scaler is not None or self.master_weights is not None:
             pairs = optimizer_pairs(optimizer, self.master_weights)
             self._found_inf |= unscale_into(pairs, self.loss_scaler)
@@ -143,6 +168,7 @@ class Precision:
             self.update_scale()
         self._unscaled_optimizers.clear()
         self._found_inf = False
+        self._masters_hold_local_grads = False
         self.last_step_skipped = skip
         if self.step_listener is not None:
             self.step_listener(skip, optimizers)
@@ -154,6 +180,7 @@ class Precision:
         a step is abandoned and when training starts, so the next step unscales its own gradients."""
         self._unscaled_optimizers.clear()
         self._found_inf = False
+        self._masters_hold_local_grads = False
 
     def update_scale(self) -> None:
         """Apply the dynamic-scaling rule once for the steps since the last update (backing off if any skipped)."""

@@ -45,36 +45,50 @@ class CompatMethods:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
         the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step; the loss
         scale is updated once after the last. A MultiLoss or MultiOptimizer subclass's own ``backward``,
-        ``step`` or ``zero_grad`` is called instead, with ``amp_scaler``, as in 1.x."""
+        ``step`` or ``zero_grad`` is called instead, with ``amp_scaler``, as in 1.x.
+
+        In a distributed run all the backward passes come first: DDP and FSDP synchronise the gradients of one
+        forward once every loss was back-propagated, so an optimizer stepping in between would step on this
+        process's own gradients. The result is 1.x's wherever 1.x's order is well defined (each loss trains
+        only its own optimizer's parameters). The batch is the unit of progress: an exception before the last
+        optimizer stepped trains the whole batch again.
+        """
         if self.grad_accumulation > 1:
             loss = loss / self.grad_accumulation
-        own_backward = type(loss).backward is not MultiLoss.backward
         own_step = isinstance(self.optimizer, MultiOptimizer) and (
             type(self.optimizer).step is not MultiOptimizer.step
             or type(self.optimizer).zero_grad is not MultiOptimizer.zero_grad)
+        backwards_first = self.strategy.is_distributed
+        if backwards_first:
+            for optimizer_idx in range(self.num_optimizers):
+                self._backward_for_optimizer(loss, optimizer_idx)
         skipped = False
         for optimizer_idx, optimizer in enumerate(self.optimizers):
-            if own_backward:
-                loss.backward(optimizer_idx, self.iteration, self.amp_scaler)
-            else:
-                if optimizer_idx not in loss.optimizer_loss_map:
-                    raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
-                                     f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
-                retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
-                self.precision.backward(loss[loss.optimizer_loss_map[optimizer_idx]],
-                                        accumulating=not self.optimizer_step_due, retain_graph=retain)
+            if not backwards_first:
+                self._backward_for_optimizer(loss, optimizer_idx)
             self.callbacks_handler.on_after_gradient_update(optimizer_idx)
             if not self.optimizer_step_due:
                 continue
             if own_step:
                 self.optimizer.step(optimizer_idx, self.iteration, self.amp_scaler)
                 self.optimizer_step_skipped = self.precision.last_step_skipped
-                self._mark_step_point()
                 self.callbacks_handler.on_after_optimizer_step()
                 self.optimizer.zero_grad(optimizer_idx, self.iteration)
             else:
-                self._step_optimizers([optimizer], update_scale=False)
+                self._step_optimizers([optimizer], update_scale=False, batch_done=False)
             skipped |= self.optimizer_step_skipped
         if self.optimizer_step_due:
             self.precision.update_scale()
             self.optimizer_step_skipped = skipped
+            self._mark_step_point()  # every optimizer stepped: the batch is done
+
+    def _backward_for_optimizer(self, loss: MultiLoss, optimizer_idx: int) -> None:
+        if type(loss).backward is not MultiLoss.backward:  # a subclass's own backward, as 1.x called it
+            loss.backward(optimizer_idx, self.iteration, self.amp_scaler)
+            return
+        if optimizer_idx not in loss.optimizer_loss_map:
+            raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
+                             f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
+        retain = loss.retain_graph_until_last and optimizer_idx < self.num_optimizers - 1
+        self.precision.backward(loss[loss.optimizer_loss_map[optimizer_idx]],
+                                accumulating=not self.optimizer_step_due, retain_graph=retain)

@@ -309,6 +309,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
                 self._precision.agree_on_overflow = self.strategy.any_process  # each rank sees only its shards
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+            if self.strategy.is_distributed and not self.strategy.shards_parameters:
+                # Gradients accumulated into float32 masters bypass DDP's all-reduce (see Precision).
+                self._precision.average_across_processes = self.strategy.average_tensors
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
             load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
@@ -577,9 +580,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now
             interrupts.raise_pending()
 
-    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True) -> None:
+    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True,
+                         batch_done: bool = True) -> None:
         self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
-        self._mark_step_point()  # from here on an exception continues after this step
+        if batch_done:
+            self._mark_step_point()  # from here on an exception continues after this step
         if self.callbacks_handler.has_batch_hooks:
             self.callbacks_handler.on_after_optimizer_step()
         self._precision.zero_grad(optimizers)
