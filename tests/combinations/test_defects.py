@@ -181,3 +181,51 @@ def test_an_exception_between_two_optimizers_steps_trains_the_batch_again():
     straight, continued = run(None), run(fail_at=6)
     assert _adam_steps(continued.optimizers[1]) == _adam_steps(straight.optimizers[1]) == 10
     assert _adam_steps(continued.optimizers[0]) == 11  # optimizer 0 stepped on the failed batch before
+
+
+# --- frozen modules stay frozen ------------------------------------------------------------------------------------
+def _frozen_bn_loop(model, evaluate: bool = True) -> TrainLoop:
+    from tests.combinations.support import dataset
+    loader = DataLoader(dataset(), batch_size=8)
+    return TrainLoop(model, loader, loader if evaluate else None, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                     nn.CrossEntropyLoss(), end_auto_eval=evaluate, show_progress=False)
+
+
+def test_evaluation_and_fit_keep_a_batchnorm_frozen_before_fit_frozen():
+    """The notebook way: ``model.bn.eval()`` before fit. The BatchNorm's running statistics never change, through
+    the end-of-epoch evaluations and a second fit; before, evaluation restored train mode on the whole model."""
+    from tests.combinations.support import ComboNet
+    torch.manual_seed(0)
+    model = ComboNet(dropout=0.0)
+    model.bn.eval()
+    frozen_stats = (model.bn.running_mean.clone(), model.bn.running_var.clone())
+    tl = _frozen_bn_loop(model)
+    tl.fit(num_epochs=2)
+    assert not model.bn.training and model.training and model.fc1.training
+    assert torch.equal(model.bn.running_mean, frozen_stats[0]) and torch.equal(model.bn.running_var, frozen_stats[1])
+    assert tl.frozen_modules.modules == [model.bn]
+    model.eval()  # predicting in the notebook puts the whole model in eval mode...
+    tl.fit(num_epochs=3)  # ...and the next fit trains it, the BatchNorm still frozen
+    assert model.training and not model.bn.training
+    assert torch.equal(model.bn.running_mean, frozen_stats[0])
+    model.bn.train()  # unfreezing
+    tl.fit(num_epochs=4)
+    assert model.bn.training and not torch.equal(model.bn.running_mean, frozen_stats[0])
+
+
+def test_training_with_a_frozen_batchnorm_equals_a_hand_loop():
+    from tests.combinations.support import ComboNet, dataset
+    torch.manual_seed(0)
+    model = ComboNet(dropout=0.0)
+    reference = copy.deepcopy(model)
+    model.bn.eval()
+    _frozen_bn_loop(model).fit(num_epochs=2)
+    reference.train()
+    reference.bn.eval()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        for x, y in DataLoader(dataset(), batch_size=8):
+            nn.CrossEntropyLoss()(reference(x)[0], y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_params_equal(model, reference)

@@ -4,8 +4,10 @@ import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
+from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.losses import LossResult, as_loss_result, detached_values, loss_names
 from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
 
@@ -78,7 +80,8 @@ def preserved_generator_states(generators: List[torch.Generator]):
 @contextlib.contextmanager
 def evaluation_mode(train_loop: "TrainLoop", loader: Any):
     """Eval mode, no gradients and forked random state (and the strategy's evaluation context: FSDP gathers the
-    parameters once); the previous train/eval mode is restored after.
+    parameters once); each submodule's previous train/eval mode is restored after (a frozen BatchNorm stays in
+    eval mode).
 
     Both the global torch RNG and the loader's own generators are restored: evaluating on the training
     loader (seeded with ``DataLoader(generator=...)``) must not change the order of the next training epoch.
@@ -87,14 +90,13 @@ def evaluation_mode(train_loop: "TrainLoop", loader: Any):
     rng_devices = []
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    was_training = train_loop.loop_model.training
+    runner = train_loop.model_runner
+    wrapper = getattr(runner, "wrapper", runner)  # a parallel wrapper's modules are the model's and its own
     with torch.random.fork_rng(devices=rng_devices), preserved_generator_states(loader_generators(loader)), \
-            torch.no_grad(), train_loop.strategy.evaluation_context():
-        train_loop.model_runner.eval()
-        try:
-            yield
-        finally:
-            train_loop.model_runner.train(was_training)
+            torch.no_grad(), train_loop.strategy.evaluation_context(), \
+            modes_restored(train_loop.loop_model, *([wrapper] if isinstance(wrapper, nn.Module) else [])):
+        runner.eval()
+        yield
 
 
 class Evaluator:

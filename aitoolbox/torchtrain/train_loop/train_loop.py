@@ -34,6 +34,7 @@ from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.interrupts import InterruptGuard
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
+from aitoolbox.torchtrain.train_loop.module_modes import FrozenModules
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum, checked_batch_loss, history_entries, loss_postfix
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
@@ -152,6 +153,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self._evaluator = Evaluator(self)
         self._epoch_report = EpochReport()
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
+        # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
+        self.frozen_modules = FrozenModules()
 
     # The loop's counters and flags live in ``self.state``; these are the names callbacks and 1.x code use.
     epochs_completed = LoopStateField()
@@ -443,7 +446,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
         self.set_up()
-        self.model_runner.train()
+        self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self.precision.reset()  # nothing unscaled yet, whatever happened to it outside fit
