@@ -229,3 +229,51 @@ def test_training_with_a_frozen_batchnorm_equals_a_hand_loop():
             optimizer.step()
             optimizer.zero_grad()
     assert_params_equal(model, reference)
+
+
+# --- torch_compile: only the batch dimension is marked dynamic ---------------------------------------------------
+class SequenceFirst(nn.Module):
+    """A GRU over (sequence, batch, features) inputs, as torch's recurrent layers take them by default."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][-1])
+
+
+def test_compile_marks_only_the_dimension_that_holds_the_batch():
+    """A sequence-first input's dimension 0 is its length: it stays static (before, dimension 0 of every input
+    was marked dynamic, here the sequence); the batch-first labels' dimension 0 is marked."""
+    from aitoolbox.torchtrain.compiling.model import mark_batch_dimension_dynamic
+    sequence_first, batch_first = torch.randn(7, 4, 3), torch.randn(4, 7)
+    mark_batch_dimension_dynamic((sequence_first, batch_first), {}, batch_size=4)
+    assert getattr(sequence_first, "_dynamo_weak_dynamic_indices", set()) == set()
+    assert batch_first._dynamo_weak_dynamic_indices == {0}
+
+    from aitoolbox.torchtrain.model import ModelWrap
+    from aitoolbox.torchtrain.data.batch_model_feed_defs import AbstractModelFeedDefinition
+
+    class FeedSequences(AbstractModelFeedDefinition):
+        def get_loss(self, model, batch_data, criterion, device):
+            x, y = batch_data
+            return criterion(model(x.transpose(0, 1).contiguous().to(device)), y.to(device))
+
+        def get_loss_eval(self, model, batch_data, criterion, device):
+            return self.get_loss(model, batch_data, criterion, device)
+
+        def get_predictions(self, model, batch_data, device):
+            x, y = batch_data
+            return model(x.transpose(0, 1).contiguous().to(device)).argmax(1), y, None
+
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 7, 3, generator=generator), torch.randint(0, 2, (10,)))
+    model = SequenceFirst()
+    tl = TrainLoop(ModelWrap(model, FeedSequences()), DataLoader(data, batch_size=4), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), end_auto_eval=False,
+                   show_progress=False, torch_compile={"backend": "aot_eager"})
+    tl.fit(num_epochs=2)
+    # The loop told the compiled call which dimension size is the batch; sequence-first training works compiled.
+    assert tl._compiler.model_call.batch_size == 4 and tl._compiler.model_call.calls == 6

@@ -45,12 +45,17 @@ class Compiler:
     def __repr__(self) -> str:
         return f"Compiler({self.options}, {self.stats})"
 
-    def prepare(self, module: nn.Module, precision: Precision) -> None:
+    def prepare(self, module: nn.Module, precision: Precision, batch_size: Optional[int] = None) -> None:
         """Compile ``module``'s forward in place (see :func:`~.model.compile_in_place`) and make ``precision`` step
         the optimizers compiled. Idempotent: TrainLoop calls it whenever it sets up (a copy of the TrainLoop that
-        was pickled, e.g. in a process of ``fit_distributed``, compiles again there)."""
+        was pickled, e.g. in a process of ``fit_distributed``, compiles again there).
+
+        ``batch_size`` (the training loader's) says which inputs are batch-first: their dimension 0 is compiled
+        dynamic from the first call, so one graph serves the smaller last batch too. None (unknown) leaves the
+        shapes to torch's automatic dynamic shapes."""
         self.stats.listen()
         self.model_call = compile_in_place(module, self.options, self.stats)
+        self.model_call.batch_size = batch_size
         precision.step_optimizer = self.step
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -57,7 +57,10 @@ class CompiledModelCall:
         # on the order the process met the sizes, and the two may round differently, so a run resumed in a new
         # process would not be bitwise the same. Marking the batch dimension dynamic from the first call makes
         # one graph serve every batch size (sizes 0 and 1 excepted: torch specializes them), whatever the order.
+        # Only a dimension 0 that holds the training loader's batch size is marked (a sequence-first input's
+        # dimension 0 is its length, which stays static); an explicit 'dynamic' option leaves it all to torch.
         self._mark_batch_dynamic = options.torch_kwargs.get("dynamic") is None
+        self.batch_size: Optional[int] = None  # set by the Compiler from the training loader
         # The uncompiled call (forward with its hooks), as nn.Module.__call__ runs it when nothing is compiled.
         self._eager_call: Callable = module._call_impl
         self._compiled: Callable = torch.compile(_traceable_call(self._eager_call, self.module_name),
@@ -71,8 +74,8 @@ class CompiledModelCall:
         self.calls += 1
         if self.eager_only:
             return self._eager_call(*args, **kwargs)
-        if self._mark_batch_dynamic:
-            mark_batch_dimension_dynamic(args, kwargs)
+        if self._mark_batch_dynamic and self.batch_size is not None:
+            mark_batch_dimension_dynamic(args, kwargs, self.batch_size)
         self.stats.caller = self
         try:
             with self.stats:
@@ -94,14 +97,11 @@ class CompiledModelCall:
         self.eager_only = True
 
 
-def mark_batch_dimension_dynamic(args: tuple, kwargs: dict) -> None:
-    """Mark dimension 0 of the tensors a forward is called with (by convention the batch) as dynamic, without
-    insisting: a dimension the graph needs constant stays constant."""
-    for value in args:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(value, 0)
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+def mark_batch_dimension_dynamic(args: tuple, kwargs: dict, batch_size: int) -> None:
+    """Mark dimension 0 of the tensors a forward is called with as dynamic where it holds the batch (its size is
+    the loader's ``batch_size``), without insisting: a dimension the graph needs constant stays constant."""
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == batch_size:
             torch._dynamo.maybe_mark_dynamic(value, 0)
 
 

@@ -73,7 +73,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             bfloat16 is emulated and slower), or a dict of ``amp.initialize`` keyword arguments (honoured as given).
         show_progress: show tqdm progress bars.
         torch_compile: compile the model's forward (in place: ``state_dict`` keys are unchanged) and the optimizers'
-            steps with ``torch.compile``: False, True (torch's defaults), or a dict of ``torch.compile`` options
+            steps with ``torch.compile``: False, True (torch's defaults, except that dimension 0 of an input whose
+            size is the training loader's ``batch_size`` is compiled dynamic from the first batch, so the smaller
+            last batch needs no second graph; ``'dynamic'`` given explicitly turns that off), or a dict of ``torch.compile`` options
             (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus ``'fallback': 'eager'`` (warn and
             run uncompiled what cannot be compiled, instead of an error) and ``'optimizer_step': False`` (compile
             only the model). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
@@ -318,7 +320,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
             load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
-            self._compiler.prepare(self.model, self._precision)
+            self._compiler.prepare(self.model, self._precision, getattr(self.train_loader, "batch_size", None))
 
     def use_strategy(self, strategy: Any, use_amp: Union[bool, dict, None] = None) -> None:
         """Train with another distribution strategy from now on (a process of a distributed job does this): the
