@@ -277,3 +277,31 @@ def test_compile_marks_only_the_dimension_that_holds_the_batch():
     tl.fit(num_epochs=2)
     # The loop told the compiled call which dimension size is the batch; sequence-first training works compiled.
     assert tl._compiler.model_call.batch_size == 4 and tl._compiler.model_call.calls == 6
+
+
+# --- a tl.precision the user assigned -------------------------------------------------------------------------------
+def _assigned_precision_worker(rank, world_size):
+    from aitoolbox.torchtrain.precision import LossScaler, Precision
+    from tests.combinations.support import Cell, build_loop, join_as_torchrun
+    join_as_torchrun(rank, world_size)
+    tl = build_loop(Cell(strategy="ddp"))
+    tl.precision = Precision("cpu", autocast_dtype=torch.bfloat16, loss_scaler=LossScaler(8.0))
+    tl.fit_distributed(num_epochs=1, train_data_shuffle=False)
+    return repr(tl.precision)
+
+
+def test_an_assigned_precision_is_used_under_ddp_and_refused_under_fsdp():
+    """Before, use_strategy dropped it and the processes trained in use_amp's precision (float32) silently."""
+    from aitoolbox.torchtrain.precision import Precision
+    from tests.combinations.support import Cell, build_loop
+    from tests.distributed_helpers import run_distributed
+    for described in run_distributed(_assigned_precision_worker, 2):
+        assert "autocast_dtype=torch.bfloat16" in described and "LossScaler" in described
+    tl = build_loop(Cell(strategy="fsdp"))
+    tl.precision = Precision("cpu", autocast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gpu_mode='fsdp' cannot use it.*Pass use_amp"):
+        tl.fit(num_epochs=1)
+    tl = build_loop(Cell(strategy="ddp"))
+    tl.precision = Precision("cpu", autocast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="amp_init_args.*pass one of them"):
+        tl.fit_distributed(num_epochs=1, amp_init_args={"opt_level": "O1"})

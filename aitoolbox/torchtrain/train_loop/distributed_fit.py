@@ -204,6 +204,8 @@ class DistributedFitOptions:
 def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     """See :meth:`TrainLoop.fit_distributed`."""
     options.validate()
+    if tl._precision_chosen_by_user:  # refused before any process starts (each process checks its device)
+        validation.check_user_precision(tl._precision, options.shard_parameters, None, options.amp_init_args)
     backend = resolve_backend(options.backend, options.on_gpu)
     if options.shard_parameters:
         strategy_options = dict(shard_parameters=True, backend=backend, init_method=options.init_method,

@@ -121,6 +121,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         check_use_amp(use_amp, self.strategy.device)
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
+        self._precision_chosen_by_user = False  # tl.precision assigned before fit: kept for every strategy
         compile_options = CompileOptions.from_argument(torch_compile)
         if compile_options is not None and gpu_mode == "dp":
             raise ValueError("torch_compile does not work with gpu_mode='dp': DataParallel copies the model to every "
@@ -284,6 +285,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
     @precision.setter
     def precision(self, precision: Precision) -> None:
         self._precision = precision
+        self._precision_chosen_by_user = precision is not None
 
     def _get_precision(self) -> Precision:
         # 1.x code may call tl.amp_scaler's methods before fit (e.g. to load a GradScaler state): set up first.
@@ -333,9 +335,12 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         if use_amp is not None:
             check_use_amp(use_amp, strategy.device)
             self.use_amp = use_amp
+        if self._precision_chosen_by_user:
+            validation.check_user_precision(self._precision, strategy.shards_parameters, strategy.device, use_amp)
         self.strategy = strategy
         self._model_runner = None
-        self._precision = None
+        if not self._precision_chosen_by_user:
+            self._precision = None
         self._evaluation_loaders = {}
         self._evaluator.clear_cache()
 

@@ -1,6 +1,6 @@
 """Checks of TrainLoop's inputs, run once in the constructor and in ``fit``, with messages that say the fix."""
 from collections.abc import Iterable
-from typing import Any, List, Union
+from typing import Any, List, Optional, Union
 
 import torch
 from torch import nn
@@ -132,3 +132,24 @@ def check_loss(loss: Any, method_name: str) -> None:
         raise ValueError(f"{method_name} must return a scalar loss, got a tensor of shape {tuple(loss.shape)}. "
                          "Reduce it, e.g. with loss.mean() or a criterion with reduction='mean'.")
 
+
+
+def check_user_precision(precision: Any, shards_parameters: bool, device: Optional[torch.device],
+                         use_amp: Any) -> None:
+    """A ``tl.precision`` the user assigned is used in every process of a distributed run; refuse what cannot be.
+
+    Raises:
+        ValueError: under FSDP (its mixed precision is a sharding policy built from ``use_amp``), with
+            ``amp_init_args`` as well (which precision would win?), or for another device type than the
+            strategy's.
+    """
+    if shards_parameters:
+        raise ValueError("tl.precision was assigned by hand, and gpu_mode='fsdp' cannot use it: FSDP's mixed precision "
+                         "is a sharding policy built from use_amp. Pass use_amp (e.g. True or {'opt_level': 'O1'}) "
+                         "instead of assigning tl.precision.")
+    if use_amp is not None:
+        raise ValueError(f"tl.precision was assigned by hand and fit_distributed got amp_init_args={use_amp!r} as "
+                         "well: pass one of them")
+    if device is not None and precision.device_type != device.type:
+        raise ValueError(f"tl.precision is for device type {precision.device_type!r} but this process trains on "
+                         f"{device}: build it with Precision(device_type={device.type!r}, ...)")
