@@ -305,3 +305,69 @@ def test_an_assigned_precision_is_used_under_ddp_and_refused_under_fsdp():
     tl.precision = Precision("cpu", autocast_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="amp_init_args.*pass one of them"):
         tl.fit_distributed(num_epochs=1, amp_init_args={"opt_level": "O1"})
+
+
+# --- fit_distributed twice is one longer call ---------------------------------------------------------------------
+O2_DYNAMIC = {"opt_level": "O2", "loss_scale": "dynamic"}
+
+
+def _scheduler():
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    return StepLRScheduler(step_size=1, gamma=0.7)
+
+
+def _two_calls_equal_one(run_calls):
+    """``run_calls(tl, [2, 4])`` against ``run_calls(tl, [4])``: weights, masters, loss scale, learning rate and
+    history equal, and the first call's callbacks registered for the second."""
+    from tests.combinations.support import Cell, build_loop
+    results = []
+    for calls in ([2, 4], [4]):
+        tl = build_loop(Cell(strategy="ddp", loss="plain"))
+        scheduler = _scheduler()
+        run_calls(tl, calls, scheduler)
+        results.append(tl)
+    split, whole = results
+    assert_params_equal(split.model, whole.model)
+    assert split.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
+    assert dict(split.train_history) == dict(whole.train_history)
+    return split, whole
+
+
+def test_fit_distributed_twice_equals_one_longer_call_spawned():
+    def run_calls(tl, calls, scheduler):
+        for number, epochs in enumerate(calls):
+            tl.fit_distributed(num_epochs=epochs, callbacks=[scheduler] if number == 0 else None,
+                               amp_init_args=O2_DYNAMIC, num_gpus=2, start_method="fork", train_data_shuffle=False)
+        assert scheduler in tl.callbacks  # registered by the first call, here too
+
+    split, whole = _two_calls_equal_one(run_calls)
+    masters_split = split.pending_restore["precision"]["master_weights"]
+    masters_whole = whole.pending_restore["precision"]["master_weights"]
+    assert all(torch.equal(a, b) for a, b in zip(masters_split[0], masters_whole[0]))  # float32, not rounded
+    assert split.pending_restore["precision"]["loss_scaler"] == whole.pending_restore["precision"]["loss_scaler"]
+
+
+def _torchrun_calls_worker(rank, world_size, calls):
+    from tests.combinations.support import Cell, build_loop, join_as_torchrun, run_state
+    join_as_torchrun(rank, world_size)
+    tl = build_loop(Cell(strategy="ddp", loss="plain"))
+    scheduler = _scheduler()
+    for number, epochs in enumerate(calls):
+        tl.fit_distributed(num_epochs=epochs, callbacks=[scheduler] if number == 0 else None,
+                           amp_init_args=O2_DYNAMIC, train_data_shuffle=False)
+    state = run_state(tl)
+    return state, tl.precision.state_dict(), tl.optimizers[0].param_groups[0]["lr"], scheduler in tl.callbacks
+
+
+def test_fit_distributed_twice_equals_one_longer_call_under_torchrun():
+    from tests.combinations.support import assert_same_state
+    from tests.distributed_helpers import run_distributed
+    split = run_distributed(_torchrun_calls_worker, 2, ([2, 4],))
+    whole = run_distributed(_torchrun_calls_worker, 2, ([4],))
+    for rank in range(2):
+        assert_same_state(split[rank][0], whole[rank][0], f"rank {rank}")
+        assert split[rank][0]["history"] == whole[rank][0]["history"]
+        masters = [torch.equal(a, b) for a, b in zip(split[rank][1]["master_weights"][0],
+                                                     whole[rank][1]["master_weights"][0])]
+        assert all(masters) and split[rank][1]["loss_scaler"] == whole[rank][1]["loss_scaler"]
+        assert split[rank][2] == whole[rank][2] and split[rank][3]

@@ -38,7 +38,7 @@ class CallbacksHandler:
         self.has_batch_hooks = False  # some registered callback overrides one of BATCH_HOOK_NAMES
 
     def register_callbacks(self, callbacks: Optional[Iterable[AbstractCallback]], cache_callbacks: bool = False,
-                           print_callbacks: bool = False) -> None:
+                           print_callbacks: bool = False, every_rank: bool = False) -> None:
         """Attach callbacks to the loop; one already registered is not added twice.
 
         Args:
@@ -46,6 +46,8 @@ class CallbacksHandler:
             cache_callbacks: accepted for aitoolbox 1.x compatibility (1.x kept callbacks aside for the processes
                 of distributed training; here the TrainLoop travels to them with its callbacks).
             print_callbacks: log the registered callbacks afterwards.
+            every_rank: keep callbacks whose ``device_idx_execution`` names another rank too (the launching
+                process of ``fit_distributed`` keeps them all for the next call; each rank drops the others').
 
         Raises:
             TypeError: when an element is not an :class:`AbstractCallback`.
@@ -61,7 +63,7 @@ class CallbacksHandler:
             for callback in callbacks:
                 if any(callback is known for known in self.callbacks):
                     continue
-                if callback.device_idx_execution is not None and callback.device_idx_execution != rank:
+                if not every_rank and callback.device_idx_execution not in (None, rank):
                     continue
                 # Listed only once its registration succeeded: a callback that refused the loop is not run.
                 callback.register_train_loop_object(self.train_loop_obj)

@@ -36,11 +36,17 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
     their statistics need the range, and torch's BatchNorm kernels accept low-precision inputs with float32
     parameters.
     """
-    model.to(dtype)
-    if keep_batchnorm_fp32:
-        for module in model.modules():
-            if isinstance(module, _BatchNorm) and module.affine:
-                module.float()
+    kept = {module for module in model.modules() if keep_batchnorm_fp32 and isinstance(module, _BatchNorm)
+            and module.affine}
+    for module in model.modules():
+        if module in kept:
+            continue  # never cast: a round trip through the low dtype would round its float32 values
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)  # the same Parameter object: optimizers keep their references
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(module, name, buffer.to(dtype))
 
 
 class _AutocastStacks(threading.local):

@@ -17,7 +17,9 @@ from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fs
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
 from aitoolbox.torchtrain.train_loop import validation
-from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
+from aitoolbox.experiment.local_save.checkpoints import MODEL_KEY, OPTIMIZER_KEY
+from aitoolbox.torchtrain.train_loop.train_state import (
+    capture_rng_state, restore_callback_states, restore_rng_state, restore_train_state, saved_optimizer_states)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -31,32 +33,39 @@ def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
     tl.train_loader = tl.strategy.setup_loader(tl.train_loader, shuffle)
 
 
-def distributed_result(tl: "TrainLoop", train_history: dict) -> dict:
-    """What the launching process adopts: weights, optimizer states, rank 0's history, and counters. Call it in
-    every process (a sharded model's full state dicts are gathered to rank 0)."""
-    strategy = tl.strategy
-    return {"model": strategy.model_state_dict(tl.model_for_user),
-            "optimizers": [strategy.optimizer_state_dict(tl.loop_model, opt) for opt in tl.optimizers],
-            "train_history": train_history, "loop_state": tl.state.state_dict()}
+def distributed_result(tl: "TrainLoop") -> dict:
+    """What the launching process adopts: the run's whole state, as an epoch-end checkpoint holds it (weights,
+    optimizers, precision state with O2's float32 masters and the loss scale, callback states, counters, every
+    rank's history and RNG state). Call it in every process (a collective: states are gathered)."""
+    return tl.checkpoint_state(mid_epoch=False)
 
 
-def adopt_distributed_result(tl: "TrainLoop", path: str) -> None:
-    """In the launching process: take over the trained state, so the TrainLoop continues from it."""
+def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
+    """In the launching process: take over the run's state, so that a later ``fit_distributed`` (or ``fit``)
+    continues exactly where this one ended, as one longer call would have.
+
+    The weights and optimizer states are loaded now; the rest (precision state, each rank's RNG and history)
+    stays pending for the next call's processes, which apply it when they start training. The call's callbacks
+    are registered here too (all of them: each rank of a later call keeps its own), with rank 0's states.
+    """
     result = torch.load(path, map_location="cpu", weights_only=True)
-    tl.model.load_state_dict(result["model"])
-    for optimizer, state in zip(tl.optimizers, result["optimizers"]):
-        try:
-            tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
-        except (ValueError, KeyError, RuntimeError) as error:
-            logger.warning("could not restore the optimizer state from the training processes: %s", error)
-    tl.train_history.clear()
-    tl.train_history.update(result["train_history"])
-    tl.state.load_state_dict(result["loop_state"])
-    # A checkpoint loaded before fit_distributed was applied in the processes; a later fit here must not
-    # apply it again over the adopted state.
-    tl.pending_restore = None
+    tl.callbacks_handler.register_callbacks(callbacks, every_rank=True)
+    restore_train_state(tl, result)
+    restore_callback_states(tl, result)
+    # The weights are loaded: what stays pending for the next call keeps only the optimizers' hyperparameters
+    # (the learning rates schedulers set), not a second copy of every tensor.
+    pending = tl.pending_restore
+    pending.pop(MODEL_KEY, None)
+    pending[OPTIMIZER_KEY] = [{"param_groups": state["param_groups"]} for state in saved_optimizer_states(pending)]
     if tl.experiment_folder is not None:  # rank 0 may have created the run folder of a lazy preset
         tl.experiment_folder.adopt_if_created_elsewhere()
+
+
+def _continues_in_this_process(tl: "TrainLoop", placement: ProcessPlacement) -> bool:
+    """A later fit_distributed of the same torchrun/SLURM job: this process already trains as that rank."""
+    import torch.distributed as dist
+    strategy = tl.strategy
+    return strategy.is_distributed and getattr(strategy, "placement", None) == placement and dist.is_initialized()
 
 
 def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -68,23 +77,28 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     if placement.rank != 0:
         logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
     tl = job.train_loop
+    args = job.fit_arguments
+    if _continues_in_this_process(tl, placement):
+        # The model, its precision (O2's masters, the loss scale), loaders and callbacks are set up already: the
+        # run goes on as one longer call would.
+        if job.amp_init_args is not None and job.amp_init_args != tl.use_amp:
+            logger.warning("fit_distributed continues the run set up by the previous call; amp_init_args=%s is "
+                           "ignored (the run keeps %s)", job.amp_init_args, tl.use_amp)
+        return tl.fit(args.num_epochs, args.num_iterations, args.callbacks, args.grad_accumulation)
     options = dict(job.strategy_options)
     strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
     strategy = strategy_class(placement, **options)
     strategy.init_process_group()
     tl.use_strategy(strategy, job.amp_init_args)
     tl.callbacks_handler.drop_callbacks_of_other_ranks()
-    tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
+    tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(args.callbacks or []))
     tl.callbacks_handler.on_multiprocess_start()
     shard_data_loaders(tl, job.train_data_shuffle)
-    args = job.fit_arguments
     model = tl.fit(args.num_epochs, args.num_iterations, args.callbacks, args.grad_accumulation)
     if job.result_path is not None:
-        # Every node's launcher returns the trained model: the first process of each node saves it (DDP keeps
-        # the replicas identical). Histories differ per rank (accumulated_loss is this rank's batches), so all
-        # nodes report rank 0's.
-        history = strategy.broadcast_object(tl.train_history.get_train_history_dict())
-        result = distributed_result(tl, history)
+        # Every node's launcher returns the trained model: the first process of each node saves the run's state
+        # (DDP keeps the replicas identical; the state holds every rank's history and RNG).
+        result = distributed_result(tl)
         if placement.local_rank == 0:
             torch.save(result, job.result_path)
     return model
@@ -248,7 +262,7 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                              result_path=result_path, rng_states=capture_rng_state(), threads_per_process=threads,
                              **common)
         ProcessLauncher(job, method).run()
-        adopt_distributed_result(tl, result_path)
+        adopt_distributed_result(tl, result_path, options.callbacks)
     return tl.model_for_user
 
 
@@ -267,9 +281,12 @@ class DistributedFitMethod:
         """Train with DistributedDataParallel, one process per device, and return the trained model.
 
         Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
-        ``num_cpu_processes`` CPU processes over gloo) and, when they finish, loads rank 0's weights, optimizer
-        state, ``train_history`` and epoch into this TrainLoop. Under torchrun, SLURM or OpenMPI it joins the
-        job as the rank the environment gives instead of launching. In every process: the model is placed on its
+        ``num_cpu_processes`` CPU processes over gloo) and, when they finish, takes over the run's state: rank 0's
+        weights, optimizer states, ``train_history`` and counters now, and the precision state (O2's float32
+        masters, the loss scale), every rank's RNG state and history for the next call; the callbacks passed
+        stay registered here, with rank 0's states. Two calls (``num_epochs=2``, then ``4``) therefore train as
+        one call of 4 epochs. Under torchrun, SLURM or OpenMPI it joins the job as the rank the environment
+        gives instead of launching, and a second call goes on with the same set-up. In every process: the model is placed on its
         device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
         DistributedSampler (evaluation loaders an exact, unpadded split), and only rank 0 prints and saves.
 

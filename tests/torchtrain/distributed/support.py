@@ -122,7 +122,8 @@ class RecordRankResult(AbstractCallback):
             "loss_test": tl.evaluate_loss_on_test_set(float_dict_format=True),
             "module_types": sorted({type(module).__name__ for module in tl.model.modules()}),
             "is_main_process": tl.is_main_process,
-            "master_port": tl.strategy.placement.master_port,
+            # None in the launching process: the callback stays registered there for a later (single-process) fit.
+            "master_port": getattr(getattr(tl.strategy, "placement", None), "master_port", None),
             "trained_indices": getattr(tl.model, "trained_indices", None),
             "pid": os.getpid(),
         }
