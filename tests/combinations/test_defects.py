@@ -371,3 +371,52 @@ def test_fit_distributed_twice_equals_one_longer_call_under_torchrun():
                                                      whole[rank][1]["master_weights"][0])]
         assert all(masters) and split[rank][1]["loss_scaler"] == whole[rank][1]["loss_scaler"]
         assert split[rank][2] == whole[rank][2] and split[rank][3]
+
+
+# --- a miscompiled model stops training before it trains wrong ---------------------------------------------------
+def _backend_zeroing_first_gradient(graph_module, example_inputs):
+    """A real dynamo backend whose backward is wrong: it returns zeros for the first gradient (as inductor did for
+    the quickstart CNN's convolutions), everything else computed by the traced graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def wrong_backward(backward_graph, _inputs):
+        def run(*args):
+            outputs = list(backward_graph(*args))
+            index = next(i for i, out in enumerate(outputs) if isinstance(out, torch.Tensor))
+            outputs[index] = torch.zeros_like(outputs[index])
+            return tuple(outputs)
+        run._boxed_call = False
+        return run
+
+    return aot_autograd(fw_compiler=lambda gm, _inputs: gm, bw_compiler=wrong_backward)(graph_module, example_inputs)
+
+
+def _compiled_loop(torch_compile, seed=0):
+    from tests.combinations.support import ComboNet, dataset
+    torch.manual_seed(seed)
+    model = ComboNet()
+    return TrainLoop(model, DataLoader(dataset(), batch_size=8), None, None,
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), end_auto_eval=False,
+                     show_progress=False, torch_compile=torch_compile)
+
+
+def test_a_miscompiled_model_stops_at_the_first_batch_naming_the_parameters():
+    from aitoolbox.torchtrain.compiling.verify import CompiledGradientsDiffer
+    tl = _compiled_loop({"backend": _backend_zeroing_first_gradient})
+    before = copy.deepcopy(tl.model.state_dict())
+    with pytest.raises(CompiledGradientsDiffer, match=r"all zero when compiled.*'backend': 'aot_eager'.*'verify': False"):
+        tl.fit(num_epochs=1)
+    assert all(torch.equal(before[k], v) for k, v in tl.model.state_dict().items())  # nothing trained, BN untouched
+    unchecked = _compiled_loop({"backend": _backend_zeroing_first_gradient, "verify": False})
+    unchecked.fit(num_epochs=1)  # without the check it trains, silently wrong
+
+
+def test_the_check_leaves_training_bitwise_as_without_it():
+    """Dropout and BatchNorm: the check's passes restore the random state, the running statistics and the
+    gradients, so a checked run equals an unchecked one."""
+    checked = _compiled_loop({"backend": "aot_eager"})  # seeds the global RNG: built right before training
+    checked.fit(num_epochs=2)
+    unchecked = _compiled_loop({"backend": "aot_eager", "verify": False})
+    unchecked.fit(num_epochs=2)
+    assert checked._compiler._verified and not unchecked._compiler._verified
+    assert_params_equal(checked.model, unchecked.model)

@@ -1,6 +1,7 @@
 """The compiler of one TrainLoop: what ``torch_compile`` compiles, and the optimizer step the loop calls."""
 import logging
-from typing import Callable, Dict, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -9,6 +10,7 @@ from aitoolbox.torchtrain.compiling.model import CompiledModelCall, compile_in_p
 from aitoolbox.torchtrain.compiling.optimizer import CompiledOptimizerStep
 from aitoolbox.torchtrain.compiling.options import CompileOptions
 from aitoolbox.torchtrain.compiling.stats import CompileStats
+from aitoolbox.torchtrain.compiling.verify import verify_compiled_gradients
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class Compiler:
         self.model_call: Optional[CompiledModelCall] = None
         self._optimizer_steps: Dict[int, CompiledOptimizerStep] = {}
         self._unused_forward_warned = False
+        self._verified = False  # the compiled gradients were compared with eager ones (once per process)
 
     def __getstate__(self) -> dict:
         # Sent to the processes of fit_distributed: compiled functions do not pickle; each process compiles anew.
@@ -57,6 +60,20 @@ class Compiler:
         self.model_call = compile_in_place(module, self.options, self.stats)
         self.model_call.batch_size = batch_size
         precision.step_optimizer = self.step
+
+    @property
+    def verification_due(self) -> bool:
+        """Whether the next training batch should first check the compiled gradients (see :mod:`.verify`)."""
+        return (self.options.verify and not self._verified and self.model_call is not None
+                and not self.model_call.eager_only and not self.options.torch_kwargs.get("disable", False))
+
+    def verify(self, module: nn.Module, compute_loss: Callable[[], Any], autocast_dtype: Any) -> None:
+        """Compare the compiled gradients of one batch with eager ones (raises when they differ); once."""
+        started = time.perf_counter()
+        verify_compiled_gradients(module, compute_loss, autocast_dtype)
+        self._verified = True
+        logger.info("torch_compile: the compiled gradients of the first batch match eager ones (checked in %.1f s; "
+                    "torch_compile={'verify': False} skips the check)", time.perf_counter() - started)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` (compiled when ``optimizer_step`` is on); the Precision object calls this."""

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Union
 # What torch.compile itself accepts (handed through as they are).
 TORCH_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options", "disable")
 # What TrainLoop adds.
-TRAINLOOP_KEYS = ("fallback", "optimizer_step")
+TRAINLOOP_KEYS = ("fallback", "optimizer_step", "verify")
 FALLBACKS = ("error", "eager")
 
 
@@ -19,10 +19,13 @@ class CompileOptions:
         fallback: ``'error'`` (a model or optimizer step that cannot be compiled stops training with an error
             naming it) or ``'eager'`` (a warning, then it runs uncompiled).
         optimizer_step: compile each optimizer's ``step`` too (the larger part of the speed-up for MLPs).
+        verify: compare the compiled forward's gradients with eager ones on the first training batch, and stop
+            with an error naming the parameters that differ (see :mod:`~aitoolbox.torchtrain.compiling.verify`).
     """
     torch_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     fallback: str = "error"
     optimizer_step: bool = True
+    verify: bool = True
 
     @property
     def optimizer_kwargs(self) -> Dict[str, Any]:
@@ -57,6 +60,9 @@ class CompileOptions:
         optimizer_step = torch_compile.get("optimizer_step", True)
         if not isinstance(optimizer_step, bool):
             raise TypeError(f"torch_compile['optimizer_step'] must be True or False, got {optimizer_step!r}")
+        verify = torch_compile.get("verify", True)
+        if not isinstance(verify, bool):
+            raise TypeError(f"torch_compile['verify'] must be True or False, got {verify!r}")
         for key in ("fullgraph", "disable"):
             if key in torch_compile and not isinstance(torch_compile[key], bool):
                 raise TypeError(f"torch_compile[{key!r}] must be True or False, got {torch_compile[key]!r}")
@@ -64,4 +70,4 @@ class CompileOptions:
                 and "mode" in torch_compile and torch_compile["mode"] is not None:
             raise ValueError("torch_compile may give 'mode' or 'options', not both (torch.compile refuses the pair)")
         torch_kwargs = {key: torch_compile[key] for key in TORCH_COMPILE_KEYS if key in torch_compile}
-        return cls(torch_kwargs=torch_kwargs, fallback=fallback, optimizer_step=optimizer_step)
+        return cls(torch_kwargs=torch_kwargs, fallback=fallback, optimizer_step=optimizer_step, verify=verify)

@@ -21,6 +21,7 @@ from aitoolbox.torchtrain.callbacks.messages import MessageService
 from aitoolbox.torchtrain.compiling import CompileOptions, CompileStats, Compiler
 from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 from aitoolbox.torchtrain.precision.precision import Precision
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitMethod
@@ -77,8 +78,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             size is the training loader's ``batch_size`` is compiled dynamic from the first batch, so the smaller
             last batch needs no second graph; ``'dynamic'`` given explicitly turns that off), or a dict of ``torch.compile`` options
             (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus ``'fallback': 'eager'`` (warn and
-            run uncompiled what cannot be compiled, instead of an error) and ``'optimizer_step': False`` (compile
-            only the model). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
+            run uncompiled what cannot be compiled, instead of an error), ``'optimizer_step': False`` (compile
+            only the model) and ``'verify': False`` (skip the check of the compiled gradients against eager ones
+            on the first batch, which stops a miscompiled model before it trains wrong). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
         activation_checkpointing: ``nn.Module`` classes (e.g. ``[nn.TransformerEncoderLayer]``) whose instances in
             the model recompute their activations in backward instead of keeping them (less memory, about one
             more forward of them); see :mod:`aitoolbox.torchtrain.activation_checkpointing`.
@@ -564,6 +566,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         state.optimizer_step_due = optimizer_step
         if batch_hooks:
             hooks.on_batch_begin()
+        if self._compiler is not None and self._compiler.verification_due:
+            self._verify_compiled_gradients(batch_data)
         with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
             with self._precision.autocast():
                 loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
@@ -589,6 +593,16 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         interrupts.in_batch = False
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now
             interrupts.raise_pending()
+
+    def _verify_compiled_gradients(self, batch_data: Any) -> None:
+        """torch_compile's check on the first training batch (see :mod:`aitoolbox.torchtrain.compiling.verify`): the
+        model itself runs the batch eagerly and compiled (outside any parallel wrapper: no communication)."""
+        def compute_loss() -> torch.Tensor:
+            with self._precision.autocast():
+                loss = self.loop_model.get_loss(batch_data, self.criterion, self.device)
+            return sum(loss[name] for name in loss) if isinstance(loss, MultiLoss) else loss
+
+        self._compiler.verify(self.model, compute_loss, self._precision.autocast_dtype)
 
     def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True,
                          batch_done: bool = True) -> None:
