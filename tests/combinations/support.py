@@ -206,3 +206,44 @@ def train_cell(cell: Cell, epochs: int = 2, split_after: Optional[int] = None) -
         fit(tl, cell, split_after, callbacks)
         fit(tl, cell, epochs)
     return {"state": run_state(tl), "disagreements": agree.disagreements}
+
+
+def resume_cell(cell: Cell, epochs: int = 2, stop_after: int = 1) -> Dict[str, Any]:
+    """Train ``stop_after`` epochs, take the run's checkpoint (a collective), then continue in a new TrainLoop built
+    from scratch that loads it, as a new process would: nothing but the checkpoint carries over."""
+    first = build_loop(cell)
+    fit(first, cell, stop_after, fit_callbacks(cell))
+    checkpoint = first.checkpoint_state()
+    torch.manual_seed(12345)  # whatever the new process's random state: the checkpoint's is restored
+    resumed = build_loop(cell)
+    resumed.load_checkpoint(checkpoint)
+    fit(resumed, cell, epochs, fit_callbacks(cell))
+    return {"state": run_state(resumed)}
+
+
+def check_cell(cell: Cell) -> List[str]:
+    """Every invariant of one cell, as a list of what failed (empty: all hold). In a distributed cell every rank
+    runs it (the runs are collectives) and reports its own view."""
+    problems = []
+    straight = train_cell(cell)
+    problems += [f"ranks disagree: {line}" for line in straight["disagreements"]]
+    for name, other in (("two fits", train_cell(cell, split_after=1)), ("resume", resume_cell(cell))):
+        try:
+            assert_same_state(other["state"], straight["state"], f"{name} vs one straight fit")
+            if other["state"]["history"] != straight["state"]["history"] and name == "two fits":
+                problems.append(f"{name}: history differs")
+        except AssertionError as error:
+            problems.append(str(error).splitlines()[0])
+    return problems
+
+
+def matrix_worker(rank: int, world_size: int, cells: List[Cell]) -> Dict[str, List[str]]:
+    """run_distributed's function: every cell's invariants, in processes that stand in for torchrun's."""
+    join_as_torchrun(rank, world_size)
+    results = {}
+    for cell in cells:
+        try:
+            results[cell.name] = check_cell(cell)
+        except Exception as error:  # one cell's failure must not hide the others'
+            results[cell.name] = [f"raised {type(error).__name__}: {str(error).splitlines()[0][:300]}"]
+    return results

@@ -420,3 +420,12 @@ def test_the_check_leaves_training_bitwise_as_without_it():
     unchecked.fit(num_epochs=2)
     assert checked._compiler._verified and not unchecked._compiler._verified
     assert_params_equal(checked.model, unchecked.model)
+
+
+# --- O3 resume: the optimizer state follows the cast parameters ---------------------------------------------------
+def test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast():
+    """load_checkpoint before fit put Adam's state on the float32 parameters; O3 then cast the model to bfloat16
+    and the first step failed (a float32 state for a bfloat16 gradient). Resumed now equals straight."""
+    from tests.combinations.support import Cell, assert_same_state, resume_cell, train_cell
+    cell = Cell("O3")
+    assert_same_state(resume_cell(cell)["state"], train_cell(cell)["state"], "O3 resumed vs straight")

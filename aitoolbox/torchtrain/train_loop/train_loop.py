@@ -321,6 +321,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             if self.strategy.is_distributed and not self.strategy.shards_parameters:
                 # Gradients accumulated into float32 masters bypass DDP's all-reduce (see Precision).
                 self._precision.average_across_processes = self.strategy.average_tensors
+            for optimizer in self.optimizers:
+                if _state_unlike_parameters(optimizer) and callable(getattr(optimizer, "load_state_dict", None)):
+                    # A checkpoint loaded before amp cast the model (O3: bfloat16 parameters): load_state_dict
+                    # gives the state its parameter's dtype again, as a straight run has it.
+                    optimizer.load_state_dict(optimizer.state_dict())
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
             load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
@@ -628,6 +633,17 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self._step_optimizers(self.optimizers)
         state.optimizer_step_due = False
         return True
+
+
+def _state_unlike_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a floating tensor of the optimizer's state has another dtype than its parameter (scalar ``step``
+    counters aside)."""
+    for param, state in getattr(optimizer, "state", {}).items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.is_floating_point() \
+                    and value.dtype != param.dtype:
+                return True
+    return False
 
 
 def _state_on_another_device(optimizer: torch.optim.Optimizer) -> bool:
