@@ -214,6 +214,9 @@ def resume_cell(cell: Cell, epochs: int = 2, stop_after: int = 1) -> Dict[str, A
     first = build_loop(cell)
     fit(first, cell, stop_after, fit_callbacks(cell))
     checkpoint = first.checkpoint_state()
+    if cell.strategy != "single":
+        # What every rank reads from the file rank 0 writes (under FSDP only rank 0 holds the gathered weights).
+        checkpoint = first.broadcast_object(checkpoint)
     torch.manual_seed(12345)  # whatever the new process's random state: the checkpoint's is restored
     resumed = build_loop(cell)
     resumed.load_checkpoint(checkpoint)

@@ -145,6 +145,10 @@ class FullyShardedStrategy(DistributedStrategy):
         if args.get("cpu_offload", False):
             options["offload_policy"] = CPUOffloadPolicy()
         units = shard_units(model, args.get("shard_modules"), args.get("min_num_params", DEFAULT_MIN_NUM_PARAMS))
+        for batchnorm in _float32_batchnorms(model, self.mixed_precision_policy):
+            # BatchNorm's kernels want its weights in the dtype of its running statistics (float32): a unit of its
+            # own keeps them float32 (as O2's keep_batchnorm_fp32), and leaves its low-precision input as it is.
+            fully_shard(batchnorm, **dict(options, mp_policy=_float32_batchnorm_policy()))
         for unit in units:
             fully_shard(unit, **options)
         # The root's parameters are needed again at once for backward: freeing them after forward would only add an
@@ -214,6 +218,20 @@ class FullyShardedStrategy(DistributedStrategy):
     def _is_sharded(self, model: nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
         return self._sharded_model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _float32_batchnorm_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def _float32_batchnorms(model: nn.Module, policy: Any) -> List[nn.Module]:
+    """The affine BatchNorm layers to shard with float32 parameters, when ``policy`` computes in a low dtype."""
+    low = getattr(policy, "param_dtype", None)
+    if low is None or low == torch.float32:
+        return []
+    return [module for module in model.modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine and module is not model]
 
 
 def _full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Optional[dict]:
