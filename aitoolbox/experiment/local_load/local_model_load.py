@@ -198,9 +198,6 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             ValueError: states saved, no schedulers given, and not ``ignore_saved``; or the counts differ.
             TypeError: a given scheduler is not an ``AbstractScheduler``.
         """
-        # Imported here: the experiment package does not need the training-loop package to be imported.
-        from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
-
         self.check_if_model_loaded()
         saved_states = self.model_representation.get(SCHEDULERS_KEY) or []
         if not saved_states and scheduler_callbacks_list:
@@ -217,9 +214,10 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             raise ValueError(f"the checkpoint holds {len(saved_states)} scheduler state(s) and "
                              f"{len(scheduler_callbacks_list)} scheduler(s) were given: they must match one to one")
         for scheduler, state in zip(scheduler_callbacks_list, saved_states):
-            if not isinstance(scheduler, AbstractScheduler):
-                raise TypeError(f"{type(scheduler).__name__} is not a scheduler callback (a subclass of "
-                                "aitoolbox.torchtrain.schedulers.basic.AbstractScheduler)")
+            # Files and results know no callbacks: anything that loads a state dict is a scheduler here.
+            if not callable(getattr(scheduler, "load_state_dict", None)):
+                raise TypeError(f"{type(scheduler).__name__} is not a scheduler callback: it has no load_state_dict "
+                                "(use the schedulers of aitoolbox.torchtrain.schedulers)")
             scheduler.load_state_dict(state)
         return scheduler_callbacks_list
 

@@ -41,12 +41,12 @@ Process ``r`` gets the extra state of saved process ``r % saved_world_size``: co
 same in every process, RNG states then come from that process.
 
 :func:`consolidate_sharded_checkpoint` turns a checkpoint into one ordinary ``.pth`` file of the full model state
-dict, offline in one process; :func:`gather_full_model_state_dict` gathers it from a live sharded model.
+dict, offline in one process; :func:`aitoolbox.torchtrain.distributed.fsdp.gather_full_model_state_dict` gathers it from a live sharded
+model (the strategy's job).
 """
 import concurrent.futures
 import contextlib
 import io
-import itertools
 import json
 import os
 import shutil
@@ -443,25 +443,6 @@ def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
     with _single_process_intended(True):
         dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True)
     return model_state
-
-
-def gather_full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The full model state dict of a sharded model on rank 0's CPU (other ranks get an empty dict).
-
-    A collective under FSDP: every process calls it. A plain model in a single process gives its state dict
-    copied to the CPU.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
-
-    if not any(isinstance(module, FSDPModule) for module in model.modules()):
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # Unsharded tensors (buffers) on the CPU come back as the model's own: copy them, so that training on
-    # does not change what was gathered.
-    own = {_local(tensor).data_ptr() for tensor in itertools.chain(model.parameters(), model.buffers())}
-    return {name: tensor.clone() if isinstance(tensor, torch.Tensor) and tensor.data_ptr() in own else tensor
-            for name, tensor in full.items()}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ gradients are reduce-scattered. The loop is the same as under DDP; what differs 
 * Checkpoints and the trained model hand back full (gathered) state dicts: see :meth:`model_state_dict`.
 """
 import contextlib
+import itertools
 import logging
-from typing import Any, ContextManager, Iterator, List, Optional, Sequence
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -180,7 +181,6 @@ class FullyShardedStrategy(DistributedStrategy):
     def model_state_dict(self, model: nn.Module) -> dict:
         """The full model state dict, gathered to the CPU of rank 0 (other ranks get an empty dict); a collective:
         every rank calls it. Copies: training on does not change it."""
-        from aitoolbox.experiment.local_save.sharded_checkpoints import gather_full_model_state_dict
         return gather_full_model_state_dict(model)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -218,6 +218,25 @@ class FullyShardedStrategy(DistributedStrategy):
     def _is_sharded(self, model: nn.Module) -> bool:
         from torch.distributed.fsdp import FSDPModule
         return self._sharded_model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def gather_full_model_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full model state dict of a sharded model on rank 0's CPU (other ranks get an empty dict).
+
+    A collective under FSDP: every process calls it. A plain model in a single process gives its state dict
+    copied to the CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(module, FSDPModule) for module in model.modules()):
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Unsharded tensors (buffers) on the CPU come back as the model's own: copy them, so that training on
+    # does not change what was gathered.
+    own = {_local(tensor).data_ptr() for tensor in itertools.chain(model.parameters(), model.buffers())}
+    return {name: tensor.clone() if isinstance(tensor, torch.Tensor) and tensor.data_ptr() in own else tensor
+            for name, tensor in full.items()}
 
 
 def _float32_batchnorm_policy():

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
-    MARKER_FILE, checkpoint_process_group, consolidate_sharded_checkpoint, gather_full_model_state_dict,
-    is_sharded_checkpoint, load_sharded_checkpoint, remove_sharded_checkpoint, save_sharded_checkpoint,
+    MARKER_FILE, checkpoint_process_group, consolidate_sharded_checkpoint, is_sharded_checkpoint, load_sharded_checkpoint, remove_sharded_checkpoint, save_sharded_checkpoint,
     sharded_checkpoint_info, sharded_checkpoint_name)
+from aitoolbox.torchtrain.distributed.fsdp import gather_full_model_state_dict
 from tests.distributed_helpers import run_distributed
 
 E1, E2_SYNC, E2_ASYNC, E9_ONE_PROCESS = "model_x_ts_E1", "model_x_ts_E2", "model_x_ts_E2_ITER5", "model_x_ts_E9"
