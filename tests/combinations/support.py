@@ -9,7 +9,6 @@ Distributed cells run in the processes of :func:`tests.distributed_helpers.run_d
 the environment variables of a torchrun job make ``fit_distributed`` join the process group those processes
 already share, so one pair of processes trains many cells one after another.
 """
-import copy
 import dataclasses
 import os
 from typing import Any, Dict, List, Optional
