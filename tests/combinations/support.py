@@ -43,7 +43,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return (f"{self.precision}-{self.strategy}-acc{self.grad_accumulation}-{'compiled' if self.compile else 'eager'}"
+        compiled = "compiled" if self.compile else "eager"
+        return (f"{self.precision}-{self.strategy}-acc{self.grad_accumulation}-{compiled}"
                 f"-{self.loss}-{'clip' if self.clipping else 'noclip'}")
 
 

@@ -286,8 +286,8 @@ class DistributedFitMethod:
         masters, the loss scale), every rank's RNG state and history for the next call; the callbacks passed
         stay registered here, with rank 0's states. Two calls (``num_epochs=2``, then ``4``) therefore train as
         one call of 4 epochs. Under torchrun, SLURM or OpenMPI it joins the job as the rank the environment
-        gives instead of launching, and a second call goes on with the same set-up. In every process: the model is placed on its
-        device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
+        gives instead of launching, and a second call goes on with the same set-up. In every process: the model
+        is placed on its device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
         DistributedSampler (evaluation loaders an exact, unpadded split), and only rank 0 prints and saves.
 
         Args:

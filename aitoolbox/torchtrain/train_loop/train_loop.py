@@ -76,11 +76,12 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         torch_compile: compile the model's forward (in place: ``state_dict`` keys are unchanged) and the optimizers'
             steps with ``torch.compile``: False, True (torch's defaults, except that dimension 0 of an input whose
             size is the training loader's ``batch_size`` is compiled dynamic from the first batch, so the smaller
-            last batch needs no second graph; ``'dynamic'`` given explicitly turns that off), or a dict of ``torch.compile`` options
-            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus ``'fallback': 'eager'`` (warn and
-            run uncompiled what cannot be compiled, instead of an error), ``'optimizer_step': False`` (compile
-            only the model) and ``'verify': False`` (skip the check of the compiled gradients against eager ones
-            on the first batch, which stops a miscompiled model before it trains wrong). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
+            last batch needs no second graph; an explicit ``'dynamic'`` turns that off), or a dict of
+            ``torch.compile`` options (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``) plus
+            ``'fallback': 'eager'`` (warn and run uncompiled what cannot be compiled, instead of an error),
+            ``'optimizer_step': False`` (compile only the model) and ``'verify': False`` (skip the check of the
+            compiled gradients against eager ones on the first batch, which stops a miscompiled model before it
+            trains wrong). See :mod:`aitoolbox.torchtrain.compiling` and the "Faster training" docs page.
         activation_checkpointing: ``nn.Module`` classes (e.g. ``[nn.TransformerEncoderLayer]``) whose instances in
             the model recompute their activations in backward instead of keeping them (less memory, about one
             more forward of them); see :mod:`aitoolbox.torchtrain.activation_checkpointing`.
