@@ -241,8 +241,10 @@ def check_cell(cell: Cell) -> List[str]:
 
 
 def matrix_worker(rank: int, world_size: int, cells: List[Cell]) -> Dict[str, List[str]]:
-    """run_distributed's function: every cell's invariants, in processes that stand in for torchrun's."""
-    join_as_torchrun(rank, world_size)
+    """run_distributed's function: every cell's invariants, in processes that stand in for torchrun's (for
+    single-process cells, called in the test process itself, whose environment must stay as it is)."""
+    if world_size > 1:
+        join_as_torchrun(rank, world_size)
     results = {}
     for cell in cells:
         try:
