@@ -111,10 +111,7 @@ class DistributedStrategy(SingleDeviceStrategy):
         # What DDP's backward would have done: the gradients averaged over the ranks.
         if self._ddp_wrapper is None:
             return
-        for param in self._ddp_wrapper.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-                param.grad.div_(self.world_size)
+        self.average_tensors([param.grad for param in self._ddp_wrapper.parameters() if param.grad is not None])
 
     def average_tensors(self, tensors: List[torch.Tensor]) -> None:
         """Average ``tensors`` in place over the ranks, in one all-reduce per dtype (coalesced)."""
