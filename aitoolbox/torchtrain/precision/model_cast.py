@@ -41,12 +41,10 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
     for module in model.modules():
         if module in kept:
             continue  # never cast: a round trip through the low dtype would round its float32 values
-        for name, param in module.named_parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)  # the same Parameter object: optimizers keep their references
+        for param in module.parameters(recurse=False):
+            param.data = cast_floating(param.data, dtype)  # the same Parameter: optimizers keep their references
         for name, buffer in module.named_buffers(recurse=False):
-            if buffer.is_floating_point() and buffer.dtype != dtype:
-                setattr(module, name, buffer.to(dtype))
+            setattr(module, name, cast_floating(buffer, dtype))
 
 
 class _AutocastStacks(threading.local):
