@@ -4,7 +4,6 @@ import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
@@ -91,10 +90,10 @@ def evaluation_mode(train_loop: "TrainLoop", loader: Any):
     if device.type == "cuda":
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
     runner = train_loop.model_runner
-    wrapper = getattr(runner, "wrapper", runner)  # a parallel wrapper's modules are the model's and its own
+    # The outermost module the loop calls: a parallel wrapper holds the model, so its modes cover the model's.
+    outermost = getattr(runner, "wrapper", runner)
     with torch.random.fork_rng(devices=rng_devices), preserved_generator_states(loader_generators(loader)), \
-            torch.no_grad(), train_loop.strategy.evaluation_context(), \
-            modes_restored(train_loop.loop_model, *([wrapper] if isinstance(wrapper, nn.Module) else [])):
+            torch.no_grad(), train_loop.strategy.evaluation_context(), modes_restored(outermost):
         runner.eval()
         yield
 
