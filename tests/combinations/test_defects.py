@@ -431,3 +431,21 @@ def test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast():
     from tests.combinations.support import Cell, assert_same_state, resume_cell, train_cell
     cell = Cell("O3")
     assert_same_state(resume_cell(cell)["state"], train_cell(cell)["state"], "O3 resumed vs straight")
+
+
+def test_fit_distributed_twice_equals_one_longer_call_under_fsdp():
+    """The same with sharded processes (the launching process adopts the gathered weights and name-keyed optimizer
+    state) and FSDP's mixed-precision policy."""
+    from tests.combinations.support import Cell, build_loop
+    results = []
+    for calls in ([1, 2], [2]):
+        tl = build_loop(Cell("O1", "fsdp"))
+        scheduler = _scheduler()
+        for number, epochs in enumerate(calls):
+            tl.fit_distributed(num_epochs=epochs, callbacks=[scheduler] if number == 0 else None, num_gpus=2,
+                               start_method="fork", train_data_shuffle=False)
+        results.append(tl)
+    split, whole = results
+    assert_params_equal(split.model, whole.model)
+    assert dict(split.train_history) == dict(whole.train_history)
+    assert split.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
