@@ -7,7 +7,6 @@ import warnings
 from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
-from torch import nn
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.distributed.environment import current_external_placement, find_free_port, port_is_free
@@ -264,61 +263,3 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         ProcessLauncher(job, method).run()
         adopt_distributed_result(tl, result_path, options.callbacks)
     return tl.model_for_user
-
-
-class DistributedFitMethod:
-    """``TrainLoop.fit_distributed`` (a mixin of :class:`~aitoolbox.torchtrain.train_loop.train_loop.TrainLoop`)."""
-
-    def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
-                        callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
-                        train_data_shuffle: bool = True, ddp_model_args: Optional[dict] = None,
-                        amp_init_args: Optional[dict] = None, in_process_data_load=None, num_nodes: int = 1,
-                        node_rank: int = 0, num_gpus: Optional[int] = None, backend: Optional[str] = None,
-                        init_method: str = "env://", master_addr: Optional[str] = None,
-                        master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
-                        start_method: Optional[str] = None, timeout_s: float = 600.0,
-                        on_gpu: Optional[bool] = None, fsdp_model_args: Optional[dict] = None) -> nn.Module:
-        """Train with DistributedDataParallel, one process per device, and return the trained model.
-
-        Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
-        ``num_cpu_processes`` CPU processes over gloo) and, when they finish, takes over the run's state: rank 0's
-        weights, optimizer states, ``train_history`` and counters now, and the precision state (O2's float32
-        masters, the loss scale), every rank's RNG state and history for the next call; the callbacks passed
-        stay registered here, with rank 0's states. Two calls (``num_epochs=2``, then ``4``) therefore train as
-        one call of 4 epochs. Under torchrun, SLURM or OpenMPI it joins the job as the rank the environment
-        gives instead of launching, and a second call goes on with the same set-up. In every process: the model
-        is placed on its device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
-        DistributedSampler (evaluation loaders an exact, unpadded split), and only rank 0 prints and saves.
-
-        Args:
-            num_epochs, num_iterations, callbacks, grad_accumulation: as in :meth:`fit`.
-            train_data_shuffle: shuffle the training data each epoch (when the original loader shuffles).
-            ddp_model_args: keyword arguments for ``torch.nn.parallel.DistributedDataParallel``.
-            amp_init_args: ``amp.initialize`` keyword arguments, e.g. ``{'opt_level': 'O1'}``.
-            in_process_data_load: callback(s) whose ``on_multiprocess_start`` builds the data loaders in each
-                process (for data that should not be sent to the processes).
-            num_nodes: machines in the job; node_rank: this machine's index.
-            num_gpus: processes on this node (default: every GPU; without CUDA, CPU processes).
-            backend: ``'nccl'``, ``'gloo'`` or None (NCCL with CUDA, gloo otherwise).
-            init_method: torch.distributed init method; ``'env://'`` uses master_addr/master_port.
-            master_addr: address of node 0 (required for several nodes); master_port: its port (a free one is
-                chosen on a single node).
-            num_cpu_processes: CPU processes per node when CUDA is unavailable and num_gpus is 0 or None.
-            sync_bn: convert BatchNorm layers to SyncBatchNorm.
-            start_method: ``'fork'``, ``'spawn'`` or None (fork in notebooks, spawn for scripts).
-            timeout_s: how long collectives wait for a missing rank before failing.
-            on_gpu: aitoolbox 1.x's switch: False trains CPU processes over gloo even where CUDA is available; None
-                or True use the GPUs when there are any. ``backend='nccl'`` without CUDA falls back to gloo.
-            fsdp_model_args: with ``gpu_mode='fsdp'``: ``shard_modules`` (module classes that become shard units),
-                ``min_num_params`` (otherwise: submodules of at least this many parameters, default 1,000,000),
-                ``reshard_after_forward`` (default True) and ``cpu_offload`` (default False); see
-                :class:`~aitoolbox.torchtrain.distributed.fsdp.FullyShardedStrategy`.
-        """
-        return fit_distributed(self, DistributedFitOptions(
-            num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
-            grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,
-            amp_init_args=amp_init_args, in_process_data_load=in_process_data_load, num_nodes=num_nodes,
-            node_rank=node_rank, num_gpus=num_gpus, backend=backend, init_method=init_method,
-            master_addr=master_addr, master_port=master_port, num_cpu_processes=num_cpu_processes, sync_bn=sync_bn,
-            start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu, fsdp_model_args=fsdp_model_args,
-            shard_parameters=self.gpu_mode == "fsdp"))

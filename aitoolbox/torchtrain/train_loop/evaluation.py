@@ -7,7 +7,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
-from aitoolbox.torchtrain.train_loop.losses import LossResult, as_loss_result, detached_values, loss_names
+from aitoolbox.torchtrain.train_loop.losses import (
+    LossResult, as_float_dict, as_loss_result, detached_values, history_entries, loss_names)
 from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,13 +105,68 @@ class Evaluator:
     The evaluation runs in eval mode without gradients, under the loop's precision, and inside a forked
     torch RNG so that evaluating (for example shuffling a loader) never changes the training run.
     Predictions are cached for the current training iteration: several callbacks asking for validation
-    predictions at one epoch end share a single pass.
+    predictions at one epoch end share a single pass. It also records the losses the loop evaluates at the end of
+    an epoch and of training (``end_auto_eval``).
     """
 
     def __init__(self, train_loop: "TrainLoop"):
         self.train_loop = train_loop
         self._prediction_cache = {}
         self._loss_cache = {}
+        self._prepared_loaders = {}  # dataset type -> (the user's loader, the loader prepared by the strategy)
+
+    # --- the loop's own evaluations ----------------------------------------------------------------------
+    def at_epoch_end(self) -> None:
+        """Record ``loss`` and ``val_loss`` when ``end_auto_eval`` asks for them at this epoch."""
+        tl = self.train_loop
+        if tl.auto_eval_due:
+            self.record_loss("loss", self.loss_on("train"))
+            if tl.validation_loader is not None:
+                self.record_loss("val_loss", self.loss_on("validation"))
+
+    def at_train_end(self) -> None:
+        """Record (and log) ``train_end_test_loss`` when there is a test loader and ``end_auto_eval`` is on."""
+        tl = self.train_loop
+        if tl.end_auto_eval is not False and tl.test_loader is not None:
+            entries = self.record_loss("train_end_test_loss", self.loss_on("test"))
+            if tl.strategy.is_main_process:
+                logger.info("Test loss at the end of training: %s",
+                            ", ".join(f"{k} {v:.6g}" for k, v in entries.items()))
+
+    def record_loss(self, metric_name: str, result: LossResult) -> dict:
+        """Insert an evaluated loss into the history (one entry per name for a MultiLoss); returns the entries."""
+        names = loss_names(result)
+        values = result if names is None else torch.stack([result[name] for name in names])
+        entries = history_entries(metric_name, values, names)
+        for name, value in entries.items():
+            self.train_loop.insert_metric_result_into_history(name, value)
+        return entries
+
+    # --- the loop's three data sets ------------------------------------------------------------------------
+    def prepared_loader(self, dataset_type: str) -> DataLoader:
+        """The loader to evaluate on: the user's, or under DDP this process's exact share of it."""
+        tl = self.train_loop
+        loader = {"train": tl.train_loader, "validation": tl.validation_loader, "test": tl.test_loader}[dataset_type]
+        if loader is None:
+            raise ValueError(f"this TrainLoop has no {dataset_type}_loader: pass one to the constructor")
+        # Prepared once per loader: a loader replaced since (by the user, or by DataSubsetTestRun) is prepared anew.
+        source, prepared = self._prepared_loaders.get(dataset_type, (None, None))
+        if source is not loader:
+            prepared = tl.strategy.setup_eval_loader(loader)
+            self._prepared_loaders[dataset_type] = (loader, prepared)
+        return prepared
+
+    def loss_on(self, dataset_type: str, force: bool = False, float_dict_format: bool = False):
+        """The mean loss over the loop's ``dataset_type`` set (cached within one training iteration)."""
+        loss = self.evaluate_loss(self.prepared_loader(dataset_type), dataset_type, force=force)
+        return as_float_dict(loss) if float_dict_format else loss
+
+    def predictions_on(self, dataset_type: str, force: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the loop's ``dataset_type`` set (cached within one iteration)."""
+        return self.predict(self.prepared_loader(dataset_type), dataset_type, execute_callbacks=execute_callbacks,
+                            force=force)
+
+    # --- any loader ----------------------------------------------------------------------------------------
 
     def _cache_key(self, dataset_type: str, loader: Any) -> tuple:
         # The loader's identity too: a result computed on a loader since replaced is not the new loader's. (Cached
@@ -218,5 +274,7 @@ class Evaluator:
         return joined_pred, joined_true, joined_metadata
 
     def clear_cache(self) -> None:
+        """Forget cached results and prepared loaders (the strategy changed: loaders are prepared anew)."""
         self._prediction_cache = {}
         self._loss_cache = {}
+        self._prepared_loaders = {}

@@ -23,31 +23,32 @@ from aitoolbox.torchtrain.distributed.strategy import create_strategy
 from aitoolbox.torchtrain.model import ModelWrap, TTModel
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 from aitoolbox.torchtrain.precision.precision import Precision
+from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop import validation
-from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitMethod
+from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
-from aitoolbox.torchtrain.train_loop.evaluation_methods import EvaluationMethods
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
-from aitoolbox.torchtrain.train_loop.compat_methods import CompatMethods
-from aitoolbox.torchtrain.train_loop.continuation import ContinuationAfterException
+from aitoolbox.torchtrain.train_loop.compat import num_training_steps, optimizer_update_due
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
 from aitoolbox.torchtrain.train_loop.history import TrainingHistory
 from aitoolbox.torchtrain.train_loop.interrupts import InterruptGuard
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
 from aitoolbox.torchtrain.train_loop.module_modes import FrozenModules
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum, checked_batch_loss, history_entries, loss_postfix
+from aitoolbox.torchtrain.train_loop.losses import LossResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
-from aitoolbox.torchtrain.train_loop.train_state import (
-    MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
-    load_pending_sharded_weights, restore_rng_state, restore_train_state, truncate_history)
-from aitoolbox.torchtrain.train_loop.use_amp import check_use_amp, create_precision, create_sharded_precision
+from aitoolbox.torchtrain.train_loop.run_state import RunState
+from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
+from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
+from aitoolbox.torchtrain.train_loop.use_amp import (
+    check_use_amp, create_precision, create_sharded_precision, initial_loss_scaler)
 
 logger = logging.getLogger(__name__)
 
 
-class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, DistributedFitMethod):
+class TrainLoop:
     """Trains a :class:`~aitoolbox.torchtrain.model.TTModel` (or a :class:`~aitoolbox.torchtrain.model.ModelWrap`).
 
     Args:
@@ -135,27 +136,22 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         if self.activation_checkpointing:
             checkpointed_modules(self.model, self.activation_checkpointing)  # none selected: an error now
         self._compiler = Compiler(compile_options, self._loop_position) if compile_options else None
-        self.amp_scaler = GradScalerView(self._get_precision)
+        self.amp_scaler = GradScalerView(self._current_precision, self._initial_loss_scaler)
 
-        self.state = LoopState()
+        self.run_state = RunState(LoopState())  # the one place a run's progress lives (see run_state.py)
+        self.state = self.run_state.counters
         self.last_batch_loss: Optional[torch.Tensor] = None
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.message_service = MessageService()  # before any callback registers: they keep a reference
         self.callbacks_handler = CallbacksHandler(self)
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
-        self.epoch_loss = EpochLossSum()
-        self.epoch_start_rng_state: Optional[dict] = None
-        self.pending_restore: Optional[dict] = None  # a loaded checkpoint, finished at the start of fit
-        self._interrupted_at: Optional[MidEpochResume] = None  # where a fit stopped by an exception continues
-        self._step_point = None  # the current epoch's last optimizer step, or its end (see _interruption_point)
-        self._batches_done = 0  # batches of the current epoch trained
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
         self._timestamp = timestamp_now()
         self._model_runner = None
+        self._step_runner: Optional[StepRunner] = None  # with the model runner and precision, by set_up
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
-        self._evaluation_loaders = {}
         self._evaluator = Evaluator(self)
         self._epoch_report = EpochReport()
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
@@ -210,7 +206,21 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
     @property
     def epoch_loss_sum(self) -> torch.Tensor:
         """The sum of the current epoch's batch losses so far (``accumulated_loss`` is its mean)."""
-        return self.epoch_loss.total()
+        return self.run_state.epoch_loss.total()
+
+    @property
+    def pending_restore(self) -> Optional[dict]:
+        """A loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it starts."""
+        return self.run_state.pending_checkpoint
+
+    @pending_restore.setter
+    def pending_restore(self, checkpoint: Optional[dict]) -> None:
+        self.run_state.pending_checkpoint = checkpoint
+
+    @property
+    def epoch_start_rng_state(self) -> Optional[dict]:
+        """The RNG state the current epoch's data order was drawn from (mid-epoch checkpoints store it)."""
+        return self.run_state.epoch_start_rng
 
     @property
     def last_batch_loss_names(self) -> Optional[List[str]]:
@@ -289,11 +299,14 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
     def precision(self, precision: Precision) -> None:
         self._precision = precision
         self._precision_chosen_by_user = precision is not None
+        if self._step_runner is not None:
+            self._step_runner.precision = precision
 
-    def _get_precision(self) -> Precision:
-        # 1.x code may call tl.amp_scaler's methods before fit (e.g. to load a GradScaler state): set up first.
-        self.set_up()
+    def _current_precision(self) -> Optional[Precision]:
         return self._precision
+
+    def _initial_loss_scaler(self) -> Any:
+        return initial_loss_scaler(self.use_amp, self.loop_model, self.optimizers, self.device)
 
     def set_up(self) -> None:
         """Apply activation checkpointing, place the model on its device, prepare mixed precision
@@ -319,6 +332,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
                 self._precision.agree_on_overflow = self.strategy.any_process  # each rank sees only its shards
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+            self.amp_scaler.hand_over(self._precision)
             if self.strategy.is_distributed and not self.strategy.shards_parameters:
                 # Gradients accumulated into float32 masters bypass DDP's all-reduce (see Precision).
                 self._precision.average_across_processes = self.strategy.average_tensors
@@ -329,6 +343,10 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
                     optimizer.load_state_dict(optimizer.state_dict())
             self._model_runner = self.strategy.wrap_model_and_optimizers(self.loop_model, self.optimizers)
             load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
+            self._step_runner = StepRunner(
+                self._precision, self.optimizers, self.optimizer, self.callbacks_handler, self.state,
+                distributed=self.strategy.is_distributed, sync_skipped_gradients=self.strategy.sync_skipped_gradients,
+                batch_done=self.run_state.mark_batch_done, amp_scaler=self.amp_scaler)
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
             self._compiler.prepare(self.model, self._precision, getattr(self.train_loader, "batch_size", None))
 
@@ -346,10 +364,9 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         if self._precision_chosen_by_user:
             validation.check_user_precision(self._precision, strategy.shards_parameters, strategy.device, use_amp)
         self.strategy = strategy
-        self._model_runner = None
+        self._model_runner = self._step_runner = None
         if not self._precision_chosen_by_user:
             self._precision = None
-        self._evaluation_loaders = {}
         self._evaluator.clear_cache()
 
     def stop_training(self, reason: str = "") -> None:
@@ -360,7 +377,6 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer``'s gradients true values (undo loss scaling); idempotent within a step."""
-        self.set_up()
         self.precision.unscale_(optimizer)
 
     def insert_metric_result_into_history(self, metric_name: str, metric_result: Any) -> None:
@@ -369,6 +385,92 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
 
     check_loss = staticmethod(validation.check_loss)
 
+    # --- aitoolbox 1.x's queries for callbacks ------------------------------------------------------------
+    def should_execute_optimizer_update(self) -> bool:
+        """True when the current batch ends with an optimizer step: every ``grad_accumulation`` batches, at the
+        epoch's last batch, and at the last batch of a ``num_iterations`` run."""
+        return optimizer_update_due(self.state, loader_length(self.train_loader))
+
+    def get_schedulers(self) -> list:
+        """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""
+        return [callback for callback in self.callbacks if isinstance(callback, AbstractScheduler)]
+
+    def get_num_training_steps(self) -> int:
+        """Optimizer steps the current ``fit`` takes over the whole run (``num_epochs`` / ``num_iterations`` are
+        totals), for warm-up and decay schedules: exactly the steps the loop takes (see
+        :func:`~aitoolbox.torchtrain.train_loop.compat.num_training_steps`)."""
+        return num_training_steps(self.state, loader_length(self.train_loader))
+
+    # --- evaluation and prediction over whole data sets (see :class:`.evaluation.Evaluator`) ----------------
+    @property
+    def auto_eval_due(self) -> bool:
+        """True when the loop records ``loss``/``val_loss`` at the end of the current epoch (``end_auto_eval``)."""
+        if self.end_auto_eval is True or self.end_auto_eval is False:
+            return self.end_auto_eval
+        return (self.epoch + 1) % self.end_auto_eval == 0
+
+    def evaluate_loss_on_train_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the training set, in eval mode (cached within one training iteration).
+
+        Args:
+            force_prediction: evaluate again even if this iteration's value is cached.
+            float_dict_format: return a float (a ``{name: float}`` dict for a MultiLoss) instead of a 0-dim
+                float64 tensor (a MultiLoss of them).
+        """
+        return self._evaluator.loss_on("train", force_prediction, float_dict_format)
+
+    def evaluate_loss_on_validation_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the validation set; arguments as :meth:`evaluate_loss_on_train_set`."""
+        return self._evaluator.loss_on("validation", force_prediction, float_dict_format)
+
+    def evaluate_loss_on_test_set(self, force_prediction: bool = False, float_dict_format: bool = False):
+        """Mean loss per sample over the test set; arguments as :meth:`evaluate_loss_on_train_set`."""
+        return self._evaluator.loss_on("test", force_prediction, float_dict_format)
+
+    def evaluate_model_loss(self, data_loader: DataLoader, move_to_cpu: bool = False,
+                            dataset_info: Optional[dict] = None) -> LossResult:
+        """Mean loss per sample over any loader (not cached): a 0-dim float64 tensor, or a MultiLoss of them.
+
+        Args:
+            data_loader: the batches to evaluate on.
+            move_to_cpu: return the value on the CPU rather than on the training device.
+            dataset_info: e.g. ``{'type': 'validation'}``, shown in the progress bar.
+        """
+        dataset_type = (dataset_info or {}).get("type", "data")
+        loss = self._evaluator.evaluate_loss(data_loader, dataset_type, force=True, cache=False)
+        return loss.cpu() if move_to_cpu else loss.to(self.device)
+
+    def predict_on_train_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the training set (cached within one training iteration).
+
+        Args:
+            force_prediction: predict again even if this iteration's predictions are cached.
+            execute_callbacks: call the callbacks' ``on_after_batch_prediction`` after each batch.
+        """
+        return self._evaluator.predictions_on("train", force_prediction, execute_callbacks)
+
+    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the validation set; arguments as :meth:`predict_on_train_set`."""
+        return self._evaluator.predictions_on("validation", force_prediction, execute_callbacks)
+
+    def predict_on_test_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
+        """``(y_pred, y_true, metadata)`` over the test set; arguments as :meth:`predict_on_train_set`."""
+        return self._evaluator.predictions_on("test", force_prediction, execute_callbacks)
+
+    def predict_with_model(self, data_loader: DataLoader, execute_callbacks: bool = False, move_to_cpu: bool = False,
+                           dataset_info: Optional[dict] = None):
+        """``(y_pred, y_true, metadata)`` over any loader (not cached).
+
+        Args:
+            data_loader: the batches to predict on.
+            execute_callbacks: call the callbacks' ``on_after_batch_prediction`` after each batch.
+            move_to_cpu: accepted for 1.x compatibility; the collate functions decide where outputs live.
+            dataset_info: e.g. ``{'type': 'test'}``, handed to the callbacks and shown in the progress bar.
+        """
+        dataset_type = (dataset_info or {}).get("type", "data")
+        return self._evaluator.predict(data_loader, dataset_type, execute_callbacks=execute_callbacks, force=True,
+                                       cache=False, dataset_info=dataset_info)
+
     def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
                          include_weights: bool = True) -> dict:
         """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process.
@@ -376,7 +478,7 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
         with DCP and stores this dict beside them)."""
         self.set_up()
-        return capture_train_state(self, mid_epoch, hyperparams, include_weights)
+        return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
 
     def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
         """Continue from a checkpoint (a dict, a ``.pth`` file, a sharded checkpoint's folder, or an experiment
@@ -388,12 +490,11 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         if not isinstance(checkpoint, dict):
             from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
             checkpoint = load_checkpoint_file(checkpoint)
-        restore_train_state(self, checkpoint)
+        self.run_state.load(self, checkpoint)
         if self._model_runner is not None or self.gpu_mode != "fsdp":
             # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then each
             # process reads its own shards when fit sets it up.
             load_pending_sharded_weights(self)
-        self._interrupted_at = None  # the checkpoint says where to continue
         return checkpoint
 
     # --- training ---------------------------------------------------------------------------------------
@@ -446,12 +547,66 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             with self._interrupts, self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
-            if self._precision is not None:
-                self._precision.reset()  # the step in progress is abandoned: the next one starts clean
-            self._remember_interruption()
+            if self._step_runner is not None:
+                self._step_runner.abandon()  # the step in progress is abandoned: the next one starts clean
+            self.run_state.remember_interruption(self.train_loader)
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
+
+    def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
+                        callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
+                        train_data_shuffle: bool = True, ddp_model_args: Optional[dict] = None,
+                        amp_init_args: Optional[dict] = None, in_process_data_load=None, num_nodes: int = 1,
+                        node_rank: int = 0, num_gpus: Optional[int] = None, backend: Optional[str] = None,
+                        init_method: str = "env://", master_addr: Optional[str] = None,
+                        master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
+                        start_method: Optional[str] = None, timeout_s: float = 600.0,
+                        on_gpu: Optional[bool] = None, fsdp_model_args: Optional[dict] = None) -> nn.Module:
+        """Train with DistributedDataParallel, one process per device, and return the trained model.
+
+        Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
+        ``num_cpu_processes`` CPU processes over gloo) and, when they finish, takes over the run's state: rank 0's
+        weights, optimizer states, ``train_history`` and counters now, and the precision state (O2's float32
+        masters, the loss scale), every rank's RNG state and history for the next call; the callbacks passed
+        stay registered here, with rank 0's states. Two calls (``num_epochs=2``, then ``4``) therefore train as
+        one call of 4 epochs. Under torchrun, SLURM or OpenMPI it joins the job as the rank the environment
+        gives instead of launching, and a second call goes on with the same set-up. In every process: the model
+        is placed on its device, ``amp.initialize(**amp_init_args)`` runs before the DDP wrap, the loaders get a
+        DistributedSampler (evaluation loaders an exact, unpadded split), and only rank 0 prints and saves.
+
+        Args:
+            num_epochs, num_iterations, callbacks, grad_accumulation: as in :meth:`fit`.
+            train_data_shuffle: shuffle the training data each epoch (when the original loader shuffles).
+            ddp_model_args: keyword arguments for ``torch.nn.parallel.DistributedDataParallel``.
+            amp_init_args: ``amp.initialize`` keyword arguments, e.g. ``{'opt_level': 'O1'}``.
+            in_process_data_load: callback(s) whose ``on_multiprocess_start`` builds the data loaders in each
+                process (for data that should not be sent to the processes).
+            num_nodes: machines in the job; node_rank: this machine's index.
+            num_gpus: processes on this node (default: every GPU; without CUDA, CPU processes).
+            backend: ``'nccl'``, ``'gloo'`` or None (NCCL with CUDA, gloo otherwise).
+            init_method: torch.distributed init method; ``'env://'`` uses master_addr/master_port.
+            master_addr: address of node 0 (required for several nodes); master_port: its port (a free one is
+                chosen on a single node).
+            num_cpu_processes: CPU processes per node when CUDA is unavailable and num_gpus is 0 or None.
+            sync_bn: convert BatchNorm layers to SyncBatchNorm.
+            start_method: ``'fork'``, ``'spawn'`` or None (fork in notebooks, spawn for scripts).
+            timeout_s: how long collectives wait for a missing rank before failing.
+            on_gpu: aitoolbox 1.x's switch: False trains CPU processes over gloo even where CUDA is available; None
+                or True use the GPUs when there are any. ``backend='nccl'`` without CUDA falls back to gloo.
+            fsdp_model_args: with ``gpu_mode='fsdp'``: ``shard_modules`` (module classes that become shard units),
+                ``min_num_params`` (otherwise: submodules of at least this many parameters, default 1,000,000),
+                ``reshard_after_forward`` (default True) and ``cpu_offload`` (default False); see
+                :class:`~aitoolbox.torchtrain.distributed.fsdp.FullyShardedStrategy`.
+        """
+        return fit_distributed(self, DistributedFitOptions(
+            num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
+            grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,
+            amp_init_args=amp_init_args, in_process_data_load=in_process_data_load, num_nodes=num_nodes,
+            node_rank=node_rank, num_gpus=num_gpus, backend=backend, init_method=init_method,
+            master_addr=master_addr, master_port=master_port, num_cpu_processes=num_cpu_processes, sync_bn=sync_bn,
+            start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu, fsdp_model_args=fsdp_model_args,
+            shard_parameters=self.gpu_mode == "fsdp"))
 
     @property
     def _compile_recording(self) -> ContextManager:
@@ -464,19 +619,18 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
         self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
-        self.precision.reset()  # nothing unscaled yet, whatever happened to it outside fit
-        self.precision.zero_grad(self.optimizers)
+        self._step_runner.start()
         self.callbacks_handler.on_train_begin()
-        resume = apply_pending_states(self) or self._take_interruption_point()
+        resume = self.run_state.resume_point(self)
         while not state.early_stop and not self._target_reached(num_epochs, num_iterations):
             state.epoch = state.epochs_completed
             self._run_epoch(num_iterations, resume)
             resume = None
             state.epochs_completed += 1
-            self._step_point = None  # until here an exception redoes the epoch's end
+            self.run_state.end_epoch()  # until here an exception redoes the epoch's end
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
-        self._evaluate_at_train_end()
+        self._evaluator.at_train_end()
         self.callbacks_handler.on_train_end()
 
     @property
@@ -495,37 +649,35 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
 
         ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted.
         """
-        state = self.state
+        state, run_state = self.state, self.run_state
         if resume is not None and resume.batches_trained:  # stopped in the epoch's end: do it again
             truncate_history(self.train_history, resume.history_lengths)
             self._epoch_report.start(self.train_history)
-            batches_done = resume.batches_done
-            self.epoch_loss = EpochLossSum(resume.loss_sum, self.device)
+            run_state.batches_done = resume.batches_done
+            run_state.epoch_loss = EpochLossSum(resume.loss_sum, self.device)
         else:
             self._epoch_report.start(self.train_history)
             self.strategy.on_epoch_begin(state.epoch, self.train_loader)
             self.callbacks_handler.on_epoch_begin()
-            batches_done = self._train_batches(num_iterations, resume)
-        self._step_point = MidEpochResume(batches_done, self.epoch_loss_sum.tolist(), None, None,
-                                          batches_trained=True, history_lengths=history_lengths(self.train_history))
-        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / batches_done, self._loss_names)
+            self._train_batches(num_iterations, resume)
+        run_state.mark_epoch_trained(self.train_history)
+        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / run_state.batches_done,
+                                      self._loss_names)
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
         self.callbacks_handler.on_epoch_train_end()
-        self._evaluate_at_epoch_end()
+        self._evaluator.at_epoch_end()
         self.callbacks_handler.on_epoch_end()
         self.message_service.end_of_epoch_trigger()
         if self.strategy.is_main_process:
             self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
         state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
 
-    def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> int:
-        """``_run_batch`` for each batch of the epoch (after ``resume``'s); returns the batches trained in all."""
-        state = self.state
+    def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
+        """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained)."""
+        state, run_state = self.state, self.run_state
         num_batches = loader_length(self.train_loader)
-        batches, self._batches_done = self._epoch_batches(resume)
-        self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, self.device)
-        self._mark_step_point()
+        batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         running_loss = self._running_loss_postfix
         with contextlib.closing(bar):
@@ -539,32 +691,18 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
                     break
             else:
                 if num_batches is None:  # a loader without len: its last batch is known only now
-                    self._step_pending_gradients()
-            if self._batches_done == 0:
+                    self._step_runner.step_pending_gradients()
+            if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
-            bar.set_postfix(loss_postfix(self.epoch_loss_sum / self._batches_done, self._loss_names))
-        return self._batches_done
+            bar.set_postfix(loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names))
 
     def _running_loss_postfix(self) -> dict:
-        return {"loss": f"{self.epoch_loss_sum.mean().item() / self._batches_done:.4f}"}
-
-    def _epoch_batches(self, resume: Optional[MidEpochResume]):
-        """``(index, batch)`` pairs of this epoch and the number already done (non-zero after a resume)."""
-        if resume is not None:
-            restore_rng_state(resume.epoch_start_rng, self.train_loader)
-        self.epoch_start_rng_state = capture_rng_state(self.train_loader)
-        batches = enumerate(self.train_loader)
-        if resume is None:
-            return batches, 0
-        for _ in range(resume.batches_done):  # draw the same data order again and skip what was trained on
-            next(batches)
-        restore_rng_state(resume.rng, self.train_loader)
-        return batches, resume.batches_done
+        return {"loss": f"{self.epoch_loss_sum.mean().item() / self.run_state.batches_done:.4f}"}
 
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
-        optimizer's step (a MultiLoss with several optimizers: :meth:`_backward_and_step_per_optimizer`)."""
+        optimizer's step (both by the :class:`~.step_runner.StepRunner`)."""
         state, hooks, interrupts = self.state, self.callbacks_handler, self._interrupts
         batch_hooks = hooks.has_batch_hooks  # without any, the empty calls are skipped (microseconds a batch)
         interrupts.in_batch = True
@@ -578,21 +716,8 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             with self._precision.autocast():
                 loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
             self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
-            self.epoch_loss.pending.append(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
-            self._batches_done += 1
-            if self._loss_names is not None and self.num_optimizers > 1:
-                self._backward_and_step_per_optimizer(loss)
-            else:
-                if self._loss_names is not None:  # several losses, one optimizer: it steps on their sum
-                    loss = sum(loss[name] for name in self._loss_names)
-                if state.grad_accumulation > 1:
-                    loss = loss / state.grad_accumulation
-                self._precision.backward(loss, accumulating=not optimizer_step)
-                if batch_hooks:
-                    for optimizer_idx in range(self.num_optimizers):
-                        hooks.on_after_gradient_update(optimizer_idx)
-                if optimizer_step:
-                    self._step_optimizers(self.optimizers)
+            self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
+            self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
         state.optimizer_step_due = False
         if batch_hooks:
             hooks.on_batch_end()
@@ -609,31 +734,6 @@ class TrainLoop(EvaluationMethods, CompatMethods, ContinuationAfterException, Di
             return sum(loss[name] for name in loss) if isinstance(loss, MultiLoss) else loss
 
         self._compiler.verify(self.model, compute_loss, self._precision.autocast_dtype)
-
-    def _step_optimizers(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True,
-                         batch_done: bool = True) -> None:
-        self.state.optimizer_step_skipped = not self._precision.step(optimizers, update_scale)
-        if batch_done:
-            self._mark_step_point()  # from here on an exception continues after this step
-        if self.callbacks_handler.has_batch_hooks:
-            self.callbacks_handler.on_after_optimizer_step()
-        self._precision.zero_grad(optimizers)
-
-    def _step_pending_gradients(self) -> bool:
-        """Step on gradients accumulated since the last update (the epoch ended inside a window); True if it did."""
-        state = self.state
-        if (state.iteration + 1) % state.grad_accumulation == 0:
-            return False
-        self.strategy.sync_skipped_gradients()
-        state.optimizer_step_due = True
-        # The hooks every step gets: a clipping callback clips these gradients (its earlier call for this batch
-        # saw optimizer_step_due False, as the loader's end was not known yet).
-        if self.callbacks_handler.has_batch_hooks:
-            for optimizer_idx in range(self.num_optimizers):
-                self.callbacks_handler.on_after_gradient_update(optimizer_idx)
-        self._step_optimizers(self.optimizers)
-        state.optimizer_step_due = False
-        return True
 
 
 def _state_unlike_parameters(optimizer: torch.optim.Optimizer) -> bool:

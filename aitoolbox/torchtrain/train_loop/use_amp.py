@@ -1,7 +1,7 @@
 """Turn TrainLoop's ``use_amp`` argument into the Precision object the loop calls."""
 import inspect
 import logging
-from typing import Any, List, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -79,6 +79,26 @@ def check_use_amp(use_amp: Union[bool, dict, None], device: torch.device) -> Non
     elif meaning == "amp_initialize":
         property_keys = inspect.signature(resolve_properties).parameters
         resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
+
+
+def initial_loss_scaler(use_amp: Union[bool, dict, None], model: nn.Module,
+                        optimizers: List[torch.optim.Optimizer], device: torch.device) -> Optional[LossScaler]:
+    """The loss scaler :func:`create_precision` will start with (None: no scaling), found without touching the
+    model: what ``tl.amp_scaler`` reports before the model is set up (1.x built its GradScaler in the
+    constructor, so 1.x code may read it, or load a state into it, before ``fit``)."""
+    meaning = use_amp_meaning(use_amp)
+    existing = (amp.state_of(optimizers[0]) if optimizers else None) or amp.state_of(model)
+    if existing is not None:
+        return existing.precision().loss_scaler
+    if meaning == "off" or (meaning in ("default", "grad_scaler") and not default_mixed_precision_helps(device.type)):
+        return None
+    if meaning == "grad_scaler":
+        return LossScaler.from_grad_scaler_args(**{key: value for key, value in use_amp.items() if key != "enabled"})
+    if meaning == "default":
+        return autocast_precision(device.type).loss_scaler
+    property_keys = inspect.signature(resolve_properties).parameters
+    props = resolve_properties(device.type, **{k: v for k, v in use_amp.items() if k in property_keys})
+    return LossScaler(props.loss_scale) if props.uses_loss_scaling else None
 
 
 def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimizers: List[torch.optim.Optimizer],

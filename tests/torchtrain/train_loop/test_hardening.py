@@ -62,16 +62,18 @@ def make_loop(model, grad_accumulation_data=40, **kwargs):
 
 
 # --- 3. an exception in fit, and fit again -------------------------------------------------------------
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("hook, exception, grad_accumulation", [
     ("on_batch_end", RuntimeError("boom"), 1),
     ("on_batch_end", KeyboardInterrupt(), 1),
     ("on_after_gradient_update", RuntimeError("in the middle of a window"), 2),
+    ("on_after_gradient_update", RuntimeError("in the middle of a longer window"), 3),
     ("on_epoch_end", KeyboardInterrupt(), 2),
 ])
-def test_fit_after_an_exception_continues_where_it_stopped(hook, exception, grad_accumulation):
-    # No dropout: the random state is not rewound to the last optimizer step, the data order and the
-    # arithmetic are; so without randomness in the model the continued run equals an uninterrupted one bitwise.
-    model, reference_model = model_pair(MLP, dropout=0.0)
+def test_fit_after_an_exception_continues_where_it_stopped(hook, exception, grad_accumulation, dropout):
+    # The batches after the last optimizer step are trained again with the data order, the arithmetic and the
+    # torch random state (dropout masks) they had: the continued run equals an uninterrupted one bitwise.
+    model, reference_model = model_pair(MLP, dropout=dropout)
     torch.manual_seed(0)
     reference = make_loop(reference_model)
     reference.fit(num_epochs=3, grad_accumulation=grad_accumulation)
@@ -114,6 +116,37 @@ def test_reading_precision_or_model_runner_before_set_up_changes_nothing():
     tl.set_up()
     assert tl.precision is tl.precision and tl.model_runner is model
     assert model.fc1.weight.dtype == torch.bfloat16  # O2 casts the model, once set up
+
+
+@pytest.mark.parametrize("use_amp, enabled, scale", [
+    ({"opt_level": "O2", "loss_scale": "dynamic"}, True, 2.0 ** 16),
+    ({"opt_level": "O1"}, False, 1.0),  # bfloat16 on the CPU: no loss scaling unless asked for
+    ({"init_scale": 2.0 ** 10}, True, 2.0 ** 10),  # a 1.8 GradScaler dict
+    (False, False, 1.0),
+])
+def test_amp_scaler_before_fit_answers_without_setting_up_the_model(use_amp, enabled, scale):
+    # 1.x built its GradScaler in the constructor: 1.x code reads tl.amp_scaler (or loads a state into it)
+    # before fit. That must not set the model up (amp.initialize casting an O2 model) as a side effect.
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, use_amp=use_amp)
+    assert tl.amp_scaler.is_enabled() is enabled and tl.amp_scaler.get_scale() == scale
+    assert tl.amp_scaler.state_dict() == ({} if not enabled else tl.amp_scaler.state_dict())
+    assert all(param.dtype == torch.float32 for param in model.parameters())  # amp.initialize did not run
+    with pytest.raises(RuntimeError, match="training step"):
+        tl.amp_scaler.unscale_(tl.optimizers[0])
+    with pytest.raises(RuntimeError, match="when fit"):
+        tl.precision
+
+
+def test_a_grad_scaler_state_loaded_before_fit_is_the_one_training_starts_with():
+    saved = {"scale": 2.0 ** 5, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1000,
+             "_growth_tracker": 7}
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, use_amp={"init_scale": 2.0 ** 10})
+    tl.amp_scaler.load_state_dict(saved)  # as 1.x's ModelLoadContinueTraining did, before fit
+    assert tl.amp_scaler.get_scale() == 2.0 ** 5
+    tl.set_up()
+    assert tl.amp_scaler.state_dict() == saved and tl.precision.loss_scaler.loss_scale == 2.0 ** 5
 
 
 def test_evaluation_sets_up_the_model():

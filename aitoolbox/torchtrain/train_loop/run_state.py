@@ -1,0 +1,144 @@
+"""Where a training run is: the one object that holds a run's progress and captures or restores all of its state.
+
+A :class:`RunState` holds the loop's counters (:class:`~.loop_state.LoopState`, ``tl.state``), the current epoch's
+progress (batches trained, the sum of their losses, the RNG state the epoch's data order was drawn from), the
+point an exception continues from, and a loaded checkpoint waiting for ``fit``. The rest of a run's state lives in
+the parts that own it (model and optimizers, precision, callbacks, history); :meth:`RunState.capture` gathers all of
+it into one checkpoint dict and :meth:`RunState.load` puts one back (the format is :mod:`.train_state`'s).
+
+Everything that continues a run goes through here: a checkpoint file, the result ``fit_distributed`` hands to the
+launching process, and a ``fit`` called again after an exception. So there is one answer to "what is a run", and
+"resume equals straight" and "two fits equal one" hold by construction.
+"""
+import logging
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
+
+import torch
+
+from aitoolbox.torchtrain.train_loop.loop_state import LoopState
+from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
+from aitoolbox.torchtrain.train_loop.train_state import (
+    MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
+    restore_rng_state, restore_train_state)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
+
+
+class RunState:
+    """A training run's progress, and the capture and restore of its whole state.
+
+    Attributes:
+        counters: the loop's counters and flags (``tl.state``).
+        epoch_loss: the sum of the current epoch's batch losses (committed at each optimizer step).
+        batches_done: batches of the current epoch trained so far.
+        epoch_start_rng: the RNG state the current epoch's data order was drawn from.
+        pending_checkpoint: a loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it
+            starts (``tl.pending_restore``).
+    """
+
+    def __init__(self, counters: Optional[LoopState] = None):
+        self.counters = counters if counters is not None else LoopState()
+        self.epoch_loss = EpochLossSum()
+        self.batches_done = 0
+        self.epoch_start_rng: Optional[dict] = None
+        self.pending_checkpoint: Optional[dict] = None
+        # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
+        # epoch's batches are all trained; None before the epoch's first step.
+        self._step_point: Any = None
+        self._interrupted_at: Optional[MidEpochResume] = None
+
+    # --- the run as a checkpoint -------------------------------------------------------------------------
+    def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
+                include_weights: bool = True) -> dict:
+        """The whole run now, as a checkpoint dict (a collective in a distributed run: call it in every process)."""
+        return capture_train_state(tl, mid_epoch, hyperparams, include_weights)
+
+    def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
+        """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
+        restore_train_state(tl, checkpoint)
+        self._interrupted_at = None  # the checkpoint says where to continue
+
+    def resume_point(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
+        """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
+        ``fit`` stopped on an exception. Returns where to continue inside an epoch (None: at an epoch's start)."""
+        from_checkpoint = apply_pending_states(tl)
+        point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
+        if from_checkpoint is not None:
+            return from_checkpoint
+        if point is not None and tl.strategy.is_main_process:
+            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.counters.epoch,
+                        point.batches_done)
+        return point
+
+    # --- the current epoch ---------------------------------------------------------------------------------
+    def epoch_batches(self, loader: Any, resume: Optional[MidEpochResume], device: torch.device) -> Iterator[Tuple[int, Any]]:
+        """``(index, batch)`` pairs of the epoch starting now, the epoch's progress set to ``resume``'s (or
+        zero): its data order is drawn again from the epoch's starting RNG state, the batches trained skipped,
+        and the RNG state to continue with put back."""
+        if resume is not None:
+            restore_rng_state(resume.epoch_start_rng, loader)
+        self.epoch_start_rng = capture_rng_state(loader)
+        self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
+        batches = enumerate(loader)
+        self.batches_done = 0
+        if resume is not None and resume.batches_done > 0:
+            for _ in range(resume.batches_done):
+                next(batches)
+            restore_rng_state(resume.rng, loader)  # after the skipped batches' draws, as the run had it
+            self.batches_done = resume.batches_done
+        # (Stopped before the epoch's first step: the epoch starts again from its starting RNG state, which is
+        # what the run had there; the state at the stop would draw another data order.)
+        self.mark_batch_done()
+        return batches
+
+    def add_batch_loss(self, loss: torch.Tensor) -> None:
+        """A batch was trained: its loss joins the epoch's sum at the next optimizer step."""
+        self.epoch_loss.pending.append(loss)
+        self.batches_done += 1
+
+    def mark_batch_done(self) -> None:
+        """Every optimizer stepped for the last batch: an exception from here on continues after it.
+
+        Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes)
+        and of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
+        exception draw their dropout masks as the interrupted run did.
+        """
+        self.epoch_loss.commit()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
+
+    def mark_epoch_trained(self, history: Any) -> None:
+        """The epoch's batches are all trained: an exception in its end (evaluation, ``on_epoch_end``) does only the
+        end again, dropping what the interrupted end recorded in ``history``."""
+        self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), None, None,
+                                          batches_trained=True, history_lengths=history_lengths(history))
+
+    def end_epoch(self) -> None:
+        """The epoch is complete: an exception from here on starts the next one."""
+        self._step_point = None
+
+    # --- an exception --------------------------------------------------------------------------------------
+    def remember_interruption(self, loader: Any) -> None:
+        """``fit`` is left by an exception: remember where the next ``fit`` continues (never raises, so that the
+        user sees their own exception)."""
+        try:
+            self._interrupted_at = self._interruption_point(loader)
+        except Exception:  # e.g. a device in an error state
+            logger.exception("Could not record where training stopped; the next fit restarts the epoch")
+            self._interrupted_at = None
+
+    def _interruption_point(self, loader: Any) -> Optional[MidEpochResume]:
+        """The interrupted epoch's last completed batch (the batches of a partly accumulated window are trained
+        again, with the torch RNG state they had) or, stopped in the epoch's end, that end."""
+        point = self._step_point
+        if point is None or isinstance(point, MidEpochResume):
+            return point
+        batches_done, total_iteration_idx, torch_rng, cuda_rng = point
+        self.counters.total_iteration_idx = total_iteration_idx
+        rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
+        committed = self.epoch_loss.committed
+        return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
+                              self.epoch_start_rng, rng)
