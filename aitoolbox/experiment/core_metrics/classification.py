@@ -10,6 +10,21 @@ from aitoolbox.experiment.core_metrics.sklearn_score import SklearnScoreMetric
 logger = logging.getLogger(__name__)
 
 
+# aitoolbox 1.x turned probabilities into labels with two rules, kept here as they were: accuracy counts a
+# score equal to the threshold as positive, F1, precision and recall do not. Everything that thresholds for
+# these metrics (the metric classes and BinaryClassificationResultPackage) goes through these two functions,
+# so a package's metric always equals the metric class of the same name.
+def labels_at_or_above(scores: np.ndarray, positive_class_thresh: float) -> np.ndarray:
+    """0/1 labels, 1 where ``score >= positive_class_thresh``: :class:`AccuracyMetric`'s rule."""
+    return (np.asarray(scores) >= positive_class_thresh).astype(int)
+
+
+def labels_above(scores: np.ndarray, positive_class_thresh: float) -> np.ndarray:
+    """0/1 labels, 1 where ``score > positive_class_thresh``: the rule of :class:`F1ScoreMetric`,
+    :class:`PrecisionMetric` and :class:`RecallMetric`."""
+    return (np.asarray(scores) > positive_class_thresh).astype(int)
+
+
 class AccuracyMetric(AbstractBaseMetric):
     """Share of correct predictions (``'Accuracy'``).
 
@@ -40,7 +55,7 @@ class AccuracyMetric(AbstractBaseMetric):
                                "positive_class_thresh=%s is not applied; pass positive_class_thresh=None "
                                "for predicted labels", self.positive_class_thresh)
             else:
-                self.y_predicted = (self.y_predicted >= self.positive_class_thresh).astype(int)
+                self.y_predicted = labels_at_or_above(self.y_predicted, self.positive_class_thresh)
 
         if self.y_true.ndim > 1 and self.y_true.shape[1] > 1:
             self.y_true = np.argmax(self.y_true, axis=1)
@@ -92,7 +107,7 @@ class _ThresholdedBinaryMetric(SklearnScoreMetric):
         super().__init__(y_true, y_predicted)
 
     def score_inputs(self) -> Tuple[Any, np.ndarray]:
-        return self.y_true, np.where(self.y_predicted > self.positive_class_thresh, 1, 0)
+        return self.y_true, labels_above(self.y_predicted, self.positive_class_thresh)
 
 
 class F1ScoreMetric(_ThresholdedBinaryMetric):

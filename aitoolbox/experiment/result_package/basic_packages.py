@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 from sklearn import metrics
 
+from aitoolbox.experiment.core_metrics.classification import labels_above, labels_at_or_above
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 
 
@@ -63,12 +64,21 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
     ``y_predicted`` holds the score (usually the probability) of the positive class, shape ``(N,)`` or
     ``(N, 1)``; with shape ``(N, 2)`` (a score per class) column 1 is the positive class. ROC_AUC and
     PrecisionRecall_AUC (the area under the precision-recall curve, trapezoidal as in aitoolbox 1.x) use the
-    scores; Accuracy and F1_score use the labels ``score >= positive_class_thresh``. ``y_true`` holds 0/1
-    labels.
+    scores. Accuracy and F1_score turn the scores into labels with each metric's own aitoolbox 1.x rule, as 1.x's
+    package (which called the metric classes) did, so each equals its metric class
+    (:class:`~aitoolbox.experiment.core_metrics.classification.AccuracyMetric`,
+    :class:`~aitoolbox.experiment.core_metrics.classification.F1ScoreMetric`): Accuracy counts
+    ``score >= positive_class_thresh`` as positive, F1_score ``score > positive_class_thresh``, so a score equal
+    to the threshold is a positive for Accuracy and a negative for F1_score. ``y_true`` holds 0/1 labels.
+
+    One deliberate difference from aitoolbox 1.x: the threshold applies to any scores, also those outside
+    ``[0, 1]`` (logits, with ``positive_class_thresh=0.0``), where 1.x's AccuracyMetric left them
+    unthresholded and scikit-learn then refused the mix of labels and scores.
 
     Args:
-        positive_class_thresh: the score from which a sample is predicted positive (0.5 for probabilities,
-            0.0 for logits). None when ``y_predicted`` already holds 0/1 labels.
+        positive_class_thresh: the score that separates predicted positives from negatives (0.5 for
+            probabilities, 0.0 for logits; see above for a score equal to it). None when ``y_predicted`` already
+            holds 0/1 labels.
         strict_content_check: raise ``ValueError`` on a non-finite metric (e.g. ROC_AUC when ``y_true``
             holds a single class) instead of logging a warning.
         pkg_name: the package's name.
@@ -111,12 +121,13 @@ class BinaryClassificationResultPackage(AbstractResultPackage):
     def prepare_results_dict(self) -> Dict[str, float]:
         y_true = _flatten_column(self.y_true, "y_true")
         scores = self.positive_scores()
-        labels = scores if self.positive_class_thresh is None else (scores >= self.positive_class_thresh).astype(int)
+        thresh = self.positive_class_thresh
         return {
-            "Accuracy": float(metrics.accuracy_score(y_true, labels)),
+            "Accuracy": float(metrics.accuracy_score(
+                y_true, scores if thresh is None else labels_at_or_above(scores, thresh))),
             "ROC_AUC": self._roc_auc(y_true, scores),
             "PrecisionRecall_AUC": self._pr_auc(y_true, scores),
-            "F1_score": float(metrics.f1_score(y_true, labels)),
+            "F1_score": float(metrics.f1_score(y_true, scores if thresh is None else labels_above(scores, thresh))),
         }
 
 

@@ -11,10 +11,15 @@ With a ``cloud_save_mode`` (the callback's, or an experiment-tracking preset's) 
 writing into the experiment folder are also uploaded, in the background, after every epoch and at the end of
 training, under aitoolbox 1.8's key ``<run key>/<log dir>/<project>_<experiment>/<event file>``.
 
+What is logged and when follows the schedule the MLflow, W&B and CSV callbacks share
+(:class:`~aitoolbox.torchtrain.callbacks.tracking_base.TrackingCallback`): the running mean is the loop's,
+so a run resumed from a mid-epoch checkpoint logs the mean over the whole epoch, as the uninterrupted run
+does, and history values a resumed checkpoint brought along are not logged again.
+
 Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
 
 - ``train_loss/last_batch_loss`` and ``train_loss/accumulated_batch_loss`` (mean over the epoch so far),
-  global step = the batch index counted over the whole training;
+  global step = the batch index counted over the whole training; a MultiLoss adds ``_<loss name>`` to both;
 - ``loss/<metric>`` for history metrics whose name contains ``loss``, ``metrics/<metric>`` for the others,
   global step = the epoch;
 - :class:`TensorboardFullTracking` adds ``learning_rate/optimizer_<i>_group_<j>`` (batch step) and the
@@ -23,13 +28,15 @@ Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
 import inspect
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
 from aitoolbox.cloud.storage import join_key
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
-from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
+from aitoolbox.torchtrain.callbacks.experiment import scalar_value
+from aitoolbox.torchtrain.callbacks.tracking_base import (
+    BatchRecord, TrackingCallback, check_batch_log_frequency, check_log_dir)
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -56,20 +63,15 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _check_metric_names(metric_names: Optional[Sequence[str]]) -> Optional[List[str]]:
-    if metric_names is None:
-        return None
-    if isinstance(metric_names, str) or not isinstance(metric_names, Sequence) or len(metric_names) == 0:
-        raise TypeError(f"metric_names must be None (all metrics) or a non-empty list of names such as "
-                        f"['loss', 'val_loss'], got {metric_names!r}")
-    not_names = [name for name in metric_names if not isinstance(name, str)]
-    if not_names:
-        raise TypeError(f"metric_names must hold metric names (strings); these are not: {not_names!r}")
-    return list(metric_names)
+class TensorboardReporterBaseCB(TrackingCallback):
+    """Owns the SummaryWriter; what is logged and when comes from the shared tracking schedule.
 
-
-class TensorboardReporterBaseCB(AbstractExperimentCallback):
-    """Owns the SummaryWriter and the logging routines the tensorboard callbacks combine.
+    The schedule is :class:`~aitoolbox.torchtrain.callbacks.tracking_base.TrackingCallback`'s, as for the MLflow,
+    W&B and CSV callbacks: the batch loss with the epoch's running mean (the loop's, so a run resumed from a
+    mid-epoch checkpoint logs the mean of the whole epoch), the learning rates in effect for the batch, and the
+    history metrics that got a new value. This base class logs nothing by itself; the callbacks below switch
+    on what they log, and a subclass written against aitoolbox 1.x calls :meth:`log_mid_train_loss` and
+    :meth:`log_train_history_metrics` from its own hooks.
 
     Where the event files go:
 
@@ -94,6 +96,12 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
         cloud_dir_prefix: the folder inside the bucket that holds the projects.
         execution_order: position among the callbacks; the default 97 runs after the callbacks that add
             metrics to the training history.
+        batch_log_frequency: log the batch loss every this many batches (counted over the whole training),
+            ``'step'`` at every optimizer step; None (default) does not.
+        log_learning_rates: log the learning rates with the batch loss.
+        log_history: log the training-history metrics that got a new value, at every epoch end and at the end
+            of training.
+        metric_names: with ``log_history``, the history metrics to log; None logs all.
         **summary_writer_kwargs: further ``SummaryWriter`` arguments (e.g. ``flush_secs``).
 
     Raises:
@@ -105,34 +113,40 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
                  project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None,
-                 execution_order: int = 97, **summary_writer_kwargs):
-        super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order)
-        if log_dir is not None:
-            if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-                raise ValueError(f"log_dir must be None or a folder path, got {log_dir!r}")
-            log_dir = os.path.expanduser(os.fspath(log_dir))
-        if not isinstance(is_project, bool):
-            raise TypeError(f"is_project must be True or False, got {is_project!r}")
+                 execution_order: int = 97, *, batch_log_frequency: Union[int, str, None] = None,
+                 log_learning_rates: bool = False, log_history: bool = False,
+                 metric_names: Optional[Sequence[str]] = None, **summary_writer_kwargs):
+        super().__init__(callback_name, metric_names, batch_log_frequency, None, project_name, experiment_name,
+                         local_model_result_folder_path, log_learning_rates, cloud_save_mode=cloud_save_mode,
+                         bucket_name=bucket_name, cloud_dir_prefix=cloud_dir_prefix, execution_order=execution_order)
+        log_dir = check_log_dir(log_dir, is_project)
         if not is_project and log_dir is None:
             log_dir = "tensorboard"
+        if not isinstance(log_history, bool):
+            raise TypeError(f"log_history must be True or False, got {log_history!r}")
         if "log_dir" in summary_writer_kwargs or "logdir" in summary_writer_kwargs:
             raise TypeError("pass the tensorboard folder as the callback's log_dir argument")
         self.log_dir = log_dir
         self.is_project = is_project
+        self.log_history = log_history
         self.summary_writer_kwargs = summary_writer_kwargs
         self.log_dir_path: Optional[str] = None  # the resolved absolute folder, known after registration
         self.tb_writer = None
         self.global_step = 0  # aitoolbox 1.x's batch counter, for subclasses that keep their own step
         self._writer_class: Optional[type] = None
-        self._epoch_loss_sum: Optional[torch.Tensor] = None
-        self._epoch_batches = 0
-        self._logged_history_lengths: Dict[str, int] = {}
-        self._unloggable_metrics: set = set()
 
     @property
     def uses_experiment_folder(self) -> bool:
         return self.is_project and (self.log_dir is None or not os.path.isabs(self.log_dir))
+
+    @property
+    def tb_writer_kwargs(self) -> dict:
+        """aitoolbox 1.x's name of the further ``SummaryWriter`` arguments."""
+        return self.summary_writer_kwargs
+
+    @tb_writer_kwargs.setter
+    def tb_writer_kwargs(self, kwargs: dict) -> None:
+        self.summary_writer_kwargs = kwargs
 
     def on_train_loop_registration(self) -> None:
         self._writer_class = load_summary_writer_class()
@@ -143,7 +157,7 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
                             f"go to SummaryWriter, which accepts {sorted(accepted - {'log_dir', 'logdir'})}")
         if self.uses_experiment_folder:
             super().on_train_loop_registration()
-            self.log_dir_path = os.path.join(self.experiment_folder.path, self.log_dir or "tensorboard")
+            self.log_dir_path = self.resolve_log_dir(self.log_dir, True, "tensorboard")
             return
         self.log_dir_path = os.path.abspath(self.log_dir)
         self._cloud_destination = self._cloud_uploads = None
@@ -155,24 +169,16 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
             logger.warning("%s: is_project=False, so the event files in %s are not uploaded to cloud storage (as in "
                            "aitoolbox 1.x)", type(self).__name__, self.log_dir_path)
 
-    def on_train_begin(self) -> None:
-        if not self.is_main_process or self.tb_writer is not None:
-            return
-        self.create_log_dir()
-        self.tb_writer = self._writer_class(log_dir=self.log_dir_path, **self.summary_writer_kwargs)
+    # --- the run: a SummaryWriter per fit -----------------------------------------------------------------
+    def start_run(self) -> None:
+        """Open the SummaryWriter (a new event file in the log folder)."""
+        if self.tb_writer is None:
+            self.create_log_dir()
+            self.tb_writer = self._writer_class(log_dir=self.log_dir_path, **self.summary_writer_kwargs)
 
-    def on_epoch_end(self) -> None:
-        if self.tb_writer is not None:
-            self.tb_writer.flush()
-            self.upload_to_cloud()
-
-    def on_train_end(self) -> None:
-        self.close_writer()
-        self.upload_to_cloud()
-
-    def on_exception(self, exception: BaseException) -> None:
-        """Write out what was logged and close the writer (and upload the event files, with a cloud mode); a later
-        ``fit`` opens a new one (a new event file)."""
+    def end_run(self, exception: Optional[BaseException]) -> None:
+        """Flush and close the writer (and upload the event files, with a cloud mode); a later ``fit`` opens a new
+        one (a new event file)."""
         self.close_writer()
         self.upload_to_cloud()
 
@@ -182,68 +188,47 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
         if writer is not None:
             writer.close()  # flushes first
 
-    # --- the logging routines --------------------------------------------------------------------------
-    def reset_epoch_loss(self) -> None:
-        self._epoch_loss_sum = None
-        self._epoch_batches = 0
+    def on_epoch_end(self) -> None:
+        super().on_epoch_end()
+        if self.tb_writer is not None:
+            self.tb_writer.flush()
+            self.upload_to_cloud()
 
-    def log_batch_loss(self, batch_log_frequency: int) -> bool:
-        """Add the batch loss to the epoch's sum; every ``batch_log_frequency`` batches log it. True if logged."""
-        if self.tb_writer is None:
-            return False
-        loss = getattr(self.train_loop_obj, "last_batch_loss", None)
-        if loss is None:
-            raise RuntimeError(f"{type(self).__name__} logs train_loop_obj.last_batch_loss, which this TrainLoop does "
-                               "not provide: use a TrainLoop that records the detached loss of each batch")
-        loss = loss.detach().float()
-        # Summed on the loss's device: no GPU synchronisation except on the batches that are logged.
-        self._epoch_loss_sum = loss if self._epoch_loss_sum is None else self._epoch_loss_sum + loss
-        self._epoch_batches += 1
-        step = self.train_loop_obj.total_iteration_idx
-        if step % batch_log_frequency != 0:
-            return False
-        self.tb_writer.add_scalar("train_loss/last_batch_loss", loss.item(), step)
-        self.tb_writer.add_scalar("train_loss/accumulated_batch_loss",
-                                  (self._epoch_loss_sum / self._epoch_batches).item(), step)
-        return True
+    # --- what is logged -------------------------------------------------------------------------------------
+    def write_hyperparams(self, hyperparams: dict) -> None:
+        """Not logged (as in aitoolbox 1.x)."""
 
-    def write_learning_rates(self) -> None:
-        """Log the learning rate of every parameter group of every optimizer at the current batch step."""
-        step = self.train_loop_obj.total_iteration_idx
-        for optimizer_idx, optimizer in enumerate(self.train_loop_obj.optimizers):
-            for group_idx, group in enumerate(optimizer.param_groups):
-                learning_rate = scalar_value(group.get("lr"))
-                if learning_rate is not None:
-                    self.tb_writer.add_scalar(f"learning_rate/optimizer_{optimizer_idx}_group_{group_idx}",
-                                              learning_rate, step)
+    def write_final_model_path(self, path: str) -> None:
+        """Not logged (as in aitoolbox 1.x)."""
 
-    def log_history_metrics(self, metric_names: Optional[List[str]]) -> None:
-        """Log the metrics that got a new value since the last call, at global step = the epoch.
-
-        A metric recorded only every few epochs (``end_auto_eval=N``, ``eval_frequency``) is logged at those
-        epochs, not repeated in between. Values that are not single numbers are skipped with a warning.
-        """
+    def write_batch(self, record: BatchRecord) -> None:
+        """``train_loss/last_batch_loss`` and ``train_loss/accumulated_batch_loss`` (a MultiLoss: one tag per
+        loss, ``..._<name>``) and the learning rates, at the batch's step."""
         if self.tb_writer is None:
             return
-        history = self.train_loop_obj.train_history
-        for name in (metric_names if metric_names is not None else list(history.keys())):
-            values = history.get(name) or []
-            if len(values) <= self._logged_history_lengths.get(name, 0):
-                continue
-            self._logged_history_lengths[name] = len(values)
-            value = scalar_value(values[-1])
-            if value is not None:
-                self.tb_writer.add_scalar(history_tag(name), value, self.train_loop_obj.epoch)
-            elif name not in self._unloggable_metrics:
-                self._unloggable_metrics.add(name)
-                logger.warning("Training history metric %r holds %s values, not single numbers; it is not logged "
-                               "to tensorboard", name, type(values[-1]).__name__)
+        single = list(record.losses) == ["loss"]
+        for tag, values in (("train_loss/last_batch_loss", record.losses),
+                            ("train_loss/accumulated_batch_loss", record.mean_losses)):
+            for name, value in values.items():
+                self.tb_writer.add_scalar(tag if single else f"{tag}_{name}", value, record.step)
+        for (optimizer_idx, group_idx), rate in record.learning_rates.items():
+            self.tb_writer.add_scalar(f"learning_rate/optimizer_{optimizer_idx}_group_{group_idx}", rate, record.step)
+
+    def write_epoch_metrics(self, epoch: int, step: int, metrics: Dict[str, float], train_end: bool) -> None:
+        """With ``log_history``: each metric at global step = the epoch (see :func:`history_tag`)."""
+        if self.tb_writer is None or not self.log_history:
+            return
+        for name, value in metrics.items():
+            self.tb_writer.add_scalar(history_tag(name), value, epoch)
 
 
     # --- aitoolbox 1.x's methods, for subclasses written against it ----------------------------------------
     def log_mid_train_loss(self) -> None:
         """Log the current batch's loss and the epoch's running mean loss (at the loop's batch index)."""
-        self.log_batch_loss(batch_log_frequency=1)
+        loss = getattr(self.train_loop_obj, "last_batch_loss", None)
+        if self.tb_writer is None or loss is None:
+            return
+        self.write_batch(self.batch_record(loss.detach().float()))
 
     def log_train_history_metrics(self, metric_names: Sequence[str]) -> None:
         """Log the newest value of each of these training-history metrics at global step = the epoch."""
@@ -257,10 +242,7 @@ class TensorboardReporterBaseCB(AbstractExperimentCallback):
 
     def create_log_dir(self) -> str:
         """Create (if needed) and return the folder of the event files (known after registration)."""
-        if self.has_experiment_folder:
-            return self.experiment_folder.ensure(self.log_dir_path)
-        os.makedirs(self.log_dir_path, exist_ok=True)
-        return self.log_dir_path
+        return self.ensure_log_dir(self.log_dir_path)
 
     def prepare_results_saver(self) -> None:
         """aitoolbox 1.x's set-up of the cloud saver: nothing to do (the bucket is known after registration, see
@@ -302,26 +284,22 @@ class TensorboardTrainBatchLoss(TensorboardReporterBaseCB):
     """Log the training loss of every ``batch_log_frequency``-th batch and the epoch's running mean.
 
     Args:
-        batch_log_frequency: log every this many batches (counted over the whole training).
+        batch_log_frequency: log every this many batches (counted over the whole training), or ``'step'`` at
+            every optimizer step.
         log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBaseCB`.
         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
             :class:`TensorboardReporterBaseCB`.
         **kwargs: further ``SummaryWriter`` arguments.
     """
 
-    def __init__(self, batch_log_frequency: int = 1, log_dir: Optional[str] = None, is_project: bool = True,
-                 project_name: Optional[str] = None, experiment_name: Optional[str] = None,
+    def __init__(self, batch_log_frequency: Union[int, str] = 1, log_dir: Optional[str] = None,
+                 is_project: bool = True, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, **kwargs):
         super().__init__("Tensorboard training batch loss", log_dir, is_project, project_name, experiment_name,
-                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix, **kwargs)
-        self.batch_log_frequency = _check_positive_int("batch_log_frequency", batch_log_frequency)
-
-    def on_epoch_begin(self) -> None:
-        self.reset_epoch_loss()
-
-    def on_batch_end(self) -> None:
-        self.log_batch_loss(self.batch_log_frequency)
+                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix,
+                         batch_log_frequency=check_batch_log_frequency(batch_log_frequency, allow_none=False),
+                         **kwargs)
 
 
 class TensorboardTrainHistoryMetric(TensorboardReporterBaseCB):
@@ -342,27 +320,22 @@ class TensorboardTrainHistoryMetric(TensorboardReporterBaseCB):
                  local_model_result_folder_path: Optional[str] = None, cloud_save_mode: Optional[str] = None,
                  bucket_name: Optional[str] = None, cloud_dir_prefix: Optional[str] = None, **kwargs):
         super().__init__("Tensorboard training history metrics", log_dir, is_project, project_name, experiment_name,
-                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix, **kwargs)
-        self.metric_names = _check_metric_names(metric_names)
-
-    def on_epoch_end(self) -> None:
-        self.log_history_metrics(self.metric_names)
-        super().on_epoch_end()
-
-    def on_train_end(self) -> None:
-        self.log_history_metrics(self.metric_names)
-        super().on_train_end()
+                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix,
+                         log_history=True, metric_names=metric_names, **kwargs)
 
 
 class TensorboardFullTracking(TensorboardReporterBaseCB):
     """Everything: batch loss, history metrics, learning rates and optionally weight / gradient histograms.
 
-    Gradient histograms show the (unscaled) gradients of the last optimizer step of the epoch; to have them
-    at epoch end the callback keeps a reference to that step's gradient tensors until then.
+    The learning rates logged with a batch are those its optimizer step used (a scheduler stepping after the
+    step changes them only for the next batch). Gradient histograms show the (unscaled) gradients of the last
+    optimizer step of the epoch; to have them at epoch end the callback keeps a reference to that step's
+    gradient tensors until then.
 
     Args:
         metric_names: the history metrics to log; None logs all.
-        batch_log_frequency: log the batch loss and learning rates every this many batches.
+        batch_log_frequency: log the batch loss and learning rates every this many batches, or ``'step'`` at every
+            optimizer step.
         log_dir, is_project, project_name, experiment_name: see :class:`TensorboardReporterBaseCB`.
         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix: see
             :class:`TensorboardReporterBaseCB`.
@@ -373,7 +346,7 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
         **kwargs: further ``SummaryWriter`` arguments.
     """
 
-    def __init__(self, metric_names: Optional[Sequence[str]] = None, batch_log_frequency: int = 1,
+    def __init__(self, metric_names: Optional[Sequence[str]] = None, batch_log_frequency: Union[int, str] = 1,
                  log_dir: Optional[str] = None, is_project: bool = True, project_name: Optional[str] = None,
                  experiment_name: Optional[str] = None, local_model_result_folder_path: Optional[str] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
@@ -381,11 +354,11 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
                  log_param_histograms: bool = False, log_grad_histograms: bool = False,
                  histogram_frequency: int = 1, **kwargs):
         super().__init__("Tensorboard full tracking", log_dir, is_project, project_name, experiment_name,
-                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix, **kwargs)
-        self.metric_names = _check_metric_names(metric_names)
-        self.batch_log_frequency = _check_positive_int("batch_log_frequency", batch_log_frequency)
+                         local_model_result_folder_path, cloud_save_mode, bucket_name, cloud_dir_prefix,
+                         batch_log_frequency=check_batch_log_frequency(batch_log_frequency, allow_none=False),
+                         log_learning_rates=log_learning_rates, log_history=True, metric_names=metric_names,
+                         **kwargs)
         self.histogram_frequency = _check_positive_int("histogram_frequency", histogram_frequency)
-        self.log_learning_rates = log_learning_rates
         self.log_param_histograms = log_param_histograms
         self.log_grad_histograms = log_grad_histograms
         self._last_step_grads: Dict[str, torch.Tensor] = {}
@@ -398,18 +371,15 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
         return (self.train_loop_obj.epoch + 1) % self.histogram_frequency == 0
 
     def on_epoch_begin(self) -> None:
-        self.reset_epoch_loss()
+        super().on_epoch_begin()
         self._last_step_grads = {}
 
     def on_exception(self, exception: BaseException) -> None:
         self._last_step_grads = {}  # gradient tensors (GPU memory) a stopped fit no longer needs
         super().on_exception(exception)
 
-    def on_batch_end(self) -> None:
-        if self.log_batch_loss(self.batch_log_frequency) and self.log_learning_rates:
-            self.write_learning_rates()
-
     def on_after_optimizer_step(self) -> None:
+        super().on_after_optimizer_step()
         tl = self.train_loop_obj
         if self.tb_writer is None or not self.log_grad_histograms or not self._histograms_due() \
                 or tl.optimizer_step_skipped:
@@ -424,7 +394,6 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
                     self._last_step_grads[name] = param.grad
 
     def on_epoch_end(self) -> None:
-        self.log_history_metrics(self.metric_names)
         if self.tb_writer is not None and self._histograms_due():
             epoch = self.train_loop_obj.epoch
             if self.log_param_histograms:
@@ -434,7 +403,3 @@ class TensorboardFullTracking(TensorboardReporterBaseCB):
                 self.tb_writer.add_histogram(f"gradients/{name}", grad.detach().float().cpu(), epoch)
         self._last_step_grads = {}
         super().on_epoch_end()
-
-    def on_train_end(self) -> None:
-        self.log_history_metrics(self.metric_names)
-        super().on_train_end()

@@ -1,8 +1,9 @@
 """What the experiment-tracking callbacks log and when; each subclass says where it goes.
 
 :class:`TrackingCallback` is the base of :class:`~aitoolbox.torchtrain.callbacks.wandb.WandBTracking`,
-:class:`~aitoolbox.torchtrain.callbacks.mlflow.MLflowTracking` and
-:class:`~aitoolbox.torchtrain.callbacks.csv_logger.CSVLogger`. All of them log, in the main process only
+:class:`~aitoolbox.torchtrain.callbacks.mlflow.MLflowTracking`,
+:class:`~aitoolbox.torchtrain.callbacks.csv_logger.CSVLogger` and the TensorBoard callbacks
+(:mod:`aitoolbox.torchtrain.callbacks.tensorboard`). All of them log, in the main process only
 (global rank 0 under distributed training):
 
 - the hyperparameters, when the run starts;
@@ -15,6 +16,12 @@
 
 The callbacks run after the checkpoint callbacks (order 101, checkpoints are 100), so the final model file
 exists when its path is logged.
+
+The base keeps no running state of its own that a resumed run would need: the epoch's running mean is the
+loop's (``epoch_loss_sum``, which a checkpoint holds, also in the middle of an epoch), and the history values
+counted as logged are those a loop that has trained (a resumed one) held when the callback's first ``fit``
+started. A run resumed from a checkpoint in a new TrainLoop therefore logs the same values as the run that was
+not interrupted.
 """
 import logging
 import os
@@ -44,7 +51,8 @@ class BatchRecord:
         iteration: the batch index within the epoch.
         step: the batch index counted over the whole training (``total_iteration_idx``), the x axis of the logs.
         losses: the batch's loss: ``{'loss': value}``, or one entry per loss of a MultiLoss.
-        mean_losses: the same, averaged over the epoch's batches so far (in this ``fit``).
+        mean_losses: the same, averaged over the epoch's batches so far (those trained before a resume from a
+            mid-epoch checkpoint included).
         learning_rates: ``{(optimizer index, group index): learning rate}``.
     """
 
@@ -114,14 +122,20 @@ class TrackingCallback(AbstractExperimentCallback):
         project_name, experiment_name, local_model_result_folder_path: the experiment folder, or None to take
             the loop's (see :class:`~aitoolbox.torchtrain.callbacks.abstract.AbstractExperimentCallback`).
         log_learning_rates: include the learning rates in the batch records.
+        cloud_save_mode, bucket_name, cloud_dir_prefix: the bucket of a subclass that uploads its files (see
+            :class:`~aitoolbox.torchtrain.callbacks.abstract.AbstractExperimentCallback`); None: the loop's.
+        execution_order: position among the callbacks (default :data:`TRACKING_EXECUTION_ORDER`).
     """
 
     def __init__(self, callback_name: str, metric_names: Optional[Sequence[str]] = None,
                  batch_log_frequency: Union[int, str, None] = 1, hyperparams: Optional[dict] = None,
                  project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 local_model_result_folder_path: Optional[str] = None, log_learning_rates: bool = True):
+                 local_model_result_folder_path: Optional[str] = None, log_learning_rates: bool = True, *,
+                 cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
+                 cloud_dir_prefix: Optional[str] = None, execution_order: int = TRACKING_EXECUTION_ORDER):
         super().__init__(callback_name, project_name, experiment_name, local_model_result_folder_path,
-                         execution_order=TRACKING_EXECUTION_ORDER, device_idx_execution=0)
+                         cloud_save_mode, bucket_name, cloud_dir_prefix, execution_order=execution_order,
+                         device_idx_execution=0)
         self.metric_names = check_metric_names(metric_names)
         self.batch_log_frequency = check_batch_log_frequency(batch_log_frequency, allow_none=True)
         if hyperparams is not None and not isinstance(hyperparams, dict):
@@ -136,8 +150,6 @@ class TrackingCallback(AbstractExperimentCallback):
         self._epoch_base_lengths: Dict[str, int] = {}
         self._last_logged_epoch: Optional[int] = None
         self._unloggable_metrics: set = set()
-        self._epoch_loss_sum: Optional[torch.Tensor] = None
-        self._epoch_batches = 0
         self._stepped = False  # an optimizer step since the last batch record ('step' mode)
         self._batch_learning_rates: Optional[Dict[tuple, float]] = None  # in effect for the batch to be logged
 
@@ -183,8 +195,12 @@ class TrackingCallback(AbstractExperimentCallback):
         # Callbacks registered before fit_distributed travel to every rank: only the main process logs.
         if not self.is_main_process or self.run_active:
             return
-        if self._logged_history_lengths is None:  # values recorded before (a resumed checkpoint's) are not new
-            self._logged_history_lengths = history_lengths(self.train_loop_obj.train_history)
+        if self._logged_history_lengths is None:
+            tl = self.train_loop_obj
+            # A resumed checkpoint's values were logged by the run that recorded them; in a loop that has trained
+            # nothing yet, a value put into the history before training is logged at the first epoch end.
+            trained = tl.total_iteration_idx >= 0 or tl.epochs_completed > 0
+            self._logged_history_lengths = history_lengths(tl.train_history) if trained else {}
         self.reset_epoch_loss()
         self.start_run()
         self.run_active = True
@@ -212,16 +228,12 @@ class TrackingCallback(AbstractExperimentCallback):
         if not self.run_active or self.batch_log_frequency is None:
             return
         tl = self.train_loop_obj
-        loss = tl.last_batch_loss.detach().float()
-        # Summed on the loss's device: no GPU synchronisation except on the batches that are logged.
-        self._epoch_loss_sum = loss if self._epoch_loss_sum is None else self._epoch_loss_sum + loss
-        self._epoch_batches += 1
         if self.batch_log_frequency == PER_OPTIMIZER_STEP:
             due, self._stepped = self._stepped, False
         else:
             due = tl.total_iteration_idx % self.batch_log_frequency == 0
         if due:
-            self.write_batch(self.batch_record(loss))
+            self.write_batch(self.batch_record(tl.last_batch_loss.detach().float()))
 
     def on_epoch_end(self) -> None:
         if not self.run_active:
@@ -256,8 +268,7 @@ class TrackingCallback(AbstractExperimentCallback):
 
     # --- the values -------------------------------------------------------------------------------------------
     def reset_epoch_loss(self) -> None:
-        self._epoch_loss_sum = None
-        self._epoch_batches = 0
+        """Forget the epoch's pending batch state (a step not yet logged, the learning rates kept for a batch)."""
         self._stepped = False
         self._batch_learning_rates = None
 
@@ -273,15 +284,9 @@ class TrackingCallback(AbstractExperimentCallback):
         tl = self.train_loop_obj
         names = self.loss_names(loss)
         values = loss.reshape(-1).tolist()
-        # The loop's own sum, where it offers one, includes the batches trained before a resume (a mid-epoch
-        # checkpoint, or the fit before an exception); the callback's sum covers this fit's batches only.
-        loop_sum = tl.epoch_loss_sum
-        if isinstance(loop_sum, torch.Tensor):
-            means = (loop_sum.float() / (tl.iteration + 1)).reshape(-1).tolist()
-        elif self._epoch_loss_sum is not None:
-            means = (self._epoch_loss_sum / self._epoch_batches).reshape(-1).tolist()
-        else:
-            means = values
+        # The loop's sum, not one of the callback's: it includes the batches trained before a resume (from a
+        # mid-epoch checkpoint, or the fit before an exception), and a checkpoint holds it.
+        means = (tl.epoch_loss_sum.float() / (tl.iteration + 1)).reshape(-1).tolist()
         rates, self._batch_learning_rates = self._batch_learning_rates, None
         if rates is None and self.log_learning_rates:
             rates = self.current_learning_rates()

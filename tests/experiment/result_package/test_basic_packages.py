@@ -7,6 +7,12 @@ import pytest
 import torch
 from sklearn import metrics
 
+from aitoolbox.experiment.core_metrics.classification import (
+    AccuracyMetric,
+    F1ScoreMetric,
+    PrecisionRecallCurveAUCMetric,
+    ROCAUCMetric,
+)
 from aitoolbox.experiment.result_package.basic_packages import (
     BinaryClassificationResultPackage,
     ClassificationResultPackage,
@@ -87,13 +93,52 @@ def pr_curve_auc(y_true, scores):
 
 
 def expected_binary(y_true, scores, thresh):
-    labels = (scores >= thresh).astype(int)
+    # Each 1.x rule: accuracy counts a score equal to the threshold as positive, F1 does not.
     return {
-        "Accuracy": metrics.accuracy_score(y_true, labels),
+        "Accuracy": metrics.accuracy_score(y_true, (scores >= thresh).astype(int)),
         "ROC_AUC": metrics.roc_auc_score(y_true, scores),
         "PrecisionRecall_AUC": pr_curve_auc(y_true, scores),
-        "F1_score": metrics.f1_score(y_true, labels),
+        "F1_score": metrics.f1_score(y_true, (scores > thresh).astype(int)),
     }
+
+
+def standalone_metrics(y_true, scores, thresh):
+    """What the metric classes of the same names give: the package must agree with each."""
+    return {
+        "Accuracy": AccuracyMetric(y_true, scores, positive_class_thresh=thresh).get_metric(),
+        "ROC_AUC": ROCAUCMetric(y_true, scores).get_metric(),
+        "PrecisionRecall_AUC": PrecisionRecallCurveAUCMetric(y_true, scores).get_metric(),
+        "F1_score": F1ScoreMetric(y_true, scores, positive_class_thresh=thresh).get_metric(),
+    }
+
+
+def test_binary_f1_of_a_score_at_the_threshold_equals_the_f1_metric():
+    # 0.5 is a positive for accuracy (>=) and a negative for F1 (>), as in aitoolbox 1.x.
+    y_true, scores = np.array([1, 0, 1, 0]), np.array([0.5, 0.2, 0.9, 0.1])
+    results = BinaryClassificationResultPackage().prepare_result_package(y_true, scores).get_results()
+    assert results["F1_score"] == F1ScoreMetric(y_true, scores).get_metric() == pytest.approx(2 / 3)
+    assert results["Accuracy"] == AccuracyMetric(y_true, scores).get_metric() == 1.0
+    assert results == standalone_metrics(y_true, scores, 0.5)
+
+
+@pytest.mark.parametrize("thresh", [0.25, 0.5, 0.75])
+def test_binary_with_ties_at_the_threshold_equals_each_metric_class(thresh):
+    # Scores on a grid that holds every threshold: many samples of both classes lie exactly on it.
+    rng = np.random.default_rng(1)
+    y_true = np.tile([0, 1], 20)
+    scores = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0], size=y_true.size)
+    assert np.sum(scores == thresh) >= 4
+    results = BinaryClassificationResultPackage(positive_class_thresh=thresh).prepare_result_package(
+        y_true, scores).get_results()
+    assert results == standalone_metrics(y_true, scores, thresh)
+    assert results == pytest.approx(expected_binary(y_true, scores, thresh), abs=0, rel=0)
+    # The same through the other input shapes: a column tensor, and a score per class.
+    column = torch.from_numpy(scores).unsqueeze(1)
+    assert BinaryClassificationResultPackage(positive_class_thresh=thresh).prepare_result_package(
+        torch.from_numpy(y_true), column).get_results() == results
+    two_columns = np.stack([1 - scores, scores], axis=1)
+    assert BinaryClassificationResultPackage(positive_class_thresh=thresh).prepare_result_package(
+        y_true, two_columns).get_results() == results
 
 
 @pytest.mark.parametrize("thresh", [0.5, 0.3])

@@ -10,12 +10,15 @@ from torch import nn
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
 from aitoolbox.torchtrain.callbacks.tensorboard import (
     TensorboardFullTracking,
     TensorboardReporterBaseCB,
     TensorboardTrainBatchLoss,
     TensorboardTrainHistoryMetric,
 )
+from aitoolbox.torchtrain.callbacks.tracking_base import TrackingCallback
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import MLP, classification_data, seeded_loader
 
@@ -147,6 +150,110 @@ def test_full_tracking_logs_learning_rates_and_histograms(tmp_path):
         assert grad_event.histogram_value.max == pytest.approx(grad.max().item(), rel=1e-6)
 
 
+class FailAfter(AbstractCallback):
+    """Stops training with an error at the end of the batch of this global index, as a crash would."""
+
+    def __init__(self, step: int):
+        super().__init__("fail after")
+        self.step = step
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def all_scalars(log_dir) -> dict:
+    events = read_events(log_dir)
+    return {tag: scalars(events, tag) for tag in events.Tags()["scalars"]}
+
+
+def test_the_callbacks_share_the_tracking_schedule():
+    for callback_class in (TensorboardTrainBatchLoss, TensorboardTrainHistoryMetric, TensorboardFullTracking):
+        assert issubclass(callback_class, TrackingCallback)
+        for own in ("on_batch_end", "batch_record", "new_history_metrics", "current_learning_rates"):
+            assert own not in vars(callback_class) and own not in vars(TensorboardReporterBaseCB), own
+
+
+def test_a_run_resumed_from_a_mid_epoch_checkpoint_logs_what_the_straight_run_logs(tmp_path):
+    """Stopped at batch 7, resumed in a new TrainLoop from the checkpoint after batch 5 (inside epoch 1): the
+    running mean of epoch 1 counts its batch 5, trained before the resume, as the straight run's does."""
+    def full_tracking(name, **summary_writer_kwargs):
+        return TensorboardFullTracking(log_dir=str(tmp_path / name), is_project=False, **summary_writer_kwargs)
+
+    make_train_loop().fit(num_epochs=2, callbacks=[full_tracking("straight")])
+    straight = all_scalars(tmp_path / "straight")
+
+    folder_args = dict(project_name="proj", experiment_name="exp",
+                       local_model_result_folder_path=str(tmp_path / "checkpoints"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        make_train_loop().fit(num_epochs=2, callbacks=[full_tracking("stopped"), FailAfter(7),
+                                                       ModelIterationCheckpoint(3, **folder_args)])
+    stopped = all_scalars(tmp_path / "stopped")
+    (checkpoint,) = (tmp_path / "checkpoints" / "proj").rglob("*_ITER5.pth")
+    resumed_loop = make_train_loop()
+    resumed_loop.load_checkpoint(str(checkpoint))
+    resumed_loop.fit(num_epochs=2, callbacks=[full_tracking("resumed")])
+    resumed = all_scalars(tmp_path / "resumed")
+
+    assert sorted(resumed) == sorted(straight)
+    for tag, values in straight.items():
+        # Batch tags are at the batch step, the history's at the epoch: the resumed run logs from batch 6 and
+        # epoch 1 on; the stopped run logged what came before, as the straight run did.
+        first_resumed = 1 if tag.startswith(("loss/", "metrics/")) else 6
+        assert resumed[tag] == [(step, value) for step, value in values if step >= first_resumed], tag
+        assert [(step, value) for step, value in stopped.get(tag, []) if step < first_resumed] == \
+            [(step, value) for step, value in values if step < first_resumed], tag
+    # The epoch's mean at its last batch is the history's accumulated_loss: over all 5 batches of epoch 1.
+    assert resumed["train_loss/accumulated_batch_loss"][-1][1] == \
+        pytest.approx(resumed_loop.train_history["accumulated_loss"][1], rel=1e-6)
+
+    # Resumed into the interrupted run's folder with purge_step (the recipe of docs/tracking.rst), TensorBoard
+    # hides what the interrupted run logged from batch 6 on: the folder reads as the straight run.
+    resumed_again = make_train_loop()
+    resumed_again.load_checkpoint(str(checkpoint))
+    resumed_again.fit(num_epochs=2, callbacks=[full_tracking("stopped", purge_step=6)])
+    assert all_scalars(tmp_path / "stopped") == straight
+
+
+class TwoLossMLP(MLP):
+    def get_loss(self, batch_data, criterion, device):
+        x, y = batch_data[0].to(device), batch_data[1].to(device)
+        logits = self(x)
+        return MultiLoss({"ce": criterion(logits, y), "l2": 1e-3 * (logits ** 2).mean()})
+
+
+def test_a_multi_loss_gets_a_tag_per_loss(tmp_path):
+    torch.manual_seed(0)
+    model = TwoLossMLP()
+    template = make_train_loop()
+    tl = TrainLoop(model, template.train_loader, template.validation_loader, None,
+                   torch.optim.SGD(model.parameters(), lr=0.1), template.criterion, show_progress=False)
+    tl.fit(num_epochs=1, callbacks=[TensorboardTrainBatchLoss(log_dir=str(tmp_path), is_project=False)])
+    names = tl.last_batch_loss_names
+    logged = all_scalars(tmp_path)
+    assert sorted(logged) == sorted(f"train_loss/{kind}_batch_loss_{name}"
+                                    for kind in ("last", "accumulated") for name in names)
+    for position, name in enumerate(names):
+        mean_at_epoch_end = logged[f"train_loss/accumulated_batch_loss_{name}"][-1]
+        assert mean_at_epoch_end == (BATCHES_PER_EPOCH - 1, pytest.approx(
+            tl.train_history[f"accumulated_loss_{name}"][0], rel=1e-6)), name
+
+
+def test_per_optimizer_step_logging_with_the_learning_rate_each_step_used(tmp_path):
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    tl = make_train_loop()
+    # Halves the learning rate after every second optimizer step, after the step.
+    scheduler = StepLRScheduler(step_size=2, gamma=0.5, step_per_optimizer_step=True)
+    callback = TensorboardFullTracking(batch_log_frequency="step", log_dir=str(tmp_path), is_project=False)
+    tl.fit(num_epochs=2, callbacks=[scheduler, callback], grad_accumulation=2)
+    # 5 batches an epoch, accumulating 2: steps after batches 1, 3 and the epoch's last, 4.
+    steps = [1, 3, 4, 6, 8, 9]
+    logged = all_scalars(tmp_path)
+    assert [step for step, _ in logged["train_loss/last_batch_loss"]] == steps
+    assert logged["learning_rate/optimizer_0_group_0"] == [(step, pytest.approx(0.1 * 0.5 ** (index // 2)))
+                                                           for index, step in enumerate(steps)]
+
+
 def test_uses_the_preset_experiment_folder(tmp_path):
     tl = make_train_loop()
     tl.experiment_folder = ExperimentFolder(str(tmp_path), "proj", "exp")  # as TrainLoopCheckpoint sets it
@@ -221,6 +328,8 @@ def test_missing_folder_information_fails_at_registration():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(batch_log_frequency=0), ValueError, "batch_log_frequency"),
+    (dict(batch_log_frequency=None), ValueError, "batch_log_frequency"),
+    (dict(batch_log_frequency="epoch"), ValueError, "batch_log_frequency"),
     (dict(project_name="p/q"), ValueError, "project_name"),
     (dict(cloud_save_mode="ftp"), ValueError, "cloud_save_mode='ftp' is not one of"),
     (dict(log_dir=""), ValueError, "log_dir"),

@@ -101,6 +101,14 @@ def test_metrics_recorded_every_few_epochs_widen_the_header(tmp_path):
     assert [float(rows[i]["val_loss"]) for i in (1, 3)] == tl.train_history["val_loss"]
 
 
+def test_a_value_put_into_the_history_before_training_is_logged_at_the_first_epoch_end(tmp_path):
+    # Only a checkpoint's values count as logged already (a resumed run logged them); this loop trained nothing.
+    tl = make_train_loop()
+    tl.insert_metric_result_into_history("val_Accuracy", 0.5)
+    tl.fit(num_epochs=2, callbacks=[CSVLogger(log_dir=str(tmp_path), is_project=False, batch_log_frequency=None)])
+    assert [row["val_Accuracy"] for row in read_csv(tmp_path / "epoch_log.csv")] == ["0.5", ""]
+
+
 def test_the_preset_folder_the_hyperparameters_and_the_final_model_path(tmp_path):
     tl = make_train_loop(TrainLoopEndSave, project_name="proj", experiment_name="exp",
                          local_model_result_folder_path=str(tmp_path), hyperparams={"lr": 0.1, "depth": 2})
