@@ -178,8 +178,9 @@ def test_a_part_that_fails_once_is_sent_again_alone_not_the_whole_object_from_by
     if service == "s3":
         proxy.reset_once_after_bytes = before + part + part // 2  # in the middle of the second part
     else:
-        # The second chunk's request fails before reaching the emulator: it rejects a chunk sent again over the
-        # bytes it kept of an interrupted one (GCS itself skips the bytes it already has).
+        # The second chunk's request fails before reaching the emulator: the emulator rejects a chunk sent again
+        # over bytes it kept of an interrupted one, which google-cloud-storage's retry does (it re-sends the
+        # whole failed chunk); this test does not say what GCS itself does then.
         proxy.reset_once_matching = f"Content-Range: bytes {part}-".encode()
     storage.upload_file(local, "run/model.pth")
     sent = proxy.forwarded_bytes - before
