@@ -1,10 +1,11 @@
-"""The errors of cloud storage operations, and the retry policy for transient ones.
+"""The errors of cloud storage operations, and how the clients retry transient ones.
 
-A storage class (:class:`~aitoolbox.cloud.storage.CloudStorage`) classifies each client error as a
-:class:`Failure`: transient ones are retried per :class:`RetryPolicy`, the others (and transient ones that outlast
-the retries) raise :class:`CloudStorageError` or a subclass, naming the service, bucket, key and local file.
+The service's own client retries transient errors per :class:`RetryPolicy` (botocore's retry modes for S3,
+google-api-core's retry for GCS), request by request. What it raises in the end a storage class
+(:class:`~aitoolbox.cloud.storage.CloudStorage`) classifies as a :class:`Failure` and raises as
+:class:`CloudStorageError` or a subclass, naming the service, bucket, key and local file: the callbacks tell a
+missing bucket, refused credentials and a network that stayed down apart by its class and ``transient``.
 """
-import random
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,8 +20,8 @@ class CloudStorageError(OSError):
         key: the object's key (or the prefix for listings).
         operation: ``'upload'``, ``'download'``, ``'list'``, ``'exists'``, ``'delete'``.
         reason: the service's error code or the exception's class (``'NoSuchBucket'``, ``'ConnectionError'``).
-        transient: the error was of a kind that is retried (the retries ran out).
-        attempts: how many attempts were made.
+        transient: the error was of a kind the client retries (its retries ran out).
+        attempts: how many attempts the client made (1 when it does not say).
         local_path: the local file of an upload or download, else None.
     """
 
@@ -52,39 +53,54 @@ class MissingObject(Exception):
 
 @dataclass(frozen=True)
 class Failure:
-    """How a subclass classifies a client error: retry it or not, its code, and advice for the user."""
+    """How a subclass classifies a client error: transient (the client retried it until it gave up) or not, its
+    code, advice for the user, the error class to raise, and how many attempts the client made when it says."""
     transient: bool
     reason: str
     hint: str = ""
     kind: type = CloudStorageError
+    attempts: Optional[int] = None
+
+
+#: botocore's retry modes that :class:`RetryPolicy` accepts (``'legacy'`` retries fewer kinds of errors).
+RETRY_MODES = ("standard", "adaptive")
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff for transient errors: attempt ``n`` (from 1) waits
-    ``min(max_delay_s, initial_delay_s * multiplier ** (n - 1))`` seconds, scaled by a random factor in
-    ``[1 - jitter, 1]`` so that many processes do not retry in step.
+    """How the service's own client retries transient errors (connection resets, timeouts, HTTP 429 and 5xx).
+
+    The clients retry each request on its own: one failed part of a multipart S3 upload, or one failed chunk of a
+    resumable GCS upload, is sent again, not the whole file. The two clients bound their retries differently:
+
+    - AWS S3 (botocore): ``attempts`` tries of each request in all, in botocore's ``mode`` (``'standard'``:
+      exponential backoff with jitter, at most 20 s between tries; ``'adaptive'``: the same, slowed further by
+      the client while the service throttles);
+    - Google Cloud Storage (google-api-core): each request is retried until ``deadline_s`` seconds have passed,
+      waiting ``initial_delay_s``, then ``multiplier`` times longer each time, at most ``max_delay_s`` (with
+      jitter).
 
     Args:
-        attempts: how many times an operation is tried in all (1: no retries).
-        initial_delay_s: the wait after the first failure.
-        max_delay_s: the longest wait.
-        multiplier: the growth of the wait per failure.
-        jitter: the random part of each wait, between 0 and 1.
+        attempts: S3: how many times a request is tried in all (1: no retries).
+        mode: S3: botocore's retry mode, ``'standard'`` or ``'adaptive'``.
+        deadline_s: GCS: how long a request is retried.
+        initial_delay_s: GCS: the wait after the first failure.
+        max_delay_s: GCS: the longest wait.
+        multiplier: GCS: the growth of the wait per failure.
     """
-    attempts: int = 6
-    initial_delay_s: float = 0.5
-    max_delay_s: float = 30.0
+    attempts: int = 5
+    mode: str = "standard"
+    deadline_s: float = 120.0
+    initial_delay_s: float = 1.0
+    max_delay_s: float = 60.0
     multiplier: float = 2.0
-    jitter: float = 0.2
 
     def __post_init__(self):
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
-        if self.initial_delay_s < 0 or self.max_delay_s < 0 or self.multiplier < 1 or not 0 <= self.jitter <= 1:
-            raise ValueError(f"RetryPolicy needs delays >= 0, multiplier >= 1 and 0 <= jitter <= 1, got {self}")
-
-    def delay(self, failed_attempt: int) -> float:
-        """Seconds to wait after attempt ``failed_attempt`` (counted from 1) failed."""
-        base = min(self.max_delay_s, self.initial_delay_s * self.multiplier ** (failed_attempt - 1))
-        return base * (1 - self.jitter * random.random())
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
+        if self.mode not in RETRY_MODES:
+            raise ValueError(f"RetryPolicy.mode must be one of {RETRY_MODES}, got {self.mode!r}")
+        if self.deadline_s <= 0 or self.initial_delay_s < 0 or self.max_delay_s < self.initial_delay_s \
+                or self.multiplier < 1:
+            raise ValueError(f"RetryPolicy needs deadline_s > 0, 0 <= initial_delay_s <= max_delay_s and "
+                             f"multiplier >= 1, got {self}")

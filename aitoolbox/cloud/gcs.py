@@ -4,21 +4,29 @@ The client comes from Google's standard configuration: Application Default Crede
 (``GOOGLE_APPLICATION_CREDENTIALS`` naming a service-account key file, ``gcloud auth application-default login``,
 or the metadata server on Google Cloud machines) and the project from ``GOOGLE_CLOUD_PROJECT`` or the
 credentials. With ``STORAGE_EMULATOR_HOST`` set (e.g. ``http://127.0.0.1:9023``) the client talks to that
-emulator with anonymous credentials. Objects above 8 MiB go up in a resumable upload, published only when
-complete.
+emulator with anonymous credentials. Objects above 8 MiB go up in a resumable upload of ``chunk_size`` chunks,
+published only when complete.
+
+Transient errors are retried by the client itself (google-cloud-storage's ``DEFAULT_RETRY``, with the deadline
+and backoff of :class:`~aitoolbox.cloud.errors.RetryPolicy`), request by request: one failed chunk of a resumable
+upload is sent again, the chunks already stored are not. Uploads are retried without a generation precondition:
+each run writes its own keys from one process, so a repeated write stores the same content again.
 """
 import importlib
 from typing import IO, Any, Iterator, Optional
 
 from aitoolbox.cloud.storage import (
-    CloudNotFoundError, CloudObject, CloudPermissionError, CloudStorage, Failure, MissingBucket, MissingObject,
-    RetryPolicy)
+    CloudNotFoundError, CloudObject, CloudPermissionError, CloudStorage, CloudStorageError, Failure, MissingBucket,
+    MissingObject, RetryPolicy)
 
 _INSTALL = "Google Cloud Storage support needs google-cloud-storage: pip install aitoolbox[gcs]"
 _CREDENTIALS_HINT = ("Give credentials the standard Google way: GOOGLE_APPLICATION_CREDENTIALS naming a "
                      "service-account key file, or `gcloud auth application-default login`; for an emulator set "
                      "STORAGE_EMULATOR_HOST")
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+#: The chunk of a resumable upload: a failed request re-sends at most this much.
+DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
+_CHUNK_MULTIPLE = 256 * 1024  # GCS takes chunks of multiples of 256 KiB
 
 
 def import_storage():
@@ -37,21 +45,31 @@ class GCSStorage(CloudStorage):
         project: the project billed for requests; None: ``GOOGLE_CLOUD_PROJECT`` or the credentials' project.
         endpoint_url: another API endpoint (``client_options={'api_endpoint': ...}``); None: Google's, or
             ``STORAGE_EMULATOR_HOST`` when it is set.
-        retry: the backoff for transient errors (the client's own retries are turned off: this policy is the
-            only one).
+        retry: how the client retries transient errors: each request until ``deadline_s`` has passed, with
+            its backoff; :class:`~aitoolbox.cloud.errors.RetryPolicy` ``()`` when None.
         timeout_s: the connect and read timeout of each request.
+        chunk_size: the chunk of a resumable upload (objects above 8 MiB), a multiple of 256 KiB.
     """
 
     service = "Google Cloud Storage"
     scheme = "gs"
 
     def __init__(self, bucket_name: str, project: Optional[str] = None, endpoint_url: Optional[str] = None,
-                 retry: Optional[RetryPolicy] = None, timeout_s: float = 60.0):
+                 retry: Optional[RetryPolicy] = None, timeout_s: float = 60.0,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
         super().__init__(bucket_name, retry)
-        import_storage()  # fail here, at construction, when the extra is missing
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
+                or chunk_size % _CHUNK_MULTIPLE:
+            raise ValueError(f"chunk_size must be a positive multiple of 256 KiB ({_CHUNK_MULTIPLE} bytes), got "
+                             f"{chunk_size!r}")
+        storage = import_storage()  # fail here, at construction, when the extra is missing
         self.project = project
         self.endpoint_url = endpoint_url
         self.timeout_s = timeout_s
+        self.chunk_size = chunk_size
+        self._retry = storage.retry.DEFAULT_RETRY.with_delay(
+            initial=self.retry.initial_delay_s, maximum=self.retry.max_delay_s,
+            multiplier=self.retry.multiplier).with_timeout(self.retry.deadline_s)
 
     def _make_client(self) -> Any:
         storage = import_storage()
@@ -65,14 +83,15 @@ class GCSStorage(CloudStorage):
 
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
         try:
-            self.bucket.blob(key).upload_from_file(handle, size=size, timeout=self.timeout_s, retry=None)
+            self.bucket.blob(key, chunk_size=self.chunk_size).upload_from_file(
+                handle, size=size, timeout=self.timeout_s, retry=self._retry)
         except Exception as error:
             self._raise_missing(error, key, object_expected=False)
             raise
 
     def _get(self, key: str, handle: IO[bytes]) -> None:
         try:
-            self.bucket.blob(key).download_to_file(handle, timeout=self.timeout_s, retry=None)
+            self.bucket.blob(key).download_to_file(handle, timeout=self.timeout_s, retry=self._retry)
         except Exception as error:
             self._raise_missing(error, key, object_expected=True)
             raise
@@ -80,26 +99,26 @@ class GCSStorage(CloudStorage):
     def _list(self, prefix: str) -> Iterator[CloudObject]:
         try:
             blobs = list(self.client.list_blobs(self.bucket_name, prefix=prefix or None, timeout=self.timeout_s,
-                                                retry=None))
+                                                retry=self._retry))
         except Exception as error:
             self._raise_missing(error, prefix, object_expected=False)
             raise
         return iter([CloudObject(blob.name, int(blob.size or 0)) for blob in blobs])
 
     def _size(self, key: str) -> Optional[int]:
-        blob = self.bucket.get_blob(key, timeout=self.timeout_s, retry=None)
+        blob = self.bucket.get_blob(key, timeout=self.timeout_s, retry=self._retry)
         if blob is not None:
             return int(blob.size or 0)
-        if not self.bucket.exists(timeout=self.timeout_s, retry=None):
+        if not self.bucket.exists(timeout=self.timeout_s, retry=self._retry):
             raise MissingBucket()
         return None
 
     def _delete(self, key: str) -> None:
         from google.api_core import exceptions
         try:
-            self.bucket.blob(key).delete(timeout=self.timeout_s, retry=None)
+            self.bucket.blob(key).delete(timeout=self.timeout_s, retry=self._retry)
         except exceptions.NotFound:
-            if not self.bucket.exists(timeout=self.timeout_s, retry=None):
+            if not self.bucket.exists(timeout=self.timeout_s, retry=self._retry):
                 raise MissingBucket() from None
 
     def _raise_missing(self, error: Exception, key: str, object_expected: bool) -> None:
@@ -108,7 +127,7 @@ class GCSStorage(CloudStorage):
         from google.api_core import exceptions
         if not isinstance(error, exceptions.NotFound):
             return
-        if object_expected and self.bucket.exists(timeout=self.timeout_s, retry=None):
+        if object_expected and self.bucket.exists(timeout=self.timeout_s, retry=self._retry):
             raise MissingObject() from error
         raise MissingBucket() from error
 
@@ -116,6 +135,11 @@ class GCSStorage(CloudStorage):
         import requests
         from google.api_core import exceptions
         from google.auth import exceptions as auth_exceptions
+        if isinstance(error, exceptions.RetryError):  # the client's retries ran out: what failed last says why
+            last = error.cause or error.__cause__
+            failure = self._classify(last) if last is not None else None
+            return Failure(True, failure.reason if failure else "RetryError", failure.hint if failure else "",
+                           failure.kind if failure else CloudStorageError)
         if isinstance(error, auth_exceptions.DefaultCredentialsError):
             return Failure(False, "NoCredentials", _CREDENTIALS_HINT, CloudPermissionError)
         if isinstance(error, auth_exceptions.RefreshError):

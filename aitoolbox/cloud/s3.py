@@ -6,6 +6,10 @@ The client comes from boto3's standard configuration chain: credentials from ``A
 the config file; the endpoint from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (or ``endpoint_url`` in the
 config file), which is how an S3-compatible store is reached. Files are transferred with boto3's managed
 transfers (multipart uploads above 8 MiB, published only when complete).
+
+Transient errors are retried by botocore itself, request by request (``retries={'mode': 'standard',
+'total_max_attempts': ...}`` from :class:`~aitoolbox.cloud.errors.RetryPolicy`): one failed part of a multipart
+upload is sent again, the parts already stored are not.
 """
 from typing import IO, Any, Iterator, Optional
 
@@ -47,7 +51,8 @@ class S3Storage(CloudStorage):
         endpoint_url: the store's URL, e.g. ``http://127.0.0.1:9000`` for MinIO; None: boto3's configuration
             (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the config file, else AWS itself).
         region_name: None: boto3's configuration (``AWS_DEFAULT_REGION``, the config file).
-        retry: the backoff for transient errors (boto3's own retries are turned off: this policy is the only one).
+        retry: how botocore retries transient errors: ``attempts`` tries of each request in ``mode``
+            (``'standard'`` or ``'adaptive'``); :class:`~aitoolbox.cloud.errors.RetryPolicy` ``()`` when None.
         connect_timeout_s: how long to wait for a connection before the attempt counts as failed.
         read_timeout_s: how long to wait for data on an open connection.
         transfer_config: a ``boto3.s3.transfer.TransferConfig`` (part sizes, concurrency); boto3's default if None.
@@ -69,7 +74,7 @@ class S3Storage(CloudStorage):
 
     def _make_client(self) -> Any:
         boto3, botocore = import_boto3()
-        config = botocore.config.Config(retries={"total_max_attempts": 1, "mode": "standard"},
+        config = botocore.config.Config(retries={"total_max_attempts": self.retry.attempts, "mode": self.retry.mode},
                                         connect_timeout=self.connect_timeout_s, read_timeout=self.read_timeout_s)
         # A session of its own: boto3's default session is not thread-safe to create clients from.
         return boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name,
@@ -132,7 +137,7 @@ class S3Storage(CloudStorage):
         if isinstance(error, exceptions.ClientError):
             code, status = _code(error), _status(error)
             if code in _TRANSIENT_CODES or status == 429 or status >= 500:
-                return Failure(True, code)
+                return Failure(True, code, attempts=_attempts(error))
             if code in _NOT_FOUND_CODES:
                 bucket_missing = code == "NoSuchBucket"
                 hint = (f"the bucket {self.bucket_name!r} does not exist: create it (or fix bucket_name)"
@@ -157,9 +162,10 @@ class S3Storage(CloudStorage):
 class _Window:
     """The first ``size`` bytes of the seekable binary ``handle``, as a file that close() leaves open.
 
-    boto3's transfer manager closes the file it was given even when the upload fails, and a retry reads the same
-    handle again. It also takes the size from seeking to the end: a file that grows meanwhile (a TensorBoard event
-    file being written) is uploaded as it was when opened, matching the size its folder's marker records.
+    boto3's transfer manager closes the file it was given, which belongs to the caller (a folder's files are
+    closed together, after the marker). It also takes the size from seeking to the end: a file that grows
+    meanwhile (a TensorBoard event file being written) is uploaded as it was when opened, matching the size its
+    folder's marker records.
     """
 
     closed = False
@@ -197,6 +203,12 @@ class _Window:
 
 def _code(error: Any) -> str:
     return str(getattr(error, "response", {}).get("Error", {}).get("Code", ""))
+
+
+def _attempts(error: Any) -> Optional[int]:
+    """How many times botocore sent the request, when its response says."""
+    retries = getattr(error, "response", {}).get("ResponseMetadata", {}).get("RetryAttempts")
+    return int(retries) + 1 if retries is not None else None
 
 
 def _status(error: Any) -> int:

@@ -1,15 +1,15 @@
 """A small object-storage interface (upload, download, list, exists, delete) with retries and clear errors.
 
 :class:`CloudStorage` holds what AWS S3 (:class:`~aitoolbox.cloud.s3.S3Storage`) and Google Cloud Storage
-(:class:`~aitoolbox.cloud.gcs.GCSStorage`) share: the retry loop, the errors, folders with a completion marker,
+(:class:`~aitoolbox.cloud.gcs.GCSStorage`) share: the errors, folders with a completion marker,
 atomic downloads. A subclass implements five primitives on one service's client and says which of its errors
 are transient.
 
 Faults:
 
-- transient errors (connection refused or reset, timeouts, HTTP 5xx, throttling) are retried with exponential
-  backoff (:class:`RetryPolicy`); the clients' own retries are turned off so that one policy holds for both
-  services;
+- transient errors (connection refused or reset, timeouts, HTTP 5xx, throttling) are retried by the service's
+  own client, request by request, per :class:`RetryPolicy` (a failed part of a large upload is sent again, not the
+  whole file);
 - permanent errors (missing bucket or object, access denied, no credentials) and transient ones that outlast the
   retries raise :class:`CloudStorageError` (or a subclass) naming the service, bucket, key and local file;
 - a single object is never seen half-written (S3 and GCS publish an object only once its upload completes);
@@ -26,7 +26,6 @@ import posixpath
 import shutil
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
@@ -61,7 +60,7 @@ class CloudStorage(abc.ABC):
 
     Args:
         bucket_name: the bucket.
-        retry: the backoff for transient errors; :class:`RetryPolicy` ``()`` when None.
+        retry: how the client retries transient errors; :class:`RetryPolicy` ``()`` when None.
     """
 
     service = "cloud storage"
@@ -307,43 +306,35 @@ class CloudStorage(abc.ABC):
             self.delete(obj.key)
         return len(objects)
 
-    # The retry loop and the errors ---------------------------------------------------------------------------
+    # The errors ----------------------------------------------------------------------------------------------
 
     def _call(self, operation: str, key: str, function: Callable[[], T], local_path: Optional[str] = None) -> T:
-        """Run ``function`` (an operation on ``key``), retrying transient errors per :attr:`retry`."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return function()
-            except MissingBucket as error:
-                raise self._error(CloudNotFoundError, operation, key, "NoSuchBucket",
-                                  f"the bucket {self.bucket_name!r} does not exist: create it (or fix bucket_name)",
-                                  local_path=local_path) from error
-            except MissingObject as error:
-                raise self._error(CloudNotFoundError, operation, key, "NoSuchKey",
-                                  f"the bucket {self.bucket_name!r} has no object {key!r}", local_path=local_path) \
-                    from error
-            except Exception as error:
-                failure = self._classify(error)
-                if failure is None:
-                    raise
-                if not failure.transient or attempt >= self.retry.attempts:
-                    raise self._error(failure.kind, operation, key, failure.reason,
-                                      _describe(error) + (f". {failure.hint}" if failure.hint else ""),
-                                      local_path=local_path, transient=failure.transient, attempts=attempt) \
-                        from error
-                delay = self.retry.delay(attempt)
-                logger.warning("%s %s of %s failed (%s: %s); attempt %d of %d in %.2f s", self.service, operation,
-                               self.uri(key), failure.reason, _describe(error), attempt + 1, self.retry.attempts,
-                               delay)
-                time.sleep(delay)
+        """Run ``function`` (an operation on ``key``) once: the client retries transient errors itself, request
+        by request (:attr:`retry`); what it raises in the end becomes a :class:`CloudStorageError`."""
+        try:
+            return function()
+        except MissingBucket as error:
+            raise self._error(CloudNotFoundError, operation, key, "NoSuchBucket",
+                              f"the bucket {self.bucket_name!r} does not exist: create it (or fix bucket_name)",
+                              local_path=local_path) from error
+        except MissingObject as error:
+            raise self._error(CloudNotFoundError, operation, key, "NoSuchKey",
+                              f"the bucket {self.bucket_name!r} has no object {key!r}", local_path=local_path) \
+                from error
+        except Exception as error:
+            failure = self._classify(error)
+            if failure is None:
+                raise
+            raise self._error(failure.kind, operation, key, failure.reason,
+                              _describe(error) + (f". {failure.hint}" if failure.hint else ""),
+                              local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1) \
+                from error
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
                local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
         transfer = {"upload": f" from {local_path}", "download": f" to {local_path}"}.get(operation, "") \
             if local_path else ""
-        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        tries = f" after {attempts} attempts" if attempts > 1 else " after the client's retries" if transient else ""
         message = (f"{self.service} {operation} of {self.uri(key)}{transfer} failed{tries} "
                    f"(bucket {self.bucket_name!r}, key {key!r}): {reason}: {detail}")
         return kind(message, service=self.service, bucket=self.bucket_name, key=key, operation=operation,

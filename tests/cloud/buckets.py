@@ -3,8 +3,9 @@ import uuid
 
 from aitoolbox.cloud.storage import RetryPolicy
 
-# Quick retries, so that tests of retried faults take milliseconds.
-FAST_RETRY = RetryPolicy(attempts=3, initial_delay_s=0.01, max_delay_s=0.05)
+# Few retries, so that tests of faults that last end in seconds (botocore waits up to 1 s, then 2 s, between its
+# attempts; google-api-core retries for deadline_s, quickly).
+FAST_RETRY = RetryPolicy(attempts=3, deadline_s=3.0, initial_delay_s=0.01, max_delay_s=0.05)
 
 
 def unique_bucket_name(service: str) -> str:
@@ -23,7 +24,7 @@ def create_bucket(service: str, name: str) -> None:
 
 
 def make_storage(service: str, bucket_name: str, retry: RetryPolicy = FAST_RETRY, **options):
-    """The storage under test for ``service``, with quick retries."""
+    """The storage under test for ``service``, with few, quick retries."""
     if service == "s3":
         from aitoolbox.cloud.s3 import S3Storage
         return S3Storage(bucket_name, retry=retry, **options)

@@ -102,6 +102,10 @@ class FaultyProxy:
     - ``delay_s``: each chunk forwarded waits this long (a slow network);
     - ``cut_after_bytes``: once that many request bytes have gone through, every connection is closed and new
       ones are dropped (the network goes down in the middle of an upload);
+    - ``reset_once_after_bytes``: once that many request bytes have gone through, the connection carrying the
+      next bytes is reset, once (one request of an upload fails midway; the network stays up);
+    - ``reset_once_matching``: the connection whose request bytes next contain this pattern is reset before they
+      are forwarded, once, ignoring case (e.g. one part of an upload fails before reaching the server);
     - ``hold()`` / ``release()``: nothing is forwarded between the two (a network stalled for as long as the test
       needs, so "still uploading" holds however fast or slow the machine is). A hold ends by itself after
       ``HOLD_LIMIT_S``, so a test that forgets to release fails instead of hanging.
@@ -113,6 +117,9 @@ class FaultyProxy:
         self.upstream_port = upstream_port
         self.delay_s = 0.0
         self.cut_after_bytes: Optional[int] = None
+        self.reset_once_after_bytes: Optional[int] = None
+        self.reset_once_matching: Optional[bytes] = None
+        self.resets = 0
         self.forwarded_bytes = 0
         self.dropped = 0
         self._drop = 0
@@ -170,6 +177,7 @@ class FaultyProxy:
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, target: socket.socket, request: bool) -> None:
+        tail = b""  # the end of the bytes before, for a pattern split between two reads
         try:
             while True:
                 data = source.recv(65536)
@@ -184,8 +192,24 @@ class FaultyProxy:
                         cut = self.cut_after_bytes is not None and self.forwarded_bytes > self.cut_after_bytes
                         if cut:
                             self._down = True
+                        reset = self.reset_once_after_bytes is not None \
+                            and self.forwarded_bytes > self.reset_once_after_bytes
+                        if reset:
+                            self.reset_once_after_bytes = None
+                        pattern = self.reset_once_matching
+                        if pattern and pattern.lower() in (tail + data).lower():  # header names: any case
+                            reset, self.reset_once_matching = True, None
+                        self.resets += reset
+                        tail = (tail + data)[-len(pattern):] if pattern else b""
                     if cut:
                         self._close_all()
+                        return
+                    if reset:  # these bytes never reach the server: its request is cut short
+                        with contextlib.suppress(OSError):
+                            target.shutdown(socket.SHUT_RDWR)  # wakes the pump of the answers
+                        with contextlib.suppress(OSError):
+                            source.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                            source.close()  # linger 0: the client sees a reset
                         return
                 target.sendall(data)
         except OSError:

@@ -1,5 +1,6 @@
 """CloudStorage against real servers (moto's S3 server, a GCS emulator): round trips, folders with their
-completion marker, and faults (missing bucket, no credentials, network down, connection resets)."""
+completion marker, and faults (missing bucket, no credentials, network down, connection resets, a part of a
+large upload failing), retried by the clients' own policies."""
 import os
 import subprocess
 import sys
@@ -94,8 +95,7 @@ def test_a_folder_without_its_marker_is_not_complete_and_is_not_downloaded(bucke
     assert bucket.list("run/tb/") == []
 
 
-def test_uploading_to_a_missing_bucket_names_bucket_and_key_and_is_not_retried(service, tmp_path,
-                                                                                aitoolbox_records):
+def test_uploading_to_a_missing_bucket_names_bucket_and_key(service, tmp_path):
     local = write(tmp_path / "model.pth", b"weights")
     missing = make_storage(service, "aitoolbox-no-such-bucket")
     with pytest.raises(CloudNotFoundError) as raised:
@@ -107,7 +107,6 @@ def test_uploading_to_a_missing_bucket_names_bucket_and_key_and_is_not_retried(s
     assert local in str(error)
     assert "does not exist: create it" in str(error)
     assert isinstance(error, FileNotFoundError)
-    assert not [record for record in aitoolbox_records.records if "attempt" in record.getMessage()]
     assert os.path.exists(local)
 
     with pytest.raises(CloudNotFoundError, match="aitoolbox-no-such-bucket"):
@@ -128,24 +127,29 @@ def test_downloading_a_missing_object_names_it(bucket, tmp_path):
     assert os.listdir(tmp_path) == ["model.pth"]
 
 
-def test_network_down_is_retried_with_backoff_then_raises_naming_bucket_and_key(service, tmp_path,
-                                                                                 aitoolbox_records):
+MiB = 1024 * 1024
+
+
+def test_a_network_that_stays_down_is_retried_by_the_client_then_raises_naming_bucket_and_key(service, proxy,
+                                                                                                tmp_path):
     local = write(tmp_path / "model.pth", b"weights")
-    dead_endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    retry = RetryPolicy(attempts=4, initial_delay_s=0.01, max_delay_s=0.02)
-    storage = make_storage(service, "some-bucket", retry=retry, endpoint_url=dead_endpoint)
+    proxy.drop_next(1000)  # every connection is reset
+    retry = RetryPolicy(attempts=3, deadline_s=1.0, initial_delay_s=0.01, max_delay_s=0.02)
+    storage = make_storage(service, "some-bucket", retry=retry)
     with pytest.raises(CloudStorageError) as raised:
         storage.upload_file(local, "project/run/model.pth")
     error = raised.value
-    assert error.transient and error.attempts == 4 and error.reason == "ConnectionError"
-    assert "'some-bucket'" in str(error) and "'project/run/model.pth'" in str(error) and "after 4 attempts" in str(error)
-    retries = [record for record in aitoolbox_records.records if "attempt" in record.getMessage()]
-    assert len(retries) == 3 and "attempt 2 of 4" in retries[0].getMessage()
+    assert error.transient and error.reason == "ConnectionError"
+    assert "'some-bucket'" in str(error) and "'project/run/model.pth'" in str(error) and "retries" in str(error)
+    if service == "s3":
+        assert proxy.dropped == 3  # botocore's attempts, as the policy says
+    else:
+        assert proxy.dropped >= 2  # google-api-core's retries, for deadline_s
     with open(local, "rb") as handle:
         assert handle.read() == b"weights"  # the local copy is kept
 
 
-def test_connection_resets_are_retried_until_the_upload_succeeds(service, proxy, tmp_path, aitoolbox_records):
+def test_connection_resets_are_retried_until_the_upload_succeeds(service, proxy, tmp_path):
     name = unique_bucket_name(service)
     create_bucket(service, name)  # through the proxy, before it misbehaves
     storage = make_storage(service, name, retry=RetryPolicy(attempts=5, initial_delay_s=0.01, max_delay_s=0.02))
@@ -153,11 +157,38 @@ def test_connection_resets_are_retried_until_the_upload_succeeds(service, proxy,
     proxy.drop_next(2)
     storage.upload_file(local, "run/model.pth")
     assert proxy.dropped == 2
-    retries = [record for record in aitoolbox_records.records if "attempt" in record.getMessage()]
-    # google-cloud-storage 3 also fetches the bucket's metadata in a thread of its own (with its own retries),
-    # which may take one of the dropped connections; S3 uploads meet both.
-    assert len(retries) == 2 if service == "s3" else 1 <= len(retries) <= 2
     assert storage.download_bytes("run/model.pth") == b"weights" * 100
+
+
+def test_a_part_that_fails_once_is_sent_again_alone_not_the_whole_object_from_byte_0(service, proxy, tmp_path):
+    name = unique_bucket_name(service)
+    create_bucket(service, name)
+    size = 12 * MiB  # above the 8 MiB at which GCS's client starts a resumable upload
+    data = os.urandom(size)
+    local = write(tmp_path / "model.pth", data)
+    if service == "s3":
+        from boto3.s3.transfer import TransferConfig
+        part = 5 * MiB  # S3's smallest part; one at a time, so that the reset falls in the second
+        storage = make_storage(service, name, transfer_config=TransferConfig(
+            multipart_threshold=part, multipart_chunksize=part, max_concurrency=1, use_threads=False))
+    else:
+        part = 4 * MiB
+        storage = make_storage(service, name, chunk_size=part)
+    before = proxy.forwarded_bytes
+    if service == "s3":
+        proxy.reset_once_after_bytes = before + part + part // 2  # in the middle of the second part
+    else:
+        # The second chunk's request fails before reaching the emulator: the emulator rejects a chunk sent again
+        # over bytes it kept of an interrupted one, which google-cloud-storage's retry does (it re-sends the
+        # whole failed chunk); this test does not say what GCS itself does then.
+        proxy.reset_once_matching = f"Content-Range: bytes {part}-".encode()
+    storage.upload_file(local, "run/model.pth")
+    sent = proxy.forwarded_bytes - before
+    assert proxy.resets == 1
+    # The object once, plus what the reset cut short (less than a part): starting again from byte 0 would have
+    # sent at least a part more than the object.
+    assert size < sent < size + part
+    assert storage.download_bytes("run/model.pth") == data
 
 
 def test_a_folder_upload_cut_off_midway_is_never_complete(service, proxy, tmp_path):
@@ -224,8 +255,16 @@ def test_gcs_without_credentials_says_how_to_give_them(gcs_server, tmp_path):
 
 
 def test_bad_arguments_are_refused_plainly():
-    with pytest.raises(ValueError, match="attempts must be at least 1"):
+    with pytest.raises(ValueError, match="attempts must be an int >= 1, got 0"):
         RetryPolicy(attempts=0)
+    with pytest.raises(ValueError, match=r"mode must be one of \('standard', 'adaptive'\), got 'legacy'"):
+        RetryPolicy(mode="legacy")
+    with pytest.raises(ValueError, match="deadline_s > 0"):
+        RetryPolicy(deadline_s=0)
+    pytest.importorskip("google.cloud.storage")
+    from aitoolbox.cloud.gcs import GCSStorage
+    with pytest.raises(ValueError, match="chunk_size must be a positive multiple of 256 KiB"):
+        GCSStorage("bucket-name", chunk_size=1000)
     pytest.importorskip("boto3")
     from aitoolbox.cloud.s3 import S3Storage
     with pytest.raises(ValueError, match="bucket_name must be a bucket's name"):
@@ -246,11 +285,16 @@ def test_a_missing_client_names_the_pip_extra(monkeypatch):
         uploader_for("gcs", "bucket-name")
 
 
-def test_backoff_grows_exponentially_up_to_its_ceiling():
-    policy = RetryPolicy(attempts=10, initial_delay_s=0.5, max_delay_s=4.0, multiplier=2.0, jitter=0.0)
-    assert [policy.delay(n) for n in range(1, 7)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
-    jittered = RetryPolicy(initial_delay_s=1.0, jitter=0.5)
-    assert all(0.5 <= jittered.delay(1) <= 1.0 for _ in range(50))
+def test_the_retry_policy_configures_the_clients_own_retries(s3_env, gcs_env):
+    policy = RetryPolicy(attempts=7, mode="adaptive", deadline_s=30.0, initial_delay_s=0.5, max_delay_s=8.0,
+                         multiplier=3.0)
+    s3 = make_storage("s3", "bucket-a", retry=policy)
+    assert s3.client.meta.config.retries == {"total_max_attempts": 7, "mode": "adaptive"}
+    gcs_retry = make_storage("gcs", "bucket-b", retry=policy)._retry
+    assert (gcs_retry._initial, gcs_retry._maximum, gcs_retry._multiplier, gcs_retry._timeout) == (0.5, 8.0, 3.0,
+                                                                                                   30.0)
+    default = make_storage("s3", "bucket-a", retry=RetryPolicy())
+    assert default.client.meta.config.retries == {"total_max_attempts": 5, "mode": "standard"}
 
 
 def test_keys_join_as_aitoolbox_1x_joined_them():

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.cloud.layout import list_cloud_checkpoints
+from aitoolbox.cloud.staging import STAGING_PREFIX
 from aitoolbox.cloud.storage import CloudStorageError
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.basic import LogUpload
@@ -160,6 +161,55 @@ def test_uploads_do_not_stall_training_and_fit_returns_once_they_are_done(servic
     keys = list_cloud_checkpoints(bucket, f"team/proj/exp_{tl.experiment_timestamp}/checkpoint_model")
     assert [os.path.basename(key) for key in keys] == [f"model_exp_{tl.experiment_timestamp}_E{epoch}.pth"
                                                        for epoch in range(3)]
+
+
+def test_uploads_slower_than_checkpointing_hold_one_file_open_drop_superseded_versions_and_end_with_the_newest(
+        service, bucket, proxy, tmp_path, aitoolbox_records):
+    # The network stalls for three epochs: checkpoints pile up behind the first upload while the best-1 pruning
+    # deletes the older ones locally.
+    proxy.hold()
+    open_at_epoch_end, pending_at_epoch_end = [], []
+
+    def look(tl):
+        open_at_epoch_end.append(open_files_below(tl.experiment_folder.path))
+        pending_at_epoch_end.append(CloudUploads.of(tl).pending)
+        if tl.epoch == 2:
+            proxy.release()
+
+    tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, rm_subopt_local_models="loss",
+                             num_best_checkpoints_kept=1, **cloud(service, bucket))
+    tl.fit(num_epochs=4, callbacks=[Probe(look)])
+    name = f"exp_{tl.experiment_timestamp}"
+    # Only the upload in progress held a file open, however many waited (the old uploader held each queued file).
+    assert all(len(held) <= 1 for held in open_at_epoch_end[:3]) and pending_at_epoch_end[2] >= 4
+    dropped = [record.getMessage() for record in aitoolbox_records.records
+               if record.getMessage().startswith("Dropped the queued upload")]
+    assert any(".aitoolbox-checkpoint-ranking.json" in message for message in dropped)  # older versions dropped
+
+    local = local_files(tl.experiment_folder.path)
+    uploaded = bucket_files(bucket, f"team/proj/{name}")
+    checkpoints = [f"checkpoint_model/model_{name}_E{epoch}.pth" for epoch in range(4)]
+    assert set(checkpoints) - set(local)  # pruned locally while their uploads waited ...
+    assert set(checkpoints) <= set(uploaded)  # ... they still reached the bucket, as in aitoolbox 1.8
+    newest = list_cloud_checkpoints(bucket, f"team/proj/{name}/checkpoint_model")[-1]
+    assert newest.endswith(checkpoints[-1]) and uploaded[checkpoints[-1]] == local[checkpoints[-1]]
+    ranking = "checkpoint_model/.aitoolbox-checkpoint-ranking.json"
+    assert uploaded[ranking] == local[ranking]  # the newest version of a file submitted again
+    assert not [path for path in local if os.path.basename(path).startswith(STAGING_PREFIX)]  # no pin left
+
+
+def open_files_below(folder: str) -> list:
+    """The files below ``folder`` this process holds open (from /proc/self/fd)."""
+    folder = os.path.realpath(folder)
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(folder + os.sep):
+            held.append(target)
+    return held
 
 
 def test_a_bucket_gone_mid_run_fails_fit_at_the_end_naming_bucket_and_key_and_keeps_every_local_file(

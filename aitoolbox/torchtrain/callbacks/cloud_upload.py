@@ -8,9 +8,19 @@ layout, see :mod:`aitoolbox.cloud.layout`). Training goes on meanwhile.
 :class:`CloudUploads` is a callback of its own, registered with the loop by the first callback that needs it
 and run after all the others: at the end of ``fit`` it waits for every upload and raises the first failure
 (a :class:`~aitoolbox.cloud.storage.CloudStorageError` naming the bucket and key); when ``fit`` stops on an
-exception it waits too, but only logs failures. The uploaders (and their threads and service clients) are made
-in the process that uploads, on its first upload: rank 0 of distributed training; they never travel to spawned
-processes.
+exception it waits too, but only logs failures.
+
+Each bucket's uploader queues at most ``max_queued`` uploads (``CloudUploads.of(tl).max_queued``, see
+:class:`~aitoolbox.cloud.uploader.CloudUploader`): when uploads are slower than the callbacks write files,
+training waits for room and says so in the log; a file submitted again (the log, the checkpoint ranking,
+TensorBoard's event files) replaces its queued older version. Files are opened only when their upload starts, so
+a checkpoint pruned locally (``num_best_checkpoints_kept``, ``keep_last``) before its turn is not uploaded (a
+warning names it; pruning never removes the newest checkpoint). What is guaranteed: when ``fit`` returns, every
+file the callbacks handed over that is still in the run folder is in the bucket, as it was when handed over or
+newer, or ``fit`` raises the upload's failure; nothing is removed locally.
+
+The uploaders (and their threads and service clients) are made in the process that uploads, on its first upload:
+rank 0 of distributed training; they never travel to spawned processes.
 """
 import concurrent.futures
 import logging
@@ -21,7 +31,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from aitoolbox.cloud.layout import ExperimentKeys
 from aitoolbox.cloud.storage import CloudStorage, CloudStorageError
-from aitoolbox.cloud.uploader import CloudUploader, cloud_service, storage_for
+from aitoolbox.cloud.uploader import DEFAULT_MAX_QUEUED, CloudUploader, cloud_service, storage_for
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
@@ -135,10 +145,28 @@ class CloudUploads(AbstractCallback):
       KeyboardInterrupt while waiting stops waiting (the local files are complete either way).
 
     A failure never removes a local file: the experiment folder holds everything, to upload again later.
+
+    Args:
+        max_queued: how many uploads of a bucket may wait before a callback's upload waits for room. To change
+            it for a loop, set ``CloudUploads.of(tl).max_queued`` before ``fit`` (it applies from the next
+            uploader made, i.e. the next ``fit``'s first upload).
     """
 
-    def __init__(self):
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED):
         super().__init__("Cloud storage uploads", execution_order=UPLOADS_EXECUTION_ORDER)
+        self.max_queued = max_queued
+
+    @property
+    def max_queued(self) -> int:
+        """How many uploads of a bucket may wait for their turn (see
+        :class:`~aitoolbox.cloud.uploader.CloudUploader`)."""
+        return self._max_queued
+
+    @max_queued.setter
+    def max_queued(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"CloudUploads: max_queued must be an int >= 1, got {value!r}")
+        self._max_queued = value
         self._lock = threading.Lock()
         self._uploaders: Dict[Tuple[str, str, str], CloudUploader] = {}
         self._failures: List[BaseException] = []
@@ -210,19 +238,21 @@ class CloudUploads(AbstractCallback):
 
     def upload_to_key(self, destination: CloudDestination, local_path: str, key: str,
                       only_if_changed: bool = False) -> Optional[concurrent.futures.Future]:
-        """Queue the upload of ``local_path`` (a file, or a folder with its completion marker) as ``key``."""
+        """Queue the upload of ``local_path`` (a file, or a folder with its completion marker) as ``key``.
+
+        The file is opened when its upload starts; removed before then (pruned), it is skipped with a warning."""
         uploader = self._uploader(destination)
         record_key = (destination.uploader_key, os.path.abspath(local_path))
         try:
             if os.path.isdir(local_path):
-                return uploader.submit_folder(local_path, key)
+                return uploader.submit_folder(local_path, key, missing_ok=True)
             stat = os.stat(local_path)
             signature = (stat.st_size, stat.st_mtime_ns)
             with self._lock:
                 if only_if_changed and self._uploaded.get(record_key) == signature:
                     return None
                 self._uploaded[record_key] = signature  # uploaded or on its way
-            future = uploader.submit(local_path, key)
+            future = uploader.submit(local_path, key, missing_ok=True)
         except (OSError, RuntimeError) as error:  # a file gone, a closed uploader: reported at the end of fit
             self._record_failure(error)
             logger.error("Could not queue the upload of %s to %s: %s (the local file is kept)", local_path,
@@ -230,7 +260,8 @@ class CloudUploads(AbstractCallback):
             return None
 
         def forget_if_failed(done: concurrent.futures.Future) -> None:
-            if done.exception() is not None:  # the next upload of the file must not be skipped
+            # After a failure the next upload of the file must not be skipped (a dropped one has a newer one queued).
+            if not done.cancelled() and done.exception() is not None:
                 with self._lock:
                     if self._uploaded.get(record_key) == signature:
                         del self._uploaded[record_key]
@@ -243,7 +274,7 @@ class CloudUploads(AbstractCallback):
                 self._uploaders, self._uploaded, self._runs, self._pid = {}, {}, set(), os.getpid()
             uploader = self._uploaders.get(destination.uploader_key)
             if uploader is None:
-                uploader = CloudUploader(destination.storage())
+                uploader = CloudUploader(destination.storage(), max_queued=self.max_queued)
                 self._uploaders[destination.uploader_key] = uploader
             return uploader
 
