@@ -23,8 +23,8 @@ What is kept under a secret-looking key: None, booleans and empty strings (they 
 ``max_tokens=512``, ``pad_token_id=0`` and ``num_key_value_heads=8`` stay readable in the logs; a password of
 digits (``password: 123456`` read from YAML) is still redacted.
 
-Nested dicts (any mapping), lists, tuples, sets, ``argparse.Namespace`` objects and dataclass instances are
-searched. Other objects are written by the destinations as their ``repr``: wrap one holding a secret in
+Nested dicts (any mapping), lists, tuples (namedtuples by their field names), sets, ``argparse.Namespace``
+objects and dataclass instances are searched. Other objects are written by the destinations as their ``repr``: wrap one holding a secret in
 :class:`Secret`.
 """
 import argparse
@@ -168,13 +168,11 @@ def redact_value(value: Any) -> Any:
         return REDACTED
     if isinstance(value, Mapping):
         return {key: _redact_entry(key, item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its field names are keys
+        return type(value)(*(_redact_entry(name, item) for name, item in zip(value._fields, value)))
     if isinstance(value, (list, tuple, set, frozenset)):
         items = [redact_value(item) for item in value]
-        if isinstance(value, list):
-            return items
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*items)
-        return type(value)(items)
+        return items if isinstance(value, list) else type(value)(items)
     if isinstance(value, argparse.Namespace):
         return _redact_attributes(value, list(vars(value)))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
