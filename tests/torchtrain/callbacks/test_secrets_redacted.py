@@ -83,6 +83,24 @@ def test_run_folder_files_checkpoints_and_run_info_hold_no_secret(tmp_path):
     assert tl.hyperparams["api_key"] == API_KEY and own_checkpoints.hyperparams["database"]["password"] == DB_PASSWORD
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_sharded_checkpoints_hold_no_secret(tmp_path):
+    from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint, read_sharded_checkpoint_state
+    from tests.torchtrain.distributed.test_fsdp import Tower, fit_fsdp, make_loop
+    torch.manual_seed(0)
+    hyperparams = secret_hyperparams()
+    callback = ModelCheckpoint(project_name="proj", experiment_name="run", hyperparams=hyperparams,
+                               local_model_result_folder_path=str(tmp_path))
+    fit_fsdp(make_loop("fsdp", Tower()), [callback], num_epochs=1)
+
+    (run_folder,) = os.listdir(tmp_path / "proj")
+    (path,) = [entry.path for entry in os.scandir(tmp_path / "proj" / run_folder / "checkpoint_model")
+               if entry.is_dir()]
+    assert is_sharded_checkpoint(path) and files_holding_secrets(tmp_path) == []
+    for rank in (0, 1):
+        assert_redacted(read_sharded_checkpoint_state(path, rank)["hyperparams"])
+
+
 def test_wandb_config_holds_no_secret(tmp_path, wandb_offline, no_network):
     pytest.importorskip("wandb")
     from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
