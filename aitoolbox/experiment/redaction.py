@@ -24,12 +24,13 @@ What is kept under a secret-looking key: None, booleans and empty strings (they 
 digits (``password: 123456`` read from YAML) is still redacted.
 
 Nested dicts (any mapping), lists, tuples (namedtuples by their field names), sets, ``argparse.Namespace``
-objects and dataclass instances are searched. Other objects are written by the destinations as their ``repr``: wrap one holding a secret in
-:class:`Secret`.
+objects and dataclass instances are searched. Other objects are written by the destinations as their ``repr``:
+wrap one holding a secret in :class:`Secret`.
 """
 import argparse
 import copy
 import dataclasses
+import numbers
 import os
 import re
 from typing import Any, Generic, List, Mapping, Optional, TypeVar
@@ -119,7 +120,7 @@ def _holds_secret(value: Any) -> bool:
 
 
 def _numbers_only(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, complex)):
+    if value is None or isinstance(value, numbers.Number):  # also numpy's scalars
         return True
     if isinstance(value, Mapping):
         return all(_numbers_only(item) for item in value.values())

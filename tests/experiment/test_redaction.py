@@ -6,6 +6,7 @@ import dataclasses
 import json
 import pickle
 
+import numpy as np
 import pytest
 
 from aitoolbox.experiment.redaction import (
@@ -48,11 +49,11 @@ def test_secret_values_are_replaced_and_the_rest_kept():
 def test_model_sizes_named_token_or_key_are_kept():
     hyperparams = {"max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64],
                    "token": {"max": 4}, "eos_token": "</s>", "api_key": 12345, "secret_seed": 7,
-                   "use_password": True, "hf_token": None, "access_token": ""}
+                   "use_password": True, "hf_token": None, "access_token": "", "num_tokens": np.int64(7)}
     assert redact_hyperparams(hyperparams) == {
         "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": {"max": 4},
         "eos_token": REDACTED, "api_key": 12345, "secret_seed": REDACTED,
-        "use_password": True, "hf_token": None, "access_token": ""}
+        "use_password": True, "hf_token": None, "access_token": "", "num_tokens": 7}
 
 
 def test_the_given_dict_is_not_changed_and_the_copy_is_new():

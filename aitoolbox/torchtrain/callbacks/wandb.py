@@ -109,7 +109,8 @@ class WandBTracking(TrackingCallback):
         include_fn: which files of ``source_dirs`` are stored: called with each file's absolute path, True
             stores it; None stores Python files (``*.py``). Files that hold credentials by their name (``.env``,
             ``credentials.json``, ``*.pem``...) are never stored. For example ``lambda path:
-            path.endswith((".py", ".yaml"))`` adds configuration files.
+            path.endswith((".py", ".yaml"))`` adds configuration files; with ``fit_distributed`` starting fresh
+            processes (spawn) it must be a module-level function, which can be sent to them.
         log_dir: the folder wandb writes its local files in (it adds a ``wandb/`` sub-folder). With
             ``is_project=True``, None is the experiment's run folder and a relative path lies inside it; an
             absolute path is used as it is. With ``is_project=False``, None leaves wandb's default (``WANDB_DIR``
