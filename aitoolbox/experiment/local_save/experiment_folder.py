@@ -9,6 +9,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.redaction import redact_hyperparams
 
 
 # Runs of one experiment started within the same second get suffixed folders, up to this many.
@@ -213,12 +214,14 @@ class ExperimentFolder:
         return sub_folder
 
     def save_hyperparams(self, hyperparams: dict, copy_script: bool = True) -> None:
-        """Write ``hyperparams_list.txt`` and ``hyperparams.json``; copy the running script when known."""
+        """Write ``hyperparams_list.txt`` and ``hyperparams.json``, secrets redacted (see
+        :mod:`aitoolbox.experiment.redaction`); copy the running script when known."""
         self.create()
-        lines = [f"{key}:\t{value}" for key, value in hyperparams.items()]
+        written = redact_hyperparams(hyperparams)  # the files are uploaded with cloud_save_mode
+        lines = [f"{key}:\t{value}" for key, value in written.items()]
         atomic_write_text(os.path.join(self.path, "hyperparams_list.txt"), "\n".join(lines) + "\n")
         atomic_write_text(os.path.join(self.path, "hyperparams.json"),
-                          json.dumps(hyperparams, indent=2, sort_keys=True, default=repr))
+                          json.dumps(written, indent=2, sort_keys=True, default=repr))
         script = hyperparams.get("experiment_file_path") or getattr(sys.modules.get("__main__"), "__file__", None)
         if copy_script and script and os.path.isfile(script):
             shutil.copy2(script, os.path.join(self.path, os.path.basename(script)))

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from aitoolbox.experiment.local_save.atomic import atomic_write, atomic_write_text
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
 from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
+from aitoolbox.experiment.redaction import redact_hyperparams
 
 # Besides its own names, ``import *`` gives what it gave in aitoolbox 1.x, whose modules had no __all__ (1.x
 # scripts and tests use e.g. ``os`` and ``datetime`` after ``from <module> import *``).
@@ -54,6 +55,13 @@ def json_ready(value: Any) -> Any:
     if callable(tolist):
         return json_ready(tolist())
     return str(value)
+
+
+def written_hyperparameters(result_package: Any) -> Optional[dict]:
+    """The package's hyperparameters as the results files hold them: secrets redacted (see
+    :mod:`aitoolbox.experiment.redaction`), None when it has none."""
+    hyperparameters = result_package.get_hyperparameters()
+    return None if hyperparameters is None else redact_hyperparams(hyperparameters)
 
 
 def history_dict(training_history: Any) -> Dict[str, Any]:
@@ -258,7 +266,7 @@ class LocalResultsSaver(AbstractLocalResultsSaver, BaseLocalResultsSaver):
         experiment_timestamp, results_path, extra_paths = self._prepare(
             result_package, training_history, project_name, experiment_name, experiment_timestamp)
         content = {"experiment_name": experiment_name, "experiment_results_local_path": results_path,
-                   "results": result_package.get_results(), "hyperparameters": result_package.get_hyperparameters(),
+                   "results": result_package.get_results(), "hyperparameters": written_hyperparameters(result_package),
                    "training_history": history_dict(training_history)}
         if save_true_pred_labels:
             content.update(y_true=result_package.y_true, y_predicted=result_package.y_predicted)
@@ -290,7 +298,7 @@ class LocalResultsSaver(AbstractLocalResultsSaver, BaseLocalResultsSaver):
             result_package, training_history, project_name, experiment_name, experiment_timestamp)
         header = {"experiment_name": experiment_name, "experiment_results_local_path": results_path}
         files = [("results", {"results": result_package.get_results()}),
-                 ("hyperparams", {"hyperparameters": result_package.get_hyperparameters()}),
+                 ("hyperparams", {"hyperparameters": written_hyperparameters(result_package)}),
                  ("train_history", {"training_history": history_dict(training_history)})]
         if save_true_pred_labels:
             files.append(("true_pred_labels", {"y_true": result_package.y_true,

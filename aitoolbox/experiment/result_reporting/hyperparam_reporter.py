@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.utils.file_system import zip_folder
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class HyperParamSourceReporter:
         self.local_hyperparams_file_path = os.path.join(self.experiment_dir_path, self.file_name)
 
     def save_hyperparams_to_text_file(self, hyperparams: Mapping[str, Any], sort_names: bool = False) -> str:
-        """Write one ``name:<TAB>value`` line per hyperparameter into ``hyperparams_list.txt``.
+        """Write one ``name:<TAB>value`` line per hyperparameter into ``hyperparams_list.txt``, secrets redacted
+        (see :mod:`aitoolbox.experiment.redaction`).
 
         Args:
             hyperparams: the hyperparameters (not modified).
@@ -47,8 +49,9 @@ class HyperParamSourceReporter:
         Returns:
             The written file's path.
         """
-        names = sorted(hyperparams) if sort_names else list(hyperparams)
-        text = "".join(f"{name}:\t{hyperparams[name]}\n" for name in names)
+        written = redact_hyperparams(hyperparams)
+        names = sorted(written) if sort_names else list(written)
+        text = "".join(f"{name}:\t{written[name]}\n" for name in names)
         atomic_write_text(self.local_hyperparams_file_path, text)
         return self.local_hyperparams_file_path
 

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from aitoolbox.experiment.local_save.checkpoints import save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ class CheckpointCallback(AbstractExperimentCallback):
         if self.hyperparams and self.experiment_folder.hyperparams is None:
             # A folder of the callback's own: write the hyperparameters when the first checkpoint creates it.
             self.experiment_folder.hyperparams = self.hyperparams
+
+    def saved_hyperparams(self) -> dict:
+        """The hyperparameters as checkpoints store them: secrets redacted (see
+        :mod:`aitoolbox.experiment.redaction`); :attr:`hyperparams` keeps the real values."""
+        return redact_hyperparams(self.hyperparams)
 
     @property
     def saves_shards(self) -> bool:
@@ -152,7 +158,7 @@ class CheckpointCallback(AbstractExperimentCallback):
         tl = self.train_loop_obj
         if self.saves_shards:
             return self._save_shards(mid_epoch, folder, file_name, after_save)
-        checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.hyperparams)
+        checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.saved_hyperparams())
         if not self.is_main_process:
             return None
         return self._save(checkpoint, folder, file_name, after_save)
@@ -175,8 +181,8 @@ class CheckpointCallback(AbstractExperimentCallback):
             raise OSError(error)
         self.wait_for_pending_save()  # one save in flight at a time, in every process
         try:
-            handle = tl.save_sharded_checkpoint(path, mid_epoch, self.hyperparams, async_save=self.background_save,
-                                                process_group=self._save_group)
+            handle = tl.save_sharded_checkpoint(path, mid_epoch, self.saved_hyperparams(),
+                                                async_save=self.background_save, process_group=self._save_group)
         except OSError as os_error:
             raise self._save_error(os_error, path) from os_error
         run_after = after_save if self.is_main_process else None

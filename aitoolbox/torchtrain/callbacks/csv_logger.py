@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.tracking_base import (
     PER_OPTIMIZER_STEP, BatchRecord, TrackingCallback, check_log_dir)
 
@@ -282,7 +283,7 @@ class CSVLogger(TrackingCallback):
 
     def write_hyperparams(self, hyperparams: dict) -> None:
         experiment = self.experiment_folder.path if self.has_experiment_folder else None
-        self._update_info(hyperparams=hyperparams or {}, experiment_folder=experiment)
+        self._update_info(hyperparams=redact_hyperparams(hyperparams), experiment_folder=experiment)
 
     def write_batch(self, record: BatchRecord) -> None:
         single = list(record.losses) == ["loss"]

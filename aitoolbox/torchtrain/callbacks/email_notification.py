@@ -5,6 +5,7 @@ import numbers
 import os
 from typing import Any, List, Optional
 
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, MissingExperimentDetailsError
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
 
@@ -116,7 +117,7 @@ class EmailNotification(AbstractCallback):
 
     def get_hyperparams_html(self) -> str:
         """An HTML list of the TrainLoop's hyperparameters, or ``'Not given'`` when it has none."""
-        hyperparams = getattr(self.train_loop_obj, "hyperparams", None)
+        hyperparams = redact_hyperparams(getattr(self.train_loop_obj, "hyperparams", None))  # no secret in an e-mail
         if not hyperparams:
             return "Not given"
         items = [f"<li><p>{html.escape(str(name))}: {_html_value(value)}</p></li>"

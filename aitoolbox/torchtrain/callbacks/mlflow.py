@@ -10,6 +10,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class MLflowTracking(TrackingCallback):
 
     def write_hyperparams(self, hyperparams: dict) -> None:
         from mlflow.entities import Param
-        params = flatten_params(hyperparams or {})
+        params = flatten_params(redact_hyperparams(hyperparams))  # secrets never leave the machine
         for key, value in params.items():
             if len(value) > MAX_PARAM_VALUE_LENGTH:
                 logger.warning("MLflowTracking: hyperparameter %r is %d characters long; MLflow keeps %d, the rest is "

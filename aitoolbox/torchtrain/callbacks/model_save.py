@@ -27,7 +27,7 @@ class ModelCheckpoint(CheckpointCallback):
 
     Args:
         project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
-        hyperparams: stored in each checkpoint.
+        hyperparams: stored in each checkpoint, with secrets redacted (see :mod:`aitoolbox.experiment.redaction`).
         cloud_save_mode: also upload each checkpoint to a bucket, once it is complete on the local disk, in the
             background: ``'s3'`` / ``'aws_s3'`` / ``'aws'`` or ``'gcs'`` / ``'google_storage'`` /
             ``'google storage'``; None / ``'local'``: local files only. With all three cloud arguments None the
@@ -209,7 +209,8 @@ class ModelTrainEndSave(CheckpointCallback):
 
     Args:
         project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
-        hyperparams: written to ``hyperparams_list.txt`` / ``hyperparams.json`` and into the checkpoint.
+        hyperparams: written to ``hyperparams_list.txt`` / ``hyperparams.json``, into the checkpoint and into the
+            result packages, with secrets redacted (see :mod:`aitoolbox.experiment.redaction`).
         val_result_package: evaluated on the validation set, or None.
         test_result_package: evaluated on the test set, or None.
         cloud_save_mode, bucket_name, cloud_dir_prefix: also upload the final model, the results and the
@@ -262,11 +263,11 @@ class ModelTrainEndSave(CheckpointCallback):
                 metadata["loss"] = evaluate_loss(float_dict_format=True)
             if package.pkg_name is not None and not package.pkg_name.endswith(suffix):
                 package.pkg_name += suffix
-            results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.hyperparams,
+            results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.saved_hyperparams(),
                                                            additional_results=metadata,
                                                            training_history=tl.train_history).get_results()
         self.results = results
-        checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.hyperparams)
+        checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.saved_hyperparams())
         if not self.is_main_process:
             return
         folder = self.experiment_folder

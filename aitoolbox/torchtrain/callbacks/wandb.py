@@ -8,8 +8,9 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from aitoolbox.experiment.redaction import is_credentials_file, redact_hyperparams
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback, check_log_dir
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ def epoch_metric_key(metric_name: str) -> str:
     return f"loss_at_epoch_end/{metric_name}" if "loss" in metric_name else f"metrics/{metric_name}"
 
 
+def is_python_source(path: str) -> bool:
+    """The default ``include_fn`` of :class:`WandBTracking`'s code upload: Python source files (``*.py``)."""
+    return path.endswith(".py")
+
+
 def _artifact_name(path: str) -> str:
     # W&B artifact names may hold letters, digits, '-', '_' and '.'.
     return re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(os.path.normpath(path))) or "source"
@@ -69,8 +75,12 @@ class WandBTracking(TrackingCallback):
     - at each epoch end: ``epoch`` and the history metrics that got a new value, as
       ``loss_at_epoch_end/<name>`` (names containing "loss") or ``metrics/<name>``; then the ``alerts`` are
       checked;
-    - the hyperparameters as the run's config; the final model's path (when ``ModelTrainEndSave`` or an
-      EndSave preset saved one) as the summary value ``final_model_path``.
+    - the hyperparameters as the run's config, with secrets redacted (see :mod:`aitoolbox.experiment.redaction`);
+      the final model's path (when ``ModelTrainEndSave`` or an EndSave preset saved one) as the summary value
+      ``final_model_path``;
+    - the source code in ``source_dirs`` as code artifacts: the files ``include_fn`` accepts (``*.py`` by
+      default), never files that hold credentials by their name (``.env``, ``credentials.json``, ``*.pem``...,
+      see :func:`~aitoolbox.experiment.redaction.is_credentials_file`), whatever ``include_fn`` says.
 
     The run is started when training starts (aitoolbox 1.x started it at registration), in the main process
     only, so neither ``fit_distributed``'s other ranks nor its launching process open one. It is finished
@@ -94,7 +104,13 @@ class WandBTracking(TrackingCallback):
         wandb_pre_initialized: log into the run you started with ``wandb.init()`` before training.
         source_dirs: source folders (or files) stored with the run as code artifacts. Left empty with
             ``is_project=True``, the experiment-tracking TrainLoop's ``source_dirs`` and the script in its
-            hyperparameters' ``experiment_file_path`` are stored, where there are any.
+            hyperparameters' ``experiment_file_path`` are stored, where there are any. A file named here is
+            stored only when ``include_fn`` accepts it.
+        include_fn: which files of ``source_dirs`` are stored: called with each file's absolute path, True
+            stores it; None stores Python files (``*.py``). Files that hold credentials by their name (``.env``,
+            ``credentials.json``, ``*.pem``...) are never stored. For example ``lambda path:
+            path.endswith((".py", ".yaml"))`` adds configuration files; with ``fit_distributed`` starting fresh
+            processes (spawn) it must be a module-level function, which can be sent to them.
         log_dir: the folder wandb writes its local files in (it adds a ``wandb/`` sub-folder). With
             ``is_project=True``, None is the experiment's run folder and a relative path lies inside it; an
             absolute path is used as it is. With ``is_project=False``, None leaves wandb's default (``WANDB_DIR``
@@ -119,7 +135,8 @@ class WandBTracking(TrackingCallback):
                  alerts: Optional[List[AlertConfig]] = None, wandb_pre_initialized: bool = False,
                  source_dirs: Sequence[str] = (), log_dir: Optional[str] = None, is_project: bool = True,
                  project_name: Optional[str] = None, experiment_name: Optional[str] = None,
-                 local_model_result_folder_path: Optional[str] = None, **kwargs):
+                 local_model_result_folder_path: Optional[str] = None,
+                 include_fn: Optional[Callable[[str], bool]] = None, **kwargs):
         super().__init__("WeightsAndBiases Experiment Tracking", metric_names, batch_log_frequency, hyperparams,
                          project_name, experiment_name, local_model_result_folder_path)
         if tags is not None and (isinstance(tags, str) or not all(isinstance(tag, str) for tag in tags)):
@@ -136,6 +153,10 @@ class WandBTracking(TrackingCallback):
         if missing:
             raise ValueError(f"source_dirs holds paths that do not exist: {missing}")
         self.source_dirs = [os.path.abspath(os.path.expanduser(os.fspath(path))) for path in source_dirs]
+        if include_fn is not None and not callable(include_fn):
+            raise TypeError(f"include_fn must be a function of a file path returning True for the files to store "
+                            f"(or None for *.py files), got {include_fn!r}")
+        self.include_fn = include_fn
         self.log_dir = check_log_dir(log_dir, is_project)
         self.is_project = is_project
         self.wandb_params_kwargs = kwargs  # aitoolbox 1.x's name
@@ -205,12 +226,24 @@ class WandBTracking(TrackingCallback):
             for path in self.source_dirs:
                 self._log_code(path)
 
+    def uploads_as_code(self, path: str) -> bool:
+        """True when the file ``path`` goes into the code artifacts: ``include_fn`` (``*.py`` by default)
+        accepts it and its name does not say it holds credentials."""
+        path = os.path.abspath(path)
+        if is_credentials_file(path):
+            return False
+        return bool((self.include_fn or is_python_source)(path))
+
     def _log_code(self, path: str) -> None:
         if os.path.isdir(path):
-            self.run.log_code(path, name=_artifact_name(path), include_fn=lambda _path: True)
-        else:  # a single file: its folder, filtered to the file
+            self.run.log_code(path, name=_artifact_name(path), include_fn=self.uploads_as_code)
+        elif self.uploads_as_code(path):  # a single file: its folder, filtered to the file
             self.run.log_code(os.path.dirname(path), name=_artifact_name(path),
                               include_fn=lambda candidate: os.path.abspath(candidate) == path)
+        else:
+            logger.warning("WandBTracking: not storing %s as code: %s", path,
+                           "its name says it holds credentials" if is_credentials_file(path)
+                           else "include_fn refuses it")
 
     def end_run(self, exception: Optional[BaseException]) -> None:
         run, self.run = self.run, None
@@ -220,7 +253,7 @@ class WandBTracking(TrackingCallback):
     # --- what is logged ---------------------------------------------------------------------------------------
     def write_hyperparams(self, hyperparams: dict) -> None:
         if hyperparams:
-            self.run.config.update(hyperparams, allow_val_change=True)
+            self.run.config.update(redact_hyperparams(hyperparams), allow_val_change=True)
 
     def write_batch(self, record: BatchRecord) -> None:
         values = {}

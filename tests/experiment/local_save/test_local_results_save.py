@@ -174,3 +174,18 @@ def test_saving_twice_into_one_run_keeps_the_folder_and_replaces_the_file(tmp_pa
     second = saver.save_experiment_results(evaluated_package(), {"loss": [1.0]}, "proj", "exp", "ts")[0][1]
     assert first == second and os.path.exists(other)
     assert read_json(second)["training_history"] == {"loss": [1.0]}
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_secrets_in_the_hyperparameters_are_redacted_in_the_files(tmp_path, separate):
+    package = ClassificationResultPackage()
+    hyperparameters = {"lr": 0.01, "hf_token": "hf_s3cr3t_v4lue", "db": {"password": "pw-71x"}}
+    package.prepare_result_package(np.array([0, 1]), np.array([0, 1]), hyperparameters=hyperparameters)
+    saver = LocalResultsSaver(str(tmp_path))
+    save = saver.save_experiment_results_separate_files if separate else saver.save_experiment_results
+    saved = save(package, {"loss": [0.5]}, "proj", "exp", "ts")
+    written = [open(path, encoding="utf-8").read() for _, path in saved]
+    assert not [text for text in written if "hf_s3cr3t_v4lue" in text or "pw-71x" in text]
+    [content] = [read_json(path) for _, path in saved if "hyperparameters" in read_json(path)]
+    assert content["hyperparameters"] == {"lr": 0.01, "hf_token": "<redacted>", "db": {"password": "<redacted>"}}
+    assert package.get_hyperparameters()["hf_token"] == "hf_s3cr3t_v4lue"  # the package keeps them

@@ -38,6 +38,13 @@ def test_hyperparams_text_file_in_dict_or_sorted_order(reporter):
     assert params == {"lr": 0.001, "batch_size": 32, "path": "a/b"}
 
 
+def test_hyperparams_text_file_holds_no_secret(reporter):
+    params = {"lr": 0.001, "wandb_api_key": "k-93f0e1", "db": {"password": "pw-71x"}}
+    with open(reporter.save_hyperparams_to_text_file(params)) as f:
+        assert f.read() == "lr:\t0.001\nwandb_api_key:\t<redacted>\ndb:\t{'password': '<redacted>'}\n"
+    assert params["wandb_api_key"] == "k-93f0e1" and params["db"]["password"] == "pw-71x"
+
+
 def test_experiment_script_is_copied_or_skipped_with_a_warning(tmp_path, reporter, warnings_log):
     script = tmp_path / "train.py"
     script.write_text("print('train')\n")

@@ -1,0 +1,117 @@
+"""The redaction rules: which hyperparameter values count as secret, and what the redacted copy keeps."""
+import argparse
+import collections
+import copy
+import dataclasses
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from aitoolbox.experiment.redaction import (
+    REDACTED, Secret, is_credentials_file, is_secret_key, key_words, redact_hyperparams)
+
+
+@pytest.mark.parametrize("name", ["api_key", "apiKey", "APIKey", "API_KEY", "x-api-key", "apikey", "hfToken",
+                                  "hf_token", "access_tokens", "AWS_SECRET_ACCESS_KEY", "client.secret",
+                                  "db_password", "DB PASSWORD", "passwd", "credentials", "gcpCredential",
+                                  "Authorization", "key", "Token", "key2", "ssh_passphrase"])
+def test_keys_that_look_secret(name):
+    assert is_secret_key(name)
+
+
+@pytest.mark.parametrize("name", ["monkey", "keyboard", "hockey_team", "tokenizer", "tokenization", "passage_len",
+                                  "secretary", "lr", "learning_rate", "author", "keystone", "passport", 3, None])
+def test_keys_that_do_not(name):
+    assert not is_secret_key(name)
+
+
+def test_key_words_split_at_separators_and_camel_case():
+    assert key_words("AWS_SECRET_ACCESS_KEY") == ["aws", "secret", "access", "key"]
+    assert key_words("hfToken") == ["hf", "token"]
+    assert key_words("APIKey2") == ["api", "key", "2"]
+    assert key_words("optimizer.lr-max") == ["optimizer", "lr", "max"]
+
+
+def test_secret_values_are_replaced_and_the_rest_kept():
+    hyperparams = {"lr": 0.1, "api_key": "sk-1", "monkey": "george", "password": 123456,
+                   "aws": {"region": "eu-west-1", "secret_access_key": "abc"},
+                   "credentials": {"user": "me", "pw": "x"}, "stages": [{"token": "t1"}, {"depth": 3}],
+                   "pair": ("a", {"key": "k"}), "db": Secret("postgresql://u:pw@h/db")}
+    assert redact_hyperparams(hyperparams) == {
+        "lr": 0.1, "api_key": REDACTED, "monkey": "george", "password": REDACTED,
+        "aws": {"region": "eu-west-1", "secret_access_key": REDACTED},
+        "credentials": REDACTED,  # everything under a secret key
+        "stages": [{"token": REDACTED}, {"depth": 3}], "pair": ("a", {"key": REDACTED}), "db": REDACTED}
+
+
+def test_model_sizes_named_token_or_key_are_kept():
+    hyperparams = {"max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64],
+                   "token": {"max": 4}, "eos_token": "</s>", "api_key": 12345, "secret_seed": 7,
+                   "use_password": True, "hf_token": None, "access_token": "", "num_tokens": np.int64(7)}
+    assert redact_hyperparams(hyperparams) == {
+        "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": {"max": 4},
+        "eos_token": REDACTED, "api_key": 12345, "secret_seed": REDACTED,
+        "use_password": True, "hf_token": None, "access_token": "", "num_tokens": 7}
+
+
+def test_the_given_dict_is_not_changed_and_the_copy_is_new():
+    hyperparams = {"nested": {"token": "t", "sizes": [1, 2]}, "tags": ["a"]}
+    given = copy.deepcopy(hyperparams)
+    redacted = redact_hyperparams(hyperparams)
+    assert hyperparams == given
+    assert redacted["tags"] == ["a"] and redacted["tags"] is not hyperparams["tags"]
+    assert redacted["nested"]["sizes"] is not hyperparams["nested"]["sizes"]
+    assert redact_hyperparams(None) == {}
+
+
+def test_namespaces_dataclasses_and_namedtuples_are_searched():
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        hub_token: str
+        lr: float
+
+    Pair = collections.namedtuple("Pair", "name password")
+    args = argparse.Namespace(access_token="t", depth=3)
+    config = Config("hf_abc", 0.1)
+    redacted = redact_hyperparams({"args": args, "config": config, "pair": Pair("me", "pw"), "plain": Config})
+    assert vars(redacted["args"]) == {"access_token": REDACTED, "depth": 3} and args.access_token == "t"
+    assert redacted["config"] == Config(REDACTED, 0.1) and config.hub_token == "hf_abc"
+    assert redacted["pair"] == Pair("me", REDACTED)
+    assert redacted["plain"] is Config
+
+
+def test_secret_hides_its_value_in_text_and_keeps_it_for_code():
+    secret = Secret("pw-123")
+    assert secret.get_secret_value() == "pw-123"
+    assert "pw-123" not in str(secret) + repr(secret) + json.dumps({"s": secret}, default=repr)
+    assert f"{secret}" == REDACTED and Secret(secret) == secret and len({secret, Secret("pw-123")}) == 1
+    assert pickle.loads(pickle.dumps(secret)).get_secret_value() == "pw-123"  # travels to training processes
+    assert copy.deepcopy(secret).get_secret_value() == "pw-123"
+
+
+def test_objects_with_get_secret_value_count_as_secrets():
+    class PydanticLike:  # pydantic's SecretStr has this method
+        def get_secret_value(self):
+            return "s"
+
+    assert redact_hyperparams({"url": PydanticLike()}) == {"url": REDACTED}
+
+
+def test_not_a_mapping_is_refused():
+    with pytest.raises(TypeError, match="hyperparams must be a dict"):
+        redact_hyperparams(["lr", 0.1])
+
+
+@pytest.mark.parametrize("path", [".env", "conf/.env.local", "prod.env", "credentials.json", "client_secret.json",
+                                  "token.pickle", "api_key.txt", "server.pem", "tls.key", "id_rsa", "id_ed25519.pub",
+                                  ".netrc", ".git-credentials", "secrets.py", "db_passwords.py", "cert.p12"])
+def test_credentials_files(path):
+    assert is_credentials_file(path)
+
+
+@pytest.mark.parametrize("path", ["train.py", "token_classification.py", "keys.py", "tokenizer.json",
+                                  "requirements.txt", "config.yaml", "monkey.py", "README.md"])
+def test_files_that_are_not_credentials(path):
+    assert not is_credentials_file(path)
