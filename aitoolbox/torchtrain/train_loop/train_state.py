@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
@@ -185,7 +186,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         SCHEDULERS_KEY: [weights_only_safe(scheduler.state_dict()) for scheduler in tl.get_schedulers()],
         "epoch": tl.epoch,
         "iteration_idx": tl.total_iteration_idx,
-        "hyperparams": json_safe(hyperparams or {}),
+        "hyperparams": json_safe(redact_hyperparams(hyperparams or {})),  # never a secret in a file
         # What a bitwise continuation needs besides.
         "format_version": FORMAT_VERSION,
         "precision": tl.precision.state_dict(),

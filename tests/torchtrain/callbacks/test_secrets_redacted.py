@@ -83,6 +83,17 @@ def test_run_folder_files_checkpoints_and_run_info_hold_no_secret(tmp_path):
     assert tl.hyperparams["api_key"] == API_KEY and own_checkpoints.hyperparams["database"]["password"] == DB_PASSWORD
 
 
+def test_a_checkpoint_the_user_takes_directly_holds_no_secret(tmp_path):
+    # Not through a checkpoint callback: tl.checkpoint_state(hyperparams=...) in a script of one's own.
+    hyperparams = secret_hyperparams()
+    tl = make_train_loop()
+    tl.fit(num_epochs=1)
+    torch.save(tl.checkpoint_state(hyperparams=hyperparams), tmp_path / "mine.pth")
+    assert files_holding_secrets(tmp_path) == []
+    assert_redacted(torch.load(tmp_path / "mine.pth", weights_only=True)["hyperparams"])
+    assert hyperparams["api_key"] == API_KEY
+
+
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_sharded_checkpoints_hold_no_secret(tmp_path):
     from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint, read_sharded_checkpoint_state
