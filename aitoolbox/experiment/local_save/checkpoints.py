@@ -237,6 +237,13 @@ def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_alwa
 RANKING_FILE_NAME = ".aitoolbox-checkpoint-ranking.json"
 
 
+def _is_checkpoint_name(name: str) -> bool:
+    """A checkpoint file's or sharded checkpoint folder's name, without any path part."""
+    if os.sep in name or (os.altsep and os.altsep in name) or "/" in name:
+        return False
+    return checkpoint_position(name) is not None or checkpoint_position(f"{name}.pth") is not None
+
+
 def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> str:
     """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``; returns the
     record's path."""
@@ -256,8 +263,9 @@ def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]
     try:
         with open(path, encoding="utf-8") as handle:
             record = json.load(handle)
+        # Only checkpoint names directly inside the folder: pruning deletes what the record names.
         entries = [(float(score), os.path.join(folder, name)) for score, name in record["checkpoints"]
-                   if isinstance(name, str) and os.sep not in name]
+                   if isinstance(name, str) and _is_checkpoint_name(name)]
         recorded_metric = record["metric"]
     except (OSError, ValueError, TypeError, KeyError) as error:
         logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,

@@ -9,6 +9,7 @@ from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, SCHEDULERS_KEY, checkpoint_position, list_checkpoints, load_checkpoint_file,
     upgrade_checkpoint_format)
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
+from aitoolbox.experiment.local_save.names import check_name
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
 from aitoolbox.torchtrain.callbacks.abstract import _CLOUD_ARGUMENTS, _FOLDER_ARGUMENTS, AbstractCallback
 from aitoolbox.torchtrain.callbacks.cloud_upload import (
@@ -156,6 +157,8 @@ class ModelLoadContinueTraining(AbstractCallback):
             raise ValueError(f"ModelLoadContinueTraining does not know {', '.join(missing)}: pass them to the "
                              "callback, use it with TrainLoopCheckpoint / TrainLoopEndSave / "
                              "TrainLoopCheckpointEndSave, or pass saved_model_path")
+        for name in ("project_name", "experiment_name", "saved_experiment_timestamp", "saved_model_dir"):
+            check_name(getattr(self, name), name)  # they name folders (and keys) the checkpoint is read from
 
     def _cloud_destination(self) -> Optional[CloudDestination]:
         """The bucket of the callback's cloud arguments or, when all three are None, the TrainLoop's."""
