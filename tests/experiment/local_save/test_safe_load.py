@@ -5,6 +5,7 @@ run: the marker file it would create never appears), with an error naming the fi
 opt-in ``weights_only=False``. aitoolbox 1.8's checkpoints, numpy values and all, keep loading by default.
 """
 import io
+import logging
 import os
 import pickle
 import zipfile
@@ -109,12 +110,14 @@ def assert_refused(error_info, path, marker):
     assert not marker.exists()
 
 
-def test_an_18_checkpoint_with_numpy_hyperparameters_loads_by_default_without_a_warning(tmp_path, caplog):
+def test_an_18_checkpoint_with_numpy_hyperparameters_loads_by_default_without_a_warning(tmp_path, caplog,
+                                                                                       monkeypatch):
     path = os.path.join(run_folder(tmp_path), f"model_{EXPERIMENT}_{TIMESTAMP}_E1.pth")
     saved = saved_like_18(path, numpy_hyperparams())
-    with caplog.at_level("WARNING", logger="aitoolbox"):
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="aitoolbox"):
         loaded = load_checkpoint_file(path)
-    assert not caplog.records
+    assert not caplog.records  # no fallback to full unpickling
     assert loaded.keys() == saved.keys()
     hyperparams = loaded["hyperparams"]
     assert hyperparams["lr"] == pytest.approx(0.01) and isinstance(hyperparams["lr"], np.float64)
