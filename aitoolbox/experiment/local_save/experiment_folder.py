@@ -122,7 +122,7 @@ class ExperimentFolder:
             raise ValueError(f"local_model_result_folder_path must be a non-empty string, got {root!r}")
         check_name(project_name, "project_name")
         check_name(experiment_name, "experiment_name")
-        if timestamp is not None:
+        if timestamp:  # None or '' take the current time
             check_name(timestamp, "timestamp")
         self.root = os.path.abspath(os.path.expanduser(root))
         self.project_name = project_name
