@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import datetime
 import logging
+import os
 import pathlib
 import pickle
 import re
@@ -77,12 +78,16 @@ class UntrustedCheckpointError(pickle.UnpicklingError, RuntimeError):
     def __init__(self, path: str, refused: Sequence[str], detail: str = ""):
         self.path = path
         self.refused = list(refused)
+        self.detail = detail
         what = f"objects of {', '.join(self.refused)}" if self.refused else f"objects torch refuses ({detail})"
         super().__init__(
             f"refusing to load {path}: it holds {what}, which only full unpickling can build, and full unpickling "
             "runs whatever code the file names. Nothing from the file was run. If you trust this file (you wrote "
             "it yourself, e.g. with aitoolbox 1.x and custom objects in the hyperparameters), load it with "
             "weights_only=False; only for files you trust")
+
+    def __reduce__(self) -> Any:  # DCP sends a process's error to the others pickled
+        return type(self), (self.path, self.refused, self.detail)
 
 
 class _ScopedSafeGlobals:
@@ -168,3 +173,98 @@ def load_torch_file(path: str, map_location: Any = "cpu", weights_only: bool = T
                 raise
             raise UntrustedCheckpointError(path, _refused_globals(path, cause),
                                            str(cause).strip().splitlines()[-1]) from cause
+
+
+# What torch's DCP pickles into a sharded checkpoint's ``.metadata`` (its index of tensors and where their pieces
+# are): dataclasses and an enum of torch.distributed.checkpoint, torch sizes, dtypes and layouts, paths.
+_DCP_METADATA_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
+    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"),
+       ("builtins", "frozenset"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+       ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"),
+       ("pathlib._local", "PurePosixPath")])
+DCP_METADATA_FILE = ".metadata"
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Builds only the types of :data:`_DCP_METADATA_GLOBALS` (and torch dtypes); refuses every other global."""
+
+    def __init__(self, handle: Any, path: str):
+        super().__init__(handle)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS \
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UntrustedCheckpointError(self._path, [f"{module}.{name}"])
+
+
+def check_dcp_metadata(folder: str) -> None:
+    """Refuse a sharded checkpoint folder whose DCP index (``.metadata``) holds other objects than DCP's own.
+
+    torch's DCP reads that file with full unpickling; it is read here first, building only DCP's metadata types,
+    so that a planted index is refused before DCP runs anything from it.
+
+    Raises:
+        UntrustedCheckpointError: the index names another global; nothing from it was run.
+        FileNotFoundError: the folder has no ``.metadata``.
+        RuntimeError: the index is truncated or not a pickle.
+    """
+    path = os.path.join(folder, DCP_METADATA_FILE)
+    with open(path, "rb") as handle:
+        try:
+            _DCPMetadataUnpickler(handle, path).load()
+        except UntrustedCheckpointError:
+            raise
+        except Exception as error:
+            raise RuntimeError(f"cannot read checkpoint index {path}: it is truncated or not DCP's metadata "
+                               f"({type(error).__name__}: {error})") from error
+
+
+def weights_only_load_planner(folder: str) -> Any:
+    """A DCP load planner that reads the non-tensor entries of the sharded checkpoint ``folder`` with
+    ``weights_only=True``.
+
+    DCP's default planner unpickles them fully (``torch.load(weights_only=False)``). Each entry is first read with
+    the same rules as a checkpoint file (:func:`load_torch_file`); only an entry that passes is handed on to
+    the default planner, which then builds the same plain objects and puts them in place.
+
+    Raises (from ``dcp.load``):
+        UntrustedCheckpointError: an entry holds other objects; nothing from it was run.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            where = f"{folder} (its entry {read_item.dest_index.fqn!r})"
+            with checkpoint_types_allowed():
+                try:
+                    torch.load(value, weights_only=True)
+                except pickle.UnpicklingError as error:
+                    if not is_weights_only_refusal(error):
+                        raise
+                    raise UntrustedCheckpointError(where, sorted(set(_TORCH_REFUSAL.findall(str(error)))),
+                                                   str(error).strip().splitlines()[-1]) from error
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return WeightsOnlyLoadPlanner()
+
+
+@contextlib.contextmanager
+def dcp_refusals_raised() -> Iterator[None]:
+    """Raise an :class:`UntrustedCheckpointError` that DCP wrapped into its ``CheckpointException`` as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        for failure in error.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, UntrustedCheckpointError):
+                raise cause from error
+        raise

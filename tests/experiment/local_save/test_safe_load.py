@@ -200,3 +200,52 @@ def test_auto_resume_meeting_a_refused_file_stops_with_that_error(planted, tmp_p
     assert_refused(refused, path, marker)
     # No new run was started beside the one it was to continue.
     assert os.listdir(os.path.join(root, PROJECT)) == [f"{EXPERIMENT}_{TIMESTAMP}"]
+
+
+# --- sharded (DCP) checkpoints: torch's DCP would unpickle their index and non-tensor entries fully --------------
+def sharded_checkpoint(tmp_path, lr=0.01):
+    from aitoolbox.experiment.local_save.sharded_checkpoints import save_sharded_checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = lr
+    folder = str(tmp_path / "checkpoint_model" / f"model_{EXPERIMENT}_{TIMESTAMP}_E1")
+    save_sharded_checkpoint(folder, model, optimizer, {"epoch": 1}).wait()
+    optimizer.param_groups[0]["lr"] = 0.01
+    return folder, model, optimizer
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_sharded_checkpoint_with_a_planted_index_is_refused(tmp_path):
+    from aitoolbox.experiment.local_save.sharded_checkpoints import (
+        load_sharded_checkpoint, read_full_model_state_dict)
+
+    folder, model, optimizer = sharded_checkpoint(tmp_path)
+    restored = nn.Linear(3, 2)
+    load_sharded_checkpoint(folder, restored, torch.optim.Adam(restored.parameters(), lr=0.01))  # loads as it is
+    assert torch.equal(restored.weight, model.weight)
+    marker = tmp_path / "code-was-run"
+    with open(os.path.join(folder, ".metadata"), "wb") as handle:
+        pickle.dump(PlantedPayload(str(marker)), handle)
+    with pytest.raises(UntrustedCheckpointError, match="posix.system") as refused:
+        read_full_model_state_dict(folder)
+    assert ".metadata" in str(refused.value)
+    with pytest.raises(UntrustedCheckpointError, match="posix.system"):
+        load_sharded_checkpoint(folder, restored, torch.optim.Adam(restored.parameters(), lr=0.01))
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_a_sharded_checkpoint_with_a_planted_entry_is_refused(tmp_path):
+    from aitoolbox.experiment.local_save.sharded_checkpoints import load_sharded_checkpoint
+
+    marker = tmp_path / "code-was-run"
+    folder, _, _ = sharded_checkpoint(tmp_path, lr=PlantedPayload(str(marker)))  # pickled into a .distcp file
+    restored = nn.Linear(3, 2)
+    with pytest.raises(UntrustedCheckpointError, match="posix.system") as refused:
+        load_sharded_checkpoint(folder, restored, torch.optim.Adam(restored.parameters(), lr=0.01))
+    assert folder in str(refused.value) and "lr" in str(refused.value)
+    assert not marker.exists()
