@@ -38,8 +38,8 @@ class ModelLoaderMixin:
                             f"got {type(self.local_model_loader).__name__}")
 
     def load_model(self, project_name: str, experiment_name: str, experiment_timestamp: str,
-                   model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None, *, weights_only: bool = True,
-                   **kwargs: Any) -> Any:
+                   model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None, *,
+                   weights_only: bool = True, **kwargs: Any) -> Any:
         """Download the saved model (unless it is already local) and load it with the local loader.
 
         The model is ``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/<model_save_dir>/`` +

@@ -71,7 +71,8 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
 
     def load_model(self, project_name: str, experiment_name: str, experiment_timestamp: str,
                    model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None,
-                   map_location: Any = None, iteration_idx: Optional[int] = None, *, weights_only: bool = True) -> dict:
+                   map_location: Any = None, iteration_idx: Optional[int] = None, *,
+                   weights_only: bool = True) -> dict:
         """Load ``<root>/<project>/<experiment>_<timestamp>/<model_save_dir>/model_<...>[_E<epoch_num>].pth``.
 
         Args:

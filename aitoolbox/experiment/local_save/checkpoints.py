@@ -12,7 +12,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, atomic_write_text, torch_save_atomic
-from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError, load_torch_file  # noqa: F401 (callers catch it here)
+# UntrustedCheckpointError is imported for the callers of load_checkpoint_file, which raises it.
+from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError, load_torch_file  # noqa: F401
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
     is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
 

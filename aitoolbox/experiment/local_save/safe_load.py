@@ -12,6 +12,11 @@ allowed here (:data:`CHECKPOINT_SAFE_TYPES`) while a checkpoint is read, and onl
 code taken from the file. A file that holds anything else is refused with :class:`UntrustedCheckpointError`,
 which names the file and the refused types. Loading such a file anyway takes ``weights_only=False`` on the
 loading call, which is meant only for files you trust (your own experiments): it runs whatever the file says.
+
+Sharded checkpoints are folders written by torch's DCP, which unpickles two things fully when it loads: its
+index ``.metadata`` and the non-tensor entries of the ``.distcp`` files. :func:`check_dcp_metadata` reads the
+index first building only DCP's own metadata types, and :func:`weights_only_load_planner` reads each entry with
+the rules above before DCP does.
 """
 import argparse
 import contextlib

@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import pickle
+import threading
 import zipfile
 
 import numpy as np
@@ -141,6 +142,33 @@ def test_the_allowed_types_are_allowed_only_while_a_checkpoint_loads(tmp_path):
     assert torch.serialization.get_safe_globals() == before
     with pytest.raises(pickle.UnpicklingError):  # the user's own torch.load is as strict as torch makes it
         torch.load(path, weights_only=True)
+
+
+def test_loads_in_several_threads_share_the_allowed_types_and_leave_the_users_own(tmp_path):
+    path = str(tmp_path / "numpy.pth")
+    torch.save({"lr": np.float64(0.1), "sizes": np.arange(3)}, path)
+    errors = []
+
+    def load_many():
+        try:
+            for _ in range(20):
+                assert load_torch_file(path)["lr"] == 0.1
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals([np.dtype])  # the user's own, before any load
+    try:
+        threads = [threading.Thread(target=load_many) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert errors == []
+        assert np.dtype in torch.serialization.get_safe_globals()  # not taken away by the loads
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 def test_a_planted_file_is_refused_by_every_loading_entry_point(planted, tmp_path):
