@@ -3,12 +3,18 @@
 A folder counts as complete only once its marker object (:data:`FOLDER_MARKER`) is there: a manifest of the
 folder's files and their sizes, uploaded after every file. A reader that finds no marker, or a file the marker
 lists missing or of another size, treats the folder as an interrupted upload.
+
+A marker comes from the bucket, so whoever can write there chooses the names it lists: each must be a relative
+path that stays inside the folder it is downloaded into (:func:`parse_folder_marker` refuses ``..``, absolute
+names and the like; :func:`local_path_inside` also refuses a path that a symbolic link in the local folder
+would lead outside).
 """
 import json
 import os
 from typing import IO, Dict, List, Tuple
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.experiment.local_save.names import check_relative_path
 from aitoolbox.experiment.local_save.sharded_checkpoints import MARKER_FILE as _SHARDED_MARKER
 
 # The completion marker of a folder uploaded by :meth:`CloudStorage.upload_folder`: written after every file.
@@ -77,7 +83,12 @@ def open_folder(local_folder: str) -> OpenFolder:
 
 
 def parse_folder_marker(data: bytes, where: str) -> Dict[str, int]:
-    """The files (path inside the folder -> size) a marker lists; ``where`` names the marker in errors."""
+    """The files (path inside the folder -> size) a marker lists; ``where`` names the marker in errors.
+
+    Raises:
+        ValueError: it is not a marker, or it lists a path that would leave the folder (``..``, absolute names,
+            see :func:`~aitoolbox.experiment.local_save.names.check_relative_path`).
+    """
     try:
         manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -85,7 +96,29 @@ def parse_folder_marker(data: bytes, where: str) -> Dict[str, int]:
     if not isinstance(manifest, dict) or manifest.get("format") != FOLDER_MARKER_FORMAT \
             or manifest.get("version", 0) > FOLDER_MARKER_VERSION or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"{where} is not a {FOLDER_MARKER_FORMAT} marker of version <= {FOLDER_MARKER_VERSION}")
-    return {str(path): int(size) for path, size in manifest["files"].items()}
+    return {check_relative_path(path, where): int(size) for path, size in manifest["files"].items()}
+
+
+def local_path_inside(folder: str, relative_path: str, where: str) -> str:
+    """``folder`` joined with the ``/``-separated ``relative_path`` read from storage, checked to stay inside.
+
+    Args:
+        folder: the local folder files are downloaded into.
+        relative_path: a path inside it, as a marker or a bucket listing names it.
+        where: where the name was read, named in the error.
+
+    Raises:
+        ValueError: the name is absolute or climbs out (``..``), or a symbolic link already in ``folder`` leads
+            the path outside it.
+    """
+    check_relative_path(relative_path, where)
+    path = os.path.join(folder, *relative_path.split("/"))
+    root = os.path.realpath(folder)
+    resolved = os.path.realpath(path)
+    if os.path.commonpath([root, resolved]) != root:
+        raise ValueError(f"{where} names the file {relative_path!r}, which a symbolic link in {folder} leads to "
+                         f"{resolved}, outside the folder: refused")
+    return path
 
 
 def folder_marker(files: OpenFolder) -> bytes:

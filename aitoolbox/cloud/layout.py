@@ -25,9 +25,10 @@ import posixpath
 import re
 from typing import Dict, List, Optional, Tuple
 
-from aitoolbox.cloud.folders import FOLDER_MARKER, parse_folder_marker
+from aitoolbox.cloud.folders import FOLDER_MARKER, local_path_inside, parse_folder_marker
 from aitoolbox.cloud.storage import CloudNotFoundError, CloudStorage, join_key
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_position
+from aitoolbox.experiment.local_save.names import check_key_prefix, check_name
 
 CHECKPOINT_DIR = "checkpoint_model"
 FINAL_MODEL_DIR = "model"
@@ -42,15 +43,18 @@ class ExperimentKeys:
         project_name: the project's name.
         experiment_name: the experiment's name.
         experiment_timestamp: the run's timestamp.
+
+    Raises:
+        ValueError: a name is not a plain name, or the prefix climbs out (see
+            :mod:`~aitoolbox.experiment.local_save.names`); the message names the value and what is allowed.
     """
 
     def __init__(self, cloud_dir_prefix: Optional[str], project_name: str, experiment_name: str,
                  experiment_timestamp: str):
         for name, value in (("project_name", project_name), ("experiment_name", experiment_name),
                             ("experiment_timestamp", experiment_timestamp)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"ExperimentKeys needs a non-empty {name}, got {value!r}")
-        self.cloud_dir_prefix = cloud_dir_prefix or ""
+            check_name(value, name)
+        self.cloud_dir_prefix = check_key_prefix(cloud_dir_prefix)
         self.project_name = project_name
         self.experiment_name = experiment_name
         self.experiment_timestamp = experiment_timestamp
@@ -182,9 +186,11 @@ def download_checkpoint(storage: CloudStorage, key: str, local_folder: str, repl
 
     Raises:
         CloudNotFoundError: there is no such file, nor a complete folder.
+        ValueError: the key's last part (``..``) or a symbolic link in ``local_folder`` would put it outside
+            ``local_folder``.
     """
     key = key.rstrip("/")
-    local_path = os.path.join(os.path.expanduser(local_folder), posixpath.basename(key))
+    local_path = local_path_inside(os.path.expanduser(local_folder), posixpath.basename(key), storage.uri(key))
     if storage.exists(key):
         return storage.download_file(key, local_path)
     return storage.download_folder(key, local_path, replace=replace)
@@ -206,7 +212,9 @@ def newest_cloud_run(storage: CloudStorage, cloud_dir_prefix: Optional[str], pro
     Returns:
         ``(timestamp, key of its newest complete checkpoint)``, or None when no run of the experiment has one.
     """
-    project_key = join_key(cloud_dir_prefix or "", project_name)
+    check_name(project_name, "project_name")
+    check_name(experiment_name, "experiment_name")
+    project_key = join_key(check_key_prefix(cloud_dir_prefix), project_name)
     pattern = re.compile(rf"^{re.escape(experiment_name)}_{_RUN_TIMESTAMP}$")
     runs: Dict[str, Tuple[str, int]] = {}
     for obj in storage.list(f"{project_key}/{experiment_name}_"):

@@ -2,6 +2,11 @@
 with a local loader (:class:`~aitoolbox.experiment.local_load.local_model_load.PyTorchLocalModelLoader` by
 default).
 
+Whatever is in the bucket, loading runs no code from it: the local loader reads the file with
+``torch.load(weights_only=True)`` and refuses other pickled objects (``weights_only=False`` on the loading call
+allows them: only for files you trust). Downloads stay inside the local experiment folder (see
+:meth:`~aitoolbox.cloud.storage.CloudStorage.download_folder`).
+
 The model is downloaded into the same place of the local experiment folder that the savers wrote it to, so a
 model saved on this machine is not downloaded again.
 """
@@ -33,7 +38,8 @@ class ModelLoaderMixin:
                             f"got {type(self.local_model_loader).__name__}")
 
     def load_model(self, project_name: str, experiment_name: str, experiment_timestamp: str,
-                   model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None, **kwargs: Any) -> Any:
+                   model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None, *,
+                   weights_only: bool = True, **kwargs: Any) -> Any:
         """Download the saved model (unless it is already local) and load it with the local loader.
 
         The model is ``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/<model_save_dir>/`` +
@@ -47,6 +53,8 @@ class ModelLoaderMixin:
             experiment_timestamp: the run's timestamp.
             model_save_dir: ``'checkpoint_model'`` (checkpoints) or ``'model'`` (the final model).
             epoch_num: the checkpoint's epoch; None for the final model.
+            weights_only: False lets the local loader unpickle the file fully, which runs whatever code it names:
+                only for files you trust (passed on to the local loader only when False).
             **kwargs: for the local loader's ``load_model`` (``map_location``, ``iteration_idx``).
 
         Returns:
@@ -54,7 +62,9 @@ class ModelLoaderMixin:
 
         Raises:
             CloudNotFoundError: the bucket (or the model in it) does not exist; the message names both.
+            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
         """
+        trust = {} if weights_only else {"weights_only": False}
         keys = ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
         name = model_file_name(experiment_name, experiment_timestamp, epoch_num, kwargs.get("iteration_idx"))
         experiment_path = ExperimentFolder.create_base_folder(project_name, experiment_name, experiment_timestamp,
@@ -67,20 +77,24 @@ class ModelLoaderMixin:
             folder_key = cloud_path[:-len(".pth")]
             if self.storage.folder_manifest(folder_key) is not None:
                 folder = self.load_folder(folder_key, local_path[:-len(".pth")])
-                return self.local_model_loader.load_model_from_path(folder, kwargs.get("map_location"))
+                return self.local_model_loader.load_model_from_path(folder, kwargs.get("map_location"), **trust)
         self.load_file(cloud_path, local_path)  # raises CloudNotFoundError naming the key when it is missing
         return self.local_model_loader.load_model(project_name, experiment_name, experiment_timestamp,
-                                                  model_save_dir, epoch_num, **kwargs)
+                                                  model_save_dir, epoch_num, **trust, **kwargs)
 
     def load_newest_checkpoint(self, project_name: str, experiment_name: str, experiment_timestamp: str,
-                               map_location: Any = None) -> Any:
+                               map_location: Any = None, *, weights_only: bool = True) -> Any:
         """Download the newest complete checkpoint of a run from the bucket and load it (not in aitoolbox 1.8).
+
+        Args:
+            weights_only: as for :meth:`load_model`.
 
         Returns:
             The model representation, as :meth:`load_model`.
 
         Raises:
             CloudNotFoundError: the run has no complete checkpoint in the bucket.
+            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
         """
         keys = ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
         key = find_newest_cloud_checkpoint(self.storage, keys.experiment)
@@ -88,7 +102,8 @@ class ModelLoaderMixin:
                                                               self.local_model_result_folder_path)
         relative_folder = os.path.dirname(key[len(keys.experiment) + 1:])
         local_path = download_checkpoint(self.storage, key, os.path.join(experiment_path, relative_folder))
-        return self.local_model_loader.load_model_from_path(local_path, map_location)
+        trust = {} if weights_only else {"weights_only": False}
+        return self.local_model_loader.load_model_from_path(local_path, map_location, **trust)
 
     def init_model(self, model: Any, used_data_parallel: bool = False) -> Any:
         """Put the loaded weights into ``model`` (see the local loader)."""

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any, List, Optional, Tuple
 
-from aitoolbox.cloud.layout import CHECKPOINT_DIR, FINAL_MODEL_DIR, RESULTS_DIR
+from aitoolbox.cloud.layout import CHECKPOINT_DIR, FINAL_MODEL_DIR, RESULTS_DIR, ExperimentKeys
 from aitoolbox.cloud.storage import CloudStorage, join_key
 from aitoolbox.cloud.uploader import CloudUploader
 from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
@@ -116,8 +116,8 @@ class ModelFolderMixin:
                                                          experiment_timestamp: str) -> str:
         """``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/model`` (``checkpoint_model`` for
         checkpoints): the key of the folder the models go in. Nothing is created: buckets have no folders."""
-        return join_key(self.cloud_dir_prefix, project_name, f"{experiment_name}_{experiment_timestamp}",
-                        CHECKPOINT_DIR if self.checkpoint_model else FINAL_MODEL_DIR)
+        keys = ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
+        return keys.folder(CHECKPOINT_DIR if self.checkpoint_model else FINAL_MODEL_DIR)
 
     def _save_and_upload(self, local_saver: Any, model: Any, project_name: str, experiment_name: str,
                          experiment_timestamp: Optional[str], epoch: Optional[int], iteration_idx: Optional[int],
@@ -141,8 +141,8 @@ class ResultsFolderMixin:
     def create_experiment_cloud_storage_folder_structure(self, project_name: str, experiment_name: str,
                                                          experiment_timestamp: str) -> str:
         """``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/results``: the key of the results folder."""
-        return join_key(self.cloud_dir_prefix, project_name, f"{experiment_name}_{experiment_timestamp}",
-                        RESULTS_DIR)
+        return ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name,
+                              experiment_timestamp).folder(RESULTS_DIR)
 
     def _save_and_upload_results(self, local_results_saver: Any, result_package: Any, training_history: Any,
                                  project_name: str, experiment_name: str, experiment_timestamp: Optional[str],

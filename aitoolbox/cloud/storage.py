@@ -31,7 +31,8 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
 from aitoolbox.cloud.errors import (
     CloudNotFoundError, CloudPermissionError, CloudStorageError, Failure, MissingBucket, MissingObject, RetryPolicy)
-from aitoolbox.cloud.folders import FOLDER_MARKER, OpenFolder, folder_marker, open_folder, parse_folder_marker
+from aitoolbox.cloud.folders import (
+    FOLDER_MARKER, OpenFolder, folder_marker, local_path_inside, open_folder, parse_folder_marker)
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 
 # The errors and folder helpers are importable from here too: this is the module users meet first.
@@ -242,9 +243,13 @@ class CloudStorage(abc.ABC):
         every file is there. An existing ``local_folder`` is replaced; with ``replace=False`` it is kept instead
         (e.g. the same folder placed meanwhile by another process downloading it too) and the download dropped.
 
+        The marker comes from the bucket: a name it lists that is absolute or leads outside ``local_folder``
+        (``..``) is refused before anything is downloaded.
+
         Raises:
             CloudNotFoundError: the folder has no completion marker (it is missing, or its upload was
                 interrupted) or a file it lists is missing.
+            ValueError: the marker lists a name outside the folder; nothing was written.
         """
         key_prefix = key_prefix.rstrip("/")
         manifest = self.folder_manifest(key_prefix)
@@ -258,8 +263,11 @@ class CloudStorage(abc.ABC):
         os.makedirs(parent, exist_ok=True)
         temp_folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(local_folder)}.", dir=parent)
         try:
+            marker_uri = self.uri(join_key(key_prefix, FOLDER_MARKER))
             for relative_path in manifest:
-                self.download_file(join_key(key_prefix, relative_path), os.path.join(temp_folder, relative_path))
+                # The marker's names were checked when it was read; the fresh temporary folder holds no links.
+                self.download_file(join_key(key_prefix, relative_path),
+                                   local_path_inside(temp_folder, relative_path, marker_uri))
             if os.path.isdir(local_folder):
                 if not replace:
                     shutil.rmtree(temp_folder, ignore_errors=True)

@@ -40,7 +40,7 @@ def test_a_local_path_maps_to_the_same_place_in_the_bucket(tmp_path):
     assert keys.for_local_path(str(run / "results" / "plots"), str(run)) == "prefix/proj/exp_ts/results/plots"
     with pytest.raises(ValueError, match="is not inside the experiment folder"):
         keys.for_local_path(str(tmp_path / "elsewhere.txt"), str(run))
-    with pytest.raises(ValueError, match="non-empty experiment_timestamp"):
+    with pytest.raises(ValueError, match="experiment_timestamp must be a non-empty string"):
         ExperimentKeys("", "proj", "exp", "")
 
 

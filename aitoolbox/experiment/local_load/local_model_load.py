@@ -3,9 +3,12 @@
 The checkpoint is found by the parts of the experiment folder it was saved in (:meth:`load_model`) or by its
 path (:meth:`load_model_from_path`). Files written by this package and by aitoolbox 1.x are both read:
 
-- ``torch.load(weights_only=True)`` is tried first; a file that holds other pickled Python objects (aitoolbox
-  1.x files may) is then loaded with full unpickling, after a warning naming the file. Only load files you
-  trust.
+- files are read with ``torch.load(weights_only=True)``, which runs no code from the file; the plain data types
+  aitoolbox 1.x checkpoints hold (numpy values, ``argparse.Namespace``, paths, dates in the hyperparameters)
+  are accepted too. A file holding other Python objects is refused with
+  :class:`~aitoolbox.experiment.local_save.safe_load.UntrustedCheckpointError` naming it and the refused types;
+  ``weights_only=False`` loads it with full unpickling, which runs whatever code the file names: only for files
+  you trust.
 - a file of this package's first format (``model`` / ``optimizers`` entries) is read with aitoolbox 1.x's
   entry names (``model_state_dict``, ``optimizer_state_dict``, ...); every other entry is kept as it is.
 """
@@ -68,7 +71,8 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
 
     def load_model(self, project_name: str, experiment_name: str, experiment_timestamp: str,
                    model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None,
-                   map_location: Any = None, iteration_idx: Optional[int] = None) -> dict:
+                   map_location: Any = None, iteration_idx: Optional[int] = None, *,
+                   weights_only: bool = True) -> dict:
         """Load ``<root>/<project>/<experiment>_<timestamp>/<model_save_dir>/model_<...>[_E<epoch_num>].pth``.
 
         Args:
@@ -79,12 +83,15 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             epoch_num: the epoch of the checkpoint; None for the final model ``model_<experiment>_<timestamp>.pth``.
             map_location: where to put the tensors (``torch.load``'s argument); None keeps the saved devices.
             iteration_idx: with ``epoch_num``, load the mid-epoch checkpoint ``..._E<epoch_num>_ITER<iteration_idx>``.
+            weights_only: False unpickles the file fully, which runs whatever code it names: only for files you
+                trust.
 
         Returns:
             The checkpoint dict (also kept as :attr:`model_representation`); an empty
             ``schedulers_state_dict`` list is added when the file has none.
 
         Raises:
+            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
             FileNotFoundError: there is no such file.
             RuntimeError: the file is truncated or not a torch file.
             ValueError: the file holds no ``model_state_dict``.
@@ -92,19 +99,25 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
         _, experiment_path = ExperimentFolder.get_base_folder_paths(
             project_name, experiment_name, experiment_timestamp, self.local_model_result_folder_path)
         name = model_file_name(experiment_name, experiment_timestamp, epoch_num, iteration_idx)
-        return self.load_model_from_path(os.path.join(experiment_path, model_save_dir, name), map_location)
+        return self.load_model_from_path(os.path.join(experiment_path, model_save_dir, name), map_location,
+                                         weights_only=weights_only)
 
-    def load_model_from_path(self, model_path: str, map_location: Any = None) -> dict:
+    def load_model_from_path(self, model_path: str, map_location: Any = None, *, weights_only: bool = True) -> dict:
         """Load the checkpoint file ``model_path`` (or the newest checkpoint of a run or checkpoint folder).
 
         Args:
             model_path: the file, or a folder (see :func:`~aitoolbox.experiment.local_save.checkpoints.find_checkpoint`).
             map_location: where to put the tensors (``torch.load``'s argument); None keeps the saved devices.
+            weights_only: False unpickles the file fully, which runs whatever code it names: only for files you
+                trust.
 
         Returns:
             The checkpoint dict, as :meth:`load_model`.
+
+        Raises:
+            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
         """
-        checkpoint = load_checkpoint_file(model_path, map_location=map_location)
+        checkpoint = load_checkpoint_file(model_path, map_location=map_location, weights_only=weights_only)
         checkpoint.setdefault(SCHEDULERS_KEY, [])  # files older than scheduler saving have none
         self.model_representation = checkpoint
         return checkpoint

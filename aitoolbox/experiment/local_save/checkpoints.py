@@ -11,7 +11,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, atomic_write_text, torch_load_checked, torch_save_atomic
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, atomic_write_text, torch_save_atomic
+# UntrustedCheckpointError is imported for the callers of load_checkpoint_file, which raises it.
+from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError, load_torch_file  # noqa: F401
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
     is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
 
@@ -129,28 +131,35 @@ def upgrade_checkpoint_format(checkpoint: dict) -> dict:
     return upgraded
 
 
-def load_checkpoint_file(path: str, map_location="cpu") -> dict:
-    """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) with ``weights_only=True``.
+def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = True) -> dict:
+    """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) without running code from it.
 
-    A file that holds other pickled Python objects (aitoolbox 1.x wrote hyperparameters as given) is loaded
-    with full unpickling after a warning: only load files you trust, such as your own experiments.
+    The file is read with ``torch.load(weights_only=True)``, which also accepts the plain data types aitoolbox
+    1.x checkpoints hold in their hyperparameters (numpy values, ``argparse.Namespace``, paths, dates; see
+    :mod:`~aitoolbox.experiment.local_save.safe_load`). A file that holds other Python objects is refused.
 
     A sharded checkpoint's folder gives its training state without the weights: the model and optimizer states
     stay on disk and ``SHARDED_CHECKPOINT_KEY`` names the folder (:meth:`TrainLoop.load_checkpoint` reads them
     into the set-up model, each process its own shards). For the full model state dict in one process, use
     :func:`~aitoolbox.experiment.local_save.sharded_checkpoints.consolidate_sharded_checkpoint`.
+
+    Args:
+        path: a checkpoint file, a sharded checkpoint's folder, or a run or checkpoint folder (its newest).
+        map_location: where to put the tensors (``torch.load``'s argument).
+        weights_only: False unpickles the file fully, which runs whatever code it names: only for files you
+            trust (e.g. your own aitoolbox 1.x checkpoints holding custom objects).
+
+    Raises:
+        UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses; it names the file and
+            the refused types (nothing from the file was run).
+        FileNotFoundError: there is no checkpoint at ``path``.
+        RuntimeError: the file is truncated or not a torch file.
+        ValueError: the file is not a checkpoint (no ``model_state_dict``).
     """
     file_path = find_checkpoint(path)
     if os.path.isdir(file_path):
         return dict(read_sharded_checkpoint_state(file_path), **{SHARDED_CHECKPOINT_KEY: file_path})
-    try:
-        checkpoint = torch_load_checked(file_path, map_location=map_location)
-    except RuntimeError as error:
-        if "weights_only" not in str(error):
-            raise
-        logger.warning("%s holds Python objects that torch.load(weights_only=True) refuses (as aitoolbox 1.x files "
-                       "may); loading it with full unpickling", file_path)
-        checkpoint = torch_load_checked(file_path, map_location=map_location, weights_only=False)
+    checkpoint = load_torch_file(file_path, map_location=map_location, weights_only=weights_only)
     if isinstance(checkpoint, dict):
         checkpoint = upgrade_checkpoint_format(checkpoint)
     if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
@@ -229,6 +238,13 @@ def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_alwa
 RANKING_FILE_NAME = ".aitoolbox-checkpoint-ranking.json"
 
 
+def _is_checkpoint_name(name: str) -> bool:
+    """A checkpoint file's or sharded checkpoint folder's name, without any path part."""
+    if os.sep in name or (os.altsep and os.altsep in name) or "/" in name:
+        return False
+    return checkpoint_position(name) is not None or checkpoint_position(f"{name}.pth") is not None
+
+
 def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> str:
     """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``; returns the
     record's path."""
@@ -248,8 +264,9 @@ def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]
     try:
         with open(path, encoding="utf-8") as handle:
             record = json.load(handle)
+        # Only checkpoint names directly inside the folder: pruning deletes what the record names.
         entries = [(float(score), os.path.join(folder, name)) for score, name in record["checkpoints"]
-                   if isinstance(name, str) and os.sep not in name]
+                   if isinstance(name, str) and _is_checkpoint_name(name)]
         recorded_metric = record["metric"]
     except (OSError, ValueError, TypeError, KeyError) as error:
         logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,

@@ -9,6 +9,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.local_save.names import check_name
 from aitoolbox.experiment.redaction import redact_hyperparams
 
 
@@ -71,6 +72,8 @@ def newest_resumable_run(root: str, project_name: str, experiment_name: str) -> 
     """
     from aitoolbox.experiment.local_save.checkpoints import checkpoint_position, list_checkpoints
 
+    check_name(project_name, "project_name")
+    check_name(experiment_name, "experiment_name")
     project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
     if not os.path.isdir(project_folder):
         return None
@@ -108,17 +111,20 @@ class ExperimentFolder:
         timestamp: run identifier; the current time when None.
         hyperparams: written into the folder (:meth:`save_hyperparams`) when it is created, so that a folder
             created lazily, by its first file, holds them too.
+
+    Raises:
+        ValueError: ``root`` is empty, or the project name, experiment name or timestamp is not a plain name
+            (see :mod:`~aitoolbox.experiment.local_save.names`).
     """
 
     def __init__(self, root: str, project_name: str, experiment_name: str, timestamp: Optional[str] = None,
                  hyperparams: Optional[dict] = None):
-        for name, value in (("local_model_result_folder_path", root), ("project_name", project_name),
-                            ("experiment_name", experiment_name)):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        for name, value in (("project_name", project_name), ("experiment_name", experiment_name)):
-            if os.sep in value or value in (".", ".."):
-                raise ValueError(f"{name} must be a plain folder name without {os.sep!r}, got {value!r}")
+        if not isinstance(root, str) or not root:
+            raise ValueError(f"local_model_result_folder_path must be a non-empty string, got {root!r}")
+        check_name(project_name, "project_name")
+        check_name(experiment_name, "experiment_name")
+        if timestamp:  # None or '' take the current time
+            check_name(timestamp, "timestamp")
         self.root = os.path.abspath(os.path.expanduser(root))
         self.project_name = project_name
         self.experiment_name = experiment_name

@@ -9,6 +9,7 @@ import os
 from typing import Tuple
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder as _ExperimentFolder
+from aitoolbox.experiment.local_save.names import check_name
 
 __all__ = ["ExperimentFolder"]
 
@@ -34,7 +35,13 @@ class ExperimentFolder(_ExperimentFolder):
 
         Returns:
             ``(project folder path, run folder path)``.
+
+        Raises:
+            ValueError: a name is not a plain name (see :mod:`~aitoolbox.experiment.local_save.names`).
         """
+        check_name(project_name, "project_name")
+        check_name(experiment_name, "experiment_name")
+        check_name(experiment_timestamp, "experiment_timestamp")
         project_path = os.path.join(os.path.expanduser(local_model_result_folder_path), project_name)
         return project_path, os.path.join(project_path, f"{experiment_name}_{experiment_timestamp}")
 
@@ -53,6 +60,9 @@ class ExperimentFolder(_ExperimentFolder):
 
         Returns:
             The run folder's path.
+
+        Raises:
+            ValueError: a name is not a plain name (see :mod:`~aitoolbox.experiment.local_save.names`).
         """
         _, experiment_path = ExperimentFolder.get_base_folder_paths(
             project_name, experiment_name, experiment_timestamp, local_model_result_folder_path)

@@ -58,6 +58,8 @@ from torch import nn
 
 from aitoolbox.experiment.local_save.atomic import (
     TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, torch_load_checked)
+from aitoolbox.experiment.local_save.safe_load import (
+    check_dcp_metadata, dcp_refusals_raised, weights_only_load_planner)
 
 # torch.distributed.checkpoint is imported where it is used: this module is imported wherever checkpoints are
 # listed, and most runs never touch DCP.
@@ -353,6 +355,8 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
 
     Raises:
         FileNotFoundError: not a complete checkpoint.
+        UntrustedCheckpointError: DCP's index ``.metadata`` holds objects other than DCP's metadata, or an entry
+            holds objects ``torch.load(weights_only=True)`` refuses (a planted file); nothing from it was run.
         ValueError: the number of optimizers differs from the saved one.
         RuntimeError: DCP's load failed, e.g. a parameter is missing or has another shape in the checkpoint.
     """
@@ -383,8 +387,10 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
         for param, grad in grads.items():
             param.grad = grad
     state = {_MODEL: get_model_state_dict(model), _OPTIMIZERS: optimizer_states}
-    with _single_process_intended(not _distributed()):
-        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
+    check_dcp_metadata(path)  # DCP unpickles its index fully: refuse a planted one first
+    with _single_process_intended(not _distributed()), dcp_refusals_raised():
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not _distributed(),
+                 planner=weights_only_load_planner(path))
     set_model_state_dict(model, state[_MODEL])
     for index, optimizer in enumerate(optimizers):
         if index in stateless:
@@ -432,6 +438,7 @@ def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     sharded_checkpoint_info(path)
+    check_dcp_metadata(path)  # DCP unpickles its index fully: refuse a planted one first
     metadata = dcp.FileSystemReader(path).read_metadata()
     prefix = f"{_MODEL}."
     # The model state dict is flat (parameter name -> tensor), so its DCP keys are "model." + the name.
@@ -440,8 +447,8 @@ def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
         if name.startswith(prefix):
             model_state[name[len(prefix):]] = (torch.empty(item.size, dtype=item.properties.dtype)
                                                if isinstance(item, TensorStorageMetadata) else io.BytesIO())
-    with _single_process_intended(True):
-        dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True)
+    with _single_process_intended(True), dcp_refusals_raised():
+        dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True, planner=weights_only_load_planner(path))
     return model_state
 
 

@@ -9,6 +9,7 @@ from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, SCHEDULERS_KEY, checkpoint_position, list_checkpoints, load_checkpoint_file,
     upgrade_checkpoint_format)
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
+from aitoolbox.experiment.local_save.names import check_name
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
 from aitoolbox.torchtrain.callbacks.abstract import _CLOUD_ARGUMENTS, _FOLDER_ARGUMENTS, AbstractCallback
 from aitoolbox.torchtrain.callbacks.cloud_upload import (
@@ -61,6 +62,11 @@ class ModelLoadContinueTraining(AbstractCallback):
         bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
         cloud_dir_prefix: the folder inside the bucket that holds the projects.
         saved_model_path: a checkpoint file, a run folder, or its checkpoint folder (instead of the above).
+        weights_only: True (the default) reads the checkpoint with ``torch.load(weights_only=True)``, which runs no
+            code from the file and refuses files holding other Python objects than tensors and plain data
+            (:class:`~aitoolbox.experiment.local_save.safe_load.UntrustedCheckpointError`, raised when the
+            callback is registered). False unpickles fully, which runs whatever code the file names: only for
+            files you trust. With ``custom_local_loader_class`` it is passed to its ``load_model`` when False.
         **kwargs: passed to ``custom_local_loader_class.load_model``.
     """
 
@@ -70,7 +76,8 @@ class ModelLoadContinueTraining(AbstractCallback):
                  custom_local_loader_class: Optional[type] = None, project_name: Optional[str] = None,
                  experiment_name: Optional[str] = None, local_model_result_folder_path: Optional[str] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
-                 cloud_dir_prefix: Optional[str] = None, saved_model_path: Optional[str] = None, **kwargs):
+                 cloud_dir_prefix: Optional[str] = None, saved_model_path: Optional[str] = None, *,
+                 weights_only: bool = True, **kwargs):
         super().__init__("Continue training from a checkpoint", execution_order=-100)
         check_cloud_save_mode(cloud_save_mode, type(self).__name__)
         if saved_model_path is None and saved_experiment_timestamp is None:
@@ -92,6 +99,9 @@ class ModelLoadContinueTraining(AbstractCallback):
         self.bucket_name = bucket_name
         self.cloud_dir_prefix = cloud_dir_prefix
         self.saved_model_path = saved_model_path
+        if not isinstance(weights_only, bool):
+            raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
+        self.weights_only = weights_only
         self.local_loader_kwargs = kwargs
         self.checkpoint = None
 
@@ -117,22 +127,24 @@ class ModelLoadContinueTraining(AbstractCallback):
 
     def _load(self) -> dict:
         if self.saved_model_path is not None and self.custom_local_loader_class is None:
-            return load_checkpoint_file(self.saved_model_path)
+            return load_checkpoint_file(self.saved_model_path, weights_only=self.weights_only)
         self._infer_folder_details()
         destination = self._cloud_destination()
         if destination is not None:
             self._download(destination)
         if self.custom_local_loader_class is not None:
             loader = self.custom_local_loader_class(self.local_model_result_folder_path)
+            trust = {} if self.weights_only else {"weights_only": False}  # 1.x loaders know no such keyword
             return upgrade_checkpoint_format(dict(loader.load_model(
                 self.project_name, self.experiment_name, self.saved_experiment_timestamp, self.saved_model_dir,
-                self.epoch_num, **self.local_loader_kwargs)))
+                self.epoch_num, **trust, **self.local_loader_kwargs)))
         folder = os.path.join(os.path.expanduser(self.local_model_result_folder_path), self.project_name,
                               f"{self.experiment_name}_{self.saved_experiment_timestamp}", self.saved_model_dir)
         if self.epoch_num is None:
-            return load_checkpoint_file(folder)
+            return load_checkpoint_file(folder, weights_only=self.weights_only)
         return load_checkpoint_file(os.path.join(
-            folder, f"model_{self.experiment_name}_{self.saved_experiment_timestamp}_E{self.epoch_num}.pth"))
+            folder, f"model_{self.experiment_name}_{self.saved_experiment_timestamp}_E{self.epoch_num}.pth"),
+            weights_only=self.weights_only)
 
     def _infer_folder_details(self) -> None:
         """Fill the folder arguments left None from the experiment-tracking TrainLoop (as 1.x did)."""
@@ -145,6 +157,8 @@ class ModelLoadContinueTraining(AbstractCallback):
             raise ValueError(f"ModelLoadContinueTraining does not know {', '.join(missing)}: pass them to the "
                              "callback, use it with TrainLoopCheckpoint / TrainLoopEndSave / "
                              "TrainLoopCheckpointEndSave, or pass saved_model_path")
+        for name in ("project_name", "experiment_name", "saved_experiment_timestamp", "saved_model_dir"):
+            check_name(getattr(self, name), name)  # they name folders (and keys) the checkpoint is read from
 
     def _cloud_destination(self) -> Optional[CloudDestination]:
         """The bucket of the callback's cloud arguments or, when all three are None, the TrainLoop's."""

@@ -7,6 +7,7 @@ import torch
 
 from aitoolbox.experiment.local_load import PyTorchLocalModelLoader
 from aitoolbox.experiment.local_save.local_model_save import PyTorchLocalModelSaver
+from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
 from aitoolbox.torchtrain.multi_loss_optim import MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 
@@ -103,14 +104,33 @@ def test_files_of_the_first_format_get_aitoolbox_1_entry_names(tmp_path):
     assert loaded["callbacks"] == {"x": 1}
 
 
-def test_a_file_with_pickled_objects_loads_after_a_warning_naming_it(tmp_path, log):
+class CustomHyperparams:
+    """A user class in the hyperparameters: unpickling it means running code the file names."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+
+def test_an_argparse_namespace_in_the_hyperparameters_loads_by_default(tmp_path, log):
     model, optimizer = trained()
-    # aitoolbox 1.x saved hyperparameters as given, e.g. an argparse Namespace: weights_only refuses it.
+    # aitoolbox 1.x saved hyperparameters as given, e.g. an argparse Namespace: plain data, allowed.
     path = save(tmp_path, checkpoint_of(model, optimizer, hyperparams=argparse.Namespace(lr=0.1)))
     loaded = PyTorchLocalModelLoader(str(tmp_path)).load_model_from_path(path)
     assert loaded["hyperparams"].lr == 0.1
-    warnings = [record.getMessage() for record in log.records if record.levelno == logging.WARNING]
-    assert any(path in message for message in warnings)
+    assert not [record for record in log.records if record.levelno >= logging.WARNING]
+
+
+def test_a_file_with_other_pickled_objects_is_refused_unless_trusted(tmp_path):
+    model, optimizer = trained()
+    path = save(tmp_path, checkpoint_of(model, optimizer, hyperparams=CustomHyperparams(0.1)))
+    loader = PyTorchLocalModelLoader(str(tmp_path))
+    with pytest.raises(UntrustedCheckpointError, match="weights_only=False") as refused:
+        loader.load_model("proj", "exp", "ts", "checkpoint_model", 3)
+    assert path in str(refused.value) and f"{__name__}.CustomHyperparams" in str(refused.value)
+    assert loader.model_representation is None
+    loaded = loader.load_model("proj", "exp", "ts", "checkpoint_model", 3, weights_only=False)
+    assert loaded["hyperparams"].lr == 0.1
+    assert loader.load_model_from_path(path, weights_only=False)["hyperparams"].lr == 0.1
 
 
 def test_a_file_that_loads_with_weights_only_gives_no_warning(tmp_path, log):

@@ -127,3 +127,21 @@ def test_the_checkpoint_ranking_is_read_back_for_its_metric_and_existing_checkpo
     with caplog.at_level(logging.WARNING, logger="aitoolbox"):
         assert read_checkpoint_ranking(folder, "val_loss") == []
     assert "cannot be read" in caplog.text and os.path.isfile(kept)
+
+
+def test_a_ranking_record_naming_other_paths_never_leads_pruning_outside_the_checkpoints(tmp_path):
+    import json
+
+    from aitoolbox.experiment.local_save.checkpoints import RANKING_FILE_NAME, read_checkpoint_ranking
+
+    run = tmp_path / "run"
+    folder = run / "checkpoint_model"
+    folder.mkdir(parents=True)
+    checkpoint = folder / "model_e_t_E1.pth"
+    torch.save({}, str(checkpoint))
+    (run / "results.json").write_text("{}")
+    record = {"metric": "val_loss", "checkpoints": [[0.9, ".."], [0.8, "../results.json"], [0.7, "."],
+                                                    [0.6, "hyperparams.json"], [0.1, "model_e_t_E1.pth"]]}
+    (folder / RANKING_FILE_NAME).write_text(json.dumps(record))
+    (folder / "hyperparams.json").write_text("{}")
+    assert read_checkpoint_ranking(str(folder), "val_loss") == [(0.1, str(checkpoint))]

@@ -51,8 +51,8 @@ def test_an_existing_run_folder_is_never_overwritten(tmp_path):
     (("", "p", "e"), "local_model_result_folder_path must be a non-empty string"),
     ((None, "p", "e"), "local_model_result_folder_path must be a non-empty string"),
     (("r", 3, "e"), "project_name must be a non-empty string, got 3"),
-    (("r", "p", "a/b"), "experiment_name must be a plain folder name"),
-    (("r", "..", "e"), "project_name must be a plain folder name"),
+    (("r", "p", "a/b"), "experiment_name='a/b' cannot name a folder or a bucket key: it must be a plain name"),
+    (("r", "..", "e"), "project_name='..' cannot name a folder"),
 ])
 def test_bad_names_are_refused(arguments, message):
     with pytest.raises(ValueError, match=re.escape(message)):

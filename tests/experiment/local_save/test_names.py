@@ -1,0 +1,93 @@
+"""Project, experiment and timestamp names are checked in one place for every folder and key they build."""
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.cloud.layout import ExperimentKeys, newest_cloud_run
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run
+from aitoolbox.experiment.local_save.folder_create import ExperimentFolder as FolderCreate
+from aitoolbox.experiment.local_save.names import check_key_prefix, check_name, check_relative_path
+from aitoolbox.torchtrain.callbacks.model_load import ModelLoadContinueTraining
+from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
+from tests.helpers import MLP, classification_data
+
+BAD_NAMES = ["a/b", "../escape", "..", ".", "a\\b", "line\nbreak", "nul\x00", ""]
+GOOD_NAMES = ["my project", "exp.v2", "résumé-run_1", "2024-01-02_03-04-05", " padded ", "a..b"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES)
+def test_every_place_that_builds_a_path_or_key_refuses_a_bad_name_naming_it(tmp_path, bad):
+    escaped = re.escape(repr(bad))
+    with pytest.raises(ValueError, match=f"project_name(={escaped} cannot name| must be a non-empty)"):
+        ExperimentFolder(str(tmp_path), bad, "exp")
+    if bad:  # an empty timestamp means "now", as before
+        with pytest.raises(ValueError, match=f"timestamp={escaped}"):
+            ExperimentFolder(str(tmp_path), "proj", "exp", timestamp=bad)
+    with pytest.raises(ValueError, match=f"experiment_name(={escaped}| must be)"):
+        FolderCreate.create_base_folder("proj", bad, "ts", str(tmp_path))
+    with pytest.raises(ValueError, match=f"experiment_timestamp(={escaped}| must be)"):
+        FolderCreate.get_base_folder_paths("proj", "exp", bad, str(tmp_path))
+    with pytest.raises(ValueError, match=f"project_name(={escaped}| must be)"):
+        ExperimentKeys("team", bad, "exp", "ts")
+    with pytest.raises(ValueError, match=f"experiment_timestamp(={escaped}| must be)"):
+        ExperimentKeys("team", "proj", "exp", bad)
+    with pytest.raises(ValueError, match=f"experiment_name(={escaped}| must be)"):
+        newest_resumable_run(str(tmp_path), "proj", bad)
+    with pytest.raises(ValueError, match=f"project_name(={escaped}| must be)"):
+        newest_cloud_run(None, "team", bad, "exp")  # refused before the bucket is asked
+    assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_the_message_says_what_is_allowed():
+    with pytest.raises(ValueError) as refused:
+        check_name("a/b", "experiment_name")
+    assert str(refused.value).startswith("experiment_name='a/b' cannot name a folder or a bucket key: it must be a "
+                                         "plain name: any text except '/'")
+
+
+@pytest.mark.parametrize("good", GOOD_NAMES)
+def test_names_aitoolbox_1_allowed_keep_working(tmp_path, good):
+    folder = ExperimentFolder(str(tmp_path), good, good, timestamp=good)
+    assert folder.create() == str(tmp_path / good / f"{good}_{good}")
+    assert FolderCreate.create_base_folder(good, good, good, str(tmp_path)) == folder.path
+    assert ExperimentKeys("team", good, good, good).experiment == f"team/{good}/{good}_{good}"
+
+
+def test_a_training_preset_and_the_load_callback_refuse_bad_names(tmp_path):
+    model = MLP()
+    arguments = (model, DataLoader(classification_data(8), batch_size=4), None, None,
+                 torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="project_name='team/proj'"):
+        TrainLoopCheckpoint(*arguments, "team/proj", "exp", str(tmp_path), {}, show_progress=False)
+    loop = TrainLoop(*arguments, show_progress=False)
+    callback = ModelLoadContinueTraining("../../2024", project_name="proj", experiment_name="exp",
+                                         local_model_result_folder_path=str(tmp_path))
+    with pytest.raises(ValueError, match=re.escape("saved_experiment_timestamp='../../2024'")):
+        loop.callbacks_handler.register_callbacks([callback])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("prefix, ok", [("", True), (None, True), ("team", True), ("team/sub/", True),
+                                        ("/abs/team", True), ("team/../other", False), ("..", False),
+                                        ("./team", False), ("team\n", False)])
+def test_a_cloud_prefix_may_have_folders_but_never_climb_out(prefix, ok):
+    if ok:
+        assert check_key_prefix(prefix) == (prefix or "")
+        ExperimentKeys(prefix, "proj", "exp", "ts")
+    else:
+        with pytest.raises(ValueError, match="cloud_dir_prefix="):
+            ExperimentKeys(prefix, "proj", "exp", "ts")
+
+
+@pytest.mark.parametrize("path", ["../x", "a/../../x", "/etc/passwd", "C:/x", "a\\..\\x", "a//b", "./a", "", "a/"])
+def test_paths_read_from_storage_must_stay_inside(path):
+    with pytest.raises(ValueError, match="refused because"):
+        check_relative_path(path, "the marker")
+
+
+def test_paths_read_from_storage_may_have_folders():
+    assert check_relative_path("shard/__0_0.distcp", "the marker") == "shard/__0_0.distcp"
+    assert check_relative_path("..hidden/.metadata", "the marker") == "..hidden/.metadata"
