@@ -68,7 +68,7 @@ class _ExperimentTrainLoop(TrainLoop):
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
                  hyperparams: Optional[dict], cloud_save_mode: Optional[str], bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, source_dirs=(), auto_resume: bool = False,
-                 cloud_storage_options: Optional[dict] = None, **kwargs):
+                 cloud_storage_options: Optional[dict] = None, *, weights_only: bool = True, **kwargs):
         destination = cloud_destination(cloud_save_mode, bucket_name, cloud_dir_prefix, cloud_storage_options,
                                         type(self).__name__)
         super().__init__(model, train_loader, validation_loader, test_loader, optimizer, criterion, **kwargs)
@@ -76,6 +76,8 @@ class _ExperimentTrainLoop(TrainLoop):
             raise TypeError(f"hyperparams must be a dict or None, got {type(hyperparams).__name__}")
         if not isinstance(auto_resume, bool):
             raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
+        if not isinstance(weights_only, bool):
+            raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
         self.hyperparams = dict(hyperparams or {})  # a copy: the caller's dict is never changed
         self.project_name = project_name
         self.experiment_name = experiment_name
@@ -99,7 +101,7 @@ class _ExperimentTrainLoop(TrainLoop):
             # Every process of the job finds the same run; its folder is this run's again.
             self.experiment_folder.adopt_if_created_elsewhere()
             self.resumed_from = found[1]
-            self.load_checkpoint(found[1])
+            self.load_checkpoint(found[1], weights_only=weights_only)
             if writes_files_in_this_process():
                 logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", self.experiment_folder.path,
                             os.path.basename(found[1]), self.epochs_completed)
@@ -143,6 +145,9 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
             ``retry`` (a :class:`~aitoolbox.cloud.storage.RetryPolicy`), timeouts...; see
             :class:`~aitoolbox.cloud.s3.S3Storage` and :class:`~aitoolbox.cloud.gcs.GCSStorage`); None: the
             service's standard configuration.
+        weights_only: (keyword) False lets ``auto_resume`` unpickle a checkpoint in full, which runs whatever code
+            the file names: only for files you trust. True (the default): a checkpoint holding anything but
+            tensors and plain data stops the constructor with an error naming the file.
         **kwargs: any other :class:`TrainLoop` argument.
     """
 

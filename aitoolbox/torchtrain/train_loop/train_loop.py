@@ -480,16 +480,22 @@ class TrainLoop:
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
 
-    def load_checkpoint(self, checkpoint: Union[str, dict]) -> dict:
+    def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True) -> dict:
         """Continue from a checkpoint (a dict, a ``.pth`` file, a sharded checkpoint's folder, or an experiment
         folder: its newest checkpoint).
 
         Call it before ``fit``; ``fit`` then trains on from the saved epoch and iteration, bitwise as if the
         run had not stopped (same model, data loaders and callbacks given). Returns the checkpoint dict.
+
+        Args:
+            checkpoint: the checkpoint dict, or where to read it.
+            weights_only: True (the default) reads only tensors and plain data: a file holding anything else is
+                refused with an error naming it. False unpickles the file in full, which runs whatever code it
+                names: only for files you trust (see the Security page of the docs).
         """
         if not isinstance(checkpoint, dict):
             from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
-            checkpoint = load_checkpoint_file(checkpoint)
+            checkpoint = load_checkpoint_file(checkpoint, weights_only=weights_only)
         self.run_state.load(self, checkpoint)
         if self._model_runner is not None or self.gpu_mode != "fsdp":
             # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then each

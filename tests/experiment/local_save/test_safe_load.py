@@ -135,11 +135,11 @@ def test_an_18_checkpoint_with_numpy_hyperparameters_loads_by_default_without_a_
 
 
 def test_the_allowed_types_are_allowed_only_while_a_checkpoint_loads(tmp_path):
-    before = torch.serialization.get_safe_globals()
+    before = set(map(str, torch.serialization.get_safe_globals()))  # torch keeps no order that matters
     path = str(tmp_path / "numpy.pth")
     torch.save({"lr": np.float64(0.1)}, path)
     assert load_torch_file(path) == {"lr": 0.1}
-    assert torch.serialization.get_safe_globals() == before
+    assert set(map(str, torch.serialization.get_safe_globals())) == before
     with pytest.raises(pickle.UnpicklingError):  # the user's own torch.load is as strict as torch makes it
         torch.load(path, weights_only=True)
 
@@ -228,6 +228,33 @@ def test_auto_resume_meeting_a_refused_file_stops_with_that_error(planted, tmp_p
     assert_refused(refused, path, marker)
     # No new run was started beside the one it was to continue.
     assert os.listdir(os.path.join(root, PROJECT)) == [f"{EXPERIMENT}_{TIMESTAMP}"]
+
+
+def test_train_loop_load_checkpoint_refuses_by_default_and_takes_weights_only_false(tmp_path):
+    path = os.path.join(run_folder(tmp_path), f"model_{EXPERIMENT}_{TIMESTAMP}_E1.pth")
+    saved_like_18(path, {"lr": 0.1, "custom": UserHyperparams(0.5)}, numpy_1x_names=False)
+    model = MLP()
+    loop = TrainLoop(model, DataLoader(classification_data(8), batch_size=4), None, None,
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), show_progress=False)
+    with pytest.raises(UntrustedCheckpointError, match="weights_only=False"):
+        loop.load_checkpoint(path)
+    assert loop.load_checkpoint(path, weights_only=False)["hyperparams"]["custom"].lr == 0.5
+    assert loop.epochs_completed == 2  # a 1.8 file saved after epoch 1 continues from the next one
+
+
+def test_auto_resume_takes_weights_only_false_for_a_trusted_file(tmp_path):
+    root = str(tmp_path / "results")
+    path = os.path.join(run_folder(tmp_path / "results"), f"model_{EXPERIMENT}_{TIMESTAMP}_E1.pth")
+    saved_like_18(path, {"lr": 0.1, "custom": UserHyperparams(0.5)}, numpy_1x_names=False)
+    model = MLP()
+    arguments = (model, DataLoader(classification_data(8), batch_size=4), None, None,
+                 torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), PROJECT, EXPERIMENT, root, {})
+    with pytest.raises(UntrustedCheckpointError):
+        TrainLoopCheckpoint(*arguments, auto_resume=True, show_progress=False)
+    with pytest.raises(TypeError, match="weights_only must be True or False"):
+        TrainLoopCheckpoint(*arguments, auto_resume=True, show_progress=False, weights_only="no")
+    resumed = TrainLoopCheckpoint(*arguments, auto_resume=True, show_progress=False, weights_only=False)
+    assert resumed.resumed_from == path and resumed.epochs_completed == 2
 
 
 # --- sharded (DCP) checkpoints: torch's DCP would unpickle their index and non-tensor entries fully --------------
