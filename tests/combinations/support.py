@@ -52,11 +52,11 @@ class ComboNet(TTModel):
     """Linear -> BatchNorm -> ReLU -> Dropout -> Linear; ``aux`` (a regression head on the detached hidden
     features) only for the MultiLoss cells, whose second loss trains it."""
 
-    def __init__(self, loss: str = "plain", dropout: float = 0.2):
+    def __init__(self, loss: str = "plain", dropout: float = 0.2, batchnorm: bool = True):
         super().__init__()
         self.loss_kind = loss
         self.fc1 = nn.Linear(IN_FEATURES, HIDDEN)
-        self.bn = nn.BatchNorm1d(HIDDEN)
+        self.bn = nn.BatchNorm1d(HIDDEN) if batchnorm else nn.Identity()
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(HIDDEN, CLASSES)
         self.aux = nn.Linear(HIDDEN, 1) if loss != "plain" else None
@@ -86,8 +86,12 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def build_model(cell: Cell) -> ComboNet:
+def build_model(cell: Cell, per_sample: bool = False) -> ComboNet:
+    """The cell's model; ``per_sample``: without BatchNorm and Dropout, so that a sample's gradient does not depend
+    on which process's half batch it is in (what the comparison with one process needs)."""
     torch.manual_seed(0)
+    if per_sample:
+        return ComboNet(cell.loss, dropout=0.0, batchnorm=False)
     return ComboNet(cell.loss)
 
 
@@ -224,6 +228,41 @@ def resume_cell(cell: Cell, epochs: int = 2, stop_after: int = 1) -> Dict[str, A
     return {"state": run_state(resumed)}
 
 
+def single_process_differences(cell: Cell) -> Dict[str, float]:
+    """Train the cell's per-sample model (no BatchNorm, no Dropout) in the cell's processes and, in each of them,
+    in one process on the same global batches; the largest absolute difference of each weight (``{}`` on a rank
+    that holds no gathered weights)."""
+    distributed = build_loop(cell, build_model(cell, per_sample=True))
+    fit(distributed, cell, 2, fit_callbacks(cell))
+    got = run_state(distributed)  # a collective under FSDP (the weights are gathered)
+    single_cell = dataclasses.replace(cell, strategy="single")
+    reference = build_loop(single_cell, build_model(single_cell, per_sample=True))
+    fit(reference, single_cell, 2, fit_callbacks(single_cell))
+    expected = run_state(reference)
+    if not got["model"]:  # under FSDP only rank 0 holds the gathered weights
+        return {}
+    return {name: float((got["model"][name] - expected["model"][name]).abs().max()) for name in expected["model"]}
+
+
+def single_process_tolerance(cell: Cell) -> float:
+    """How far a distributed cell's weights may be from one process's after two epochs (measured: about half of it).
+
+    The ranks average their half batches' gradients, one process the whole batch's: the same sums in another
+    order. In float32 that is rounding (observed 6e-8: an ulp of the weights). Under autocast (O1, the GradScaler
+    dict) the bfloat16 forward rounds activations differently per half batch (observed 7.5e-4). O2 and O3 keep
+    bfloat16 weights, one unit in the last place of a weight below 1 is up to 3.9e-3 (observed 2e-3). FSDP's O2
+    also reduces the gradients in bfloat16, and Adam divides each gradient by its running size, so an element
+    whose gradient is near zero may step by up to the learning rate (1e-2) the other way (observed 1.5e-2).
+    """
+    if cell.precision == "fp32":
+        return 1e-6
+    if cell.precision in ("O1", "scaler"):
+        return 2e-3
+    if cell.precision == "O2" and cell.strategy == "fsdp":
+        return 3e-2
+    return 8e-3
+
+
 def check_cell(cell: Cell) -> List[str]:
     """Every invariant of one cell, as a list of what failed (empty: all hold). In a distributed cell every rank
     runs it (the runs are collectives) and reports its own view."""
@@ -237,6 +276,11 @@ def check_cell(cell: Cell) -> List[str]:
                 problems.append(f"{name}: history differs")
         except AssertionError as error:
             problems.append(str(error).splitlines()[0])
+    if cell.strategy != "single":
+        tolerance = single_process_tolerance(cell)
+        differences = single_process_differences(cell)
+        problems += [f"{name} differs from one process's by {difference:.3g} (tolerance {tolerance:g})"
+                     for name, difference in differences.items() if difference > tolerance]
     return problems
 
 

@@ -9,10 +9,13 @@ epochs and checks, in every process (see :func:`tests.combinations.support.check
 * stopping after epoch 1 and continuing in a new TrainLoop that loads the checkpoint (nothing else carries over,
   the global random state scrambled) ends bitwise where the straight run does.
 
-The equivalence of a distributed run with one process on the same global batches is checked where the maths
-allows it, without BatchNorm or Dropout (each rank normalises its own half batch and draws its own masks):
-``tests/torchtrain/distributed/test_fit_distributed.py`` and ``test_fsdp.py`` compare them within stated
-tolerances.
+* a distributed cell's weights equal those of one process trained on the same global batches, within the
+  tolerance :func:`tests.combinations.support.single_process_tolerance` states and justifies per precision (for
+  this invariant the model has no BatchNorm or Dropout: each rank normalises its own half batch and draws its
+  own masks, so with them the runs are different computations).
+
+The matrix runs in the processes of ``run_distributed``; ``test_new_process_resume.py`` continues the
+representative cells from a checkpoint file in new processes.
 
 A representative subset (each precision once, each strategy once, each other feature at least once) runs in the
 quick tests; the whole matrix is marked slow. Cells of one strategy share one pair of processes.
