@@ -103,6 +103,10 @@ def build_optimizers(model: ComboNet, cell: Cell):
 
 
 def build_loop(cell: Cell, model: Optional[ComboNet] = None) -> TrainLoop:
+    if cell.compile:
+        # As in a new process: torch.compile caches per code object (ComboNet.forward), and the many loops built
+        # in one matrix process would otherwise reach its cache size limit and run later cells eagerly.
+        torch._dynamo.reset()
     model = model if model is not None else build_model(cell)
     gpu_mode = "single" if cell.strategy == "single" else cell.strategy
     batch_size = BATCH_SIZE * (2 if cell.strategy == "single" else 1)  # the same global batches
