@@ -52,8 +52,9 @@ def unique_project() -> str:
 
 
 def html_body(message) -> str:
+    """The HTML part, with the e-mail's CRLF line ends read back as ``\\n``."""
     [part] = [part for part in message.walk() if part.get_content_type() == "text/html"]
-    return base64.b64decode(part.get_payload()).decode()
+    return base64.b64decode(part.get_payload()).decode().replace("\r\n", "\n")
 
 
 def attachments(message) -> dict:
