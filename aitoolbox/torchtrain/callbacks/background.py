@@ -107,10 +107,10 @@ class BackgroundSender:
             return [call.description for call in self._calls]
 
     @property
-    def failing(self) -> bool:
-        """True while the call at the head of the queue keeps failing for a passing reason."""
+    def failures(self) -> int:
+        """How many times in a row the call at the head of the queue failed for a passing reason (0: none)."""
         with self._condition:
-            return self._failures > 0
+            return self._failures
 
     def stop(self) -> None:
         """Drop every queued call; the thread ends after the call it is making, whose outcome is ignored."""

@@ -153,10 +153,8 @@ class MLflowTracking(TrackingCallback):
         if isinstance(flush_timeout_s, bool) or not isinstance(flush_timeout_s, (int, float)) or \
                 not flush_timeout_s >= 0:
             raise ValueError(f"flush_timeout_s must be a number of seconds >= 0, got {flush_timeout_s!r}")
-        if isinstance(max_queued_metrics, bool) or not isinstance(max_queued_metrics, int) or \
-                max_queued_metrics < MAX_METRICS_PER_BATCH:
-            raise ValueError(f"max_queued_metrics must be an int >= {MAX_METRICS_PER_BATCH}, got "
-                             f"{max_queued_metrics!r}")
+        if isinstance(max_queued_metrics, bool) or not isinstance(max_queued_metrics, int) or max_queued_metrics < 1:
+            raise ValueError(f"max_queued_metrics must be a positive int, got {max_queued_metrics!r}")
         self.tracking_uri = tracking_uri
         self.tags = dict(tags or {})
         self.run_name = run_name
@@ -286,9 +284,10 @@ class MLflowTracking(TrackingCallback):
         self._request_metrics_sending()
         self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
         if not self._sender.wait(self.flush_timeout_s):
-            logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s. Training is "
+            dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
+            logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
                            "not held up: the callback keeps trying in the background while this process runs",
-                           f"{self.flush_timeout_s:g}", self._sender.service, ", ".join(self.unsent()))
+                           f"{self.flush_timeout_s:g}", self._sender.service, ", ".join(self.unsent()), dropped)
 
     def _terminate(self, status: str) -> None:
         if self._run_open:
@@ -306,10 +305,9 @@ class MLflowTracking(TrackingCallback):
             else:
                 dropped = 0
             self._metrics.append(entry)
-        if dropped == 1 or dropped and dropped % self.max_queued_metrics == 0:
+        if dropped == 1:  # the end of fit says how many in all
             logger.warning("MLflowTracking: %d metric values are waiting to be sent, the most it keeps "
-                           "(max_queued_metrics); the oldest are dropped (%d so far)", self.max_queued_metrics,
-                           dropped)
+                           "(max_queued_metrics); the oldest are dropped from now on", self.max_queued_metrics)
         self._unflushed += 1
         if self._unflushed >= MAX_METRICS_PER_BATCH:
             self._request_metrics_sending()
