@@ -93,14 +93,15 @@ class EmailNotification(AbstractCallback):
         self.flush_timeout_s = float(flush_timeout_s)
         self.max_queued_emails = max_queued_emails
         self.ses_sender: Any = None  # the SESSender, made at registration
-        self._background: Optional[BackgroundSender] = None  # sends the hooks' e-mails, made at the first one
+        #: The BackgroundSender of the e-mails the hooks queued (made with the first one, per process).
+        self.outbox: Optional[BackgroundSender] = None
 
     def __getstate__(self) -> dict:
         # Sent to the processes of distributed training: the boto3 client and the sending thread are not
         # picklable, and the sending process makes its own when it first needs them.
         state = self.__dict__.copy()
         state["ses_sender"] = None
-        state["_background"] = None
+        state["outbox"] = None
         return state
 
     def on_train_loop_registration(self) -> None:
@@ -200,37 +201,37 @@ class EmailNotification(AbstractCallback):
         except Exception:  # noqa: BLE001 - a report must never stop training
             logger.exception("EmailNotification could not build the e-mail %r, which was not sent", subject)
             return False
-        if self._background is None or self._background.pid != os.getpid():
-            self._background = BackgroundSender("EmailNotification", f"AWS SES at {sender.endpoint}",
+        if self.outbox is None or self.outbox.pid != os.getpid():
+            self.outbox = BackgroundSender("EmailNotification", f"AWS SES at {sender.endpoint}",
                                                 sender.is_transient_error, max_queued=self.max_queued_emails)
-        self._background.submit(f"the e-mail {message['Subject']!r} from {sender.sender_email} to "
+        self.outbox.submit(f"the e-mail {message['Subject']!r} from {sender.sender_email} to "
                                 f"{sender.recipient_email}", lambda: sender.send_message(message))
         return True
 
     def unsent(self) -> List[str]:
         """The e-mails queued and not sent yet, oldest first."""
-        return self._background.unsent() if self._background is not None else []
+        return self.outbox.unsent() if self.outbox is not None else []
 
     def wait_for_queued_emails(self, timeout_s: Optional[float] = None) -> bool:
         """Wait at most ``timeout_s`` seconds (``flush_timeout_s`` when None) for the queued e-mails; log those
         not sent by then. Returns True when none is left."""
-        if self._background is None:
+        if self.outbox is None:
             return True
         timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
-        if self._background.wait(timeout_s):
+        if self.outbox.wait(timeout_s):
             return True
         unsent = self.unsent()
         if unsent:
             logger.warning("EmailNotification: %s s after the end of training, not sent yet to %s: %s. Training is "
                            "not held up: they keep being tried in the background while this process runs",
-                           f"{timeout_s:g}", self._background.service, "; ".join(unsent))
+                           f"{timeout_s:g}", self.outbox.service, "; ".join(unsent))
         return not unsent
 
     def discard_unsent(self) -> None:
         """Drop the e-mails not sent yet and stop trying: for a script that must not wait for SES."""
-        if self._background is not None:
-            self._background.stop()
-            self._background = None
+        if self.outbox is not None:
+            self.outbox.stop()
+            self.outbox = None
 
     def send_report(self, subject: str, body: str) -> Optional[str]:
         """Send an e-mail with the announced attachments now, on the calling thread (the hooks use
