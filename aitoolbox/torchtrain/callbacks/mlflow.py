@@ -62,7 +62,8 @@ def describe_tracking_uri(uri: str) -> str:
     parts = urllib.parse.urlsplit(uri)
     if parts.username is None and parts.password is None:
         return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc=(parts.hostname or "") + (f":{parts.port}" if parts.port else "")))
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def flatten_params(params: dict, prefix: str = "") -> Dict[str, str]:
@@ -198,7 +199,8 @@ class MLflowTracking(TrackingCallback):
     def sender(self) -> BackgroundSender:
         """The :class:`BackgroundSender` that makes this callback's calls (made at the first need, per process)."""
         if self._sender is None or self._sender.pid != os.getpid():
-            uri = describe_tracking_uri(self.client.tracking_uri)
+            uri = self.client.tracking_uri if self.client is not None else self.tracking_uri or "the default URI"
+            uri = describe_tracking_uri(uri)
             self._sender = BackgroundSender(type(self).__name__, f"the MLflow tracking store at {uri}",
                                             is_transient_mlflow_error)
         return self._sender
