@@ -5,6 +5,7 @@ of one test are not those of another on the shared server.
 """
 import base64
 import email
+import email.policy
 import html
 import json
 import os
@@ -52,8 +53,9 @@ def unique_project() -> str:
 
 
 def html_body(message) -> str:
+    """The HTML part, with the e-mail's CRLF line ends read back as ``\\n``."""
     [part] = [part for part in message.walk() if part.get_content_type() == "text/html"]
-    return base64.b64decode(part.get_payload()).decode()
+    return base64.b64decode(part.get_payload()).decode().replace("\r\n", "\n")
 
 
 def attachments(message) -> dict:
@@ -72,7 +74,8 @@ def all_subjects(server_url: str) -> list:
     """The subjects of every e-mail moto's SES accepted so far."""
     with urllib.request.urlopen(f"{server_url}/moto-api/data.json", timeout=10) as response:
         data = json.loads(response.read())
-    return [email.message_from_string(item["raw_data"])["Subject"] for item in data["ses"]["RawMessage"]]
+    return [str(email.message_from_string(item["raw_data"], policy=email.policy.default)["Subject"]).strip()
+            for item in data["ses"]["RawMessage"]]
 
 
 class AnnounceMissingFile(AbstractCallback):

@@ -1,6 +1,7 @@
 """aitoolbox 1.8's SESSender against moto's SES (the same standalone server as the S3 tests)."""
 import base64
 import email
+import email.policy
 import json
 import logging
 import urllib.request
@@ -10,11 +11,14 @@ import pytest
 
 
 def sent_messages(server_url: str, subject: str) -> list:
-    """The raw e-mails moto's SES accepted with ``subject`` (moto's own introspection endpoint)."""
+    """The e-mails moto's SES accepted with ``subject`` (moto's own introspection endpoint), parsed as a mail
+    client would (folded headers unfolded, encoded words decoded)."""
     with urllib.request.urlopen(f"{server_url}/moto-api/data.json", timeout=10) as response:
         data = json.loads(response.read())
-    raw = [email.message_from_string(item["raw_data"]) for item in data["ses"]["RawMessage"]]
-    return [message for message in raw if message["Subject"] == subject]
+    raw = [email.message_from_string(item["raw_data"], policy=email.policy.default)
+           for item in data["ses"]["RawMessage"]]
+    # str.strip: a subject folded onto its own line ("Subject:\r\n End of ...") reads back with a leading space.
+    return [message for message in raw if str(message["Subject"]).strip() == subject]
 
 
 def test_an_email_with_an_attachment_goes_out_through_ses(s3_env, tmp_path):

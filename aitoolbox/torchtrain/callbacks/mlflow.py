@@ -3,14 +3,21 @@
 The ``mlflow`` package (``mlflow-skinny`` is enough) is imported when the callback is registered with a
 TrainLoop (``pip install aitoolbox[mlflow]``), so ``import aitoolbox`` works without it. The callback talks to
 the tracking store through ``MlflowClient`` with the run's id, so it neither needs nor changes MLflow's
-"active run" of the fluent API (``mlflow.start_run``).
+"active run" of the fluent API (``mlflow.start_run``). Every call to the tracking store is made on a background
+thread (:class:`~aitoolbox.torchtrain.callbacks.background.BackgroundSender`): an unreachable or slow server never
+stops or slows training.
 """
 import logging
+import os
 import re
+import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+import urllib.parse
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from aitoolbox.experiment.redaction import redact_hyperparams
+from aitoolbox.torchtrain.callbacks.background import BackgroundSender
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback
 
 logger = logging.getLogger(__name__)
@@ -20,6 +27,9 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE_LENGTH = 6000
 DEFAULT_EXPERIMENT = "Default"
+#: How long the end of ``fit`` waits for what is still queued, and how many metrics wait at most.
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
+DEFAULT_MAX_QUEUED_METRICS = 100_000
 
 
 def load_mlflow_client_class() -> type:
@@ -36,6 +46,25 @@ def mlflow_key(name: str) -> str:
     """``name`` as a valid MLflow metric / parameter key: characters MLflow refuses become ``_``."""
     key = re.sub(r"[^A-Za-z0-9_\-./ :]", "_", str(name)).lstrip("/")
     return re.sub(r"(^|/)\.\.?(?=/|$)", r"\1_", key) or "_"  # no '.' or '..' path parts
+
+
+def is_transient_mlflow_error(error: BaseException) -> bool:
+    """True for a failure that may pass (no connection, a timeout, a server error, rate limiting); False for a
+    refusal that would be repeated (an HTTP 4xx answer: a bad value, an unknown run, no permission)."""
+    from mlflow.exceptions import MlflowException
+    if isinstance(error, MlflowException):
+        status = error.get_http_status_code()
+        return status == 429 or not 400 <= status < 500
+    return isinstance(error, OSError)  # requests' and urllib3's connection errors are OSErrors
+
+
+def describe_tracking_uri(uri: str) -> str:
+    """``uri`` without the user name and password it may carry, for messages."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def flatten_params(params: dict, prefix: str = "") -> Dict[str, str]:
@@ -65,10 +94,17 @@ class MLflowTracking(TrackingCallback):
     - the final model's path (when ``ModelTrainEndSave`` or an EndSave preset saved one) as the tag
       ``final_model_path``, and with ``log_model_artifact`` the file itself as an artifact under ``model/``.
 
-    Batch metrics are sent in batches of up to 1,000 (MLflow's limit per call), at each epoch end and when
-    training stops. The run ends at the end of each ``fit`` (status FINISHED; FAILED or KILLED when an
-    exception or Ctrl-C stopped it); a later ``fit`` of the same TrainLoop continues the same run. To continue a
-    run from another process (after resuming from a checkpoint), pass its ``run_id``.
+    Nothing is sent from the training thread: the hooks queue the values and a background thread sends them
+    (batch metrics up to 1,000 per call, MLflow's limit), in order. When the store cannot be reached, the values
+    are kept (at most ``max_queued_metrics`` metrics; beyond that the oldest are dropped, with a warning) and
+    sent when it answers again; the outage is logged once and training goes on. A refusal by the store (an
+    unknown ``run_id``, a bad value) is logged as an error. At the end of each ``fit`` the callback waits at most
+    ``flush_timeout_s`` seconds for the queue to empty, then logs what was not sent yet, which keeps being tried
+    while the process runs.
+
+    The run ends at the end of each ``fit`` (status FINISHED; FAILED or KILLED when an exception or Ctrl-C stopped
+    it); a later ``fit`` of the same TrainLoop continues the same run. To continue a run from another process
+    (after resuming from a checkpoint), pass its ``run_id``.
 
     Args:
         tracking_uri: where the runs are stored, e.g. ``'sqlite:///mlflow.db'``, ``'http://127.0.0.1:5000'``
@@ -90,6 +126,8 @@ class MLflowTracking(TrackingCallback):
         project_name: the MLflow experiment; None takes the loop's, else ``'Default'``.
         experiment_name: the run name's prefix; None takes the loop's.
         local_model_result_folder_path: root folder of the experiment folders, or None to take the loop's.
+        flush_timeout_s: how long the end of ``fit`` (and :meth:`flush`) waits for the queued values to be sent.
+        max_queued_metrics: the most metric values kept while the store cannot be reached.
 
     Raises:
         TypeError / ValueError: a bad argument.
@@ -101,7 +139,9 @@ class MLflowTracking(TrackingCallback):
                  tags: Optional[Dict[str, Any]] = None, run_name: Optional[str] = None, run_id: Optional[str] = None,
                  artifact_location: Optional[str] = None, log_model_artifact: bool = False,
                  log_learning_rates: bool = True, project_name: Optional[str] = None,
-                 experiment_name: Optional[str] = None, local_model_result_folder_path: Optional[str] = None):
+                 experiment_name: Optional[str] = None, local_model_result_folder_path: Optional[str] = None,
+                 flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
+                 max_queued_metrics: int = DEFAULT_MAX_QUEUED_METRICS):
         super().__init__("MLflow experiment tracking", metric_names, batch_log_frequency, hyperparams, project_name,
                          experiment_name, local_model_result_folder_path, log_learning_rates)
         for name, value in (("tracking_uri", tracking_uri), ("run_name", run_name), ("run_id", run_id),
@@ -112,27 +152,86 @@ class MLflowTracking(TrackingCallback):
             raise TypeError(f"tags must be None or a dict of tag names and values, got {tags!r}")
         if not isinstance(log_model_artifact, bool):
             raise TypeError(f"log_model_artifact must be True or False, got {log_model_artifact!r}")
+        if isinstance(flush_timeout_s, bool) or not isinstance(flush_timeout_s, (int, float)) or \
+                not flush_timeout_s >= 0:
+            raise ValueError(f"flush_timeout_s must be a number of seconds >= 0, got {flush_timeout_s!r}")
+        if isinstance(max_queued_metrics, bool) or not isinstance(max_queued_metrics, int) or max_queued_metrics < 1:
+            raise ValueError(f"max_queued_metrics must be a positive int, got {max_queued_metrics!r}")
         self.tracking_uri = tracking_uri
         self.tags = dict(tags or {})
         self.run_name = run_name
         self.run_id = run_id
         self.artifact_location = artifact_location
         self.log_model_artifact = log_model_artifact
+        self.flush_timeout_s = float(flush_timeout_s)
+        self.max_queued_metrics = max_queued_metrics
         self.client: Any = None  # the MlflowClient, in the main process once training started
         self._client_class: Optional[type] = None
-        self._pending_metrics: List[Any] = []
+        self._reset_sending_state()
+
+    def _reset_sending_state(self) -> None:
+        self._sender: Optional[BackgroundSender] = None
+        # (sequence number, key, value, timestamp ms, step) of the metrics not sent yet, oldest first.
+        self._metrics: Deque[Tuple[int, str, float, int, int]] = deque()
+        self._metrics_lock = threading.Lock()
+        self._next_sequence = 0
+        self._unflushed = 0  # metrics queued since the last request to send them
+        self.dropped_metrics = 0
+        self._run_open = False  # on the sender's thread: the run was created or continued
 
     def __getstate__(self) -> dict:
         # Sent to the processes of fit_distributed before training: each builds its own client if it needs one.
         state = self.__dict__.copy()
-        state["client"] = None
-        state["_client_class"] = None
-        state["_pending_metrics"] = []
+        for name in ("client", "_client_class", "_sender", "_metrics", "_metrics_lock"):
+            state.pop(name)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.client = None
+        self._client_class = None
+        self._reset_sending_state()
 
     def on_train_loop_registration(self) -> None:
         super().on_train_loop_registration()
         self._client_class = load_mlflow_client_class()  # a missing package is reported now
+
+    # --- the background sender ----------------------------------------------------------------------------------
+    def sender(self) -> BackgroundSender:
+        """The :class:`BackgroundSender` that makes this callback's calls (made at the first need, per process)."""
+        if self._sender is None or self._sender.pid != os.getpid():
+            uri = self.client.tracking_uri if self.client is not None else self.tracking_uri or "the default URI"
+            uri = describe_tracking_uri(uri)
+            self._sender = BackgroundSender(type(self).__name__, f"the MLflow tracking store at {uri}",
+                                            is_transient_mlflow_error)
+        return self._sender
+
+    def unsent(self) -> List[str]:
+        """What is not sent to the tracking store yet, e.g. ``['1,234 metrics', "the run's end (FINISHED)"]``."""
+        if self._sender is None:
+            return []
+        with self._metrics_lock:
+            metrics = len(self._metrics)
+        calls = [description for description in self._sender.unsent() if description != _METRICS_CALL]
+        return ([f"{metrics:,} metrics"] if metrics else []) + calls
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Send the queued metrics, waiting at most ``timeout_s`` seconds (``flush_timeout_s`` when None).
+
+        Returns True when everything queued was sent (or refused by the store, which is logged).
+        """
+        if self._sender is None:
+            return True
+        self._request_metrics_sending()
+        return self._sender.wait(self.flush_timeout_s if timeout_s is None else timeout_s)
+
+    def discard_unsent(self) -> None:
+        """Drop everything not sent yet and stop trying: for a script that must not wait for an absent server."""
+        if self._sender is not None:
+            self._sender.stop()
+            self._sender = None
+        with self._metrics_lock:
+            self._metrics.clear()
 
     # --- the run --------------------------------------------------------------------------------------------
     def experiment_and_run_names(self) -> tuple:
@@ -149,17 +248,24 @@ class MLflowTracking(TrackingCallback):
         if self._client_class is None:
             self._client_class = load_mlflow_client_class()
         if self.client is None:
+            # Checks the URI and opens a local store; an HTTP client does not connect before its first call.
             self.client = self._client_class(tracking_uri=self.tracking_uri)
-        if self.run_id is not None:
-            self.client.get_run(self.run_id)  # an unknown id fails now, with MLflow's message
-            self.client.update_run(self.run_id, status="RUNNING")
-            return
         experiment_name, run_name = self.experiment_and_run_names()
         tags = {mlflow_key(key): str(value) for key, value in self.tags.items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
-        run = self.client.create_run(self._experiment_id(experiment_name), run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
+        self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))
+
+    def _open_run(self, experiment_name: str, run_name: Optional[str], tags: Dict[str, str]) -> None:
+        # On the sender's thread, before the calls that need the run.
+        self._run_open = False
+        if self.run_id is not None:
+            self.client.get_run(self.run_id)  # an unknown id is refused here, with MLflow's message
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(self._experiment_id(experiment_name), run_name=run_name, tags=tags)
+            self.run_id = run.info.run_id
+        self._run_open = True
 
     def _experiment_id(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
@@ -178,32 +284,75 @@ class MLflowTracking(TrackingCallback):
             status = "FINISHED"
         else:
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
-        try:
-            self.flush()
-        finally:
-            self.client.set_terminated(self.run_id, status=status)
+        self._request_metrics_sending()
+        self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
+        if not self._sender.wait(self.flush_timeout_s):
+            dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
+            logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
+                           "not held up: the callback keeps trying in the background while this process runs",
+                           f"{self.flush_timeout_s:g}", self._sender.service, ", ".join(self.unsent()), dropped)
 
-    def flush(self) -> None:
-        """Send the buffered metrics to the tracking store."""
-        pending, self._pending_metrics = self._pending_metrics, []
-        for start in range(0, len(pending), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=pending[start:start + MAX_METRICS_PER_BATCH])
+    def _terminate(self, status: str) -> None:
+        if self._run_open:
+            self.client.set_terminated(self.run_id, status=status)
 
     # --- what is logged ---------------------------------------------------------------------------------------
     def _add_metric(self, key: str, value: float, step: int) -> None:
+        entry = (self._next_sequence, mlflow_key(key), float(value), int(time.time() * 1000), int(step))
+        self._next_sequence += 1
+        with self._metrics_lock:
+            if len(self._metrics) >= self.max_queued_metrics:
+                self._metrics.popleft()
+                self.dropped_metrics += 1
+                dropped = self.dropped_metrics
+            else:
+                dropped = 0
+            self._metrics.append(entry)
+        if dropped == 1:  # the end of fit says how many in all
+            logger.warning("MLflowTracking: %d metric values are waiting to be sent, the most it keeps "
+                           "(max_queued_metrics); the oldest are dropped from now on", self.max_queued_metrics)
+        self._unflushed += 1
+        if self._unflushed >= MAX_METRICS_PER_BATCH:
+            self._request_metrics_sending()
+
+    def _request_metrics_sending(self) -> None:
+        self._unflushed = 0
+        if self._sender is not None or self.client is not None:
+            self.sender().submit(_METRICS_CALL, self._send_metrics, key=_METRICS_CALL)
+
+    def _send_metrics(self) -> None:
+        # On the sender's thread: the metrics queued when the call starts, 1,000 per request, each removed once
+        # the store has them (a failed request keeps them for the next try).
         from mlflow.entities import Metric
-        self._pending_metrics.append(Metric(mlflow_key(key), float(value), int(time.time() * 1000), int(step)))
-        if len(self._pending_metrics) >= MAX_METRICS_PER_BATCH:
-            self.flush()
+        with self._metrics_lock:
+            last = self._metrics[-1][0] if self._metrics else -1
+        while True:
+            with self._metrics_lock:
+                chunk = [entry for _, entry in zip(range(MAX_METRICS_PER_BATCH), self._metrics) if entry[0] <= last]
+            if not chunk:
+                return
+            if self._run_open:
+                self.client.log_batch(self.run_id, metrics=[Metric(key, value, timestamp, step)
+                                                            for _, key, value, timestamp, step in chunk],
+                                      synchronous=True)
+            # Without a run (its start was refused, which is logged) the values have nowhere to go.
+            with self._metrics_lock:  # the oldest may have been dropped meanwhile: remove by sequence number
+                while self._metrics and self._metrics[0][0] <= chunk[-1][0]:
+                    self._metrics.popleft()
 
     def write_hyperparams(self, hyperparams: dict) -> None:
-        from mlflow.entities import Param
-        params = flatten_params(redact_hyperparams(hyperparams))  # secrets never leave the machine
+        params = flatten_params(redact_hyperparams(hyperparams or {}))  # secrets never leave the machine
         for key, value in params.items():
             if len(value) > MAX_PARAM_VALUE_LENGTH:
                 logger.warning("MLflowTracking: hyperparameter %r is %d characters long; MLflow keeps %d, the rest is "
                                "cut", key, len(value), MAX_PARAM_VALUE_LENGTH)
                 params[key] = value[:MAX_PARAM_VALUE_LENGTH]
+        self.sender().submit("the run's parameters", lambda: self._send_params(params))
+
+    def _send_params(self, params: Dict[str, str]) -> None:
+        from mlflow.entities import Param
+        if not self._run_open:
+            return
         # MLflow parameters cannot change: a continued run logs only the new ones.
         existing = self.client.get_run(self.run_id).data.params
         changed = sorted(key for key, value in params.items() if key in existing and existing[key] != value)
@@ -212,7 +361,7 @@ class MLflowTracking(TrackingCallback):
                            "cannot change, the run keeps its values", self.run_id, changed)
         new = [Param(key, value) for key, value in params.items() if key not in existing]
         for start in range(0, len(new), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=new[start:start + MAX_PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=new[start:start + MAX_PARAMS_PER_BATCH], synchronous=True)
 
     def write_batch(self, record: BatchRecord) -> None:
         for name, value in record.losses.items():
@@ -224,9 +373,15 @@ class MLflowTracking(TrackingCallback):
     def write_epoch_metrics(self, epoch: int, step: int, metrics: Dict[str, float], train_end: bool) -> None:
         for name, value in metrics.items():
             self._add_metric(name, value, epoch)
-        self.flush()
+        self._request_metrics_sending()
 
     def write_final_model_path(self, path: str) -> None:
-        self.client.set_tag(self.run_id, "final_model_path", path)
+        self.sender().submit("the tag final_model_path", lambda: self._run_open and self.client.set_tag(
+            self.run_id, "final_model_path", path, synchronous=True))
         if self.log_model_artifact:
-            self.client.log_artifact(self.run_id, path, artifact_path="model")
+            self.sender().submit(f"the model artifact {path}", lambda: self._run_open and self.client.log_artifact(
+                self.run_id, path, artifact_path="model"))
+
+
+#: The description of the call that sends the queued metrics (one waits at a time).
+_METRICS_CALL = "the queued metrics"
