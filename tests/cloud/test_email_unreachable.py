@@ -6,49 +6,17 @@ SES is moto's (see conftest.py); a FaultyProxy in front of it holds the traffic 
 free port stands for a closed endpoint. No assertion is about time: a ``fit`` that should not wait runs in a
 thread joined with a generous hang limit, far below what botocore's own timeouts (60 s per attempt) would take.
 """
-import threading
-import time
 
 import pytest
 
 from aitoolbox.torchtrain.callbacks.basic import EmailNotification
 from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.hang_limits import HANG_LIMIT_S, fit_within_hang_limit, log_messages, wait_until
 from tests.cloud.servers import FaultyProxy, free_port
 from tests.cloud.test_email_notification import (
     RECIPIENT, SENDER, all_subjects, html_body, loop_arguments, one_email, unique_project, verify_sender)
 from tests.cloud.test_ses import sent_messages
 
-HANG_LIMIT_S = 120.0
-
-
-def fit_within_hang_limit(tl, **fit_arguments) -> None:
-    """``tl.fit(...)`` in a thread; fails the test if it has not returned within HANG_LIMIT_S."""
-    errors = []
-
-    def fit():
-        try:
-            tl.fit(**fit_arguments)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(error)
-
-    thread = threading.Thread(target=fit, daemon=True)
-    thread.start()
-    thread.join(HANG_LIMIT_S)
-    assert not thread.is_alive(), f"fit did not return within {HANG_LIMIT_S} s: it waits on SES"
-    if errors:
-        raise errors[0]
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG_LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"still not {what} after {HANG_LIMIT_S} s"
-        time.sleep(0.05)
-
-
-def messages(caplog, text: str, level: str = "WARNING") -> list:
-    return [record.getMessage() for record in caplog.records if record.levelname == level
-            and text in record.getMessage()]
 
 
 def subjects(project: str) -> list:
@@ -66,17 +34,17 @@ def test_a_held_ses_holds_up_neither_training_nor_its_end_and_the_emails_go_out_
         project = unique_project()
         tl = TrainLoop(*loop_arguments())
         callback = EmailNotification("Bot", SENDER, RECIPIENT, project, "exp", flush_timeout_s=0.5)
-        fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback])
+        fit_within_hang_limit(tl, waits_on="SES", num_epochs=2, callbacks=[callback])
         assert len(tl.train_history["loss"]) == 2  # trained to the end
 
-        (report,) = messages(aitoolbox_records, "not sent yet")
+        (report,) = log_messages(aitoolbox_records, "not sent yet")
         assert proxy.url in report and all(subject in report for subject in subjects(project)), report
         proxy.release()
         assert callback.wait_for_queued_emails(HANG_LIMIT_S), callback.unsent()
     finally:
         proxy.close()
     assert sorted(s for s in all_subjects(s3_env.url) if project in s) == sorted(subjects(project))
-    assert messages(aitoolbox_records, "could not send") == []  # held, not failed
+    assert log_messages(aitoolbox_records, "could not send") == []  # held, not failed
 
 
 def test_a_closed_endpoint_is_reported_once_and_training_completes(s3_env, monkeypatch, aitoolbox_records):
@@ -87,11 +55,11 @@ def test_a_closed_endpoint_is_reported_once_and_training_completes(s3_env, monke
     project = unique_project()
     tl = TrainLoop(*loop_arguments())
     callback = EmailNotification("Bot", SENDER, RECIPIENT, project, "exp", flush_timeout_s=0.2)
-    fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback])
+    fit_within_hang_limit(tl, waits_on="SES", num_epochs=2, callbacks=[callback])
     assert len(tl.train_history["loss"]) == 2
 
     wait_until(lambda: callback.outbox.failures >= 3, "tried three times")
-    (report,) = messages(aitoolbox_records, "could not send")  # one report for the outage, not one per try
+    (report,) = log_messages(aitoolbox_records, "could not send")  # one report for the outage, not one per try
     assert url in report and f"End of epoch 0 report: {project}: exp" in report
     assert [record for record in aitoolbox_records.records if record.levelname == "ERROR"] == []
     assert len(callback.unsent()) == 3  # kept while it keeps trying

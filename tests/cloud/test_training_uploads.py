@@ -25,6 +25,7 @@ from aitoolbox.torchtrain.model_predict import PyTorchModelPredictor
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint, TrainLoopCheckpointEndSave
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from tests.cloud.buckets import FAST_RETRY
+from tests.cloud.test_uploader import open_files_below
 from tests.helpers import MLP, classification_data, single_torch_thread
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
@@ -196,20 +197,6 @@ def test_uploads_slower_than_checkpointing_hold_one_file_open_drop_superseded_ve
     ranking = "checkpoint_model/.aitoolbox-checkpoint-ranking.json"
     assert uploaded[ranking] == local[ranking]  # the newest version of a file submitted again
     assert not [path for path in local if os.path.basename(path).startswith(STAGING_PREFIX)]  # no pin left
-
-
-def open_files_below(folder: str) -> list:
-    """The files below ``folder`` this process holds open (from /proc/self/fd)."""
-    folder = os.path.realpath(folder)
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith(folder + os.sep):
-            held.append(target)
-    return held
 
 
 def test_a_bucket_gone_mid_run_fails_fit_at_the_end_naming_bucket_and_key_and_keeps_every_local_file(

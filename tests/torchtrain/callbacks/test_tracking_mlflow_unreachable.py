@@ -9,13 +9,12 @@ in a thread joined with a generous hang limit, far below what the client's own t
 """
 import logging
 import sys
-import threading
-import time
 
 import pytest
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.mlflow import MLflowTracking
+from tests.hang_limits import HANG_LIMIT_S, fit_within_hang_limit, log_messages, wait_until
 from tests.cloud.servers import FaultyProxy, ServerProcess, free_port, start_server
 from tests.torchtrain.callbacks.tracking_support import BatchRecorder, make_train_loop
 
@@ -23,7 +22,6 @@ pytest.importorskip("mlflow")
 pytest.importorskip("flask")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-HANG_LIMIT_S = 120.0
 
 SERVER_SCRIPT = """
 import os, sys
@@ -66,36 +64,6 @@ def proxy(mlflow_server):
     faulty.close()
 
 
-def fit_within_hang_limit(tl, **fit_arguments) -> None:
-    """``tl.fit(...)`` in a thread; fails the test if it has not returned within HANG_LIMIT_S."""
-    errors = []
-
-    def fit():
-        try:
-            tl.fit(**fit_arguments)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(error)
-
-    thread = threading.Thread(target=fit, daemon=True)
-    thread.start()
-    thread.join(HANG_LIMIT_S)
-    assert not thread.is_alive(), f"fit did not return within {HANG_LIMIT_S} s: it waits on the tracking server"
-    if errors:
-        raise errors[0]
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + HANG_LIMIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"still not {what} after {HANG_LIMIT_S} s"
-        time.sleep(0.05)
-
-
-def messages(caplog, text: str, level: str = "WARNING") -> list:
-    return [record.getMessage() for record in caplog.records if record.levelname == level
-            and text in record.getMessage()]
-
-
 def history(client: MlflowClient, run_id: str, key: str) -> list:
     return sorted((metric.step, metric.value) for metric in client.get_metric_history(run_id, key))
 
@@ -111,10 +79,10 @@ def test_a_server_that_never_answers_holds_up_neither_fit_nor_its_end_and_gets_e
     proxy.hold()  # connections are accepted, nothing is answered
     tl, recorder = make_train_loop(), BatchRecorder()
     callback = MLflowTracking(proxy.url, hyperparams={"lr": 0.1}, project_name="held", flush_timeout_s=0.5)
-    fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback, recorder])
+    fit_within_hang_limit(tl, waits_on="the tracking server", num_epochs=2, callbacks=[callback, recorder])
     assert len(tl.train_history["loss"]) == 2  # trained to the end
 
-    (report,) = messages(records, "not sent yet")
+    (report,) = log_messages(records, "not sent yet")
     # 10 batches x (loss, mean loss, learning rate) + 2 epochs x (loss, accumulated_loss, val_loss)
     for unsent in ("36 metrics", "the start of the run", "the run's parameters", "the run's end (FINISHED)",
                    proxy.url):
@@ -133,7 +101,7 @@ def test_a_server_that_never_answers_holds_up_neither_fit_nor_its_end_and_gets_e
         [(step, recorder.running_mean(step)) for step in steps]
     for name in ("loss", "accumulated_loss", "val_loss"):
         assert history(client, run.info.run_id, name) == list(enumerate(tl.train_history[name])), name
-    assert messages(records, "could not send") == []  # held, not failed: nothing to report but the delay
+    assert log_messages(records, "could not send") == []  # held, not failed: nothing to report but the delay
 
 
 def test_a_closed_port_is_reported_once_and_training_completes(monkeypatch, records):
@@ -142,13 +110,13 @@ def test_a_closed_port_is_reported_once_and_training_completes(monkeypatch, reco
     url = f"http://127.0.0.1:{free_port()}"
     tl = make_train_loop()
     callback = MLflowTracking(url, project_name="closed", flush_timeout_s=0.2)
-    fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback])
+    fit_within_hang_limit(tl, waits_on="the tracking server", num_epochs=2, callbacks=[callback])
     assert len(tl.train_history["loss"]) == 2
 
     wait_until(lambda: callback.sender().failures >= 3, "tried three times")
-    (report,) = messages(records, "could not send")  # one report for the outage, not one per try
+    (report,) = log_messages(records, "could not send")  # one report for the outage, not one per try
     assert url in report and "the start of the run" in report
-    (unsent,) = messages(records, "not sent yet")
+    (unsent,) = log_messages(records, "not sent yet")
     assert "36 metrics" in unsent and "the run's end (FINISHED)" in unsent
     assert callback.unsent()[0] == "36 metrics"  # kept while it keeps trying
     callback.discard_unsent()
@@ -159,9 +127,9 @@ def test_the_queue_is_bounded_and_keeps_the_newest_values(mlflow_server, proxy, 
     proxy.hold()
     tl, recorder = make_train_loop(), BatchRecorder()
     callback = MLflowTracking(proxy.url, project_name="bounded", max_queued_metrics=10, flush_timeout_s=0.2)
-    fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback, recorder])
+    fit_within_hang_limit(tl, waits_on="the tracking server", num_epochs=2, callbacks=[callback, recorder])
     assert callback.dropped_metrics == 26
-    assert len(messages(records, "the oldest are dropped")) == 1
+    assert len(log_messages(records, "the oldest are dropped")) == 1
 
     proxy.release()
     assert callback.flush(timeout_s=HANG_LIMIT_S), callback.unsent()
@@ -177,11 +145,11 @@ def test_the_queue_is_bounded_and_keeps_the_newest_values(mlflow_server, proxy, 
 def test_a_refused_run_is_an_error_once_and_training_completes(mlflow_server, records):
     tl = make_train_loop()
     callback = MLflowTracking(mlflow_server.url, run_id="f" * 32, flush_timeout_s=HANG_LIMIT_S)
-    fit_within_hang_limit(tl, num_epochs=2, callbacks=[callback])
+    fit_within_hang_limit(tl, waits_on="the tracking server", num_epochs=2, callbacks=[callback])
     assert len(tl.train_history["loss"]) == 2
     errors = [record.getMessage() for record in records.records if record.levelname == "ERROR"]
     assert len(errors) == 1 and "refused the start of the run" in errors[0] and "f" * 32 in errors[0]
-    assert callback.unsent() == [] and messages(records, "not sent yet") == []
+    assert callback.unsent() == [] and log_messages(records, "not sent yet") == []
 
 
 class ManyMetrics(AbstractCallback):
