@@ -81,7 +81,8 @@ class EarlyStopping(AbstractCallback):
 
     At every epoch end the newest value of ``train_history[monitor]`` is compared with the best so far. After
     more than ``patience`` epochs in a row without an improvement larger than ``min_delta`` the loop stops.
-    Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted.
+    Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted. Checkpoints hold
+    the count and the best value (:meth:`state_dict`), so a resumed run stops where the uninterrupted run would.
 
     Args:
         monitor: the ``train_history`` metric to watch, e.g. ``'val_loss'`` or ``'val_Accuracy'``.
@@ -163,7 +164,8 @@ class ThresholdEarlyStopping(AbstractCallback):
     """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
 
     A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
-    is better when it is below it. Reaching the threshold again resets the count (``patience_count``).
+    is better when it is below it. Reaching the threshold again resets the count (``patience_count``), which
+    checkpoints hold (:meth:`state_dict`).
 
     Args:
         monitor: the ``train_history`` metric to watch.

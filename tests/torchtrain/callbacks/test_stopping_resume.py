@@ -193,3 +193,17 @@ def test_a_requeued_job_resumes_to_the_same_stop_and_then_keeps_its_final_model(
     with open(final_path, "rb") as file:
         assert file.read() == final_bytes
     assert os.stat(final_path).st_mtime_ns == modified
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_fit_distributed_stops_on_every_rank_and_its_next_call_trains_nothing():
+    from tests.torchtrain.distributed.support import make_train_loop
+    tl = make_train_loop()
+    tl.fit_distributed(num_epochs=len(SCORES), callbacks=[Scores(), EarlyStopping("val_score", patience=1, mode="min")],
+                       num_gpus=2, start_method="fork")
+    assert tl.epoch == 3 and tl.epochs_completed == 4 and tl.early_stop  # both ranks stopped with rank 0
+    weights = {name: value.clone() for name, value in tl.model.state_dict().items()}
+    tl.fit_distributed(num_epochs=len(SCORES), num_gpus=2, start_method="fork")  # no process is started
+    assert tl.epochs_completed == 4
+    assert all(torch.equal(tl.model.state_dict()[name], value) for name, value in weights.items())
+    assert tl.checkpoint_state()["early_stop"] is True
