@@ -145,6 +145,16 @@ class ModelTrainHistoryBaseCB(AbstractExperimentCallback):
         """Write the current training history (``prefix`` is ``'train_end_'`` at the end of training)."""
         raise NotImplementedError
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The epochs in which each metric got its values: a resumed run cannot tell them from the history alone
+        when a metric is recorded only every few epochs (checkpoints store it under ``callbacks``)."""
+        return {"history_epochs": {name: list(epochs) for name, epochs in self.history_epochs.epochs.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.history_epochs.epochs = {name: [int(epoch) for epoch in epochs]
+                                      for name, epochs in state["history_epochs"].items()}
+
     def announce(self, key: str, paths: List[str]) -> None:
         """Tell the other callbacks which files were written, through the loop's message service (until the
         epoch's end, as in aitoolbox 1.x)."""

@@ -8,7 +8,7 @@ when the model predicts one value for the whole validation set. aitoolbox 1.x co
 import logging
 import math
 from numbers import Real
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -65,12 +65,24 @@ def _check_patience(patience: Any) -> None:
         raise ValueError(f"patience must be an int >= 0 (epochs to tolerate), got {patience!r}")
 
 
+def _watches_another_metric(callback: Any, state: Dict[str, Any]) -> bool:
+    """True (with a warning) when a saved stopping state was of another metric or mode than ``callback``'s: its
+    counts mean nothing for this one."""
+    saved = (state.get("monitor", callback.monitor), state.get("mode", callback.mode))
+    if saved == (callback.monitor, callback.mode):
+        return False
+    logger.warning("%s watches %s (mode %r) but the checkpoint's state is of %s (mode %r): it starts afresh",
+                   type(callback).__name__, callback.monitor, callback.mode, saved[0], saved[1])
+    return True
+
+
 class EarlyStopping(AbstractCallback):
     """Stop training when a metric in ``train_history`` has stopped improving.
 
     At every epoch end the newest value of ``train_history[monitor]`` is compared with the best so far. After
     more than ``patience`` epochs in a row without an improvement larger than ``min_delta`` the loop stops.
-    Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted.
+    Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted. Checkpoints hold
+    the count and the best value (:meth:`state_dict`), so a resumed run stops where the uninterrupted run would.
 
     Args:
         monitor: the ``train_history`` metric to watch, e.g. ``'val_loss'`` or ``'val_Accuracy'``.
@@ -128,12 +140,32 @@ class EarlyStopping(AbstractCallback):
             return current < self.best_performance - self.min_delta
         return current > self.best_performance + self.min_delta
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The count of epochs without improvement, the best value and its epoch: what a resumed run needs to stop
+        at the epoch the uninterrupted run would have (checkpoints store it under ``callbacks``)."""
+        return {"monitor": self.monitor, "mode": self.mode,
+                "epochs_without_improvement": self.patience - self.patience_count,
+                "best_performance": None if self.best_performance is None else float(self.best_performance),
+                "best_epoch": int(self.best_epoch), "values_at_epoch_begin": int(self._values_at_epoch_begin)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. The epochs without improvement are counted against this
+        callback's ``patience`` (a resumed run may change it); a state of another metric or mode is not loaded (a
+        warning says so) and the callback starts afresh."""
+        if _watches_another_metric(self, state):
+            return
+        self.patience_count = self.patience - int(state["epochs_without_improvement"])
+        self.best_performance = state["best_performance"]
+        self.best_epoch = int(state["best_epoch"])
+        self._values_at_epoch_begin = int(state.get("values_at_epoch_begin", 0))
+
 
 class ThresholdEarlyStopping(AbstractCallback):
     """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
 
     A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
-    is better when it is below it. Reaching the threshold again resets the count (``patience_count``).
+    is better when it is below it. Reaching the threshold again resets the count (``patience_count``), which
+    checkpoints hold (:meth:`state_dict`).
 
     Args:
         monitor: the ``train_history`` metric to watch.
@@ -170,6 +202,16 @@ class ThresholdEarlyStopping(AbstractCallback):
             self.train_loop_obj.stop_training(
                 f"ThresholdEarlyStopping: {self.monitor}={current} has not reached {self.threshold} for "
                 f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch}")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The count of epochs in a row that missed the threshold (checkpoints store it under ``callbacks``)."""
+        return {"monitor": self.monitor, "mode": self.mode, "epochs_missed": self.patience - self.patience_count}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, counted against this callback's ``patience``; a state of another
+        metric or mode is not loaded (a warning says so)."""
+        if not _watches_another_metric(self, state):
+            self.patience_count = self.patience - int(state["epochs_missed"])
 
 
 class TerminateOnNaN(AbstractCallback):

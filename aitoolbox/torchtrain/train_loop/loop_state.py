@@ -6,7 +6,7 @@ distributed launcher and the resume code save and restore the counters through :
 :meth:`LoopState.load_state_dict`, so that there is a single place that knows which counters a continuation needs.
 """
 import dataclasses
-from typing import Dict
+from typing import Dict, Union
 
 
 @dataclasses.dataclass
@@ -23,7 +23,10 @@ class LoopState:
         grad_accumulation: batches per optimizer step in the current ``fit``.
         optimizer_step_due: the current batch ends with an optimizer step.
         optimizer_step_skipped: the last optimizer step was skipped (loss-scale overflow).
-        early_stop: a request to stop training (``TrainLoop.stop_training``).
+        early_stop: training was asked to stop (``TrainLoop.stop_training``: early stopping, a NaN loss...). The
+            run is then finished: the request stays after ``fit`` and is saved in epoch-end checkpoints, so that a
+            later ``fit``, also one resuming the run from a checkpoint, trains nothing (``tl.early_stop = False``
+            trains on).
     """
 
     epoch: int = 0
@@ -39,27 +42,36 @@ class LoopState:
 
     # The position in the run; the other fields describe the current fit call and are set again by it.
     COUNTERS = ("epoch", "epochs_completed", "iteration", "total_iteration_idx")
+    # Whether the run has ended, saved with the counters; states from before a flag existed leave it False.
+    FLAGS = ("early_stop",)
 
     @property
     def iterations_done(self) -> int:
         """Batches trained over the life of the TrainLoop."""
         return self.total_iteration_idx + 1
 
-    def state_dict(self) -> Dict[str, int]:
-        """The counters, as plain ints."""
-        return {name: int(getattr(self, name)) for name in self.COUNTERS}
+    def state_dict(self) -> Dict[str, Union[int, bool]]:
+        """The counters, as plain ints, and the flags, as bools."""
+        state: Dict[str, Union[int, bool]] = {name: int(getattr(self, name)) for name in self.COUNTERS}
+        state.update({name: bool(getattr(self, name)) for name in self.FLAGS})
+        return state
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        """Put back what :meth:`state_dict` returned (counters missing from ``state`` keep their value).
+    def load_state_dict(self, state: Dict[str, Union[int, bool]]) -> None:
+        """Put back what :meth:`state_dict` returned. Counters missing from ``state`` keep their value; a flag
+        missing from it (a state saved before the flag existed) is False.
 
         Raises:
-            ValueError: ``state`` has keys that are not counters of the loop.
+            ValueError: ``state`` has keys that are not counters or flags of the loop.
         """
-        unknown = sorted(set(state) - set(self.COUNTERS))
+        known = self.COUNTERS + self.FLAGS
+        unknown = sorted(set(state) - set(known))
         if unknown:
-            raise ValueError(f"unknown loop counter(s) {unknown}: a loop state holds {list(self.COUNTERS)}")
-        for name, value in state.items():
-            setattr(self, name, int(value))
+            raise ValueError(f"unknown loop counter(s) {unknown}: a loop state holds {list(known)}")
+        for name in self.COUNTERS:
+            if name in state:
+                setattr(self, name, int(state[name]))
+        for name in self.FLAGS:
+            setattr(self, name, bool(state.get(name, False)))
 
 
 class LoopStateField:

@@ -532,6 +532,10 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
+        if self.state.early_stop:
+            validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
+            self._report_stopped_run(callbacks)
+            return self.model_for_user
         if self.gpu_mode in ("ddp", "fsdp") and not self.strategy.is_distributed:
             return self.fit_distributed(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
         self.strategy.configure(**validation.check_fit_keywords(kwargs, self.gpu_mode))
@@ -543,7 +547,6 @@ class TrainLoop:
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        state.early_stop = False
         if self._target_reached(num_epochs, num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
@@ -559,6 +562,15 @@ class TrainLoop:
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
+
+    def _report_stopped_run(self, callbacks: Optional[List[AbstractCallback]]) -> None:
+        """``fit`` of a run that a stop request ended (in this process, or in the run a loaded checkpoint saved): it
+        is finished and trains nothing, so that a requeued job keeps its final model."""
+        if self.gpu_mode not in ("ddp", "fsdp") or self.strategy.is_distributed:  # a launcher starts no process
+            self.callbacks_handler.register_callbacks(callbacks or [])  # as by a fit with nothing left to train
+        logger.warning("Nothing to train: training was stopped at epoch %d by a stop request (e.g. EarlyStopping), "
+                       "which ends the run. To train it further, set tl.early_stop = False before fit.",
+                       self.state.epoch)
 
     def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
                         callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
@@ -605,6 +617,10 @@ class TrainLoop:
                 ``reshard_after_forward`` (default True) and ``cpu_offload`` (default False); see
                 :class:`~aitoolbox.torchtrain.distributed.fsdp.FullyShardedStrategy`.
         """
+        if self.state.early_stop:  # a stopped run: no process is started
+            validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
+            self._report_stopped_run(callbacks)
+            return self.model_for_user
         return fit_distributed(self, DistributedFitOptions(
             num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
             grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,

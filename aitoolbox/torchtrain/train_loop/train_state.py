@@ -2,8 +2,8 @@
 
 A checkpoint holds the model (the user's module, no ``module.`` prefixes), the optimizers (with amp's float32
 master weights in the precision state), the loss scaler, the state of every callback that has one (LR
-schedulers), the counters, the training history (under DDP each rank's own, as its accumulated_loss is its own),
-and the RNG states of every rank (python, numpy, torch CPU and CUDA, and the training loader's own generators).
+schedulers, early stopping), the counters and whether training was stopped, the training history (under DDP
+each rank's own, as its accumulated_loss is its own), and the RNG states of every rank (python, numpy, torch CPU and CUDA, and the training loader's own generators).
 Everything in it loads with ``torch.load(weights_only=True)`` (numpy metrics are stored as numbers and tensors).
 
 Mid-epoch checkpoints also hold the RNG state at the start of the epoch: on resume the epoch's data order is
@@ -102,6 +102,12 @@ def truncate_history(history: Any, lengths: Dict[str, int]) -> None:
             del history[name][lengths[name]:]
 
 
+def copied_history(history: Dict[str, list]) -> Dict[str, list]:
+    """A checkpoint's training history with lists of its own: the loop appends to them, and the checkpoint dict
+    (the caller's, or one a callback keeps) must stay as it was saved."""
+    return {name: list(values) for name, values in history.items()}
+
+
 def weights_only_safe(value: Any) -> Any:
     """``value`` with numpy scalars and arrays (e.g. metrics computed by scikit-learn) turned into Python numbers
     and tensors, which ``torch.load(weights_only=True)`` accepts; containers are converted recursively."""
@@ -194,6 +200,10 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
                       for key, cb in stateful_callbacks(tl, include_schedulers=False).items()},
         "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
         "iteration": tl.iteration + 1 if mid_epoch else 0,
+        # A stop request (early stopping) ends the run after this epoch: a fit resuming from here trains nothing
+        # (a requeued job must not train on and overwrite the final model). Agreed by all ranks, as the loop
+        # agrees after the epoch's end. A mid-epoch checkpoint does not record it: its epoch still has to end.
+        "early_stop": False if mid_epoch else tl.strategy.any_process(bool(tl.state.early_stop)),
         "train_history": history,
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
@@ -245,10 +255,11 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
         checkpoint = dict(checkpoint, epochs_completed=checkpoint["epoch"] + 1, iteration=0,
                           train_history=dict(tl.train_history))
     tl.train_history.clear()
-    tl.train_history.update(checkpoint["train_history"])
+    tl.train_history.update(copied_history(checkpoint["train_history"]))
     tl.epoch = checkpoint["epoch"]
     tl.epochs_completed = checkpoint["epochs_completed"]
     tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
+    tl.early_stop = bool(checkpoint.get("early_stop", False))  # checkpoints written before it was saved: False
     tl.pending_restore = checkpoint
 
 
@@ -292,7 +303,7 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
         return continue_with_another_world_size(tl, checkpoint, len(rng_states))
     if "train_history_per_rank" in checkpoint:
         tl.train_history.clear()
-        tl.train_history.update(checkpoint["train_history_per_rank"][rank])
+        tl.train_history.update(copied_history(checkpoint["train_history_per_rank"][rank]))
     if checkpoint["iteration"] > 0:
         return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])

@@ -173,7 +173,8 @@ def test_loop_state_round_trip_and_attribute_views():
     model, _ = model_pair(MLP)
     tl = make_loop(model)
     tl.fit(num_epochs=2)
-    assert tl.state.state_dict() == {"epoch": 1, "epochs_completed": 2, "iteration": 4, "total_iteration_idx": 9}
+    assert tl.state.state_dict() == {"epoch": 1, "epochs_completed": 2, "iteration": 4, "total_iteration_idx": 9,
+                                     "early_stop": False}
     tl.iteration = 3
     assert tl.state.iteration == 3
     fresh = LoopState()
@@ -181,6 +182,10 @@ def test_loop_state_round_trip_and_attribute_views():
     assert fresh.state_dict() == tl.state.state_dict() and fresh.iterations_done == 10
     with pytest.raises(ValueError, match="unknown loop counter"):
         fresh.load_state_dict({"epoch": 1, "batch": 2})
+    # A state saved before the stop flag existed loads, and means a run that was not stopped.
+    fresh.early_stop = True
+    fresh.load_state_dict({"epoch": 1, "epochs_completed": 2, "iteration": 4, "total_iteration_idx": 9})
+    assert fresh.early_stop is False and fresh.epochs_completed == 2
 
 
 # --- 8. no import cycles -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from tests.helpers import MLP, classification_data, indexed_classification_data,
 # aitoolbox 1.8's keys, then this package's.
 CHECKPOINT_KEYS = {"model_state_dict", "optimizer_state_dict", "schedulers_state_dict", "epoch", "iteration_idx",
                    "hyperparams", "format_version", "precision", "callbacks", "epochs_completed", "iteration",
-                   "train_history", "rng", "world_size"}
+                   "train_history", "rng", "world_size", "early_stop"}
 RNG_KEYS = {"python", "numpy", "torch", "cuda", "loader_generators"}
 
 
