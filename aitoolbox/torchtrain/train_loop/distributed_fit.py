@@ -98,9 +98,29 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
         # Every node's launcher returns the trained model: the first process of each node saves the run's state
         # (DDP keeps the replicas identical; the state holds every rank's history and RNG).
         result = distributed_result(tl)
+        if tl.shards_parameters and job.world_size > job.processes_per_node:
+            result = _node_leaders_share(result, job, placement)
         if placement.local_rank == 0:
             torch.save(result, job.result_path)
     return model
+
+
+def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
+    """Rank 0's gathered state, handed to the first process of every node.
+
+    Under FSDP the whole state is gathered on global rank 0 only; the other nodes' launchers would otherwise
+    adopt a state without weights. It travels once, at the end, over a gloo group of the node leaders (the
+    state is on the CPU); every process takes part in creating that group, as torch requires.
+    """
+    import torch.distributed as dist
+    leaders = [node * job.processes_per_node for node in range(job.world_size // job.processes_per_node)]
+    group = dist.new_group(ranks=leaders, backend="gloo")
+    if placement.local_rank == 0:
+        holder = [result if placement.rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        result = holder[0]
+        dist.destroy_process_group(group)
+    return result
 
 
 def resolve_backend(backend: Optional[str], on_gpu: Optional[bool]) -> Optional[str]:
