@@ -1,0 +1,156 @@
+"""Signals to a fit_distributed launcher and to torchrun, with real processes and real signals.
+
+SIGTERM/SIGHUP to the launcher: forwarded; the workers finish their optimizer step (all at the same one), write a
+resumable mid-epoch checkpoint, exit, and the launcher exits with 128 + signum; no process is left. SIGKILL of the
+launcher: its workers die with it. Under torchrun, whose agent sends SIGTERM to the workers, the same. A run
+resumed from the checkpoint a SIGTERM left ends bitwise as the run that was never stopped.
+"""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.torchtrain.distributed.support import (
+    assert_state_dicts_equal, make_train_loop, process_alive, recorded_pids, script_env, wait_until_gone)
+
+SCRIPT = textwrap.dedent("""
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+    from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+    from tests.torchtrain.distributed.support import RecordPid, make_train_loop
+
+
+    class SlowBatches(AbstractCallback):
+        '''Batches take a while (time for the test to signal); rank 0 marks the start of epoch 1.'''
+
+        def __init__(self, folder):
+            super().__init__("slow batches")
+            self.folder = folder
+
+        def on_epoch_begin(self):
+            tl = self.train_loop_obj
+            if tl.epoch == 1 and tl.strategy.rank == 0:
+                Path(self.folder, "epoch1").write_text("")
+
+        def on_batch_end(self):
+            time.sleep(0.4)
+
+
+    if __name__ == "__main__":
+        folder, num_epochs = sys.argv[1], int(sys.argv[2])
+        tl = make_train_loop(gpu_mode="ddp", shuffle=True)
+        callbacks = [ModelCheckpoint(project_name="proj", experiment_name="exp", local_model_result_folder_path=folder),
+                     RecordPid(folder), SlowBatches(folder)]
+        if "RANK" in os.environ:  # under torchrun
+            Path(folder, f"pid-rank{os.environ['RANK']}").write_text(str(os.getpid()))
+            tl.fit_distributed(num_epochs=num_epochs, callbacks=callbacks)
+        else:
+            tl.fit_distributed(num_epochs=num_epochs, callbacks=callbacks, num_cpu_processes=2, start_method="fork",
+                               signal_grace_s=float(sys.argv[3]))
+""")
+NUM_EPOCHS = 4
+
+
+def start(tmp_path, num_epochs: int, grace_s: float = 60.0, torchrun: bool = False) -> subprocess.Popen:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    return subprocess.Popen(launcher + [str(script), str(tmp_path), str(num_epochs), str(grace_s)],
+                            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(tmp_path))
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-5000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def worker_pids(folder) -> list:
+    return [pid for name, pid in recorded_pids(folder).items() if name.startswith("pid-rank")]
+
+
+def signal_in_epoch_1(tmp_path, signum, num_epochs: int = NUM_EPOCHS, torchrun: bool = False):
+    process = start(tmp_path, num_epochs, torchrun=torchrun)
+    try:
+        wait_for(tmp_path / "epoch1", process)
+        pids = worker_pids(tmp_path)
+        assert len(pids) == 2
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=180)
+        left = wait_until_gone(pids, timeout_s=30)
+    finally:
+        process.kill()
+        for pid in worker_pids(tmp_path):
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"training processes {left} outlived the launcher"
+    saved = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER*.pth"))
+    return process.returncode, stderr, saved
+
+
+def assert_resume_equals_straight(checkpoint_path: str) -> None:
+    straight = make_train_loop(gpu_mode="ddp", shuffle=True)
+    straight.fit_distributed(num_epochs=NUM_EPOCHS, num_cpu_processes=2, start_method="fork")
+    resumed = make_train_loop(gpu_mode="ddp", shuffle=True)
+    resumed.load_checkpoint(checkpoint_path)
+    resumed.fit_distributed(num_epochs=NUM_EPOCHS, num_cpu_processes=2, start_method="fork")
+    assert_state_dicts_equal(resumed.model.state_dict(), straight.model.state_dict())
+    assert resumed.train_history == straight.train_history
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_and_leaves_no_process_and_resume_equals_straight(tmp_path):
+    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGTERM)
+    assert returncode == 128 + signal.SIGTERM, stderr[-5000:]
+    assert "SIGTERM: forwarded to the training processes" in stderr
+    assert len(saved) == 1, stderr[-5000:]
+    assert_resume_equals_straight(saved[0])
+
+
+@pytest.mark.slow
+def test_sighup_to_the_launcher_stops_the_same_way(tmp_path):
+    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGHUP)
+    assert returncode == 128 + signal.SIGHUP, stderr[-5000:]
+    assert len(saved) == 1, stderr[-5000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path):
+    process = start(tmp_path, num_epochs=1000)
+    try:
+        wait_for(tmp_path / "epoch1", process)
+        pids = worker_pids(tmp_path)
+        process.kill()
+        process.wait(timeout=60)  # not communicate: orphaned workers would hold its output pipes open
+        left = wait_until_gone(pids, timeout_s=30)
+    finally:
+        process.kill()
+        for pid in worker_pids(tmp_path):
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"training processes {left} outlived the launcher killed by SIGKILL"
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_in_every_worker_and_resume_equals_straight(tmp_path):
+    """torchrun's agent forwards SIGTERM to its workers (and kills them 30 s later): the TrainLoop in each
+    worker finishes the step, saves, and exits; the checkpoint resumes under fit_distributed bitwise."""
+    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGTERM, torchrun=True)
+    assert returncode != 0
+    assert "training stopped by SIGTERM" in stderr or "SIGTERM" in stderr
+    assert len(saved) == 1, stderr[-5000:]
+    assert_resume_equals_straight(saved[0])
