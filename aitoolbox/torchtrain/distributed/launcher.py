@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, worker_entry
-from aitoolbox.torchtrain.train_loop.interrupts import STOP_SIGNALS, SignalStop
+from aitoolbox.torchtrain.distributed.signals import STOP_SIGNALS, SignalStop
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class ProcessLauncher:
     forwarded to the processes, as torchrun's agent does: they stop after their current optimizer step (with a
     resumable checkpoint on SIGTERM/SIGHUP, see :mod:`~aitoolbox.torchtrain.train_loop.interrupts`), and those
     still running ``job.signal_grace_s`` seconds later are killed. The launcher then raises
-    :class:`~aitoolbox.torchtrain.train_loop.interrupts.SignalStop` (KeyboardInterrupt for SIGINT). Should the
+    :class:`~aitoolbox.torchtrain.distributed.signals.SignalStop` (KeyboardInterrupt for SIGINT). Should the
     launcher itself be killed outright, its processes die with it (see
     :func:`~aitoolbox.torchtrain.distributed.worker.die_with_parent`).
 

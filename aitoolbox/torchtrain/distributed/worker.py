@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
-from aitoolbox.torchtrain.train_loop.interrupts import SignalStop
+from aitoolbox.torchtrain.distributed.signals import SignalStop
 
 logger = logging.getLogger(__name__)
 

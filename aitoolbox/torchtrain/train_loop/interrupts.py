@@ -28,31 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from aitoolbox.torchtrain.distributed.signals import (  # noqa: F401  (re-exported: part of this module's API)
+    DEFAULT_SIGNAL_GRACE_S, STOP_SIGNALS, SignalStop)
+
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SIGNAL_GRACE_S = 60.0
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class SignalStop(SystemExit):
-    """Training stopped because the process was asked to terminate (SIGTERM, SIGHUP).
-
-    A ``SystemExit`` with the shell's code for that signal (``128 + signum``: 143 for SIGTERM), so that a
-    script ends as the scheduler expects while ``finally`` blocks still run.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return f"training stopped by {signal.Signals(self.signum).name}"
-
-    def __reduce__(self):  # travels between processes with its signal number
-        return type(self), (self.signum,)
 
 
 class StopAgreement:

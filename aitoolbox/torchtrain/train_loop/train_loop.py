@@ -609,7 +609,7 @@ class TrainLoop:
                 sent to this launcher or, under torchrun, by its agent to the processes: every process finishes
                 its current optimizer step, at the same step, each checkpoint callback saves a resumable
                 mid-epoch checkpoint, and the call raises
-                :class:`~aitoolbox.torchtrain.train_loop.interrupts.SignalStop` (a ``SystemExit`` with code
+                :class:`~aitoolbox.torchtrain.distributed.signals.SignalStop` (a ``SystemExit`` with code
                 128 + signal number). Processes still running this many
                 seconds after the signal are killed. The launcher forwards SIGINT (Ctrl-C) too, and its
                 processes die with it if it is killed outright (SIGKILL). See :doc:`distributed`.

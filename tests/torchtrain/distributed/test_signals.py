@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent("""
         def __init__(self, folder):
             super().__init__("slow batches")
             self.folder = folder
+            self.hang = sys.argv[4] == "hang"
 
         def on_epoch_begin(self):
             tl = self.train_loop_obj
@@ -43,12 +44,13 @@ SCRIPT = textwrap.dedent("""
                 Path(self.folder, "epoch1").write_text("")
 
         def on_batch_end(self):
-            time.sleep(0.4)
+            # "hang": from epoch 1 on, a batch outlasts any grace period
+            time.sleep(300 if self.hang and self.train_loop_obj.epoch >= 1 else 0.4)
 
 
     if __name__ == "__main__":
         folder, num_epochs = sys.argv[1], int(sys.argv[2])
-        tl = make_train_loop(gpu_mode="ddp", shuffle=True)
+        tl = make_train_loop(gpu_mode=sys.argv[5], shuffle=True)
         callbacks = [ModelCheckpoint(project_name="proj", experiment_name="exp", local_model_result_folder_path=folder),
                      RecordPid(folder), SlowBatches(folder)]
         if "RANK" in os.environ:  # under torchrun
@@ -61,12 +63,14 @@ SCRIPT = textwrap.dedent("""
 NUM_EPOCHS = 4
 
 
-def start(tmp_path, num_epochs: int, grace_s: float = 60.0, torchrun: bool = False) -> subprocess.Popen:
+def start(tmp_path, num_epochs: int, grace_s: float = 60.0, torchrun: bool = False,
+          hang: bool = False, gpu_mode: str = "ddp") -> subprocess.Popen:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
         else [sys.executable]
-    return subprocess.Popen(launcher + [str(script), str(tmp_path), str(num_epochs), str(grace_s)],
+    return subprocess.Popen(launcher + [str(script), str(tmp_path), str(num_epochs), str(grace_s),
+                                        "hang" if hang else "run", gpu_mode],
                             env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=str(tmp_path))
 
@@ -83,8 +87,8 @@ def worker_pids(folder) -> list:
     return [pid for name, pid in recorded_pids(folder).items() if name.startswith("pid-rank")]
 
 
-def signal_in_epoch_1(tmp_path, signum, num_epochs: int = NUM_EPOCHS, torchrun: bool = False):
-    process = start(tmp_path, num_epochs, torchrun=torchrun)
+def signal_in_epoch_1(tmp_path, signum, num_epochs: int = NUM_EPOCHS, **start_options):
+    process = start(tmp_path, num_epochs, **start_options)
     try:
         wait_for(tmp_path / "epoch1", process)
         pids = worker_pids(tmp_path)
@@ -98,14 +102,14 @@ def signal_in_epoch_1(tmp_path, signum, num_epochs: int = NUM_EPOCHS, torchrun: 
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not left, f"training processes {left} outlived the launcher"
-    saved = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER*.pth"))
+    saved = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER*"))
     return process.returncode, stderr, saved
 
 
-def assert_resume_equals_straight(checkpoint_path: str) -> None:
-    straight = make_train_loop(gpu_mode="ddp", shuffle=True)
+def assert_resume_equals_straight(checkpoint_path: str, gpu_mode: str = "ddp") -> None:
+    straight = make_train_loop(gpu_mode=gpu_mode, shuffle=True)
     straight.fit_distributed(num_epochs=NUM_EPOCHS, num_cpu_processes=2, start_method="fork")
-    resumed = make_train_loop(gpu_mode="ddp", shuffle=True)
+    resumed = make_train_loop(gpu_mode=gpu_mode, shuffle=True)
     resumed.load_checkpoint(checkpoint_path)
     resumed.fit_distributed(num_epochs=NUM_EPOCHS, num_cpu_processes=2, start_method="fork")
     assert_state_dicts_equal(resumed.model.state_dict(), straight.model.state_dict())
@@ -122,10 +126,11 @@ def test_sigterm_to_the_launcher_checkpoints_and_leaves_no_process_and_resume_eq
 
 
 @pytest.mark.slow
-def test_sighup_to_the_launcher_stops_the_same_way(tmp_path):
-    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGHUP)
+def test_sighup_to_the_launcher_stops_the_same_way_also_with_sharded_checkpoints(tmp_path):
+    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGHUP, gpu_mode="fsdp")
     assert returncode == 128 + signal.SIGHUP, stderr[-5000:]
-    assert len(saved) == 1, stderr[-5000:]
+    assert len(saved) == 1 and os.path.isdir(saved[0]), stderr[-5000:]  # a DCP folder
+    assert_resume_equals_straight(saved[0], gpu_mode="fsdp")
 
 
 @pytest.mark.slow
@@ -154,3 +159,19 @@ def test_sigterm_to_torchrun_checkpoints_in_every_worker_and_resume_equals_strai
     assert "training stopped by SIGTERM" in stderr or "SIGTERM" in stderr
     assert len(saved) == 1, stderr[-5000:]
     assert_resume_equals_straight(saved[0])
+
+
+@pytest.mark.slow
+def test_workers_that_do_not_stop_within_the_grace_period_are_killed(tmp_path):
+    """A batch that outlasts signal_grace_s: no checkpoint can be written; the processes are killed."""
+    returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGTERM, grace_s=2.0, hang=True)
+    assert returncode == 128 + signal.SIGTERM, stderr[-5000:]
+    assert "grace period" in stderr
+    assert saved == []
+
+
+def test_signal_grace_s_must_be_a_positive_number():
+    tl = make_train_loop(gpu_mode="ddp")
+    for bad in (0, -1.0, "60", True):
+        with pytest.raises(ValueError, match="signal_grace_s must be a number of seconds > 0"):
+            tl.fit_distributed(num_epochs=1, signal_grace_s=bad)

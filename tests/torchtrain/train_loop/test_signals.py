@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from tests.torchtrain.distributed.support import assert_state_dicts_equal, make_train_loop, script_env
 
