@@ -130,26 +130,32 @@ def die_with_parent() -> None:
     """End this process when the launcher dies, however it died (SIGKILL, the OOM killer included).
 
     A launcher that dies without stopping its processes would leave them training, holding the GPU and writing
-    checkpoints into the folder a restarted job resumes from. Linux kills this process with the launcher
-    (``PR_SET_PDEATHSIG``); elsewhere a thread checks every second that the launcher still runs.
+    checkpoints into the folder a restarted job resumes from. Linux kills this process with its parent
+    (``PR_SET_PDEATHSIG``); elsewhere, and under ``forkserver`` (whose processes are the fork server's
+    children), a thread waits for the launcher's end and then exits the process.
     """
-    parent = multiprocessing.parent_process()
-    parent_pid = parent.pid if parent is not None else os.getppid()
+    launcher = multiprocessing.parent_process()
+    parent_pid = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
-                if os.getppid() != parent_pid:  # the launcher died before the request took effect
+                # A launcher that died before the request took effect sent nothing: look.
+                if os.getppid() != parent_pid or (launcher is not None and not launcher.is_alive()):
                     os._exit(1)
-                return
+                if launcher is None or launcher.pid == parent_pid:
+                    return  # the kernel ends this process with the launcher
         except (OSError, AttributeError):
             pass
-    threading.Thread(target=_exit_when_parent_gone, args=(parent_pid,), name="aitoolbox-parent-check",
+    threading.Thread(target=_exit_when_launcher_gone, args=(launcher, parent_pid), name="aitoolbox-parent-check",
                      daemon=True).start()
 
 
-def _exit_when_parent_gone(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_CHECK_INTERVAL_S)
-    logger.error("the fit_distributed launcher (pid %d) is gone: this training process exits", parent_pid)
+def _exit_when_launcher_gone(launcher: Optional[Any], parent_pid: int) -> None:
+    if launcher is not None:
+        launcher.join()  # returns when the launcher's end closes the pipe this process holds
+    else:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+    logger.error("the fit_distributed launcher is gone: this training process exits")
     os._exit(1)

@@ -6,16 +6,19 @@ launcher: its workers die with it. Under torchrun, whose agent sends SIGTERM to 
 resumed from the checkpoint a SIGTERM left ends bitwise as the run that was never stopped.
 """
 import glob
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from aitoolbox.torchtrain.distributed import worker
 from tests.torchtrain.distributed.support import (
     assert_state_dicts_equal, make_train_loop, process_alive, recorded_pids, script_env, wait_until_gone)
 
@@ -175,3 +178,38 @@ def test_signal_grace_s_must_be_a_positive_number():
     for bad in (0, -1.0, "60", True):
         with pytest.raises(ValueError, match="signal_grace_s must be a number of seconds > 0"):
             tl.fit_distributed(num_epochs=1, signal_grace_s=bad)
+
+
+def _child_dying_with_the_launcher(pid_queue, fallback: bool) -> None:
+    if fallback:  # the check used where prctl is unavailable (macOS)
+        threading.Thread(target=worker._exit_when_launcher_gone,
+                         args=(multiprocessing.parent_process(), os.getppid()), daemon=True).start()
+    else:
+        worker.die_with_parent()
+    pid_queue.put(os.getpid())
+    time.sleep(120)
+
+
+def _launcher(start_method: str, pid_queue, fallback: bool) -> None:
+    multiprocessing.get_context(start_method).Process(target=_child_dying_with_the_launcher,
+                                                      args=(pid_queue, fallback)).start()
+    time.sleep(120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method, fallback", [("fork", True), ("forkserver", False), ("spawn", False)])
+def test_a_process_dies_with_a_launcher_killed_by_sigkill(start_method, fallback):
+    """Under forkserver the parent is the fork server, not the launcher: the launcher's end counts."""
+    pid_queue = multiprocessing.get_context("spawn").Queue()
+    launcher = multiprocessing.get_context("fork").Process(target=_launcher, args=(start_method, pid_queue, fallback))
+    launcher.start()
+    try:
+        pid = pid_queue.get(timeout=240)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.join()
+        left = wait_until_gone([pid], timeout_s=30)
+    finally:
+        launcher.kill()
+    if left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left
