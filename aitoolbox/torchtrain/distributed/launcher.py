@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from aitoolbox.torchtrain.distributed.worker import DistributedJob, worker_entry
 from aitoolbox.torchtrain.distributed.signals import STOP_SIGNALS, SignalStop
+from aitoolbox.torchtrain.distributed.worker import DistributedJob, worker_entry
 
 logger = logging.getLogger(__name__)
 

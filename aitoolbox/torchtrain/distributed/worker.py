@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
-from aitoolbox.torchtrain.distributed.signals import SignalStop
+from aitoolbox.torchtrain.distributed.signals import STOP_SIGNALS, SignalStop
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,8 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
 def reset_signal_handlers() -> None:
     """A forked process inherits the launcher's handlers, which forward signals to the launcher's processes:
     give the signals their default handling back, so that training's own handling takes over."""
-    for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
