@@ -7,7 +7,7 @@ import os
 import threading
 from typing import Callable, Optional
 
-from aitoolbox.experiment.local_save.checkpoints import save_checkpoint_file, snapshot_checkpoint
+from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
@@ -149,6 +149,16 @@ class CheckpointCallback(AbstractExperimentCallback):
                                                                  thread_name_prefix="aitoolbox-checkpoint")
         self._pending_save = self._writer.submit(self._write, snapshot, folder, file_name, after_save)
         return path
+
+    def save_resume_checkpoint(self) -> Optional[str]:
+        """Save a mid-epoch checkpoint of the run as it is now, named as an iteration checkpoint (so
+        ``auto_resume`` and ``load_checkpoint(<folder>)`` find it); call it in every process, between batches,
+        after an optimizer step. What a SIGTERM leaves before training stops (see
+        :mod:`~aitoolbox.torchtrain.train_loop.interrupts`). Returns the path in the main process."""
+        tl = self.train_loop_obj
+        folder = self.experiment_folder
+        file_name = checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.total_iteration_idx)
+        return self._save_checkpoint(True, folder.checkpoint_dir, file_name)
 
     def _save_checkpoint(self, mid_epoch: bool, folder: str, file_name: str,
                          after_save: Optional[Callable[[str], None]] = None) -> Optional[str]:

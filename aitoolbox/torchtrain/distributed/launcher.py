@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from aitoolbox.torchtrain.distributed.signals import STOP_SIGNALS, SignalStop
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, worker_entry
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,14 @@ def pickle_job(job: DistributedJob) -> bytes:
 class ProcessLauncher:
     """Starts ``job.processes_per_node`` processes, watches them, and stops all if one fails.
 
+    SIGTERM, SIGHUP and SIGINT sent to the launcher (a scheduler's time limit, a closed terminal, Ctrl-C) are
+    forwarded to the processes, as torchrun's agent does: they stop after their current optimizer step (with a
+    resumable checkpoint on SIGTERM/SIGHUP, see :mod:`~aitoolbox.torchtrain.train_loop.interrupts`), and those
+    still running ``job.signal_grace_s`` seconds later are killed. The launcher then raises
+    :class:`~aitoolbox.torchtrain.distributed.signals.SignalStop` (KeyboardInterrupt for SIGINT). Should the
+    launcher itself be killed outright, its processes die with it (see
+    :func:`~aitoolbox.torchtrain.distributed.worker.die_with_parent`).
+
     Args:
         job: what every process runs.
         start_method: ``'fork'``, ``'spawn'`` or ``'forkserver'`` (see :func:`choose_start_method`).
@@ -108,9 +117,46 @@ class ProcessLauncher:
         self.start_method = start_method
         self.poll_interval_s = poll_interval_s
         self._processes: List[multiprocessing.Process] = []
+        self._stop_signal: Optional[int] = None  # forwarded to the processes, or reported by them
+        self._stop_deadline = 0.0
 
     def run(self) -> None:
         """Run the job to the end; raise with the failing rank's traceback if any process fails."""
+        previous = self._forward_signals()
+        try:
+            self._run()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _forward_signals(self) -> dict:
+        """Handle the stop signals that have their default handling here (an application's own handler stays)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        defaults = {signal.SIGINT: signal.default_int_handler, **{signum: signal.SIG_DFL for signum in STOP_SIGNALS}}
+        return {signum: signal.signal(signum, self._on_signal) for signum, default in defaults.items()
+                if signal.getsignal(signum) is default}
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # Ctrl-C twice: stop now (the processes are killed)
+            return  # the same request again: the grace period already bounds the wait
+        logger.warning("%s: forwarded to the training processes, which stop after their current optimizer step "
+                       "(killed if still running in %g s)", signal.Signals(signum).name, self.job.signal_grace_s)
+        self._begin_stop(signum)
+        for process in self._processes:
+            if process.exitcode is None:
+                try:
+                    os.kill(process.pid, signum)  # not its group: its DataLoader workers keep serving the batch
+                except ProcessLookupError:
+                    pass
+
+    def _begin_stop(self, signum: int) -> None:
+        self._stop_signal = signum
+        self._stop_deadline = time.monotonic() + self.job.signal_grace_s
+
+    def _run(self) -> None:
         payload = None
         if self.start_method != "fork":
             script = main_script_path()
@@ -131,6 +177,8 @@ class ProcessLauncher:
                                           name=f"aitoolbox-rank{self.job.placement(local_rank).rank}")
                 process.start()
                 self._processes.append(process)
+                if self._stop_signal is not None:  # a stop signal came while the processes were being started
+                    os.kill(process.pid, self._stop_signal)
                 if payload is not None:
                     job_source.close()  # the child holds its own copy; a dead child then breaks the pipe
             if senders:
@@ -164,7 +212,11 @@ class ProcessLauncher:
     def _watch(self, messages) -> None:
         """Return once every process has exited cleanly; raise at the first failure, naming its cause."""
         while True:
+            if self._stop_signal is not None:
+                self._wait_for_stop()
             reported = self._next_error(messages, self.poll_interval_s)
+            if self._stop_signal is not None:
+                continue  # the processes are stopping: errors now follow from that (a peer that left first)
             if reported is not None:
                 raise self._root_cause(dict([reported]), messages)
             for local_rank, process in enumerate(self._processes):
@@ -179,10 +231,25 @@ class ProcessLauncher:
             kind, rank, summary, trace = messages.get(timeout=timeout_s) if timeout_s > 0 else messages.get(False)
         except queue.Empty:
             return None
+        if kind == "stopped" and self._stop_signal is None:  # a process was signalled directly
+            self._begin_stop(summary)
         if kind != "error":
             return None
         return rank, RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
                                   f"Traceback of rank {rank}:\n{trace}")
+
+    def _wait_for_stop(self) -> None:
+        """After a stop signal: wait for the processes until the grace period ends, then raise."""
+        signum = self._stop_signal
+        while any(process.exitcode is None for process in self._processes):
+            if time.monotonic() >= self._stop_deadline:
+                logger.error("%s: training processes still running after the %g s grace period are killed",
+                             signal.Signals(signum).name, self.job.signal_grace_s)
+                break
+            time.sleep(self.poll_interval_s)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SignalStop(signum)
 
     def _root_cause(self, reported: Dict[int, RuntimeError], messages) -> RuntimeError:
         """The error to raise once a rank has reported one.
@@ -228,16 +295,17 @@ class ProcessLauncher:
         raise self._exit_error(local_rank, process)
 
     def _stop_all(self) -> None:
-        """Terminate what is still running (with its DataLoader workers), then make sure it is gone."""
+        """Kill what is still running (with its DataLoader workers), then make sure it is gone.
+
+        Only processes whose run is over are left here: a peer failed (their collectives cannot complete, and
+        a process waiting in one would never see a gentler signal), or the grace period after a stop signal
+        ended. So they are killed, not asked to stop.
+        """
         for process in self._processes:
             if process.exitcode is None:
-                self._signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
+                self._signal_group(process, getattr(signal, "SIGKILL", signal.SIGTERM))
         for process in self._processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
-                self._signal_group(process, signal.SIGKILL)
-                process.join(timeout=5.0)
+            process.join(timeout=5.0)
         for process in self._processes:
             if process.exitcode not in (None, 0) and hasattr(os, "killpg"):
                 # A rank that died abruptly (a signal, os._exit) leaves its DataLoader workers in its group.

@@ -16,6 +16,7 @@ from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fs
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
 from aitoolbox.torchtrain.train_loop import validation
+from aitoolbox.torchtrain.train_loop.interrupts import DEFAULT_SIGNAL_GRACE_S
 from aitoolbox.experiment.local_save.checkpoints import MODEL_KEY, OPTIMIZER_KEY
 from aitoolbox.torchtrain.train_loop.train_state import (
     capture_rng_state, restore_callback_states, restore_rng_state, restore_train_state, saved_optimizer_states)
@@ -76,6 +77,7 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
     if placement.rank != 0:
         logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
     tl = job.train_loop
+    tl._interrupts.grace_s = job.signal_grace_s  # SIGTERM: time to finish the step and save (then killed)
     args = job.fit_arguments
     if _continues_in_this_process(tl, placement):
         # The model, its precision (O2's masters, the loss scale), loaders and callbacks are set up already: the
@@ -98,9 +100,29 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
         # Every node's launcher returns the trained model: the first process of each node saves the run's state
         # (DDP keeps the replicas identical; the state holds every rank's history and RNG).
         result = distributed_result(tl)
+        if tl.shards_parameters and job.world_size > job.processes_per_node:
+            result = _node_leaders_share(result, job, placement)
         if placement.local_rank == 0:
             torch.save(result, job.result_path)
     return model
+
+
+def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
+    """Rank 0's gathered state, handed to the first process of every node.
+
+    Under FSDP the whole state is gathered on global rank 0 only; the other nodes' launchers would otherwise
+    adopt a state without weights. It travels once, at the end, over a gloo group of the node leaders (the
+    state is on the CPU); every process takes part in creating that group, as torch requires.
+    """
+    import torch.distributed as dist
+    leaders = [node * job.processes_per_node for node in range(job.world_size // job.processes_per_node)]
+    group = dist.new_group(ranks=leaders, backend="gloo")
+    if placement.local_rank == 0:
+        holder = [result if placement.rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        result = holder[0]
+        dist.destroy_process_group(group)
+    return result
 
 
 def resolve_backend(backend: Optional[str], on_gpu: Optional[bool]) -> Optional[str]:
@@ -179,6 +201,7 @@ class DistributedFitOptions:
     start_method: Optional[str] = None
     timeout_s: float = 600.0
     on_gpu: Optional[bool] = None
+    signal_grace_s: float = DEFAULT_SIGNAL_GRACE_S
 
     def validate(self) -> None:
         """Check the job's shape before any process starts.
@@ -193,6 +216,10 @@ class DistributedFitOptions:
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) \
                 or not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"node_rank must be an int in 0..{self.num_nodes - 1}, got {self.node_rank!r}")
+        if isinstance(self.signal_grace_s, bool) or not isinstance(self.signal_grace_s, (int, float)) \
+                or not self.signal_grace_s > 0:
+            raise ValueError(f"signal_grace_s must be a number of seconds > 0 (the time the processes get to save a "
+                             f"checkpoint after SIGTERM), got {self.signal_grace_s!r}")
         if self.amp_init_args is not None and not isinstance(self.amp_init_args, dict):
             raise TypeError(f"amp_init_args must be a dict of amp.initialize arguments, got {self.amp_init_args!r}")
         if self.shard_parameters:
@@ -231,6 +258,7 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                                  options.grad_accumulation)
     common = dict(train_loop=tl, train_process=train_in_this_process, fit_arguments=fit_arguments,
                   strategy_options=strategy_options, amp_init_args=options.amp_init_args,
+                  signal_grace_s=float(options.signal_grace_s),
                   train_data_shuffle=options.train_data_shuffle, in_process_data_load=options.data_load_callbacks())
 
     placement = current_external_placement(options.master_addr, options.master_port)

@@ -580,7 +580,8 @@ class TrainLoop:
                         init_method: str = "env://", master_addr: Optional[str] = None,
                         master_port: Optional[int] = None, num_cpu_processes: int = 2, sync_bn: bool = False,
                         start_method: Optional[str] = None, timeout_s: float = 600.0,
-                        on_gpu: Optional[bool] = None, fsdp_model_args: Optional[dict] = None) -> nn.Module:
+                        on_gpu: Optional[bool] = None, fsdp_model_args: Optional[dict] = None,
+                        signal_grace_s: float = 60.0) -> nn.Module:
         """Train with DistributedDataParallel, one process per device, and return the trained model.
 
         Started plainly, it launches ``num_gpus`` processes on this node (without CUDA: ``num_gpus`` or
@@ -616,6 +617,14 @@ class TrainLoop:
                 ``min_num_params`` (otherwise: submodules of at least this many parameters, default 1,000,000),
                 ``reshard_after_forward`` (default True) and ``cpu_offload`` (default False); see
                 :class:`~aitoolbox.torchtrain.distributed.fsdp.FullyShardedStrategy`.
+            signal_grace_s: SIGTERM or SIGHUP (a scheduler's time limit, ``scancel``, a closed ssh session),
+                sent to this launcher or, under torchrun, by its agent to the processes: every process finishes
+                its current optimizer step, at the same step, each checkpoint callback saves a resumable
+                mid-epoch checkpoint, and the call raises
+                :class:`~aitoolbox.torchtrain.distributed.signals.SignalStop` (a ``SystemExit`` with code
+                128 + signal number). Processes still running this many
+                seconds after the signal are killed. The launcher forwards SIGINT (Ctrl-C) too, and its
+                processes die with it if it is killed outright (SIGKILL). See :doc:`distributed`.
         """
         if self.state.early_stop:  # a stopped run: no process is started
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
@@ -628,7 +637,7 @@ class TrainLoop:
             node_rank=node_rank, num_gpus=num_gpus, backend=backend, init_method=init_method,
             master_addr=master_addr, master_port=master_port, num_cpu_processes=num_cpu_processes, sync_bn=sync_bn,
             start_method=start_method, timeout_s=timeout_s, on_gpu=on_gpu, fsdp_model_args=fsdp_model_args,
-            shard_parameters=self.gpu_mode == "fsdp"))
+            signal_grace_s=signal_grace_s, shard_parameters=self.gpu_mode == "fsdp"))
 
     @property
     def _compile_recording(self) -> ContextManager:
@@ -746,6 +755,8 @@ class TrainLoop:
         interrupts.in_batch = False
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now
             interrupts.raise_pending()
+        if optimizer_step and interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
+            interrupts.stop(self)
 
     def _verify_compiled_gradients(self, batch_data: Any) -> None:
         """torch_compile's check on the first training batch (see :mod:`aitoolbox.torchtrain.compiling.verify`): the
