@@ -88,10 +88,10 @@ def test_an_async_save_rank_0_cannot_complete_fails_on_every_rank_and_no_rank_re
     try:
         os.chmod(folder, 0o1777)
         outcomes = run_distributed(_async_save_that_rank_0_cannot_complete, 2, (folder,), timeout=240)
+        assert outcomes[1] == outcomes[0]  # before: rank 1's wait() returned the path of an incomplete folder
         kind, code, message = outcomes[0]
         assert (kind, code) == ("PermissionError", errno.EPERM), outcomes
         assert message.startswith(f"[Errno {errno.EPERM}] cannot complete the checkpoint {folder}/model_x_ts_E1")
-        assert outcomes[1] == outcomes[0]  # before: rank 1's wait() returned the path of an incomplete folder
         assert sorted(os.listdir(folder)) == ["model_x_ts_E1"]  # the first save, intact; no temporary folder
         assert is_sharded_checkpoint(os.path.join(folder, "model_x_ts_E1"))
     finally:
