@@ -58,7 +58,7 @@ def raise_shared_outcome(error: Optional[BaseException], exchange: Callable[[Out
 
     Raises:
         The first failure, rebuilt alike in every process (see :func:`rebuild_failure`); in the process where it
-        happened, chained to the original error.
+        happened, chained to the original error, or the original itself when its type cannot be rebuilt.
     """
     if not distributed:
         if error is not None:
@@ -68,7 +68,11 @@ def raise_shared_outcome(error: Optional[BaseException], exchange: Callable[[Out
     if not failures:
         return
     shared = rebuild_failure(failures[0])
-    raise shared from (error if error is not None and failures[0][0] == rank else None)
+    if error is not None and failures[0][0] == rank:
+        if type(shared) is not type(error):
+            raise error  # its own type (e.g. CloudStorageError) where it happened: callers may catch that
+        raise shared from error
+    raise shared
 
 
 def exchange_in_group(process_group: Any, world_size: int) -> Callable[[Outcome], List[Outcome]]:
