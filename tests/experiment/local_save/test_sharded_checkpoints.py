@@ -438,6 +438,11 @@ def test_killing_both_ranks_at_random_moments_leaves_only_complete_checkpoints(t
                 assert torch.all(tensor == value), f"{name} mixes saves: expected every value {value}"
             checked += 1
     assert checked > 0 and interrupted > 0, (checked, interrupted)
+    # Their writers are gone: the next save removes what they left (full size), and only that.
+    complete = sorted(name for name in os.listdir(folder) if not name.startswith(TEMP_PREFIX))
+    model, optimizer = plain_model_and_optimizer(seed=1)
+    save_sharded_checkpoint(os.path.join(folder, "model_x_ts_E99"), model, optimizer, {"value": 99}).wait()
+    assert sorted(os.listdir(folder)) == sorted(set(complete) | {"model_x_ts_E99"})
 
 
 # --- CUDA ------------------------------------------------------------------------------------------------
