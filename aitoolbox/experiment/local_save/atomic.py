@@ -64,19 +64,34 @@ def _job_id() -> str:
     return os.environ.get("AITOOLBOX_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
 
 
+class _ProcessIdentity:
+    """This process's id and a random token of its own: in a container restarted on the same host a new process
+    often gets the pid of the killed one, and only the token tells them apart."""
+
+    _pid = -1
+    _token = ""
+
+    @classmethod
+    def token(cls) -> str:
+        if cls._pid != os.getpid():  # a new process (a fork too) gets a token of its own
+            cls._pid, cls._token = os.getpid(), os.urandom(4).hex()
+        return cls._token
+
+
 def _owner_token() -> str:
-    """``<pid>@<host>``: put into the names of temporary files (a file cannot hold a marker)."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """``<pid>-<token>@<host>``: put into the names of temporary files (a file cannot hold a marker)."""
+    return f"{os.getpid()}-{_ProcessIdentity.token()}@{socket.gethostname()}"
 
 
-# .tmp-<name>.<pid>@<host>.<random>: the random part of mkstemp has no dot, host names may have some.
-_OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX) + r".+\.(\d+)@([^@/]+)\.[A-Za-z0-9_]+$")
+# .tmp-<name>.<pid>-<token>@<host>.<random>: mkstemp's random part has no dot, host names may have some.
+_OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX) + r".+\.(\d+)-([0-9a-f]+)@([^@/]+)\.[A-Za-z0-9_]+$")
 
 
 def mark_temporary_folder(path: str) -> None:
     """Record in the temporary folder ``path`` that this process writes it (see :func:`remove_stale_temporaries`)."""
     with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as handle:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id()}, handle)
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": _ProcessIdentity.token(),
+                   "job": _job_id()}, handle)
 
 
 def _process_running(pid: int) -> bool:
@@ -112,17 +127,19 @@ def _is_stale(path: str) -> bool:
         with contextlib.suppress(OSError, ValueError):
             with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as handle:
                 record = json.load(handle)
-            owner = (str(record["host"]), int(record["pid"]), str(record.get("job", "")))
+            owner = (str(record["host"]), int(record["pid"]), record.get("token"), str(record.get("job", "")))
     else:
         match = _OWNED_TEMP_FILE.match(name)
         if match:
-            owner = (match.group(2), int(match.group(1)), None)
+            owner = (match.group(3), int(match.group(1)), match.group(2), None)
     if owner is None:  # no owner recorded (an older aitoolbox, or killed before it was written)
         return _quiet_for(path, STALE_AFTER_S)
-    host, pid, job = owner
+    host, pid, token, job = owner
     same_job = job is not None and job == _job_id()
     if host == socket.gethostname():
-        if pid == os.getpid() or _process_running(pid):
+        if pid == os.getpid():
+            return token is not None and token != _ProcessIdentity.token()  # an earlier process with our pid
+        if _process_running(pid):
             return False
         # Process ids are per host and container: another job on a host of the same name might own it.
         return same_job or job is None or _quiet_for(path, STALE_AFTER_S)

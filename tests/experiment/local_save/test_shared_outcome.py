@@ -197,7 +197,7 @@ def test_the_next_save_removes_what_killed_saves_left_and_keeps_what_live_ones_w
     assert os.path.isdir(killed) and os.path.isfile(os.path.join(killed, OWNER_FILE))
 
     host = socket.gethostname()
-    dead_file = os.path.join(folder, f"{TEMP_PREFIX}model_x_ts_E0.pth.{_dead_pid()}@{host}.abc_12")
+    dead_file = os.path.join(folder, f"{TEMP_PREFIX}model_x_ts_E0.pth.{_dead_pid()}-1a2b@{host}.abc_12")
     open(dead_file, "wb").close()  # what a killed torch_save_atomic leaves
     aside = os.path.join(folder, f"{TEMP_PREFIX}model_x_ts_E0.old")  # a removal killed midway
     os.makedirs(aside)
@@ -206,17 +206,23 @@ def test_the_next_save_removes_what_killed_saves_left_and_keeps_what_live_ones_w
     sleeper.start()
     try:
         kept = []
-        for name, owner in (("live_here", {"host": host, "pid": sleeper.pid, "job": ""}),
-                            ("this_process", {"host": host, "pid": os.getpid(), "job": ""}),
-                            ("other_host", {"host": host + "-elsewhere", "pid": 1, "job": ""})):
+        this_process = {"host": host, "pid": os.getpid(), "token": atomic._ProcessIdentity.token(), "job": ""}
+        for name, owner in (("live_here", {"host": host, "pid": sleeper.pid, "token": "77", "job": ""}),
+                            ("this_process", this_process),
+                            ("other_host", {"host": host + "-elsewhere", "pid": 1, "token": "77", "job": ""})):
             path = os.path.join(folder, f"{TEMP_PREFIX}model_x_ts_{name}")
             os.makedirs(path)
             with open(os.path.join(path, OWNER_FILE), "w") as handle:
                 json.dump(owner, handle)
             kept.append(os.path.basename(path))
-        live_file = f"{TEMP_PREFIX}model_x_ts_E5.pth.{sleeper.pid}@{host}.xyz"
+        live_file = f"{TEMP_PREFIX}model_x_ts_E5.pth.{sleeper.pid}-77@{host}.xyz"
         open(os.path.join(folder, live_file), "wb").close()
         kept.append(live_file)
+        # An earlier process of this host that had this pid (a restarted container): its token differs.
+        earlier = os.path.join(folder, f"{TEMP_PREFIX}model_x_ts_E6")
+        os.makedirs(earlier)
+        with open(os.path.join(earlier, OWNER_FILE), "w") as handle:
+            json.dump(dict(this_process, token="0000"), handle)
 
         model, optimizer = plain_model_and_optimizer(seed=1)
         save_sharded_checkpoint(os.path.join(folder, "model_x_ts_E2"), model, optimizer, {"epoch": 2}).wait()

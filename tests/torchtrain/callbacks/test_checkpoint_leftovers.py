@@ -56,7 +56,7 @@ def test_the_next_checkpoint_removes_the_temporary_file_of_a_killed_save(tmp_pat
         assert len(left) == 2, left
         tl.fit(num_epochs=2)  # the same run goes on: its checkpoint callback saves epoch 1
         (kept,) = _temporaries(checkpoints)  # before: both stayed, and one more with every killed save
-        assert f".{alive.pid}@" in kept  # a live process may still be writing it
+        assert f".{alive.pid}-" in kept  # a live process may still be writing it
         assert sorted(name for name in os.listdir(checkpoints) if not name.startswith(TEMP_PREFIX))[-1].endswith(
             "_E1.pth")
     finally:
