@@ -26,7 +26,7 @@ final name and fsyncs the parent. A folder counts as a checkpoint only with its 
 ignores, and the previous checkpoint stays the newest. Rank 0 records in each temporary folder who writes it
 (host, process id, job id): at the start of every save it removes the temporaries of saves whose writer is gone
 (killed: they are full size), never one a live process may still write (see
-:func:`~aitoolbox.experiment.local_save.atomic.remove_stale_temporaries`). Replacing an existing folder of the
+:func:`~aitoolbox.experiment.local_save.leftovers.remove_stale_temporaries`). Replacing an existing folder of the
 same name renames it aside first: killed in between, that name is missing (never half-written) and the
 checkpoint before it is the newest.
 
@@ -66,8 +66,8 @@ import torch
 from torch import nn
 
 from aitoolbox.experiment.local_save.atomic import (
-    OWNER_FILE, TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, mark_temporary_folder,
-    remove_stale_temporaries, torch_load_checked)
+    TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, torch_load_checked)
+from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, mark_temporary_folder, remove_stale_temporaries
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.safe_load import (
     check_dcp_metadata, dcp_refusals_raised, weights_only_load_planner)

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Callable, List, Optional
 
-from aitoolbox.experiment.local_save.atomic import remove_stale_temporaries
+from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries
 from aitoolbox.experiment.local_save.checkpoints import save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from aitoolbox.experiment.local_save import atomic
-from aitoolbox.experiment.local_save.atomic import OWNER_FILE, TEMP_PREFIX, remove_stale_temporaries
+from aitoolbox.experiment.local_save import atomic, leftovers
+from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, TEMP_PREFIX, remove_stale_temporaries
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
     checkpoint_process_group, is_sharded_checkpoint, save_sharded_checkpoint)
 from aitoolbox.experiment.local_save.shared_outcome import describe_failure, rebuild_failure
@@ -206,7 +206,7 @@ def test_the_next_save_removes_what_killed_saves_left_and_keeps_what_live_ones_w
     sleeper.start()
     try:
         kept = []
-        this_process = {"host": host, "pid": os.getpid(), "token": atomic._ProcessIdentity.token(), "job": ""}
+        this_process = {"host": host, "pid": os.getpid(), "token": leftovers._ProcessIdentity.token(), "job": ""}
         for name, owner in (("live_here", {"host": host, "pid": sleeper.pid, "token": "77", "job": ""}),
                             ("this_process", this_process),
                             ("other_host", {"host": host + "-elsewhere", "pid": 1, "token": "77", "job": ""})):

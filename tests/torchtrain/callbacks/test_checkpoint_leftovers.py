@@ -4,8 +4,6 @@ import multiprocessing
 import os
 import time
 
-from torch.utils.data import DataLoader
-
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_save_atomic
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.train_loop import TrainLoop

@@ -9,8 +9,6 @@ import os
 import subprocess
 
 import pytest
-import torch
-from torch import nn
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
