@@ -2,11 +2,17 @@
 
 Data goes to a temporary file in the same folder, is flushed and fsync'ed, then renamed over the target
 (``os.replace`` is atomic on POSIX and Windows), and the folder is fsync'ed so the rename itself survives a
-power cut. A process killed mid-write leaves at most a ``.tmp-*`` file, which later writes ignore.
+power cut. A process killed mid-write leaves at most a ``.tmp-*`` file, which later writes ignore, and
+:func:`~aitoolbox.experiment.local_save.leftovers.remove_stale_temporaries` removes once its writer is gone (the
+name says which process wrote it).
+
+Some file systems refuse to fsync a directory (EINVAL on /proc-like, FUSE and CIFS mounts; ENOTSUP or EBADF on
+others): there the rename is as durable as the file system makes it, and the write still succeeds.
 """
 import contextlib
 import errno
 import io
+import logging
 import os
 import pickle
 import tempfile
@@ -15,15 +21,31 @@ from typing import IO, Iterator, Optional
 
 import torch
 
-TEMP_PREFIX = ".tmp-"
+# The temporaries' names and owners are decided there (TEMP_PREFIX is imported from here too).
+from aitoolbox.experiment.local_save.leftovers import TEMP_PREFIX, owner_token
+
+logger = logging.getLogger(__name__)
+
+# errnos of a directory fsync the file system does not support: not a failure of the write.
+_FSYNC_UNSUPPORTED = frozenset(code for code in (errno.EINVAL, errno.EBADF, getattr(errno, "ENOTSUP", None),
+                                                 getattr(errno, "EOPNOTSUPP", None)) if code is not None)
+_fsync_unsupported_logged = threading.Event()  # the debug message is logged once per process
 
 
 def _fsync_directory(path: str) -> None:
+    """Make a rename in ``path`` durable; a file system that does not support directory fsync is no failure."""
     if os.name != "posix":  # pragma: no cover - directories cannot be opened for fsync on Windows
         return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if error.errno not in _FSYNC_UNSUPPORTED:
+            raise
+        if not _fsync_unsupported_logged.is_set():
+            _fsync_unsupported_logged.set()
+            logger.debug("the file system of %s does not support fsync of a directory (%s): renames there are as "
+                         "durable as it makes them", path, os.strerror(error.errno))
     finally:
         os.close(fd)
 
@@ -40,7 +62,7 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
     directory = os.path.dirname(os.path.abspath(path))
     name = os.path.basename(path)
     try:
-        fd, temp_path = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}.", dir=directory)
+        fd, temp_path = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}.{owner_token()}.", dir=directory)
     except OSError as error:
         raise OSError(error.errno, f"cannot write {path}: {error.strerror}") from error
     try:

@@ -23,12 +23,21 @@ Atomicity: every process writes into ``.tmp-<name>/`` beside the final folder. W
 processes' files and ``.metadata`` are on disk), rank 0 writes the marker, fsyncs, renames the folder to its
 final name and fsyncs the parent. A folder counts as a checkpoint only with its marker
 (:func:`is_sharded_checkpoint`): a save killed at any moment leaves at most a ``.tmp-`` folder, which listing
-ignores and the next save of that name removes, and the previous checkpoint stays the newest. Replacing an
-existing folder of the same name renames it aside first: killed in between, that name is missing (never
-half-written) and the checkpoint before it is the newest.
+ignores, and the previous checkpoint stays the newest. Rank 0 records in each temporary folder who writes it
+(host, process id, job id): at the start of every save it removes the temporaries of saves whose writer is gone
+(killed: they are full size), never one a live process may still write (see
+:func:`~aitoolbox.experiment.local_save.leftovers.remove_stale_temporaries`). Replacing an existing folder of the
+same name renames it aside first: killed in between, that name is missing (never half-written) and the
+checkpoint before it is the newest.
+
+One outcome in every process: what one process meets (rank 0 cannot create or complete the folder, a full disk,
+a failed write in any process) is raised by every process, the same error, and no process's ``wait()`` returns
+the path of a checkpoint that is not complete. The processes exchange their outcomes over the save's process
+group, so a failure on one rank never leaves the others waiting for it beyond the group's timeout.
 
 Asynchronous saving (``async_save=True``): the state is copied to host memory (the only stall), DCP writes it in
-a background thread while training goes on, and rank 0 renames the folder when the write completes. DCP needs a
+a background thread while training goes on, rank 0 renames the folder when the write completes, and the
+processes then exchange the outcome (in that background thread). DCP needs a
 process group with a CPU backend for this: gloo on the CPU, ``init_process_group("cpu:gloo,cuda:nccl")`` on
 GPUs. Its background collectives must not interleave with training's, so pass a group of its own made once by
 every process with :func:`checkpoint_process_group`. Wait for a save's :meth:`ShardedCheckpointSave.wait`
@@ -58,6 +67,8 @@ from torch import nn
 
 from aitoolbox.experiment.local_save.atomic import (
     TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, torch_load_checked)
+from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, mark_temporary_folder, remove_stale_temporaries
+from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.safe_load import (
     check_dcp_metadata, dcp_refusals_raised, weights_only_load_planner)
 
@@ -107,17 +118,35 @@ def sharded_checkpoint_info(path: str) -> Dict[str, Any]:
     return info
 
 
-def checkpoint_process_group() -> Any:
+def checkpoint_process_group(timeout_s: Optional[float] = None) -> Any:
     """A gloo process group of all processes for checkpoint saves, apart from training's collectives.
 
     A collective: every process calls it, once, at the same point. Returns None when no process group is
     initialised (a single process). An asynchronous save runs DCP's collectives in a background thread; on the
     training group they could interleave with training's own collectives differently in different processes.
+
+    Args:
+        timeout_s: how long a save's collective waits for a missing process before failing. None: the default
+            process group's timeout (``fit_distributed(timeout_s=...)`` sets it), else torch's default.
     """
+    import datetime
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or timeout_s <= 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else _default_group_timeout()
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _default_group_timeout() -> Any:
+    """The timeout the default process group was made with, or None (torch's default) where torch hides it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group
+        return _get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # another torch, or a group without a CPU backend
+        return None
 
 
 class ShardedCheckpointSave:
@@ -224,11 +253,42 @@ def _replace_folder(temp_path: str, path: str) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _finish(temp_path: str, path: str, world_size: int, num_optimizers: int, stateless: List[int]) -> str:
+def _finish(temp_path: str, path: str, world_size: int, num_optimizers: int, stateless: List[int]) -> None:
+    """Rank 0 completes the folder: marker, rename. Raises OSError naming ``path``; the temporary folder is then
+    removed (a full disk gets its space back)."""
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world_size,
               "num_optimizers": num_optimizers, "stateless_optimizers": stateless, "torch_version": torch.__version__}
-    atomic_write_text(os.path.join(temp_path, MARKER_FILE), json.dumps(marker, indent=1))  # fsyncs the folder
-    _replace_folder(temp_path, path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(temp_path, OWNER_FILE))  # complete: nobody is writing it any more
+        atomic_write_text(os.path.join(temp_path, MARKER_FILE), json.dumps(marker, indent=1))  # fsyncs the folder
+        _replace_folder(temp_path, path)
+    except OSError as error:
+        shutil.rmtree(temp_path, ignore_errors=True)
+        raise OSError(error.errno, f"cannot complete the checkpoint {path}: {error.strerror or error}") from error
+
+
+def _complete_everywhere(temp_path: str, path: str, rank: int, world_size: int, num_optimizers: int,
+                         stateless: List[int], process_group: Any, write_error: Optional[BaseException]) -> str:
+    """After DCP's write: agree that every process wrote its part, have rank 0 complete the folder, agree on that.
+    A collective; raises the same error in every process when any step failed anywhere."""
+    exchange = exchange_in_group(process_group, world_size)
+    distributed = _distributed()
+    try:
+        raise_shared_outcome(write_error, exchange, rank, distributed)
+    except BaseException as shared:
+        if rank == 0:
+            shutil.rmtree(temp_path, ignore_errors=True)
+        if write_error is not None:
+            raise write_error  # DCP's own report (a CheckpointException naming each process's failure)
+        raise shared
+    finish_error = None
+    if rank == 0:
+        try:
+            _finish(temp_path, path, world_size, num_optimizers, stateless)
+        except OSError as error:
+            finish_error = error
+    raise_shared_outcome(finish_error, exchange, rank, distributed)
     return path
 
 
@@ -243,9 +303,12 @@ def _start(path: str, temp_path: str, extra_state: dict, rank: int, world_size: 
         error = ("TypeError", f"process {rank}: {type_error}")
     if rank == 0 and error is None:
         try:
+            # Every earlier save of this process was waited for: what killed saves left can go (full size).
+            remove_stale_temporaries(os.path.dirname(path))
             for leftover in (temp_path, f"{temp_path}.old"):
                 shutil.rmtree(leftover, ignore_errors=True)
             os.makedirs(temp_path)
+            mark_temporary_folder(temp_path)
         except OSError as os_error:
             error = ("OSError", f"cannot create the checkpoint folder {temp_path}: {os_error}")
     gathered = _all_gather((path, error), process_group, world_size)
@@ -259,7 +322,17 @@ def _start(path: str, temp_path: str, extra_state: dict, rank: int, world_size: 
     if len(set(paths)) > 1:
         raise ValueError(f"save_sharded_checkpoint was given different folders in different processes: {paths}; "
                          "every process must save into the same folder (name it on rank 0 and broadcast it)")
-    atomic_write_bytes(os.path.join(temp_path, _extra_state_file(rank)), extra_bytes)
+    write_error = None
+    try:
+        atomic_write_bytes(os.path.join(temp_path, _extra_state_file(rank)), extra_bytes)
+    except OSError as os_error:  # e.g. a full disk on one node: every process stops, none waits in DCP
+        write_error = os_error
+    try:
+        raise_shared_outcome(write_error, exchange_in_group(process_group, world_size), rank, _distributed())
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(temp_path, ignore_errors=True)
+        raise
 
 
 def save_sharded_checkpoint(folder_path: str, model: nn.Module,
@@ -307,27 +380,21 @@ def save_sharded_checkpoint(folder_path: str, model: nn.Module,
     if not async_save:
         with _single_process_intended(no_dist):
             dcp.save(state, checkpoint_id=temp_path, process_group=process_group, no_dist=no_dist)
-        # DCP returns in every process once all files and .metadata are written.
-        finish_error = None
-        if rank == 0:
-            try:
-                _finish(temp_path, path, world_size, len(optimizers), stateless)
-            except OSError as error:
-                finish_error = f"cannot complete the checkpoint {path}: {error}"
-        errors = _all_gather(finish_error, process_group, world_size)
-        if errors[0] is not None:
-            raise OSError(errors[0])
+        # DCP returns in every process once all files and .metadata are written (or raises in every process).
+        _complete_everywhere(temp_path, path, rank, world_size, len(optimizers), stateless, process_group, None)
         result.set_result(path)
         return ShardedCheckpointSave(path, result)
 
     written = dcp.async_save(state, checkpoint_id=temp_path, process_group=process_group, no_dist=no_dist)
 
     def on_written(future: concurrent.futures.Future) -> None:
-        # Runs in DCP's writer thread. Its future completes in rank 0 only after every process's write results
-        # were gathered and .metadata was written, so rank 0 may complete the folder then.
+        # Runs in DCP's writer thread (every process: the exchanges below are collectives of the save's group,
+        # which nothing else uses until wait() returned). DCP's future completes in rank 0 only after every
+        # process's write results were gathered and .metadata was written, so rank 0 may complete the folder then.
         try:
-            future.result()
-            result.set_result(_finish(temp_path, path, world_size, len(optimizers), stateless) if rank == 0 else path)
+            error = future.exception()
+            result.set_result(_complete_everywhere(temp_path, path, rank, world_size, len(optimizers), stateless,
+                                                   process_group, error))
         except BaseException as error:  # hand every failure to wait()
             result.set_exception(error)
 
@@ -462,4 +529,10 @@ def remove_sharded_checkpoint(path: str) -> None:
     aside = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{os.path.basename(path)}.old")
     shutil.rmtree(aside, ignore_errors=True)
     os.rename(path, aside)
-    shutil.rmtree(aside)
+    # A concurrent cleaner may remove parts of it too (remove_stale_temporaries): what is gone is no error.
+    shutil.rmtree(aside, onerror=_ignore_missing)
+
+
+def _ignore_missing(function, path: str, exc_info) -> None:
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -1,13 +1,22 @@
 """What the checkpoint callbacks share: the save itself (now, or in a background thread while training goes on,
 or as a sharded DCP folder under FSDP), the upload of what was saved, and errors that keep the in-memory state
-usable. The callbacks are in :mod:`aitoolbox.torchtrain.callbacks.model_save`."""
+usable. The callbacks are in :mod:`aitoolbox.torchtrain.callbacks.model_save`.
+
+Under distributed training every process learns the outcome of every save: what the main process alone does
+(create the folder, write the file, complete a sharded folder, prune older checkpoints, upload) ends with an
+exchange of outcomes, and every process raises the same error when it failed (see
+:mod:`aitoolbox.experiment.local_save.shared_outcome`). A save in the background is decided at the next save, or
+at the end of training, in every process alike.
+"""
 import concurrent.futures
 import logging
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
+from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, save_checkpoint_file, snapshot_checkpoint
+from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
@@ -40,6 +49,7 @@ class CheckpointCallback(AbstractExperimentCallback):
         self._last_snapshot: Optional[dict] = None  # host memory the next snapshot is copied into
         self._abandon = threading.Event()  # set: the background save in flight stops and leaves no file
         self._save_group = None  # sharded saves: the process group DCP's collectives run in
+        self._uploads: List[concurrent.futures.Future] = []  # main process: this callback's uploads not waited for
 
     def __getstate__(self) -> dict:
         # Sent to spawned training processes before any save: a thread pool cannot travel (nor needs to).
@@ -49,6 +59,7 @@ class CheckpointCallback(AbstractExperimentCallback):
         state["_last_snapshot"] = None
         state["_abandon"] = None
         state["_save_group"] = None
+        state["_uploads"] = []
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -82,10 +93,46 @@ class CheckpointCallback(AbstractExperimentCallback):
             self._save_group = checkpoint_process_group()
 
     def on_train_end(self) -> None:
+        """Wait for the save in flight and this callback's uploads; every process raises what either met."""
         try:
-            self.wait_for_pending_save()
+            error = None
+            try:
+                self.wait_for_pending_save()
+                self._wait_for_uploads()
+            except Exception as raised:
+                error = raised
+            self._raise_shared_outcome(error)
         finally:
             self._stop_writer()
+
+    def cloud_upload(self, local_path: str, only_if_changed: bool = False):
+        future = super().cloud_upload(local_path, only_if_changed)
+        if future is not None:
+            self._uploads.append(future)  # list.append is atomic: the writer thread uploads too
+        return future
+
+    def _wait_for_uploads(self) -> None:
+        """Raise the first failure of this callback's uploads (main process; the others have none)."""
+        uploads, self._uploads = self._uploads, []
+        for future in uploads:
+            if not future.cancelled():  # cancelled: a newer upload of the same file replaced it
+                future.result()
+
+    def _raise_shared_outcome(self, error: Optional[BaseException], process_group=None,
+                              all_processes: bool = False) -> None:
+        """Every process raises the same error when ``error`` (the main process's, or with ``all_processes`` any
+        process's) is not None. A collective in distributed training: every process calls it at the same point.
+        Without ``all_processes`` the main process's outcome is broadcast over the training group (main thread
+        only); with it, outcomes are gathered in ``process_group`` (any thread)."""
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = dist.get_rank() if distributed else 0
+        if all_processes:
+            exchange = exchange_in_group(process_group, dist.get_world_size(process_group) if distributed else 1)
+        else:
+            def exchange(outcome):
+                return [self.train_loop_obj.broadcast_object(outcome)]
+        raise_shared_outcome(error, exchange, rank, distributed)
 
     def on_exception(self, exception: BaseException) -> None:
         """Complete the background save in flight, then stop the writer thread.
@@ -169,9 +216,14 @@ class CheckpointCallback(AbstractExperimentCallback):
         if self.saves_shards:
             return self._save_shards(mid_epoch, folder, file_name, after_save)
         checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.saved_hyperparams())
-        if not self.is_main_process:
-            return None
-        return self._save(checkpoint, folder, file_name, after_save)
+        path, error = None, None
+        if self.is_main_process:
+            try:
+                path = self._save(checkpoint, folder, file_name, after_save)
+            except Exception as raised:  # this save's, or the failure of the background save before it
+                error = raised
+        self._raise_shared_outcome(error)
+        return path
 
     def _save_shards(self, mid_epoch: bool, folder: str, file_name: str,
                      after_save: Optional[Callable[[str], None]]) -> Optional[str]:
@@ -196,13 +248,19 @@ class CheckpointCallback(AbstractExperimentCallback):
         except OSError as os_error:
             raise self._save_error(os_error, path) from os_error
         run_after = after_save if self.is_main_process else None
+        group = self._save_group
 
         def complete() -> None:
-            handle.wait()
+            handle.wait()  # the same outcome in every process
             logger.debug("saved sharded checkpoint %s", path)
-            self.cloud_upload(path)  # the main process: the whole folder, complete now; its marker goes up last
-            if run_after is not None:
-                run_after(path)
+            error = None
+            try:
+                self.cloud_upload(path)  # the main process: the whole folder, complete now; its marker goes up last
+                if run_after is not None:
+                    run_after(path)
+            except Exception as raised:  # e.g. pruning failed: every process learns it, in this thread too
+                error = raised
+            self._raise_shared_outcome(error, group, all_processes=True)
 
         if not self.background_save:
             complete()
@@ -215,6 +273,8 @@ class CheckpointCallback(AbstractExperimentCallback):
 
     def _write(self, checkpoint: dict, folder: str, file_name: str,
                after_save: Optional[Callable[[str], None]]) -> None:
+        # This process's earlier saves are complete (one in flight at a time): what killed ones left can go.
+        remove_stale_temporaries(folder)
         try:
             path = save_checkpoint_file(checkpoint, folder, file_name, abandon=self._abandon)
         except OSError as error:

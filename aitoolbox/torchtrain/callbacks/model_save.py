@@ -268,8 +268,16 @@ class ModelTrainEndSave(CheckpointCallback):
                                                            training_history=tl.train_history).get_results()
         self.results = results
         checkpoint = tl.checkpoint_state(mid_epoch=False, hyperparams=self.saved_hyperparams())
-        if not self.is_main_process:
-            return
+        error = None
+        if self.is_main_process:
+            try:
+                self._save_final(checkpoint, results)
+            except Exception as raised:
+                error = raised
+        self._raise_shared_outcome(error)  # every process raises what the main process met
+
+    def _save_final(self, checkpoint: dict, results: dict) -> None:
+        tl = self.train_loop_obj
         folder = self.experiment_folder
         self._save(checkpoint, folder.model_dir, f"model_{folder.experiment_name}_{folder.timestamp}.pth")
         folder.save_hyperparams(self.hyperparams)
@@ -278,3 +286,4 @@ class ModelTrainEndSave(CheckpointCallback):
                                         {"results": results, "train_history": tl.train_history.get_train_history_dict(),
                                          "epochs_completed": tl.epochs_completed})
         self.cloud_upload(results_path)
+        self._wait_for_uploads()

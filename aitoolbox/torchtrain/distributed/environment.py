@@ -3,6 +3,7 @@ import dataclasses
 import os
 import re
 import socket
+import zlib
 from typing import Mapping, Optional
 
 
@@ -78,6 +79,48 @@ def current_external_placement(master_addr: Optional[str] = None,
                                master_port: Optional[int] = None) -> Optional[ProcessPlacement]:
     """:func:`detect_external_launcher` on this process's environment."""
     return detect_external_launcher(os.environ, master_addr, master_port)
+
+
+class PortReservation:
+    """A TCP port held for a rendezvous store that binds it later, in another process.
+
+    A port found free and released at once can be taken by another job before the store binds it. This keeps a
+    socket bound to it (not listening) with ``SO_REUSEADDR``: a plain bind by anyone else fails, the kernel hands
+    it to no ``bind(0)``, and torch's TCPStore (which binds with ``SO_REUSEADDR`` and then listens) still can.
+    Hold it until the job's processes are done; :meth:`close` (or leaving the ``with`` block) releases it.
+
+    Raises:
+        OSError: the port is taken already (``EADDRINUSE``).
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1"):
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._socket.bind((host, port))
+        except OSError:
+            self._socket.close()
+            raise
+        self.port: int = self._socket.getsockname()[1]
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> "PortReservation":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def job_master_port(env: Mapping[str, str], default: int = 29500) -> int:
+    """The rendezvous port of a multi-node job launched without ``master_port``: the same on every node, and
+    different for different jobs sharing a host. Derived from the job id (AITOOLBOX_RUN_ID, else SLURM_JOB_ID)
+    into 29510..39509; ``default`` when the job has no id."""
+    job = env.get("AITOOLBOX_RUN_ID") or env.get("SLURM_JOB_ID")
+    if not job:
+        return default
+    return 29510 + zlib.crc32(job.encode("utf-8")) % 10000
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,5 @@
 """``TrainLoop.fit_distributed``: validate, launch (or join) the processes, adopt rank 0's result."""
+import contextlib
 import dataclasses
 import logging
 import os
@@ -9,7 +10,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
-from aitoolbox.torchtrain.distributed.environment import current_external_placement, find_free_port, port_is_free
+from aitoolbox.torchtrain.distributed.environment import (
+    PortReservation, current_external_placement, job_master_port)
 from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
 from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fsdp_model_args
@@ -159,20 +161,39 @@ def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int, use_cuda
 
 
 def rendezvous(num_nodes: int, node_rank: int, master_addr: Optional[str], master_port: Optional[int]):
-    """Host and port of rank 0; on one node a free port is picked (or a busy requested one replaced)."""
+    """Host, port and :class:`PortReservation` (or None) of rank 0's rendezvous store.
+
+    On one node the port is reserved here (a free one, or ``master_port`` unless busy, then a free one instead)
+    and stays reserved until the caller closes the reservation, after the processes are done: no other job can
+    take it before the store binds it. Several nodes agree on the port without talking: ``master_port``, else one
+    derived from the job id (:func:`job_master_port`), else 29500; node 0 reserves it and, when it is busy, stops
+    with an error saying to pass ``master_port``.
+    """
     if num_nodes == 1:
         addr = master_addr or "127.0.0.1"
-        if master_port is None:
-            return addr, find_free_port()
-        if not port_is_free(master_port):
-            replacement = find_free_port()
-            logger.warning("master_port %d is busy; using port %d instead", master_port, replacement)
-            return addr, replacement
-        return addr, master_port
+        if master_port is not None:
+            try:
+                reservation = PortReservation(master_port)
+                return addr, reservation.port, reservation
+            except OSError:
+                reservation = PortReservation()
+                logger.warning("master_port %d is busy; using port %d instead", master_port, reservation.port)
+                return addr, reservation.port, reservation
+        reservation = PortReservation()
+        return addr, reservation.port, reservation
     if master_addr is None:
         raise ValueError(f"num_nodes={num_nodes}: pass master_addr, the address of the node with node_rank 0, so "
                          "the nodes can find each other")
-    return master_addr, master_port or 29500
+    port = master_port or job_master_port(os.environ)
+    if node_rank != 0:
+        return master_addr, port, None  # the port is node 0's to check
+    try:
+        reservation = PortReservation(port, host="0.0.0.0")
+    except OSError as error:
+        raise OSError(error.errno, f"port {port} for the rendezvous of the {num_nodes} nodes is in use on this node "
+                      f"(node_rank 0): pass a free master_port=<port> to fit_distributed on every node"
+                      f"{'' if master_port else ' (it was derived from the job id, or the default 29500)'}") from error
+    return master_addr, port, reservation
 
 
 @dataclasses.dataclass
@@ -270,7 +291,8 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         return train_in_this_process(job, placement)
 
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
-    addr, port = rendezvous(options.num_nodes, options.node_rank, options.master_addr, options.master_port)
+    addr, port, reservation = rendezvous(options.num_nodes, options.node_rank, options.master_addr,
+                                         options.master_port)
     method = choose_start_method(options.start_method)
     threads = None
     if (backend == "gloo" or not torch.cuda.is_available()) and "OMP_NUM_THREADS" not in os.environ:
@@ -282,7 +304,9 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                            "threads in a forked child); run fit_distributed from a script (spawned processes) to "
                            "use %d threads per process", threads, threads)
             threads = 1
-    with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir:
+    # The port stays reserved while the processes run (the store binds it in spite of the reservation).
+    with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir, \
+            (reservation or contextlib.nullcontext()):
         result_path = os.path.join(result_dir, "result.pt")
         job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank,
                              world_size=options.num_nodes * per_node, master_addr=addr, master_port=port,

@@ -294,7 +294,7 @@ def test_an_async_save_that_fails_raises_from_wait_and_leaves_no_checkpoint(tmp_
         pending.wait(timeout=30)
     assert "this value cannot be written" in repr(raised.value.failures[0])
     assert pending.done()
-    assert os.listdir(tmp_path) == [TEMP_PREFIX + "model_x_ts_E1"]
+    assert os.listdir(tmp_path) == []  # not even the temporary folder: a failed save gives its space back
 
 
 def test_an_optimizer_without_state_is_saved_and_loaded_without_state(tmp_path):
@@ -438,6 +438,11 @@ def test_killing_both_ranks_at_random_moments_leaves_only_complete_checkpoints(t
                 assert torch.all(tensor == value), f"{name} mixes saves: expected every value {value}"
             checked += 1
     assert checked > 0 and interrupted > 0, (checked, interrupted)
+    # Their writers are gone: the next save removes what they left (full size), and only that.
+    complete = sorted(name for name in os.listdir(folder) if not name.startswith(TEMP_PREFIX))
+    model, optimizer = plain_model_and_optimizer(seed=1)
+    save_sharded_checkpoint(os.path.join(folder, "model_x_ts_E99"), model, optimizer, {"value": 99}).wait()
+    assert sorted(os.listdir(folder)) == sorted(set(complete) | {"model_x_ts_E99"})
 
 
 # --- CUDA ------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Where a process sits in a job: our own launch (processes per node, rendezvous), or one prepared by torchrun,
 SLURM or OpenMPI, which fit_distributed joins instead of spawning."""
+import errno
 import subprocess
 import sys
 import textwrap
@@ -7,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from aitoolbox.torchtrain.distributed.environment import ProcessPlacement, detect_external_launcher
+from aitoolbox.torchtrain.distributed.environment import ProcessPlacement, detect_external_launcher, job_master_port
 from aitoolbox.torchtrain.train_loop.distributed_fit import processes_per_node, rendezvous
 from tests.torchtrain.distributed.support import assert_state_dicts_equal, free_port, make_model, script_env
 
@@ -87,14 +88,67 @@ def test_processes_per_node_without_cuda():
             processes_per_node(bad, 2)
 
 
-def test_rendezvous():
-    assert rendezvous(1, 0, None, None)[0] == "127.0.0.1"
+def _without_reservation(result):
+    addr, port, reservation = result
+    if reservation is not None:
+        reservation.close()
+    return addr, port
+
+
+def test_rendezvous(monkeypatch):
+    for name in ("AITOOLBOX_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert _without_reservation(rendezvous(1, 0, None, None))[0] == "127.0.0.1"
     port = free_port()
-    assert rendezvous(1, 0, "127.0.0.1", port) == ("127.0.0.1", port)
-    assert rendezvous(2, 1, "10.0.0.1", None) == ("10.0.0.1", 29500)
-    assert rendezvous(2, 1, "10.0.0.1", 1234) == ("10.0.0.1", 1234)  # other nodes' ports are not ours to check
+    assert _without_reservation(rendezvous(1, 0, "127.0.0.1", port)) == ("127.0.0.1", port)
+    assert _without_reservation(rendezvous(2, 1, "10.0.0.1", None)) == ("10.0.0.1", 29500)
+    assert _without_reservation(rendezvous(2, 1, "10.0.0.1", 1234)) == ("10.0.0.1", 1234)  # node 0's to check
     with pytest.raises(ValueError, match="pass master_addr"):
         rendezvous(2, 0, None, None)
+
+
+def test_the_rendezvous_port_stays_reserved_until_the_store_binds_it():
+    """Another job's socket that tries to take the chosen port before the store binds it is refused; the store
+    (bound later, as rank 0 does in init_process_group) gets it. A busy requested port is replaced."""
+    import socket
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    addr, port, reservation = rendezvous(1, 0, None, None)
+    with reservation:
+        thief = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with thief, pytest.raises(OSError) as refused:
+            thief.bind((addr, port))
+            thief.listen()
+        assert refused.value.errno == errno.EADDRINUSE
+        store = dist.TCPStore(addr, port, 1, True, timeout=timedelta(seconds=30))
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        del store
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        addr, port, reservation = rendezvous(1, 0, None, busy)
+        reservation.close()
+        assert port != busy
+
+
+def test_several_nodes_agree_on_a_port_of_the_job_and_node_0_refuses_a_busy_one(monkeypatch):
+    import socket
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("AITOOLBOX_RUN_ID", raising=False)
+    ports = {_without_reservation(rendezvous(2, rank, "127.0.0.1", None))[1] for rank in (1, 0)}
+    assert len(ports) == 1 and 29510 <= ports.pop() < 39510
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert _without_reservation(rendezvous(2, 1, "127.0.0.1", None))[1] != job_master_port({"SLURM_JOB_ID": "4242"})
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        with pytest.raises(OSError, match="pass a free master_port"):
+            rendezvous(2, 0, "127.0.0.1", taken.getsockname()[1])
 
 
 # --- joining a job started by someone else -------------------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""Temporaries of interrupted saves: whose they are, and removing those whose writer is gone.
+
+Every save writes a temporary first (``.tmp-<name>...``) and renames it when complete; a process killed midway
+leaves it behind, full size. Each temporary says who writes it: a file in its name
+(``.tmp-<name>.<pid>-<token>@<host>.<random>``), a sharded checkpoint's folder in an :data:`OWNER_FILE` inside.
+:func:`remove_stale_temporaries` removes those of writers that are gone, never one a live process may still
+write, so that it can run at the start of every save, even with another job writing into the same folder.
+"""
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+
+logger = logging.getLogger(__name__)
+
+TEMP_PREFIX = ".tmp-"
+#: Inside a temporary folder: who is writing it (host, process id and token, job id).
+OWNER_FILE = ".owner.json"
+#: A temporary nobody can tell the owner of (another host, an older aitoolbox) is stale once nothing in it has
+#: changed for this long: a save in flight keeps writing into it.
+STALE_AFTER_S = 3600.0
+
+
+def _job_id() -> str:
+    """The job this process belongs to, as the scheduler names it ('' when unknown); a requeued SLURM job keeps its
+    id, so its new processes know the temporaries of its killed ones."""
+    return os.environ.get("AITOOLBOX_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+
+
+class _ProcessIdentity:
+    """This process's id and a random token of its own: in a container restarted on the same host a new process
+    often gets the pid of the killed one, and only the token tells them apart."""
+
+    _pid = -1
+    _token = ""
+
+    @classmethod
+    def token(cls) -> str:
+        if cls._pid != os.getpid():  # a new process (a fork too) gets a token of its own
+            cls._pid, cls._token = os.getpid(), os.urandom(4).hex()
+        return cls._token
+
+
+def owner_token() -> str:
+    """``<pid>-<token>@<host>``: put into the names of temporary files (a file cannot hold a marker)."""
+    return f"{os.getpid()}-{_ProcessIdentity.token()}@{socket.gethostname()}"
+
+
+# .tmp-<name>.<pid>-<token>@<host>.<random>: mkstemp's random part has no dot, host names may have some.
+_OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX) + r".+\.(\d+)-([0-9a-f]+)@([^@/]+)\.[A-Za-z0-9_]+$")
+
+
+def mark_temporary_folder(path: str) -> None:
+    """Record in the temporary folder ``path`` that this process writes it (see :func:`remove_stale_temporaries`)."""
+    with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as handle:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": _ProcessIdentity.token(),
+                   "job": _job_id()}, handle)
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user
+        return True
+    return True
+
+
+def _quiet_for(path: str, seconds: float) -> bool:
+    """Nothing in ``path`` (a file or folder, recursively) changed in the last ``seconds``."""
+    newest = os.lstat(path).st_mtime
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, folders, files in os.walk(path):
+            for name in folders + files:
+                with contextlib.suppress(FileNotFoundError):
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return time.time() - newest > seconds
+
+
+def _is_stale(path: str) -> bool:
+    """Whether the temporary ``path`` was left by a writer that is gone: never one of this process (its saves may
+    be in flight), never one a live process on this host owns, and one of another host only when it is of this
+    same job (restarted: its old processes are gone) or has not changed for :data:`STALE_AFTER_S`."""
+    name = os.path.basename(path)
+    if os.path.isdir(path) and name.endswith(".old"):
+        return True  # a replaced or removed checkpoint moved aside: its deletion was all that was left to do
+    owner = None
+    if os.path.isdir(path):
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as handle:
+                record = json.load(handle)
+            owner = (str(record["host"]), int(record["pid"]), record.get("token"), str(record.get("job", "")))
+    else:
+        match = _OWNED_TEMP_FILE.match(name)
+        if match:
+            owner = (match.group(3), int(match.group(1)), match.group(2), None)
+    if owner is None:  # no owner recorded (an older aitoolbox, or killed before it was written)
+        return _quiet_for(path, STALE_AFTER_S)
+    host, pid, token, job = owner
+    same_job = job is not None and job == _job_id()
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return token is not None and token != _ProcessIdentity.token()  # an earlier process with our pid
+        if _process_running(pid):
+            return False
+        # Process ids are per host and container: another job on a host of the same name might own it.
+        return same_job or job is None or _quiet_for(path, STALE_AFTER_S)
+    return (same_job and job != "") or _quiet_for(path, STALE_AFTER_S)
+
+
+def remove_stale_temporaries(folder: str) -> list:
+    """Remove from ``folder`` the ``.tmp-*`` files and folders of saves whose writer was killed; return their paths.
+
+    Killed saves leave full-size temporaries: a sharded checkpoint's ``.tmp-<name>/`` folder (its owner is recorded
+    in it) or a file's ``.tmp-<name>.<pid>@<host>.<random>``. What a live process may still be writing is kept:
+    see :func:`_is_stale`. Errors are logged, never raised (a leftover is only wasted space).
+    """
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if not _is_stale(path):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile (by its writer, or another cleaner)
+        except OSError as error:
+            logger.warning("could not remove %s, left by an interrupted save: %s", path, error)
+            continue
+        logger.info("removed %s, left by an interrupted save", path)
+        removed.append(path)
+    return removed
