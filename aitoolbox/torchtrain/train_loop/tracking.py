@@ -178,9 +178,10 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
         background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
-        auto_resume: continue the newest run of this experiment that holds a complete checkpoint (its folder
-            ``<experiment>_<timestamp>`` and newest checkpoint, found anew by every process of a restarted job),
-            or start a new run when there is none. See :ref:`auto-resume`. With a ``cloud_save_mode``, when no
+        auto_resume: continue the newest run of this experiment that holds a complete checkpoint and belongs to
+            this job (same job id, or without one the same hyperparameters; see :ref:`auto-resume`): its folder
+            ``<experiment>_<timestamp>`` and newest checkpoint, chosen in a distributed job by rank 0 once the
+            process group exists and used by every process; or start a new run when there is none. With a ``cloud_save_mode``, when no
             local run has a checkpoint, the newest run in the bucket with a complete checkpoint is continued: the
             checkpoint is downloaded into the local run folder of the same name.
         cloud_storage_options: keyword arguments of the storage class (``endpoint_url``, ``region_name``,

@@ -2,11 +2,13 @@
 ``fit_distributed`` on CPU processes, started as ``python run_choice_job.py '<json options>'``.
 
 Options: root, num_epochs, auto_resume, lazy, hyperparams, num_nodes, node_rank, port, processes, gpu_mode,
-start_at (a time.time() second to wait for before building the preset: jobs started in the same second),
+go_file (with jobs started in the same second: the job creates ``<go_file>.<out name>.ready`` once it is
+imported, then waits for ``go_file``, which holds the time.time() second at which to build the preset),
 iteration_save_freq, out (where the result is saved), timeout_s.
 """
 import json
 import logging
+import os
 import sys
 import time
 
@@ -20,10 +22,16 @@ from torch.utils.data import DataLoader
 
 def main(options: dict) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    if options.get("start_at"):
-        time.sleep(max(0.0, options["start_at"] - time.time()))
     train = DataLoader(regression_data(32), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
     model = make_model()
+    go_file = options.get("go_file")
+    if go_file:
+        open(f"{go_file}.{os.path.basename(options['out'])}.ready", "w").close()
+        while not os.path.exists(go_file):
+            time.sleep(0.01)
+        with open(go_file) as handle:
+            start_at = float(handle.read())
+        time.sleep(max(0.0, start_at - time.time()))
     tl = TrainLoopCheckpoint(
         model, train, None, None, torch.optim.Adam(model.parameters(), lr=1e-2), nn.MSELoss(), "proj", "exp",
         options["root"], options.get("hyperparams", {}), auto_resume=options.get("auto_resume", False),

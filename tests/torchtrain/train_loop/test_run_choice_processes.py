@@ -89,7 +89,8 @@ def test_node_local_disks_that_differ_resume_every_rank_from_rank_0s_checkpoint(
 @pytest.mark.slow
 def test_a_sharded_checkpoint_missing_on_a_node_stops_the_job_naming_it_and_the_rank(tmp_path):
     roots = [tmp_path / "node0", tmp_path / "node1"]
-    run_two_nodes(tmp_path, "first", roots, num_epochs=1, gpu_mode="fsdp")
+    # Saved by one node's 2 processes (a 2-node FSDP fit_distributed fails after training on node 1: issue 22.4).
+    finish([start_job(tmp_path / "first.pt", root=str(roots[0]), num_epochs=1, gpu_mode="fsdp", processes=2)])
     folder = run_folder(roots[0])
     processes, _ = two_nodes(tmp_path, "resumed", roots, num_epochs=2, gpu_mode="fsdp", auto_resume=True,
                              timeout_s=60)
@@ -99,21 +100,36 @@ def test_a_sharded_checkpoint_missing_on_a_node_stops_the_job_naming_it_and_the_
         assert f"model_exp_{folder.name[4:]}_E0" in output and "rank(s) [1] cannot read" in output, output[-4000:]
 
 
-@pytest.mark.slow
-def test_two_lazy_jobs_started_in_the_same_second_write_into_their_own_folders(tmp_path):
-    """Both jobs build their preset in the same second (lazy_experiment_save, 2 processes each, best-1 pruning):
-    each writes every checkpoint into its own run folder, named after that folder, with its own hyperparameters,
-    and neither prunes the other's checkpoints."""
-    root = tmp_path / "shared"
-    start_at = int(time.time()) + 3.0  # both start at the beginning of one second
+def start_two_jobs_in_one_second(tmp_path: Path, root: Path) -> dict:
+    """Jobs a and b (lazy_experiment_save, hyperparameters {'job': <name>}) build their presets in one second;
+    returns each one's run folder."""
+    tmp_path.mkdir()
+    go_file = tmp_path / "go"
     outs = {job: tmp_path / f"{job}.pt" for job in ("a", "b")}
     processes = [start_job(outs[job], root=str(root), num_epochs=2, lazy=True, hyperparams={"job": job},
-                           start_at=start_at) for job in ("a", "b")]
+                           go_file=str(go_file)) for job in ("a", "b")]
+    ready = [Path(f"{go_file}.{out.name}.ready") for out in outs.values()]
+    deadline = time.monotonic() + 300  # a hang detector: both jobs have imported everything
+    while not all(path.exists() for path in ready) and time.monotonic() < deadline \
+            and all(process.poll() is None for process in processes):
+        time.sleep(0.05)
+    go_file.write_text(str(int(time.time()) + 2))  # both build their preset at the start of one second
     finish(processes)
-    results = {job: torch.load(out, weights_only=False) for job, out in outs.items()}
-    folders = {job: Path(result["folder"]) for job, result in results.items()}
-    assert folders["a"] != folders["b"]
+    return {job: Path(torch.load(out, weights_only=False)["folder"]) for job, out in outs.items()}
+
+
+@pytest.mark.slow
+def test_two_lazy_jobs_started_in_the_same_second_write_into_their_own_folders(tmp_path):
+    """Both jobs build their preset in the same second (lazy_experiment_save, 2 processes each):
+    each writes every checkpoint into its own run folder, named after that folder, with its own hyperparameters,
+    and neither prunes the other's checkpoints."""
+    for attempt in range(3):  # on a busy machine a job can miss the second: then both start again
+        root = tmp_path / f"shared{attempt}"
+        folders = start_two_jobs_in_one_second(tmp_path / f"attempt{attempt}", root)
+        if folders["a"].name[:23] == folders["b"].name[:23]:
+            break
     assert folders["a"].name[:23] == folders["b"].name[:23], "the jobs did not start in the same second"
+    assert folders["a"] != folders["b"]
     assert sorted(path.name for path in (root / "proj").iterdir()) == sorted(folder.name for folder in folders.values())
     for job, folder in folders.items():
         timestamp = folder.name[4:]
