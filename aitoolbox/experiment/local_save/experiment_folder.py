@@ -204,6 +204,8 @@ class ExperimentFolder:
             return self.path
         try:
             self.reserve()
+            if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(errno.ENOTDIR, f"{self.path} is a file, not a folder")
             os.makedirs(self.path, exist_ok=True)  # reserved: no other run takes this name
             for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
                 os.makedirs(sub, exist_ok=True)
