@@ -180,10 +180,10 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
         auto_resume: continue the newest run of this experiment that holds a complete checkpoint and belongs to
             this job (same job id, or without one the same hyperparameters; see :ref:`auto-resume`): its folder
-            ``<experiment>_<timestamp>`` and newest checkpoint, chosen in a distributed job by rank 0 once the
-            process group exists and used by every process; or start a new run when there is none. With a ``cloud_save_mode``, when no
-            local run has a checkpoint, the newest run in the bucket with a complete checkpoint is continued: the
-            checkpoint is downloaded into the local run folder of the same name.
+            ``<experiment>_<timestamp>`` and newest checkpoint, chosen in a distributed job by rank 0 once
+            the process group exists and used by every process; or start a new run when there is none. With a
+            ``cloud_save_mode``, when no local run has a checkpoint, the newest run in the bucket with a complete
+            checkpoint is continued: the checkpoint is downloaded into the local run folder of the same name.
         cloud_storage_options: keyword arguments of the storage class (``endpoint_url``, ``region_name``,
             ``retry`` (a :class:`~aitoolbox.cloud.storage.RetryPolicy`), timeouts...; see
             :class:`~aitoolbox.cloud.s3.S3Storage` and :class:`~aitoolbox.cloud.gcs.GCSStorage`); None: the
