@@ -81,10 +81,20 @@ def read_run_identity(run_folder: str) -> Optional[RunIdentity]:
         return None
     try:
         with open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
-        return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]))
-    except (OSError, ValueError, TypeError, KeyError) as error:
+            return parse_run_identity(handle.read(), path)
+    except OSError as error:
         logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", path, error)
+        return None
+
+
+def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
+    """The identity a :data:`RUN_IDENTITY_FILE` holds (read from ``where``, named in the warning); None when the
+    text is not such a record."""
+    try:
+        record = json.loads(text)
+        return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]))
+    except (ValueError, TypeError, KeyError) as error:
+        logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", where, error)
         return None
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, load_checkpoint_file
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run, run_checkpoints
+from aitoolbox.experiment.local_save.run_identity import RunIdentity
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,16 +48,17 @@ class RunDecision:
     sharded: bool = False
 
 
-def resume_from_bucket(destination: "CloudDestination", root: str, project_name: str,
-                       experiment_name: str) -> Optional[Tuple[str, str, str]]:
+def resume_from_bucket(destination: "CloudDestination", root: str, project_name: str, experiment_name: str,
+                       identity: Optional[RunIdentity] = None) -> Optional[Tuple[str, str, str]]:
     """``auto_resume`` when no local run has a checkpoint: the newest run of the experiment in the bucket that holds
-    a complete checkpoint, whose newest checkpoint is downloaded into the local run folder of the same name.
+    a complete checkpoint (and, with ``identity``, that this job may continue), whose newest checkpoint is
+    downloaded into the local run folder of the same name.
 
     Returns:
         ``(timestamp, local checkpoint path, bucket key)``, or None.
     """
     storage = destination.storage()
-    found = newest_cloud_run(storage, destination.cloud_dir_prefix, project_name, experiment_name)
+    found = newest_cloud_run(storage, destination.cloud_dir_prefix, project_name, experiment_name, identity)
     if found is None:
         logger.info("auto_resume: no run of %s/%s with a checkpoint on the local disk nor in %s", project_name,
                     experiment_name, storage.uri(destination.cloud_dir_prefix))
@@ -115,7 +117,7 @@ def decide_run(folder: ExperimentFolder, destination: Optional["CloudDestination
     found = newest_resumable_run(root, project, experiment, identity=folder.identity)
     bucket_key = None
     if found is None and destination is not None:
-        from_bucket = resume_from_bucket(destination, root, project, experiment)
+        from_bucket = resume_from_bucket(destination, root, project, experiment, folder.identity)
         if from_bucket is not None:
             found, bucket_key = from_bucket[:2], from_bucket[2]
     if found is not None:
