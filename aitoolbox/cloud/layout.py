@@ -20,6 +20,7 @@ A folder in the bucket counts as a checkpoint only with its completion marker (u
 whose upload was interrupted, as :func:`~aitoolbox.experiment.local_save.checkpoints.list_checkpoints` skips
 an interrupted local save.
 """
+import logging
 import os
 import posixpath
 import re
@@ -29,10 +30,14 @@ from aitoolbox.cloud.folders import FOLDER_MARKER, local_path_inside, parse_fold
 from aitoolbox.cloud.storage import CloudNotFoundError, CloudStorage, join_key
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_position
 from aitoolbox.experiment.local_save.names import check_key_prefix, check_name
+from aitoolbox.experiment.local_save.run_identity import (
+    RUN_IDENTITY_FILE, RunIdentity, adoption_refusal, parse_run_identity)
 
 CHECKPOINT_DIR = "checkpoint_model"
 FINAL_MODEL_DIR = "model"
 RESULTS_DIR = "results"
+
+logger = logging.getLogger(__name__)
 
 
 class ExperimentKeys:
@@ -202,12 +207,14 @@ _RUN_TIMESTAMP = r"(?P<timestamp>\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:_(?P<same
 
 
 def newest_cloud_run(storage: CloudStorage, cloud_dir_prefix: Optional[str], project_name: str,
-                     experiment_name: str) -> Optional[Tuple[str, str]]:
+                     experiment_name: str, identity: Optional[RunIdentity] = None) -> Optional[Tuple[str, str]]:
     """The newest run of an experiment in the bucket that holds a complete checkpoint (for ``auto_resume``).
 
     Mirrors :func:`~aitoolbox.experiment.local_save.experiment_folder.newest_resumable_run`: the runs are the
     folders ``<cloud_dir_prefix>/<project>/<experiment>_<timestamp>/``, newest timestamp first; the first one
-    with a complete checkpoint in ``checkpoint_model/`` (or a final model in ``model/``) wins.
+    with a complete checkpoint in ``checkpoint_model/`` (or a final model in ``model/``) wins. With ``identity``,
+    only a run this job may continue counts (its uploaded ``aitoolbox_run.json``, see
+    :mod:`~aitoolbox.experiment.local_save.run_identity`); each one passed over is logged with the reason.
 
     Returns:
         ``(timestamp, key of its newest complete checkpoint)``, or None when no run of the experiment has one.
@@ -227,9 +234,22 @@ def newest_cloud_run(storage: CloudStorage, cloud_dir_prefix: Optional[str], pro
         run_key = join_key(project_key, f"{experiment_name}_{timestamp}")
         found = (list_cloud_checkpoints(storage, join_key(run_key, CHECKPOINT_DIR))
                  + list_cloud_checkpoints(storage, join_key(run_key, FINAL_MODEL_DIR)))
-        if found:
-            return timestamp, max(found, key=_key_position)
+        if not found:
+            continue
+        if identity is not None:
+            refusal = adoption_refusal(identity, _cloud_run_identity(storage, run_key))
+            if refusal is not None:
+                logger.info("auto_resume: not continuing %s: %s", storage.uri(run_key), refusal)
+                continue
+        return timestamp, max(found, key=_key_position)
     return None
+
+
+def _cloud_run_identity(storage: CloudStorage, run_key: str) -> Optional[RunIdentity]:
+    key = join_key(run_key, RUN_IDENTITY_FILE)
+    if not storage.exists(key):
+        return None
+    return parse_run_identity(storage.download_bytes(key).decode("utf-8", errors="replace"), storage.uri(key))
 
 
 def _key_position(key: str) -> Tuple[int, int, int]:

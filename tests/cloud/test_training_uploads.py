@@ -305,6 +305,26 @@ def test_auto_resume_continues_the_newest_run_in_the_bucket_bitwise(service, buc
     assert not os.path.exists(tmp_path / "new_machine" / "proj")
 
 
+def test_auto_resume_from_the_bucket_continues_only_a_run_of_this_job(service, bucket, tmp_path, monkeypatch):
+    """The run folder's aitoolbox_run.json goes up with the run: a job restarted on a new machine continues the
+    bucket's run only when it is the same job (SLURM_JOB_ID here), another job starts its own run."""
+    for name in ("AITOOLBOX_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "31")
+    first = crash_a_cloud_run(service, bucket, str(tmp_path / "machine_1"), auto_resume=True)
+    assert bucket.exists(f"team/proj/exp_{first.experiment_timestamp}/aitoolbox_run.json")
+
+    monkeypatch.setenv("SLURM_JOB_ID", "32")  # another job of the sweep, on another machine
+    other = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "machine_2"), {},
+                                iteration_save_freq=2, auto_resume=True, **cloud(service, bucket))
+    assert other.resumed_from is None and other.experiment_timestamp != first.experiment_timestamp
+
+    monkeypatch.setenv("SLURM_JOB_ID", "31")  # the requeued job, on a third machine
+    again = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "machine_3"), {},
+                                iteration_save_freq=2, auto_resume=True, **cloud(service, bucket))
+    assert again.experiment_timestamp == first.experiment_timestamp and again.resumed_from is not None
+
+
 def test_model_predict_uploads_its_results_file(service, bucket, tmp_path):
     torch.manual_seed(0)
     predictor = PyTorchModelPredictor(MLP(), DataLoader(classification_data(10), batch_size=5))

@@ -2,6 +2,7 @@
 import datetime
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -10,7 +11,11 @@ from typing import Any, List, Optional, Tuple
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.experiment.local_save.names import check_name
+from aitoolbox.experiment.local_save.run_identity import (
+    RunIdentity, adoption_refusal, read_run_identity, write_run_identity)
 from aitoolbox.experiment.redaction import redact_hyperparams
+
+logger = logging.getLogger(__name__)
 
 
 # Runs of one experiment started within the same second get suffixed folders, up to this many.
@@ -59,24 +64,14 @@ def timestamp_now() -> str:
 _TIMESTAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:_(\d+))?"
 
 
-def newest_resumable_run(root: str, project_name: str, experiment_name: str) -> Optional[Tuple[str, str]]:
-    """The newest run of an experiment that holds a complete checkpoint, for continuing it (``auto_resume``).
-
-    Runs are the folders ``<root>/<project>/<experiment>_<timestamp>`` (``<timestamp>`` as
-    :func:`timestamp_now` makes it, with the ``_<n>`` of same-second runs), newest timestamp first; the first
-    with a checkpoint in ``checkpoint_model/`` (or, for a finished run, a final model in ``model/``) wins.
-
-    Returns:
-        ``(timestamp, checkpoint path)`` of its newest complete checkpoint (a file or a sharded checkpoint's
-        folder), or None when no run of the experiment has one.
-    """
-    from aitoolbox.experiment.local_save.checkpoints import checkpoint_position, list_checkpoints
-
+def run_timestamps(root: str, project_name: str, experiment_name: str) -> List[str]:
+    """Timestamps of the run folders ``<root>/<project>/<experiment>_<timestamp>`` of an experiment, newest first
+    (``<timestamp>`` as :func:`timestamp_now` makes it, with the ``_<n>`` of same-second runs)."""
     check_name(project_name, "project_name")
     check_name(experiment_name, "experiment_name")
     project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
     if not os.path.isdir(project_folder):
-        return None
+        return []
     pattern = re.compile(rf"^{re.escape(experiment_name)}_(?P<timestamp>{_TIMESTAMP})$")
     runs: List[Tuple[Tuple[str, int], str]] = []
     for name in os.listdir(project_folder):
@@ -84,14 +79,47 @@ def newest_resumable_run(root: str, project_name: str, experiment_name: str) -> 
         if match and os.path.isdir(os.path.join(project_folder, name)):
             timestamp = match.group("timestamp")
             runs.append(((timestamp[:19], int(match.group(2) or 0)), timestamp))
-    for _, timestamp in sorted(runs, reverse=True):
+    return [timestamp for _, timestamp in sorted(runs, reverse=True)]
+
+
+def run_checkpoints(run_folder: str) -> List[str]:
+    """Complete checkpoints of a run folder, oldest progress first (``checkpoint_model/``, then a finished run's
+    final model in ``model/``, which comes after every checkpoint)."""
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints
+    found = (list_checkpoints(os.path.join(run_folder, "checkpoint_model"))
+             + list_checkpoints(os.path.join(run_folder, "model")))
+    return sorted(found, key=checkpoint_path_position)
+
+
+def newest_resumable_run(root: str, project_name: str, experiment_name: str,
+                         identity: Optional[RunIdentity] = None) -> Optional[Tuple[str, str]]:
+    """The newest run of an experiment that holds a complete checkpoint, for continuing it (``auto_resume``).
+
+    Runs are the folders ``<root>/<project>/<experiment>_<timestamp>``, newest timestamp first; the first with a
+    checkpoint in ``checkpoint_model/`` (or, for a finished run, a final model in ``model/``) wins.
+
+    Args:
+        root, project_name, experiment_name: where the runs are.
+        identity: this job's identity: only runs it may continue count (see
+            :func:`~aitoolbox.experiment.local_save.run_identity.adoption_refusal`); each one passed over is
+            logged with the reason. None: every run counts.
+
+    Returns:
+        ``(timestamp, checkpoint path)`` of its newest complete checkpoint (a file or a sharded checkpoint's
+        folder), or None when no run of the experiment has one.
+    """
+    project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
+    for timestamp in run_timestamps(root, project_name, experiment_name):
         run_folder = os.path.join(project_folder, f"{experiment_name}_{timestamp}")
-        found = (list_checkpoints(os.path.join(run_folder, "checkpoint_model"))
-                 + list_checkpoints(os.path.join(run_folder, "model")))
-        if found:
-            newest = max(found, key=lambda path: checkpoint_position(
-                os.path.basename(path) + ("" if path.endswith(".pth") else ".pth")))
-            return timestamp, newest
+        found = run_checkpoints(run_folder)
+        if not found:
+            continue
+        if identity is not None:
+            refusal = adoption_refusal(identity, read_run_identity(run_folder))
+            if refusal is not None:
+                logger.info("auto_resume: not continuing %s: %s", run_folder, refusal)
+                continue
+        return timestamp, found[-1]
     return None
 
 
@@ -111,6 +139,8 @@ class ExperimentFolder:
         timestamp: run identifier; the current time when None.
         hyperparams: written into the folder (:meth:`save_hyperparams`) when it is created, so that a folder
             created lazily, by its first file, holds them too.
+        identity: the run's :class:`~aitoolbox.experiment.local_save.run_identity.RunIdentity`, recorded in the
+            folder when it is created (what ``auto_resume`` checks before continuing the run).
 
     Raises:
         ValueError: ``root`` is empty, or the project name, experiment name or timestamp is not a plain name
@@ -118,7 +148,7 @@ class ExperimentFolder:
     """
 
     def __init__(self, root: str, project_name: str, experiment_name: str, timestamp: Optional[str] = None,
-                 hyperparams: Optional[dict] = None):
+                 hyperparams: Optional[dict] = None, identity: Optional[RunIdentity] = None):
         if not isinstance(root, str) or not root:
             raise ValueError(f"local_model_result_folder_path must be a non-empty string, got {root!r}")
         check_name(project_name, "project_name")
@@ -130,7 +160,9 @@ class ExperimentFolder:
         self.experiment_name = experiment_name
         self.timestamp = timestamp or timestamp_now()
         self.hyperparams = hyperparams
+        self.identity = identity
         self._created = False
+        self._reserved = False  # the name is this run's: creating the folder never changes it
 
     def __repr__(self) -> str:
         return f"ExperimentFolder({self.path!r})"
@@ -160,8 +192,9 @@ class ExperimentFolder:
         return os.path.join(self.path, "tensorboard")
 
     def create(self) -> str:
-        """Create the run folder (once). An existing run folder is never reused or overwritten: a run started
-        within the same second as another gets the timestamp ``<timestamp>_1`` (``_2``, ...) and that folder.
+        """Create the run folder (once), with the name :meth:`reserve` decided. An existing run folder is never
+        reused or overwritten: a run started within the same second as another gets the timestamp
+        ``<timestamp>_1`` (``_2``, ...) and that folder.
 
         Raises:
             PermissionError / NotADirectoryError / OSError: the folder cannot be created; the message names
@@ -170,16 +203,67 @@ class ExperimentFolder:
         if self._created:
             return self.path
         try:
-            self._make_run_folder()
+            self.reserve()
+            if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(errno.ENOTDIR, f"{self.path} is a file, not a folder")
+            os.makedirs(self.path, exist_ok=True)  # reserved: no other run takes this name
+            for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
+                os.makedirs(sub, exist_ok=True)
         except OSError as error:
             if error.errno is None:
                 raise  # the never-overwrite limit: already says what is wrong
             raise _unusable_folder(error.errno, self.root, f"cannot create {self.path} "
                                                            f"({error.strerror or error})") from error
         self._created = True
+        self._release_claim()  # the folder itself holds the name from now on
+        if self.identity is not None:
+            write_run_identity(self.path, self.identity)
         if self.hyperparams is not None:
             self.save_hyperparams(self.hyperparams)
         return self.path
+
+    def reserve(self) -> str:
+        """Decide the run folder's name now, for good, without creating the folder (``lazy_experiment_save``):
+        returns the timestamp, suffixed (``<timestamp>_1``, ...) when another run has taken the name.
+
+        The name is claimed by an empty marker file ``.<experiment>_<timestamp>.claim`` in the project folder,
+        created exclusively, so two jobs started in the same second never decide on the same folder; the marker
+        is removed when the folder is created. Every path this object gives out afterwards stays the run's.
+
+        Raises:
+            FileExistsError: the name and :data:`MAX_SAME_SECOND_RUNS` suffixed ones are all taken.
+            OSError: the project folder cannot be created.
+        """
+        if self._reserved or self._created:
+            return self.timestamp
+        project_folder = os.path.dirname(self.path)
+        os.makedirs(project_folder, exist_ok=True)
+        base_timestamp = self.timestamp
+        for suffix in range(MAX_SAME_SECOND_RUNS + 1):
+            self.timestamp = f"{base_timestamp}_{suffix}" if suffix else base_timestamp
+            try:
+                os.close(os.open(self._claim_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                continue  # another run (or job) holds this name
+            # Claimed; the folder may still exist from a run that created it (its claim then removed).
+            if os.path.lexists(self.path):
+                self._release_claim()
+                continue
+            self._reserved = True
+            return self.timestamp
+        self.timestamp = base_timestamp
+        raise FileExistsError(f"experiment folders {self.path} and {MAX_SAME_SECOND_RUNS} more of the same "
+                              "timestamp exist already; they are never overwritten")
+
+    @property
+    def _claim_path(self) -> str:
+        return os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.claim")
+
+    def _release_claim(self) -> None:
+        try:
+            os.remove(self._claim_path)
+        except FileNotFoundError:
+            pass
 
     def check_creatable(self) -> None:
         """Raise now if the run folder could not be created (see :func:`check_folder_creatable`); creates nothing.
@@ -189,26 +273,25 @@ class ExperimentFolder:
         """
         check_folder_creatable(self.path, self.root)
 
-    def _make_run_folder(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        base_timestamp = self.timestamp
-        for suffix in range(1, MAX_SAME_SECOND_RUNS + 1):
-            try:
-                os.mkdir(self.path)
-                break
-            except FileExistsError:
-                self.timestamp = f"{base_timestamp}_{suffix}"
-        else:
-            raise FileExistsError(f"experiment folders {self.path} and {MAX_SAME_SECOND_RUNS} more of the same "
-                                  "timestamp exist already; they are never overwritten")
-        for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
-            os.makedirs(sub, exist_ok=True)
+    def adopt(self, timestamp: str, created: bool) -> None:
+        """Take the run folder another process decided on (its timestamp) as this run's: rank 0 of a distributed
+        run decides, and every process writes into that folder, never one derived anew from a clock.
+
+        Args:
+            timestamp: the run folder's timestamp, as the deciding process has it.
+            created: the folder exists (created or continued by that process): it is not created again. A folder
+                this object created itself stays created when the timestamp is its own.
+        """
+        check_name(timestamp, "timestamp")
+        self._created = created or (self._created and timestamp == self.timestamp)
+        self.timestamp = timestamp
+        self._reserved = True  # decided by its owner
 
     def adopt_if_created_elsewhere(self) -> None:
         """Accept the run folder as this run's own when another process of the run created it.
 
-        After ``fit_distributed``, rank 0 may have created the folder (``lazy_experiment_save``) in its own
-        process; the launching process then writes into it instead of refusing it as an existing run.
+        Only for a folder whose name this run decided (a continued run's, or one :meth:`reserve` claimed or
+        :meth:`adopt` took): the existence of a folder of that name alone never makes it this run's.
         """
         if os.path.isdir(self.path):
             self._created = True

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
+# In the result the launcher adopts: the run folder (and resumed checkpoint) of an experiment-tracking preset.
+RUN_RECORD_KEY = "experiment_run"
+
 
 def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
     """Give this process its share of the training data (after in-process data loading)."""
@@ -38,8 +41,12 @@ def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
 def distributed_result(tl: "TrainLoop") -> dict:
     """What the launching process adopts: the run's whole state, as an epoch-end checkpoint holds it (weights,
     optimizers, precision state with O2's float32 masters and the loss scale, callback states, counters, every
-    rank's history and RNG state). Call it in every process (a collective: states are gathered)."""
-    return tl.checkpoint_state(mid_epoch=False)
+    rank's history and RNG state), and the run folder rank 0 decided on. Call it in every process (a collective:
+    states are gathered)."""
+    result = tl.checkpoint_state(mid_epoch=False)
+    if callable(getattr(tl, "run_record", None)):
+        result[RUN_RECORD_KEY] = tl.run_record()
+    return result
 
 
 def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
@@ -59,8 +66,8 @@ def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[Lis
     pending = tl.pending_restore
     pending.pop(MODEL_KEY, None)
     pending[OPTIMIZER_KEY] = [{"param_groups": state["param_groups"]} for state in saved_optimizer_states(pending)]
-    if tl.experiment_folder is not None:  # rank 0 may have created the run folder of a lazy preset
-        tl.experiment_folder.adopt_if_created_elsewhere()
+    if result.get(RUN_RECORD_KEY) is not None:  # the folder rank 0 decided on, never one derived from a clock
+        tl.adopt_run_record(result[RUN_RECORD_KEY])
 
 
 def _continues_in_this_process(tl: "TrainLoop", placement: ProcessPlacement) -> bool:

@@ -9,13 +9,14 @@ import logging
 import os
 from typing import Optional, Tuple, Union
 
-from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.local_save.run_identity import this_run_identity
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination, cloud_destination
 from aitoolbox.torchtrain.callbacks.history_output import ModelTrainHistoryFileWriter, ModelTrainHistoryPlot
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint, ModelTrainEndSave
 from aitoolbox.torchtrain.distributed.environment import current_external_placement
+from aitoolbox.torchtrain.train_loop import run_choice
 from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
@@ -39,30 +40,32 @@ def resume_from_bucket(destination: CloudDestination, root: str, project_name: s
     """``auto_resume`` when no local run has a checkpoint: the newest run of the experiment in the bucket that holds
     a complete checkpoint, whose newest checkpoint is downloaded into the local run folder of the same name.
 
-    Every process of a job started by torchrun (or SLURM, OpenMPI) does this for itself; a sharded checkpoint
-    folder placed by another process meanwhile is kept, not replaced.
-
     Returns:
         ``(timestamp, local checkpoint path)`` as
         :func:`~aitoolbox.experiment.local_save.experiment_folder.newest_resumable_run`, or None.
     """
-    storage = destination.storage()
-    found = newest_cloud_run(storage, destination.cloud_dir_prefix, project_name, experiment_name)
-    if found is None:
-        logger.info("auto_resume: no run of %s/%s with a checkpoint on the local disk nor in %s", project_name,
-                    experiment_name, storage.uri(destination.cloud_dir_prefix))
-        return None
-    timestamp, key = found
-    run_key = destination.keys(ExperimentFolder(root, project_name, experiment_name, timestamp)).experiment
-    local_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name,
-                                f"{experiment_name}_{timestamp}", os.path.dirname(key[len(run_key) + 1:]))
-    if writes_files_in_this_process():
-        logger.info("auto_resume: downloading %s to %s", storage.uri(key), local_folder)
-    return timestamp, download_checkpoint(storage, key, local_folder, replace=False)
+    found = run_choice.resume_from_bucket(destination, root, project_name, experiment_name)
+    return None if found is None else found[:2]
+
+
+def runs_in_several_processes(tl: TrainLoop) -> bool:
+    """The run trains in a process group (gpu_mode 'ddp'/'fsdp', or a process of a torchrun/SLURM/OpenMPI job):
+    which run it continues is decided once the group exists."""
+    if tl.gpu_mode in ("ddp", "fsdp"):
+        return True
+    try:
+        return current_external_placement() is not None
+    except ValueError:  # an incomplete launcher environment: fit_distributed reports it
+        return False
 
 
 class _ExperimentTrainLoop(TrainLoop):
-    """A TrainLoop with an experiment folder ``<root>/<project>/<experiment>_<timestamp>/``."""
+    """A TrainLoop with an experiment folder ``<root>/<project>/<experiment>_<timestamp>/``.
+
+    Which folder the run writes to, and with ``auto_resume`` which run and checkpoint it continues, is decided
+    once (see :mod:`~aitoolbox.torchtrain.train_loop.run_choice`): here in a single process; in a distributed run
+    by rank 0 when the process group exists, broadcast to the other processes and handed back to the launcher.
+    """
 
     def __init__(self, model, train_loader, validation_loader, test_loader, optimizer, criterion,
                  project_name: str, experiment_name: str, local_model_result_folder_path: str,
@@ -86,33 +89,72 @@ class _ExperimentTrainLoop(TrainLoop):
         self.bucket_name = bucket_name
         self.cloud_dir_prefix = cloud_dir_prefix
         self.cloud_storage_options = cloud_storage_options
+        self.cloud_destination = destination
         self.source_dirs = source_dirs
-        # The hyperparameters are written when the folder is created: now, or with lazy_experiment_save at the
-        # first file written into it. Either way an unusable folder is reported now, not after an epoch.
+        self.weights_only = weights_only
         self.auto_resume = auto_resume
         self.resumed_from: Optional[str] = None
-        found = newest_resumable_run(local_model_result_folder_path, project_name, experiment_name) \
-            if auto_resume else None
-        if auto_resume and found is None and destination is not None:
-            found = resume_from_bucket(destination, local_model_result_folder_path, project_name, experiment_name)
+        # The hyperparameters and the run's identity are written when the folder is created: now, or with
+        # lazy_experiment_save at the first file written into it. Either way an unusable folder is reported now.
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
-                                                  timestamp=found[0] if found else None, hyperparams=self.hyperparams)
-        if found:
-            # Every process of the job finds the same run; its folder is this run's again.
-            self.experiment_folder.adopt_if_created_elsewhere()
-            self.resumed_from = found[1]
-            self.load_checkpoint(found[1], weights_only=weights_only)
-            if writes_files_in_this_process():
-                logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", self.experiment_folder.path,
-                            os.path.basename(found[1]), self.epochs_completed)
+                                                  hyperparams=self.hyperparams,
+                                                  identity=this_run_identity(self.hyperparams))
+        self.experiment_folder.check_creatable()
+        # auto_resume's choice still to be made (by rank 0 of a distributed run, when its process group exists).
+        self._resume_undecided = auto_resume
+        self._run_agreed_in_process: Optional[int] = None
+        if not runs_in_several_processes(self):
+            if auto_resume:
+                self._continue_or_start(*run_choice.decide_run(self.experiment_folder, destination, 1,
+                                                               weights_only, self.lazy_experiment_save))
+            elif not self.lazy_experiment_save:
+                self.experiment_folder.create()
+                logger.info("Experiment folder: %s", self.experiment_folder.path)
             return
-        if not writes_files_in_this_process():
-            return
-        if self.lazy_experiment_save:
-            self.experiment_folder.check_creatable()
-        else:
+        if writes_files_in_this_process() and not auto_resume and not self.lazy_experiment_save:
             self.experiment_folder.create()
             logger.info("Experiment folder: %s", self.experiment_folder.path)
+
+    def _continue_or_start(self, decision: run_choice.RunDecision, checkpoint) -> None:
+        """Adopt the decided run folder and load what the run continues from (a path or a checkpoint dict)."""
+        self._resume_undecided = False
+        folder = self.experiment_folder
+        folder.adopt(decision.timestamp, created=False)
+        if decision.created:
+            folder.adopt_if_created_elsewhere()
+        if checkpoint is None:
+            return
+        self.resumed_from = os.path.join(folder.path, decision.checkpoint)
+        self.load_checkpoint(checkpoint, weights_only=self.weights_only)
+        if self.strategy.is_main_process:
+            logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", folder.path,
+                        decision.checkpoint, self.epochs_completed)
+
+    def fit(self, num_epochs: int = 0, num_iterations: int = 0, callbacks=None, grad_accumulation: int = 1,
+            **kwargs):
+        """:meth:`TrainLoop.fit`; in each process of a distributed run it first agrees with the others on the run
+        folder (and with ``auto_resume`` on the run to continue), once. With ``lazy_experiment_save`` the run
+        folder's name is reserved now (nothing is created before the first file)."""
+        if self.strategy.is_distributed and self._run_agreed_in_process != os.getpid():
+            self._continue_or_start(*run_choice.agree_on_run(self, decide=self._resume_undecided))
+            self._run_agreed_in_process = os.getpid()
+        elif not runs_in_several_processes(self) and self.lazy_experiment_save:
+            self.experiment_folder.reserve()
+        return super().fit(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
+
+    def run_record(self) -> dict:
+        """What the launching process of ``fit_distributed`` adopts: the run folder rank 0 decided on and the
+        checkpoint the run continued from (plain data)."""
+        return {"timestamp": self.experiment_folder.timestamp, "resumed_from": self.resumed_from}
+
+    def adopt_run_record(self, record: dict) -> None:
+        """In the launching process: write into the run folder the processes wrote into (decided by rank 0, never
+        derived again from a clock or from which folders exist)."""
+        self._resume_undecided = False
+        self.experiment_folder.adopt(record["timestamp"], created=False)
+        self.experiment_folder.adopt_if_created_elsewhere()
+        if record.get("resumed_from"):
+            self.resumed_from = record["resumed_from"]
 
 
 class TrainLoopCheckpoint(_ExperimentTrainLoop):
@@ -136,11 +178,12 @@ class TrainLoopCheckpoint(_ExperimentTrainLoop):
         rm_subopt_local_models, num_best_checkpoints_kept: see :class:`ModelCheckpoint`.
         iteration_save_freq: also checkpoint every this many iterations (0: only at epoch ends).
         background_save: write the checkpoints in a background thread (see :class:`ModelCheckpoint`).
-        auto_resume: continue the newest run of this experiment that holds a complete checkpoint (its folder
-            ``<experiment>_<timestamp>`` and newest checkpoint, found anew by every process of a restarted job),
-            or start a new run when there is none. See :ref:`auto-resume`. With a ``cloud_save_mode``, when no
-            local run has a checkpoint, the newest run in the bucket with a complete checkpoint is continued: the
-            checkpoint is downloaded into the local run folder of the same name.
+        auto_resume: continue the newest run of this experiment that holds a complete checkpoint and belongs to
+            this job (same job id, or without one the same hyperparameters; see :ref:`auto-resume`): its folder
+            ``<experiment>_<timestamp>`` and newest checkpoint, chosen in a distributed job by rank 0 once
+            the process group exists and used by every process; or start a new run when there is none. With a
+            ``cloud_save_mode``, when no local run has a checkpoint, the newest run in the bucket with a complete
+            checkpoint is continued: the checkpoint is downloaded into the local run folder of the same name.
         cloud_storage_options: keyword arguments of the storage class (``endpoint_url``, ``region_name``,
             ``retry`` (a :class:`~aitoolbox.cloud.storage.RetryPolicy`), timeouts...; see
             :class:`~aitoolbox.cloud.s3.S3Storage` and :class:`~aitoolbox.cloud.gcs.GCSStorage`); None: the

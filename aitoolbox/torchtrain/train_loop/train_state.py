@@ -324,7 +324,8 @@ def continue_with_another_world_size(tl: "TrainLoop", checkpoint: dict, saved_wo
         raise ValueError(f"the checkpoint was saved by {saved_world_size} process(es) in the middle of an epoch and "
                          f"is resumed by {world_size}: a mid-epoch checkpoint continues only with the same number of "
                          "processes (the epoch's batches were split among them). Resume with "
-                         f"{saved_world_size} process(es), or from an epoch-end checkpoint")
+                         f"{saved_world_size} process(es), or from an epoch-end checkpoint (auto_resume takes the run's newest "
+                         "epoch-end checkpoint by itself in this case)")
     if tl.strategy.is_main_process:
         logger.warning("the checkpoint was saved by %d process(es) and is resumed by %d: training continues from "
                        "epoch %d with the saved weights and optimizer state, but not bitwise as the saved run would "

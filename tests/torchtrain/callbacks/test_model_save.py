@@ -16,6 +16,7 @@ import re
 import resource
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,10 +410,12 @@ class BlockTheFolderBeforeCheckpoint(SnapshotBeforeCheckpoint):
 
     def __init__(self, blocker):
         super().__init__()
-        self.blocker = blocker
+        self.blocker = blocker  # a path, or a function of the loop that gives it
 
     def on_epoch_end(self):
         super().on_epoch_end()
+        if callable(self.blocker):
+            self.blocker = self.blocker(self.train_loop_obj)
         if not self.blocker.exists():
             self.blocker.write_text("a regular file where the results folder should be")
 
@@ -425,6 +428,8 @@ def test_a_folder_that_becomes_unwritable_fails_clearly_and_the_train_loop_keeps
     if lazy_preset:
         tl = TrainLoopCheckpoint(*loop_arguments(), "proj", "exp", str(root), {}, lazy_experiment_save=True,
                                  show_progress=False)
+        # fit reserves the run folder's name (a claim file in the project folder): the run folder is blocked.
+        snapshot = BlockTheFolderBeforeCheckpoint(lambda tl: Path(tl.experiment_folder.path))
         callbacks = [snapshot]
     else:
         tl = make_loop()
@@ -432,7 +437,7 @@ def test_a_folder_that_becomes_unwritable_fails_clearly_and_the_train_loop_keeps
     with pytest.raises(NotADirectoryError, match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth: "
                                                   r"local_model_result_folder_path=.*still holds"):
         tl.fit(num_epochs=3, callbacks=callbacks)
-    assert blocker.read_text() == "a regular file where the results folder should be"
+    assert snapshot.blocker.read_text() == "a regular file where the results folder should be"
     assert_same_weights(tl.model.state_dict(), snapshot.weights)  # the failure changed nothing
 
     # Nothing is lost: the state the loop holds saves elsewhere and continues like the uninterrupted run.

@@ -1,0 +1,121 @@
+"""Who a run is: the job that started it and a fingerprint of its hyperparameters, recorded in its folder.
+
+``auto_resume`` continues a run only when it is this job's (see :func:`adoption_refusal`): a sweep's jobs, or a
+new job started after an older one finished, each start their own run instead of continuing another's.
+
+The job id is ``AITOOLBOX_RUN_ID`` when the user sets it, else ``SLURM_JOB_ID`` (kept by a SLURM requeue), else
+torchrun's ``TORCHELASTIC_RUN_ID`` (kept by the restarts of one torchrun invocation; never its default ``none``).
+The fingerprint is a slow salted hash of the real hyperparameter values: two runs with the same values have the
+same fingerprint, and the values themselves (secrets included) are never written.
+"""
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Mapping, Optional
+
+from aitoolbox.experiment.local_save.atomic import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+RUN_IDENTITY_FILE = "aitoolbox_run.json"
+# Where the job id comes from, in order of precedence.
+JOB_ID_VARIABLES = ("AITOOLBOX_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+# torchrun's value of TORCHELASTIC_RUN_ID when no --rdzv-id is given: every invocation has it, so it names none.
+_TORCHRUN_DEFAULT_RUN_ID = "none"
+# A fixed salt (fingerprints must compare across jobs) and many iterations: guessing a weak secret from a
+# fingerprint costs a brute-force search at 50,000 hashes per guess.
+_SALT = b"aitoolbox-run-fingerprint-v1"
+_ITERATIONS = 50_000
+
+
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """A run's job id (None when the job has none), where it came from, and its hyperparameters' fingerprint."""
+
+    job_id: Optional[str]
+    job_id_source: Optional[str]
+    fingerprint: str
+
+    def describe(self) -> str:
+        job = f"{self.job_id_source}={self.job_id}" if self.job_id else "no job id"
+        return f"{job}, hyperparameters {self.fingerprint[:12]}"
+
+
+def current_job_id(environ: Optional[Mapping[str, str]] = None):
+    """``(job id, variable name)`` of this job from the environment, or ``(None, None)``."""
+    environ = os.environ if environ is None else environ
+    for name in JOB_ID_VARIABLES:
+        value = (environ.get(name) or "").strip()
+        if value and not (name == "TORCHELASTIC_RUN_ID" and value == _TORCHRUN_DEFAULT_RUN_ID):
+            return value, name
+    return None, None
+
+
+def hyperparams_fingerprint(hyperparams: Optional[dict]) -> str:
+    """A hex digest of the hyperparameters' real values (key order does not matter); the values cannot be read
+    back from it."""
+    canonical = json.dumps(hyperparams or {}, sort_keys=True, default=repr).encode("utf-8")
+    return hashlib.pbkdf2_hmac("sha256", canonical, _SALT, _ITERATIONS).hex()
+
+
+def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None) -> RunIdentity:
+    """The identity of a run this process starts now."""
+    job_id, source = current_job_id(environ)
+    return RunIdentity(job_id, source, hyperparams_fingerprint(hyperparams))
+
+
+def write_run_identity(run_folder: str, identity: RunIdentity) -> str:
+    """Record ``identity`` in the run folder (atomically); returns the file's path."""
+    path = os.path.join(run_folder, RUN_IDENTITY_FILE)
+    atomic_write_text(path, json.dumps(dataclasses.asdict(identity), indent=2, sort_keys=True))
+    return path
+
+
+def read_run_identity(run_folder: str) -> Optional[RunIdentity]:
+    """The identity recorded in a run folder; None when there is none (a run written before identities were
+    recorded) or it cannot be read."""
+    path = os.path.join(run_folder, RUN_IDENTITY_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse_run_identity(handle.read(), path)
+    except OSError as error:
+        logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", path, error)
+        return None
+
+
+def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
+    """The identity a :data:`RUN_IDENTITY_FILE` holds (read from ``where``, named in the warning); None when the
+    text is not such a record."""
+    try:
+        record = json.loads(text)
+        return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]))
+    except (ValueError, TypeError, KeyError) as error:
+        logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", where, error)
+        return None
+
+
+def adoption_refusal(this: RunIdentity, recorded: Optional[RunIdentity]) -> Optional[str]:
+    """Why a job with identity ``this`` must not continue a run recorded as ``recorded``; None when it may.
+
+    A job with an id continues only a run of the same id. A job without one continues only a run recorded without
+    one and with the same hyperparameters, or a run written before identities were recorded (no record).
+    """
+    if recorded is None:
+        if this.job_id is None:
+            return None
+        return f"it has no job id recorded, and this job is {this.job_id_source}={this.job_id}"
+    if this.job_id is not None:
+        if recorded.job_id == this.job_id:
+            return None
+        other = f"{recorded.job_id_source}={recorded.job_id}" if recorded.job_id else "no job id"
+        return f"it belongs to another job ({other}; this job is {this.job_id_source}={this.job_id})"
+    if recorded.job_id is not None:
+        return (f"it belongs to job {recorded.job_id_source}={recorded.job_id} and this job has no id (set "
+                "AITOOLBOX_RUN_ID to the same value to continue it)")
+    if recorded.fingerprint != this.fingerprint:
+        return "its hyperparameters differ from this job's"
+    return None
