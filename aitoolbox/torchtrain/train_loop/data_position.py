@@ -23,6 +23,12 @@ from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoader
 
 logger = logging.getLogger(__name__)
 
+# The DataLoader iterator internals the index skipping builds on (torch 2.x): another torch that lacks them gets
+# the skipping by loading, slower but right.
+_ITERATOR_INTERNALS_KNOWN = all(callable(getattr(iterator_class, name, None)) for iterator_class, name in (
+    (_SingleProcessDataLoaderIter, "_next_index"), (_MultiProcessingDataLoaderIter, "_next_index"),
+    (_MultiProcessingDataLoaderIter, "_try_put_index"), (_MultiProcessingDataLoaderIter, "_reset")))
+
 
 def has_own_state(loader: Any) -> bool:
     """Whether ``loader`` saves and restores its position itself (e.g. torchdata's ``StatefulDataLoader``)."""
@@ -32,7 +38,8 @@ def has_own_state(loader: Any) -> bool:
 def skips_by_index(loader: Any) -> bool:
     """Whether the trained batches of ``loader`` can be skipped by their indices alone: a DataLoader that iterates
     as ``torch.utils.data.DataLoader`` does (a subclass may change how) over a map-style dataset."""
-    if not isinstance(loader, DataLoader) or getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
+    if not _ITERATOR_INTERNALS_KNOWN or not isinstance(loader, DataLoader) \
+            or getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
         return False
     loader_class = type(loader)
     return loader_class.__iter__ is DataLoader.__iter__ and loader_class._get_iterator is DataLoader._get_iterator
