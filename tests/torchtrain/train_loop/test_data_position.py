@@ -253,6 +253,7 @@ def test_fit_after_an_exception_fetches_only_the_rest_of_the_epoch(tmp_path, num
 
 
 # --- torchdata's StatefulDataLoader ------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_stateful_data_loader_continues_from_its_saved_state(tmp_path, num_workers):
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
