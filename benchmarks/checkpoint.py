@@ -27,10 +27,21 @@ checkpoint runs at 100), measures how long ``ModelCheckpoint.on_epoch_end`` hold
 saving in place, and with ``background_save=True`` (the copy to host memory; the write is waited for after
 the clock stops, as if the epoch lasted longer than a write).
 
+With ``--resume-latency``, only the cost of a mid-epoch resume: the time from loading a mid-epoch checkpoint
+(``tl.load_checkpoint`` of the checkpoint dict, then ``fit``) to the start of the first new batch, for checkpoints
+taken at 10 %, 50 % and 90 % of an epoch, against a fresh start (``fit`` of a new run to its first batch). The
+training set costs ``--sample-ms`` (2 ms) of sleep per sample (I/O latency without CPU load, fair on a busy
+machine), ``--epoch-batches`` (100) batches of ``--resume-batch-size`` (8) samples an epoch, on a tiny model. Each
+resume is timed twice: as the loop resumes a ``DataLoader`` (the trained batches' indices drawn, nothing fetched),
+and with a ``DataLoader`` subclass with its own ``__iter__``, which the loop resumes as aitoolbox did before (the
+trained batches loaded and discarded). The variants are interleaved, the order rotating every repetition.
+
 Run:  python benchmarks/checkpoint.py                     (about 2 minutes on 2 cores)
       python benchmarks/checkpoint.py --quick             (smoke test: a 5 M parameter model, a few seconds)
+      python benchmarks/checkpoint.py --resume-latency    (about 30 seconds)
 """
 import argparse
+import copy
 import os
 import shutil
 import sys
@@ -44,7 +55,7 @@ sys.path.insert(0, str(_HERE))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 
 import _common  # noqa: E402
 
@@ -267,6 +278,146 @@ def verdict_lines(saves: Dict[str, object], stall: Dict[str, object]) -> List[st
     return lines
 
 
+# --- resume latency ----------------------------------------------------------------------------------------------
+RESUME_POSITIONS = (0.1, 0.5, 0.9)
+LATENCY_TARGET = 1.05  # a resume at any position / a fresh start, at most
+
+
+class SlowSamples(Dataset):
+    """Random samples that each take ``cost_s`` to load (a sleep: I/O latency, no CPU)."""
+
+    def __init__(self, size: int, width: int, cost_s: float):
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(size, width, generator=generator), torch.randn(size, width, generator=generator)
+        self.cost_s = cost_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        time.sleep(self.cost_s)
+        return self.x[index], self.y[index]
+
+
+class FetchingLoader(DataLoader):
+    """A DataLoader with its own ``__iter__``: the loop cannot skip its batches by index and loads them."""
+
+    def __iter__(self):
+        return super().__iter__()
+
+
+class FirstBatchReached(Exception):
+    pass
+
+
+class FirstBatch(AbstractCallback):
+    """Notes when the first batch of ``fit`` begins (its data loaded) and stops training there."""
+
+    def __init__(self):
+        super().__init__("first batch clock")
+        self.at = None
+
+    def on_batch_begin(self) -> None:
+        self.at = time.perf_counter()
+        raise FirstBatchReached
+
+
+class SaveAtBatches(AbstractCallback):
+    """Mid-epoch checkpoints (dicts in memory) after the given numbers of batches."""
+
+    def __init__(self, after: List[int]):
+        super().__init__("save mid-epoch", execution_order=CHECKPOINT_EXECUTION_ORDER)
+        self.after = set(after)
+        self.saved: Dict[int, dict] = {}
+
+    def on_batch_end(self) -> None:
+        done = self.train_loop_obj.total_iteration_idx + 1
+        if done in self.after:
+            self.saved[done] = self.train_loop_obj.checkpoint_state(mid_epoch=True)
+
+
+def resume_train_loop(args, loader_class=DataLoader) -> TrainLoop:
+    torch.manual_seed(args.seed)
+    model = LinearStack(32, 2)
+    data = SlowSamples(args.epoch_batches * args.resume_batch_size, 32, args.sample_ms / 1000)
+    loader = loader_class(data, batch_size=args.resume_batch_size, shuffle=True, num_workers=args.resume_workers,
+                          generator=torch.Generator().manual_seed(args.seed))
+    return TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=1e-3), nn.MSELoss(),
+                     end_auto_eval=False, show_progress=False)
+
+
+def time_to_first_batch(args, checkpoint: Optional[dict], loader_class=DataLoader) -> float:
+    """Seconds from loading ``checkpoint`` (None: a fresh start) to the first new batch's start."""
+    tl = resume_train_loop(args, loader_class)
+    checkpoint = copy.deepcopy(checkpoint)  # the loaded dict is the loop's afterwards
+    clock = FirstBatch()
+    start = time.perf_counter()
+    if checkpoint is not None:
+        tl.load_checkpoint(checkpoint)
+    try:
+        tl.fit(num_epochs=1, callbacks=[clock])
+    except FirstBatchReached:
+        pass
+    return clock.at - start
+
+
+def measure_resume_latency(args) -> Dict[str, List[float]]:
+    positions = [round(fraction * args.epoch_batches) for fraction in RESUME_POSITIONS]
+    saver = SaveAtBatches(positions)
+    resume_train_loop(args).fit(num_epochs=1, callbacks=[saver])
+    variants = {"fresh start": lambda: time_to_first_batch(args, None)}
+    for fraction, position in zip(RESUME_POSITIONS, positions):
+        checkpoint = saver.saved[position]
+        variants[f"resume at {fraction:.0%}"] = lambda ckpt=checkpoint: time_to_first_batch(args, ckpt)
+        variants[f"resume at {fraction:.0%}, loading the trained batches"] = \
+            lambda ckpt=checkpoint: time_to_first_batch(args, ckpt, FetchingLoader)
+    names = list(variants)
+    timings: Dict[str, List[float]] = {name: [] for name in names}
+    for repetition in range(args.warmup + args.repeats):
+        shift = repetition % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds = variants[name]()
+            if repetition >= args.warmup:
+                timings[name].append(seconds)
+    return timings
+
+
+def resume_latency_text(args, timings: Dict[str, List[float]], info: Dict[str, str]) -> str:
+    fresh = _common.median(timings["fresh start"])
+    rows = [[name, f"{_common.median(values) * 1000:.1f}", f"{min(values) * 1000:.1f}",
+             _common.fmt_list([value * 1000 for value in values], 1), f"{(_common.median(values) - fresh) * 1000:+.1f}",
+             _common.fmt_ratio(_common.median(values) / fresh)] for name, values in timings.items()]
+    resumes = [_common.median(timings[f"resume at {fraction:.0%}"]) for fraction in RESUME_POSITIONS]
+    verdict = "met" if max(resumes) / fresh <= LATENCY_TARGET else "MISSED"
+    first_batch_ms = args.resume_batch_size * args.sample_ms
+    lines = [f"Command: `{_common.command_line()}`", "", _common.info_lines(info), "",
+             _common.markdown_table(["variant", "ms to the first new batch (median)", "ms (min)", "ms",
+                                     "ms more than a fresh start (median)", "ratio to a fresh start (median)"], rows),
+             "",
+             f"- resume / fresh start at 10 %, 50 %, 90 % of the epoch: "
+             f"{', '.join(_common.fmt_ratio(value / fresh) for value in resumes)}; target <= {LATENCY_TARGET:.2f} at "
+             f"every position: {verdict}",
+             f"- spread of the resume's median over the positions: {(max(resumes) - min(resumes)) * 1000:.1f} ms; "
+             f"the first batch's data alone costs {first_batch_ms:.0f} ms", ""]
+    return "\n".join(lines)
+
+
+def resume_latency_main(args) -> str:
+    info = _common.machine_info(torch.device("cpu"))
+    with _common.stderr_to_devnull():  # the loop's epoch log lines
+        load_before = _common.load_average()
+        timings = measure_resume_latency(args)
+    info["load average (1 min) before / after"] = f"{load_before} / {_common.load_average()}"
+    info["settings"] = (f"{args.epoch_batches} batches of {args.resume_batch_size} samples an epoch, "
+                        f"{args.sample_ms} ms per sample, num_workers={args.resume_workers}, 2 x nn.Linear(32, 32); "
+                        f"{args.repeats} timed repetitions after {args.warmup} warm-up, order rotating")
+    text = resume_latency_text(args, timings, info)
+    print(text)
+    if args.write_results:
+        print(f"updated {_common.update_results_section('checkpoint-resume-latency', text)}")
+    return text
+
+
 def parse_args(argv: Optional[List[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=4096, help="in and out features of every layer")
@@ -279,16 +430,23 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke test: 5 x 1024 x 1024 (5.2 M parameters), "
                                                              "1 timed repetition, no warm-up")
+    parser.add_argument("--resume-latency", action="store_true",
+                        help="measure only the time from a mid-epoch checkpoint to the first new batch")
+    parser.add_argument("--sample-ms", type=float, default=2.0, help="--resume-latency: load time per sample")
+    parser.add_argument("--epoch-batches", type=int, default=100, help="--resume-latency: batches an epoch")
+    parser.add_argument("--resume-batch-size", type=int, default=8, help="--resume-latency: samples a batch")
+    parser.add_argument("--resume-workers", type=int, default=0, help="--resume-latency: DataLoader num_workers")
     parser.add_argument("--write-results", action="store_true",
                         help="replace the 'checkpoint' section of benchmarks/RESULTS.md with this run")
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.layers, args.repeats, args.warmup = 1024, 5, 1, 0
-    for name in ("width", "layers", "repeats"):
+    for name in ("width", "layers", "repeats", "epoch_batches", "resume_batch_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("warmup", "sample_ms", "resume_workers"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir} is not an existing folder")
     return args
@@ -297,6 +455,8 @@ def parse_args(argv: Optional[List[str]] = None):
 def main(argv: Optional[List[str]] = None) -> str:
     args = parse_args(argv)
     _common.set_threads(args.threads)
+    if args.resume_latency:
+        return resume_latency_main(args)
     info = _common.machine_info(torch.device("cpu"))
     workdir = tempfile.mkdtemp(prefix="aitoolbox-bench-ckpt-", dir=args.dir)
     try:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 
+from aitoolbox.torchtrain.train_loop.data_position import resumed_epoch
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.train_state import (
@@ -76,21 +77,21 @@ class RunState:
     # --- the current epoch ---------------------------------------------------------------------------------
     def epoch_batches(self, loader: Any, resume: Optional[MidEpochResume], device: torch.device) -> Iterator[Tuple[int, Any]]:
         """``(index, batch)`` pairs of the epoch starting now, the epoch's progress set to ``resume``'s (or
-        zero): its data order is drawn again from the epoch's starting RNG state, the batches trained skipped,
-        and the RNG state to continue with put back."""
+        zero): its data order is drawn again from the epoch's starting RNG state, the batches trained skipped
+        (without loading them where the loader allows: :func:`~.data_position.resumed_epoch`), and the RNG state
+        to continue with put back."""
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
         self.epoch_start_rng = capture_rng_state(loader)
         self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
-        batches = enumerate(loader)
-        self.batches_done = 0
-        if resume is not None and resume.batches_done > 0:
-            for _ in range(resume.batches_done):
-                next(batches)
+        batches_done = resume.batches_done if resume is not None else 0
+        batches = enumerate(resumed_epoch(loader, batches_done, resume.loader_state if resume else None),
+                            start=batches_done)
+        if batches_done > 0:
             restore_rng_state(resume.rng, loader)  # after the skipped batches' draws, as the run had it
-            self.batches_done = resume.batches_done
         # (Stopped before the epoch's first step: the epoch starts again from its starting RNG state, which is
         # what the run had there; the state at the stop would draw another data order.)
+        self.batches_done = batches_done
         self.mark_batch_done()
         return batches
 

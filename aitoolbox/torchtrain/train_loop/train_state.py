@@ -7,7 +7,9 @@ each rank's own, as its accumulated_loss is its own), and the RNG states of ever
 Everything in it loads with ``torch.load(weights_only=True)`` (numpy metrics are stored as numbers and tensors).
 
 Mid-epoch checkpoints also hold the RNG state at the start of the epoch: on resume the epoch's data order is
-drawn again from it, the batches already trained on are skipped, and the RNG state of the checkpoint is put back.
+drawn again from it, the batches already trained on are skipped (without loading them where the loader allows, see
+:mod:`.data_position`; a loader with its own state, torchdata's ``StatefulDataLoader``, has that state saved too and
+continues from it), and the RNG state of the checkpoint is put back.
 """
 import dataclasses
 import json
@@ -21,6 +23,7 @@ import torch
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
+from aitoolbox.torchtrain.train_loop.data_position import has_own_state
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,6 +81,8 @@ class MidEpochResume:
             interrupted: only the end is done again.
         history_lengths: with ``batches_trained``, the length of each training-history list before the epoch's
             end, so that what the interrupted end recorded is not recorded twice.
+        loader_state: the training loader's own state after the batches done (a loader with ``state_dict``, such
+            as torchdata's ``StatefulDataLoader``), which it continues from; None: the batches done are skipped.
     """
 
     batches_done: int
@@ -86,6 +91,7 @@ class MidEpochResume:
     rng: Optional[dict]
     batches_trained: bool = False
     history_lengths: Optional[Dict[str, int]] = None
+    loader_state: Any = None
 
 
 def history_lengths(history: Any) -> Dict[str, int]:
@@ -219,6 +225,9 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
         # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
         checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.tolist())
+        if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
+            checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
+                weights_only_safe(tl.train_loader.state_dict()))
     return checkpoint
 
 
@@ -305,8 +314,10 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
         tl.train_history.clear()
         tl.train_history.update(copied_history(checkpoint["train_history_per_rank"][rank]))
     if checkpoint["iteration"] > 0:
+        loader_states = checkpoint.get("train_loader_state")
         return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
-                              epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank])
+                              epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank],
+                              loader_state=loader_states[rank] if loader_states else None)
     restore_rng_state(rng_states[rank], tl.train_loader)
     return None
 

@@ -1,0 +1,265 @@
+"""A mid-epoch resume continues the epoch's data without loading the batches already trained on.
+
+Every sample fetched is logged to a file (``__getitem__`` also runs in DataLoader worker processes), so the tests
+count what a resume loads: nothing of the trained part of the epoch, for num_workers 0 and 2, after a mid-epoch
+checkpoint and after an exception; and the resumed run stays bitwise the uninterrupted one. The samples carry the
+loading worker's id and seed (and are perturbed by noise drawn from that seed), so equal batches also mean that the
+same worker with the same seed loaded them. torchdata's StatefulDataLoader continues from its own saved state.
+"""
+import io
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.torchtrain.train_loop.data_position import resumed_epoch, skips_by_index
+from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
+from tests.helpers import MLP, classification_data, single_torch_thread
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+NUM_SAMPLES, BATCH_SIZE = 24, 4  # 6 batches an epoch
+
+
+class LoggedSamples(Dataset):
+    """Classification samples ``(x, y, index, worker)``; each fetch appends its index to ``log``.
+
+    ``x`` gets noise drawn from the loading process's seed and the index (a common way of making augmentation
+    reproducible), and ``worker`` holds the worker's id and seed: -1 and 0 in the main process.
+    """
+
+    def __init__(self, log: Path, num_samples: int = NUM_SAMPLES):
+        self.data = classification_data(num_samples)
+        self.log = str(log)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        with open(self.log, "a") as log:
+            log.write(f"{index}\n")
+        info = get_worker_info()
+        seed = torch.initial_seed()
+        x, y = self.data[index]
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + index))
+        worker = torch.tensor([-1 if info is None else info.id, 0 if info is None else info.seed])
+        return x + 0.01 * noise, y, index, worker
+
+
+def fetched(log: Path) -> List[int]:
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def rng_states_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(rng_states_equal(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(rng_states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def batches_equal(expected, got) -> bool:
+    return len(expected) == len(got) and all(
+        all(torch.equal(x, y) for x, y in zip(one, other)) for one, other in zip(expected, got))
+
+
+# --- the iterator itself -------------------------------------------------------------------------------------------
+LOADERS = {
+    "no-workers, loader generator": dict(num_workers=0, generator=True),
+    "no-workers, global RNG": dict(num_workers=0, generator=False),
+    "2 workers, loader generator": dict(num_workers=2, generator=True),
+    "2 workers, global RNG": dict(num_workers=2, generator=False),
+    "2 persistent workers": dict(num_workers=2, generator=True, persistent_workers=True),
+    "3 workers, drop_last": dict(num_workers=3, generator=True, drop_last=True, batch_size=5),
+    "distributed sampler": dict(num_workers=0, distributed=True),
+    "distributed sampler, 2 workers": dict(num_workers=2, distributed=True),
+}
+
+
+def build_loader(dataset, num_workers=0, generator=True, distributed=False, batch_size=BATCH_SIZE, **options):
+    if distributed:  # what the DDP strategy builds for rank 1 of 2, at its epoch 3
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+        sampler.set_epoch(3)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, **options)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+                      generator=torch.Generator().manual_seed(1) if generator else None, **options)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("batches_done", [1, 3])
+@pytest.mark.parametrize("options", list(LOADERS.values()), ids=list(LOADERS))
+def test_the_rest_of_the_epoch_without_fetching_the_trained_batches(tmp_path, options, batches_done):
+    log = tmp_path / "fetched.txt"
+    loader = build_loader(LoggedSamples(log), **options)
+    assert skips_by_index(loader)
+    torch.manual_seed(7)
+    start = capture_rng_state(loader)
+
+    # What skipping by loading (aitoolbox 1.8's way) gives: the batches, and the RNG state after the skipped part.
+    iterator = iter(loader)
+    trained = [next(iterator) for _ in range(batches_done)]
+    rng_after_loading = capture_rng_state(loader)
+    rest = list(iterator)
+
+    loader = build_loader(LoggedSamples(log), **options)  # a new one: persistent workers would be reused
+    restore_rng_state(start, loader)
+    log.unlink()
+    iterator = resumed_epoch(loader, batches_done)
+    assert rng_states_equal(capture_rng_state(loader), rng_after_loading)  # the same draws, nothing fetched
+    resumed = list(iterator)
+    assert batches_equal(rest, resumed)
+    trained_indices = {int(i) for batch in trained for i in batch[2]}
+    assert sorted(fetched(log)) == sorted(int(i) for batch in rest for i in batch[2])
+    assert not trained_indices & set(fetched(log))
+    if options.get("num_workers"):  # batch i of the epoch comes from worker i % num_workers, as in a straight run
+        assert [set(batch[3][:, 0].tolist()) for batch in resumed] == \
+            [{i % options["num_workers"]} for i in range(batches_done, batches_done + len(resumed))]
+
+
+def test_persistent_workers_go_on_to_the_next_epoch_as_without_a_resume(tmp_path):
+    """The resumed epoch's iterator keeps the workers for the next epochs, which are not skipped."""
+    def two_epochs(resume_at):
+        loader = build_loader(LoggedSamples(tmp_path / f"log{resume_at}.txt"), num_workers=2, persistent_workers=True)
+        torch.manual_seed(3)
+        first = list(resumed_epoch(loader, resume_at))
+        return first, list(loader)
+
+    first, second = two_epochs(0)
+    first_resumed, second_resumed = two_epochs(2)
+    assert batches_equal(first[2:], first_resumed)
+    assert batches_equal(second, second_resumed) and len(second) == NUM_SAMPLES // BATCH_SIZE
+
+
+class Stream(IterableDataset):
+    def __init__(self, log: Path):
+        self.log = log
+
+    def __iter__(self):
+        for index in range(NUM_SAMPLES):
+            with open(self.log, "a") as log:
+                log.write(f"{index}\n")
+            yield torch.tensor([index])
+
+
+def test_an_iterable_dataset_is_skipped_by_reading_it(tmp_path):
+    log = tmp_path / "fetched.txt"
+    loader = DataLoader(Stream(log), batch_size=BATCH_SIZE)
+    assert not skips_by_index(loader)
+    rest = list(resumed_epoch(loader, 2))
+    assert [int(batch[0]) for batch in rest] == list(range(2 * BATCH_SIZE, NUM_SAMPLES, BATCH_SIZE))
+    assert fetched(log) == list(range(NUM_SAMPLES))  # what an IterableDataset costs: the skipped part is read
+
+
+# --- in a TrainLoop ----------------------------------------------------------------------------------------------------
+class SaveAt(AbstractCallback):
+    """A mid-epoch checkpoint (as bytes) after ``after`` batches of the run."""
+
+    def __init__(self, after: int):
+        super().__init__("save", execution_order=100)
+        self.after = after
+        self.saved = None
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.after:
+            buffer = io.BytesIO()
+            torch.save(self.train_loop_obj.checkpoint_state(mid_epoch=True), buffer)
+            self.saved = buffer.getvalue()
+
+
+class CrashAt(AbstractCallback):
+    def __init__(self, after: int):
+        super().__init__("crash", execution_order=1000)
+        self.after = after
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.after:
+            self.after = None
+            raise RuntimeError("simulated crash")
+
+
+class RecordingMLP(MLP):
+    """Records the indices of the samples of every batch it trains on."""
+
+    def __init__(self):
+        super().__init__()
+        self.trained: List[List[int]] = []
+
+    def get_loss(self, batch_data, criterion, device):
+        self.trained.append(batch_data[2].tolist())
+        return super().get_loss(batch_data, criterion, device)
+
+
+def samples_of(batches: List[List[int]]) -> List[int]:
+    return sorted(index for batch in batches for index in batch)
+
+
+def train_loop(log: Path, num_workers: int, loader_class=DataLoader) -> TrainLoop:
+    torch.manual_seed(0)
+    model = RecordingMLP()
+    train = loader_class(LoggedSamples(log), batch_size=BATCH_SIZE, shuffle=True, num_workers=num_workers,
+                         generator=torch.Generator().manual_seed(1))
+    return TrainLoop(model, train, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
+                     nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False)
+
+
+def assert_same_run(expected: TrainLoop, got: TrainLoop):
+    for key, value in expected.model.state_dict().items():
+        assert torch.equal(value, got.model.state_dict()[key]), f"parameter {key} differs"
+    assert expected.train_history == got.train_history
+
+
+def resume_from_a_mid_epoch_checkpoint(tmp_path: Path, num_workers: int, loader_class=DataLoader):
+    """The straight run (saving after 9 batches: 3 into epoch 1) and the run resumed from that checkpoint in a new
+    TrainLoop; what each fetched in epoch 1."""
+    saver = SaveAt(9)
+    straight = train_loop(tmp_path / "straight.txt", num_workers, loader_class)
+    straight.fit(num_epochs=2, callbacks=[saver])
+    checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+    resumed = train_loop(tmp_path / "resumed.txt", num_workers, loader_class)
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=2)
+    return straight, resumed, checkpoint
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_from_a_mid_epoch_checkpoint_fetches_only_the_rest_and_is_bitwise(tmp_path, num_workers):
+    straight, resumed, checkpoint = resume_from_a_mid_epoch_checkpoint(tmp_path, num_workers)
+    assert checkpoint["iteration"] == 3 and "train_loader_state" not in checkpoint
+    assert_same_run(straight, resumed)
+    assert resumed.model.trained == straight.model.trained[9:]
+    # Only the 3 remaining batches of epoch 1 (none of the 12 samples its first 3 batches trained on).
+    assert sorted(fetched(tmp_path / "resumed.txt")) == samples_of(straight.model.trained[9:])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fit_after_an_exception_fetches_only_the_rest_of_the_epoch(tmp_path, num_workers):
+    straight = train_loop(tmp_path / "straight.txt", num_workers)
+    straight.fit(num_epochs=2)
+    log = tmp_path / "crashed.txt"
+    crashed = train_loop(log, num_workers)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.fit(num_epochs=2, callbacks=[CrashAt(8)])  # 2 batches into epoch 1
+    log.unlink()
+    crashed.fit(num_epochs=2)
+    assert_same_run(straight, crashed)
+    assert sorted(fetched(log)) == samples_of(straight.model.trained[8:])
+
+
+# --- torchdata's StatefulDataLoader ------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_data_loader_continues_from_its_saved_state(tmp_path, num_workers):
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    straight, resumed, checkpoint = resume_from_a_mid_epoch_checkpoint(
+        tmp_path, num_workers, stateful_dataloader.StatefulDataLoader)
+    assert len(checkpoint["train_loader_state"]) == 1  # one process; it loaded with weights_only=True
+    assert_same_run(straight, resumed)
+    assert resumed.model.trained == straight.model.trained[9:]
+    assert sorted(fetched(tmp_path / "resumed.txt")) == samples_of(straight.model.trained[9:])
