@@ -23,7 +23,9 @@ setup(
                  # The cloud and tracking tests run against real local servers and offline stores.
                  "boto3>=1.28.57", "moto[server]>=5", "google-cloud-storage>=2.10", "gcp-storage-emulator",
                  "wandb>=0.17", "mlflow-skinny>=2.10", "sqlalchemy>=2.0", "alembic>=1.13",
-                 "rouge-score>=0.1.2", "sacrebleu>=2.0", "nltk>=3.8"],
+                 "rouge-score>=0.1.2", "sacrebleu>=2.0", "nltk>=3.8",
+                 # Mid-epoch resume of torchdata's StatefulDataLoader.
+                 "torchdata>=0.10"],
         "tracking": ["tensorboard>=2.10", "matplotlib>=3.5"],
         # Cloud storage of experiments: AWS S3 (and S3-compatible stores), Google Cloud Storage.
         "aws": ["boto3>=1.28.57"],
