@@ -14,11 +14,13 @@ import os
 import threading
 from typing import Callable, List, Optional
 
+from aitoolbox.cloud.storage import CloudStorageError
 from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.redaction import redact_hyperparams
+from aitoolbox.torchtrain.callbacks.cloud_upload import upload_failed_at_train_end
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
 
 logger = logging.getLogger(__name__)
@@ -116,7 +118,10 @@ class CheckpointCallback(AbstractExperimentCallback):
         uploads, self._uploads = self._uploads, []
         for future in uploads:
             if not future.cancelled():  # cancelled: a newer upload of the same file replaced it
-                future.result()
+                try:
+                    future.result()
+                except CloudStorageError as error:
+                    raise upload_failed_at_train_end(error) from error
 
     def _raise_shared_outcome(self, error: Optional[BaseException], process_group=None,
                               all_processes: bool = False) -> None:

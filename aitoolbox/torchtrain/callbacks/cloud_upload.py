@@ -133,6 +133,14 @@ def loop_cloud_destination(train_loop: Any) -> Optional[CloudDestination]:
                              getattr(train_loop, "cloud_storage_options", None), type(train_loop).__name__)
 
 
+def upload_failed_at_train_end(error: CloudStorageError) -> CloudStorageError:
+    """``error`` (an upload that failed) as the end of training reports it: with what the user has and can do."""
+    return type(error)(f"{error}. Training finished and every file is in the local experiment folder; upload it "
+                       "again once the bucket is reachable", service=error.service, bucket=error.bucket,
+                       key=error.key, operation=error.operation, reason=error.reason, transient=error.transient,
+                       attempts=error.attempts, local_path=error.local_path)
+
+
 class CloudUploads(AbstractCallback):
     """The background uploads of one TrainLoop's callbacks; ``fit`` returns only once they are done.
 
@@ -317,11 +325,7 @@ class CloudUploads(AbstractCallback):
         try:
             self.wait()
         except CloudStorageError as error:
-            raise type(error)(f"{error}. Training finished and every file is in the local experiment folder; upload "
-                              "it again once the bucket is reachable", service=error.service, bucket=error.bucket,
-                              key=error.key, operation=error.operation, reason=error.reason,
-                              transient=error.transient, attempts=error.attempts,
-                              local_path=error.local_path) from error
+            raise upload_failed_at_train_end(error) from error
 
     def on_exception(self, exception: BaseException) -> None:
         try:

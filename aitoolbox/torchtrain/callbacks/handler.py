@@ -99,8 +99,20 @@ class CallbacksHandler:
             callback.on_train_begin()
 
     def on_train_end(self) -> None:
+        """Every callback's ``on_train_end``, even after one of them raised: a failed upload must not keep the final
+        model from being saved. The first failure is raised once all have run; later ones are logged."""
+        failure: Optional[Exception] = None
         for callback in self._subscribers["on_train_end"]:
-            callback.on_train_end()
+            try:
+                callback.on_train_end()
+            except Exception as error:
+                if failure is None:
+                    failure = error
+                else:
+                    logger.error("%s (%s) also failed in on_train_end: %s", type(callback).__name__,
+                                 callback.callback_name, error)
+        if failure is not None:
+            raise failure
 
     def on_epoch_begin(self) -> None:
         for callback in self._subscribers["on_epoch_begin"]:
