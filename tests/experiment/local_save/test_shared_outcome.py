@@ -168,6 +168,8 @@ class _BlockWhenPickled:
 
 
 def _save_until_blocked(folder: str, started: str) -> None:
+    # A forked child of a process that already computed with several threads hangs when OpenMP starts threads.
+    torch.set_num_threads(1)
     model, optimizer = plain_model_and_optimizer(seed=0)
     train(model, optimizer, steps=1, seed=0)
     optimizer.param_groups[0]["blocks"] = _BlockWhenPickled(started)

@@ -201,7 +201,9 @@ def _launcher(start_method: str, pid_queue, fallback: bool) -> None:
 def test_a_process_dies_with_a_launcher_killed_by_sigkill(start_method, fallback):
     """Under forkserver the parent is the fork server, not the launcher: the launcher's end counts."""
     pid_queue = multiprocessing.get_context("spawn").Queue()
-    launcher = multiprocessing.get_context("fork").Process(target=_launcher, args=(start_method, pid_queue, fallback))
+    # A fresh interpreter as the launcher: forked from pytest it would inherit the fork server other tests of the
+    # session started, and its forkserver children would be that server's, not its own.
+    launcher = multiprocessing.get_context("spawn").Process(target=_launcher, args=(start_method, pid_queue, fallback))
     launcher.start()
     try:
         pid = pid_queue.get(timeout=240)
