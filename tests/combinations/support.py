@@ -248,6 +248,16 @@ def single_process_differences(cell: Cell) -> Dict[str, float]:
     return {name: float((got["model"][name] - expected["model"][name]).abs().max()) for name in expected["model"]}
 
 
+def compared_with_one_process(cell: Cell) -> bool:
+    """The cells whose equivalence with one process is checked: for each precision, distributed strategy and
+    accumulation, the simplest cell (plain loss, no clipping, accumulation 1) and the most composite one (two
+    optimizers, clipping, accumulation 3), eager. The other features change nothing in how the ranks' gradients
+    are combined, and each check costs two more trainings."""
+    if cell.compile:
+        return False
+    return (cell.grad_accumulation, cell.loss, cell.clipping) in ((1, "plain", False), (3, "multi2", True))
+
+
 def single_process_tolerance(cell: Cell) -> float:
     """How far a distributed cell's weights may be from one process's after two epochs (measured: about half of it).
 
@@ -280,7 +290,7 @@ def check_cell(cell: Cell) -> List[str]:
                 problems.append(f"{name}: history differs")
         except AssertionError as error:
             problems.append(str(error).splitlines()[0])
-    if cell.strategy != "single":
+    if cell.strategy != "single" and compared_with_one_process(cell):
         tolerance = single_process_tolerance(cell)
         differences = single_process_differences(cell)
         problems += [f"{name} differs from one process's by {difference:.3g} (tolerance {tolerance:g})"

@@ -9,7 +9,9 @@ epochs and checks, in every process (see :func:`tests.combinations.support.check
 * stopping after epoch 1 and continuing in a new TrainLoop that loads the checkpoint (nothing else carries over,
   the global random state scrambled) ends bitwise where the straight run does.
 
-* a distributed cell's weights equal those of one process trained on the same global batches, within the
+* a distributed cell's weights (for each precision, strategy and accumulation, the simplest and the most composite
+  cell: :func:`tests.combinations.support.compared_with_one_process`) equal those of one process trained on the
+  same global batches, within the
   tolerance :func:`tests.combinations.support.single_process_tolerance` states and justifies per precision (for
   this invariant the model has no BatchNorm or Dropout: each rank normalises its own half batch and draws its
   own masks, so with them the runs are different computations).
