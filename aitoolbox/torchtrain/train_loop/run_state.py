@@ -108,7 +108,7 @@ class RunState:
         exception draw their dropout masks as the interrupted run did.
         """
         self.epoch_loss.commit()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # (is_available: slower)
         self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
 
     def mark_epoch_trained(self, history: Any) -> None:
