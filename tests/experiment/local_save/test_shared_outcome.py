@@ -25,6 +25,7 @@ from aitoolbox.experiment.local_save.shared_outcome import describe_failure, reb
 from tests.distributed_helpers import run_distributed
 from tests.experiment.local_save.test_sharded_checkpoints import (
     extra_of, plain_model_and_optimizer, sharded_mlp, train)
+from tests.killed_writes import BlockWhenPickled
 
 NOBODY = 65534
 
@@ -154,25 +155,12 @@ def test_failures_are_rebuilt_with_their_type_errno_and_message():
 
 
 # --- leftovers of killed saves -----------------------------------------------------------------------------------
-class _BlockWhenPickled:
-    """Stops DCP's write of this process's file for good (until the process is killed), with the temporary
-    folder on disk: a save killed midway."""
-
-    def __init__(self, started: str):
-        self.started = started
-
-    def __reduce__(self):
-        open(self.started, "w").close()
-        time.sleep(3600)
-        raise AssertionError("not killed")
-
-
 def _save_until_blocked(folder: str, started: str) -> None:
     # A forked child of a process that already computed with several threads hangs when OpenMP starts threads.
     torch.set_num_threads(1)
     model, optimizer = plain_model_and_optimizer(seed=0)
     train(model, optimizer, steps=1, seed=0)
-    optimizer.param_groups[0]["blocks"] = _BlockWhenPickled(started)
+    optimizer.param_groups[0]["blocks"] = BlockWhenPickled(started)
     save_sharded_checkpoint(os.path.join(folder, "model_x_ts_E1"), model, optimizer, {"epoch": 1})
 
 

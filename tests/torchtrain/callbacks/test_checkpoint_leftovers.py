@@ -8,22 +8,11 @@ from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_save_atomi
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.torchtrain.callbacks.test_model_save import folder_arguments, loop_arguments, only_run_folder
-
-
-class _BlockWhenPickled:
-    """torch.save blocks here, with the temporary file created and partly written, until the process is killed."""
-
-    def __init__(self, started: str):
-        self.started = started
-
-    def __reduce__(self):
-        open(self.started, "w").close()
-        time.sleep(3600)
-        raise AssertionError("not killed")
+from tests.killed_writes import BlockWhenPickled
 
 
 def _write_until_blocked(path: str, started: str) -> None:
-    torch_save_atomic({"weights": list(range(100_000)), "blocks": _BlockWhenPickled(started)}, path)
+    torch_save_atomic({"weights": list(range(100_000)), "blocks": BlockWhenPickled(started)}, path)
 
 
 def _temporaries(folder: str) -> list:
