@@ -240,6 +240,23 @@ def run_script(script: Path, args: Sequence[str] = (), env: Optional[dict] = Non
                           capture_output=True, text=True, cwd=str(cwd or script.parent))
 
 
+def run_scripts_together(commands: Sequence[Sequence[str]], envs: Sequence[Optional[dict]],
+                         timeout: float = 300.0) -> List[tuple]:
+    """Start ``python *command`` for each command at once (the nodes or ranks of one job, each with
+    ``script_env(env)``), wait for all, and require every one to succeed; returns their ``(stdout, stderr)``.
+    None left running after."""
+    processes = [subprocess.Popen([sys.executable, *map(str, command)], env=script_env(env), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for command, env in zip(commands, envs)]
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr
+    return outputs
+
+
 def script_env(extra: Optional[dict] = None) -> dict:
     """This environment without distributed-launcher variables, with the repository on PYTHONPATH."""
     launcher_prefixes = ("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_")

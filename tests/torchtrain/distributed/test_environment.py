@@ -10,7 +10,8 @@ import torch
 
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement, detect_external_launcher, job_master_port
 from aitoolbox.torchtrain.train_loop.distributed_fit import processes_per_node, rendezvous
-from tests.torchtrain.distributed.support import assert_state_dicts_equal, free_port, make_model, script_env
+from tests.torchtrain.distributed.support import (
+    assert_state_dicts_equal, free_port, make_model, run_scripts_together, script_env)
 
 
 # --- detect_external_launcher on fake environments ---------------------------------------------------------------
@@ -205,18 +206,9 @@ def test_torchrun_style_environment_joins_an_fsdp_job(tmp_path):
     script = tmp_path / "join_fsdp.py"
     script.write_text(FSDP_JOIN_SCRIPT)
     port = str(free_port())
-    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True,
-                                  env=script_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
-                 for rank in (0, 1)]
-    try:
-        outputs = [process.communicate(timeout=300) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, (_, stderr) in zip(processes, outputs):
-        assert process.returncode == 0, stderr
+    run_scripts_together([[script, tmp_path]] * 2,
+                         [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": port} for rank in (0, 1)])
     rank0, rank1 = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert rank0["sharded"] == rank1["sharded"] == "DTensor" and rank0["epoch"] == 1
     assert rank1["full"] == {} and set(rank0["full"]) == set(make_model().state_dict())

@@ -6,8 +6,6 @@ subprocesses.
 """
 import copy
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,7 +15,7 @@ from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from tests.torchtrain.distributed.support import (
     BatchNormRegressor, BuildLoadersInProcess, IndexRecordingRegressor, RecordRankResult, assert_state_dicts_close,
     assert_state_dicts_equal, check_seed_result, free_port, load_rank_results, make_model, make_train_loop,
-    run_script, script_env, seed_result, seed_script)
+    run_script, run_scripts_together, seed_result, seed_script)
 
 pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
 
@@ -171,16 +169,8 @@ def test_two_nodes_on_one_machine(tmp_path):
     script = tmp_path / "two_nodes.py"
     script.write_text(TWO_NODE_SCRIPT)
     port = str(free_port())
-    processes = [subprocess.Popen([sys.executable, str(script), str(node), port, str(tmp_path / f"node{node}.pt")],
-                                  env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for node in (0, 1)]
-    try:
-        outputs = [process.communicate(timeout=300) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, (_, stderr) in zip(processes, outputs):
-        assert process.returncode == 0, stderr
+    outputs = run_scripts_together([[script, node, port, tmp_path / f"node{node}.pt"] for node in (0, 1)],
+                                   [None, None])
     node0, node1 = (torch.load(tmp_path / f"node{node}.pt", weights_only=False) for node in (0, 1))
     assert_state_dicts_equal(node0["state_dict"], node1["state_dict"])
     assert not torch.equal(node0["state_dict"]["out.weight"], make_model().state_dict()["out.weight"])

@@ -1,13 +1,12 @@
 """Two "nodes" on one machine: two real launcher processes (node_rank 0 and 1) of one CPU process each join one
 job over loopback; each launcher's fit_distributed must return the trained model, with DDP and with FSDP."""
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from tests.torchtrain.distributed.support import assert_state_dicts_equal, free_port, make_model, script_env
+from tests.torchtrain.distributed.support import (
+    assert_state_dicts_equal, free_port, make_model, run_scripts_together)
 
 TWO_NODE_SCRIPT = textwrap.dedent("""
     import sys
@@ -27,17 +26,8 @@ def run_two_nodes(tmp_path, gpu_mode: str) -> list:
     script = tmp_path / "two_nodes.py"
     script.write_text(TWO_NODE_SCRIPT)
     port = str(free_port())
-    processes = [subprocess.Popen([sys.executable, str(script), str(node), port, str(tmp_path / f"node{node}.pt"),
-                                   gpu_mode],
-                                  env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for node in (0, 1)]
-    try:
-        outputs = [process.communicate(timeout=300) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    for process, (_, stderr) in zip(processes, outputs):
-        assert process.returncode == 0, stderr
+    run_scripts_together([[script, node, port, tmp_path / f"node{node}.pt", gpu_mode] for node in (0, 1)],
+                         [None, None])
     return [torch.load(tmp_path / f"node{node}.pt", weights_only=False) for node in (0, 1)]
 
 
