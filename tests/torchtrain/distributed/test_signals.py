@@ -86,6 +86,14 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 240.0) ->
         time.sleep(0.05)
 
 
+def kill_launcher_and_workers(process, folder) -> None:
+    """Whatever the test saw: no launcher or worker of it outlives the test."""
+    process.kill()
+    for pid in worker_pids(folder):
+        if process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def worker_pids(folder) -> list:
     return [pid for name, pid in recorded_pids(folder).items() if name.startswith("pid-rank")]
 
@@ -100,10 +108,7 @@ def signal_in_epoch_1(tmp_path, signum, num_epochs: int = NUM_EPOCHS, **start_op
         _, stderr = process.communicate(timeout=180)
         left = wait_until_gone(pids, timeout_s=30)
     finally:
-        process.kill()
-        for pid in worker_pids(tmp_path):
-            if process_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_launcher_and_workers(process, tmp_path)
     assert not left, f"training processes {left} outlived the launcher"
     saved = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER*"))
     return process.returncode, stderr, saved
@@ -146,10 +151,7 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path):
         process.wait(timeout=60)  # not communicate: orphaned workers would hold its output pipes open
         left = wait_until_gone(pids, timeout_s=30)
     finally:
-        process.kill()
-        for pid in worker_pids(tmp_path):
-            if process_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_launcher_and_workers(process, tmp_path)
     assert not left, f"training processes {left} outlived the launcher killed by SIGKILL"
 
 
