@@ -10,6 +10,7 @@ Everything that continues a run goes through here: a checkpoint file, the result
 launching process, and a ``fit`` called again after an exception. So there is one answer to "what is a run", and
 "resume equals straight" and "two fits equal one" hold by construction.
 """
+import copy
 import logging
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
@@ -73,6 +74,16 @@ class RunState:
             logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.counters.epoch,
                         point.batches_done)
         return point
+
+    def progress_beyond_checkpoint(self) -> dict:
+        """What the run's progress holds besides a checkpoint's content: a loaded checkpoint waiting for ``fit``
+        (kept as it is: it is the caller's) and the point a ``fit`` stopped by an exception continues from."""
+        return {"pending_checkpoint": self.pending_checkpoint, "interrupted_at": copy.deepcopy(self._interrupted_at)}
+
+    def restore_progress_beyond_checkpoint(self, progress: dict) -> None:
+        """Put back what :meth:`progress_beyond_checkpoint` returned (it stays usable for another restore)."""
+        self.pending_checkpoint = progress["pending_checkpoint"]
+        self._interrupted_at = copy.deepcopy(progress["interrupted_at"])
 
     # --- the current epoch ---------------------------------------------------------------------------------
     def epoch_batches(self, loader: Any, resume: Optional[MidEpochResume], device: torch.device) -> Iterator[Tuple[int, Any]]:
