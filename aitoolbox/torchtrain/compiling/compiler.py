@@ -1,7 +1,8 @@
 """The compiler of one TrainLoop: what ``torch_compile`` compiles, and the optimizer step the loop calls."""
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -28,15 +29,18 @@ class Compiler:
     Args:
         options: what to compile and how (from ``TrainLoop(torch_compile=...)``).
         position: returns the loop's ``(epoch, iteration)`` for :class:`CompileStats`.
+        keeps_graph: a batch's graph serves several backward passes (``retain_graph``: a MultiLoss with several
+            optimizers), so training runs without AOTAutograd's donated buffers, which forbid that.
     """
 
-    def __init__(self, options: CompileOptions, position: Callable[[], tuple]):
+    def __init__(self, options: CompileOptions, position: Callable[[], tuple], keeps_graph: bool = False):
         self.options = options
         self.stats = CompileStats(position)
         self.model_call: Optional[CompiledModelCall] = None
         self._optimizer_steps: Dict[int, CompiledOptimizerStep] = {}
         self._unused_forward_warned = False
         self._verified = False  # the compiled gradients were compared with eager ones (once per process)
+        self.keeps_graph = keeps_graph
 
     def __getstate__(self) -> dict:
         # Sent to the processes of fit_distributed: compiled functions do not pickle; each process compiles anew.
@@ -60,6 +64,18 @@ class Compiler:
         self.model_call = compile_in_place(module, self.options, self.stats)
         self.model_call.batch_size = batch_size
         precision.step_optimizer = self.step
+
+    def training(self) -> ContextManager:
+        """The context of training with the compiled model: compilations are recorded as this loop's (a backward
+        compiled lazily runs outside the compiled calls) and, when a batch's graph serves several backward passes,
+        AOTAutograd's donated buffers are off. Both the compile and each backward read that setting: a graph
+        compiled with them refuses ``retain_graph``."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.stats)
+        config = torch._functorch.config
+        if self.keeps_graph and hasattr(config, "donated_buffer"):  # (torch < 2.6 has no donated buffers)
+            stack.enter_context(config.patch(donated_buffer=False))
+        return stack
 
     @property
     def verification_due(self) -> bool:

@@ -24,7 +24,9 @@ class StepRunner:
             ``step``/``zero_grad``, which 1.x called with ``amp_scaler``).
         hooks: the loop's callbacks handler.
         counters: the loop's counters (``grad_accumulation``, ``optimizer_step_due``, ...).
-        distributed: the model trains in several processes (their gradients are synchronised at the backward).
+        backwards_first: with several optimizers, every loss's backward pass comes before the first step (a
+            distributed model synchronises the gradients once all are back-propagated; a compiled model's backward
+            is one graph that needs the forward's parameters unchanged by a step).
         sync_skipped_gradients: all-reduces gradients whose synchronisation was skipped (an unsized epoch that ended
             inside an accumulation window).
         batch_done: called once every optimizer stepped for the batch (the run's resume point moves there).
@@ -32,14 +34,14 @@ class StepRunner:
     """
 
     def __init__(self, precision: Any, optimizers: List[torch.optim.Optimizer], user_optimizer: Any, hooks: Any,
-                 counters: LoopState, distributed: bool, sync_skipped_gradients: Callable[[], None],
+                 counters: LoopState, backwards_first: bool, sync_skipped_gradients: Callable[[], None],
                  batch_done: Callable[[], None], amp_scaler: Any):
         self.precision = precision
         self.optimizers = optimizers
         self.user_optimizer = user_optimizer
         self.hooks = hooks
         self.counters = counters
-        self.distributed = distributed
+        self.backwards_first = backwards_first
         self.sync_skipped_gradients = sync_skipped_gradients
         self.batch_done = batch_done
         self.amp_scaler = amp_scaler
@@ -110,7 +112,8 @@ class StepRunner:
 
         In a distributed run all the backward passes come first: DDP and FSDP synchronise the gradients of one
         forward once every loss was back-propagated, so an optimizer stepping in between would step on this
-        process's own gradients. The result is 1.x's wherever 1.x's order is well defined (each loss trains
+        process's own gradients. So they do under torch_compile: the compiled backward of the forward is one graph,
+        which needs every parameter as the forward saw it, also the ones an earlier step changed. The result is 1.x's wherever 1.x's order is well defined (each loss trains
         only its own optimizer's parameters). The batch is the unit of progress: an exception before the last
         optimizer stepped trains the whole batch again.
         """
@@ -121,12 +124,12 @@ class StepRunner:
         own_step = isinstance(user_optimizer, MultiOptimizer) and (
             type(user_optimizer).step is not MultiOptimizer.step
             or type(user_optimizer).zero_grad is not MultiOptimizer.zero_grad)
-        if self.distributed:
+        if self.backwards_first:
             for optimizer_idx in range(len(self.optimizers)):
                 self._backward_for(loss, optimizer_idx, step_due)
         skipped = False
         for optimizer_idx, optimizer in enumerate(self.optimizers):
-            if not self.distributed:
+            if not self.backwards_first:
                 self._backward_for(loss, optimizer_idx, step_due)
             self.hooks.on_after_gradient_update(optimizer_idx)
             if not step_due:

@@ -135,7 +135,9 @@ class TrainLoop:
         self.activation_checkpointing = check_module_classes(activation_checkpointing)
         if self.activation_checkpointing:
             checkpointed_modules(self.model, self.activation_checkpointing)  # none selected: an error now
-        self._compiler = Compiler(compile_options, self._loop_position) if compile_options else None
+        # With several optimizers a MultiLoss keeps the graph for the next loss's backward (StepRunner).
+        self._compiler = Compiler(compile_options, self._loop_position, keeps_graph=len(self.optimizers) > 1) \
+            if compile_options else None
         self.amp_scaler = GradScalerView(self._current_precision, self._initial_loss_scaler)
 
         self.run_state = RunState(LoopState())  # the one place a run's progress lives (see run_state.py)
@@ -345,7 +347,8 @@ class TrainLoop:
             load_pending_sharded_weights(self)  # under FSDP: each process reads its own shards
             self._step_runner = StepRunner(
                 self._precision, self.optimizers, self.optimizer, self.callbacks_handler, self.state,
-                distributed=self.strategy.is_distributed, sync_skipped_gradients=self.strategy.sync_skipped_gradients,
+                backwards_first=self.strategy.is_distributed or self._compiler is not None,
+                sync_skipped_gradients=self.strategy.sync_skipped_gradients,
                 batch_done=self.run_state.mark_batch_done, amp_scaler=self.amp_scaler)
         if self._compiler is not None:  # in place, so also under a parallel wrapper (it calls the model)
             self._compiler.prepare(self.model, self._precision, getattr(self.train_loader, "batch_size", None))
@@ -641,8 +644,7 @@ class TrainLoop:
 
     @property
     def _compile_recording(self) -> ContextManager:
-        # Compilations during fit are this loop's (a backward compiled lazily runs outside the compiled calls).
-        return self._compiler.stats if self._compiler is not None else contextlib.nullcontext()
+        return self._compiler.training() if self._compiler is not None else contextlib.nullcontext()
 
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
