@@ -16,6 +16,23 @@ from aitoolbox.torchtrain.precision.factory import NATIVE_BFLOAT16_ENV
 os.environ[NATIVE_BFLOAT16_ENV] = "1"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier (tests marked extended, e.g. the rest of the feature matrix's "
+                          "full product): CI runs it as a second step, after the suite")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """The extended tier is left out unless ``--extended`` is given, so that ``python -m pytest`` keeps within the
+    suite's time budget; CI runs the tier in a step of its own (``.ci/run``)."""
+    if config.getoption("--extended"):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended") is not None]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if item.get_closest_marker("extended") is None]
+
+
 class TinyRegressor(TTModel):
     """4 -> 8 -> 1 MLP trained with the criterion handed to get_loss (MSE in the tests)."""
 

@@ -10,8 +10,9 @@ the environment variables of a torchrun job make ``fit_distributed`` join the pr
 already share, so one pair of processes trains many cells one after another.
 """
 import dataclasses
+import itertools
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,31 @@ class Cell:
         compiled = "compiled" if self.compile else "eager"
         return (f"{self.precision}-{self.strategy}-acc{self.grad_accumulation}-{compiled}"
                 f"-{self.loss}-{'clip' if self.clipping else 'noclip'}")
+
+
+def all_pairs(factors: Dict[str, Sequence[Any]], start: Sequence[Dict[str, Any]] = ()) -> List[Dict[str, Any]]:
+    """Combinations of the factors' values in which every pair of values of two factors occurs at least once.
+
+    ``start`` are combinations already chosen; the returned list begins with them and adds, greedily, the
+    combination of the full product that covers the most pairs not covered yet (the first such in product order,
+    so the choice is the same on every run). A bug that needs two features together to show is caught by a
+    pairwise set; the full product is many times larger.
+    """
+    names = list(factors)
+
+    def pairs_of(combination: Dict[str, Any]) -> Set[tuple]:
+        return {(a, combination[a], b, combination[b]) for a, b in itertools.combinations(names, 2)}
+
+    product = [dict(zip(names, values)) for values in itertools.product(*factors.values())]
+    uncovered = set().union(*(pairs_of(combination) for combination in product))
+    chosen = list(start)
+    for combination in chosen:
+        uncovered -= pairs_of(combination)
+    while uncovered:
+        best = max(product, key=lambda combination: len(pairs_of(combination) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs_of(best)
+    return chosen
 
 
 class ComboNet(TTModel):
