@@ -272,17 +272,24 @@ def test_monitoring_a_name_that_does_not_exist_lists_the_recorded_names_and_sets
 
 
 # --- resume ------------------------------------------------------------------------------------------------------
-def test_resume_from_a_checkpoint_with_several_sets_equals_the_straight_run(tmp_path):
+@pytest.mark.parametrize("how", ["load_checkpoint", "auto_resume"])
+def test_resume_from_a_checkpoint_with_several_sets_equals_the_straight_run(tmp_path, how):
     straight = make_loop()
     straight.fit(num_epochs=3, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage()),
                                           EarlyStopping(monitor="val_shifted_loss", patience=5)])
     first = make_loop(loop_class=TrainLoopCheckpoint, loop_args=("proj", "exp", str(tmp_path), {}))
     first.fit(num_epochs=2, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage()),
                                        EarlyStopping(monitor="val_shifted_loss", patience=5)])
-    resumed = make_loop()
-    resumed.load_checkpoint(first.experiment_folder.path)
+    if how == "auto_resume":
+        resumed = make_loop(loop_class=TrainLoopCheckpoint, loop_args=("proj", "exp", str(tmp_path), {}),
+                            auto_resume=True)
+    else:
+        resumed = make_loop()
+        resumed.load_checkpoint(first.experiment_folder.path)
+    weights = WeightsAtEpochEnd()
     resumed.fit(num_epochs=3, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage()),
-                                         EarlyStopping(monitor="val_shifted_loss", patience=5)])
+                                         EarlyStopping(monitor="val_shifted_loss", patience=5), weights])
+    assert len(weights.states) == 1  # it continued: one epoch trained here
     for key, value in straight.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[key]), key
     assert resumed.train_history.get_train_history_dict() == straight.train_history.get_train_history_dict()
