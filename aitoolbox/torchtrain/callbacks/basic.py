@@ -8,6 +8,7 @@ report after every epoch and at the end of training through AWS SES.
 """
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
@@ -207,7 +208,8 @@ class DataSubsetTestRun(AbstractCallback):
 
     Args:
         num_train_batches: training batches to keep (>= 1).
-        num_val_batches: validation batches to keep; 0 keeps the whole validation loader.
+        num_val_batches: validation batches to keep (of each set, with several named validation sets); 0 keeps the
+            whole validation loader.
         num_test_batches: test batches to keep; 0 keeps the whole test loader.
 
     Raises:
@@ -235,7 +237,11 @@ class DataSubsetTestRun(AbstractCallback):
         tl = self.train_loop_obj
         tl.train_loader = self.subset_data_loader(tl.train_loader, self.num_train_batches)
         if self.num_val_batches > 0:
-            tl.validation_loader = self.subset_data_loader(tl.validation_loader, self.num_val_batches)
+            if isinstance(tl.validation_loader, Mapping):  # several named validation sets: each one cut
+                tl.validation_loader = {name: self.subset_data_loader(loader, self.num_val_batches)
+                                        for name, loader in tl.validation_loader.items()}
+            else:
+                tl.validation_loader = self.subset_data_loader(tl.validation_loader, self.num_val_batches)
         if self.num_test_batches > 0:
             tl.test_loader = self.subset_data_loader(tl.test_loader, self.num_test_batches)
         if tl.is_main_process:

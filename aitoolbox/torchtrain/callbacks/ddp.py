@@ -54,7 +54,7 @@ class InMultiProcessDataLoad(AbstractCallback):
 
     Args:
         train_loader_build_fn: returns the training DataLoader.
-        val_loader_build_fn: returns the validation DataLoader.
+        val_loader_build_fn: returns the validation DataLoader (or a dict of named ones: several validation sets).
         test_loader_build_fn: returns the test DataLoader.
         train_loader_fn: another name of ``train_loader_build_fn``.
         validation_loader_fn: another name of ``val_loader_build_fn``.

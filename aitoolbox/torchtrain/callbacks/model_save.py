@@ -1,4 +1,5 @@
 """Checkpoint callbacks: every epoch (keeping the best k), every N iterations, and the final model at the end."""
+import copy
 import logging
 import os
 from typing import Optional, Union
@@ -81,9 +82,12 @@ class ModelCheckpoint(CheckpointCallback):
         values = tl.train_history.get(metric)
         if not values:
             self._save_checkpoint(False, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
+            set_names = getattr(tl, "validation_set_names", None)
+            sets_hint = (f" The validation sets {set_names} are recorded as val_<set>_loss and val_<set>_<metric>, the "
+                         "first also as val_loss and val_<metric>." if set_names else "")
             raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
                              f"(recorded: {sorted(k for k, v in tl.train_history.items() if v)}); pass "
-                             "rm_subopt_local_models=<metric name>")
+                             f"rm_subopt_local_models=<metric name>.{sets_hint}")
         score = scalar_value(values[-1])
         if self.is_main_process and not self._ranking_restored:
             # The checkpoints this run folder got from an earlier process (a resumed run) are ranked too.
@@ -211,7 +215,9 @@ class ModelTrainEndSave(CheckpointCallback):
         project_name, experiment_name, local_model_result_folder_path: the experiment folder (or None with a preset).
         hyperparams: written to ``hyperparams_list.txt`` / ``hyperparams.json``, into the checkpoint and into the
             result packages, with secrets redacted (see :mod:`aitoolbox.experiment.redaction`).
-        val_result_package: evaluated on the validation set, or None.
+        val_result_package: evaluated on the validation set, or None. With several named validation sets it is
+            evaluated on the first (``results['validation']``) and a copy of it on each set
+            (``results['validation_<name>']``).
         test_result_package: evaluated on the test set, or None.
         cloud_save_mode, bucket_name, cloud_dir_prefix: also upload the final model, the results and the
             hyperparameters to a bucket, as for :class:`ModelCheckpoint`.
@@ -231,6 +237,7 @@ class ModelTrainEndSave(CheckpointCallback):
                                 f"got {type(package).__name__}")
         self.val_result_package = val_result_package
         self.test_result_package = test_result_package
+        self.val_set_result_packages = {}  # with several validation sets: a copy of val_result_package for each
         self.results = {}
 
     def on_train_loop_registration(self) -> None:
@@ -249,18 +256,13 @@ class ModelTrainEndSave(CheckpointCallback):
             if package is not None:  # as 1.x: extra output files (texts, heat maps) go into the run folder
                 package.set_experiment_dir_path_for_additional_results(folder.project_name, folder.experiment_name,
                                                                        folder.timestamp, folder.root)
-        for name, package, suffix, predict, evaluate_loss in (
-                ("validation", self.val_result_package, "_VAL", tl.predict_on_validation_set,
-                 tl.evaluate_loss_on_validation_set),
-                ("test", self.test_result_package, "_TEST", tl.predict_on_test_set, tl.evaluate_loss_on_test_set)):
-            if package is None:
-                continue
-            y_pred, y_true, metadata = predict()
+        for name, package, suffix, predict, evaluate_loss, set_choice in self._evaluations():
+            y_pred, y_true, metadata = predict(**set_choice)
             # As 1.x: the package sees the predictions' metadata, the set's loss when it asks for it, and is
             # named after the set it was evaluated on.
             metadata = dict(metadata) if isinstance(metadata, dict) else {}
             if getattr(package, "requires_loss", False):
-                metadata["loss"] = evaluate_loss(float_dict_format=True)
+                metadata["loss"] = evaluate_loss(float_dict_format=True, **set_choice)
             if package.pkg_name is not None and not package.pkg_name.endswith(suffix):
                 package.pkg_name += suffix
             results[name] = package.prepare_result_package(y_true, y_pred, hyperparameters=self.saved_hyperparams(),
@@ -275,6 +277,30 @@ class ModelTrainEndSave(CheckpointCallback):
             except Exception as raised:
                 error = raised
         self._raise_shared_outcome(error)  # every process raises what the main process met
+
+    def _evaluations(self) -> list:
+        """``(results key, package, name suffix, predict, evaluate loss, set keyword)`` of each evaluation at the end.
+
+        ``'validation'`` is ``val_result_package`` on the validation set (the first of several named sets, as
+        ``val_loss``); with several sets, ``'validation_<name>'`` is a copy of it on each named set."""
+        tl = self.train_loop_obj
+        evaluations = []
+        if self.val_result_package is not None:
+            evaluations.append(("validation", self.val_result_package, "_VAL", tl.predict_on_validation_set,
+                                tl.evaluate_loss_on_validation_set, {}))
+            for set_name in getattr(tl, "validation_set_names", None) or []:
+                if set_name not in self.val_set_result_packages:
+                    package = copy.deepcopy(self.val_result_package)
+                    if package.pkg_name is not None and package.pkg_name.endswith("_VAL"):  # named after its own set
+                        package.pkg_name = package.pkg_name[:-len("_VAL")]
+                    self.val_set_result_packages[set_name] = package
+                package = self.val_set_result_packages[set_name]
+                evaluations.append((f"validation_{set_name}", package, f"_VAL_{set_name}", tl.predict_on_validation_set,
+                                    tl.evaluate_loss_on_validation_set, {"name": set_name}))
+        if self.test_result_package is not None:
+            evaluations.append(("test", self.test_result_package, "_TEST", tl.predict_on_test_set,
+                                tl.evaluate_loss_on_test_set, {}))
+        return evaluations
 
     def _save_final(self, checkpoint: dict, results: dict) -> None:
         tl = self.train_loop_obj

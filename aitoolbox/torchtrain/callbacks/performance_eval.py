@@ -9,13 +9,14 @@ import argparse
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.history_format import MetricHistoryRename, TrainHistoryFormatter
 from aitoolbox.torchtrain.callbacks.history_output import (
     ModelTrainHistoryBaseCB, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
+from aitoolbox.torchtrain.train_loop.validation_sets import history_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ class ModelPerformanceEvaluation(AbstractCallback):
     ``train_history`` as ``train_<metric>``, ``val_<metric>`` or ``test_<metric>`` (e.g. ``val_Accuracy``).
     At the end of training it evaluates once more and records ``train_end_val_<metric>`` etc. The TrainLoop
     caches predictions within an iteration, so several callbacks share one prediction pass.
+
+    With several validation sets (``validation_loader={'in_domain': dl1, 'shifted': dl2}``) every set is
+    evaluated and recorded as ``val_<name>_<metric>`` (``train_end_val_<name>_<metric>``); the first set also as
+    ``val_<metric>``. Its results are in ``result_package``; every set's package is in ``val_result_packages``
+    (by name), the other sets' being copies of ``result_package`` made when training begins.
 
     As in aitoolbox 1.x, ``result_package`` itself is prepared with the validation results;
     ``train_result_package`` (with ``on_train_data``) and ``test_result_package`` (with ``on_test_data``) are
@@ -109,6 +115,8 @@ class ModelPerformanceEvaluation(AbstractCallback):
         self.on_test_data = on_test_data
         self.eval_frequency = eval_frequency
         self.if_available_output_to_project_dir = if_available_output_to_project_dir
+        # With several validation sets: the package of each, by set name (see _add_validation_set_packages).
+        self.val_result_packages: Dict[str, AbstractResultPackage] = {}
         # Attributes present only for the data sets evaluated, as in aitoolbox 1.x.
         if on_train_data:
             self.train_result_package = copy.deepcopy(result_package)
@@ -120,13 +128,38 @@ class ModelPerformanceEvaluation(AbstractCallback):
         """The data sets this callback evaluates, in the order it evaluates them."""
         return [dataset_type for dataset_type, spec in _DATASETS.items() if getattr(self, spec[4])]
 
-    def package_for(self, dataset_type: str) -> AbstractResultPackage:
-        """The result package that holds the results of ``dataset_type`` ('train', 'validation' or 'test')."""
+    def package_for(self, dataset_type: str, name: Optional[str] = None) -> AbstractResultPackage:
+        """The result package that holds the results of ``dataset_type`` ('train', 'validation' or 'test'); with
+        several validation sets, ``name`` picks the set (None: the first, whose package is ``result_package``)."""
+        if dataset_type == "validation" and name is not None:
+            return self.val_result_packages[name]
         return {"train": getattr(self, "train_result_package", None), "validation": self.result_package,
                 "test": getattr(self, "test_result_package", None)}[dataset_type]
 
+    def _targets(self) -> List[Tuple[str, Optional[str], List[str]]]:
+        """``(dataset type, validation set name, history prefixes)`` of every set evaluated, in order."""
+        targets = []
+        for dataset_type in self.dataset_types:
+            if dataset_type == "validation":
+                sets = history_prefixes(getattr(self.train_loop_obj, "validation_loader", None))
+                targets.extend(("validation", name, prefixes) for name, prefixes in sets)
+            else:
+                targets.append((dataset_type, None, [_DATASETS[dataset_type][0]]))
+        return targets
+
     def _packages(self) -> List[AbstractResultPackage]:
-        return [self.package_for(dataset_type) for dataset_type in self.dataset_types]
+        packages = [self.package_for(dataset_type) for dataset_type in self.dataset_types]
+        return packages + [package for package in self.val_result_packages.values()
+                           if all(package is not known for known in packages)]
+
+    def _add_validation_set_packages(self) -> None:
+        """One package per named validation set: the first set's is ``result_package`` (1.x code reads its results),
+        the others are copies of it, made when training begins (when the sets are known)."""
+        names = self.train_loop_obj.validation_set_names if self.on_val_data else None
+        for index, name in enumerate(names or []):
+            if name not in self.val_result_packages:
+                self.val_result_packages[name] = self.result_package if index == 0 else \
+                    copy.deepcopy(self.result_package)
 
     def on_train_loop_registration(self) -> None:
         tl = self.train_loop_obj
@@ -147,6 +180,7 @@ class ModelPerformanceEvaluation(AbstractCallback):
             if getattr(self.train_loop_obj, loader_name) is None:
                 raise ValueError(f"ModelPerformanceEvaluation has {flag}=True but the TrainLoop has no "
                                  f"{loader_name}: pass a {loader_name} to TrainLoop or set {flag}=False")
+        self._add_validation_set_packages()
 
     def on_epoch_end(self) -> None:
         if self.on_each_epoch and _epoch_due(self.train_loop_obj.epoch, self.eval_frequency):
@@ -172,14 +206,17 @@ class ModelPerformanceEvaluation(AbstractCallback):
             prefix: put before the metric names in the history (``'train_end_'`` at the end of training).
         """
         tl = self.train_loop_obj
-        for dataset_type in self.dataset_types:
+        self._add_validation_set_packages()  # a validation dict assigned since training began
+        for dataset_type, name, _ in self._targets():
             _, predict_method, loss_method, _, _ = _DATASETS[dataset_type]
-            y_pred, y_true, metadata = getattr(tl, predict_method)()
-            package = self.package_for(dataset_type)
+            # Only a named validation set passes name=: a 1.x TrainLoop subclass may not take the keyword.
+            set_choice = {} if name is None else {"name": name}
+            y_pred, y_true, metadata = getattr(tl, predict_method)(**set_choice)
+            package = self.package_for(dataset_type, name)
             if getattr(package, "requires_loss", False):
                 # A copy: the metadata belongs to the loop's prediction cache, shared with other callbacks.
                 metadata = dict(metadata) if isinstance(metadata, Mapping) else {}
-                metadata["loss"] = getattr(tl, loss_method)(float_dict_format=True)
+                metadata["loss"] = getattr(tl, loss_method)(float_dict_format=True, **set_choice)
             package.prepare_result_package(y_true, y_pred, hyperparameters=self.args, additional_results=metadata,
                                            training_history=tl.train_history)
         self.store_evaluated_metrics_to_history(prefix=prefix)
@@ -190,11 +227,11 @@ class ModelPerformanceEvaluation(AbstractCallback):
         Args:
             prefix: put before the metric names (``'train_end_'`` at the end of training).
         """
-        for dataset_type in self.dataset_types:
-            results: Dict[str, Any] = self.package_for(dataset_type).get_results() or {}
-            for metric_name, value in results.items():
-                self.train_loop_obj.insert_metric_result_into_history(
-                    f"{prefix}{_DATASETS[dataset_type][0]}{metric_name}", value)
+        for dataset_type, name, set_prefixes in self._targets():
+            results: Dict[str, Any] = self.package_for(dataset_type, name).get_results() or {}
+            for set_prefix in set_prefixes:  # the first of several sets: val_<metric> and val_<name>_<metric>
+                for metric_name, value in results.items():
+                    self.train_loop_obj.insert_metric_result_into_history(f"{prefix}{set_prefix}{metric_name}", value)
 
 
 class ModelPerformancePrintReport(AbstractCallback):

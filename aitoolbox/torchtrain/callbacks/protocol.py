@@ -20,6 +20,7 @@ class TrainLoopView(Protocol):
     - ``model``: the user's module; ``optimizer`` / ``optimizers``: as passed, and as a list.
     - ``train_loader``, ``validation_loader``, ``test_loader``: the data. A callback that replaces one (as
       ``DataSubsetTestRun`` does) assigns it; the loop prepares a replaced evaluation loader anew.
+      ``validation_loader`` may be a dict of named loaders; ``validation_set_names`` lists them (None for one).
     - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
     - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``.
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
@@ -43,6 +44,7 @@ class TrainLoopView(Protocol):
     optimizers: List[torch.optim.Optimizer]
     train_loader: Any
     validation_loader: Any
+    validation_set_names: Optional[List[str]]
     test_loader: Any
     train_history: Any
     state: Any
@@ -134,8 +136,9 @@ class TrainLoopView(Protocol):
         """Mean loss per sample over the training set (cached per iteration)."""
 
     def evaluate_loss_on_validation_set(self, force_prediction: bool = False,
-                                        float_dict_format: bool = False) -> Any:
-        """Mean loss per sample over the validation set (cached per iteration)."""
+                                        float_dict_format: bool = False, name: Optional[str] = None) -> Any:
+        """Mean loss per sample over the validation set (cached per iteration); ``name`` picks one of several
+        named validation sets (None: the first)."""
 
     def evaluate_loss_on_test_set(self, force_prediction: bool = False, float_dict_format: bool = False) -> Any:
         """Mean loss per sample over the test set (cached per iteration)."""
@@ -143,8 +146,9 @@ class TrainLoopView(Protocol):
     def predict_on_train_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
         """``(y_pred, y_true, metadata)`` over the training set."""
 
-    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
-        """``(y_pred, y_true, metadata)`` over the validation set."""
+    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False,
+                                  name: Optional[str] = None) -> Any:
+        """``(y_pred, y_true, metadata)`` over the validation set (``name``: one of several named sets)."""
 
     def predict_on_test_set(self, force_prediction: bool = False, execute_callbacks: bool = False) -> Any:
         """``(y_pred, y_true, metadata)`` over the test set."""

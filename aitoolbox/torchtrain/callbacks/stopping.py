@@ -8,7 +8,7 @@ when the model predicts one value for the whole validation set. aitoolbox 1.x co
 import logging
 import math
 from numbers import Real
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,16 +20,27 @@ logger = logging.getLogger(__name__)
 EARLY_STOPPING_MODES = ("auto", "min", "max")
 
 
+def _validation_set_names(train_loop) -> List[str]:
+    return getattr(train_loop, "validation_set_names", None) or []
+
+
 def not_evaluated_yet(train_loop, metric_name: str) -> bool:
-    """True for 'loss'/'val_loss' in an epoch where ``end_auto_eval=N`` skipped the evaluation."""
+    """True for the losses the loop evaluates itself ('loss', 'val_loss', 'val_<set name>_loss') in an epoch where
+    ``end_auto_eval=N`` skipped the evaluation."""
     end_auto_eval = getattr(train_loop, "end_auto_eval", True)
-    return metric_name in ("loss", "val_loss") and end_auto_eval is not False and not train_loop.auto_eval_due
+    loop_losses = ("loss", "val_loss") + tuple(f"val_{name}_loss" for name in _validation_set_names(train_loop))
+    return metric_name in loop_losses and end_auto_eval is not False and not train_loop.auto_eval_due
 
 
-def missing_metric_message(metric_name: str, history: Any, hint: str) -> str:
+def missing_metric_message(metric_name: str, history: Any, hint: str, set_names: Sequence[str] = ()) -> str:
     """The error text for a metric a callback needs but the training history lacks."""
     present = ", ".join(repr(name) for name in history) or "none"
-    return f"metric {metric_name!r} is not in train_history (recorded metrics: {present}). {hint}"
+    message = f"metric {metric_name!r} is not in train_history (recorded metrics: {present}). {hint}"
+    if set_names and metric_name.startswith("val_"):
+        message += (f" The validation sets are {list(set_names)}: their values are named val_<set>_loss and "
+                    f"val_<set>_<metric> (e.g. 'val_{set_names[-1]}_loss'), the first set's also val_loss and "
+                    "val_<metric>.")
+    return message
 
 
 def monitored_values(train_loop, metric_name: str, hint: str) -> Optional[List[Any]]:
@@ -42,7 +53,7 @@ def monitored_values(train_loop, metric_name: str, hint: str) -> Optional[List[A
     if not history.get(metric_name):
         if not_evaluated_yet(train_loop, metric_name):
             return None
-        raise ValueError(missing_metric_message(metric_name, history, hint))
+        raise ValueError(missing_metric_message(metric_name, history, hint, _validation_set_names(train_loop)))
     return history[metric_name]
 
 

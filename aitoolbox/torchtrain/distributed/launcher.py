@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -81,6 +82,9 @@ def pickle_job(job: DistributedJob) -> bytes:
         tl = job.train_loop
         parts = {"model": tl.model, "train_loader": tl.train_loader, "validation_loader": tl.validation_loader,
                  "test_loader": tl.test_loader, "optimizer": tl.optimizer, "criterion": tl.criterion}
+        if isinstance(tl.validation_loader, Mapping):  # several validation sets: name the one that fails
+            del parts["validation_loader"]
+            parts.update({f"validation_loader[{name!r}]": loader for name, loader in tl.validation_loader.items()})
         callbacks = list(tl.callbacks) + list(job.fit_arguments.callbacks or []) + list(job.in_process_data_load)
         parts.update({f"callback {type(cb).__name__}": cb for cb in callbacks})
         for name, value in parts.items():

@@ -10,6 +10,7 @@ from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.losses import (
     LossResult, as_float_dict, as_loss_result, detached_values, history_entries, loss_names)
 from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
+from aitoolbox.torchtrain.train_loop.validation_sets import VALIDATION, history_prefixes, select_validation_set
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -117,12 +118,16 @@ class Evaluator:
 
     # --- the loop's own evaluations ----------------------------------------------------------------------
     def at_epoch_end(self) -> None:
-        """Record ``loss`` and ``val_loss`` when ``end_auto_eval`` asks for them at this epoch."""
+        """Record ``loss`` and ``val_loss`` when ``end_auto_eval`` asks for them at this epoch (with several
+        validation sets ``val_<name>_loss`` for each, the first one also as ``val_loss``)."""
         tl = self.train_loop
         if tl.auto_eval_due:
             self.record_loss("loss", self.loss_on("train"))
             if tl.validation_loader is not None:
-                self.record_loss("val_loss", self.loss_on("validation"))
+                for name, prefixes in history_prefixes(tl.validation_loader):
+                    result = self.loss_on("validation", name=name)
+                    for prefix in prefixes:
+                        self.record_loss(f"{prefix}loss", result)
 
     def at_train_end(self) -> None:
         """Record (and log) ``train_end_test_loss`` when there is a test loader and ``end_auto_eval`` is on."""
@@ -143,28 +148,47 @@ class Evaluator:
         return entries
 
     # --- the loop's three data sets ------------------------------------------------------------------------
-    def prepared_loader(self, dataset_type: str) -> DataLoader:
-        """The loader to evaluate on: the user's, or under DDP this process's exact share of it."""
+    def _dataset(self, dataset_type: str, name: Optional[str]) -> Tuple[str, Optional[str], Any]:
+        """``(key, set name, user's loader)`` of one of the loop's data sets; ``name`` picks one of several
+        validation sets (see :func:`~.validation_sets.select_validation_set`)."""
         tl = self.train_loop
-        loader = {"train": tl.train_loader, "validation": tl.validation_loader, "test": tl.test_loader}[dataset_type]
+        if dataset_type == VALIDATION:
+            return select_validation_set(tl.validation_loader, name)
+        if name is not None:
+            raise ValueError(f"name={name!r} picks one of several validation sets; the {dataset_type} set has no names")
+        loader = {"train": tl.train_loader, "test": tl.test_loader}[dataset_type]
         if loader is None:
             raise ValueError(f"this TrainLoop has no {dataset_type}_loader: pass one to the constructor")
+        return dataset_type, None, loader
+
+    def prepared_loader(self, dataset_type: str, name: Optional[str] = None) -> DataLoader:
+        """The loader to evaluate on: the user's, or under DDP this process's exact share of it (for each
+        validation set its own share)."""
+        key, _, loader = self._dataset(dataset_type, name)
         # Prepared once per loader: a loader replaced since (by the user, or by DataSubsetTestRun) is prepared anew.
-        source, prepared = self._prepared_loaders.get(dataset_type, (None, None))
+        source, prepared = self._prepared_loaders.get(key, (None, None))
         if source is not loader:
-            prepared = tl.strategy.setup_eval_loader(loader)
-            self._prepared_loaders[dataset_type] = (loader, prepared)
+            prepared = self.train_loop.strategy.setup_eval_loader(loader)
+            self._prepared_loaders[key] = (loader, prepared)
         return prepared
 
-    def loss_on(self, dataset_type: str, force: bool = False, float_dict_format: bool = False):
-        """The mean loss over the loop's ``dataset_type`` set (cached within one training iteration)."""
-        loss = self.evaluate_loss(self.prepared_loader(dataset_type), dataset_type, force=force)
+    def loss_on(self, dataset_type: str, force: bool = False, float_dict_format: bool = False,
+                name: Optional[str] = None):
+        """The mean loss over the loop's ``dataset_type`` set (cached within one training iteration); ``name``
+        picks one of several validation sets (None: the first)."""
+        key, _, _ = self._dataset(dataset_type, name)
+        loss = self.evaluate_loss(self.prepared_loader(dataset_type, name), key, force=force)
         return as_float_dict(loss) if float_dict_format else loss
 
-    def predictions_on(self, dataset_type: str, force: bool = False, execute_callbacks: bool = False):
-        """``(y_pred, y_true, metadata)`` over the loop's ``dataset_type`` set (cached within one iteration)."""
-        return self.predict(self.prepared_loader(dataset_type), dataset_type, execute_callbacks=execute_callbacks,
-                            force=force)
+    def predictions_on(self, dataset_type: str, force: bool = False, execute_callbacks: bool = False,
+                       name: Optional[str] = None):
+        """``(y_pred, y_true, metadata)`` over the loop's ``dataset_type`` set (cached within one iteration);
+        ``name`` picks one of several validation sets (None: the first)."""
+        key, set_name, _ = self._dataset(dataset_type, name)
+        # The callbacks' dataset_info: a named set says which one (its type stays 'validation', as 1.x callbacks test).
+        dataset_info = {"type": dataset_type} if set_name is None else {"type": dataset_type, "name": set_name}
+        return self.predict(self.prepared_loader(dataset_type, name), key, execute_callbacks=execute_callbacks,
+                            force=force, dataset_info=dataset_info)
 
     # --- any loader ----------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
+from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
     check_use_amp, create_precision, create_sharded_precision, initial_loss_scaler)
 
@@ -54,7 +55,9 @@ class TrainLoop:
     Args:
         model: the model; a TTModel, or ``ModelWrap(module, feed_definition)`` for a plain ``nn.Module``.
         train_loader: batches to train on.
-        validation_loader: batches for ``val_loss`` and validation metrics, or None.
+        validation_loader: batches for ``val_loss`` and validation metrics, or None; or a dict of named loaders
+            (``{'in_domain': dl1, 'shifted': dl2}``), each recorded as ``val_<name>_loss``, ``val_<name>_<metric>``,
+            the first also as ``val_loss``, ``val_<metric>`` (see :mod:`.validation_sets`).
         test_loader: batches for the final test evaluation, or None.
         optimizer: a ``torch.optim.Optimizer`` or a list of them (all step together).
         criterion: handed to ``get_loss`` as it is (a loss function, a dict of them...); None when the model
@@ -89,7 +92,8 @@ class TrainLoop:
     """
 
     def __init__(self, model: Union[TTModel, ModelWrap], train_loader: DataLoader,
-                 validation_loader: Optional[DataLoader], test_loader: Optional[DataLoader],
+                 validation_loader: Union[DataLoader, Mapping[str, DataLoader], None],
+                 test_loader: Optional[DataLoader],
                  optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
                  criterion: Optional[Callable],
                  collate_batch_pred_fn: Callable = append_predictions, pred_transform_fn: Callable = torch_cat_transf,
@@ -103,7 +107,7 @@ class TrainLoop:
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
         self.batch_model_feed_def = model.batch_model_feed_def if isinstance(model, ModelWrap) else None
         validation.check_loader(train_loader, "train_loader", required=True)
-        validation.check_loader(validation_loader, "validation_loader", required=False)
+        check_validation_loader(validation_loader)
         validation.check_loader(test_loader, "test_loader", required=False)
         self.optimizers: List[torch.optim.Optimizer] = validation.as_optimizer_list(optimizer)
         validation.check_end_auto_eval(end_auto_eval)
@@ -172,6 +176,21 @@ class TrainLoop:
     early_stop = LoopStateField()
 
     # --- the documented surface callbacks use -------------------------------------------------------------
+    @property
+    def validation_loader(self) -> Union[DataLoader, Mapping[str, DataLoader], None]:
+        """The validation data: None, one loader, or a dict of named loaders (checked when assigned)."""
+        return self._validation_loader
+
+    @validation_loader.setter
+    def validation_loader(self, loader: Union[DataLoader, Mapping[str, DataLoader], None]) -> None:
+        check_validation_loader(loader)  # also a loader replaced later (InMultiProcessDataLoad, DataSubsetTestRun)
+        self._validation_loader = loader
+
+    @property
+    def validation_set_names(self) -> Optional[List[str]]:
+        """The names of the validation sets, in order, when ``validation_loader`` is a dict; else None."""
+        return validation_set_names(self._validation_loader)
+
     @property
     def device(self) -> torch.device:
         """The device this process trains on."""
@@ -422,9 +441,13 @@ class TrainLoop:
         """
         return self._evaluator.loss_on("train", force_prediction, float_dict_format)
 
-    def evaluate_loss_on_validation_set(self, force_prediction: bool = False, float_dict_format: bool = False):
-        """Mean loss per sample over the validation set; arguments as :meth:`evaluate_loss_on_train_set`."""
-        return self._evaluator.loss_on("validation", force_prediction, float_dict_format)
+    def evaluate_loss_on_validation_set(self, force_prediction: bool = False, float_dict_format: bool = False,
+                                        name: Optional[str] = None):
+        """Mean loss per sample over the validation set; arguments as :meth:`evaluate_loss_on_train_set`.
+
+        With several validation sets (a dict ``validation_loader``) it answers for the set ``name``, by default the
+        first one (the set ``val_loss`` is recorded from)."""
+        return self._evaluator.loss_on("validation", force_prediction, float_dict_format, name=name)
 
     def evaluate_loss_on_test_set(self, force_prediction: bool = False, float_dict_format: bool = False):
         """Mean loss per sample over the test set; arguments as :meth:`evaluate_loss_on_train_set`."""
@@ -452,9 +475,13 @@ class TrainLoop:
         """
         return self._evaluator.predictions_on("train", force_prediction, execute_callbacks)
 
-    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
-        """``(y_pred, y_true, metadata)`` over the validation set; arguments as :meth:`predict_on_train_set`."""
-        return self._evaluator.predictions_on("validation", force_prediction, execute_callbacks)
+    def predict_on_validation_set(self, force_prediction: bool = False, execute_callbacks: bool = False,
+                                  name: Optional[str] = None):
+        """``(y_pred, y_true, metadata)`` over the validation set; arguments as :meth:`predict_on_train_set`.
+
+        With several validation sets (a dict ``validation_loader``) it predicts on the set ``name``, by default the
+        first one."""
+        return self._evaluator.predictions_on("validation", force_prediction, execute_callbacks, name=name)
 
     def predict_on_test_set(self, force_prediction: bool = False, execute_callbacks: bool = False):
         """``(y_pred, y_true, metadata)`` over the test set; arguments as :meth:`predict_on_train_set`."""
