@@ -28,32 +28,35 @@ PROFILER_EXECUTION_ORDER = 100_000
 class ProfilerCallback(AbstractCallback):
     """Profile a few training batches with :mod:`torch.profiler` and write traces TensorBoard and Perfetto open.
 
-    One profiler *step* is one training batch, also under ``grad_accumulation`` (a step that only accumulates
-    gradients is a step of its own): that is the unit the trace shows as ``ProfilerStep#N`` rows. Step ``N`` runs
-    from the end of batch ``N - 1`` to the end of batch ``N``, so it begins with the wait for batch ``N``'s data and
-    ends after the batch's callbacks; a step that crosses an epoch's end also holds the evaluation and checkpoints
-    of that epoch. ``N`` counts the batches since the profiler started in the current ``fit`` (0: its first batch).
+    One profiler *step* is one training batch, also under ``grad_accumulation`` (a batch that only accumulates
+    gradients is a step of its own): that is the unit the trace shows as ``ProfilerStep#N`` rows. A step runs from
+    the end of one batch to the end of the next, so it begins with the wait for the batch's data and ends after the
+    batch's callbacks; a step that crosses an epoch's end also holds that epoch's evaluation and checkpoints.
 
     The schedule is torch's (:func:`torch.profiler.schedule`): ``wait`` batches without profiling, ``warmup``
-    batches profiled and discarded (the profiler's own start-up cost), ``active`` batches recorded, the whole
-    cycle ``repeat`` times. Each recorded cycle becomes one file per process,
-    ``<folder>/rank<r>.<time in ns>.pt.trace.json`` (the layout of :func:`torch.profiler.tensorboard_trace_handler`,
-    named by the process's global rank), and the main process logs the cycle's top operators (sorted by their own
-    CUDA time when CUDA was profiled, else by their own CPU time). CUDA activity is profiled when the model trains
-    on a CUDA device. The folder is ``output_dir`` or, without one, ``profiler/`` in the run folder of an
-    experiment-tracking TrainLoop (``TrainLoopCheckpoint``, ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``).
+    batches profiled and discarded (the profiler's own start-up cost), ``active`` batches recorded, the whole cycle
+    ``repeat`` times. The callback counts the ``wait`` batches itself and starts a profiler for each cycle's
+    ``warmup`` and ``active`` batches only, so ``N`` counts the batches of that cycle after its wait (the warm-up
+    steps come first: with the defaults the recorded steps are ``ProfilerStep#1`` to ``#3``). Each recorded cycle
+    becomes one file per process, ``<folder>/rank<r>.<time in ns>.pt.trace.json`` (the layout of
+    :func:`torch.profiler.tensorboard_trace_handler`, named by the process's global rank), and the main process logs
+    the cycle's top operators (sorted by their own CUDA time when CUDA was profiled, else by their own CPU time).
+    CUDA activity is profiled when the model trains on a CUDA device. The folder is ``output_dir`` or, without one,
+    ``profiler/`` in the run folder of an experiment-tracking TrainLoop (``TrainLoopCheckpoint``,
+    ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``).
 
-    Cost: between the start of ``fit`` and the end of the schedule the callback takes part in the batch hooks (a
-    call to ``profiler.step()`` per batch; the ``warmup`` and ``active`` batches pay the profiler's own cost). After
-    the last cycle the profiler is closed and the callback unsubscribes from the batch hooks, so the rest of the run
-    costs what it costs without it. Training computes exactly what it computes without the callback.
+    Cost: until its last cycle is over the callback takes part in the batch hooks: a wait batch costs a counter, the
+    ``warmup`` and ``active`` batches pay the profiler's own cost. After the last cycle the profiler is closed and
+    the callback unsubscribes from the batch hooks, so the rest of the run costs what it costs without it
+    (``benchmarks/profiler_overhead.py``). Training computes exactly what it computes without the callback.
 
     Across ``fit`` calls and checkpoints the schedule is one schedule over the run's batches: the cycles recorded
     are counted (:attr:`cycles_done`, in :meth:`state_dict`, so checkpoints keep it), and a later ``fit`` or a run
     resumed from a checkpoint profiles only the cycles left, each from its ``wait`` again. A cycle counts as done
     once its recording has begun and its trace is written: training that ends (or fails) during a cycle's
-    ``active`` batches writes a shorter trace of what was recorded; one that ends before them records nothing (the
-    log says so) and that cycle runs again in the next ``fit``. To profile a finished run again, register a new
+    ``active`` batches writes a shorter trace of what was recorded (its last step then holds what followed the last
+    batch: the end of training, or the failing batch); one that ends before them records nothing (the log says so)
+    and that cycle runs again in the next ``fit``. To profile a finished run again, register a new
     ``ProfilerCallback``.
 
     Args:
@@ -99,8 +102,8 @@ class ProfilerCallback(AbstractCallback):
         self.trace_files: List[str] = []
         self._cycles_done = 0
         self._run_folder: Optional[ExperimentFolder] = None  # the loop's, when there is no output_dir
-        self._profiler: Optional[torch.profiler.profile] = None  # only while a schedule runs
-        self._schedule_end: Optional[int] = None  # the profiler's step number at which its schedule is over
+        self._profiler: Optional[torch.profiler.profile] = None  # only during a cycle's warmup and active batches
+        self._wait_left = self.wait  # batches to wait before the next cycle's profiler starts
 
     @property
     def cycles_done(self) -> int:
@@ -127,35 +130,49 @@ class ProfilerCallback(AbstractCallback):
                 f"whose run folder then holds them in {TRACE_SUB_FOLDER}/")
 
     def on_train_begin(self) -> None:
-        # A fit after the schedule is over runs without the batch hooks; a loaded checkpoint may still change that
-        # (load_state_dict, which fit calls after this hook).
+        # Each fit starts the next cycle with its wait. A fit after the schedule is over runs without the batch
+        # hooks; a loaded checkpoint may still change that (load_state_dict, which fit calls after this hook).
+        self._wait_left = self.wait
         self._take_batch_hooks(self._cycles_done < self.repeat)
 
     def on_batch_begin(self) -> None:
-        if self._profiler is None and self._cycles_done < self.repeat:
+        if self._profiler is None and self._wait_left == 0:  # wait=0: the cycle starts with this batch
             self._start()
 
     def on_batch_end(self) -> None:
         profiler = self._profiler
-        if profiler is None:
+        if profiler is None:  # waiting: a counter, no profiler
+            if self._wait_left > 0:
+                self._wait_left -= 1
+                if self._wait_left == 0:
+                    self._start()  # here, so that the first step begins with the wait for the next batch's data
             return
-        profiler.step()  # the end of this batch's step; writes the trace after a cycle's last active batch
-        if profiler.step_num >= self._schedule_end:
-            self._close()
+        profiler.step()  # the end of this batch's step; writes the trace after the cycle's last active batch
+        if profiler.step_num < self.warmup + self.active:
+            return
+        self._close()
+        if self._cycles_done < self.repeat and self.wait == 0:
+            self._start()
 
     def on_train_end(self) -> None:
-        if self._profiler is None:
+        if self._profiler is not None:
+            batches = self.wait + self._profiler.step_num  # one step per batch done
+            if self._close():  # the cycle's active batches began: their (shorter) trace is written
+                return
+        elif self._cycles_done < self.repeat and self._wait_left < self.wait:
+            batches = self.wait - self._wait_left
+        else:
             return
-        batches = self._profiler.step_num  # one step() per batch done
-        if not self._close():  # training ended before the cycle's active batches (or between two cycles)
-            logger.info("ProfilerCallback: training ended %d batch(es) into profiling cycle %d of %d, before its "
-                        "active batches (wait=%d, warmup=%d): nothing was recorded in it; the next fit profiles it "
-                        "from the start", batches, self._cycles_done + 1, self.repeat, self.wait, self.warmup)
+        logger.info("ProfilerCallback: training ended %d batch(es) into profiling cycle %d of %d, before its active "
+                    "batches (wait=%d, warmup=%d): nothing was recorded in it; the next fit profiles it from its "
+                    "start", batches, self._cycles_done + 1, self.repeat, self.wait, self.warmup)
+        self._wait_left = self.wait
 
     def on_exception(self, exception: BaseException) -> None:
         # The profiler must not stay enabled: torch refuses to start another one in this process while it is.
         if self._profiler is not None:
             self._close()
+        self._wait_left = self.wait
 
     # --- state ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -170,32 +187,30 @@ class ProfilerCallback(AbstractCallback):
 
     # --- the profiler ---------------------------------------------------------------------------------------------
     def _start(self) -> None:
+        """Start the profiler of the next cycle: ``warmup`` batches, then ``active`` recorded ones."""
         if torch.autograd._profiler_enabled():
             # Starting a second profiler would fail in the middle of training, at the first warm-up batch.
             logger.warning("ProfilerCallback: another torch profiler is running in this process; this fit is not "
                            "profiled by the callback")
             self._take_batch_hooks(False)
             return
-        tl = self.train_loop_obj
         activities = [ProfilerActivity.CPU]
-        if tl.device.type == "cuda":
+        if self.train_loop_obj.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        cycles_left = self.repeat - self._cycles_done
-        self._schedule_end = cycles_left * (self.wait + self.warmup + self.active)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active,
-                                             repeat=cycles_left),
+            schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
             on_trace_ready=self._trace_ready, record_shapes=self.record_shapes, profile_memory=self.profile_memory,
             with_stack=self.with_stack)
         profiler.__enter__()
         self._profiler = profiler
 
     def _close(self) -> bool:
-        """Stop and close the profiler (a cycle cut short in its active batches is written now); True if that
-        wrote a trace. The batch hooks stay taken only while cycles are left for a later fit."""
-        profiler, self._profiler, self._schedule_end = self._profiler, None, None
+        """Stop and close the cycle's profiler (a cycle cut short in its active batches is written now); True if that
+        wrote a trace. The batch hooks stay taken only while cycles are left; the next cycle starts with its wait."""
+        profiler, self._profiler = self._profiler, None
         cycles_before = self._cycles_done
+        self._wait_left = self.wait
         try:
             profiler.__exit__(None, None, None)
         finally:

@@ -88,7 +88,7 @@ def test_each_cycle_writes_a_trace_with_its_active_steps_and_the_table_is_logged
     files = trace_files(tmp_path / "traces")
     assert files == sorted(callback.trace_files) and len(files) == 2
     assert all(TRACE_NAME.match(os.path.basename(path)).group(1) == "0" for path in files)
-    assert [trace_steps(path) for path in callback.trace_files] == [[2, 3], [6, 7]]  # active * repeat steps
+    assert [trace_steps(path) for path in callback.trace_files] == [[1, 2], [1, 2]]  # active * repeat steps
     assert callback.cycles_done == 2
     tables = [record.getMessage() for record in distinct_records(profiler_log) if "Top 7 operators by self CPU time" in
               record.getMessage()]
@@ -109,7 +109,7 @@ def test_traces_go_into_the_run_folder_of_a_preset(tmp_path):
     folder = os.path.join(tl.experiment_folder.path, "profiler")
     assert callback.trace_dir == folder
     (path,) = trace_files(folder)
-    assert TRACE_NAME.match(os.path.basename(path)) and trace_steps(path) == [2, 3, 4]
+    assert TRACE_NAME.match(os.path.basename(path)) and trace_steps(path) == [1, 2, 3]
 
 
 def test_without_output_dir_or_run_folder_registration_says_what_to_pass(tmp_path):
@@ -162,6 +162,27 @@ def test_another_callback_keeps_its_batch_hooks_after_the_schedule(tmp_path):
     assert counter.batches == 10 and tl.callbacks_handler.has_batch_hooks
 
 
+def test_a_step_is_a_batch_also_under_grad_accumulation(tmp_path):
+    callback = ProfilerCallback(output_dir=tmp_path)
+    make_loop().fit(num_epochs=1, grad_accumulation=2, callbacks=[callback])  # optimizer steps after batches 1, 3
+    (path,) = trace_files(tmp_path)
+    assert trace_steps(path) == [1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_kernels_are_recorded_and_the_table_sorts_by_cuda_time(tmp_path, profiler_log):
+    callback = ProfilerCallback(output_dir=tmp_path)
+    tl = make_loop()
+    assert tl.device.type == "cuda"
+    tl.fit(num_epochs=1, callbacks=[callback])
+    (path,) = trace_files(tmp_path)
+    with open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    assert any(event.get("cat") == "kernel" for event in events)
+    assert "by self CUDA time" in profiler_log.text
+
+
 def test_torch_compile_is_profiled(tmp_path):
     torch._dynamo.reset()
     try:
@@ -171,7 +192,7 @@ def test_torch_compile_is_profiled(tmp_path):
     finally:
         torch._dynamo.reset()
     (path,) = trace_files(tmp_path)
-    assert trace_steps(path) == [2, 3, 4]
+    assert trace_steps(path) == [1, 2, 3]
 
 
 # --- runs cut short, several fits, exceptions, resuming -----------------------------------------------------
@@ -179,8 +200,8 @@ def test_a_fit_shorter_than_the_schedule_writes_what_it_recorded(tmp_path):
     callback = ProfilerCallback(output_dir=tmp_path)  # wait 1, warmup 1, active 3
     make_loop().fit(num_iterations=3, callbacks=[callback])
     (path,) = trace_files(tmp_path)
-    # Batch 2 recorded; step 3 began at its end and holds the end of training (no batch).
-    assert trace_steps(path) == [2, 3]
+    # Batch 2 recorded (step 1); step 2 began at its end and holds the end of training (no batch).
+    assert trace_steps(path) == [1, 2]
     assert callback.cycles_done == 1
 
 
@@ -195,7 +216,7 @@ def test_a_fit_ending_before_the_active_batches_says_so_and_the_next_fit_profile
     probe = Probe()
     tl.fit(num_epochs=3, callbacks=[probe])  # cycle 2 from its wait again, then nothing
     assert callback.cycles_done == 2
-    assert [trace_steps(path) for path in callback.trace_files] == [[2, 3], [2, 3]]
+    assert [trace_steps(path) for path in callback.trace_files] == [[1, 2], [1, 2]]
     assert probe.batch_hooks == [False, False]
 
     tl.fit(num_epochs=4)  # the schedule is over: a later fit does not profile
@@ -224,7 +245,7 @@ def test_an_exception_stops_the_profiler_and_writes_what_was_recorded(tmp_path):
         torch.ones(2).sum()
     assert any(event.name == "aten::sum" for event in another.events())
     (path,) = trace_files(tmp_path)
-    assert trace_steps(path) == [2, 3]
+    assert trace_steps(path) == [1, 2]  # batch 2, and the failing batch 3
     assert callback.cycles_done == 1
 
     failing.batch = -1
@@ -292,7 +313,7 @@ def test_under_ddp_each_rank_writes_its_trace_named_by_rank_and_only_rank_0_logs
     files = trace_files(tmp_path / "traces")
     ranks = sorted(int(TRACE_NAME.match(os.path.basename(path)).group(1)) for path in files)
     assert ranks == [0, 1]
-    assert [trace_steps(path) for path in files] == [[2, 3], [2, 3]]
+    assert [trace_steps(path) for path in files] == [[1, 2], [1, 2]]
     logs = {}
     for rank in (0, 1):
         with open(tmp_path / f"log_rank{rank}.json") as handle:
