@@ -93,16 +93,23 @@ class CallbacksHandler:
         For a callback whose per-batch work is over (a profiler after its schedule): once no callback is left on
         the batch hooks, the loop skips calling them, as in a run that never had any. Safe inside a hook.
         """
+        changed = False
         for name in self._check_hook_names(hook_names):
             if not any(callback is muted for muted in self._unsubscribed[name]):
                 self._unsubscribed[name].append(callback)
-        self._index_hooks()
+                changed = True
+        if changed:
+            self._index_hooks()
 
     def subscribe(self, callback: AbstractCallback, hook_names: Iterable[str] = BATCH_HOOK_NAMES) -> None:
         """Call ``callback``'s ``hook_names`` again after :meth:`unsubscribe` (those it overrides)."""
+        changed = False
         for name in self._check_hook_names(hook_names):
-            self._unsubscribed[name] = [muted for muted in self._unsubscribed[name] if muted is not callback]
-        self._index_hooks()
+            kept = [muted for muted in self._unsubscribed[name] if muted is not callback]
+            changed |= len(kept) != len(self._unsubscribed[name])
+            self._unsubscribed[name] = kept
+        if changed:
+            self._index_hooks()
 
     @staticmethod
     def _check_hook_names(hook_names: Iterable[str]) -> List[str]:

@@ -5,6 +5,7 @@ batches recorded, ``repeat`` times), writes one Chrome-trace JSON file per recor
 operators that took the most time. Once its schedule is over it leaves the loop exactly as a run without it: the
 profiler is closed and the callback no longer takes part in the batch hooks.
 """
+import contextlib
 import logging
 import os
 import time
@@ -245,8 +246,10 @@ class ProfilerCallback(AbstractCallback):
                 os.makedirs(folder, exist_ok=True)
             profiler.export_chrome_trace(partial)
             os.replace(partial, path)
-        except OSError as error:
+        except (OSError, RuntimeError) as error:  # a full disk, or the profiler's own export failing
             logger.error("ProfilerCallback: could not write the trace %s (%s); training goes on", path, error)
+            with contextlib.suppress(OSError):
+                os.remove(partial)
             return None
         self.trace_files.append(path)
         logger.debug("ProfilerCallback: trace written to %s", path)

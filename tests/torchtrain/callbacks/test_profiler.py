@@ -135,6 +135,26 @@ def test_an_output_dir_that_cannot_be_a_folder_is_refused_at_registration(tmp_pa
         make_loop().fit(num_epochs=1, callbacks=[ProfilerCallback(output_dir=blocker / "traces")])
 
 
+class BlockFolder(AbstractCallback):
+    """At train begin, puts a file where the traces' folder should be."""
+
+    def __init__(self, path):
+        super().__init__("block folder")
+        self.path = path
+
+    def on_train_begin(self):
+        self.path.write_text("")
+
+
+def test_a_trace_that_cannot_be_written_is_logged_and_training_goes_on(tmp_path, profiler_log):
+    callback = ProfilerCallback(output_dir=tmp_path / "traces")
+    tl = make_loop()
+    tl.fit(num_epochs=2, callbacks=[callback, BlockFolder(tmp_path / "traces")])
+    assert tl.epochs_completed == 2 and callback.cycles_done == 1 and callback.trace_files == []
+    assert "could not write the trace" in profiler_log.text
+    assert sorted(os.listdir(tmp_path)) == ["traces"]
+
+
 # --- cost and effect on training ----------------------------------------------------------------------------
 def test_training_is_bitwise_the_same_and_nothing_runs_after_the_schedule(tmp_path):
     plain = make_loop()
