@@ -29,7 +29,7 @@ the Python function calls and the calls of C functions from Python ("calls per b
 the load). A loop that does the same work per batch as ``plain`` makes the same calls; the difference per epoch
 of ``after the schedule`` is the callback's ``on_train_begin`` / ``on_train_end`` of each ``fit`` call.
 
-Run:  python benchmarks/profiler_overhead.py                 (about 30 s on 2 idle cores)
+Run:  python benchmarks/profiler_overhead.py                 (about 35 s of CPU time: 1.5 min on a busy 2-core VM)
       python benchmarks/profiler_overhead.py --quick         (smoke test, a few seconds)
 """
 import argparse
@@ -152,8 +152,8 @@ def run(args) -> Dict[str, object]:
             hooks_after = after.train_loop.callbacks_handler.has_batch_hooks
             same_weights &= all(torch.equal(a, b) for runner in runners[1:]
                                 for a, b in zip(runners[0].model.parameters(), runner.model.parameters()))
-    return {"times": times, "diffs": diffs, "cpu_diffs": cpu_diffs, "calls": calls, "same_weights": same_weights, "traces": traces,
-            "batch_hooks_after_schedule": hooks_after}
+    return {"times": times, "diffs": diffs, "cpu_diffs": cpu_diffs, "calls": calls, "same_weights": same_weights,
+            "traces": traces, "batch_hooks_after_schedule": hooks_after}
 
 
 HEADERS = ["loop", "epochs timed", "ms/epoch (median)", "extra us/batch vs plain, wall clock (median paired)",

@@ -164,6 +164,8 @@ class ProfilerCallback(AbstractCallback):
             batches = self.wait - self._wait_left
         else:
             return
+        if batches == 0:  # the cycle's profiler (wait=0) was started by the fit's last batch: nothing of it ran
+            return
         logger.info("ProfilerCallback: training ended %d batch(es) into profiling cycle %d of %d, before its active "
                     "batches (wait=%d, warmup=%d): nothing was recorded in it; the next fit profiles it from its "
                     "start", batches, self._cycles_done + 1, self.repeat, self.wait, self.warmup)
