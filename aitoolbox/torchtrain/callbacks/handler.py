@@ -35,6 +35,8 @@ class CallbacksHandler:
         self.train_loop_obj = train_loop_obj
         self.callbacks: List[AbstractCallback] = []
         self._subscribers: Dict[str, List[AbstractCallback]] = {name: [] for name in HOOK_NAMES}
+        # Hooks a callback asked not to be called for any more (see unsubscribe), by hook name.
+        self._unsubscribed: Dict[str, List[AbstractCallback]] = {name: [] for name in HOOK_NAMES}
         self.has_batch_hooks = False  # some registered callback overrides one of BATCH_HOOK_NAMES
 
     def register_callbacks(self, callbacks: Optional[Iterable[AbstractCallback]], cache_callbacks: bool = False,
@@ -85,9 +87,44 @@ class CallbacksHandler:
             self.callbacks[:] = kept  # in place: the TrainLoop's ``callbacks`` is this same list
             self._index_hooks()
 
+    def unsubscribe(self, callback: AbstractCallback, hook_names: Iterable[str] = BATCH_HOOK_NAMES) -> None:
+        """Stop calling ``callback``'s ``hook_names`` (by default the batch hooks) until :meth:`subscribe`.
+
+        For a callback whose per-batch work is over (a profiler after its schedule): once no callback is left on
+        the batch hooks, the loop skips calling them, as in a run that never had any. Safe inside a hook.
+        """
+        changed = False
+        for name in self._check_hook_names(hook_names):
+            if not any(callback is muted for muted in self._unsubscribed[name]):
+                self._unsubscribed[name].append(callback)
+                changed = True
+        if changed:
+            self._index_hooks()
+
+    def subscribe(self, callback: AbstractCallback, hook_names: Iterable[str] = BATCH_HOOK_NAMES) -> None:
+        """Call ``callback``'s ``hook_names`` again after :meth:`unsubscribe` (those it overrides)."""
+        changed = False
+        for name in self._check_hook_names(hook_names):
+            kept = [muted for muted in self._unsubscribed[name] if muted is not callback]
+            changed |= len(kept) != len(self._unsubscribed[name])
+            self._unsubscribed[name] = kept
+        if changed:
+            self._index_hooks()
+
+    @staticmethod
+    def _check_hook_names(hook_names: Iterable[str]) -> List[str]:
+        names = list(hook_names)
+        unknown = [name for name in names if name not in HOOK_NAMES]
+        if unknown:
+            raise ValueError(f"unknown hook name(s) {unknown}; the hooks are {list(HOOK_NAMES)}")
+        return names
+
     def _index_hooks(self) -> None:
         self.callbacks.sort(key=lambda cb: cb.execution_order)  # stable: ties keep registration order
-        self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)] for name in HOOK_NAMES}
+        # New lists, never changed in place: a hook may (un)subscribe while the handler iterates over the old one.
+        self._subscribers = {name: [cb for cb in self.callbacks if overrides_hook(cb, name)
+                                    and not any(cb is muted for muted in self._unsubscribed[name])]
+                             for name in HOOK_NAMES}
         self.has_batch_hooks = any(self._subscribers[name] for name in BATCH_HOOK_NAMES)
 
     def on_multiprocess_start(self) -> None:

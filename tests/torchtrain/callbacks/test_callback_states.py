@@ -32,7 +32,7 @@ from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from aitoolbox.torchtrain.callbacks import (
     basic, cloud_upload, csv_logger, ddp, gradient, history_format, history_output, mlflow, model_load, model_save,
-    performance_eval, stopping, tensorboard, wandb, weight_averaging)
+    performance_eval, profiler, stopping, tensorboard, wandb, weight_averaging)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
 from aitoolbox.torchtrain.callbacks.checkpoint_base import CheckpointCallback
 from aitoolbox.torchtrain.callbacks.messages import MessageService
@@ -67,7 +67,7 @@ REBUILT = {"_logged_history_lengths", "_epoch_base_lengths", "_last_logged_epoch
 # Attributes naming files of the run folder (checkpoints written, open CSV files), which a resumed run finds on
 # disk: they hold paths, which differ between the two runs' folders, so they are not compared.
 RUN_FOLDER_FILES = {"saved_checkpoints", "_ranking_restored", "_written", "_earlier_listed",
-                    "batch_table", "epoch_table"}
+                    "batch_table", "epoch_table", "trace_files"}
 # The connection to a service (MLflow, SES): its background sender and queue, and the service's own id of the run,
 # which belongs to the service (each run of the test is another MLflow run; a resumed job continues one by
 # passing run_id). Not training state, so neither saved nor compared.
@@ -247,6 +247,7 @@ FACTORIES: Dict[type, Factory] = {
         ClassificationResultPackage(), if_available_output_to_project_dir=False),
     performance_eval.ModelPerformancePrintReport: lambda tmp, req: performance_eval.ModelPerformancePrintReport(
         ["val_score"]),
+    profiler.ProfilerCallback: lambda tmp, req: profiler.ProfilerCallback(output_dir=str(tmp / "profiler")),
     tensorboard.TensorboardTrainBatchLoss: lambda tmp, req: tensorboard.TensorboardTrainBatchLoss(
         log_dir=str(tmp / "tb"), is_project=False),
     tensorboard.TensorboardTrainHistoryMetric: lambda tmp, req: tensorboard.TensorboardTrainHistoryMetric(

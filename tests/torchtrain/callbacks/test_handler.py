@@ -300,3 +300,38 @@ def test_batch_hooks_are_skipped_only_while_no_callback_has_one():
     tl.fit(num_epochs=2, callbacks=[counting])  # a later fit registering a batch-level hook turns the calls on
     assert tl.callbacks_handler.has_batch_hooks
     assert counting.steps == tl.iterations_done // 2  # every step of the second epoch
+
+
+class BatchesUntil(AbstractCallback):
+    """Counts batches and unsubscribes from the batch hooks, inside its own hook, after ``limit`` of them."""
+
+    def __init__(self, limit: int):
+        super().__init__("batches until")
+        self.limit = limit
+        self.batches = 0
+        self.epochs = 0
+
+    def on_batch_end(self):
+        self.batches += 1
+        if self.batches == self.limit:
+            self.train_loop_obj.callbacks_handler.unsubscribe(self)
+
+    def on_epoch_end(self):
+        self.epochs += 1
+
+
+def test_a_callback_unsubscribed_from_the_batch_hooks_is_not_called_for_them_until_it_subscribes_again():
+    tl = make_loop()  # 3 batches an epoch
+    callback, other = BatchesUntil(limit=4), BatchesUntil(limit=100)
+    tl.fit(num_epochs=2, callbacks=[callback, other])  # unsubscribing during on_batch_end: `other` still runs
+    assert (callback.batches, other.batches, callback.epochs) == (4, 6, 2)
+    assert tl.callbacks_handler.has_batch_hooks  # `other`'s
+    tl.callbacks_handler.unsubscribe(other, ["on_batch_end"])
+    assert not tl.callbacks_handler.has_batch_hooks  # the loop skips the batch hooks now
+    tl.fit(num_epochs=3, callbacks=[BatchesUntil(limit=100)])  # another registration keeps them unsubscribed
+    assert (callback.batches, other.batches, callback.epochs) == (4, 6, 3)
+    tl.callbacks_handler.subscribe(callback)
+    tl.fit(num_epochs=4)
+    assert (callback.batches, other.batches) == (7, 6)
+    with pytest.raises(ValueError, match="on_batch_ends"):
+        tl.callbacks_handler.unsubscribe(callback, ["on_batch_ends"])
