@@ -33,7 +33,7 @@ from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.evaluation import loader_length
 from aitoolbox.torchtrain.train_loop.losses import checked_batch_loss
-from aitoolbox.torchtrain.train_loop.lr_suggestion import SUGGESTION_RULES, LRFinderResult, make_result
+from aitoolbox.torchtrain.train_loop.lr_suggestion import SUGGESTION_RULES, LRFinderResult, MovingAverage, make_result
 from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
@@ -130,11 +130,11 @@ class LRSearch:
 
     def run(self) -> Tuple[List[float], List[float], bool]:
         """Train with the rising learning rates; returns ``(lrs, raw losses, diverged)`` of the steps recorded."""
-        tl, state = self.tl, self.tl.state
+        state = self.tl.state
         state.grad_accumulation = self.grad_accumulation
         recorded_lrs: List[float] = []
         raw: List[float] = []
-        average = 0.0
+        average = MovingAverage(self.smoothing)
         best = math.inf
         self.runner.start()
         self._set_lr(self.lrs[0])
@@ -148,9 +148,7 @@ class LRSearch:
             step = len(raw)
             recorded_lrs.append(self.lrs[step])
             raw.append(loss)
-            # The stop rule reads the same bias-corrected moving average as the result (lr_suggestion).
-            average = (1.0 - self.smoothing) * average + self.smoothing * loss
-            smoothed = average / (1.0 - (1.0 - self.smoothing) ** (step + 1))
+            smoothed = average.add(loss)
             best = min(best, smoothed)
             if smoothed > self.divergence_threshold * best and step > 0:
                 return recorded_lrs, raw, True

@@ -9,8 +9,9 @@ The rules read the *smoothed* loss against the learning rate (steps ``0..n-1``):
     first step ``a`` to its last step ``b``, the suggestion is the learning rate of step ``a + (b - a) // 2``: half
     way down, where the loss still falls fast but is far from the edge where it starts to blow up.
 ``'steepest'``
-    The step where the smoothed loss falls fastest against ``log10(lr)``: the most negative of the slopes between
-    neighbouring steps (central differences inside, one-sided at both ends, as ``numpy.gradient``).
+    The step where the smoothed loss falls fastest against ``log10(lr)`` on the way down to its lowest value: the
+    most negative slope (central differences inside, one-sided at both ends, as ``numpy.gradient``) among the steps
+    up to the lowest smoothed loss. (After it the loss falls only where it comes down from a blow-up.)
 ``'minimum'``
     The learning rate of the lowest smoothed loss, divided by 10 (at the minimum itself training is already on the
     edge of diverging).
@@ -106,15 +107,27 @@ class LRFinderResult:
         return figure, ax
 
 
+class MovingAverage:
+    """Bias-corrected exponential moving average: ``avg_t = (1 - s) * avg_{t-1} + s * x_t`` from ``avg_{-1} = 0``,
+    read as ``avg_t / (1 - (1 - s) ** (t + 1))``, so that the first value is the first loss itself
+    (``s = smoothing``; 1 is no smoothing). The search's stop rule and the result read the same values."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self._average = 0.0
+        self._count = 0
+
+    def add(self, value: float) -> float:
+        """Take the next value in; returns the smoothed value now."""
+        self._average = (1.0 - self.smoothing) * self._average + self.smoothing * value
+        self._count += 1
+        return self._average / (1.0 - (1.0 - self.smoothing) ** self._count)
+
+
 def smoothed_losses(raw: List[float], smoothing: float) -> List[float]:
-    """Bias-corrected exponential moving average: ``avg_t = (1 - s) * avg_{t-1} + s * raw_t`` from ``avg_{-1} = 0``,
-    divided by ``1 - (1 - s) ** (t + 1)`` so that the first value is the first loss itself (``s = smoothing``;
-    1 is no smoothing)."""
-    values, average = [], 0.0
-    for step, loss in enumerate(raw):
-        average = (1.0 - smoothing) * average + smoothing * loss
-        values.append(average / (1.0 - (1.0 - smoothing) ** (step + 1)))
-    return values
+    """``raw`` through a :class:`MovingAverage` of weight ``smoothing``."""
+    average = MovingAverage(smoothing)
+    return [average.add(loss) for loss in raw]
 
 
 def longest_valley(losses: List[float]) -> Tuple[int, int]:
@@ -142,7 +155,8 @@ def suggestion_index(lrs: List[float], losses: List[float], rule: str) -> int:
         return first + (last - first) // 2
     if rule == "steepest":
         slopes = np.gradient(np.asarray(losses, dtype=np.float64), np.log10(np.asarray(lrs, dtype=np.float64)))
-        return int(np.argmin(slopes))
+        lowest = int(np.argmin(np.asarray(losses, dtype=np.float64)))
+        return int(np.argmin(slopes[:lowest + 1]))
     if rule == "minimum":
         return int(np.argmin(np.asarray(losses, dtype=np.float64)))
     raise ValueError(f"suggestion must be one of {list(SUGGESTION_RULES)}, got {rule!r}")

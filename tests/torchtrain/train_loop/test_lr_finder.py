@@ -263,6 +263,7 @@ def test_the_suggestion_of_a_quadratic_lies_below_its_divergence_threshold(rule)
     assert critical_lr / 100 < result.suggestion < critical_lr, result.suggestion
 
 
+@pytest.mark.filterwarnings("ignore:the loss never fell")  # one sample per batch: the curve is noise here
 @pytest.mark.parametrize("mode", ["exponential", "linear"])
 def test_the_learning_rate_follows_the_schedule_and_all_groups_keep_their_ratio(mode):
     x, y, _ = quadratic_problem()
@@ -345,8 +346,11 @@ def test_the_rules_on_a_hand_made_curve():
     assert longest_valley(losses) == (0, 6)  # 2.0 > 1.9 > 1.5 > 1.0 > 0.6 > 0.5 (2.1 is skipped)
     assert suggestion_index(lrs, losses, "valley") == 3
     assert suggestion_index(lrs, losses, "minimum") == 6
-    # Slopes against log10(lr): central differences, e.g. step 4: (0.6 - 1.5) / 2 = -0.45, the steepest fall.
+    # Slopes against log10(lr) up to the minimum (step 6): central differences, e.g. step 4: (0.6 - 1.5) / 2 = -0.45
+    # is the steepest fall; step 7, (3.0 - 0.5) / 2, and a fall after a blow-up would not count.
     assert suggestion_index(lrs, losses, "steepest") == 4
+    assert suggestion_index(lrs + [1e3], losses + [0.1], "steepest") == 9  # the fall into a new lowest value
+    assert suggestion_index(lrs + [1e3], losses + [1.0], "steepest") == 4  # falling after the blow-up: not counted
     assert smoothed_losses([4.0, 2.0], 0.5) == [4.0, (0.5 * 0.5 * 4.0 + 0.5 * 2.0) / (1 - 0.25)]
     assert smoothed_losses([4.0, 2.0, 7.0], 1.0) == [4.0, 2.0, 7.0]
     assert lr_schedule(1.0, 8.0, 4, "exponential") == pytest.approx([1.0, 2.0, 4.0, 8.0], rel=1e-12)
@@ -413,3 +417,53 @@ def test_fsdp_and_ddp_outside_a_job_are_refused_with_what_to_do():
         ddp.lr_find()
     with pytest.raises(TypeError, match="unexpected keyword"):
         make_loop(model).lr_find(ddp_model_args={})
+
+
+# --- a torchrun-style job: every rank searches together and gets the same suggestion -------------------------------
+DDP_SCRIPT = '''
+import json
+import os
+import sys
+
+import torch
+
+from tests.torchtrain.distributed.support import make_train_loop
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    tl = make_train_loop(gpu_mode="ddp", batch_size=2, train_samples=16, shuffle=True)
+    initial = {name: value.clone() for name, value in tl.model.state_dict().items()}
+    result = tl.lr_find(start_lr=1e-4, end_lr=10.0, num_iterations=12, apply=True, grad_accumulation=2)
+    unchanged = all(torch.equal(value, initial[name]) for name, value in tl.model.state_dict().items())
+    # This rank's own loss of the search's first window (its first two batches, the weights as before the search).
+    batches = iter(tl.train_loader)
+    with torch.no_grad():
+        own = [tl.model.get_loss(next(batches), tl.criterion, tl.device) for _ in range(2)]
+    tl.fit(num_epochs=1)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as handle:
+        json.dump({"suggestion": result.suggestion, "raw": result.raw_losses, "lrs": result.lrs,
+                   "lr": tl.optimizer.param_groups[0]["lr"], "unchanged": unchanged,
+                   "own_first": torch.stack(own).mean().item(), "epochs": tl.epochs_completed,
+                   "weights": [value.tolist() for value in tl.model.state_dict().values()]}, handle)
+'''
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_torchrun_style_job_gets_the_same_suggestion(tmp_path):
+    from tests.torchtrain.distributed.support import free_port, run_scripts_together
+    script = tmp_path / "lr_find_job.py"
+    script.write_text(DDP_SCRIPT)
+    port = str(free_port())
+    run_scripts_together([[script, tmp_path]] * 2,
+                         [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": port} for rank in (0, 1)], timeout=240)
+    rank0, rank1 = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert rank0["suggestion"] is not None
+    for key in ("suggestion", "raw", "lrs", "weights"):
+        assert rank0[key] == rank1[key], key
+    assert rank0["lr"] == rank1["lr"] == rank0["suggestion"]  # applied, then fit kept it (no scheduler)
+    assert rank0["unchanged"] and rank1["unchanged"] and rank0["epochs"] == rank1["epochs"] == 1
+    # The step's loss is the mean over the ranks, each having seen its own share of the data.
+    assert rank0["own_first"] != rank1["own_first"]
+    assert rank0["raw"][0] == pytest.approx((rank0["own_first"] + rank1["own_first"]) / 2, rel=1e-6)
