@@ -21,7 +21,9 @@ from aitoolbox.torchtrain.train_loop.lr_suggestion import (
     LRFinderResult, longest_valley, smoothed_losses, suggestion_index)
 from tests.helpers import MLP, HookRecorder, assert_params_equal, classification_data, model_pair, seeded_loader
 
-AMP_MODES = [False, {"opt_level": "O1", "dtype": torch.bfloat16}, {"opt_level": "O2", "dtype": torch.bfloat16}]
+AMP_MODES = [False, {"opt_level": "O1", "dtype": torch.bfloat16}, {"opt_level": "O2", "dtype": torch.bfloat16},
+             # float16 with dynamic loss scaling (the scaler's state must come back too): CUDA only
+             pytest.param(True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 def make_loop(model, use_amp=False, torch_compile=False, samples=40):
@@ -49,7 +51,7 @@ def search(tl, **kwargs):
 
 
 # --- the run afterwards is the run without the search -----------------------------------------------------------
-@pytest.mark.parametrize("use_amp", AMP_MODES, ids=["fp32", "O1-bf16", "O2-bf16"])
+@pytest.mark.parametrize("use_amp", AMP_MODES, ids=["fp32", "O1-bf16", "O2-bf16", "fp16-cuda"])
 def test_fit_after_lr_find_is_bitwise_fit_alone_with_dropout_amp_and_a_scheduler(use_amp):
     model, twin = model_pair(MLP)  # MLP has dropout: the RNG must be put back too
     straight = make_loop(twin, use_amp)
@@ -64,6 +66,13 @@ def test_fit_after_lr_find_is_bitwise_fit_alone_with_dropout_amp_and_a_scheduler
     assert tl.total_iteration_idx == -1 and tl.epochs_completed == 0 and len(tl.train_history["loss"]) == 0
     tl.fit(num_epochs=2, callbacks=[scheduler])
     assert_same_run(tl, straight)
+
+
+def test_a_strict_history_does_not_refuse_a_search_before_any_epoch():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model)
+    tl.train_history.strict_content_check = True  # an empty history raises where a result is expected from it
+    assert search(tl).suggestion is not None
 
 
 def test_lr_find_between_two_fits_leaves_the_second_fit_unchanged():
