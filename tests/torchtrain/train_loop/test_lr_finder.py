@@ -22,6 +22,7 @@ from aitoolbox.torchtrain.train_loop.lr_suggestion import (
 from tests.helpers import MLP, HookRecorder, assert_params_equal, classification_data, model_pair, seeded_loader
 
 AMP_MODES = [False, {"opt_level": "O1", "dtype": torch.bfloat16}, {"opt_level": "O2", "dtype": torch.bfloat16},
+             {"opt_level": "O3", "dtype": torch.bfloat16},
              # float16 with dynamic loss scaling (the scaler's state must come back too): CUDA only
              pytest.param(True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
@@ -51,7 +52,7 @@ def search(tl, **kwargs):
 
 
 # --- the run afterwards is the run without the search -----------------------------------------------------------
-@pytest.mark.parametrize("use_amp", AMP_MODES, ids=["fp32", "O1-bf16", "O2-bf16", "fp16-cuda"])
+@pytest.mark.parametrize("use_amp", AMP_MODES, ids=["fp32", "O1-bf16", "O2-bf16", "O3-bf16", "fp16-cuda"])
 def test_fit_after_lr_find_is_bitwise_fit_alone_with_dropout_amp_and_a_scheduler(use_amp):
     model, twin = model_pair(MLP)  # MLP has dropout: the RNG must be put back too
     straight = make_loop(twin, use_amp)
