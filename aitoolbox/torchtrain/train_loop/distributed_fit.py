@@ -79,14 +79,7 @@ def _continues_in_this_process(tl: "TrainLoop", placement: ProcessPlacement) -> 
 
 def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> Any:
     """Join the process group and train; each node's first process saves the result for its launcher."""
-    if job.rng_states is not None:
-        restore_rng_state(job.rng_states)
-    if job.threads_per_process is not None:
-        torch.set_num_threads(job.threads_per_process)
-    if placement.rank != 0:
-        logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
     tl = job.train_loop
-    tl._interrupts.grace_s = job.signal_grace_s  # SIGTERM: time to finish the step and save (then killed)
     args = job.fit_arguments
     if _continues_in_this_process(tl, placement):
         # The model, its precision (O2's masters, the loss scale), loaders and callbacks are set up already: the
@@ -95,15 +88,7 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
             logger.warning("fit_distributed continues the run set up by the previous call; amp_init_args=%s is "
                            "ignored (the run keeps %s)", job.amp_init_args, tl.use_amp)
         return tl.fit(args.num_epochs, args.num_iterations, args.callbacks, args.grad_accumulation)
-    options = dict(job.strategy_options)
-    strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
-    strategy = strategy_class(placement, **options)
-    strategy.init_process_group()
-    tl.use_strategy(strategy, job.amp_init_args)
-    tl.callbacks_handler.drop_callbacks_of_other_ranks()
-    tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(args.callbacks or []))
-    tl.callbacks_handler.on_multiprocess_start()
-    shard_data_loaders(tl, job.train_data_shuffle)
+    _join_as_rank(job, placement)
     model = tl.fit(args.num_epochs, args.num_iterations, args.callbacks, args.grad_accumulation)
     if job.result_path is not None:
         # Every node's launcher returns the trained model: the first process of each node saves the run's state
@@ -114,6 +99,50 @@ def train_in_this_process(job: DistributedJob, placement: ProcessPlacement) -> A
         if placement.local_rank == 0:
             torch.save(result, job.result_path)
     return model
+
+
+def _join_as_rank(job: DistributedJob, placement: ProcessPlacement) -> None:
+    """Make ``job.train_loop`` the process of rank ``placement.rank``: the process group, the strategy, the
+    callbacks of this rank (``on_multiprocess_start``) and this rank's share of the training data."""
+    if job.rng_states is not None:
+        restore_rng_state(job.rng_states)
+    if job.threads_per_process is not None:
+        torch.set_num_threads(job.threads_per_process)
+    if placement.rank != 0:
+        logging.getLogger("aitoolbox").setLevel(logging.WARNING)  # only rank 0 reports progress
+    tl = job.train_loop
+    tl._interrupts.grace_s = job.signal_grace_s  # SIGTERM: time to finish the step and save (then killed)
+    options = dict(job.strategy_options)
+    strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
+    strategy = strategy_class(placement, **options)
+    strategy.init_process_group()
+    tl.use_strategy(strategy, job.amp_init_args)
+    tl.callbacks_handler.drop_callbacks_of_other_ranks()
+    tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
+    tl.callbacks_handler.on_multiprocess_start()
+    shard_data_loaders(tl, job.train_data_shuffle)
+
+
+def join_external_job(tl: "TrainLoop", options: "DistributedFitOptions") -> bool:
+    """In a process that torchrun, SLURM or OpenMPI started: become its rank as ``fit_distributed`` would, without
+    training (``lr_find`` before the first ``fit``); the later ``fit_distributed`` goes on with this set-up. A
+    collective: every process of the job calls it.
+
+    Returns:
+        False outside such a job (nothing done); True once this process is a rank of the job.
+    """
+    options.validate()
+    placement = current_external_placement(options.master_addr, options.master_port)
+    if placement is None:
+        return False
+    if _continues_in_this_process(tl, placement):
+        return True
+    logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
+    job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
+                         master_addr=placement.master_addr, master_port=placement.master_port, result_path=None,
+                         **_job_settings(tl, options))
+    _join_as_rank(job, placement)
+    return True
 
 
 def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -269,11 +298,8 @@ class DistributedFitOptions:
         return [self.in_process_data_load]
 
 
-def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
-    """See :meth:`TrainLoop.fit_distributed`."""
-    options.validate()
-    if tl._precision_chosen_by_user:  # refused before any process starts (each process checks its device)
-        validation.check_user_precision(tl._precision, options.shard_parameters, None, options.amp_init_args)
+def _job_settings(tl: "TrainLoop", options: DistributedFitOptions) -> dict:
+    """The :class:`DistributedJob` fields every process of a job shares, from ``fit_distributed``'s arguments."""
     backend = resolve_backend(options.backend, options.on_gpu)
     if options.shard_parameters:
         strategy_options = dict(shard_parameters=True, backend=backend, init_method=options.init_method,
@@ -288,6 +314,16 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                   strategy_options=strategy_options, amp_init_args=options.amp_init_args,
                   signal_grace_s=float(options.signal_grace_s),
                   train_data_shuffle=options.train_data_shuffle, in_process_data_load=options.data_load_callbacks())
+    return common
+
+
+def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
+    """See :meth:`TrainLoop.fit_distributed`."""
+    options.validate()
+    if tl._precision_chosen_by_user:  # refused before any process starts (each process checks its device)
+        validation.check_user_precision(tl._precision, options.shard_parameters, None, options.amp_init_args)
+    common = _job_settings(tl, options)
+    backend = common["strategy_options"]["backend"]
 
     placement = current_external_placement(options.master_addr, options.master_port)
     if placement is not None:  # torchrun / SLURM / OpenMPI started us: this process is one rank

@@ -37,6 +37,7 @@ from aitoolbox.torchtrain.train_loop.loop_state import LoopState, LoopStateField
 from aitoolbox.torchtrain.train_loop.module_modes import FrozenModules
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum, checked_batch_loss, history_entries, loss_postfix
 from aitoolbox.torchtrain.train_loop.losses import LossResult
+from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.run_state import RunState
@@ -592,6 +593,60 @@ class TrainLoop:
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
+
+    def lr_find(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_iterations: int = 100,
+                mode: str = "exponential", smoothing: float = 0.05, divergence_threshold: float = 4.0,
+                suggestion: str = "valley", apply: bool = False, grad_accumulation: int = 1,
+                callbacks: Optional[List[AbstractCallback]] = None, **distributed_kwargs) -> LRFinderResult:
+        """Search a learning rate: train briefly while raising it, and suggest one from the loss curve.
+
+        The search takes ``num_iterations`` optimizer steps on the training loader (from its start, passing over
+        it again if it is shorter), the learning rate rising from ``start_lr`` at the first step to ``end_lr`` at
+        the last, and stops early once the smoothed loss exceeds ``divergence_threshold`` times its lowest value or
+        a loss is not finite. Every parameter group (of every optimizer) follows the first group's learning rate
+        with its ratio to it unchanged. The steps are the loop's own (precision, loss scaling, ``torch_compile``,
+        DDP, gradient clipping callbacks); the other callbacks do not run. Afterwards the run is exactly as
+        before (weights, optimizers, loss scaler, LR schedulers, callbacks' states, RNG, data position, history,
+        a loaded checkpoint or an interrupted ``fit`` waiting to continue), also when the search raises, so a
+        ``fit`` after ``lr_find`` is bitwise the ``fit`` without it. See the "Finding a learning rate" docs page
+        and :mod:`aitoolbox.torchtrain.train_loop.lr_finder`.
+
+        Args:
+            start_lr: the first step's learning rate (> 0).
+            end_lr: the last step's learning rate (> start_lr).
+            num_iterations: optimizer steps of the search (>= 2); with ``grad_accumulation`` each step trains
+                that many batches.
+            mode: ``'exponential'`` (a constant factor per step: the usual choice, even steps on the log axis) or
+                ``'linear'`` (a constant increment).
+            smoothing: weight of each new loss in the bias-corrected moving average the stop rule and the
+                suggestion read, in (0, 1]; 1 is no smoothing.
+            divergence_threshold: stop once the smoothed loss exceeds this many times its lowest value (> 1).
+            suggestion: the rule that reads the curve (see :mod:`~aitoolbox.torchtrain.train_loop.lr_suggestion`):
+                ``'valley'`` (fastai's: half way down the longest stretch of falling loss), ``'steepest'`` (where
+                the loss falls fastest against log lr) or ``'minimum'`` (a tenth of the lr of the lowest loss).
+            apply: make the suggestion the first parameter group's learning rate afterwards, the other groups
+                keeping their ratio to it (a registered LR scheduler callback gets it as its base learning rate).
+            grad_accumulation: batches per optimizer step, as in :meth:`fit` (use the value you will train with).
+            callbacks: callbacks to register first, as ``fit(callbacks=...)`` does (they stay registered); of
+                all registered callbacks only gradient clipping ones (``GradNormClip``, ``GradValueClip``) run
+                during the search.
+            **distributed_kwargs: under ``gpu_mode='ddp'`` in a process of a torchrun / SLURM / OpenMPI job that
+                has not trained yet, the search joins the job first, as :meth:`fit_distributed` would, with these
+                of its arguments (``ddp_model_args``, ``amp_init_args``, ``backend``, ``sync_bn``,
+                ``train_data_shuffle``, ``in_process_data_load``, ``timeout_s``, ...); the later ``fit`` goes on
+                with that set-up. Call ``lr_find`` in every process: each gets the same suggestion.
+
+        Returns:
+            An :class:`~aitoolbox.torchtrain.train_loop.lr_suggestion.LRFinderResult`: ``lrs``, ``losses``
+            (smoothed), ``raw_losses``, ``suggestion``, and ``plot(path=None)``.
+
+        Raises:
+            ValueError: a bad argument; ``gpu_mode='fsdp'`` (the run cannot be kept in memory whole);
+                ``gpu_mode='ddp'`` outside a distributed job (launch the script with torchrun).
+        """
+        from aitoolbox.torchtrain.train_loop.lr_finder import find_lr  # it imports callbacks: not at module load
+        return find_lr(self, start_lr, end_lr, num_iterations, mode, smoothing, divergence_threshold, suggestion,
+                       apply, grad_accumulation, callbacks, distributed_kwargs)
 
     def _report_stopped_run(self, callbacks: Optional[List[AbstractCallback]]) -> None:
         """``fit`` of a run that a stop request ended (in this process, or in the run a loaded checkpoint saved): it

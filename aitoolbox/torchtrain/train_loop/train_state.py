@@ -190,7 +190,9 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
             groups' hyperparameters are kept): the state a sharded checkpoint stores beside its DCP files.
     """
     rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
-    history = weights_only_safe(tl.train_history.get_train_history_dict())
+    # Not get_train_history_dict(): it warns (or raises, strict) on an empty history, which a run captured before
+    # its first epoch ends rightly has. weights_only_safe copies every list.
+    history = weights_only_safe(dict(tl.train_history.items()))
     checkpoint = {
         # aitoolbox 1.x's keys: 1.x loading code reads these.
         **({MODEL_KEY: tl.strategy.model_state_dict(tl.model_for_user)} if include_weights else {}),
