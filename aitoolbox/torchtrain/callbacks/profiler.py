@@ -224,7 +224,7 @@ class ProfilerCallback(AbstractCallback):
         """The end of a recorded cycle (``on_trace_ready``): write the trace, log the top operators."""
         self._cycles_done += 1
         tl = self.train_loop_obj
-        path = self._write_trace(profiler, tl.strategy.rank)
+        path = self._write_trace(profiler, _process_rank())
         if not tl.is_main_process:
             return
         if ProfilerActivity.CUDA in profiler.activities:
@@ -277,3 +277,9 @@ def _check_writable(folder: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(f"ProfilerCallback output_dir={folder!r}: the folder {existing} is not writable; pass "
                               "a folder you can write to")
+
+
+def _process_rank() -> int:
+    """This process's rank in the training job (0 outside one): it names the trace file."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
