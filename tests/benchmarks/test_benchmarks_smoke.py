@@ -48,6 +48,7 @@ def test_overhead_quick_prints_a_row_per_scenario_with_identical_weights():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("model", ["vit", "cnn"])
 def test_amp_modes_quick_prints_a_row_per_mode(model):
     output = run_benchmark("amp_modes.py", "--model", model)

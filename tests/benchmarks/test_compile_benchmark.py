@@ -28,6 +28,7 @@ def table_rows(output: str, first_header: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_compile_benchmark_runs_every_loop_with_no_recompile_after_warmup():
     completed = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "compile.py"), "--models", "mlp", "--batches", "3",

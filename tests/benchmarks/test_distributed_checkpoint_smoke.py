@@ -33,6 +33,7 @@ def table(output: str, first_header: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_distributed_quick_prints_both_runners_with_identical_weights():
     output = run_benchmark("distributed.py")
     rows = table(output, "runner")

@@ -30,6 +30,7 @@ def table_rows(output: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_fsdp_benchmark_quick_prints_every_runner_and_the_verdicts():
     completed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "fsdp.py"), "--quick"],
                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -47,9 +47,10 @@ def resumed_from_file(rank: int, world_size: int, cells: List[Cell], folder: str
     return resumed
 
 
-# DDP's cells (O2 with accumulation, two optimizers and clipping among them) in the quick tests; the others slow.
-@pytest.mark.parametrize("strategy", [pytest.param("single", marks=pytest.mark.slow), "ddp",
-                                      pytest.param("fsdp", marks=pytest.mark.slow)])
+# DDP's cells (O2 with accumulation, two optimizers and clipping among them) in the quick tests; the others in
+# the extended tier (CI's second step).
+@pytest.mark.parametrize("strategy", [pytest.param("single", marks=[pytest.mark.slow, pytest.mark.extended]), "ddp",
+                                      pytest.param("fsdp", marks=[pytest.mark.slow, pytest.mark.extended])])
 def test_resuming_in_new_processes_equals_the_straight_run(strategy, tmp_path):
     cells = [cell for cell in QUICK if cell.strategy == strategy]
     # A single-process cell runs in one new process too (its process group of one is not used by the loop).

@@ -134,6 +134,7 @@ def test_fake_data_needs_no_folder_and_a_folder_or_fake_data_is_required(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sync_bn_under_torchrun_with_two_processes(tiny_imagefolder, tmp_path):
     command = ["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), SCRIPT, *TINY, "--b", "4", "--opt-level", "O1", "--sync_bn",

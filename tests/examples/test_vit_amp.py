@@ -46,6 +46,7 @@ def test_plain_python_single_process(config):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("config", ["config_AMP_torch.py", "config_AMP_naive.py"])
 def test_plain_python_other_precisions(config):
     output = run(train_command(config), cwd=FOLDER).stdout
@@ -53,6 +54,7 @@ def test_plain_python_other_precisions(config):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_own_launcher_starts_two_cpu_processes():
     output = run([*train_command("config_AMP_apex.py"), "--nproc", "2"], cwd=FOLDER,
                  env=clean_environment(threads=1)).stdout
@@ -79,6 +81,7 @@ def _run_two_ranks(config: str, rank_variables) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_slurm_environment_two_tasks():
     # What `srun --ntasks=2 python train.py ...` sets in each task.
     def slurm(rank):
@@ -88,6 +91,7 @@ def test_slurm_environment_two_tasks():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_openmpi_environment_two_ranks():
     # What `mpirun -np 2 -x MASTER_ADDR -x MASTER_PORT python train.py ...` sets in each rank.
     def openmpi(rank):
@@ -103,6 +107,7 @@ def test_bad_configuration_override_is_reported():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_benchmark_prints_the_table_of_four_modes_and_draws_the_chart(tmp_path):
     chart, raw = tmp_path / "amp_modes.png", tmp_path / "results.json"
     options = [item for item in TINY if item not in ("--epochs", "2", "--no-progress")]

@@ -397,6 +397,7 @@ def _wait_for_file(path: str, processes, timeout_s: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_killing_both_ranks_at_random_moments_leaves_only_complete_checkpoints(tmp_path):
     """Both ranks are SIGKILLed at a random moment of a stream of saves, four times; the folder holds only complete
     checkpoints (each one save's values throughout) and temporary folders. The random moment is counted from

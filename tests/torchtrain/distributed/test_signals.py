@@ -134,6 +134,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_leaves_no_process_and_resume_eq
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_sighup_to_the_launcher_stops_the_same_way_also_with_sharded_checkpoints(tmp_path):
     returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGHUP, gpu_mode="fsdp")
     assert returncode == 128 + signal.SIGHUP, stderr[-5000:]
@@ -199,7 +200,8 @@ def _launcher(start_method: str, pid_queue, fallback: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("start_method, fallback", [("fork", True), ("forkserver", False), ("spawn", False)])
+@pytest.mark.parametrize("start_method, fallback", [("fork", True), ("forkserver", False),
+                                                      pytest.param("spawn", False, marks=pytest.mark.extended)])
 def test_a_process_dies_with_a_launcher_killed_by_sigkill(start_method, fallback):
     """Under forkserver the parent is the fork server, not the launcher: the launcher's end counts."""
     pid_queue = multiprocessing.get_context("spawn").Queue()

@@ -84,7 +84,7 @@ def torchrun(script, root, gpu_mode, kill):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu_mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("gpu_mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.extended)])
 def test_a_rank_killed_mid_epoch_under_torchrun_max_restarts_resumes_bitwise(tmp_path, gpu_mode):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

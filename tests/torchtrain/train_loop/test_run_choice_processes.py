@@ -59,7 +59,7 @@ def run_folder(root: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("node1_has", ["older checkpoint", "nothing"])
+@pytest.mark.parametrize("node1_has", [pytest.param("older checkpoint", marks=pytest.mark.extended), "nothing"])
 def test_node_local_disks_that_differ_resume_every_rank_from_rank_0s_checkpoint(tmp_path, node1_has):
     """Node 0's disk has the run's checkpoints of epochs 0 and 1, node 1's only epoch 0's (its copy lags) or
     nothing. Rank 0 decides (epoch 1) and rank 1 gets that state over the process group: both nodes end with
@@ -138,7 +138,7 @@ def test_two_lazy_jobs_started_in_the_same_second_write_into_their_own_folders(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 3])
+@pytest.mark.parametrize("processes", [1, pytest.param(3, marks=pytest.mark.extended)])
 def test_a_mid_epoch_checkpoint_of_two_processes_resumed_by_another_number_falls_back_to_the_epoch_end(
         tmp_path, processes):
     """Saved by 2 processes with the newest checkpoint in the middle of epoch 1, resumed by 1 or 3: the run
