@@ -12,6 +12,7 @@ from aitoolbox.torchtrain.callbacks.mlflow import MLflowTracking
 from aitoolbox.torchtrain.callbacks.performance_eval import (
     ModelPerformanceEvaluation, ModelPerformancePrintReport, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking, TensorboardTrainHistoryMetric
+from aitoolbox.torchtrain.callbacks.throughput import ThroughputMonitor
 from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
 from aitoolbox.torchtrain.callbacks.weight_averaging import WeightAveraging
 from aitoolbox.torchtrain.schedulers.basic import ReduceLROnPlateauMetricScheduler, ReduceLROnPlateauScheduler
@@ -22,4 +23,4 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "ModelPerformancePrintReport", "ModelTrainHistoryFileWriter", "ModelTrainHistoryPlot", "GradNormClip",
            "GradValueClip", "TensorboardFullTracking", "TensorboardTrainHistoryMetric", "WandBTracking",
            "MLflowTracking", "CSVLogger", "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
-           "ReduceLROnPlateauMetricScheduler"]
+           "ReduceLROnPlateauMetricScheduler", "ThroughputMonitor"]
