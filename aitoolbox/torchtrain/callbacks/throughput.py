@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.peak_flops import PRECISION_NAMES, TABLE_SOURCE, lookup_peak_flops, precision_key
+from aitoolbox.torchtrain.train_loop.evaluation import batch_size_of
 
 try:
     import resource  # POSIX only
@@ -46,29 +47,18 @@ MIB = 2 ** 20
 
 
 def first_dimension(batch: Any) -> int:
-    """The size of the first dimension of the first tensor in ``batch``, searched depth first through tuples,
-    lists and dicts (values in order): the samples of a batch such as ``(inputs, labels)`` or
-    ``{'input_ids': ..., 'labels': ...}``.
+    """The samples of a batch such as ``(inputs, labels)`` or ``{'input_ids': ..., 'labels': ...}``: the first
+    dimension of its first tensor, searched depth first through tuples, lists and dicts (values in order), as the
+    loop's evaluation counts them (:func:`~aitoolbox.torchtrain.train_loop.evaluation.batch_size_of`).
 
     Raises:
-        ValueError: ``batch`` holds no tensor of at least one dimension.
+        ValueError: ``batch`` holds no tensor.
     """
-    size = _first_dimension_or_none(batch)
+    size = batch_size_of(batch)
     if size is None:
-        raise ValueError(f"ThroughputMonitor found no tensor with a batch dimension in the batch (a "
-                         f"{type(batch).__name__}): pass batch_size_fn=lambda batch: <the number of samples in it>")
+        raise ValueError(f"ThroughputMonitor found no tensor in the batch (a {type(batch).__name__}) to count its "
+                         "samples by: pass batch_size_fn=lambda batch: <the number of samples in it>")
     return size
-
-
-def _first_dimension_or_none(batch: Any) -> Optional[int]:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() > 0 else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    for item in items:
-        size = _first_dimension_or_none(item)
-        if size is not None:
-            return size
-    return None
 
 
 def process_peak_memory_mib(device: torch.device) -> Optional[float]:

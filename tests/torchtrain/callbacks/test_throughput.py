@@ -139,7 +139,7 @@ def test_batches_of_varying_size_and_a_custom_batch_size_fn_over_dict_batches():
 
 
 def test_first_dimension_searches_nested_batches_depth_first():
-    assert first_dimension((torch.tensor(1.0), [{"a": torch.zeros(4, 2)}], torch.zeros(9))) == 4
+    assert first_dimension(("text", [{"a": torch.zeros(4, 2)}], torch.zeros(9))) == 4
     with pytest.raises(ValueError, match="batch_size_fn"):
         first_dimension({"ids": [1, 2, 3]})
 
