@@ -103,16 +103,18 @@ class ThroughputMonitor(AbstractCallback):
     process; the progress bar, drawn by the main process, shows its own rates times the number of processes.
 
     FLOPs: with ``flops_per_batch='auto'`` the forward and backward of the first training batch of a ``fit`` run
-    under ``torch.utils.flop_counter.FlopCounterMode``, which counts the matrix multiplications and convolutions as they
-    run (``2 * m * n * k`` for an ``(m, k) @ (k, n)`` product; element-wise operations count nothing) without
+    under ``torch.utils.flop_counter.FlopCounterMode``, which counts the matrix multiplications and convolutions as
+    they run (``2 * m * n * k`` for an ``(m, k) @ (k, n)`` product; element-wise operations count nothing) without
     changing what they compute: the trained weights are bitwise those of a run without the monitor. The count is
     then :attr:`flops_per_batch`, for a batch of :attr:`flops_batch_size` samples, and each batch counts
     ``flops_per_batch * its samples / flops_batch_size``. Under ``torch_compile`` nothing is counted (a batch
     counted would run outside the compiled graphs, and round differently): pass the number, e.g. the
-    :attr:`flops_per_batch` of a monitor after an epoch without ``torch_compile``. MFU divides the achieved FLOP/s by ``peak_flops`` per device (times the
-    number of processes) or, on a GPU in the table of :mod:`~aitoolbox.torchtrain.callbacks.peak_flops`, by its
-    dense peak in the precision of the forward pass (bfloat16 or float16 under autocast or an amp opt level, else
-    TF32 where torch allows it for float32 matmuls, else float32); the denominator and its source are logged once.
+    :attr:`flops_per_batch` of a monitor after an epoch without ``torch_compile``.
+
+    MFU divides the achieved FLOP/s by ``peak_flops`` per device (times the number of processes) or, on a GPU in
+    the table of :mod:`~aitoolbox.torchtrain.callbacks.peak_flops`, by its dense peak in the precision of the
+    forward pass (bfloat16 or float16 under autocast or an amp opt level, else TF32 where torch allows it for
+    float32 matmuls, else float32); the denominator and its source are logged once.
 
     Args:
         window: batches per progress-bar update of the rates.
@@ -146,7 +148,6 @@ class ThroughputMonitor(AbstractCallback):
         self.batch_size_fn = batch_size_fn or first_dimension
         self.tokens_fn = tokens_fn
         self.peak_flops = peak_flops
-        self._flops_given = flops_per_batch not in (None, "auto")
         #: FLOPs of forward and backward of a batch of :attr:`flops_batch_size` samples: the given number, the count
         #: once made (``'auto'`` until then), or None.
         self.flops_per_batch: Union[str, float, None] = flops_per_batch
