@@ -395,3 +395,28 @@ def test_two_processes_count_every_sample_of_the_epoch_once():
         assert result["history"]["mfu"][-1] == pytest.approx(mfu, rel=1e-12)
     for name in ("samples_per_sec", "tokens_per_sec", "data_wait_fraction", "mfu"):
         assert results[0]["history"][name] == results[1]["history"][name], name  # the same in every process
+
+
+def test_callbacks_see_the_batch_being_trained_and_none_outside_it():
+    class Recorder(AbstractCallback):
+        def __init__(self):
+            super().__init__("recorder")
+            self.seen = []
+
+        def on_batch_begin(self):
+            self.seen.append(("begin", self.train_loop_obj.current_batch[1].clone()))
+
+        def on_batch_end(self):
+            self.seen.append(("end", self.train_loop_obj.current_batch[1].clone()))
+
+        def on_epoch_end(self):
+            self.seen.append(("epoch end", self.train_loop_obj.current_batch))
+
+    recorder = Recorder()
+    tl = make_loop(DataLoader(data(10), batch_size=4))
+    tl.fit(num_epochs=1, callbacks=[recorder])
+    labels = data(10).tensors[1]
+    expected = [labels[0:4], labels[0:4], labels[4:8], labels[4:8], labels[8:10], labels[8:10]]
+    assert [kind for kind, _ in recorder.seen] == ["begin", "end"] * 3 + ["epoch end"]
+    assert all(torch.equal(seen, want) for (_, seen), want in zip(recorder.seen, expected))
+    assert recorder.seen[-1][1] is None and tl.current_batch is None
