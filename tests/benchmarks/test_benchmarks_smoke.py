@@ -45,6 +45,7 @@ def test_overhead_quick_prints_a_row_per_scenario_with_identical_weights():
         assert row[-1] == "yes", row
     assert re.search(r"<= 1\.02: (met|MISSED)", output)
     assert re.search(r"monitor over TrainLoop [+-][0-9.]+ us/batch \(<= \+5: (met|MISSED)\)", output)
+    assert re.search(r"ThroughputMonitor's batch hooks alone: [0-9.]+ us per batch", output)
     assert "torch threads: 2" in output
     assert "Lightning column: skipped (--no-lightning)" in output
 
