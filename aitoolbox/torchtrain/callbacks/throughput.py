@@ -89,7 +89,7 @@ class _Meter:
     def read_tokens(self) -> float:
         """The token count, reading the tensors still on the device at once (one synchronisation)."""
         if self.device_tokens:
-            self.tokens += torch.stack([count.reshape(()) for count in self.device_tokens]).sum().item()
+            self.tokens += torch.cat([count.reshape(-1) for count in self.device_tokens]).sum().item()
             self.device_tokens = []
         return self.tokens
 
@@ -121,7 +121,7 @@ class ThroughputMonitor(AbstractCallback):
         batch_size_fn: ``fn(batch) -> int``, the samples in a batch (default: :func:`first_dimension`). Return a
             Python int: reading a CUDA tensor would wait for the device at every batch.
         tokens_fn: ``fn(batch) -> int or tensor``, e.g. ``lambda batch: batch['attention_mask'].sum()``; tensors
-            are summed where they are and read once per window.
+            (of any shape: all their elements count) are summed where they are and read once per window.
         flops_per_batch: ``'auto'`` (count them), a number (the FLOPs of forward and backward of a batch the size
             of the first batch), or None (no FLOPs, no MFU).
         peak_flops: the peak FLOP/s of one device for MFU; None looks the GPU up in the table (no MFU on the CPU).
@@ -280,7 +280,7 @@ class ThroughputMonitor(AbstractCallback):
     def _check_first_batch(self, samples: Any) -> None:
         """The first batch of a fit: check what ``batch_size_fn`` returns, note the first batch's size and start
         counting FLOPs when they are to be counted."""
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
             raise TypeError(f"ThroughputMonitor's batch_size_fn must return the batch's number of samples as a Python "
                             f"int, got {type(samples).__name__}: {samples!r}")
         if self.flops_batch_size is None:

@@ -157,6 +157,10 @@ def test_tokens_given_as_tensors_are_summed_where_they_are():
                                                                   rel=1e-12)
     assert "tokens_per_sec" in monitor.last_window
 
+    per_sample = ThroughputMonitor(window=3, tokens_fn=lambda batch: batch[2].sum(dim=1))  # a count per sample
+    make_loop(DataLoader(dataset, batch_size=6)).fit(num_epochs=1, callbacks=[per_sample])
+    assert per_sample.last_epoch["tokens"] == masks.sum().item()
+
 
 def test_counts_do_not_depend_on_gradient_accumulation():
     results = {}
