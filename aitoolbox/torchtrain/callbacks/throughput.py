@@ -369,9 +369,9 @@ def _compute_dtype(tl: Any) -> Optional[torch.dtype]:
     autocast_dtype = getattr(tl.precision, "autocast_dtype", None)
     if autocast_dtype is not None:
         return autocast_dtype
-    for parameter in tl.model.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype if parameter.dtype in (torch.float16, torch.bfloat16) else None
+    for parameter in tl.model.parameters():  # O2 keeps BatchNorm in float32: any 16-bit parameter decides
+        if parameter.dtype in (torch.float16, torch.bfloat16):
+            return parameter.dtype
     return None
 
 

@@ -242,8 +242,9 @@ def test_on_the_cpu_without_a_peak_there_is_no_mfu_and_the_log_says_so_once(pack
     assert "mfu" not in tl.train_history and monitor.flops_per_batch == hand_counted_flops(8)
 
 
-def test_training_is_bitwise_the_same_with_the_monitor():
-    plain, monitored = make_loop(loader(50, 8)), make_loop(loader(50, 8))
+@pytest.mark.parametrize("use_amp", [False, True], ids=["float32", "amp"])
+def test_training_is_bitwise_the_same_with_the_monitor(use_amp):
+    plain, monitored = make_loop(loader(50, 8), use_amp=use_amp), make_loop(loader(50, 8), use_amp=use_amp)
     torch.manual_seed(3)
     plain.fit(num_epochs=2, grad_accumulation=2)
     torch.manual_seed(3)
@@ -424,3 +425,17 @@ def test_callbacks_see_the_batch_being_trained_and_none_outside_it():
     assert [kind for kind, _ in recorder.seen] == ["begin", "end"] * 3 + ["epoch end"]
     assert all(torch.equal(seen, want) for (_, seen), want in zip(recorder.seen, expected))
     assert recorder.seen[-1][1] is None and tl.current_batch is None
+
+
+def test_the_precision_in_use_comes_from_autocast_or_the_model_weights():
+    from aitoolbox.torchtrain.callbacks.throughput import _compute_dtype
+
+    class Loop:
+        def __init__(self, autocast_dtype, model):
+            self.precision = type("P", (), {"autocast_dtype": autocast_dtype})()
+            self.model = model
+
+    mixed = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4).half())  # as amp's O2 leaves a model
+    assert _compute_dtype(Loop(torch.bfloat16, nn.Linear(4, 4))) == torch.bfloat16
+    assert _compute_dtype(Loop(None, mixed)) == torch.float16
+    assert _compute_dtype(Loop(None, nn.Linear(4, 4))) is None
