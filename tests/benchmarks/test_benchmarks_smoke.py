@@ -35,7 +35,8 @@ def test_overhead_quick_prints_a_row_per_scenario_with_identical_weights():
     output = run_benchmark("overhead.py", "--no-lightning")
     rows = table_rows(output)
     assert [(row[0], row[1]) for row in rows] == [
-        ("bare", "TrainLoop"), ("bars+metrics", "TrainLoop"), ("tiny-model", "TrainLoop")]
+        ("bare", "TrainLoop"), ("bars+metrics", "TrainLoop"), ("tiny-model", "TrainLoop"),
+        ("tiny-model", "TrainLoop+ThroughputMonitor")]
     for row in rows:
         float(row[5])  # ratio of medians
         float(row[6])  # median paired ratio
@@ -43,6 +44,8 @@ def test_overhead_quick_prints_a_row_per_scenario_with_identical_weights():
         # TrainLoop and the hand loop did the same arithmetic: their final weights are bitwise equal.
         assert row[-1] == "yes", row
     assert re.search(r"<= 1\.02: (met|MISSED)", output)
+    assert re.search(r"monitor over TrainLoop [+-][0-9.]+ us/batch \(<= \+5: (met|MISSED)\)", output)
+    assert re.search(r"ThroughputMonitor's batch hooks alone: [0-9.]+ us per batch", output)
     assert "torch threads: 2" in output
     assert "Lightning column: skipped (--no-lightning)" in output
 

@@ -13,6 +13,7 @@ from aitoolbox.torchtrain.callbacks.performance_eval import (
     ModelPerformanceEvaluation, ModelPerformancePrintReport, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.callbacks.profiler import ProfilerCallback
 from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking, TensorboardTrainHistoryMetric
+from aitoolbox.torchtrain.callbacks.throughput import ThroughputMonitor
 from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
 from aitoolbox.torchtrain.callbacks.weight_averaging import WeightAveraging
 from aitoolbox.torchtrain.schedulers.basic import ReduceLROnPlateauMetricScheduler, ReduceLROnPlateauScheduler
@@ -24,4 +25,4 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "GradValueClip", "TensorboardFullTracking", "TensorboardTrainHistoryMetric", "WandBTracking",
            "MLflowTracking", "CSVLogger", "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
            "ReduceLROnPlateauMetricScheduler",
-           "ProfilerCallback"]
+           "ProfilerCallback", "ThroughputMonitor"]

@@ -5,7 +5,7 @@ details (project, experiment, root folder) of callbacks that write files into an
 """
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 
@@ -110,6 +110,15 @@ class AbstractCallback:
         ``dataset_info`` holds ``{'type': 'train' | 'validation' | 'test'}``. The outputs are the loop's own
         objects: read them, do not change them.
         """
+
+    def progress_bar_postfix(self) -> Optional[Dict[str, str]]:
+        """Entries to show right of the training progress bar, after the loss (e.g. ``{'samples/s': '1.2e+04'}``),
+        or None for none.
+
+        Called between batches while the main process draws the bar, at most twice a second, and once at the
+        epoch's end: return values already at hand (reading a CUDA tensor here would wait for the device).
+        """
+        return None
 
 
 class MissingExperimentDetailsError(AttributeError, ValueError):

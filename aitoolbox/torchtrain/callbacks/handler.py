@@ -10,6 +10,7 @@ HOOK_NAMES = (
     "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
     "on_epoch_begin", "on_epoch_train_end", "on_epoch_end", "on_batch_begin", "on_batch_end",
     "on_after_gradient_update", "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
+    "progress_bar_postfix",
 )
 
 # The hooks called for every batch: when no callback has one, the loop skips calling them (on a tiny model the
@@ -182,6 +183,15 @@ class CallbacksHandler:
     def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
         for callback in self._subscribers["on_after_batch_prediction"]:
             callback.on_after_batch_prediction(y_pred_batch, y_test_batch, metadata_batch, dataset_info)
+
+    def progress_bar_postfix(self, postfix: Dict[str, str]) -> Dict[str, str]:
+        """``postfix`` (the loop's own entries, the loss) with every callback's :meth:`~.abstract.AbstractCallback.
+        progress_bar_postfix` entries added, in execution order."""
+        for callback in self._subscribers["progress_bar_postfix"]:
+            entries = callback.progress_bar_postfix()
+            if entries:
+                postfix.update(entries)
+        return postfix
 
     def on_exception(self, exception: BaseException) -> None:
         """Let every callback clean up after ``exception`` stopped ``fit``; never raises.

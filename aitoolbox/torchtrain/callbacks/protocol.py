@@ -27,6 +27,7 @@ class TrainLoopView(Protocol):
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
       ``last_batch_loss_names`` (a MultiLoss's names) and ``epoch_loss_sum`` (the epoch's losses so far).
+    - ``current_batch``: the batch being trained, from ``on_batch_begin`` to ``on_batch_end`` (None outside one).
     - ``callbacks``: the registered callbacks, in execution order.
     - ``compile_stats``: with ``torch_compile``, the :class:`~aitoolbox.torchtrain.compiling.CompileStats` so far
       (compilations, recompilations, seconds); None without.
@@ -85,6 +86,10 @@ class TrainLoopView(Protocol):
         """The names of the last batch's losses for a MultiLoss, else None."""
 
     @property
+    def current_batch(self) -> Any:
+        """The batch being trained, as the training loader yielded it; None outside a training batch."""
+
+    @property
     def precision(self) -> Any:
         """The loop's :class:`~aitoolbox.torchtrain.precision.Precision`, once set up."""
 
@@ -99,6 +104,9 @@ class TrainLoopView(Protocol):
     @property
     def shards_parameters(self) -> bool:
         """True under ``gpu_mode='fsdp'``: checkpoints are written by every process (sharded)."""
+
+    def all_gather_objects(self, obj: Any) -> List[Any]:
+        """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""
 
     def broadcast_object(self, obj: Any) -> Any:
         """The main process's value of ``obj`` in every process (a collective: every process calls it)."""

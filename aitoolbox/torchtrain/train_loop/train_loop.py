@@ -148,6 +148,7 @@ class TrainLoop:
         self.run_state = RunState(LoopState())  # the one place a run's progress lives (see run_state.py)
         self.state = self.run_state.counters
         self.last_batch_loss: Optional[torch.Tensor] = None
+        self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.message_service = MessageService()  # before any callback registers: they keep a reference
@@ -231,6 +232,12 @@ class TrainLoop:
         return self.run_state.epoch_loss.total()
 
     @property
+    def current_batch(self) -> Any:
+        """The batch being trained, as the training loader yielded it (after the strategy moved it, where it does),
+        from ``on_batch_begin`` to ``on_batch_end``; None outside a training batch. Read it, do not change it."""
+        return self._current_batch
+
+    @property
     def pending_restore(self) -> Optional[dict]:
         """A loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it starts."""
         return self.run_state.pending_checkpoint
@@ -264,6 +271,11 @@ class TrainLoop:
         """True under ``gpu_mode='fsdp'``: each process holds only its shards of the weights and optimizer state,
         and checkpoints are sharded (see :meth:`save_sharded_checkpoint`)."""
         return bool(self.strategy.shards_parameters)
+
+    def all_gather_objects(self, obj: Any) -> List[Any]:
+        """Every process's value of ``obj`` (picklable), ordered by rank (``[obj]`` in a single process); a collective
+        in a distributed run: every process calls it at the same point."""
+        return self.strategy.all_gather_objects(obj)
 
     def broadcast_object(self, obj: Any) -> Any:
         """The main process's value of ``obj`` (picklable), in every process; a collective in a distributed run:
@@ -587,6 +599,7 @@ class TrainLoop:
             with self._interrupts, self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
+            self._current_batch = None
             if self._step_runner is not None:
                 self._step_runner.abandon()  # the step in progress is abandoned: the next one starts clean
             self.run_state.remember_interruption(self.train_loader)
@@ -810,10 +823,12 @@ class TrainLoop:
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
-            bar.set_postfix(loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names))
+            postfix = loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names)
+            bar.set_postfix(self.callbacks_handler.progress_bar_postfix(postfix))
 
     def _running_loss_postfix(self) -> dict:
-        return {"loss": f"{self.epoch_loss_sum.mean().item() / self.run_state.batches_done:.4f}"}
+        postfix = {"loss": f"{self.epoch_loss_sum.mean().item() / self.run_state.batches_done:.4f}"}
+        return self.callbacks_handler.progress_bar_postfix(postfix)
 
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
@@ -823,6 +838,7 @@ class TrainLoop:
         interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
+        self._current_batch = batch_data
         if batch_hooks:
             hooks.on_batch_begin()
         if self._compiler is not None and self._compiler.verification_due:
@@ -836,6 +852,7 @@ class TrainLoop:
         state.optimizer_step_due = False
         if batch_hooks:
             hooks.on_batch_end()
+        self._current_batch = None
         interrupts.in_batch = False
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now
             interrupts.raise_pending()
