@@ -213,6 +213,8 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "train_history": history,
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
+        # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same.
+        "rollbacks": tl.run_state.rollbacks.state_dict(),
     }
     if tl.use_amp:
         checkpoint["amp"] = tl.amp_scaler.state_dict()
@@ -269,6 +271,7 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     tl.epochs_completed = checkpoint["epochs_completed"]
     tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
     tl.early_stop = bool(checkpoint.get("early_stop", False))  # checkpoints written before it was saved: False
+    tl.run_state.rollbacks.load_state_dict(checkpoint.get("rollbacks"))  # before rollbacks existed: none
     tl.pending_restore = checkpoint
 
 
