@@ -269,7 +269,7 @@ class SpikeRollback(AbstractCallback):
         iterations = range(max(wanted, low), iteration + 1)
         positions = [history.loader_position(epoch, skipped) for skipped in iterations]
         own = (bool(own_flags[first]), float(losses[first]), float(medians[first]),
-               batch_indices(tl.train_loader, self._epoch_rngs.get(epoch), positions))
+               batch_indices(tl.train_loader, epoch, self._epoch_rngs.get(epoch), positions))
         per_rank = tl.strategy.all_gather_objects(own)  # a rollback is rare: the spiking rank's numbers for all
         spiked = next(values for values in per_rank if values[0])
         samples = None if any(values[3] is None for values in per_rank) else \

@@ -176,16 +176,22 @@ def _leaving_out(iterator: Iterator[Any], position: int, pending: List[int]) -> 
         position += 1
 
 
-def batch_indices(loader: Any, epoch_start_rng: Optional[dict], positions: Sequence[int]) -> Optional[List[int]]:
-    """The dataset indices of the batches at ``positions`` of an epoch of ``loader`` whose data order was drawn
-    from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`), drawn again from the sampler without
-    fetching anything; None where the loader has no sampler to ask (an iterable dataset, a loader class with its
-    own iteration) or the state is unknown. Every RNG state is as before afterwards."""
+def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], positions: Sequence[int]
+                  ) -> Optional[List[int]]:
+    """The dataset indices of the batches at ``positions`` of epoch ``epoch`` of ``loader``, whose data order was
+    drawn from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`; a sampler with ``set_epoch``, such
+    as DistributedSampler, is set to ``epoch``), drawn again from the sampler without fetching anything; None where
+    the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
+    unknown. Every RNG state, and the sampler's epoch, is as before afterwards."""
     from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
     if epoch_start_rng is None or not skips_by_index(loader) or not positions:
         return None
     saved = capture_rng_state(loader)
+    sampler = getattr(loader, "sampler", None)
+    sampler_epoch = getattr(sampler, "epoch", None) if callable(getattr(sampler, "set_epoch", None)) else None
     try:
+        if sampler_epoch is not None:
+            sampler.set_epoch(epoch)
         restore_rng_state(epoch_start_rng, loader)
         iterator = _BaseDataLoaderIter(loader)  # draws the base seed where iter(loader) does: same sampler draws
         wanted, indices = set(positions), []
@@ -199,3 +205,5 @@ def batch_indices(loader: Any, epoch_start_rng: Optional[dict], positions: Seque
         return indices
     finally:
         restore_rng_state(saved, loader)
+        if sampler_epoch is not None:
+            sampler.set_epoch(sampler_epoch)

@@ -674,6 +674,7 @@ class TrainLoop:
         self._step_runner.abandon()
         resume = roll_back(self, request)
         self._step_runner.start()  # no gradients or per-step precision state from the abandoned interval
+        self._evaluator.clear_cache()  # results cached for a batch position were computed with the undone weights
         return resume
 
     @property

@@ -213,9 +213,12 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "train_history": history,
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
-        # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same.
-        "rollbacks": tl.run_state.rollbacks.state_dict(),
     }
+    rollbacks = tl.run_state.rollbacks
+    if rollbacks.skipped or rollbacks.records:
+        # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same. Only
+        # when there are any: a run without rollbacks writes the checkpoints it always wrote.
+        checkpoint["rollbacks"] = rollbacks.state_dict()
     if tl.use_amp:
         checkpoint["amp"] = tl.amp_scaler.state_dict()
     if tl.strategy.world_size > 1:

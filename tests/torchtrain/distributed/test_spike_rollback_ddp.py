@@ -1,10 +1,12 @@
 """SpikeRollback under 2-process DDP over gloo: a batch poisoned on one rank only makes every rank roll back and
 leave out that position; the ranks agree, and the run equals a DDP run whose data never held those batches."""
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from aitoolbox.torchtrain.callbacks import SpikeRollback
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.combinations.support import join_as_torchrun
 from tests.distributed_helpers import run_distributed
@@ -28,11 +30,11 @@ class PoisonedRegression(Dataset):
         return x, (y * 1e4 if index in POISONED else y), i  # the targets: the model's tanh bounds its inputs' effect
 
 
-def build(dataset) -> TrainLoop:
+def build(dataset, gpu_mode: str = "ddp") -> TrainLoop:
     model = make_model()
     return TrainLoop(model, DataLoader(dataset, batch_size=BATCH_SIZE), None, None,
                      torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), end_auto_eval=False,
-                     show_progress=False, gpu_mode="ddp")
+                     show_progress=False, gpu_mode=gpu_mode)
 
 
 def runs(rank: int, world_size: int) -> dict:
@@ -68,3 +70,36 @@ def test_a_spike_on_one_rank_rolls_back_every_rank_and_equals_the_run_without_th
         assert records[0]["loss"] > 100 * records[0]["median"]  # the spiking rank's numbers
         assert rank["rollback"]["skipped"] == {0: [POSITION], 1: [POSITION]}
         assert rank["rollback"]["history"]["rollbacks"] == [1, 1]
+
+
+def fsdp_runs(rank: int, world_size: int, folder: str) -> dict:
+    join_as_torchrun(rank, world_size)
+    results = {}
+    kept = [index for index in range(NUM_SAMPLES) if index not in BOTH_RANKS_BATCH]
+    saver = ModelCheckpoint(project_name="proj", experiment_name="fsdp", local_model_result_folder_path=folder)
+    for name, dataset, callbacks in (("rollback", PoisonedRegression(),
+                                      [saver, SpikeRollback(factor=100.0, window=4, warmup=2, snapshot_every=3,
+                                                            snapshot="checkpoint")]),
+                                     ("reference", Subset(regression_data(NUM_SAMPLES), kept), [])):
+        tl = build(dataset, gpu_mode="fsdp")
+        tl.fit_distributed(num_epochs=2, callbacks=callbacks, train_data_shuffle=False)
+        weights = tl.strategy.model_state_dict(tl.model_for_user)  # gathered: a collective
+        results[name] = {"weights": {k: v.detach().cpu().clone() for k, v in weights.items()},
+                         "rollbacks": tl.rollbacks}
+    return results
+
+
+@pytest.mark.slow
+def test_fsdp_with_checkpoint_snapshots_rolls_back_through_sharded_checkpoints(tmp_path):
+    rank0, rank1 = run_distributed(fsdp_runs, world_size=2, args=(str(tmp_path),))
+    for rank in (rank0, rank1):
+        assert [(r["epoch"], r["iteration"]) for r in rank["rollback"]["rollbacks"]] == [(0, POSITION), (1, POSITION)]
+    for key, value in rank0["reference"]["weights"].items():
+        assert torch.equal(rank0["rollback"]["weights"][key], value), key
+
+
+def test_snapshot_memory_under_fsdp_is_refused_with_the_way_out():
+    tl = build(PoisonedRegression(), gpu_mode="fsdp")
+    tl.strategy.shards_parameters = True  # as in an FSDP process, without starting one
+    with pytest.raises(ValueError, match="snapshot='checkpoint'"):
+        SpikeRollback().register_train_loop_object(tl).on_train_begin()
