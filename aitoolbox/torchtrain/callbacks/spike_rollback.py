@@ -86,8 +86,9 @@ class SpikeRollback(AbstractCallback):
     callback's with ``snapshot='checkpoint'``), ``rollbacks.json``.
 
     No host-device synchronisation per batch: the losses stay on the device until the check (one copy of the
-    interval's flags per check; see the module docstring). The first step of each ``fit`` is checked too (without
-    changing the schedule) so that a clean point exists from the start, also after a resume.
+    interval's flags per check; see the module docstring). The first and the last step of each ``fit`` are checked
+    too (without changing the schedule): a clean point exists from the start, also after a resume, and a spike in
+    the last interval does not end the run unseen.
 
     Args:
         factor: a loss above ``factor`` x the median of the window is a spike.
@@ -109,7 +110,8 @@ class SpikeRollback(AbstractCallback):
                  max_rollbacks: int = 3, snapshot: str = "memory", execution_order: int = -20):
         super().__init__("Spike rollback", execution_order=execution_order)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"factor must be a number > 0 (a loss above factor x the median is a spike), got {factor!r}")
+            raise ValueError(f"factor must be a number > 0 (a loss above factor x the median is a spike), "
+                             f"got {factor!r}")
         for name, value, minimum in (("window", window, 1), ("warmup", warmup, 0),
                                      ("snapshot_every", snapshot_every, 1), ("skip_batches", skip_batches, 1),
                                      ("cooldown_steps", cooldown_steps, 0), ("max_rollbacks", max_rollbacks, 0)):
@@ -183,8 +185,16 @@ class SpikeRollback(AbstractCallback):
         self._steps_since_check += 1
         if self._cooldown_left > 0:
             self._cooldown_left -= 1
-        if self._snapshot is None or self._steps_since_check >= self.snapshot_every:
+        if self._snapshot is None or self._steps_since_check >= self.snapshot_every or self._last_step_of_fit(tl):
             tl.run_state.call_after_step(self._check)  # once every callback finished the batch
+
+    @staticmethod
+    def _last_step_of_fit(tl: "TrainLoop") -> bool:
+        """The batch ends the ``fit``: its tail is checked too (a spike there would otherwise end the run unseen,
+        or be found by the next ``fit``, which keeps no point before it)."""
+        if tl.num_iterations > 0:
+            return tl.total_iteration_idx + 1 >= tl.num_iterations
+        return tl.epoch + 1 >= tl.num_epochs and tl.iteration + 1 == tl.run_state.epoch_length(tl.train_loader)
 
     def on_epoch_train_end(self) -> None:
         tl = self.train_loop_obj

@@ -2,10 +2,10 @@
 
 A callback that finds the run has gone wrong since a point it kept (a :class:`~.run_snapshot.RunSnapshot`, or a
 mid-epoch checkpoint) asks the loop to return there: at the end of an optimizer step, after every callback's
-``on_batch_end`` (:meth:`.RunState.call_after_step`), it raises :class:`RollBack`. ``TrainLoop._train`` catches it
-between epochs' worth of work, lets :func:`roll_back` put the kept point back, and continues the epoch loop from
-there with the :class:`~.train_state.MidEpochResume` it returns (the point may lie in an earlier epoch: the
-history, counters and callbacks' states go back with it).
+``on_batch_end`` (:meth:`.RunState.call_after_step`), it raises :class:`RollBack`. ``TrainLoop._train``'s epoch
+loop catches it, lets :func:`roll_back` put the kept point back, and continues from there with the
+:class:`~.train_state.MidEpochResume` it returns (the point may lie in an earlier epoch: the history, counters and
+callbacks' states go back with it).
 
 What a rollback must not undo lives in :class:`RollbackHistory` (``tl.run_state.rollbacks``): the batches left
 out since (their positions in their epoch's batch order), which the replay and every later epoch leave out as if

@@ -57,7 +57,8 @@ class TellEpoch(AbstractCallback):
 
 
 def loader(dataset) -> DataLoader:
-    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, generator=torch.Generator().manual_seed(LOADER_SEED))
+    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True,
+                      generator=torch.Generator().manual_seed(LOADER_SEED))
 
 
 def batch_order(num_epochs: int):
@@ -320,7 +321,16 @@ def test_the_losses_are_judged_once_per_interval_not_per_batch():
     model, _ = model_pair(MLP)
     counter = CountChecks()
     train(make_loop(model, loader(Poisoned())), num_epochs=4, callbacks=[SpikeRollback(**SETTINGS), counter])
-    assert counter.checks == 1 + 48 // 5  # the first step of the fit, then every 5 steps
+    assert counter.checks == 1 + 48 // 5 + 1  # the first step of the fit, every 5 steps, the last step
+
+
+def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns():
+    poison = poisoned_at(3, 10)  # the check at step 45 saw nothing; the fit ends at step 48
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {3: {10}})))
+    assert_params_equal(tl.model, reference.model)
+    assert [(r["epoch"], r["iteration"]) for r in tl.rollbacks] == [(3, 10)]
 
 
 @pytest.mark.parametrize("bad", [dict(factor=0), dict(window=0), dict(snapshot_every=0), dict(skip_batches=0),
