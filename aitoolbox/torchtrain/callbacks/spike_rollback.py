@@ -194,7 +194,7 @@ class SpikeRollback(AbstractCallback):
         or be found by the next ``fit``, which keeps no point before it)."""
         if tl.num_iterations > 0:
             return tl.total_iteration_idx + 1 >= tl.num_iterations
-        return tl.epoch + 1 >= tl.num_epochs and tl.iteration + 1 == tl.run_state.epoch_length(tl.train_loader)
+        return tl.epoch + 1 >= tl.num_epochs and tl.iteration + 1 == tl.run_state.num_batches
 
     def on_epoch_train_end(self) -> None:
         tl = self.train_loop_obj

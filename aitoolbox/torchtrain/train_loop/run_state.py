@@ -49,6 +49,7 @@ class RunState:
         self.counters = counters if counters is not None else LoopState()
         self.epoch_loss = EpochLossSum()
         self.batches_done = 0
+        self.num_batches: Optional[int] = None  # the current epoch's (see epoch_length)
         self.epoch_start_rng: Optional[dict] = None
         self.pending_checkpoint: Optional[dict] = None
         # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
@@ -116,8 +117,10 @@ class RunState:
         return batches
 
     def epoch_length(self, loader: Any) -> Optional[int]:
-        """The current epoch's number of batches (those a rollback left out not counted); None if unknown."""
-        return self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
+        """The current epoch's number of batches (those a rollback left out not counted); None if unknown. Kept as
+        :attr:`num_batches` until the next epoch (or replay) starts."""
+        self.num_batches = self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
+        return self.num_batches
 
     def call_after_step(self, action: Callable[["TrainLoop"], None]) -> None:
         """Run ``action(tl)`` once the current batch is done: after its optimizer step and every callback's
