@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     accounted = 1.0 + interval_s / (args.snapshot_every * batch_s)
     info = dict(_common.machine_info(torch.device("cpu")),
                 **{"load average (1 min) before / after": f"{load_before} / {_common.load_average()}",
-                   "settings": f"{args.epoch_repeat * 40} batches of {args.batch_size} an epoch, SpikeRollback("
+                   "settings": f"{batches_per_epoch} batches of {args.batch_size} an epoch, SpikeRollback("
                                f"factor={args.factor:g}, snapshot_every={args.snapshot_every}), {args.epochs} "
                                f"epochs, {args.warmup} warm-up"})
     table = _common.markdown_table(
