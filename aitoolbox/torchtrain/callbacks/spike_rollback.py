@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -46,9 +47,23 @@ class _KeptPoint:
     """The last clean point: a snapshot in host memory, or a mid-epoch checkpoint file (or sharded folder)."""
 
     def __init__(self, epoch: int, iteration: int, batches_done: int, snapshot: Optional[RunSnapshot] = None,
-                 path: Optional[str] = None, checkpoint_callback: Any = None):
+                 path: Optional[str] = None, checkpoint_callback: Any = None, owned: bool = False):
         self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
         self.snapshot, self.path, self.checkpoint_callback = snapshot, path, checkpoint_callback
+        self.owned = owned  # the checkpoint was written for this point alone (no other callback saved it)
+
+    def discard(self) -> None:
+        """A newer point replaces this one: delete its checkpoint if it was written for it alone (main process; a
+        background save may still be writing it, so it is then kept)."""
+        if not self.owned or self.checkpoint_callback.background_save or self.path is None:
+            return
+        try:
+            if os.path.isdir(self.path):
+                shutil.rmtree(self.path)
+            elif os.path.exists(self.path):
+                os.remove(self.path)
+        except OSError as error:
+            logger.warning("SpikeRollback could not delete its older checkpoint %s: %s", self.path, error)
 
     def restore(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
         if self.snapshot is not None:
@@ -258,15 +273,19 @@ class SpikeRollback(AbstractCallback):
 
     def _keep(self, tl: "TrainLoop") -> None:
         """Keep the run as it is now (right after an optimizer step, every callback done with the batch)."""
-        self._snapshot = None  # a memory snapshot's host copy is freed before the next one is taken
+        previous, self._snapshot = self._snapshot, None  # a memory snapshot's copy is freed before the next is taken
         where = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done)
         if self.snapshot == "memory":
+            del previous
             self._snapshot = _KeptPoint(snapshot=RunSnapshot.take(tl, mid_epoch=True), **where)
             return
         callback = self._checkpoint_callback
+        owned = tl.is_main_process and not _checkpoint_exists(tl, callback)  # else another callback saved it here
         path = callback.save_resume_checkpoint()
         path = tl.broadcast_object(path)  # the main process knows it
-        self._snapshot = _KeptPoint(path=path, checkpoint_callback=callback, **where)
+        self._snapshot = _KeptPoint(path=path, checkpoint_callback=callback, owned=owned, **where)
+        if previous is not None and previous.path != path:
+            previous.discard()
 
     def _rollback_request(self, tl: "TrainLoop", first: int, own_flags: torch.Tensor, losses: torch.Tensor,
                           medians: torch.Tensor) -> RollBack:
@@ -330,6 +349,18 @@ def _checkpoint_callback(tl: "TrainLoop") -> Any:
                      "callback with an experiment folder is registered: register ModelCheckpoint or "
                      "ModelIterationCheckpoint (or train with a TrainLoopCheckpoint preset), or use "
                      "snapshot='memory'")
+
+
+def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
+    """Whether the mid-epoch checkpoint ``save_resume_checkpoint`` is about to write exists already (an iteration
+    checkpoint callback saved this step)."""
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name
+    from aitoolbox.experiment.local_save.sharded_checkpoints import sharded_checkpoint_name
+    folder = callback.experiment_folder
+    name = checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch, tl.total_iteration_idx)
+    if callback.saves_shards:
+        name = sharded_checkpoint_name(name)
+    return os.path.exists(os.path.join(folder.checkpoint_dir, name))
 
 
 def _describe(record: dict) -> str:

@@ -168,9 +168,13 @@ def test_snapshot_checkpoint_rolls_back_to_a_checkpoint_file(tmp_path):
                callbacks=[saver, SpikeRollback(**SETTINGS, snapshot="checkpoint")])
     reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})))
     assert_params_equal(tl.model, reference.model)
-    (record,) = json.loads((tmp_path / "proj" / f"spike_{tl.experiment_timestamp}" / "rollbacks.json").read_text())
+    run_folder = tmp_path / "proj" / f"spike_{tl.experiment_timestamp}"
+    (record,) = json.loads((run_folder / "rollbacks.json").read_text())
     assert (record["epoch"], record["iteration"]) == (1, 5)
     assert sorted(record["skipped_samples"]) == sorted(*poison.values())
+    # The epoch checkpoints of ModelCheckpoint, and only the newest of SpikeRollback's (older ones are deleted).
+    kept = sorted(path.name for path in (run_folder / "checkpoint_model").iterdir() if "_ITER" in path.name)
+    assert kept == [f"model_spike_{tl.experiment_timestamp}_E3_ITER46.pth"]  # the last step (47 batches trained)
 
 
 def test_snapshot_checkpoint_without_a_checkpoint_callback_is_refused_before_training():
@@ -339,3 +343,17 @@ def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SpikeRollback(**bad)
+
+
+def test_older_checkpoint_snapshots_are_deleted_but_never_another_callbacks_checkpoint(tmp_path):
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    model, _ = model_pair(MLP)
+    saver = ModelIterationCheckpoint(5, project_name="proj", experiment_name="both",
+                                     local_model_result_folder_path=str(tmp_path))
+    tl = train(make_loop(model, loader(Poisoned())),
+               callbacks=[saver, SpikeRollback(**SETTINGS, snapshot="checkpoint")])
+    folder = tmp_path / "proj" / f"both_{tl.experiment_timestamp}" / "checkpoint_model"
+    kept = sorted(int(path.name.split("_ITER")[1][:-4]) for path in folder.iterdir() if "_ITER" in path.name)
+    # ModelIterationCheckpoint's every 5 batches (also where SpikeRollback saved the same step), SpikeRollback's
+    # last (the end of the fit); its first (batch 0) was deleted when the next was kept.
+    assert kept == list(range(4, 48, 5)) + [47]
