@@ -28,7 +28,8 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     assert completed.returncode == 0, f"sphinx-build failed:\n{completed.stdout[-6000:]}\n{completed.stderr[-6000:]}"
     for page in ("index", "quickstart", "trainloop", "callbacks", "mixed_precision", "distributed", "checkpointing",
                  "examples", "migrating", "api", "faster_training", "sharded_training", "cloud_storage", "tracking",
-                 "weight_averaging", "nlp", "security", "lr_finder", "performance", "profiling"):
+                 "weight_averaging", "nlp", "security", "lr_finder", "performance", "profiling",
+                 "spike_rollback"):
         assert (output_dir / f"{page}.html").is_file(), f"{page}.html was not built"
     api_page = (output_dir / "api.html").read_text(encoding="utf-8")
     assert "aitoolbox.torchtrain.train_loop.train_loop.TrainLoop" in api_page  # autodoc imported the package

@@ -9,6 +9,7 @@ from aitoolbox.torchtrain.callbacks.basic import (
 from aitoolbox.torchtrain.callbacks.csv_logger import CSVLogger
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip, GradValueClip
 from aitoolbox.torchtrain.callbacks.mlflow import MLflowTracking
+from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollback
 from aitoolbox.torchtrain.callbacks.performance_eval import (
     ModelPerformanceEvaluation, ModelPerformancePrintReport, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
 from aitoolbox.torchtrain.callbacks.profiler import ProfilerCallback
@@ -25,4 +26,4 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "GradValueClip", "TensorboardFullTracking", "TensorboardTrainHistoryMetric", "WandBTracking",
            "MLflowTracking", "CSVLogger", "WeightAveraging", "LinearWithWarmupScheduler", "ReduceLROnPlateauScheduler",
            "ReduceLROnPlateauMetricScheduler",
-           "ProfilerCallback", "ThroughputMonitor"]
+           "ProfilerCallback", "ThroughputMonitor", "SpikeRollback"]

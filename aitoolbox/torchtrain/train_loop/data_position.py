@@ -16,10 +16,11 @@ an epoch of I/O when resuming near its end). Three ways, the cheapest the loader
   and discarded, as there is no index to skip to.
 """
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
 from torch.utils.data import DataLoader
-from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter, _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter)
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +128,82 @@ class _IndexSkippingMultiProcessIter(_MultiProcessingDataLoaderIter):
             for _ in range(skip % self._num_workers):
                 next(self._worker_queue_idx_cycle)
         return super()._next_index()
+
+
+def epoch_without(loader: Any, start: int, skipped: Sequence[int], loader_state: Optional[Any] = None
+                  ) -> Iterator[Any]:
+    """The batches of ``loader``'s epoch from loader position ``start`` on, without those at the positions
+    ``skipped`` (positions in the epoch's own batch order; a rollback of
+    :class:`~aitoolbox.torchtrain.callbacks.SpikeRollback` removed them): the loop sees an epoch that never held
+    them. Draws the random numbers of the part before ``start`` now, as :func:`resumed_epoch` does.
+
+    A skipped batch is passed over by its indices where the loader allows (single-process DataLoader over a
+    map-style dataset: nothing is fetched, as a loader that never yields it); otherwise it is loaded and discarded.
+    """
+    pending = sorted(position for position in set(skipped) if position >= start)
+    if not pending:
+        return resumed_epoch(loader, start, loader_state)
+    if skips_by_index(loader) and loader.num_workers == 0 and not (loader_state is not None and has_own_state(loader)):
+        iterator: Any = _IndexSkippingSingleProcessIter(loader)
+        iterator.skip_batches(start)
+    else:
+        iterator = resumed_epoch(loader, start, loader_state)
+    return _leaving_out(iterator, start, pending)
+
+
+def _leaving_out(iterator: Iterator[Any], position: int, pending: List[int]) -> Iterator[Any]:
+    skip_by_index = isinstance(iterator, _IndexSkippingSingleProcessIter)
+    pending_set = set(pending)
+    last_skipped = pending[-1]
+    while True:
+        if position > last_skipped:  # nothing left to leave out: the loader's own iteration from here
+            yield from iterator
+            return
+        if position in pending_set:
+            if skip_by_index:
+                iterator.skip_batches(1)
+            else:
+                try:
+                    next(iterator)
+                except StopIteration:
+                    return
+        else:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+        position += 1
+
+
+def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], positions: Sequence[int]
+                  ) -> Optional[List[int]]:
+    """The dataset indices of the batches at ``positions`` of epoch ``epoch`` of ``loader``, whose data order was
+    drawn from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`; a sampler with ``set_epoch``, such
+    as DistributedSampler, is set to ``epoch``), drawn again from the sampler without fetching anything; None where
+    the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
+    unknown. Every RNG state, and the sampler's epoch, is as before afterwards."""
+    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
+    if epoch_start_rng is None or not skips_by_index(loader) or not positions:
+        return None
+    saved = capture_rng_state(loader)
+    sampler = getattr(loader, "sampler", None)
+    sampler_epoch = getattr(sampler, "epoch", None) if callable(getattr(sampler, "set_epoch", None)) else None
+    try:
+        if sampler_epoch is not None:
+            sampler.set_epoch(epoch)
+        restore_rng_state(epoch_start_rng, loader)
+        iterator = _BaseDataLoaderIter(loader)  # draws the base seed where iter(loader) does: same sampler draws
+        wanted, indices = set(positions), []
+        for position in range(max(positions) + 1):
+            try:
+                drawn = iterator._next_index()
+            except StopIteration:
+                break
+            if position in wanted:
+                indices.extend(int(index) for index in (drawn if isinstance(drawn, (list, tuple)) else [drawn]))
+        return indices
+    finally:
+        restore_rng_state(saved, loader)
+        if sampler_epoch is not None:
+            sampler.set_epoch(sampler_epoch)

@@ -12,13 +12,15 @@ launching process, and a ``fit`` called again after an exception. So there is on
 """
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 
 import torch
 
-from aitoolbox.torchtrain.train_loop.data_position import resumed_epoch
+from aitoolbox.torchtrain.train_loop.data_position import epoch_without
+from aitoolbox.torchtrain.train_loop.evaluation import loader_length
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
+from aitoolbox.torchtrain.train_loop.rollback import RollbackHistory
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
     restore_rng_state, restore_train_state)
@@ -39,18 +41,23 @@ class RunState:
         epoch_start_rng: the RNG state the current epoch's data order was drawn from.
         pending_checkpoint: a loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it
             starts (``tl.pending_restore``).
+        rollbacks: the batches rollbacks left out (each epoch leaves them out as if its loader never yielded them)
+            and the record of each rollback (:mod:`.rollback`).
     """
 
     def __init__(self, counters: Optional[LoopState] = None):
         self.counters = counters if counters is not None else LoopState()
         self.epoch_loss = EpochLossSum()
         self.batches_done = 0
+        self.num_batches: Optional[int] = None  # the current epoch's (see epoch_length)
         self.epoch_start_rng: Optional[dict] = None
         self.pending_checkpoint: Optional[dict] = None
         # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
         # epoch's batches are all trained; None before the epoch's first step.
         self._step_point: Any = None
         self._interrupted_at: Optional[MidEpochResume] = None
+        self.rollbacks = RollbackHistory()
+        self._after_step: Optional[Callable[["TrainLoop"], None]] = None
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -90,13 +97,16 @@ class RunState:
         """``(index, batch)`` pairs of the epoch starting now, the epoch's progress set to ``resume``'s (or
         zero): its data order is drawn again from the epoch's starting RNG state, the batches trained skipped
         (without loading them where the loader allows: :func:`~.data_position.resumed_epoch`), and the RNG state
-        to continue with put back."""
+        to continue with put back. Batches a rollback left out are not yielded, and the indices are those of the
+        batches that remain (:func:`~.data_position.epoch_without`)."""
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
         self.epoch_start_rng = capture_rng_state(loader)
         self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
         batches_done = resume.batches_done if resume is not None else 0
-        batches = enumerate(resumed_epoch(loader, batches_done, resume.loader_state if resume else None),
+        epoch = self.counters.epoch
+        batches = enumerate(epoch_without(loader, self.rollbacks.loader_start(epoch, batches_done),
+                                          self.rollbacks.positions(epoch), resume.loader_state if resume else None),
                             start=batches_done)
         if batches_done > 0:
             restore_rng_state(resume.rng, loader)  # after the skipped batches' draws, as the run had it
@@ -105,6 +115,24 @@ class RunState:
         self.batches_done = batches_done
         self.mark_batch_done()
         return batches
+
+    def epoch_length(self, loader: Any) -> Optional[int]:
+        """The current epoch's number of batches (those a rollback left out not counted); None if unknown. Kept as
+        :attr:`num_batches` until the next epoch (or replay) starts."""
+        self.num_batches = self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
+        return self.num_batches
+
+    def call_after_step(self, action: Callable[["TrainLoop"], None]) -> None:
+        """Run ``action(tl)`` once the current batch is done: after its optimizer step and every callback's
+        ``on_batch_end``, where a mid-epoch checkpoint holds the whole step (call it from a batch hook of a batch
+        that steps). ``action`` may raise :class:`~.rollback.RollBack`. One action per step: a second replaces it."""
+        self._after_step = action
+
+    def run_after_step(self, tl: "TrainLoop") -> None:
+        """The loop, at the end of a batch that stepped: run the action :meth:`call_after_step` asked for."""
+        action, self._after_step = self._after_step, None
+        if action is not None:
+            action(tl)
 
     def add_batch_loss(self, loss: torch.Tensor) -> None:
         """A batch was trained: its loss joins the epoch's sum at the next optimizer step."""

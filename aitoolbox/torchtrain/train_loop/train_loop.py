@@ -40,6 +40,7 @@ from aitoolbox.torchtrain.train_loop.losses import LossResult
 from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
+from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
@@ -752,7 +753,11 @@ class TrainLoop:
         resume = self.run_state.resume_point(self)
         while not state.early_stop and not self._target_reached(num_epochs, num_iterations):
             state.epoch = state.epochs_completed
-            self._run_epoch(num_iterations, resume)
+            try:
+                self._run_epoch(num_iterations, resume)
+            except RollBack as request:  # back to a point kept earlier (SpikeRollback), maybe in an earlier epoch
+                resume = self._roll_back(request)
+                continue
             resume = None
             state.epochs_completed += 1
             self.run_state.end_epoch()  # until here an exception redoes the epoch's end
@@ -760,6 +765,19 @@ class TrainLoop:
                 self._compiler.check_after_epoch()
         self._evaluator.at_train_end()
         self.callbacks_handler.on_train_end()
+
+    def _roll_back(self, request: RollBack) -> Optional[MidEpochResume]:
+        """Return the run to the point ``request`` names (see :mod:`.rollback`); where its epoch continues."""
+        self._step_runner.abandon()
+        resume = roll_back(self, request)
+        self._step_runner.start()  # no gradients or per-step precision state from the abandoned interval
+        self._evaluator.clear_cache()  # results cached for a batch position were computed with the undone weights
+        return resume
+
+    @property
+    def rollbacks(self) -> List[dict]:
+        """The rollbacks of this run so far (:class:`~aitoolbox.torchtrain.callbacks.SpikeRollback`), oldest first."""
+        return self.run_state.rollbacks.records
 
     @property
     def model_for_user(self) -> nn.Module:
@@ -804,7 +822,7 @@ class TrainLoop:
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
         """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained)."""
         state, run_state = self.state, self.run_state
-        num_batches = loader_length(self.train_loader)
+        num_batches = run_state.epoch_length(self.train_loader)  # without the batches a rollback left out
         batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         running_loss = self._running_loss_postfix
@@ -856,6 +874,8 @@ class TrainLoop:
         interrupts.in_batch = False
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now
             interrupts.raise_pending()
+        if optimizer_step:
+            self.run_state.run_after_step(self)  # e.g. SpikeRollback's check: may roll the run back (RollBack)
         if optimizer_step and interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
             interrupts.stop(self)
 

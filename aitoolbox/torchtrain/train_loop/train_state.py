@@ -216,6 +216,11 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
+    rollbacks = tl.run_state.rollbacks
+    if rollbacks.skipped or rollbacks.records:
+        # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same. Only
+        # when there are any: a run without rollbacks writes the checkpoints it always wrote.
+        checkpoint["rollbacks"] = rollbacks.state_dict()
     if tl.use_amp:
         checkpoint["amp"] = tl.amp_scaler.state_dict()
     if tl.strategy.world_size > 1:
@@ -271,6 +276,7 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     tl.epochs_completed = checkpoint["epochs_completed"]
     tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
     tl.early_stop = bool(checkpoint.get("early_stop", False))  # checkpoints written before it was saved: False
+    tl.run_state.rollbacks.load_state_dict(checkpoint.get("rollbacks"))  # before rollbacks existed: none
     tl.pending_restore = checkpoint
 
 

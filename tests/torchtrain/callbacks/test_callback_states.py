@@ -32,7 +32,7 @@ from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from aitoolbox.torchtrain.callbacks import (
     basic, cloud_upload, csv_logger, ddp, gradient, history_format, history_output, mlflow, model_load, model_save,
-    performance_eval, profiler, stopping, tensorboard, throughput, wandb, weight_averaging)
+    performance_eval, profiler, spike_rollback, stopping, tensorboard, throughput, wandb, weight_averaging)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback, AbstractExperimentCallback
 from aitoolbox.torchtrain.callbacks.checkpoint_base import CheckpointCallback
 from aitoolbox.torchtrain.callbacks.messages import MessageService
@@ -63,7 +63,8 @@ BASES = {AbstractCallback, AbstractExperimentCallback, CheckpointCallback, Track
 REBUILT = {"_logged_history_lengths", "_epoch_base_lengths", "_last_logged_epoch",  # tracking: from the history
            "_stepped", "_batch_steps",  # set at an optimizer step, cleared when the batch is logged or saved
            "_grads",  # the gradients of the last optimizer step
-           "result_package"}  # the metrics of the last evaluation, computed again at every one
+           "result_package",  # the metrics of the last evaluation, computed again at every one
+           "_epoch_rngs"}  # SpikeRollback: the epochs' starting RNG states, taken from the loop at their first batch
 # Attributes naming files of the run folder (checkpoints written, open CSV files), which a resumed run finds on
 # disk: they hold paths, which differ between the two runs' folders, so they are not compared.
 RUN_FOLDER_FILES = {"saved_checkpoints", "_ranking_restored", "_written", "_earlier_listed",
@@ -76,6 +77,9 @@ SERVICE_CONNECTION = {"outbox", "_sender", "_next_sequence", "_run_open", "run_i
 # every run measures its own, so they are neither saved nor compared, nor are the history entries holding them.
 MEASURED = {"last_window", "last_epoch", "_postfix", "_last_batch_end"}
 MEASURED_HISTORY = set(throughput.HISTORY_KEYS)
+# A copy of the whole run a process holds in memory to return to (SpikeRollback's last clean point): each process
+# keeps its own from its first optimizer step on, so neither saved nor compared.
+PROCESS_MEMORY = {"_snapshot"}
 
 
 class ScriptedScore(AbstractCallback):
@@ -261,6 +265,7 @@ FACTORIES: Dict[type, Factory] = {
     throughput.ThroughputMonitor: lambda tmp, req: throughput.ThroughputMonitor(window=2, peak_flops=1e9),
     wandb.WandBTracking: wandb_callback,
     weight_averaging.WeightAveraging: lambda tmp, req: weight_averaging.WeightAveraging(mode="ema", decay=0.9),
+    spike_rollback.SpikeRollback: lambda tmp, req: spike_rollback.SpikeRollback(window=4, warmup=2, snapshot_every=4),
     schedulers.GeneralLRSchedulerCallback: lambda tmp, req: schedulers.GeneralLRSchedulerCallback(
         torch.optim.lr_scheduler.ExponentialLR, gamma=0.9),
     schedulers.LambdaLRScheduler: lambda tmp, req: schedulers.LambdaLRScheduler(lambda step: 1 / (step + 1)),
@@ -328,7 +333,7 @@ def test_a_stateful_callback_saves_its_state_and_a_resumed_run_equals_the_straig
     straight_callback = FACTORIES[callback_class](tmp_path / "straight", request)
     straight, straight_observer = run(straight_callback)
     changed = changed_attributes(straight_observer.snapshots)
-    saved = changed - REBUILT - RUN_FOLDER_FILES - SERVICE_CONNECTION - MEASURED
+    saved = changed - REBUILT - RUN_FOLDER_FILES - SERVICE_CONNECTION - MEASURED - PROCESS_MEMORY
     if saved:
         assert callable(getattr(straight_callback, "state_dict", None)) \
             and callable(getattr(straight_callback, "load_state_dict", None)), \
@@ -346,6 +351,6 @@ def test_a_stateful_callback_saves_its_state_and_a_resumed_run_equals_the_straig
     for name, value in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
     final_straight, final_resumed = straight_observer.snapshots[-1], resumed_observer.snapshots[-1]
-    for name in sorted(changed - RUN_FOLDER_FILES - SERVICE_CONNECTION - MEASURED):
+    for name in sorted(changed - RUN_FOLDER_FILES - SERVICE_CONNECTION - MEASURED - PROCESS_MEMORY):
         assert same(final_resumed.get(name), final_straight.get(name)), \
             f"{callback_class.__name__}.{name} differs after the resumed run"

@@ -1,0 +1,359 @@
+"""SpikeRollback: a poisoned batch spikes the loss; the run rolls back, leaves the batch out and ends bitwise equal
+to a run whose loader never yielded it (issue 25, "The guarantee, tested")."""
+import copy
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+
+from aitoolbox.torchtrain.callbacks import SpikeRollback
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollbackError
+from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
+from tests.helpers import MLP, assert_params_equal, classification_data, model_pair, single_torch_thread
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+NUM_SAMPLES, BATCH_SIZE = 48, 4  # 12 batches an epoch
+LOADER_SEED, TRAIN_SEED = 3, 4
+SETTINGS = dict(window=8, warmup=4, snapshot_every=5, factor=4.0)
+
+
+class Poisoned(Dataset):
+    """The classification data with the samples ``by_epoch[epoch]`` scaled by ``scale`` (or made NaN) in that epoch
+    (:class:`TellEpoch` tells the data the epoch): their batch's loss jumps and one optimizer step would ruin the
+    weights."""
+
+    def __init__(self, by_epoch=None, scale: float = 1e4):
+        self.base = classification_data(NUM_SAMPLES)
+        self.by_epoch, self.scale = dict(by_epoch or {}), scale
+        self.epoch = 0
+
+    def __len__(self):
+        return NUM_SAMPLES
+
+    def __getitem__(self, index):
+        x, y = self.base[index]
+        if index in self.by_epoch.get(self.epoch, ()):
+            x = x * self.scale if not math.isnan(self.scale) else torch.full_like(x, float("nan"))
+        return x, y
+
+
+class TellEpoch(AbstractCallback):
+    """Tells the training data the epoch at its start (a rollback into an earlier epoch starts it again)."""
+
+    def __init__(self):
+        super().__init__("tell the data the epoch", execution_order=-1000)
+
+    def on_epoch_begin(self):
+        self.train_loop_obj.train_loader.dataset.epoch = self.train_loop_obj.epoch
+
+
+def loader(dataset) -> DataLoader:
+    return DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True,
+                      generator=torch.Generator().manual_seed(LOADER_SEED))
+
+
+def batch_order(num_epochs: int):
+    """The sample indices of every batch, per epoch, as ``loader`` draws them."""
+    twin = DataLoader(range(NUM_SAMPLES), batch_size=BATCH_SIZE, shuffle=True,
+                      generator=torch.Generator().manual_seed(LOADER_SEED))
+    return [[batch.tolist() for batch in twin] for _ in range(num_epochs)]
+
+
+class LeavingOut(BatchSampler):
+    """The batches ``loader`` draws (same generator, same permutation), without those at ``drop[epoch]``."""
+
+    def __init__(self, generator, drop):
+        super().__init__(RandomSampler(range(NUM_SAMPLES), generator=generator), BATCH_SIZE, False)
+        self.drop, self.epochs_started = drop, 0
+
+    def __len__(self):  # the loop reads the length before each epoch's iteration
+        return super().__len__() - len(self.drop.get(self.epochs_started, ()))
+
+    def __iter__(self):
+        epoch, self.epochs_started = self.epochs_started, self.epochs_started + 1
+        for position, batch in enumerate(super().__iter__()):
+            if position not in self.drop.get(epoch, ()):
+                yield batch
+
+
+def reference_loader(dataset, drop) -> DataLoader:
+    generator = torch.Generator().manual_seed(LOADER_SEED)  # the base seed and the permutation, as in loader()
+    return DataLoader(dataset, batch_sampler=LeavingOut(generator, drop), generator=generator)
+
+
+def make_loop(model, train_loader, use_amp=False, loop_class=TrainLoop, **options) -> TrainLoop:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return loop_class(model, train_loader, None, None, optimizer, nn.CrossEntropyLoss(), end_auto_eval=False,
+                      show_progress=False, use_amp=use_amp, **options)
+
+
+def train(tl, num_epochs=4, callbacks=(), grad_accumulation=1):
+    torch.manual_seed(TRAIN_SEED)  # dropout
+    tl.fit(num_epochs=num_epochs, callbacks=[TellEpoch()] + list(callbacks), grad_accumulation=grad_accumulation)
+    return tl
+
+
+def poisoned_at(epoch, position, num_epochs=4):
+    """Arguments of :class:`Poisoned` for the batch at ``position`` of ``epoch`` (its samples, that epoch)."""
+    return {epoch: batch_order(num_epochs)[epoch][position]}
+
+
+def test_a_poisoned_batch_is_rolled_back_and_left_out_bitwise_and_without_it_the_run_is_ruined():
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    ruined_model = copy.deepcopy(model)
+    tl = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})))
+    assert_params_equal(tl.model, reference.model)
+    assert tl.train_history["accumulated_loss"] == reference.train_history["accumulated_loss"]
+
+    (record,) = tl.rollbacks
+    assert (record["epoch"], record["iteration"]) == (1, 5)
+    assert sorted(record["skipped_samples"]) == sorted(*poison.values())
+    assert record["loss"] > 100 * record["median"]
+    assert record["restored"]["epoch"] <= 1
+    assert tl.train_history["rollbacks"] == [0, 1, 0, 0]
+    assert tl.run_state.rollbacks.skipped == {1: [5]}
+
+    ruined = train(make_loop(ruined_model, loader(Poisoned(poison))))
+    distance = max((a - b).abs().max().item() for a, b in zip(ruined.model.parameters(), reference.model.parameters()))
+    assert distance > 1.0, "the poisoned batch was meant to ruin the weights without SpikeRollback"
+    assert max(p.abs().max().item() for p in ruined.model.parameters()) > 10 * max(
+        p.abs().max().item() for p in reference.model.parameters())
+
+
+def test_a_nan_loss_is_a_spike_from_the_first_check():
+    poison = poisoned_at(0, 2)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison, scale=float("nan")))), num_epochs=2,
+               callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {2}})), num_epochs=2)
+    assert_params_equal(tl.model, reference.model)
+    assert math.isnan(tl.rollbacks[0]["loss"]) and tl.rollbacks[0]["iteration"] == 2
+
+
+def test_a_spike_inside_an_accumulation_window_redoes_the_window_from_the_remaining_batches():
+    poison = poisoned_at(2, 4)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison))), grad_accumulation=3,
+               callbacks=[SpikeRollback(**dict(SETTINGS, snapshot_every=2))])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {2: {4}})), grad_accumulation=3)
+    assert_params_equal(tl.model, reference.model)
+    assert len(tl.rollbacks) == 1
+
+
+def test_skip_batches_leaves_out_the_batches_ending_at_the_spiking_one():
+    poison = poisoned_at(1, 7)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS, skip_batches=3)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5, 6, 7}})))
+    assert_params_equal(tl.model, reference.model)
+    assert len(tl.rollbacks[0]["skipped_samples"]) == 3 * BATCH_SIZE
+
+
+def test_snapshot_checkpoint_rolls_back_to_a_checkpoint_file(tmp_path):
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    saver = ModelCheckpoint(project_name="proj", experiment_name="spike", local_model_result_folder_path=str(tmp_path))
+    tl = train(make_loop(model, loader(Poisoned(poison))),
+               callbacks=[saver, SpikeRollback(**SETTINGS, snapshot="checkpoint")])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})))
+    assert_params_equal(tl.model, reference.model)
+    run_folder = tmp_path / "proj" / f"spike_{tl.experiment_timestamp}"
+    (record,) = json.loads((run_folder / "rollbacks.json").read_text())
+    assert (record["epoch"], record["iteration"]) == (1, 5)
+    assert sorted(record["skipped_samples"]) == sorted(*poison.values())
+    # The epoch checkpoints of ModelCheckpoint, and only the newest of SpikeRollback's (older ones are deleted).
+    kept = sorted(path.name for path in (run_folder / "checkpoint_model").iterdir() if "_ITER" in path.name)
+    assert kept == [f"model_spike_{tl.experiment_timestamp}_E3_ITER46.pth"]  # the last step (47 batches trained)
+
+
+def test_snapshot_checkpoint_without_a_checkpoint_callback_is_refused_before_training():
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned()))
+    with pytest.raises(ValueError, match="no checkpoint callback"):
+        tl.fit(num_epochs=1, callbacks=[SpikeRollback(snapshot="checkpoint")])
+    assert tl.total_iteration_idx == -1
+
+
+def test_the_spike_after_max_rollbacks_stops_training_with_an_error_listing_them():
+    order = batch_order(4)
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned({1: order[1][3], 2: order[2][6]})))
+    with pytest.raises(SpikeRollbackError, match="max_rollbacks=1") as raised:
+        train(tl, callbacks=[SpikeRollback(**SETTINGS, max_rollbacks=1)])
+    message = str(raised.value)
+    assert "spike at epoch 1, iteration 3" in message and "epoch 2, iteration 6" in message
+    assert len(raised.value.rollbacks) == 1 and raised.value.spike["epoch"] == 2
+
+
+def test_a_learning_rate_that_keeps_failing_ends_at_max_rollbacks():
+    torch.manual_seed(0)
+    model = MLP()
+    tl = TrainLoop(model, loader(Poisoned()), None, None, torch.optim.SGD(model.parameters(), lr=1e6),
+                   nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
+    with pytest.raises(SpikeRollbackError):
+        train(tl, callbacks=[SpikeRollback(**dict(SETTINGS, snapshot_every=1), max_rollbacks=2)])
+    assert len(tl.rollbacks) == 2
+
+
+class RecordLearningRates(AbstractCallback):
+    """The learning rate each optimizer step uses (read before the step, after SpikeRollback lowered it), by batch
+    index over the run (a replayed batch overwrites what the rolled-back run recorded)."""
+
+    def __init__(self):
+        super().__init__("lr at each step", execution_order=50)
+        self.used = {}
+
+    def on_after_gradient_update(self, optimizer_idx):
+        tl = self.train_loop_obj
+        if tl.optimizer_step_due:
+            self.used[tl.total_iteration_idx] = tl.optimizer.param_groups[0]["lr"]
+
+
+def test_the_cooldown_lowers_the_learning_rate_for_its_steps_and_a_scheduler_goes_on_as_without_it():
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    seen, plain = RecordLearningRates(), RecordLearningRates()
+    tl = train(make_loop(model, loader(Poisoned(poison))),
+               callbacks=[SpikeRollback(**SETTINGS, lr_factor=0.1, cooldown_steps=3),
+                          StepLRScheduler(step_size=7, gamma=0.5, step_per_optimizer_step=True), seen])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})),
+                      callbacks=[StepLRScheduler(step_size=7, gamma=0.5, step_per_optimizer_step=True), plain])
+    assert seen.used.keys() == plain.used.keys()
+    lowered = sorted(index for index in plain.used if seen.used[index] != plain.used[index])
+    restored = tl.rollbacks[0]["restored"]
+    first_replayed = restored["epoch"] * 12 + restored["iteration"] + 1  # no batch left out before it
+    assert lowered == [first_replayed, first_replayed + 1, first_replayed + 2]
+    for index in lowered:
+        assert seen.used[index] == 0.1 * plain.used[index]
+    assert len(set(plain.used.values())) > 3  # the scheduler changed the rate during the run
+    assert tl.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"]
+
+
+class CheckpointAt(AbstractCallback):
+    """Keeps a mid-epoch checkpoint (as bytes) taken at the end of batch ``at`` = (epoch, iteration) once the run
+    rolled back ``after_rollbacks`` times."""
+
+    def __init__(self, at, after_rollbacks=1):
+        super().__init__("checkpoint at a batch", execution_order=200)
+        self.at, self.after_rollbacks, self.saved = at, after_rollbacks, None
+
+    def on_batch_end(self):
+        tl = self.train_loop_obj
+        if (tl.epoch, tl.iteration) == self.at and len(tl.rollbacks) == self.after_rollbacks \
+                and tl.should_execute_optimizer_update():
+            buffer = io.BytesIO()
+            torch.save(tl.checkpoint_state(mid_epoch=True), buffer)
+            self.saved = buffer.getvalue()
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_run_resumed_from_a_checkpoint_written_after_a_rollback_equals_the_straight_one(grad_accumulation):
+    poison = poisoned_at(1, 3)
+    model, twin = model_pair(MLP)
+    keeper = CheckpointAt((1, 7))  # after the left-out batch, in its epoch: the resume fast-forwards past it
+    straight = train(make_loop(model, loader(Poisoned(poison))), grad_accumulation=grad_accumulation,
+                     callbacks=[SpikeRollback(**SETTINGS), keeper])
+    assert keeper.saved is not None
+    checkpoint = torch.load(io.BytesIO(keeper.saved), weights_only=True)
+    assert checkpoint["rollbacks"]["skipped"] == [[1, 3]]
+
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=4, grad_accumulation=grad_accumulation, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.rollbacks == straight.rollbacks
+    assert resumed.train_history["accumulated_loss"] == straight.train_history["accumulated_loss"]
+
+
+def test_a_checkpoint_without_the_rollbacks_key_leaves_nothing_out():
+    model, twin = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned()))
+    tl.run_state.rollbacks.skip(0, 1)
+    checkpoint = tl.checkpoint_state()
+    del checkpoint["rollbacks"]
+    other = make_loop(twin, loader(Poisoned()))
+    other.run_state.rollbacks.skip(0, 2)
+    other.load_checkpoint(checkpoint)
+    assert other.run_state.rollbacks.skipped == {} and other.rollbacks == []
+
+
+def test_bfloat16_autocast_run_completes_and_leaves_the_batch_out():
+    poison = poisoned_at(1, 5)
+    model, _ = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison)), use_amp={"opt_level": "O1", "dtype": torch.bfloat16}),
+               num_epochs=3, callbacks=[SpikeRollback(**SETTINGS)])
+    assert [(r["epoch"], r["iteration"]) for r in tl.rollbacks] == [(1, 5)]
+    assert all(torch.isfinite(p).all() for p in tl.model.parameters())
+    assert max(p.abs().max().item() for p in tl.model.parameters()) < 10
+
+
+def test_a_preset_writes_rollbacks_json_into_its_run_folder(tmp_path):
+    poison = poisoned_at(1, 5)
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poison)), loop_class=TrainLoopCheckpoint, project_name="proj",
+                   experiment_name="exp", local_model_result_folder_path=str(tmp_path), hyperparams={})
+    train(tl, num_epochs=2, callbacks=[SpikeRollback(**SETTINGS)])
+    records = json.loads(open(os.path.join(tl.experiment_folder.path, "rollbacks.json")).read())
+    assert [(r["epoch"], r["iteration"]) for r in records] == [(1, 5)]
+    assert set(records[0]) == {"epoch", "iteration", "loss", "median", "skipped_samples", "restored"}
+
+
+class CountChecks(AbstractCallback):
+    """How often the loop ran an after-step action (SpikeRollback's check: the only host synchronisation it adds)."""
+
+    def __init__(self):
+        super().__init__("count checks", execution_order=300)
+        self.checks = 0
+
+    def on_batch_end(self):
+        if self.train_loop_obj.run_state._after_step is not None:
+            self.checks += 1
+
+
+def test_the_losses_are_judged_once_per_interval_not_per_batch():
+    model, _ = model_pair(MLP)
+    counter = CountChecks()
+    train(make_loop(model, loader(Poisoned())), num_epochs=4, callbacks=[SpikeRollback(**SETTINGS), counter])
+    assert counter.checks == 1 + 48 // 5 + 1  # the first step of the fit, every 5 steps, the last step
+
+
+def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns():
+    poison = poisoned_at(3, 10)  # the check at step 45 saw nothing; the fit ends at step 48
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {3: {10}})))
+    assert_params_equal(tl.model, reference.model)
+    assert [(r["epoch"], r["iteration"]) for r in tl.rollbacks] == [(3, 10)]
+
+
+@pytest.mark.parametrize("bad", [dict(factor=0), dict(window=0), dict(snapshot_every=0), dict(skip_batches=0),
+                                 dict(lr_factor=-1.0), dict(cooldown_steps=2), dict(snapshot="disk"),
+                                 dict(max_rollbacks=-1)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SpikeRollback(**bad)
+
+
+def test_older_checkpoint_snapshots_are_deleted_but_never_another_callbacks_checkpoint(tmp_path):
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    model, _ = model_pair(MLP)
+    saver = ModelIterationCheckpoint(5, project_name="proj", experiment_name="both",
+                                     local_model_result_folder_path=str(tmp_path))
+    tl = train(make_loop(model, loader(Poisoned())),
+               callbacks=[saver, SpikeRollback(**SETTINGS, snapshot="checkpoint")])
+    folder = tmp_path / "proj" / f"both_{tl.experiment_timestamp}" / "checkpoint_model"
+    kept = sorted(int(path.name.split("_ITER")[1][:-4]) for path in folder.iterdir() if "_ITER" in path.name)
+    # ModelIterationCheckpoint's every 5 batches (also where SpikeRollback saved the same step), SpikeRollback's
+    # last (the end of the fit); its first (batch 0) was deleted when the next was kept.
+    assert kept == list(range(4, 48, 5)) + [47]
