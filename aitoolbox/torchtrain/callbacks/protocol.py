@@ -36,6 +36,11 @@ class TrainLoopView(Protocol):
     ``amp_scaler`` (aitoolbox 1.x's GradScaler-like view of it). ``shards_parameters``: whether checkpoints are
     sharded (written by every process with :meth:`save_sharded_checkpoint`).
 
+    For a callback that changes the run's course (``SpikeRollback``): ``run_state`` (the run's progress, see
+    ``train_loop/run_state.py``), ``rollbacks`` (the rollbacks so far), ``epoch_start_rng_state`` (the RNG state the
+    current epoch's data order was drawn from), ``experiment_folder`` (a preset's run folder, else None) and
+    :meth:`all_reduce_sum`.
+
     Write: ``grad_cb_used`` (aitoolbox 1.x's flag, accepted and ignored: every overridden hook is called),
     ``pending_restore`` (read and cleared by checkpoint-loading callbacks before training).
     """
@@ -64,6 +69,8 @@ class TrainLoopView(Protocol):
     message_service: Any  # aitoolbox.torchtrain.callbacks.messages.MessageService
     grad_cb_used: bool
     pending_restore: Optional[dict]
+    run_state: Any  # aitoolbox.torchtrain.train_loop.run_state.RunState
+    experiment_folder: Any  # a preset's ExperimentFolder, else None
 
     @property
     def device(self) -> torch.device:
@@ -90,6 +97,14 @@ class TrainLoopView(Protocol):
         """The batch being trained, as the training loader yielded it; None outside a training batch."""
 
     @property
+    def rollbacks(self) -> List[dict]:
+        """The rollbacks of the run so far (SpikeRollback), oldest first."""
+
+    @property
+    def epoch_start_rng_state(self) -> Optional[dict]:
+        """The RNG state the current epoch's data order was drawn from."""
+
+    @property
     def precision(self) -> Any:
         """The loop's :class:`~aitoolbox.torchtrain.precision.Precision`, once set up."""
 
@@ -107,6 +122,9 @@ class TrainLoopView(Protocol):
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the processes (a collective: every process calls it)."""
 
     def broadcast_object(self, obj: Any) -> Any:
         """The main process's value of ``obj`` in every process (a collective: every process calls it)."""

@@ -245,7 +245,7 @@ class SpikeRollback(AbstractCallback):
         the run if they are clean, else roll back."""
         losses = torch.stack([value.float() for value in self._pending])
         own_flags, medians = self._spikes(losses)
-        agreed = tl.strategy.all_reduce_sum(own_flags.float()).cpu()  # the interval's only host synchronisation
+        agreed = tl.all_reduce_sum(own_flags.float()).cpu()  # the interval's only host synchronisation
         spiking = agreed.nonzero()
         if spiking.numel() == 0:
             if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
@@ -299,7 +299,7 @@ class SpikeRollback(AbstractCallback):
         positions = [history.loader_position(epoch, skipped) for skipped in iterations]
         own = (bool(own_flags[first]), float(losses[first]), float(medians[first]),
                batch_indices(tl.train_loader, epoch, self._epoch_rngs.get(epoch), positions))
-        per_rank = tl.strategy.all_gather_objects(own)  # a rollback is rare: the spiking rank's numbers for all
+        per_rank = tl.all_gather_objects(own)  # a rollback is rare: the spiking rank's numbers for all
         spiked = next(values for values in per_rank if values[0])
         samples = None if any(values[3] is None for values in per_rank) else \
             [index for values in per_rank for index in values[3]]

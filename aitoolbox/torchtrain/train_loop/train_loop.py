@@ -278,6 +278,11 @@ class TrainLoop:
         in a distributed run: every process calls it at the same point."""
         return self.strategy.all_gather_objects(obj)
 
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the processes (``tensor`` itself in a single process); a collective in a
+        distributed run: every process calls it at the same point."""
+        return self.strategy.all_reduce_sum(tensor)
+
     def broadcast_object(self, obj: Any) -> Any:
         """The main process's value of ``obj`` (picklable), in every process; a collective in a distributed run:
         every process calls it at the same point."""
