@@ -47,31 +47,12 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import _common  # noqa: E402
+from overhead import TinyLinear  # noqa: E402  (the overhead benchmark's tiny model)
 
 from aitoolbox.torchtrain.callbacks import ProfilerCallback  # noqa: E402
-from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.train_loop import TrainLoop  # noqa: E402
 
 RUNNERS = ("plain", "plain again", "after the schedule", "in wait steps")
-
-
-class TinyLinear(TTModel):
-    """One linear layer: so little compute that the loop's own cost per batch shows."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.linear(x)
-
-    def get_loss(self, batch_data, criterion, device):
-        x, y = batch_data
-        return criterion(self(x.to(device)), y.to(device))
-
-    def get_predictions(self, batch_data, device):
-        x, y = batch_data
-        return self(x.to(device)).argmax(dim=1).cpu(), y, None
 
 
 class Runner:
