@@ -25,6 +25,7 @@ def test_single_device_amp_initialize_then_trainloop_learns_the_digits():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_multi_device_fit_distributed_with_amp_init_args_on_two_cpu_processes():
     completed = run([SCRIPTS / "multi_device_training.py", "--epochs", "2", "--cpu-processes", "2", "--no-progress"],
                     env=clean_environment(threads=1))

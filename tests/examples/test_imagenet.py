@@ -80,6 +80,8 @@ def test_summary_commands(tiny_imagefolder, tmp_path, opt_level, options, loss_s
         assert "master_weights" in checkpoint["amp"]  # saved, so that resuming O2 is exact
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_deterministic_runs_save_bitwise_identical_weights(tiny_imagefolder, tmp_path):
     # Two DataLoader workers: their random crops and flips are seeded from the run's seed as well.
     first, second = tmp_path / "first", tmp_path / "second"
@@ -98,6 +100,8 @@ def test_deterministic_runs_save_bitwise_identical_weights(tiny_imagefolder, tmp
     assert momenta and all(torch.equal(s, t) for s, t in momenta)
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_prof_profiles_the_given_number_of_iterations_and_stops(tiny_imagefolder, tmp_path):
     output = train(tiny_imagefolder, tmp_path, "--prof", "2")
     assert "Self CPU" in output and "aten::" in output  # torch.profiler's table
@@ -107,6 +111,8 @@ def test_prof_profiles_the_given_number_of_iterations_and_stops(tiny_imagefolder
     assert not (tmp_path / "checkpoint.pth.tar").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_resume_continues_from_the_checkpoint_and_evaluate_only_validates(tiny_imagefolder, tmp_path):
     train(tiny_imagefolder, tmp_path, "--opt-level", "O1")
     first = load_checkpoint(tmp_path)
@@ -123,6 +129,8 @@ def test_resume_continues_from_the_checkpoint_and_evaluate_only_validates(tiny_i
     assert len(validation_results(evaluated)) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_fake_data_needs_no_folder_and_a_folder_or_fake_data_is_required(tmp_path):
     output = run([SCRIPT, *TINY, "--fake-data", "--fake-classes", "4", "--fake-samples", "16",
                   "--checkpoint-dir", tmp_path]).stdout

@@ -121,6 +121,7 @@ def _wait_while_rank_0_does_not_answer(rank: int, init_method: str, job_timeout_
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_checkpoint_group_takes_the_timeout_of_the_job(tmp_path):
     """Made with torch's default, a save's collective waited 30 minutes for a process that does not answer."""
     context = multiprocessing.get_context("forkserver")

@@ -456,6 +456,7 @@ def test_compile_stats_do_not_count_compilations_of_other_code():
 
 # --- inductor ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.extended
 def test_inductor_training_equals_eager_and_compiles_only_in_the_first_epoch():
     eager = build(False, use_amp=True)
     eager.fit(num_epochs=3)

@@ -24,6 +24,7 @@ def test_gradient_differences_name_missing_zero_non_finite_and_distant_gradients
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_inductor_on_the_quickstart_cnn_is_caught_when_it_computes_wrong_gradients():
     """Whether this torch's inductor miscompiles the CNN is measured here with plain torch.compile (dropout off,
     as the check compares); TrainLoop must stop exactly when it does, naming the convolutions."""

@@ -201,6 +201,7 @@ FSDP_JOIN_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchrun_style_environment_joins_an_fsdp_job(tmp_path):
     """Under torchrun each process keeps its sharded model; the full weights are gathered on request."""
     script = tmp_path / "join_fsdp.py"

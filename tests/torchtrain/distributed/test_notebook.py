@@ -35,6 +35,8 @@ def test_seed_snippet_in_a_jupyter_notebook(tmp_path):
     check_seed_result(seed_result(text))
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_script_piped_to_python_stdin(tmp_path):
     """``python - < script``: the code has no file; its top-level model class trains in forked processes."""
     program = SEED_PRELUDE + FORK_CHECK + textwrap.dedent(SEED_SNIPPET) + textwrap.dedent(SEED_REPORT)

@@ -32,7 +32,7 @@ def run_two_nodes(tmp_path, gpu_mode: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu_mode", ["fsdp", "ddp"])
+@pytest.mark.parametrize("gpu_mode", [pytest.param("fsdp", marks=pytest.mark.extended), "ddp"])
 def test_every_nodes_launcher_returns_the_trained_model(tmp_path, gpu_mode):
     """Under FSDP the whole state is gathered on global rank 0 only: node 1's launcher gets it too."""
     node0, node1 = run_two_nodes(tmp_path, gpu_mode)

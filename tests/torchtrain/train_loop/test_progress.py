@@ -83,6 +83,8 @@ EPOCH_BARS = 2
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_transient_bars_leave_nothing_in_the_saved_notebook(tmp_path):
     pytest.importorskip("ipywidgets")
     nbformat = pytest.importorskip("nbformat")
