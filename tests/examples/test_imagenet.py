@@ -62,11 +62,11 @@ def assert_trained_one_epoch(output: str, folder: Path) -> dict:
 # resnet_tiny has 38 parameter tensors, 24 of them BatchNorm weights and biases. On a CPU the low-precision
 # type is bfloat16.
 @pytest.mark.parametrize("opt_level, options, loss_scale, dtypes", [
-    ("O0", [], 1.0, "38 float32"),
+    pytest.param("O0", [], 1.0, "38 float32", marks=pytest.mark.extended),
     ("O1", ["--loss-scale", "128.0"], 128.0, "38 float32"),
     # dynamic scale (bfloat16 is not scaled unless asked): starts at 2**16 and may have moved
     ("O2", ["--loss-scale", "dynamic"], None, "14 bfloat16, 24 float32"),
-    ("O3", [], 1.0, "38 bfloat16"),
+    pytest.param("O3", [], 1.0, "38 bfloat16", marks=pytest.mark.extended),
     ("O3", ["--keep-batchnorm-fp32", "True"], 1.0, "14 bfloat16, 24 float32"),
 ])
 def test_summary_commands(tiny_imagefolder, tmp_path, opt_level, options, loss_scale, dtypes):
