@@ -205,6 +205,9 @@ def test_uploads_slower_than_checkpointing_hold_one_file_open_drop_superseded_ve
     assert not [path for path in local if os.path.basename(path).startswith(STAGING_PREFIX)]  # no pin left
 
 
+# The GCS run (about 30 s: the emulator's retries) in the extended tier; S3 in the suite.
+@pytest.mark.parametrize("service", ["s3", pytest.param("gcs", marks=[pytest.mark.slow, pytest.mark.extended])],
+                         indirect=True)
 def test_a_bucket_gone_mid_run_fails_fit_at_the_end_naming_bucket_and_key_and_keeps_every_local_file(
         service, bucket, proxy, tmp_path, aitoolbox_records):
     def network_down_after_epoch_0(tl):

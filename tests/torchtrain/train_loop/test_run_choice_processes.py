@@ -87,6 +87,7 @@ def test_node_local_disks_that_differ_resume_every_rank_from_rank_0s_checkpoint(
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_sharded_checkpoint_missing_on_a_node_stops_the_job_naming_it_and_the_rank(tmp_path):
     roots = [tmp_path / "node0", tmp_path / "node1"]
     # Saved by one node's 2 processes (a 2-node FSDP fit_distributed fails after training on node 1: issue 22.4).
