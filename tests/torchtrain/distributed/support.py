@@ -196,6 +196,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_environments(world_size: int = 2) -> List[dict]:
+    """The environment torchrun gives each of ``world_size`` processes on this machine (a free port for the job)."""
+    port = str(free_port())
+    return [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port} for rank in range(world_size)]
+
+
 def process_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
     try:

@@ -11,7 +11,7 @@ import torch
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement, detect_external_launcher, job_master_port
 from aitoolbox.torchtrain.train_loop.distributed_fit import processes_per_node, rendezvous
 from tests.torchtrain.distributed.support import (
-    assert_state_dicts_equal, free_port, make_model, run_scripts_together, script_env)
+    assert_state_dicts_equal, free_port, make_model, run_scripts_together, script_env, torchrun_environments)
 
 
 # --- detect_external_launcher on fake environments ---------------------------------------------------------------
@@ -206,10 +206,7 @@ def test_torchrun_style_environment_joins_an_fsdp_job(tmp_path):
     """Under torchrun each process keeps its sharded model; the full weights are gathered on request."""
     script = tmp_path / "join_fsdp.py"
     script.write_text(FSDP_JOIN_SCRIPT)
-    port = str(free_port())
-    run_scripts_together([[script, tmp_path]] * 2,
-                         [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": port} for rank in (0, 1)])
+    run_scripts_together([[script, tmp_path]] * 2, torchrun_environments(2))
     rank0, rank1 = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert rank0["sharded"] == rank1["sharded"] == "DTensor" and rank0["epoch"] == 1
     assert rank1["full"] == {} and set(rank0["full"]) == set(make_model().state_dict())

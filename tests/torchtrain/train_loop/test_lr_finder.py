@@ -461,13 +461,10 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_every_rank_of_a_torchrun_style_job_gets_the_same_suggestion(tmp_path):
-    from tests.torchtrain.distributed.support import free_port, run_scripts_together
+    from tests.torchtrain.distributed.support import run_scripts_together, torchrun_environments
     script = tmp_path / "lr_find_job.py"
     script.write_text(DDP_SCRIPT)
-    port = str(free_port())
-    run_scripts_together([[script, tmp_path]] * 2,
-                         [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": port} for rank in (0, 1)], timeout=240)
+    run_scripts_together([[script, tmp_path]] * 2, torchrun_environments(2), timeout=240)
     rank0, rank1 = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert rank0["suggestion"] is not None
     for key in ("suggestion", "raw", "lrs", "weights"):
