@@ -17,6 +17,9 @@ GPU_TEST_FILES=$(grep -rl "pytest.mark.gpu\|mark\.gpu" tests --include='test_*.p
 timeout "${GPU_TESTS_S:-240}" python -m pytest -m gpu -q -p no:cacheprovider -rs $GPU_TEST_FILES \
   > "$OUT/gpu_tests.txt" 2>&1; echo "exit $?" >> "$OUT/gpu_tests.txt"
 timeout "${SYNCS_S:-90}" python benchmarks/cuda_syncs.py > "$OUT/cuda_syncs.txt" 2>&1; echo "exit $?" >> "$OUT/cuda_syncs.txt"
+# The same with ThroughputMonitor on: it must add no host synchronisation per batch (issue 24).
+timeout "${SYNCS_S:-90}" python benchmarks/cuda_syncs.py --monitor > "$OUT/cuda_syncs_monitor.txt" 2>&1
+echo "exit $?" >> "$OUT/cuda_syncs_monitor.txt"
 timeout "${AMP_S:-180}" python benchmarks/amp_modes.py --model vit --iters 100 --warmup 10 --repeats 3 \
   --batch-size 256 --dim 384 --depth 6 --heads 6 --threads 4 > "$OUT/amp_modes_vit_large.txt" 2>&1
 echo "exit $?" >> "$OUT/amp_modes_vit_large.txt"
