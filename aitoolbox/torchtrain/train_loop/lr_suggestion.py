@@ -5,9 +5,12 @@ The rules read the *smoothed* loss against the learning rate (steps ``0..n-1``):
 
 ``'valley'`` (fastai's default rule, written here from its description)
     The longest valley: the longest strictly decreasing subsequence of the smoothed losses (not necessarily of
-    neighbouring steps: noise may interrupt the descent), the earliest one when several are equally long. From its
-    first step ``a`` to its last step ``b``, the suggestion is the learning rate of step ``a + (b - a) // 2``: half
-    way down, where the loss still falls fast but is far from the edge where it starts to blow up.
+    neighbouring steps: noise may interrupt the descent), the earliest one when several are equally long. As in
+    fastai, the valley spans as many steps as it has points, ending at its last step ``b``: ``a = b - points + 1``,
+    so that a long plateau, whose noise the subsequence threads through point by point with the steps in between
+    skipped, does not stretch the valley back into it. The suggestion is the learning rate of step
+    ``a + (b - a) // 2``: half way down, where the loss still falls fast but is far from the edge where it starts to
+    blow up.
 ``'steepest'``
     The step where the smoothed loss falls fastest against ``log10(lr)`` on the way down to its lowest value: the
     most negative slope (central differences inside, one-sided at both ends, as ``numpy.gradient``) among the steps
@@ -130,9 +133,9 @@ def smoothed_losses(raw: List[float], smoothing: float) -> List[float]:
     return [average.add(loss) for loss in raw]
 
 
-def longest_valley(losses: List[float]) -> Tuple[int, int]:
-    """First and last step of the longest strictly decreasing subsequence of ``losses`` (the earliest-ending one
-    among equally long ones). O(n^2) over a few hundred steps at most."""
+def longest_valley(losses: List[float]) -> Tuple[int, int, int]:
+    """First step, last step and number of points of the longest strictly decreasing subsequence of ``losses`` (the
+    earliest-ending one among equally long ones). O(n^2) over a few hundred steps at most."""
     length = [1] * len(losses)
     start = list(range(len(losses)))
     best_end = 0
@@ -144,14 +147,15 @@ def longest_valley(losses: List[float]) -> Tuple[int, int]:
                 length[i], start[i] = length[j] + 1, start[j]
         if length[i] > length[best_end]:
             best_end = i
-    return start[best_end], best_end
+    return start[best_end], best_end, length[best_end]
 
 
 def suggestion_index(lrs: List[float], losses: List[float], rule: str) -> int:
     """The step whose learning rate ``rule`` suggests (see the module's description; ``'minimum'``: the step of the
     lowest loss, the suggestion being a tenth of its learning rate). Needs at least two steps."""
     if rule == "valley":
-        first, last = longest_valley(losses)
+        _, last, points = longest_valley(losses)
+        first = last - points + 1  # the span of its points, not of the plateau it threads through (see above)
         return first + (last - first) // 2
     if rule == "steepest":
         slopes = np.gradient(np.asarray(losses, dtype=np.float64), np.log10(np.asarray(lrs, dtype=np.float64)))

@@ -353,8 +353,15 @@ def test_apply_with_a_registered_scheduler_makes_the_suggestion_its_base_rate():
 def test_the_rules_on_a_hand_made_curve():
     lrs = [10.0 ** exponent for exponent in range(-6, 3)]  # 9 steps
     losses = [2.0, 2.1, 1.9, 1.5, 1.0, 0.6, 0.5, 0.55, 3.0]
-    assert longest_valley(losses) == (0, 6)  # 2.0 > 1.9 > 1.5 > 1.0 > 0.6 > 0.5 (2.1 is skipped)
-    assert suggestion_index(lrs, losses, "valley") == 3
+    assert longest_valley(losses) == (0, 6, 6)  # 2.0 > 1.9 > 1.5 > 1.0 > 0.6 > 0.5 (2.1 is skipped)
+    assert suggestion_index(lrs, losses, "valley") == 3  # the valley spans its 6 points: steps 1 to 6
+    # A plateau the subsequence threads through (every other step a little lower: 9 of its 18 steps) does not
+    # stretch the valley back to the plateau's start: its 14 points (9 + the 5 of the descent, steps 18 to 22) span
+    # steps 9 to 22, half way is step 15 (step 11 if the valley began at the subsequence's first point, step 0).
+    plateau = [2.0 - 0.001 * (step // 2) + (0.0005 if step % 2 else 0.0) for step in range(18)]
+    curve = plateau + [1.8, 1.4, 1.0, 0.7, 0.5, 3.0]
+    assert longest_valley(curve) == (0, 22, 14)
+    assert suggestion_index(list(range(len(curve))), curve, "valley") == 15
     assert suggestion_index(lrs, losses, "minimum") == 6
     # Slopes against log10(lr) up to the minimum (step 6): central differences, e.g. step 4: (0.6 - 1.5) / 2 = -0.45
     # is the steepest fall; step 7, (3.0 - 0.5) / 2, and a fall after a blow-up would not count.
