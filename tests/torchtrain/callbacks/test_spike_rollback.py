@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
-from aitoolbox.torchtrain.callbacks import SpikeRollback
+from aitoolbox.torchtrain.callbacks import SpikeRollback, ThroughputMonitor
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollbackError
@@ -357,3 +357,49 @@ def test_older_checkpoint_snapshots_are_deleted_but_never_another_callbacks_chec
     # ModelIterationCheckpoint's every 5 batches (also where SpikeRollback saved the same step), SpikeRollback's
     # last (the end of the fit); its first (batch 0) was deleted when the next was kept.
     assert kept == list(range(4, 48, 5)) + [47]
+
+
+# --- with the features that run at the same time -------------------------------------------------------------------
+@pytest.mark.parametrize("use_amp, grad_accumulation, compiled, monitored", [
+    ({"opt_level": "O2"}, 2, False, False),  # bfloat16 weights with float32 masters, a window of two batches
+    ({"opt_level": "O1"}, 1, True, False),  # torch_compile: the replay runs the compiled graphs again
+    (False, 1, False, True),  # beside ThroughputMonitor (batch hooks of its own, a FLOP count on the first batch)
+], ids=["O2-accumulation", "O1-compiled", "with-ThroughputMonitor"])
+def test_rollback_is_bitwise_with_other_features(use_amp, grad_accumulation, compiled, monitored):
+    options = {"torch_compile": {"backend": "aot_eager"}} if compiled else {}
+    extra = [ThroughputMonitor(peak_flops=1e12)] if monitored else []
+    model, twin = model_pair(MLP)
+    torch._dynamo.reset()
+    tl = train(make_loop(model, loader(Poisoned(poisoned_at(1, 5))), use_amp=use_amp, **options),
+               callbacks=[SpikeRollback(**SETTINGS)] + extra, grad_accumulation=grad_accumulation)
+    torch._dynamo.reset()  # the reference compiles afresh, as a run of its own would
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}}), use_amp=use_amp, **options),
+                      grad_accumulation=grad_accumulation)
+    assert len(tl.rollbacks) == 1
+    assert_params_equal(tl.model, reference.model)
+
+
+class FailOnce(AbstractCallback):
+    """Raises once, at the end of the batch ``(epoch, iteration)``: a fit stopped half way."""
+
+    def __init__(self, epoch: int, iteration: int):
+        super().__init__("fail once")
+        self.at, self.failed = (epoch, iteration), False
+
+    def on_batch_end(self):
+        tl = self.train_loop_obj
+        if not self.failed and (tl.epoch, tl.iteration) == self.at:
+            self.failed = True
+            raise RuntimeError("stopped half way")
+
+
+@pytest.mark.parametrize("at", [(1, 3), (1, 8), (2, 2)], ids=["before-the-spike", "after-the-rollback", "next-epoch"])
+def test_a_fit_stopped_by_an_exception_and_called_again_ends_as_the_run_that_never_stopped(at):
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poisoned_at(1, 5)))), callbacks=[SpikeRollback(**SETTINGS)])
+    tl = make_loop(model, loader(Poisoned(poisoned_at(1, 5))))
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS), FailOnce(*at)])
+    tl.fit(num_epochs=4)  # continues where the exception stopped it, the left-out batch still left out
+    assert_params_equal(tl.model, straight.model)
+    assert tl.train_history["rollbacks"] == straight.train_history["rollbacks"] == [0, 1, 0, 0]
