@@ -481,3 +481,23 @@ def test_every_rank_of_a_torchrun_style_job_gets_the_same_suggestion(tmp_path):
     # The step's loss is the mean over the ranks, each having seen its own share of the data.
     assert rank0["own_first"] != rank1["own_first"]
     assert rank0["raw"][0] == pytest.approx((rank0["own_first"] + rank1["own_first"]) / 2, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell_args", [("O1", "single", 3, True, "multi2", True), ("O2", "single", 1, False, "multi2", True)],
+                         ids=["O1-compiled-two-optimizers-accumulation", "O2-two-optimizers-clipping"])
+def test_fit_after_lr_find_is_bitwise_fit_alone_in_matrix_cells(cell_args):
+    # Cells of the feature matrix (tests/combinations): a MultiLoss with two optimizers, compiled (its backward
+    # graph serves both losses, so donated buffers must stay off during the search too) or under O2.
+    from tests.combinations.support import Cell, build_loop, fit
+    cell = Cell(*cell_args)
+    torch._dynamo.reset()
+    straight = build_loop(cell)
+    torch.manual_seed(5)
+    fit(straight, cell, 2)
+    torch._dynamo.reset()
+    tl = build_loop(cell)
+    torch.manual_seed(5)
+    assert tl.lr_find(num_iterations=6, grad_accumulation=cell.grad_accumulation).suggestion is not None
+    fit(tl, cell, 2)
+    assert_params_equal(tl.model, straight.model)
