@@ -377,7 +377,7 @@ def test_train_end_save_with_its_own_folder(tmp_path):
     run = only_run_folder(tmp_path)
     with open(os.path.join(run, "results", "results.json")) as handle:
         results = json.load(handle)
-    assert set(results["results"]["validation"]) == {"Accuracy"} and results["results"] == callback.results
+    assert set(results["results"]["validation"]) == {"Accuracy", "F1_score", "Precision", "Recall"} and results["results"] == callback.results
     assert json.loads(open(os.path.join(run, "hyperparams.json")).read()) == {"lr": 1e-2}
     (model_file,) = os.listdir(os.path.join(run, "model"))
     assert_same_weights(torch.load(os.path.join(run, "model", model_file), weights_only=True)["model_state_dict"],
