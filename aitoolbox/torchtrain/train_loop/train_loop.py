@@ -108,10 +108,11 @@ class TrainLoop:
         self.loop_model = validation.resolve_model(model)
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
         self.batch_model_feed_def = model.batch_model_feed_def if isinstance(model, ModelWrap) else None
-        validation.check_loader(train_loader, "train_loader", required=True)
+        validation.check_loader(train_loader, "train_loader")
         check_validation_loader(validation_loader)
-        validation.check_loader(test_loader, "test_loader", required=False)
+        validation.check_loader(test_loader, "test_loader")
         self.optimizers: List[torch.optim.Optimizer] = validation.as_optimizer_list(optimizer)
+        validation.check_criterion(criterion)
         validation.check_end_auto_eval(end_auto_eval)
         self.train_loader = train_loader
         self.validation_loader = validation_loader
