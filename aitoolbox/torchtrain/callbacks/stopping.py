@@ -144,7 +144,7 @@ class EarlyStopping(AbstractCallback):
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(
                 f"EarlyStopping: {self.monitor} has not improved for {self.patience + 1} epoch(s); stopped at epoch "
-                f"{epoch}, best epoch {self.best_epoch} ({self.monitor}={self.best_performance:.6g})")
+                f"{epoch + 1}, best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})")
 
     def _improves(self, current: float) -> bool:
         if self.mode == "min":
@@ -212,7 +212,7 @@ class ThresholdEarlyStopping(AbstractCallback):
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(
                 f"ThresholdEarlyStopping: {self.monitor}={current} has not reached {self.threshold} for "
-                f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch}")
+                f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch + 1}")
 
     def state_dict(self) -> Dict[str, Any]:
         """The count of epochs in a row that missed the threshold (checkpoints store it under ``callbacks``)."""
@@ -254,7 +254,7 @@ class TerminateOnNaN(AbstractCallback):
         last_value = values[-1]
         if last_value is not None and not math.isfinite(float(last_value)):
             self.train_loop_obj.stop_training(
-                f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch}")
+                f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch + 1}")
 
 
 def all_equal_to(predictions: Any, value: float) -> bool:
@@ -289,6 +289,7 @@ class AllPredictionsSame(AbstractCallback):
         if not all_equal_to(predictions, self.value):
             return
         if self.verbose and self.train_loop_obj.is_main_process:
-            logger.warning("All the validation predictions at epoch %d are %s", self.train_loop_obj.epoch, self.value)
+            logger.warning("All the validation predictions at epoch %d are %s", self.train_loop_obj.epoch + 1,
+                           self.value)
         if self.stop_training:
             self.train_loop_obj.stop_training(f"AllPredictionsSame: all predictions are {self.value}")

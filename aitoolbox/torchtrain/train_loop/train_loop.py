@@ -675,7 +675,7 @@ class TrainLoop:
             self.callbacks_handler.register_callbacks(callbacks or [])  # as by a fit with nothing left to train
         logger.warning("Nothing to train: training was stopped at epoch %d by a stop request (e.g. EarlyStopping), "
                        "which ends the run. To train it further, set tl.early_stop = False before fit.",
-                       self.state.epoch)
+                       self.state.epoch + 1)
 
     def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
                         callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
