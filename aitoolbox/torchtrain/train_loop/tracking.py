@@ -142,6 +142,15 @@ class _ExperimentTrainLoop(TrainLoop):
             self.experiment_folder.reserve()
         return super().fit(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
 
+    @property
+    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+        """The callback saving this run's epoch checkpoints (``TrainLoopCheckpoint`` and ``TrainLoopCheckpointEndSave``
+        register one; else the first :class:`ModelCheckpoint` registered), or None. As Lightning's
+        ``trainer.checkpoint_callback``: ``tl.checkpoint_callback.best_model_path``, ``.load_best_model()``."""
+        checkpoints = [callback for callback in self.callbacks if isinstance(callback, ModelCheckpoint)]
+        epoch_savers = [callback for callback in checkpoints if not isinstance(callback, ModelIterationCheckpoint)]
+        return (epoch_savers or checkpoints or [None])[0]
+
     def run_record(self) -> dict:
         """What the launching process of ``fit_distributed`` adopts: the run folder rank 0 decided on and the
         checkpoint the run continued from (plain data)."""
