@@ -108,12 +108,10 @@ class _ExperimentTrainLoop(TrainLoop):
                 self._continue_or_start(*run_choice.decide_run(self.experiment_folder, destination, 1,
                                                                weights_only, self.lazy_experiment_save))
             elif not self.lazy_experiment_save:
-                self.experiment_folder.create()
-                logger.info("Experiment folder: %s", self.experiment_folder.path)
+                self.experiment_folder.create()  # its path is logged when training starts (see run_folders)
             return
         if writes_files_in_this_process() and not auto_resume and not self.lazy_experiment_save:
             self.experiment_folder.create()
-            logger.info("Experiment folder: %s", self.experiment_folder.path)
 
     def _continue_or_start(self, decision: run_choice.RunDecision, checkpoint) -> None:
         """Adopt the decided run folder and load what the run continues from (a path or a checkpoint dict)."""

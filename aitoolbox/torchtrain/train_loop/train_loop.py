@@ -27,7 +27,7 @@ from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
-from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, timestamp_now
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.compat import num_training_steps, optimizer_update_due
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
@@ -41,6 +41,7 @@ from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
+from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, make_default_run_folder
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
@@ -158,6 +159,8 @@ class TrainLoop:
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
+        self._default_run_folder: Optional[ExperimentFolder] = None  # a plain loop's, made when a callback needs it
+        self._run_folders = RunFolderAnnouncement()
         self._timestamp = timestamp_now()
         self._model_runner = None
         self._step_runner: Optional[StepRunner] = None  # with the model runner and precision, by set_up
@@ -225,8 +228,21 @@ class TrainLoop:
 
     @property
     def experiment_timestamp(self) -> str:
-        """The run's timestamp: its experiment folder's with a preset, else the time the TrainLoop was built."""
-        return self.experiment_folder.timestamp if self.experiment_folder is not None else self._timestamp
+        """The run's timestamp: its run folder's (a preset's, or the default one once made), else the time the
+        TrainLoop was built."""
+        folder = self.experiment_folder if self.experiment_folder is not None else self._default_run_folder
+        return folder.timestamp if folder is not None else self._timestamp
+
+    @property
+    def run_folder(self) -> ExperimentFolder:
+        """Where this run's files go: a preset's experiment folder, or for a plain TrainLoop the default
+        ``<working directory>/aitoolbox_runs/run_<timestamp>/`` that file-writing callbacks given no experiment
+        details share (nothing is created on disk before the first file is written into it)."""
+        if self.experiment_folder is not None:
+            return self.experiment_folder
+        if self._default_run_folder is None:
+            self._default_run_folder = make_default_run_folder(self._timestamp)
+        return self._default_run_folder
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:
@@ -754,6 +770,8 @@ class TrainLoop:
         self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
+        if self.strategy.is_main_process:
+            self._run_folders.announce(self)
         self._step_runner.start()
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)

@@ -161,9 +161,10 @@ def test_bad_arguments_fail_at_construction(make, error, message):
         make()
 
 
-def test_without_a_folder_the_callbacks_say_where_to_get_one():
-    with pytest.raises(ValueError, match="does not know where to write"):
-        make_loop().fit(num_epochs=1, callbacks=[ModelCheckpoint()])
+def test_with_some_of_the_folder_details_the_callbacks_say_what_to_pass():
+    # None of them writes into a plain loop's default run folder (tests/torchtrain/callbacks/test_default_run_folder).
+    with pytest.raises(ValueError, match="does not know where to write .*pass all three"):
+        make_loop().fit(num_epochs=1, callbacks=[ModelCheckpoint(project_name="p")])
 
 
 # --- ModelIterationCheckpoint ------------------------------------------------------------------------------------
