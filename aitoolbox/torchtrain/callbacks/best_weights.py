@@ -31,10 +31,11 @@ def _precision_of(tl: "TrainLoop") -> Any:
 
 
 def _forget_cached_evaluations(tl: "TrainLoop") -> None:
-    # Results cached for the current training iteration were computed with the weights just replaced.
-    evaluator = getattr(tl, "_evaluator", None)
-    if evaluator is not None:
-        evaluator.clear_cache()
+    # Results cached for the current training iteration were computed with the weights just replaced. (Where the
+    # cache is keyed on the weights' versions, load_state_dict's in-place copies make this redundant.)
+    clear_cache = getattr(getattr(tl, "_evaluator", None), "clear_cache", None)
+    if clear_cache is not None:
+        clear_cache()
 
 
 def _check_whole_model(tl: "TrainLoop", what: str) -> None:
@@ -47,7 +48,7 @@ def _check_whole_model(tl: "TrainLoop", what: str) -> None:
 
 def capture_weights(tl: "TrainLoop") -> Dict[str, Any]:
     """A copy, in host memory, of the model's state dict and (amp O2) of the float32 master weights."""
-    model_state = {name: value.detach().to("cpu", copy=True) for name, value in tl.model_for_user.state_dict().items()}
+    model_state = {name: value.detach().to("cpu", copy=True) for name, value in tl.model.state_dict().items()}
     precision = _precision_of(tl)
     masters = precision.master_weights if precision is not None else None
     return {"model": model_state,
@@ -58,7 +59,7 @@ def capture_weights(tl: "TrainLoop") -> Dict[str, Any]:
 def restore_weights(tl: "TrainLoop", weights: Dict[str, Any]) -> None:
     """Put weights :func:`capture_weights` took (or read from a checkpoint) into the loop's model."""
     _check_whole_model(tl, "putting other weights into the model")
-    tl.strategy.load_model_state_dict(tl.model_for_user, weights["model"])
+    tl.model.load_state_dict(weights["model"])  # the user's module: a parallel wrapper shares its parameters
     precision = _precision_of(tl)
     masters = precision.master_weights if precision is not None else None
     if masters is not None and weights.get("master_weights") is not None:

@@ -167,7 +167,7 @@ class ModelCheckpoint(CheckpointCallback):
         restore_weights(self.train_loop_obj, checkpoint_weights(path))
         logger.info("Loaded the weights of the best checkpoint %s (%s %.6g)", path, self._monitored_metric(),
                     self.best_model_score)
-        return self.train_loop_obj.model_for_user
+        return self.train_loop_obj.model
 
     def best_weights(self) -> ContextManager[nn.Module]:
         """A context in which the model holds the weights of :attr:`best_model_path`; afterwards (also after an

@@ -22,7 +22,8 @@ class TrainLoopView(Protocol):
       ``DataSubsetTestRun`` does) assigns it; the loop prepares a replaced evaluation loader anew.
       ``validation_loader`` may be a dict of named loaders; ``validation_set_names`` lists them (None for one).
     - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
-    - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``.
+    - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``,
+      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one).
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
@@ -83,6 +84,10 @@ class TrainLoopView(Protocol):
     @property
     def experiment_timestamp(self) -> str:
         """The run's timestamp."""
+
+    @property
+    def run_folder(self) -> Any:
+        """The run's ExperimentFolder: a preset's, or ``./aitoolbox_runs/run_<timestamp>/`` of a plain loop."""
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:
