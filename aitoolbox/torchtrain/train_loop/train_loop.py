@@ -47,7 +47,7 @@ from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
-    check_use_amp, create_precision, create_sharded_precision, initial_loss_scaler)
+    check_use_amp, create_precision, create_sharded_precision, describe_precision, initial_loss_scaler)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class TrainLoop:
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
         self._precision_chosen_by_user = False  # tl.precision assigned before fit: kept for every strategy
+        self._precision_announced = False
         compile_options = CompileOptions.from_argument(torch_compile)
         if compile_options is not None and gpu_mode == "dp":
             raise ValueError("torch_compile does not work with gpu_mode='dp': DataParallel copies the model to every "
@@ -382,6 +383,7 @@ class TrainLoop:
             if not self.strategy.shards_parameters:  # a sharded checkpoint read whole, before amp copies the weights
                 load_pending_sharded_weights(self)
             self.criterion = self.strategy.setup_criterion(self.criterion)
+            policy = None
             if self._precision is None and self.strategy.shards_parameters:
                 self._precision, policy = create_sharded_precision(self.use_amp, self.loop_model, self.optimizers,
                                                                    self.device)
@@ -389,6 +391,10 @@ class TrainLoop:
                 self._precision.agree_on_overflow = self.strategy.any_process  # each rank sees only its shards
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+            if self.use_amp and not self._precision_announced and self.strategy.is_main_process:
+                self._precision_announced = True  # once, as Lightning says which precision it uses
+                logger.info("Mixed precision (use_amp=%r): %s", self.use_amp,
+                            describe_precision(self._precision, self.loop_model, policy))
             self.amp_scaler.hand_over(self._precision)
             if self.strategy.is_distributed and not self.strategy.shards_parameters:
                 # Gradients accumulated into float32 masters bypass DDP's all-reduce (see Precision).
@@ -836,11 +842,12 @@ class TrainLoop:
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
         self.callbacks_handler.on_epoch_train_end()
-        self._evaluator.at_epoch_end()
-        self.callbacks_handler.on_epoch_end()
+        with self._evaluator.progress.shared("Evaluation", self.show_progress):  # the epoch end's passes: one bar
+            self._evaluator.at_epoch_end()
+            self.callbacks_handler.on_epoch_end()
         self.message_service.end_of_epoch_trigger()
         if self.strategy.is_main_process:
-            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
+            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history, self.validation_set_names)
         state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
