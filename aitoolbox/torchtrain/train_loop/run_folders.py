@@ -27,16 +27,21 @@ def decides_folder_names() -> bool:
     return placement is None or placement.rank == 0
 
 
-def make_default_run_folder(timestamp: str) -> ExperimentFolder:
-    """A plain TrainLoop's default run folder, its name decided now where this process decides it: callbacks
-    derive their paths (the TensorBoard and CSV folders) from it when they are registered, and a run started within
-    the same second as another must not write into that one's folder (``run_<timestamp>_1`` instead).
+def make_default_run_folder(timestamp: str, reserve: bool) -> ExperimentFolder:
+    """A plain TrainLoop's default run folder.
+
+    Args:
+        timestamp: the loop's.
+        reserve: decide the name now (a training in one process): callbacks derive their paths (the TensorBoard
+            and CSV folders) from it when they are registered, and a run started within the same second as another
+            must not write into that one's folder (``run_<timestamp>_1`` instead). False for a run of several
+            processes, which all name the folder by the timestamp (the main process creates it).
 
     Raises:
         OSError: the working directory cannot hold ``aitoolbox_runs/``.
     """
     folder = default_run_folder(timestamp)
-    if decides_folder_names():
+    if reserve and decides_folder_names():
         folder.reserve()
     return folder
 

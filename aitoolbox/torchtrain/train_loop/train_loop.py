@@ -161,6 +161,7 @@ class TrainLoop:
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
         self._default_run_folder: Optional[ExperimentFolder] = None  # a plain loop's, made when a callback needs it
+        self._launches_processes = False  # fit_distributed was called: processes and this one share folder names
         self._run_folders = RunFolderAnnouncement()
         self._timestamp = timestamp_now()
         self._model_runner = None
@@ -242,7 +243,10 @@ class TrainLoop:
         if self.experiment_folder is not None:
             return self.experiment_folder
         if self._default_run_folder is None:
-            self._default_run_folder = make_default_run_folder(self._timestamp)
+            # A run of several processes: every process (and the launching one) names it by the timestamp alone.
+            in_one_process = not (self._launches_processes or self.strategy.is_distributed
+                                  or self.gpu_mode in ("ddp", "fsdp"))
+            self._default_run_folder = make_default_run_folder(self._timestamp, reserve=in_one_process)
         return self._default_run_folder
 
     @property
@@ -757,6 +761,7 @@ class TrainLoop:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
+        self._launches_processes = True
         return fit_distributed(self, DistributedFitOptions(
             num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
             grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,

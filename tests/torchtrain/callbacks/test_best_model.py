@@ -195,3 +195,22 @@ def test_a_nan_score_is_never_the_best(tmp_path):
     deleted = prune_checkpoints([(float("nan"), paths[0]), (0.5, paths[1]), (0.2, paths[2])], keep_best=2,
                                 keep_always=[paths[2]], higher_is_better=True)
     assert deleted == [paths[0]]  # two places for the best, and still the NaN one goes
+
+
+# --- fit_distributed: the launching process knows the best checkpoint -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_after_fit_distributed_the_launching_process_has_the_best_checkpoint_and_weights(tmp_path, monkeypatch):
+    """Two CPU processes rank the checkpoints in the default run folder; the launcher reads the ranking, and
+    EarlyStopping(restore_best_weights=True) returned the best epoch's weights, those of the best checkpoint."""
+    from aitoolbox.torchtrain.callbacks import EarlyStopping
+    monkeypatch.chdir(tmp_path)
+    tl = TrainLoop(*loop_arguments(), show_progress=False)
+    checkpoint = ModelCheckpoint(rm_subopt_local_models="val_score", num_best_checkpoints_kept=1)
+    tl.fit_distributed(num_epochs=3, num_gpus=2, start_method="fork",
+                       callbacks=[Scripted("val_score", [0.2, 0.9, 0.5]), checkpoint,
+                                  EarlyStopping("val_score", patience=5, restore_best_weights=True)])
+    assert checkpoint.best_model_path.startswith(str(tmp_path / "aitoolbox_runs" / "run_"))
+    assert epoch_of(checkpoint.best_model_path) == 1 and checkpoint.best_model_score == 0.9
+    saved = torch.load(checkpoint.best_model_path, weights_only=True)["model_state_dict"]
+    assert same_weights(tl.model.state_dict(), saved)
