@@ -118,3 +118,30 @@ def test_a_run_resumed_from_a_checkpoint_restores_the_same_weights(tmp_path):
 def test_restore_best_weights_must_be_a_bool(value):
     with pytest.raises(TypeError, match="restore_best_weights must be True or False"):
         EarlyStopping(restore_best_weights=value)
+
+
+class ScriptedWithMasters(Scripted):
+    """Also keeps amp O2's float32 master weights at every epoch end."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.masters = {}
+
+    def on_epoch_end(self):
+        super().on_epoch_end()
+        tl = self.train_loop_obj
+        self.masters[tl.epoch] = tl.precision.master_weights.state_dict()
+
+
+def test_under_amp_o2_the_float32_master_weights_are_restored_too():
+    """O2 steps float32 masters and copies them into the low-precision model: restoring only the model would let
+    the next step put the last epoch's weights back (and lose the masters' precision)."""
+    tl = make_loop(use_amp={"opt_level": "O2"})
+    scripted = ScriptedWithMasters(VALUES)
+    tl.fit(num_epochs=5, callbacks=[scripted, EarlyStopping("val_score", patience=1, restore_best_weights=True)])
+    restored = tl.precision.master_weights.state_dict()
+    expected = scripted.masters[1]
+    assert len(restored) == len(expected)
+    for group, expected_group in zip(restored, expected):
+        assert all(torch.equal(a, b) for a, b in zip(group, expected_group))
+    assert_state(tl.model, scripted.states[1])
