@@ -137,6 +137,13 @@ def _check_detail(name: str, value: Optional[str]) -> None:
         raise ValueError(f"{name} must be a plain folder name without {os.sep!r}, got {value!r}")
 
 
+def _claimed_run_folder(tl: Any) -> Optional[ExperimentFolder]:
+    """The loop's run folder for a callback that will write into it (a plain TrainLoop's default one), or None for
+    a loop without one."""
+    claim = getattr(tl, "claim_run_folder", None)
+    return claim() if callable(claim) else None
+
+
 def _folder_key(folder: ExperimentFolder) -> Tuple[str, str, str, str]:
     return folder.root, folder.project_name, folder.experiment_name, folder.timestamp
 
@@ -264,19 +271,18 @@ class AbstractExperimentCallback(AbstractCallback):
             MissingExperimentDetailsError: a detail is None here and the loop does not provide it (a plain
                 TrainLoop provides those of its default run folder, to a callback given none of the three).
         """
-        defaults = {}
-        run_folder = getattr(self.train_loop_obj, "run_folder", None) \
-            if all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS) else None
-        if run_folder is not None:
-            defaults = {"project_name": run_folder.project_name, "experiment_name": run_folder.experiment_name,
-                        "local_model_result_folder_path": run_folder.root}
-        for name in _FOLDER_ARGUMENTS:
-            if getattr(self, name) is None:
-                value = getattr(self.train_loop_obj, name, None)
-                value = defaults.get(name) if value is None else value
-                if value is None:
-                    raise MissingExperimentDetailsError(self._missing_details_message())
-                setattr(self, name, value)
+        given_none = all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS)
+        values = {name: getattr(self, name) if getattr(self, name) is not None
+                  else getattr(self.train_loop_obj, name, None) for name in _FOLDER_ARGUMENTS}
+        if None in values.values() and given_none:
+            run_folder = _claimed_run_folder(self.train_loop_obj)  # a plain loop's default run folder
+            if run_folder is not None:
+                values = {"project_name": run_folder.project_name, "experiment_name": run_folder.experiment_name,
+                          "local_model_result_folder_path": run_folder.root}
+        if None in values.values():
+            raise MissingExperimentDetailsError(self._missing_details_message())
+        for name, value in values.items():
+            setattr(self, name, value)
         if infer_cloud_details and all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
             for name in _CLOUD_ARGUMENTS:
                 setattr(self, name, getattr(self.train_loop_obj, name, None))
@@ -352,7 +358,7 @@ class AbstractExperimentCallback(AbstractCallback):
             value = getattr(self, name)
             details[name] = value if value is not None else getattr(tl, name, None)
         if None in details.values():
-            run_folder = getattr(tl, "run_folder", None) if given_none and default else None
+            run_folder = _claimed_run_folder(tl) if given_none and default else None
             if run_folder is not None:
                 return run_folder
             raise MissingExperimentDetailsError(self._missing_details_message())

@@ -124,7 +124,8 @@ class ProfilerCallback(AbstractCallback):
             _check_writable(self.output_dir)
             return
         # A preset's experiment folder, or a plain TrainLoop's default run folder (./aitoolbox_runs/run_<timestamp>).
-        self._run_folder = getattr(self.train_loop_obj, "run_folder", None)
+        claim = getattr(self.train_loop_obj, "claim_run_folder", None)
+        self._run_folder = claim() if callable(claim) else getattr(self.train_loop_obj, "experiment_folder", None)
         if self._run_folder is None:
             raise ValueError(
                 "ProfilerCallback has nowhere to write its traces: pass output_dir='<folder>' to it, or use it with an "

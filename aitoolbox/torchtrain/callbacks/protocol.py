@@ -23,7 +23,8 @@ class TrainLoopView(Protocol):
       ``validation_loader`` may be a dict of named loaders; ``validation_set_names`` lists them (None for one).
     - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
     - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``,
-      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one).
+      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one) and
+      :meth:`claim_run_folder` (the same, for a callback that will write into it).
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
@@ -124,6 +125,9 @@ class TrainLoopView(Protocol):
     @property
     def shards_parameters(self) -> bool:
         """True under ``gpu_mode='fsdp'``: checkpoints are written by every process (sharded)."""
+
+    def claim_run_folder(self) -> Any:
+        """:attr:`run_folder` for a callback that writes into it: a default folder's name is decided now."""
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""

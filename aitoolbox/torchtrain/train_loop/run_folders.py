@@ -8,7 +8,7 @@ names none, and nothing is created for it.
 import logging
 from typing import TYPE_CHECKING, Any, List, Set
 
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, default_run_folder
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.torchtrain.distributed.environment import current_external_placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,11 +27,11 @@ def decides_folder_names() -> bool:
     return placement is None or placement.rank == 0
 
 
-def make_default_run_folder(timestamp: str, reserve: bool) -> ExperimentFolder:
-    """A plain TrainLoop's default run folder.
+def claim_default_run_folder(folder: ExperimentFolder, reserve: bool) -> None:
+    """A callback will write into a plain TrainLoop's default run folder ``folder``.
 
     Args:
-        timestamp: the loop's.
+        folder: the loop's default run folder.
         reserve: decide the name now (a training in one process): callbacks derive their paths (the TensorBoard
             and CSV folders) from it when they are registered, and a run started within the same second as another
             must not write into that one's folder (``run_<timestamp>_1`` instead). False for a run of several
@@ -40,10 +40,9 @@ def make_default_run_folder(timestamp: str, reserve: bool) -> ExperimentFolder:
     Raises:
         OSError: the working directory cannot hold ``aitoolbox_runs/``.
     """
-    folder = default_run_folder(timestamp)
+    folder.check_creatable()
     if reserve and decides_folder_names():
         folder.reserve()
-    return folder
 
 
 def run_folders_in_use(tl: "TrainLoop") -> List[Any]:

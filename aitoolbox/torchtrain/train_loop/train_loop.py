@@ -27,7 +27,7 @@ from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, timestamp_now
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, default_run_folder, timestamp_now
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.compat import num_training_steps, optimizer_update_due
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
@@ -41,7 +41,7 @@ from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
-from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, make_default_run_folder
+from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, claim_default_run_folder
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
@@ -160,10 +160,12 @@ class TrainLoop:
         self.callbacks: List[AbstractCallback] = self.callbacks_handler.callbacks
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
-        self._default_run_folder: Optional[ExperimentFolder] = None  # a plain loop's, made when a callback needs it
+        self._timestamp = timestamp_now()
+        # A plain loop's run folder for callbacks given no experiment details; nothing is created on disk before a
+        # callback claims it (claim_run_folder) and writes the first file.
+        self._default_run_folder = default_run_folder(self._timestamp)
         self._launches_processes = False  # fit_distributed was called: processes and this one share folder names
         self._run_folders = RunFolderAnnouncement()
-        self._timestamp = timestamp_now()
         self._model_runner = None
         self._step_runner: Optional[StepRunner] = None  # with the model runner and precision, by set_up
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
@@ -230,24 +232,29 @@ class TrainLoop:
 
     @property
     def experiment_timestamp(self) -> str:
-        """The run's timestamp: its run folder's (a preset's, or the default one once made), else the time the
-        TrainLoop was built."""
-        folder = self.experiment_folder if self.experiment_folder is not None else self._default_run_folder
-        return folder.timestamp if folder is not None else self._timestamp
+        """The run's timestamp: its run folder's (a preset's, or the default one: the time the TrainLoop was built,
+        suffixed ``_1`` when another run of that second claimed the name first)."""
+        return self.run_folder.timestamp
 
     @property
     def run_folder(self) -> ExperimentFolder:
         """Where this run's files go: a preset's experiment folder, or for a plain TrainLoop the default
         ``<working directory>/aitoolbox_runs/run_<timestamp>/`` that file-writing callbacks given no experiment
-        details share (nothing is created on disk before the first file is written into it)."""
-        if self.experiment_folder is not None:
-            return self.experiment_folder
-        if self._default_run_folder is None:
-            # A run of several processes: every process (and the launching one) names it by the timestamp alone.
+        details share. Reading it creates nothing; see :meth:`claim_run_folder`."""
+        return self.experiment_folder if self.experiment_folder is not None else self._default_run_folder
+
+    def claim_run_folder(self) -> ExperimentFolder:
+        """:attr:`run_folder`, for a callback that will write into it (called when it is registered). A plain
+        loop's default folder gets its name decided now in a training of one process (creating ``aitoolbox_runs/``
+        and the name's claim file, not the run folder): a run started within the same second as another writes
+        into ``run_<timestamp>_1``, and the paths callbacks derive from the folder now stay true. Under several
+        processes every process (and the launching one) names it by the timestamp alone."""
+        folder = self.run_folder
+        if folder is self._default_run_folder:
             in_one_process = not (self._launches_processes or self.strategy.is_distributed
                                   or self.gpu_mode in ("ddp", "fsdp"))
-            self._default_run_folder = make_default_run_folder(self._timestamp, reserve=in_one_process)
-        return self._default_run_folder
+            claim_default_run_folder(folder, reserve=in_one_process)
+        return folder
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:

@@ -100,13 +100,24 @@ def test_a_plain_loop_writing_nothing_creates_and_announces_nothing(tmp_path):
     assert not [line for line in lines if line.startswith("Run folder")]
 
 
-def test_two_loops_in_the_same_second_get_two_folders(tmp_path):
+def test_two_loops_in_the_same_second_get_two_folders(tmp_path, monkeypatch):
+    from aitoolbox.torchtrain.train_loop import train_loop as train_loop_module
+    monkeypatch.setattr(train_loop_module, "timestamp_now", lambda: "2026-01-02_03-04-05")  # the same second
     first, second = make_loop(), make_loop()
-    second._timestamp = first._timestamp  # started within the same second
-    for tl in (first, second):
-        tl.fit(num_epochs=1, callbacks=[CSVLogger()])
-    assert runs(tmp_path) == [f"run_{first.experiment_timestamp}", f"run_{first.experiment_timestamp}_1"]
-    assert second.experiment_timestamp == f"{first.experiment_timestamp}_1"
+    csv_first, csv_second = CSVLogger(), CSVLogger()
+    first.fit(num_epochs=1, callbacks=[csv_first])
+    second.fit(num_epochs=1, callbacks=[csv_second])
+    assert runs(tmp_path) == ["run_2026-01-02_03-04-05", "run_2026-01-02_03-04-05_1"]
+    assert second.experiment_timestamp == "2026-01-02_03-04-05_1"
+    # Each logger wrote into its own run's folder (its path was derived when it was registered).
+    assert csv_second.log_dir_path == str(tmp_path / DEFAULT_RUNS_FOLDER / "run_2026-01-02_03-04-05_1" / "csv_logs")
+    assert os.listdir(csv_first.log_dir_path) and os.listdir(csv_second.log_dir_path)
+
+
+def test_reading_the_run_folder_creates_nothing(tmp_path):
+    tl = make_loop()
+    assert tl.run_folder.path == str(tmp_path / DEFAULT_RUNS_FOLDER / f"run_{tl.experiment_timestamp}")
+    assert not (tmp_path / DEFAULT_RUNS_FOLDER).exists()
 
 
 def test_given_details_are_still_honoured_and_a_partial_set_is_an_error(tmp_path):
