@@ -84,6 +84,7 @@ def test_checkpoints_and_tensorboard_share_the_default_run_folder(tmp_path):
     assert not [line for line in lines if line.startswith("Run folder")]  # once: the first fit said it
 
 
+@pytest.mark.slow
 def test_lr_find_then_fit_writes_into_the_default_folder(tmp_path):
     """The issue's case: TensorboardFullTracking() failed with MissingExperimentDetailsError when fit started."""
     tl = make_loop()

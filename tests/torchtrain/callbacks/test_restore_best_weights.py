@@ -98,6 +98,7 @@ def test_the_test_loss_recorded_at_the_end_is_that_of_the_restored_weights():
     assert recorded == tl.evaluate_loss_on_test_set(force_prediction=True, float_dict_format=True)
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_a_checkpoint_restores_the_same_weights(tmp_path):
     folder = dict(project_name="p", experiment_name="e", local_model_result_folder_path=str(tmp_path))
     straight = make_loop()
