@@ -2,6 +2,9 @@
 
 Run:  python examples/quickstart.py            (about 10 s on 2 CPU cores)
       python examples/quickstart.py --epochs 30 --no-amp
+
+The best epoch's checkpoint (by validation accuracy) is kept in ./aitoolbox_runs/run_<timestamp>/checkpoint_model/,
+and the test accuracy is that of the best model.
 """
 import argparse
 
@@ -12,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
-from aitoolbox.torchtrain.callbacks.performance_eval import ModelPerformanceEvaluation, ModelPerformancePrintReport
+from aitoolbox.torchtrain.callbacks import ModelCheckpoint, ModelPerformanceEvaluation, ModelPerformancePrintReport
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
 
@@ -76,14 +79,19 @@ def main(argv=None) -> float:
 
     tl = TrainLoop(model, train_loader, val_loader, test_loader, optimizer, nn.CrossEntropyLoss(),
                    use_amp=not args.no_amp, show_progress=not args.no_progress)
-    model = tl.fit(num_epochs=args.epochs, callbacks=[
+    # Keeps the best epoch's checkpoint by validation accuracy (and the newest one, to resume from).
+    checkpoint = ModelCheckpoint(rm_subopt_local_models="val_Accuracy", num_best_checkpoints_kept=1)
+    tl.fit(num_epochs=args.epochs, callbacks=[
         ModelPerformanceEvaluation(ClassificationResultPackage(), args=vars(args), on_val_data=True),
         ModelPerformancePrintReport(["val_Accuracy"]),
+        checkpoint,
     ])
 
+    print(f"Best checkpoint: {checkpoint.best_model_path} (val_Accuracy {checkpoint.best_model_score:.4f})")
+    model = checkpoint.load_best_model()  # the best epoch's weights, in the TrainLoop's model
     y_pred, y_true, _ = tl.predict_on_test_set()
     test_accuracy = ClassificationResultPackage().prepare_result_package(y_true, y_pred).get_results()["Accuracy"]
-    print(f"Test accuracy: {test_accuracy:.4f} ({len(y_true)} digits, precision: {tl.precision})")
+    print(f"Test accuracy of the best model: {test_accuracy:.4f} ({len(y_true)} digits)")
     return test_accuracy
 
 

@@ -1,4 +1,5 @@
 """The two ways to hand a model to TrainLoop: subclass :class:`TTModel`, or wrap a module in :class:`ModelWrap`."""
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Tuple
 
 import torch
@@ -64,6 +65,19 @@ class TTBasicModel(TTModel):
     """
 
     def _split_batch(self, batch_data: Any, device: torch.device):
+        if isinstance(batch_data, Mapping) or not isinstance(batch_data, Sequence) or isinstance(batch_data, str):
+            what = (f"a dict with keys {list(batch_data)}" if isinstance(batch_data, Mapping)
+                    else f"a {type(batch_data).__name__}")
+            raise TypeError(f"{type(self).__name__} (a TTBasicModel) takes each batch as a sequence (input_1, ..., "
+                            f"input_n, target), got {what}. For other batches subclass TTModel and write get_loss "
+                            "and get_predictions, which receive the batch as the loader yields it.")
+        if len(batch_data) < 2:
+            raise ValueError(f"{type(self).__name__} (a TTBasicModel) needs batches of at least two elements (the "
+                             f"inputs, then the target), got {len(batch_data)}")
+        for index, element in enumerate(batch_data):
+            if not isinstance(element, torch.Tensor):
+                raise TypeError(f"{type(self).__name__} (a TTBasicModel) moves every batch element to the device: "
+                                f"element {index} of the batch is a {type(element).__name__}, not a tensor")
         *inputs, target = batch_data
         return [x.to(device) for x in inputs], target.to(device)
 

@@ -100,16 +100,17 @@ def test_an_email_after_every_epoch_and_at_the_end_of_training(s3_env, tmp_path)
 
     history = tl.train_history
     for epoch in range(2):
-        message = one_email(s3_env.url, f"End of epoch {epoch} report: {project}: exp")
+        # Epochs counted from 1, as the epoch's summary line counts them.
+        message = one_email(s3_env.url, f"End of epoch {epoch + 1} report: {project}: exp")
         assert message["From"] == f"Training bot <{SENDER}>" and message["To"] == RECIPIENT
         body = html_body(message)
-        assert f"<h2>End of epoch {epoch}</h2>" in body
+        assert f"<h2>End of epoch {epoch + 1}</h2>" in body
         for name in ("loss", "accumulated_loss", "val_loss"):
             assert f"<li><p>{name}: {history[name][epoch]}</p></li>" in body
         assert "hyper parameters" not in body and attachments(message) == {}
 
     final = html_body(one_email(s3_env.url, f"End of training: {project}: exp"))
-    assert "<h2>End of training at epoch 1</h2>" in final
+    assert "<h2>End of training at epoch 2</h2>" in final
     assert f"<li><p>val_loss: {history['val_loss'][-1]}</p></li>" in final
     assert "<li><p>lr: 0.01</p></li>" in final
     assert f"<li><p>note: {html.escape('<b>bold & brave</b>')}</p></li>" in final  # escaped, not markup
@@ -122,7 +123,7 @@ def test_a_plain_train_loop_with_names_given_reports_no_hyperparameters(s3_env):
     project = unique_project()
     tl = TrainLoop(*loop_arguments())
     tl.fit(num_epochs=1, callbacks=[EmailNotification("Bot", SENDER, RECIPIENT, project, "plain")])
-    one_email(s3_env.url, f"End of epoch 0 report: {project}: plain")
+    one_email(s3_env.url, f"End of epoch 1 report: {project}: plain")
     final = html_body(one_email(s3_env.url, f"End of training: {project}: plain"))
     assert "<h3>Used hyper parameters:</h3>\nNot given" in final
     assert f"<li><p>loss: {tl.train_history['loss'][-1]}</p></li>" in final
@@ -140,7 +141,7 @@ def test_the_history_callbacks_files_are_attached_and_a_missing_one_is_skipped(s
                                     EmailNotification("Bot", SENDER, RECIPIENT)])
 
     for epoch in range(2):
-        message = one_email(s3_env.url, f"End of epoch {epoch} report: {project}: exp")
+        message = one_email(s3_env.url, f"End of epoch {epoch + 1} report: {project}: exp")
         files = attachments(message)
         # Each epoch's e-mail has that epoch's files once (the messages last until the end of the epoch).
         names = [part.get_filename() for part in message.walk() if part.get_content_disposition() == "attachment"]
@@ -235,7 +236,7 @@ def test_an_attachment_gone_before_the_send_does_not_stop_training(s3_env, tmp_p
     assert len(tl.train_history["loss"]) == 2  # trained to the end
     # The first e-mail failed (logged); later ones go out without the file, which is no longer there.
     assert sorted(s for s in all_subjects(s3_env.url) if project in s) == [
-        f"End of epoch 1 report: {project}: exp", f"End of training: {project}: exp"]
+        f"End of epoch 2 report: {project}: exp", f"End of training: {project}: exp"]
     errors = [record.getMessage() for record in aitoolbox_records.records if record.levelname == "ERROR"]
     assert len([text for text in errors if "could not attach" in text and str(announced) in text]) == 1
 
@@ -257,5 +258,5 @@ def test_under_distributed_training_only_rank_0_sends(s3_env, given_to):
         tl.callbacks_handler.register_callbacks([callback])
         tl.fit_distributed(num_epochs=2, num_cpu_processes=2, start_method="fork")
     assert sorted(s for s in all_subjects(s3_env.url) if project in s) == [
-        f"End of epoch 0 report: {project}: ddp", f"End of epoch 1 report: {project}: ddp",
+        f"End of epoch 1 report: {project}: ddp", f"End of epoch 2 report: {project}: ddp",
         f"End of training: {project}: ddp"]

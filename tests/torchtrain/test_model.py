@@ -87,6 +87,30 @@ def test_basic_model_trains_like_the_hand_written_loop():
     assert_params_equal(model, reference)
 
 
+def test_basic_model_fed_a_dict_batch_says_what_to_do():
+    """It used to fail with "'str' object has no attribute 'to'" (the dict's keys taken as the inputs)."""
+    model = TwoInputRegressor()
+    x1, x2, y = two_input_data().tensors
+    batch = {"x1": x1, "x2": x2, "labels": y}
+    with pytest.raises(TypeError, match=r"TwoInputRegressor \(a TTBasicModel\) takes each batch as a sequence "
+                                        r"\(input_1, \.\.\., input_n, target\), got a dict with keys \['x1', 'x2', "
+                                        r"'labels'\].*subclass TTModel"):
+        model.get_loss(batch, nn.MSELoss(), torch.device("cpu"))
+    tl = TrainLoop(model, [batch], None, None, torch.optim.SGD(model.parameters(), lr=0.05), nn.MSELoss(),
+                   show_progress=False)
+    with pytest.raises(TypeError, match="got a dict with keys"):
+        tl.fit(num_epochs=1)
+
+
+@pytest.mark.parametrize("batch, message", [
+    ((torch.zeros(2, 3),), "at least two elements"),
+    ((torch.zeros(2, 3), [1.0, 2.0], torch.zeros(2, 1)), "element 1 of the batch is a list, not a tensor"),
+])
+def test_basic_model_fed_another_batch_it_cannot_split(batch, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        TwoInputRegressor().get_predictions(batch, torch.device("cpu"))
+
+
 # --- ModelWrap and its adapter ------------------------------------------------------------------------------
 def test_model_wrap_holds_the_module_and_the_feed_definition():
     module, feed = PlainMLP(), ClassifierFeedDefinition()

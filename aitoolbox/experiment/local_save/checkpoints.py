@@ -3,6 +3,7 @@ the ranking that does so across processes)."""
 import collections
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -222,11 +223,14 @@ def snapshot_checkpoint(checkpoint, reuse=None):
 
 def prune_checkpoints(scored: List[Tuple[float, str]], keep_best: int, keep_always: List[str],
                       higher_is_better: bool) -> List[str]:
-    """Delete all but the ``keep_best`` best-scored checkpoints (and ``keep_always``); return the deleted paths."""
-    ranked = sorted(scored, key=lambda item: item[0], reverse=higher_is_better)
+    """Delete all but the ``keep_best`` best-scored checkpoints (and ``keep_always``); return the deleted paths.
+
+    A NaN score (an epoch without a value of the metric, or a diverged one) is never among the best."""
+    ranked = sorted((item for item in scored if not math.isnan(item[0])), key=lambda item: item[0],
+                    reverse=higher_is_better)
     keep = {path for _, path in ranked[:keep_best]} | set(keep_always)
     deleted = []
-    for _, path in ranked:
+    for _, path in scored:
         if path not in keep and os.path.exists(path):
             remove_checkpoint(path)
             deleted.append(path)

@@ -24,6 +24,12 @@ MAX_SAME_SECOND_RUNS = 1000
 
 ROOT_ARGUMENT = "local_model_result_folder_path"
 
+#: A plain TrainLoop's file-writing callbacks given no experiment details write into one run folder
+#: ``<working directory>/aitoolbox_runs/run_<timestamp>/`` (as Lightning writes to ``lightning_logs/version_N``):
+#: the project folder and the experiment name of :func:`default_run_folder`.
+DEFAULT_RUNS_FOLDER = "aitoolbox_runs"
+DEFAULT_EXPERIMENT_NAME = "run"
+
 
 def _unusable_folder(error_number: int, root: str, reason: str) -> OSError:
     # OSError(errno, ...) becomes the matching subclass: PermissionError, NotADirectoryError, ...
@@ -54,6 +60,13 @@ def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
         raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable")
+
+
+def default_run_folder(timestamp: Optional[str] = None) -> "ExperimentFolder":
+    """The run folder of a plain TrainLoop's callbacks that were given no experiment details:
+    ``<working directory>/aitoolbox_runs/run_<timestamp>/`` (:data:`DEFAULT_RUNS_FOLDER`,
+    :data:`DEFAULT_EXPERIMENT_NAME`). Nothing is created on disk before the first file is written into it."""
+    return ExperimentFolder(os.getcwd(), DEFAULT_RUNS_FOLDER, DEFAULT_EXPERIMENT_NAME, timestamp=timestamp)
 
 
 def timestamp_now() -> str:
@@ -126,7 +139,7 @@ def newest_resumable_run(root: str, project_name: str, experiment_name: str,
 class ExperimentFolder:
     """Paths of one experiment run; created on first use and never overwritten.
 
-    Layout::
+    Layout (each sub-folder is created when the first file goes into it, so none is left empty)::
 
         <root>/<project>/<experiment>_<timestamp>/
             hyperparams_list.txt, hyperparams.json, <script copy>
@@ -194,7 +207,8 @@ class ExperimentFolder:
     def create(self) -> str:
         """Create the run folder (once), with the name :meth:`reserve` decided. An existing run folder is never
         reused or overwritten: a run started within the same second as another gets the timestamp
-        ``<timestamp>_1`` (``_2``, ...) and that folder.
+        ``<timestamp>_1`` (``_2``, ...) and that folder. Its sub-folders are created by :meth:`ensure`, when a file
+        goes into them.
 
         Raises:
             PermissionError / NotADirectoryError / OSError: the folder cannot be created; the message names
@@ -207,8 +221,6 @@ class ExperimentFolder:
             if os.path.lexists(self.path) and not os.path.isdir(self.path):
                 raise NotADirectoryError(errno.ENOTDIR, f"{self.path} is a file, not a folder")
             os.makedirs(self.path, exist_ok=True)  # reserved: no other run takes this name
-            for sub in (self.checkpoint_dir, self.model_dir, self.results_dir, self.tensorboard_dir):
-                os.makedirs(sub, exist_ok=True)
         except OSError as error:
             if error.errno is None:
                 raise  # the never-overwrite limit: already says what is wrong

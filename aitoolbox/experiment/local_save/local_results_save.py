@@ -116,8 +116,9 @@ def plot_training_history(training_history: Any, results_path: str,
         axes.plot(range(len(values)), values, marker="o")
         finite = [value for value in values if math.isfinite(value)] or values
         best_high, best_low = max(finite), min(finite)
-        axes.set_title(f"{name}\nmax {best_high} (epoch {values.index(best_high)}), "
-                       f"min {best_low} (epoch {values.index(best_low)})")
+        # Counted from 1, as the epoch's summary line counts.
+        axes.set_title(f"{name}\nmax {best_high} (epoch {values.index(best_high) + 1}), "
+                       f"min {best_low} (epoch {values.index(best_low) + 1})")
         axes.set_xlabel("Epoch")
         axes.set_ylabel(name)
         file_name = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}.png"  # a metric name may hold '/'...

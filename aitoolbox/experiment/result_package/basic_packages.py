@@ -25,23 +25,42 @@ def _flatten_column(array: np.ndarray, what: str) -> np.ndarray:
     return array
 
 
+#: ``average`` values of :class:`ClassificationResultPackage` (scikit-learn's, plus ``'auto'``).
+CLASSIFICATION_AVERAGES = ("auto", "macro", "micro", "weighted", "binary")
+
+
 class ClassificationResultPackage(AbstractResultPackage):
-    """Multi-class (or binary) classification from predicted labels: ``{'Accuracy': ...}``.
+    """Multi-class (or binary) classification from predicted labels: Accuracy, F1_score, Precision and Recall.
 
     ``y_predicted`` may hold class labels of shape ``(N,)``, or scores of shape ``(N, C)`` (logits or
     probabilities, one column per class), in which case the predicted label is the argmax over the classes
     (dimension 1). ``y_true`` holds class labels, ``(N,)`` or ``(N, 1)``, or one-hot rows ``(N, C)``.
 
+    F1_score, Precision and Recall have aitoolbox 1.8's metric names. With ``average='auto'`` they are those of
+    the positive class (label 1) for a binary problem, as :class:`BinaryClassificationResultPackage` reports
+    them, and the unweighted mean over the classes (``'macro'``) otherwise. A problem counts as binary when the
+    scores or the one-hot targets have two columns or, for labels, when every label is 0 or 1. A class that is
+    never predicted (or never present) has a precision (recall) of 0, without a warning.
+
     Args:
         strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
+        average: ``'auto'`` (above), or scikit-learn's ``'macro'``, ``'micro'``, ``'weighted'`` or ``'binary'``
+            (keyword only). Pass ``'macro'`` to average over the classes whatever labels a set holds.
         pkg_name: the package's name (names its results when packages are combined).
         **kwargs: additional metadata of the package.
+
+    Raises:
+        ValueError: an unknown ``average``.
     """
 
     aligned_inputs = True
 
-    def __init__(self, strict_content_check: bool = False, *, pkg_name: str = "ClassificationResult", **kwargs):
+    def __init__(self, strict_content_check: bool = False, *, average: str = "auto",
+                 pkg_name: str = "ClassificationResult", **kwargs):
+        if not isinstance(average, str) or average not in CLASSIFICATION_AVERAGES:
+            raise ValueError(f"average must be one of {CLASSIFICATION_AVERAGES}, got {average!r}")
         super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
+        self.average = average
 
     def predicted_labels(self) -> np.ndarray:
         """The predicted class labels: ``y_predicted``, or its argmax over dimension 1 when it holds scores."""
@@ -50,12 +69,26 @@ class ClassificationResultPackage(AbstractResultPackage):
             return y_predicted.argmax(axis=1)
         return _flatten_column(y_predicted, "y_predicted (labels) or (N, C) class scores")
 
+    def _resolved_average(self, y_true: np.ndarray, labels: np.ndarray) -> str:
+        if self.average != "auto":
+            return self.average
+        # The number of classes, where a score or one-hot column per class gives it; else the labels seen.
+        columns = {array.shape[1] for array in (self.y_predicted, self.y_true) if array.ndim == 2 and array.shape[1] > 1}
+        if columns:
+            return "binary" if columns == {2} else "macro"
+        return "binary" if set(np.unique(np.concatenate([y_true, labels])).tolist()) <= {0, 1} else "macro"
+
     def prepare_results_dict(self) -> Dict[str, float]:
         y_true = self.y_true
         if y_true.ndim == 2 and y_true.shape[1] > 1:  # one-hot targets
             y_true = y_true.argmax(axis=1)
         y_true = _flatten_column(y_true, "y_true")
-        return {"Accuracy": float(metrics.accuracy_score(y_true, self.predicted_labels()))}
+        labels = self.predicted_labels()
+        options = {"average": self._resolved_average(y_true, labels), "zero_division": 0}
+        return {"Accuracy": float(metrics.accuracy_score(y_true, labels)),
+                "F1_score": float(metrics.f1_score(y_true, labels, **options)),
+                "Precision": float(metrics.precision_score(y_true, labels, **options)),
+                "Recall": float(metrics.recall_score(y_true, labels, **options))}
 
 
 class BinaryClassificationResultPackage(AbstractResultPackage):

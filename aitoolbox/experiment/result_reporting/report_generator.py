@@ -189,8 +189,9 @@ class TrainingHistoryPlotter(_FigureReport):
         subtitles = []
         if np.isfinite(values).any():  # NaN epochs (e.g. a diverged loss) are ignored for the extremes
             finite = np.where(np.isfinite(values), values, np.nan)
-            subtitles = [f"Max result: {np.nanmax(finite)} {metric_name} (at epoch {int(np.nanargmax(finite))})",
-                         f"Min result: {np.nanmin(finite)} {metric_name} (at epoch {int(np.nanargmin(finite))})"]
+            # Epochs counted from 1, as the epoch's summary line counts.
+            subtitles = [f"Max result: {np.nanmax(finite)} {metric_name} (at epoch {int(np.nanargmax(finite)) + 1})",
+                         f"Min result: {np.nanmin(finite)} {metric_name} (at epoch {int(np.nanargmin(finite)) + 1})"]
         _add_titles(axes, str(metric_name), *subtitles)
         return figure
 

@@ -137,6 +137,13 @@ def _check_detail(name: str, value: Optional[str]) -> None:
         raise ValueError(f"{name} must be a plain folder name without {os.sep!r}, got {value!r}")
 
 
+def _claimed_run_folder(tl: Any) -> Optional[ExperimentFolder]:
+    """The loop's run folder for a callback that will write into it (a plain TrainLoop's default one), or None for
+    a loop without one."""
+    claim = getattr(tl, "claim_run_folder", None)
+    return claim() if callable(claim) else None
+
+
 def _folder_key(folder: ExperimentFolder) -> Tuple[str, str, str, str]:
     return folder.root, folder.project_name, folder.experiment_name, folder.timestamp
 
@@ -146,15 +153,18 @@ class AbstractExperimentCallback(AbstractCallback):
 
     Each detail not given here is taken from the TrainLoop when the callback is registered: the
     experiment-tracking presets (``TrainLoopCheckpoint``, ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``)
-    know all three, and their folder is then shared. The timestamp is always the loop's
+    know all three, and their folder is then shared. With a plain TrainLoop, a callback given none of the three
+    writes into the loop's default run folder, ``<working directory>/aitoolbox_runs/run_<timestamp>/``
+    (``train_loop_obj.run_folder``), shared by all such callbacks. The timestamp is always the loop's
     (``train_loop_obj.experiment_timestamp``), so callbacks naming the same experiment write into one run
     folder. The folder is created only when the first file is written, in the main process.
 
     Subclasses that override :meth:`on_train_loop_registration` call ``super().on_train_loop_registration()``
     first. ``self.experiment_folder`` is then the :class:`~aitoolbox.experiment.local_save.ExperimentFolder`
-    (reading it raises :class:`MissingExperimentDetailsError` when the details are unknown). As in aitoolbox
-    1.x, :meth:`try_infer_experiment_details` fills the missing ``project_name`` / ``experiment_name`` /
-    ``local_model_result_folder_path`` attributes from the loop.
+    (reading it raises :class:`MissingExperimentDetailsError` when only some details are given and the loop
+    lacks the others). As in aitoolbox 1.x, :meth:`try_infer_experiment_details` fills the missing
+    ``project_name`` / ``experiment_name`` / ``local_model_result_folder_path`` attributes from the loop (a plain
+    loop's: those of its default run folder).
 
     Args:
         callback_name: a name for messages.
@@ -177,7 +187,9 @@ class AbstractExperimentCallback(AbstractCallback):
             ``local_model_result_folder_path`` cannot hold the experiment folder (nothing is created to find out).
     """
 
-    #: Subclasses that always write files set this True: registration then fails when no folder can be found.
+    #: Subclasses that always write files set this True: their folder is resolved at registration (the loop's
+    #: default run folder included), which fails when only some details are given. Others take the default run
+    #: folder only when they first need a folder, so one that never writes neither names nor announces it.
     requires_experiment_folder: bool = False
 
     def __init__(self, callback_name: str, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
@@ -235,7 +247,7 @@ class AbstractExperimentCallback(AbstractCallback):
         # unknown, a callback that always writes (requires_experiment_folder) fails now, others on first use.
         self._experiment_folder = None
         try:
-            self._experiment_folder = self.resolve_experiment_folder()
+            self._experiment_folder = self.resolve_experiment_folder(default=self.requires_experiment_folder)
         except MissingExperimentDetailsError:
             if self.requires_experiment_folder:
                 raise
@@ -257,14 +269,20 @@ class AbstractExperimentCallback(AbstractCallback):
 
         Raises:
             MissingExperimentDetailsError: a detail is None here and the loop does not provide it (a plain
-                TrainLoop provides none).
+                TrainLoop provides those of its default run folder, to a callback given none of the three).
         """
-        for name in _FOLDER_ARGUMENTS:
-            if getattr(self, name) is None:
-                value = getattr(self.train_loop_obj, name, None)
-                if value is None:
-                    raise MissingExperimentDetailsError(self._missing_details_message())
-                setattr(self, name, value)
+        given_none = all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS)
+        values = {name: getattr(self, name) if getattr(self, name) is not None
+                  else getattr(self.train_loop_obj, name, None) for name in _FOLDER_ARGUMENTS}
+        if None in values.values() and given_none:
+            run_folder = _claimed_run_folder(self.train_loop_obj)  # a plain loop's default run folder
+            if run_folder is not None:
+                values = {"project_name": run_folder.project_name, "experiment_name": run_folder.experiment_name,
+                          "local_model_result_folder_path": run_folder.root}
+        if None in values.values():
+            raise MissingExperimentDetailsError(self._missing_details_message())
+        for name, value in values.items():
+            setattr(self, name, value)
         if infer_cloud_details and all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
             for name in _CLOUD_ARGUMENTS:
                 setattr(self, name, getattr(self.train_loop_obj, name, None))
@@ -320,28 +338,37 @@ class AbstractExperimentCallback(AbstractCallback):
         if self._cloud_uploads is not None and self.is_main_process:
             self._cloud_uploads.upload_run_files(self._cloud_destination, self.experiment_folder)
 
-    def resolve_experiment_folder(self) -> ExperimentFolder:
+    def resolve_experiment_folder(self, default: bool = True) -> ExperimentFolder:
         """The folder for this callback's details completed by the loop's (nothing is created on disk).
 
+        Args:
+            default: given none of the details, with a loop that has none either, take the loop's default run
+                folder (``train_loop_obj.run_folder``: ``./aitoolbox_runs/run_<timestamp>/`` of a plain TrainLoop).
+
         Raises:
-            MissingExperimentDetailsError: a detail is missing here and in the loop.
+            MissingExperimentDetailsError: a detail is missing here and in the loop (and no default applies).
         """
         tl = self.train_loop_obj
         loop_folder = getattr(tl, "experiment_folder", None)
-        if loop_folder is not None and all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS):
+        given_none = all(getattr(self, name) is None for name in _FOLDER_ARGUMENTS)
+        if loop_folder is not None and given_none:
             return loop_folder
         details = {}
         for name in _FOLDER_ARGUMENTS:
             value = getattr(self, name)
             details[name] = value if value is not None else getattr(tl, name, None)
         if None in details.values():
+            run_folder = _claimed_run_folder(tl) if given_none and default else None
+            if run_folder is not None:
+                return run_folder
             raise MissingExperimentDetailsError(self._missing_details_message())
         folder = ExperimentFolder(details["local_model_result_folder_path"], details["project_name"],
                                   details["experiment_name"],
                                   timestamp=getattr(tl, "experiment_timestamp", None))
         # One ExperimentFolder object per run folder: it is created once, by whichever callback writes first.
-        others = [loop_folder] + [getattr(callback, "_experiment_folder", None)
-                                  for callback in getattr(tl, "callbacks", [])]
+        # (A plain loop's default run folder once made, without making it: details given name another folder.)
+        others = [loop_folder, getattr(tl, "_default_run_folder", None)] + [
+            getattr(callback, "_experiment_folder", None) for callback in getattr(tl, "callbacks", [])]
         for other in others:
             if isinstance(other, ExperimentFolder) and _folder_key(other) == _folder_key(folder):
                 return other
@@ -353,6 +380,8 @@ class AbstractExperimentCallback(AbstractCallback):
 
     def _missing_details_message(self) -> str:
         given = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FOLDER_ARGUMENTS)
-        return (f"{type(self).__name__} does not know where to write ({given}): pass project_name, experiment_name "
-                "and local_model_result_folder_path to the callback, or use it with an experiment-tracking TrainLoop "
-                "(TrainLoopCheckpoint, TrainLoopEndSave or TrainLoopCheckpointEndSave), which provides them")
+        return (f"{type(self).__name__} does not know where to write ({given}): pass all three of project_name, "
+                "experiment_name and local_model_result_folder_path to the callback, or none of them, for the default "
+                "run folder ./aitoolbox_runs/run_<timestamp> of a plain TrainLoop; or use it with an "
+                "experiment-tracking TrainLoop (TrainLoopCheckpoint, TrainLoopEndSave or TrainLoopCheckpointEndSave), "
+                "which provides them")

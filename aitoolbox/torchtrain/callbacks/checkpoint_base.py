@@ -34,6 +34,10 @@ class CheckpointCallback(AbstractExperimentCallback):
     """Shared parts: hyperparameters, the save itself (now or in the background), the upload of what was saved,
     and the error that keeps the in-memory state usable."""
 
+    # Checkpoints always go somewhere: the folder is known from registration on (a plain TrainLoop's default run
+    # folder included), for the save a SIGTERM asks for and for the folder logged when training starts.
+    requires_experiment_folder = True
+
     def __init__(self, callback_name: str, project_name, experiment_name, local_model_result_folder_path,
                  hyperparams: Optional[dict], cloud_save_mode=None, background_save: bool = False,
                  execution_order: int = CHECKPOINT_EXECUTION_ORDER, bucket_name: Optional[str] = None,

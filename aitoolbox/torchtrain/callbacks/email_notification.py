@@ -124,14 +124,14 @@ class EmailNotification(AbstractCallback):
         return SESSender(self.sender_name, self.sender_email, self.recipient_email, self.aws_region)
 
     def on_epoch_end(self) -> None:
-        epoch = self.train_loop_obj.epoch
+        epoch = self.train_loop_obj.epoch + 1  # counted from 1, as the epoch's summary line
         subject = f"End of epoch {epoch} report: {self.project_name}: {self.experiment_name}"
         self.queue_report(subject, lambda: f"<h2>End of epoch {epoch}</h2>\n{self.get_metric_list_html()}\n")
 
     def on_train_end(self) -> None:
         subject = f"End of training: {self.project_name}: {self.experiment_name}"
         self.queue_report(subject, lambda: (
-            f"<h2>End of training at epoch {self.train_loop_obj.epoch}</h2>\n{self.get_metric_list_html()}\n"
+            f"<h2>End of training at epoch {self.train_loop_obj.epoch + 1}</h2>\n{self.get_metric_list_html()}\n"
             f"<h3>Used hyper parameters:</h3>\n{self.get_hyperparams_html()}\n"))
         self.wait_for_queued_emails()
 

@@ -275,7 +275,7 @@ class GradDistributionPlot(AbstractExperimentCallback):
         figures = []
         for i, grad in enumerate(self._grads.at_epoch_end(self.train_loop_obj.model)):
             if grad is None:
-                logger.info("GradDistributionPlot: layer %d has no gradient at epoch %d", i, epoch)
+                logger.info("GradDistributionPlot: layer %d has no gradient at epoch %d", i, epoch + 1)
                 continue
             figures.append((i, self.plot_gradient_distribution(grad.detach().float().cpu().numpy().ravel(), i)))
         if self.file_format == "pdf":

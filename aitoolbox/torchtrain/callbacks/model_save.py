@@ -2,7 +2,9 @@
 import copy
 import logging
 import os
-from typing import Optional, Union
+from typing import ContextManager, List, Optional, Tuple, Union
+
+from torch import nn
 
 from aitoolbox.experiment.local_save.checkpoints import (
     checkpoint_file_name, checkpoint_path_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
@@ -10,7 +12,9 @@ from aitoolbox.experiment.local_save.checkpoints import (
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHECKPOINT_EXECUTION_ORDER: used from here)
     CHECKPOINT_EXECUTION_ORDER, CheckpointCallback)
+from aitoolbox.torchtrain.callbacks.best_weights import best_of, checkpoint_weights, restore_weights, weights_swapped_in
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
+from aitoolbox.torchtrain.callbacks.stopping import not_evaluated_yet
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +67,19 @@ class ModelCheckpoint(CheckpointCallback):
             raise ValueError(f"num_best_checkpoints_kept must be an int >= 1, got {num_best_checkpoints_kept!r}")
         self.rm_subopt_local_models = rm_subopt_local_models
         self.num_best_checkpoints_kept = num_best_checkpoints_kept
-        self.saved_checkpoints = []  # (score, path) of checkpoints this run wrote and still exist
+        self.saved_checkpoints = []  # (score, path) of checkpoints this run wrote and still exist; NaN: unranked
         self._ranking_restored = False  # those an earlier process recorded in the run folder were read
+        self._values_at_epoch_begin = 0  # of the ranked metric: a longer history at the epoch's end scores it
 
     def _monitored_metric(self) -> str:
         if isinstance(self.rm_subopt_local_models, str):
             return self.rm_subopt_local_models
-        return "val_loss" if self.train_loop_obj.train_history.get("val_loss") else "loss"
+        # Decided by the loop, not by the history: with end_auto_eval=N val_loss is missing in most epochs.
+        return "val_loss" if getattr(self.train_loop_obj, "validation_loader", None) is not None else "loss"
+
+    def on_epoch_begin(self) -> None:
+        if self.rm_subopt_local_models is not False:
+            self._values_at_epoch_begin = len(self.train_loop_obj.train_history.get(self._monitored_metric()) or [])
 
     def on_epoch_end(self) -> None:
         tl = self.train_loop_obj
@@ -79,8 +89,8 @@ class ModelCheckpoint(CheckpointCallback):
             self._save_checkpoint(False, folder.checkpoint_dir, file_name)
             return
         metric = self._monitored_metric()
-        values = tl.train_history.get(metric)
-        if not values:
+        values = tl.train_history.get(metric) or []
+        if not values and not not_evaluated_yet(tl, metric):
             self._save_checkpoint(False, folder.checkpoint_dir, file_name)  # saved all the same: nothing is lost
             set_names = getattr(tl, "validation_set_names", None)
             sets_hint = (f" The validation sets {set_names} are recorded as val_<set>_loss and val_<set>_<metric>, the "
@@ -88,13 +98,14 @@ class ModelCheckpoint(CheckpointCallback):
             raise ValueError(f"ModelCheckpoint ranks checkpoints by {metric!r}, which is not in the training history "
                              f"(recorded: {sorted(k for k, v in tl.train_history.items() if v)}); pass "
                              f"rm_subopt_local_models=<metric name>.{sets_hint}")
-        score = scalar_value(values[-1])
+        # Only a value recorded in this epoch scores its checkpoint (end_auto_eval=N, a metric evaluated every few
+        # epochs): the epoch's checkpoint is kept, unranked (NaN), until a newer one is complete.
+        score = scalar_value(values[-1]) if len(values) > self._values_at_epoch_begin else None
+        score = float("nan") if score is None else score
         if self.is_main_process and not self._ranking_restored:
             # The checkpoints this run folder got from an earlier process (a resumed run) are ranked too.
             self._ranking_restored = True
-            known = {path for _, path in self.saved_checkpoints}
-            self.saved_checkpoints = [entry for entry in read_checkpoint_ranking(folder.checkpoint_dir, metric)
-                                      if entry[1] not in known] + self.saved_checkpoints
+            self.saved_checkpoints = self._with_earlier_ranking(metric)
 
         def keep_the_best(path: str) -> None:
             self.saved_checkpoints.append((score, path))
@@ -105,6 +116,69 @@ class ModelCheckpoint(CheckpointCallback):
             self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints))
 
         self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
+
+    def _with_earlier_ranking(self, metric: str) -> List[Tuple[float, str]]:
+        """:attr:`saved_checkpoints` with those an earlier process ranked in this run folder (read from its record)."""
+        known = {path for _, path in self.saved_checkpoints}
+        earlier = read_checkpoint_ranking(self.experiment_folder.checkpoint_dir, metric)
+        return [entry for entry in earlier if entry[1] not in known] + list(self.saved_checkpoints)
+
+    # --- the best checkpoint ------------------------------------------------------------------------------------
+    def _best(self) -> Optional[Tuple[float, str]]:
+        if self.rm_subopt_local_models is False or self.train_loop_obj is None or not self.has_experiment_folder:
+            return None
+        metric = self._monitored_metric()
+        ranked = self.saved_checkpoints if self._ranking_restored else self._with_earlier_ranking(metric)
+        return best_of([(score, path) for score, path in ranked if os.path.exists(path)], higher_is_better(metric))
+
+    @property
+    def best_model_path(self) -> Optional[str]:
+        """The best checkpoint kept, by ``rm_subopt_local_models``'s metric (the earliest of equal scores), or None:
+        no ranking (``rm_subopt_local_models=False``) or no epoch ranked yet. Also in a run resumed into the same run
+        folder (``auto_resume``), and in the launching process after ``fit_distributed``. Lightning's name."""
+        best = self._best()
+        return best[1] if best is not None else None
+
+    @property
+    def best_model_score(self) -> Optional[float]:
+        """The metric's value at :attr:`best_model_path`'s epoch, or None with no best checkpoint."""
+        best = self._best()
+        return best[0] if best is not None else None
+
+    def _best_checkpoint_path(self) -> str:
+        path = self.best_model_path
+        if path is None:
+            reason = ("it ranks no checkpoints: pass rm_subopt_local_models=True (val_loss) or a metric name"
+                      if self.rm_subopt_local_models is False else "no epoch has been ranked yet")
+            raise ValueError(f"{type(self).__name__} has no best checkpoint: {reason}")
+        return path
+
+    def load_best_model(self) -> nn.Module:
+        """Put the weights of :attr:`best_model_path` into the TrainLoop's model and return the model, for
+        predicting and evaluating (``tl.predict_on_test_set()`` then uses them). A later ``fit`` trains on from these
+        weights with the optimizer state it has; to continue the run as it was at that epoch instead, use
+        ``tl.load_checkpoint(checkpoint.best_model_path)``.
+
+        Raises:
+            ValueError: there is no best checkpoint (see :attr:`best_model_path`), or under ``gpu_mode='fsdp'``
+                in a training process (call it after ``fit_distributed`` returns).
+        """
+        path = self._best_checkpoint_path()
+        restore_weights(self.train_loop_obj, checkpoint_weights(path))
+        logger.info("Loaded the weights of the best checkpoint %s (%s %.6g)", path, self._monitored_metric(),
+                    self.best_model_score)
+        return self.train_loop_obj.model
+
+    def best_weights(self) -> ContextManager[nn.Module]:
+        """A context in which the model holds the weights of :attr:`best_model_path`; afterwards (also after an
+        exception) it has the trained weights again. One line predicts with the best checkpoint::
+
+            with checkpoint.best_weights(): y_pred, y_true, _ = tl.predict_on_test_set()
+
+        Raises:
+            ValueError: as :meth:`load_best_model`.
+        """
+        return weights_swapped_in(self.train_loop_obj, checkpoint_weights(self._best_checkpoint_path()))
 
 
 class ModelIterationCheckpoint(ModelCheckpoint):

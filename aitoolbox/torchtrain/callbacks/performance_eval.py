@@ -271,14 +271,14 @@ class ModelPerformancePrintReport(AbstractCallback):
 
     def on_epoch_end(self) -> None:
         if self.on_each_epoch and _epoch_due(self.train_loop_obj.epoch, self.report_frequency):
-            self.report(f"Epoch {self.train_loop_obj.epoch}")
+            self.report(f"Epoch {self.train_loop_obj.epoch + 1}")  # counted from 1, as the epoch's summary line
 
     def on_train_end(self) -> None:
         self.print_performance_report(prefix=TRAIN_END_PREFIX)
 
     def print_performance_report(self, prefix: str = "") -> None:
         """Report the metrics now, preferring ``<prefix><metric>`` where the history has it (aitoolbox 1.x name)."""
-        self.report("End of training" if prefix == TRAIN_END_PREFIX else f"Epoch {self.train_loop_obj.epoch}",
+        self.report("End of training" if prefix == TRAIN_END_PREFIX else f"Epoch {self.train_loop_obj.epoch + 1}",
                     prefix=prefix)
 
     def report(self, heading: str, prefix: str = "") -> None:

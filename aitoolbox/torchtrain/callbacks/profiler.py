@@ -44,7 +44,7 @@ class ProfilerCallback(AbstractCallback):
     the cycle's top operators (sorted by their own CUDA time when CUDA was profiled, else by their own CPU time).
     CUDA activity is profiled when the model trains on a CUDA device. The folder is ``output_dir`` or, without one,
     ``profiler/`` in the run folder of an experiment-tracking TrainLoop (``TrainLoopCheckpoint``,
-    ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``).
+    ``TrainLoopEndSave``, ``TrainLoopCheckpointEndSave``), or of a plain TrainLoop's default run folder.
 
     Cost: until its last cycle is over the callback takes part in the batch hooks: a wait batch costs a counter, the
     ``warmup`` and ``active`` batches pay the profiler's own cost. After the last cycle the profiler is closed and
@@ -69,8 +69,8 @@ class ProfilerCallback(AbstractCallback):
         record_shapes: record the input shapes of the operators (``record_shapes`` of ``torch.profiler.profile``).
         profile_memory: record tensor memory allocations and releases.
         with_stack: record the Python source location of the operators (bigger traces).
-        output_dir: the folder of the trace files; None: ``profiler/`` in the run folder of an experiment-tracking
-            TrainLoop.
+        output_dir: the folder of the trace files; None: ``profiler/`` in the run folder (an experiment-tracking
+            TrainLoop's, or a plain TrainLoop's default ``./aitoolbox_runs/run_<timestamp>/``).
         row_limit: how many operators the logged table shows.
         execution_order: position among the callbacks (by default after the others, so that their batch-end work
             belongs to the batch's step).
@@ -123,7 +123,9 @@ class ProfilerCallback(AbstractCallback):
         if self.output_dir is not None:
             _check_writable(self.output_dir)
             return
-        self._run_folder = getattr(self.train_loop_obj, "experiment_folder", None)
+        # A preset's experiment folder, or a plain TrainLoop's default run folder (./aitoolbox_runs/run_<timestamp>).
+        claim = getattr(self.train_loop_obj, "claim_run_folder", None)
+        self._run_folder = claim() if callable(claim) else getattr(self.train_loop_obj, "experiment_folder", None)
         if self._run_folder is None:
             raise ValueError(
                 "ProfilerCallback has nowhere to write its traces: pass output_dir='<folder>' to it, or use it with an "

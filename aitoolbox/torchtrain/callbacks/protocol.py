@@ -22,7 +22,9 @@ class TrainLoopView(Protocol):
       ``DataSubsetTestRun`` does) assigns it; the loop prepares a replaced evaluation loader anew.
       ``validation_loader`` may be a dict of named loaders; ``validation_set_names`` lists them (None for one).
     - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
-    - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``.
+    - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``,
+      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one) and
+      :meth:`claim_run_folder` (the same, for a callback that will write into it).
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
@@ -85,6 +87,10 @@ class TrainLoopView(Protocol):
         """The run's timestamp."""
 
     @property
+    def run_folder(self) -> Any:
+        """The run's ExperimentFolder: a preset's, or ``./aitoolbox_runs/run_<timestamp>/`` of a plain loop."""
+
+    @property
     def epoch_loss_sum(self) -> torch.Tensor:
         """The sum of the current epoch's batch losses so far, batches trained before a resume included."""
 
@@ -119,6 +125,9 @@ class TrainLoopView(Protocol):
     @property
     def shards_parameters(self) -> bool:
         """True under ``gpu_mode='fsdp'``: checkpoints are written by every process (sharded)."""
+
+    def claim_run_folder(self) -> Any:
+        """:attr:`run_folder` for a callback that writes into it: a default folder's name is decided now."""
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""

@@ -306,17 +306,17 @@ class SpikeRollback(AbstractCallback):
         spike = {"epoch": epoch, "iteration": iteration, "loss": spiked[1], "median": spiked[2],
                  "skipped_samples": samples}
         if kept is None:
-            raise SpikeRollbackError(f"loss spike at epoch {epoch}, iteration {iteration} (loss {spiked[1]}, median "
+            raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
                                      f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to",
                                      list(tl.rollbacks), spike)
         if len(tl.rollbacks) >= self.max_rollbacks:
             listed = "\n".join(f"  {_describe(record)}" for record in tl.rollbacks) or "  (none)"
-            raise SpikeRollbackError(f"loss spike at epoch {epoch}, iteration {iteration} (loss {spiked[1]}, median "
+            raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
                                      f"{spiked[2]}) after max_rollbacks={self.max_rollbacks} rollback(s); training "
                                      f"stops. The rollbacks:\n{listed}", list(tl.rollbacks), spike)
         if wanted < low:
             logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (epoch %d, iteration %d): "
-                           "leaving out %d batch(es) only", self.skip_batches, kept.epoch, kept.iteration,
+                           "leaving out %d batch(es) only", self.skip_batches, kept.epoch + 1, kept.iteration,
                            len(positions))
         record = dict(spike, restored={"epoch": kept.epoch, "iteration": kept.iteration})
         if tl.is_main_process:
@@ -364,10 +364,11 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
 
 
 def _describe(record: dict) -> str:
-    text = (f"spike at epoch {record['epoch']}, iteration {record['iteration']}: loss {record['loss']:.6g}, "
+    # Epochs counted from 1, as the epoch's summary line (the record keeps the 0-based index).
+    text = (f"spike at epoch {record['epoch'] + 1}, iteration {record['iteration']}: loss {record['loss']:.6g}, "
             f"median {record['median']:.6g}")
     if "restored" in record:
-        text += f"; back to epoch {record['restored']['epoch']}, iteration {record['restored']['iteration']}"
+        text += f"; back to epoch {record['restored']['epoch'] + 1}, iteration {record['restored']['iteration']}"
     return text
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.best_weights import capture_weights, restore_weights
 
 logger = logging.getLogger(__name__)
 
@@ -95,24 +96,39 @@ class EarlyStopping(AbstractCallback):
     Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted. Checkpoints hold
     the count and the best value (:meth:`state_dict`), so a resumed run stops where the uninterrupted run would.
 
+    With ``restore_best_weights=True`` (Keras's option) the model gets the weights and buffers it had at the end of
+    the best epoch back when training ends, whether this callback stopped it or the epochs ran out (as Keras 3
+    does); the loop's ``train_end_test_loss`` is then that of these weights, and the final-model callbacks
+    (``ModelTrainEndSave``) save and evaluate them. A copy of the best weights is kept in host memory and in the
+    checkpoints (in :meth:`state_dict`), so a resumed run restores the same weights.
+
     Args:
         monitor: the ``train_history`` metric to watch, e.g. ``'val_loss'`` or ``'val_Accuracy'``.
         min_delta: the smallest change that counts as an improvement (>= 0).
         patience: how many epochs without improvement to tolerate before stopping (0 stops at the first).
         mode: ``'min'`` (lower is better), ``'max'`` (higher is better) or ``'auto'``: ``'min'`` when the
             metric name contains ``'loss'`` or ``'error'``, ``'max'`` otherwise.
+        restore_best_weights: put the best epoch's weights back into the model when training ends (see above).
 
     Raises:
-        ValueError: on a bad argument, or at an epoch end when ``monitor`` was never recorded.
+        TypeError: ``restore_best_weights`` is not a bool.
+        ValueError: on a bad argument, at an epoch end when ``monitor`` was never recorded, or with
+            ``restore_best_weights`` under ``gpu_mode='fsdp'`` (each process holds only shards of the weights).
     """
 
-    def __init__(self, monitor: str = "val_loss", min_delta: float = 0., patience: int = 0, mode: str = "auto"):
+    def __init__(self, monitor: str = "val_loss", min_delta: float = 0., patience: int = 0, mode: str = "auto",
+                 restore_best_weights: bool = False):
         # Runs late (99) so that metrics computed by other epoch-end callbacks are already in the history.
         super().__init__("EarlyStopping", execution_order=99)
         _check_monitor(monitor, "val_loss")
         if isinstance(min_delta, bool) or not isinstance(min_delta, Real) or not min_delta >= 0:
             raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
         _check_patience(patience)
+        if not isinstance(restore_best_weights, bool):
+            raise TypeError(f"restore_best_weights must be True or False, got {restore_best_weights!r}")
+        self.restore_best_weights = restore_best_weights
+        self.best_weights: Optional[Dict[str, Any]] = None  # with restore_best_weights: the best epoch's, in host memory
+        self._history_lengths_at_epoch_end: Dict[str, int] = {}
         self.monitor = monitor
         self.min_delta = float(min_delta)
         self.patience = patience
@@ -121,6 +137,12 @@ class EarlyStopping(AbstractCallback):
         self.best_performance: Optional[float] = None
         self.best_epoch = 0
         self._values_at_epoch_begin = 0
+
+    def on_train_begin(self) -> None:
+        if self.restore_best_weights and getattr(self.train_loop_obj, "shards_parameters", False):
+            raise ValueError("EarlyStopping(restore_best_weights=True) keeps a copy of the whole model, and under "
+                             "gpu_mode='fsdp' each process holds shards of it: rank the epoch checkpoints instead "
+                             "(ModelCheckpoint(rm_subopt_local_models=...)) and load checkpoint.best_model_path")
 
     def on_epoch_begin(self) -> None:
         self._values_at_epoch_begin = len(self.train_loop_obj.train_history.get(self.monitor, []))
@@ -131,6 +153,8 @@ class EarlyStopping(AbstractCallback):
             "EarlyStopping needs it at every epoch end: for 'loss'/'val_loss' keep TrainLoop's end_auto_eval on "
             "(and pass a validation_loader), for other metrics register a callback that records them, e.g. "
             "ModelPerformanceEvaluation.")
+        self._history_lengths_at_epoch_end = {name: len(values) for name, values
+                                              in self.train_loop_obj.train_history.items()}
         if values is None or len(values) <= self._values_at_epoch_begin:
             return  # nothing new was evaluated in this epoch
         current = values[-1]
@@ -139,12 +163,43 @@ class EarlyStopping(AbstractCallback):
             self.best_performance = current
             self.best_epoch = epoch
             self.patience_count = self.patience
+            if self.restore_best_weights:
+                self.best_weights = capture_weights(self.train_loop_obj)
             return
         self.patience_count -= 1
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(
                 f"EarlyStopping: {self.monitor} has not improved for {self.patience + 1} epoch(s); stopped at epoch "
-                f"{epoch}, best epoch {self.best_epoch} ({self.monitor}={self.best_performance:.6g})")
+                f"{epoch + 1}, best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})")
+
+    def on_train_end(self) -> None:
+        tl = self.train_loop_obj
+        if not self.restore_best_weights or self.best_weights is None or self.best_epoch == tl.epoch:
+            return  # the model holds the best epoch's weights already
+        restore_weights(tl, self.best_weights)
+        if tl.is_main_process:
+            logger.info("EarlyStopping: restored the weights of epoch %d, the best (%s=%.6g)", self.best_epoch + 1,
+                        self.monitor, self.best_performance)
+        self._evaluate_test_loss_again()
+
+    def _evaluate_test_loss_again(self) -> None:
+        """The loop recorded ``train_end_test_loss`` with the last epoch's weights just before: record it again with
+        the restored ones, so that the history, the trackers and the saved results describe the model returned."""
+        tl = self.train_loop_obj
+        history = tl.train_history
+        recorded = [name for name, values in history.items() if name.startswith("train_end_test_loss")
+                    and len(values) > self._history_lengths_at_epoch_end.get(name, 0)]
+        if not recorded:
+            return
+        loss = tl.evaluate_loss_on_test_set(force_prediction=True, float_dict_format=True)
+        entries = loss if isinstance(loss, dict) else {None: loss}
+        for name, value in entries.items():
+            key = "train_end_test_loss" if name is None else f"train_end_test_loss_{name}"
+            if key in recorded:
+                history[key][-1] = value
+        if tl.is_main_process:
+            logger.info("Test loss of the restored weights: %s",
+                        ", ".join(f"{name} {history[name][-1]:.6g}" for name in recorded))
 
     def _improves(self, current: float) -> bool:
         if self.mode == "min":
@@ -153,11 +208,15 @@ class EarlyStopping(AbstractCallback):
 
     def state_dict(self) -> Dict[str, Any]:
         """The count of epochs without improvement, the best value and its epoch: what a resumed run needs to stop
-        at the epoch the uninterrupted run would have (checkpoints store it under ``callbacks``)."""
-        return {"monitor": self.monitor, "mode": self.mode,
-                "epochs_without_improvement": self.patience - self.patience_count,
-                "best_performance": None if self.best_performance is None else float(self.best_performance),
-                "best_epoch": int(self.best_epoch), "values_at_epoch_begin": int(self._values_at_epoch_begin)}
+        at the epoch the uninterrupted run would have (checkpoints store it under ``callbacks``); with
+        ``restore_best_weights`` also the best epoch's weights (the size of the model's state dict)."""
+        state = {"monitor": self.monitor, "mode": self.mode,
+                 "epochs_without_improvement": self.patience - self.patience_count,
+                 "best_performance": None if self.best_performance is None else float(self.best_performance),
+                 "best_epoch": int(self.best_epoch), "values_at_epoch_begin": int(self._values_at_epoch_begin)}
+        if self.restore_best_weights:  # tensors: a checkpoint holds them (read with weights_only)
+            state["best_weights"] = self.best_weights
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. The epochs without improvement are counted against this
@@ -169,6 +228,10 @@ class EarlyStopping(AbstractCallback):
         self.best_performance = state["best_performance"]
         self.best_epoch = int(state["best_epoch"])
         self._values_at_epoch_begin = int(state.get("values_at_epoch_begin", 0))
+        if self.restore_best_weights:
+            # A state saved without restore_best_weights has no weights: the best epoch's are then unknown, and
+            # nothing is restored unless a later epoch improves.
+            self.best_weights = state.get("best_weights")
 
 
 class ThresholdEarlyStopping(AbstractCallback):
@@ -212,7 +275,7 @@ class ThresholdEarlyStopping(AbstractCallback):
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(
                 f"ThresholdEarlyStopping: {self.monitor}={current} has not reached {self.threshold} for "
-                f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch}")
+                f"{self.patience + 1} epoch(s); stopped at epoch {self.train_loop_obj.epoch + 1}")
 
     def state_dict(self) -> Dict[str, Any]:
         """The count of epochs in a row that missed the threshold (checkpoints store it under ``callbacks``)."""
@@ -254,7 +317,7 @@ class TerminateOnNaN(AbstractCallback):
         last_value = values[-1]
         if last_value is not None and not math.isfinite(float(last_value)):
             self.train_loop_obj.stop_training(
-                f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch}")
+                f"TerminateOnNaN: {self.monitor} = {last_value} at epoch {self.train_loop_obj.epoch + 1}")
 
 
 def all_equal_to(predictions: Any, value: float) -> bool:
@@ -289,6 +352,7 @@ class AllPredictionsSame(AbstractCallback):
         if not all_equal_to(predictions, self.value):
             return
         if self.verbose and self.train_loop_obj.is_main_process:
-            logger.warning("All the validation predictions at epoch %d are %s", self.train_loop_obj.epoch, self.value)
+            logger.warning("All the validation predictions at epoch %d are %s", self.train_loop_obj.epoch + 1,
+                           self.value)
         if self.stop_training:
             self.train_loop_obj.stop_training(f"AllPredictionsSame: all predictions are {self.value}")

@@ -233,7 +233,7 @@ class WeightAveraging(AbstractCallback):
                 logger.warning("WeightAveraging could not tell the last batch of epoch %d (a train loader without len, "
                                "or a stop requested after this callback ran), so the loop's epoch-end losses were "
                                "computed with the training weights; callbacks from execution_order %d on see the "
-                               "averaged weights", tl.epoch, self.execution_order)
+                               "averaged weights", tl.epoch + 1, self.execution_order)
             self._end_of_epoch_training()
         if self.update_bn and self._final_epoch():
             self._recompute_bn()

@@ -137,7 +137,7 @@ class CompileStats:
         if self.caller is not None:
             self.caller.compiles += 1
         logger.debug("torch.compile: %s %s in %.2f s (epoch %d, batch %d); %d compilations so far",
-                     "recompiled" if event.is_recompile else "compiled", compile_id, seconds, epoch, iteration,
+                     "recompiled" if event.is_recompile else "compiled", compile_id, seconds, epoch + 1, iteration,
                      self.compiles)
 
 

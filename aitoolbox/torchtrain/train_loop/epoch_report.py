@@ -1,7 +1,9 @@
 """One line per epoch, as Keras prints it: ``Epoch 3/10 - 2.1s - accumulated_loss 0.4123 - val_loss 0.4512``.
 
 The line lists every metric the epoch recorded in the training history (the accumulated and evaluated losses,
-and the metrics of performance callbacks), each to four significant digits. It is logged at INFO on the
+and the metrics of performance callbacks), each to four significant digits. With several named validation sets
+the first set's values show once, under their set's names (``val_in_domain_loss``): the plain names that repeat
+them (``val_loss``, ``val_<metric>``) stay in the history and the trackers. It is logged at INFO on the
 ``aitoolbox.epochs`` logger, so it shows wherever the package's messages show: by default (an application
 that has not configured logging) printed above the progress bars; silence it alone with
 ``logging.getLogger('aitoolbox.epochs').setLevel(logging.WARNING)``.
@@ -9,7 +11,7 @@ that has not configured logging) printed above the progress bars; silence it alo
 import logging
 import numbers
 import time
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -37,17 +39,37 @@ class EpochReport:
         self._start_time = time.monotonic()
         self._history_lengths = {name: len(values) for name, values in history.items()}
 
-    def line(self, epoch: int, num_epochs: int, history: Mapping[str, list]) -> str:
+    def line(self, epoch: int, num_epochs: int, history: Mapping[str, list],
+             validation_set_names: Optional[Sequence[str]] = None) -> str:
         """The summary of epoch ``epoch`` (0-based; shown 1-based) of ``num_epochs``, with every history entry
-        recorded since :meth:`start`."""
+        recorded since :meth:`start`, except the plain ``val_`` names that repeat the first of several named
+        validation sets (``validation_set_names``)."""
         seconds = time.monotonic() - self._start_time
         parts = [f"Epoch {epoch + 1}/{num_epochs}" if num_epochs > 0 else f"Epoch {epoch + 1}", f"{seconds:.1f}s"]
         recorded = [name for name, values in history.items() if len(values) > self._history_lengths.get(name, 0)]
+        recorded = _without_first_set_aliases(recorded, validation_set_names)
         recorded.sort(key=lambda name: not name.startswith("accumulated_loss"))  # the training loss first, as Keras
         parts.extend(f"{name} {format_value(history[name][-1])}" for name in recorded)
         return " - ".join(parts)
 
-    def log(self, epoch: int, num_epochs: int, history: Mapping[str, list]) -> None:
+    def log(self, epoch: int, num_epochs: int, history: Mapping[str, list],
+            validation_set_names: Optional[Sequence[str]] = None) -> None:
         """Log :meth:`line` at INFO on the ``aitoolbox.epochs`` logger."""
         if logger.isEnabledFor(logging.INFO):
-            logger.info("%s", self.line(epoch, num_epochs, history))
+            logger.info("%s", self.line(epoch, num_epochs, history, validation_set_names))
+
+
+def _without_first_set_aliases(names: List[str], validation_set_names: Optional[Sequence[str]]) -> List[str]:
+    """``names`` without each ``val_<x>`` (``train_end_val_<x>``) whose ``val_<first set>_<x>`` is among them."""
+    if not validation_set_names:
+        return names
+    present = set(names)
+    first = validation_set_names[0]
+
+    def repeats_the_first_set(name: str) -> bool:
+        for prefix in ("val_", "train_end_val_"):
+            if name.startswith(prefix) and f"{prefix}{first}_{name[len(prefix):]}" in present:
+                return True
+        return False
+
+    return [name for name in names if not repeats_the_first_set(name)]

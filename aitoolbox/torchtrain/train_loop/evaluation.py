@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.losses import (
     LossResult, as_float_dict, as_loss_result, detached_values, history_entries, loss_names)
-from aitoolbox.torchtrain.train_loop.progress import iterate_with_progress
+from aitoolbox.torchtrain.train_loop.progress import EvaluationProgress
 from aitoolbox.torchtrain.train_loop.validation_sets import VALIDATION, history_prefixes, select_validation_set
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +115,7 @@ class Evaluator:
         self._prediction_cache = {}
         self._loss_cache = {}
         self._prepared_loaders = {}  # dataset type -> (the user's loader, the loader prepared by the strategy)
+        self.progress = EvaluationProgress()  # at an epoch's end, its passes share one bar
 
     # --- the loop's own evaluations ----------------------------------------------------------------------
     def at_epoch_end(self) -> None:
@@ -221,7 +222,7 @@ class Evaluator:
         sample_count = torch.zeros((), dtype=torch.float64, device=device)
         names = None
         with evaluation_mode(tl, loader):
-            batches = iterate_with_progress(loader, loader_length(loader), f"Loss {dataset_type}", tl.show_progress)
+            batches = self.progress.iterate(loader, loader_length(loader), f"Loss {dataset_type}", tl.show_progress)
             for batch_data in batches:
                 with tl.precision.autocast():
                     loss = tl.model_runner.get_loss_eval(batch_data, tl.criterion, device)
@@ -259,7 +260,7 @@ class Evaluator:
         y_pred, y_true, metadata = [], [], None
         dataset_info = dataset_info if dataset_info is not None else {"type": dataset_type}
         with evaluation_mode(tl, loader):
-            batches = iterate_with_progress(loader, loader_length(loader), f"Predict {dataset_type}",
+            batches = self.progress.iterate(loader, loader_length(loader), f"Predict {dataset_type}",
                                             tl.show_progress)
             for batch_data in batches:
                 with tl.precision.autocast():

@@ -1,14 +1,20 @@
 """Progress bars for training and evaluation, cheap enough for tiny models.
 
+An epoch shows one bar for its training and at most one for its evaluation: inside
+:meth:`EvaluationProgress.shared` (the epoch's end: the loop's losses and the callbacks' predictions) every
+evaluation pass reuses one transient bar, whose description names the pass running. A pass elsewhere (a
+``predict_on_test_set()`` after training) shows a transient bar of its own.
+
 ``tqdm.auto`` draws text bars in a terminal and widgets in Jupyter (with ipywidgets installed:
 ``pip install 'aitoolbox[notebook]'``). A transient bar (``leave=False``, the evaluation bars) vanishes when it
 closes; in a notebook tqdm only hides the widget, and the saved ``.ipynb`` would keep its output (a stale
 "0%" bar) and its widget models. There the bar is shown under a display id instead: at close its output is
 emptied and all its widgets are closed, so the saved notebook holds nothing of it.
 """
+import contextlib
 import sys
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from tqdm.auto import tqdm
 
@@ -81,6 +87,15 @@ class ProgressBar:
         self._bar.update(self._pending_steps)
         self._pending_steps = 0
 
+    def restart(self, total: Optional[int], description: str) -> None:
+        """Show another pass on the same bar: back to zero, with a new total and description."""
+        if self._bar is None:
+            return
+        self._pending_steps = 0
+        self._next_draw_time = 0.0
+        self._bar.reset(total=total)
+        self._bar.set_description(description, refresh=False)
+
     def set_postfix(self, postfix: dict) -> None:
         """Show a final postfix (e.g. the epoch's mean loss): now, or with the steps still to show at
         :meth:`close` if there are any."""
@@ -112,3 +127,41 @@ def iterate_with_progress(iterable: Iterable, total: Optional[int], description:
             bar.update()
     finally:
         bar.close()
+
+
+class EvaluationProgress:
+    """The bars of evaluation passes: one transient bar per pass, or inside :meth:`shared` one bar for them all."""
+
+    def __init__(self):
+        self._title: Optional[str] = None  # set inside shared(): passes then show on one bar
+        self._enabled = False
+        self._bar: Optional[ProgressBar] = None
+
+    def __getstate__(self) -> dict:
+        return {"_title": None, "_enabled": False, "_bar": None}  # a bar never travels to another process
+
+    @contextlib.contextmanager
+    def shared(self, title: str, enabled: bool) -> Iterator[None]:
+        """Within the block every evaluation pass shows on one transient bar, ``<title>: <pass>``, made at the first
+        pass (none without one) and closed when the block ends."""
+        self._title, self._enabled = title, enabled
+        try:
+            yield
+        finally:
+            bar, self._bar, self._title = self._bar, None, None
+            if bar is not None:
+                bar.close()
+
+    def iterate(self, iterable: Iterable, total: Optional[int], description: str, enabled: bool):
+        """Yield from ``iterable`` while advancing the pass's bar."""
+        if self._title is None:
+            yield from iterate_with_progress(iterable, total, description, enabled)
+            return
+        description = f"{self._title}: {description}"
+        if self._bar is None:
+            self._bar = ProgressBar(total, description, self._enabled and enabled, leave=False)
+        else:
+            self._bar.restart(total, description)
+        for item in iterable:
+            yield item
+            self._bar.update()

@@ -48,6 +48,12 @@ class RunDecision:
     sharded: bool = False
 
 
+def _shown_epoch(checkpoint: dict) -> object:
+    """The checkpoint's epoch as messages show it: counted from 1, as the epoch's summary line counts."""
+    epoch = checkpoint.get("epoch")
+    return epoch + 1 if isinstance(epoch, int) else epoch
+
+
 def resume_from_bucket(destination: "CloudDestination", root: str, project_name: str, experiment_name: str,
                        identity: Optional[RunIdentity] = None) -> Optional[Tuple[str, str, str]]:
     """``auto_resume`` when no local run has a checkpoint: the newest run of the experiment in the bucket that holds
@@ -96,7 +102,7 @@ def usable_checkpoint(run_folder: str, newest: str, world_size: int,
     epoch_ends: List[str] = [path for path in run_checkpoints(run_folder)
                              if (checkpoint_path_position(path) or (0, 0, 0))[1] == 1
                              and checkpoint_path_position(path) < position]
-    lost = (f"{newest} was saved by {saved_world_size} process(es) in the middle of epoch {checkpoint.get('epoch')} "
+    lost = (f"{newest} was saved by {saved_world_size} process(es) in the middle of epoch {_shown_epoch(checkpoint)} "
             f"({batches_done} batch(es) per process done) and this job has {world_size}: a mid-epoch checkpoint "
             "continues only with the number of processes that saved it")
     if not epoch_ends:
@@ -105,7 +111,7 @@ def usable_checkpoint(run_folder: str, newest: str, world_size: int,
     fallback = epoch_ends[-1]
     logger.warning("auto_resume: %s. Continuing from the epoch-end checkpoint %s instead: the training done after it "
                    "(in epoch %s) is lost and is done again, with the data split among %d process(es)", lost,
-                   os.path.basename(fallback), checkpoint.get("epoch"), world_size)
+                   os.path.basename(fallback), _shown_epoch(checkpoint), world_size)
     return fallback, load_checkpoint_file(fallback, weights_only=weights_only)
 
 

@@ -78,7 +78,7 @@ class RunState:
         if from_checkpoint is not None:
             return from_checkpoint
         if point is not None and tl.strategy.is_main_process:
-            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.counters.epoch,
+            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.counters.epoch + 1,
                         point.batches_done)
         return point
 

@@ -108,12 +108,10 @@ class _ExperimentTrainLoop(TrainLoop):
                 self._continue_or_start(*run_choice.decide_run(self.experiment_folder, destination, 1,
                                                                weights_only, self.lazy_experiment_save))
             elif not self.lazy_experiment_save:
-                self.experiment_folder.create()
-                logger.info("Experiment folder: %s", self.experiment_folder.path)
+                self.experiment_folder.create()  # its path is logged when training starts (see run_folders)
             return
         if writes_files_in_this_process() and not auto_resume and not self.lazy_experiment_save:
             self.experiment_folder.create()
-            logger.info("Experiment folder: %s", self.experiment_folder.path)
 
     def _continue_or_start(self, decision: run_choice.RunDecision, checkpoint) -> None:
         """Adopt the decided run folder and load what the run continues from (a path or a checkpoint dict)."""
@@ -141,6 +139,15 @@ class _ExperimentTrainLoop(TrainLoop):
         elif not runs_in_several_processes(self) and self.lazy_experiment_save:
             self.experiment_folder.reserve()
         return super().fit(num_epochs, num_iterations, callbacks, grad_accumulation, **kwargs)
+
+    @property
+    def checkpoint_callback(self) -> Optional[ModelCheckpoint]:
+        """The callback saving this run's epoch checkpoints (``TrainLoopCheckpoint`` and ``TrainLoopCheckpointEndSave``
+        register one; else the first :class:`ModelCheckpoint` registered), or None. As Lightning's
+        ``trainer.checkpoint_callback``: ``tl.checkpoint_callback.best_model_path``, ``.load_best_model()``."""
+        checkpoints = [callback for callback in self.callbacks if isinstance(callback, ModelCheckpoint)]
+        epoch_savers = [callback for callback in checkpoints if not isinstance(callback, ModelIterationCheckpoint)]
+        return (epoch_savers or checkpoints or [None])[0]
 
     def run_record(self) -> dict:
         """What the launching process of ``fit_distributed`` adopts: the run folder rank 0 decided on and the

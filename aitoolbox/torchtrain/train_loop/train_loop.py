@@ -27,7 +27,7 @@ from aitoolbox.torchtrain.schedulers.basic import AbstractScheduler
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
-from aitoolbox.experiment.local_save.experiment_folder import timestamp_now
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, default_run_folder, timestamp_now
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.compat import num_training_steps, optimizer_update_due
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
@@ -41,12 +41,13 @@ from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
+from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, claim_default_run_folder
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
-    check_use_amp, create_precision, create_sharded_precision, initial_loss_scaler)
+    check_use_amp, create_precision, create_sharded_precision, describe_precision, initial_loss_scaler)
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,11 @@ class TrainLoop:
         self.loop_model = validation.resolve_model(model)
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
         self.batch_model_feed_def = model.batch_model_feed_def if isinstance(model, ModelWrap) else None
-        validation.check_loader(train_loader, "train_loader", required=True)
+        validation.check_loader(train_loader, "train_loader")
         check_validation_loader(validation_loader)
-        validation.check_loader(test_loader, "test_loader", required=False)
+        validation.check_loader(test_loader, "test_loader")
         self.optimizers: List[torch.optim.Optimizer] = validation.as_optimizer_list(optimizer)
+        validation.check_criterion(criterion)
         validation.check_end_auto_eval(end_auto_eval)
         self.train_loader = train_loader
         self.validation_loader = validation_loader
@@ -132,6 +134,7 @@ class TrainLoop:
         self.use_amp = use_amp
         self._precision: Optional[Precision] = None
         self._precision_chosen_by_user = False  # tl.precision assigned before fit: kept for every strategy
+        self._precision_announced = False
         compile_options = CompileOptions.from_argument(torch_compile)
         if compile_options is not None and gpu_mode == "dp":
             raise ValueError("torch_compile does not work with gpu_mode='dp': DataParallel copies the model to every "
@@ -158,6 +161,11 @@ class TrainLoop:
         # Set by the experiment-tracking presets (TrainLoopCheckpoint, ...): where files of this run go.
         self.experiment_folder = None
         self._timestamp = timestamp_now()
+        # A plain loop's run folder for callbacks given no experiment details; nothing is created on disk before a
+        # callback claims it (claim_run_folder) and writes the first file.
+        self._default_run_folder = default_run_folder(self._timestamp)
+        self._launches_processes = False  # fit_distributed was called: processes and this one share folder names
+        self._run_folders = RunFolderAnnouncement()
         self._model_runner = None
         self._step_runner: Optional[StepRunner] = None  # with the model runner and precision, by set_up
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
@@ -224,8 +232,29 @@ class TrainLoop:
 
     @property
     def experiment_timestamp(self) -> str:
-        """The run's timestamp: its experiment folder's with a preset, else the time the TrainLoop was built."""
-        return self.experiment_folder.timestamp if self.experiment_folder is not None else self._timestamp
+        """The run's timestamp: its run folder's (a preset's, or the default one: the time the TrainLoop was built,
+        suffixed ``_1`` when another run of that second claimed the name first)."""
+        return self.run_folder.timestamp
+
+    @property
+    def run_folder(self) -> ExperimentFolder:
+        """Where this run's files go: a preset's experiment folder, or for a plain TrainLoop the default
+        ``<working directory>/aitoolbox_runs/run_<timestamp>/`` that file-writing callbacks given no experiment
+        details share. Reading it creates nothing; see :meth:`claim_run_folder`."""
+        return self.experiment_folder if self.experiment_folder is not None else self._default_run_folder
+
+    def claim_run_folder(self) -> ExperimentFolder:
+        """:attr:`run_folder`, for a callback that will write into it (called when it is registered). A plain
+        loop's default folder gets its name decided now in a training of one process (creating ``aitoolbox_runs/``
+        and the name's claim file, not the run folder): a run started within the same second as another writes
+        into ``run_<timestamp>_1``, and the paths callbacks derive from the folder now stay true. Under several
+        processes every process (and the launching one) names it by the timestamp alone."""
+        folder = self.run_folder
+        if folder is self._default_run_folder:
+            in_one_process = not (self._launches_processes or self.strategy.is_distributed
+                                  or self.gpu_mode in ("ddp", "fsdp"))
+            claim_default_run_folder(folder, reserve=in_one_process)
+        return folder
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:
@@ -365,6 +394,7 @@ class TrainLoop:
             if not self.strategy.shards_parameters:  # a sharded checkpoint read whole, before amp copies the weights
                 load_pending_sharded_weights(self)
             self.criterion = self.strategy.setup_criterion(self.criterion)
+            policy = None
             if self._precision is None and self.strategy.shards_parameters:
                 self._precision, policy = create_sharded_precision(self.use_amp, self.loop_model, self.optimizers,
                                                                    self.device)
@@ -372,6 +402,10 @@ class TrainLoop:
                 self._precision.agree_on_overflow = self.strategy.any_process  # each rank sees only its shards
             elif self._precision is None:
                 self._precision = create_precision(self.use_amp, self.loop_model, self.optimizers, self.device)
+            if self.use_amp and not self._precision_announced and self.strategy.is_main_process:
+                self._precision_announced = True  # once, as Lightning says which precision it uses
+                logger.info("Mixed precision (use_amp=%r): %s", self.use_amp,
+                            describe_precision(self._precision, self.loop_model, policy))
             self.amp_scaler.hand_over(self._precision)
             if self.strategy.is_distributed and not self.strategy.shards_parameters:
                 # Gradients accumulated into float32 masters bypass DDP's all-reduce (see Precision).
@@ -674,7 +708,7 @@ class TrainLoop:
             self.callbacks_handler.register_callbacks(callbacks or [])  # as by a fit with nothing left to train
         logger.warning("Nothing to train: training was stopped at epoch %d by a stop request (e.g. EarlyStopping), "
                        "which ends the run. To train it further, set tl.early_stop = False before fit.",
-                       self.state.epoch)
+                       self.state.epoch + 1)
 
     def fit_distributed(self, num_epochs: int = 0, num_iterations: int = 0,
                         callbacks: Optional[List[AbstractCallback]] = None, grad_accumulation: int = 1,
@@ -734,6 +768,7 @@ class TrainLoop:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
+        self._launches_processes = True
         return fit_distributed(self, DistributedFitOptions(
             num_epochs=num_epochs, num_iterations=num_iterations, callbacks=callbacks,
             grad_accumulation=grad_accumulation, train_data_shuffle=train_data_shuffle, ddp_model_args=ddp_model_args,
@@ -753,6 +788,8 @@ class TrainLoop:
         self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
+        if self.strategy.is_main_process:
+            self._run_folders.announce(self)
         self._step_runner.start()
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)
@@ -817,11 +854,12 @@ class TrainLoop:
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
         self.callbacks_handler.on_epoch_train_end()
-        self._evaluator.at_epoch_end()
-        self.callbacks_handler.on_epoch_end()
+        with self._evaluator.progress.shared("Evaluation", self.show_progress):  # the epoch end's passes: one bar
+            self._evaluator.at_epoch_end()
+            self.callbacks_handler.on_epoch_end()
         self.message_service.end_of_epoch_trigger()
         if self.strategy.is_main_process:
-            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
+            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history, self.validation_set_names)
         state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:

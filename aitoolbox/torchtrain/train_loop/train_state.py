@@ -267,7 +267,7 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     if "rng" not in checkpoint:  # aitoolbox 1.x: saved at the end of epoch ``epoch``
         logger.warning("the checkpoint was written by aitoolbox 1.x: it holds no random state or training history, "
                        "so training continues from epoch %d but not bitwise as the original run would have",
-                       checkpoint["epoch"] + 1)
+                       checkpoint["epoch"] + 2)  # the next epoch's index + 1: counted as the epoch line counts
         checkpoint = dict(checkpoint, epochs_completed=checkpoint["epoch"] + 1, iteration=0,
                           train_history=dict(tl.train_history))
     tl.train_history.clear()
@@ -349,7 +349,7 @@ def continue_with_another_world_size(tl: "TrainLoop", checkpoint: dict, saved_wo
         logger.warning("the checkpoint was saved by %d process(es) and is resumed by %d: training continues from "
                        "epoch %d with the saved weights and optimizer state, but not bitwise as the saved run would "
                        "have (the data is split differently)", saved_world_size, world_size,
-                       checkpoint["epochs_completed"])
+                       checkpoint["epochs_completed"] + 1)
     restore_rng_state(checkpoint["rng"][tl.strategy.rank % saved_world_size], tl.train_loader)
     return None
 

@@ -151,6 +151,30 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
     return full_precision(device.type)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def describe_precision(precision: Precision, model: nn.Module, policy: Any = None) -> str:
+    """What a precision does, in words: ``'bfloat16 autocast on cpu, no loss scaling'``, ``'float16 model weights
+    with float32 master weights on cuda, dynamic loss scaling'``, ... (``policy``: FSDP's mixed precision policy)."""
+    if policy is not None and getattr(policy, "param_dtype", None) is not None:
+        computed = f"{_dtype_name(policy.param_dtype)} compute (FSDP mixed precision)"
+    elif precision.master_weights is not None or precision.autocast_dtype is None:
+        weights = next((parameter.dtype for parameter in model.parameters() if parameter.is_floating_point()),
+                       torch.float32)
+        computed = (f"{_dtype_name(weights)} model weights"
+                    + (" with float32 master weights" if precision.master_weights is not None else ""))
+        if weights == torch.float32 and precision.master_weights is None:
+            computed = "float32"
+    else:
+        computed = f"{_dtype_name(precision.autocast_dtype)} autocast"
+    scaler = precision.loss_scaler
+    scaling = ("no loss scaling" if scaler is None
+               else "dynamic loss scaling" if scaler.dynamic else f"static loss scale {scaler.loss_scale:g}")
+    return f"{computed} on {precision.device_type}, {scaling}"
+
+
 def create_sharded_precision(use_amp: Union[bool, dict, None], model: nn.Module,
                              optimizers: List[torch.optim.Optimizer], device: torch.device) -> Tuple[Precision, Any]:
     """The precision of a fully sharded (FSDP) run, and FSDP's ``MixedPrecisionPolicy`` for it (None: none).

@@ -1,9 +1,10 @@
 """Checks of TrainLoop's inputs, run once in the constructor and in ``fit``, with messages that say the fix."""
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, List, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
@@ -27,24 +28,77 @@ def resolve_model(model: Any) -> nn.Module:
     raise TypeError(f"model must be a TTModel or a ModelWrap, got {type(model).__name__}.{hint}")
 
 
-def check_loader(loader: Any, name: str, required: bool) -> None:
-    """A loader is None or iterable; a required one (the training loader) must, when its length is known, be
-    non-empty. None is accepted for every loader: a TrainLoop without a training loader predicts only."""
+def _is_list_of_loaders(loader: Any) -> bool:
+    # A list of batches is a loader too (any iterable of batches is); a list of DataLoaders never is.
+    return isinstance(loader, (list, tuple)) and len(loader) > 0 and all(isinstance(item, DataLoader)
+                                                                        for item in loader)
+
+
+def check_loader(loader: Any, name: str) -> None:
+    """A loader is None or an iterable of batches (not a dict or a list of loaders) that, when its length is known,
+    is not empty. None is accepted for every loader: a TrainLoop without a training loader predicts only.
+
+    Raises:
+        TypeError: not iterable (e.g. a Dataset), a dict of loaders, or a list of DataLoaders; the message says
+            what to pass.
+        ValueError: ``len(loader) == 0``.
+    """
     if loader is None:
         return
+    if isinstance(loader, Mapping):
+        raise TypeError(f"{name} is a dict of {len(loader)} entries ({sorted(map(str, loader))[:5]}): only "
+                        f"validation_loader takes named sets; pass one DataLoader as {name}")
+    if _is_list_of_loaders(loader):
+        plural = "s" if len(loader) > 1 else ""
+        if name == "validation_loader":
+            names = ", ".join(f"'set_{index}': ..." for index in range(len(loader)))
+            fix = (f"to evaluate several validation sets, name each set: validation_loader={{{names}}} (each is "
+                   "recorded as val_<name>_loss, the first also as val_loss); for one set pass its DataLoader itself")
+        else:
+            fix = f"pass one DataLoader as {name}"
+        raise TypeError(f"{name} is a {type(loader).__name__} of {len(loader)} DataLoader{plural}: {fix}")
     if not isinstance(loader, Iterable):
         hint = (" It looks like a Dataset: wrap it as DataLoader(dataset, batch_size=...)."
                 if hasattr(loader, "__getitem__") else "")
         raise TypeError(f"{name} must be an iterable of batches such as a DataLoader, got "
                         f"{type(loader).__name__}.{hint}")
-    if required:
-        try:
-            length = len(loader)
-        except TypeError:
-            return  # an IterableDataset without a length: checked when the first epoch ends
-        if length == 0:
-            raise ValueError(f"{name} is empty (len 0): it must yield at least one batch. Check the dataset "
-                             "size, and batch_size with drop_last=True.")
+    try:
+        length = len(loader)
+    except TypeError:
+        return  # an IterableDataset without a length: the training loader's is checked when the first epoch ends
+    if length == 0:
+        raise ValueError(f"{name} is empty (len 0): it must yield at least one batch. Check the dataset "
+                         "size, and batch_size with drop_last=True.")
+
+
+def _class_name(cls: type) -> str:
+    """How a user writes the class: ``nn.CrossEntropyLoss``, ``torch.optim.AdamW``, else its full name."""
+    module = cls.__module__
+    if module.startswith("torch.nn"):
+        return f"nn.{cls.__name__}"
+    if module.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}"
+    return f"{module}.{cls.__qualname__}"
+
+
+def check_criterion(criterion: Any) -> None:
+    """The criterion is handed to ``get_loss`` as it is (a loss function, a dict or list of them, anything the model
+    reads); a class where an instance belongs (``nn.CrossEntropyLoss`` without ``()``) is refused now rather
+    than failing inside the first batch with torch's message.
+
+    Raises:
+        TypeError: the criterion, or an entry of a dict / list / tuple of criteria, is a class.
+    """
+    if isinstance(criterion, Mapping):
+        entries = [(f"criterion[{key!r}]", value) for key, value in criterion.items()]
+    elif isinstance(criterion, (list, tuple)):
+        entries = [(f"criterion[{index}]", value) for index, value in enumerate(criterion)]
+    else:
+        entries = [("criterion", criterion)]
+    for where, value in entries:
+        if isinstance(value, type):
+            raise TypeError(f"{where} is the class {_class_name(value)}, not a loss function: pass an instance, "
+                            f"e.g. {_class_name(value)}()")
 
 
 def is_optimizer(obj: Any) -> bool:
@@ -62,6 +116,9 @@ def as_optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
         optimizer = optimizer.optimizer_list  # aitoolbox's MultiOptimizer
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for opt in optimizers:
+        if isinstance(opt, type):  # the class has step() and zero_grad() too: torch would fail in the first step
+            raise TypeError(f"optimizer is the class {_class_name(opt)}, not an optimizer: build one, e.g. "
+                            f"{opt.__name__}(model.parameters(), lr=1e-3)")
         if not is_optimizer(opt):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer (or an object with its step() and zero_grad() "
                             f"methods), a list of them or a MultiOptimizer, got {type(opt).__name__}")

@@ -50,11 +50,12 @@ def check_validation_loader(loader: Any) -> None:
     """Check ``validation_loader``: None, one loader, or a non-empty dict of named loaders.
 
     Raises:
-        TypeError: a key that is not a string, or a value that is not a loader.
-        ValueError: an empty dict, or a name that cannot name history keys.
+        TypeError: a key that is not a string, a value that is not a loader, or a list of DataLoaders (the message
+            shows the dict to write instead).
+        ValueError: an empty dict, an empty loader (len 0), or a name that cannot name history keys.
     """
     if not isinstance(loader, Mapping):
-        check_loader(loader, "validation_loader", required=False)
+        check_loader(loader, "validation_loader")
         return
     if len(loader) == 0:
         raise ValueError("validation_loader is an empty dict: give at least one named loader, e.g. "
@@ -74,6 +75,7 @@ def check_validation_loader(loader: Any) -> None:
                             f"{type(value).__name__}.{hint}{nested}")
         if isinstance(value, torch.Tensor):
             raise TypeError(f"{where} is a tensor: wrap the data in a DataLoader")
+        check_loader(value, where)  # e.g. an empty set, which would fail only after the first epoch's training
 
 
 def validation_set_names(loader: Any) -> Optional[List[str]]:

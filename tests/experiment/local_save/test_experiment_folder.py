@@ -22,7 +22,8 @@ def test_layout(tmp_path):
     assert folder.tensorboard_dir == str(run / "tensorboard")
     assert not (tmp_path / "proj").exists()  # nothing on disk before the first use
     assert folder.create() == str(run)
-    assert sorted(os.listdir(run)) == ["checkpoint_model", "model", "results", "tensorboard"]
+    assert os.listdir(run) == []  # sub-folders come with their first file: none is left empty
+    assert folder.ensure(folder.plots_dir) == folder.plots_dir and sorted(os.listdir(run)) == ["results"]
     assert folder.create() == str(run)  # the same object may ask again
 
 
@@ -37,11 +38,11 @@ def test_root_with_user_home_is_expanded(tmp_path, monkeypatch):
 
 def test_an_existing_run_folder_is_never_overwritten(tmp_path):
     first = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
-    first.create()
+    first.ensure(first.checkpoint_dir)
     (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").write_bytes(b"precious")
     second = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
     assert second.create() == str(tmp_path / "proj" / "exp_same_1")  # a run of the same second: a suffix
-    assert second.timestamp == "same_1" and os.listdir(second.checkpoint_dir) == []
+    assert second.timestamp == "same_1" and not os.path.exists(second.checkpoint_dir)
     third = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="same")
     assert third.create() == str(tmp_path / "proj" / "exp_same_2")
     assert (tmp_path / "proj" / "exp_same" / "checkpoint_model" / "model.pth").read_bytes() == b"precious"

@@ -104,7 +104,7 @@ def test_single_file_holds_results_hyperparameters_history_and_optionally_labels
     assert saved == [[name, os.path.join(results_dir, name)]]
     content = read_json(saved[0][1])
     assert content["experiment_name"] == "exp" and content["experiment_results_local_path"] == results_dir
-    assert content["results"] == {"Accuracy": 0.75}
+    assert content["results"] == package.get_results() and content["results"]["Accuracy"] == 0.75
     assert content["hyperparameters"] == {"lr": 0.01, "layers": [2, 3]}
     assert content["training_history"] == {"loss": [0.5], "val_loss": [0.6]}
     assert ("y_true" in content) is labels and ("y_predicted" in content) is labels
@@ -121,7 +121,7 @@ def test_separate_files_hold_one_part_each(tmp_path, labels):
     prefixes = ["results", "hyperparams", "train_history"] + (["true_pred_labels"] if labels else [])
     assert [name for name, _ in saved] == [f"{prefix}_exp_ts.json" for prefix in prefixes]
     contents = [read_json(path) for _, path in saved]
-    assert contents[0]["results"] == {"Accuracy": 0.75} and "hyperparameters" not in contents[0]
+    assert contents[0]["results"] == package.get_results() and "hyperparameters" not in contents[0]
     assert contents[1]["hyperparameters"]["lr"] == 0.01 and contents[1]["experiment_name"] == "exp"
     assert contents[2]["training_history"] == {"loss": [0.5]}
     if labels:

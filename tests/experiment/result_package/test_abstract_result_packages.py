@@ -177,7 +177,8 @@ def test_zip_additional_results_dump(tmp_path):
 def test_package_survives_deepcopy_and_pickle():
     package = ClassificationResultPackage().prepare_result_package([1, 0], [1, 1], training_history=TrainingHistory())
     for clone in (copy.deepcopy(package), pickle.loads(pickle.dumps(package))):
-        assert clone.get_results() == {"Accuracy": 0.5}
+        assert clone.get_results() == package.get_results()
+        assert clone.get_results()["Accuracy"] == 0.5
 
 
 # --- combining: + -----------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_classification_accuracy_from_labels_matches_sklearn(multiclass):
     y_true, scores = multiclass
     labels = scores.argmax(axis=1)
     results = ClassificationResultPackage().prepare_result_package(y_true, labels).get_results()
-    assert results == {"Accuracy": metrics.accuracy_score(y_true, labels)}
+    assert results["Accuracy"] == metrics.accuracy_score(y_true, labels)
     assert_plain_floats(results)
 
 
@@ -64,18 +64,81 @@ def test_classification_accepts_tensors_and_column_vectors(multiclass):
     expected = metrics.accuracy_score(y_true, scores.argmax(axis=1))
     logits = torch.from_numpy(scores).requires_grad_()  # a tensor still attached to the graph
     package = ClassificationResultPackage().prepare_result_package(torch.from_numpy(y_true).unsqueeze(1), logits)
-    assert package.get_results() == {"Accuracy": expected}
+    assert package.get_results()["Accuracy"] == expected
     assert isinstance(package.y_true, np.ndarray) and isinstance(package.y_predicted, np.ndarray)
     labels_column = torch.from_numpy(scores.argmax(axis=1)).unsqueeze(1)
     results = ClassificationResultPackage().prepare_result_package(y_true.tolist(), labels_column).get_results()
-    assert results == {"Accuracy": expected}
+    assert results["Accuracy"] == expected
 
 
 def test_classification_accepts_one_hot_targets(multiclass):
     y_true, scores = multiclass
     one_hot = np.eye(4)[y_true]
     results = ClassificationResultPackage().prepare_result_package(one_hot, scores).get_results()
-    assert results == {"Accuracy": metrics.accuracy_score(y_true, scores.argmax(axis=1))}
+    assert results == ClassificationResultPackage().prepare_result_package(y_true, scores).get_results()
+    assert results["Accuracy"] == metrics.accuracy_score(y_true, scores.argmax(axis=1))
+
+
+# F1_score, Precision and Recall: aitoolbox 1.8's metric names (its binary package's F1_score, its PrecisionMetric
+# and RecallMetric), averaged over the classes (macro) for a multi-class problem, of the positive class for a binary one.
+def sklearn_prf(y_true, labels, average):
+    options = dict(average=average, zero_division=0)
+    return {"F1_score": metrics.f1_score(y_true, labels, **options),
+            "Precision": metrics.precision_score(y_true, labels, **options),
+            "Recall": metrics.recall_score(y_true, labels, **options)}
+
+
+def test_classification_reports_macro_f1_precision_recall_for_several_classes(multiclass):
+    y_true, scores = multiclass
+    labels = scores.argmax(axis=1)
+    results = ClassificationResultPackage().prepare_result_package(y_true, scores).get_results()
+    assert set(results) == {"Accuracy", "F1_score", "Precision", "Recall"}
+    expected = sklearn_prf(y_true, labels, "macro")
+    assert {name: results[name] for name in expected} == expected
+    # Macro: the plain mean of the per-class values, so a rare class counts as much as a frequent one.
+    per_class = metrics.f1_score(y_true, labels, average=None, zero_division=0)
+    assert results["F1_score"] == pytest.approx(float(np.mean(per_class)))
+    assert_plain_floats(results)
+
+
+def test_classification_of_two_classes_reports_the_positive_class_as_the_binary_package(binary):
+    y_true, probabilities = binary
+    labels = (probabilities > 0.5).astype(int)
+    results = ClassificationResultPackage().prepare_result_package(y_true, labels).get_results()
+    assert {name: results[name] for name in ("F1_score", "Precision", "Recall")} == sklearn_prf(y_true, labels,
+                                                                                               "binary")
+    binary_package = BinaryClassificationResultPackage(positive_class_thresh=None)
+    assert results["F1_score"] == binary_package.prepare_result_package(y_true, labels).get_results()["F1_score"]
+    # Two score columns are a binary problem too, whatever labels the set happens to hold.
+    two_columns = np.stack([1 - probabilities, probabilities], axis=1)
+    from_scores = ClassificationResultPackage().prepare_result_package(y_true, two_columns).get_results()
+    assert from_scores["F1_score"] == metrics.f1_score(y_true, two_columns.argmax(axis=1), zero_division=0)
+
+
+def test_classification_average_can_be_chosen(multiclass, binary):
+    y_true, scores = multiclass
+    labels = scores.argmax(axis=1)
+    for average in ("micro", "weighted", "macro"):
+        results = ClassificationResultPackage(average=average).prepare_result_package(y_true, labels).get_results()
+        assert results["Recall"] == metrics.recall_score(y_true, labels, average=average, zero_division=0)
+    y_binary, probabilities = binary
+    binary_labels = (probabilities > 0.5).astype(int)
+    macro = ClassificationResultPackage(average="macro").prepare_result_package(y_binary, binary_labels).get_results()
+    assert macro["F1_score"] == metrics.f1_score(y_binary, binary_labels, average="macro", zero_division=0)
+
+
+@pytest.mark.parametrize("bad", ["mean", "", None, 3])
+def test_classification_rejects_an_unknown_average(bad):
+    with pytest.raises(ValueError, match="average"):
+        ClassificationResultPackage(average=bad)
+
+
+def test_classification_never_predicting_a_class_gives_zero_without_warnings(recwarn):
+    y_true = np.array([0, 1, 2, 2, 1, 0])
+    labels = np.array([0, 0, 0, 0, 0, 0])  # classes 1 and 2 never predicted: their precision is 0 / 0
+    results = ClassificationResultPackage().prepare_result_package(y_true, labels).get_results()
+    assert results["Precision"] == pytest.approx((2 / 6) / 3)
+    assert not [warning for warning in recwarn if "ill-defined" in str(warning.message)]
 
 
 def test_low_precision_tensors_are_converted(multiclass):

@@ -43,7 +43,7 @@ def test_pdf_report_is_one_file_named_after_the_folder_name(tmp_path):
 def test_performance_curve_subtitles_name_the_extremes_ignoring_nan():
     figure = TrainingHistoryPlotter.plot_performance_curve("loss", [1.0, float("nan"), 0.25, 0.5])
     texts = [text.get_text() for text in figure.axes[0].texts]
-    assert texts == ["loss", "Max result: 1.0 loss (at epoch 0)", "Min result: 0.25 loss (at epoch 2)"]
+    assert texts == ["loss", "Max result: 1.0 loss (at epoch 1)", "Min result: 0.25 loss (at epoch 3)"]
 
 
 # --- TrainingHistoryWriter --------------------------------------------------------------------------------

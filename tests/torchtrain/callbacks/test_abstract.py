@@ -71,13 +71,15 @@ def test_try_infer_experiment_details_from_a_tracking_loop(make_model, make_load
 
 
 def test_missing_details_are_an_attribute_and_value_error(make_model, make_loader):
+    """Some details given, the others unknown to a plain loop (given none, a callback takes the loop's default run
+    folder: tests/torchtrain/callbacks/test_default_run_folder.py)."""
     tl = make_loop(make_model, make_loader)
-    callback = AbstractExperimentCallback("cb")
+    callback = AbstractExperimentCallback("cb", project_name="p")
     tl.callbacks_handler.register_callbacks([callback])  # registration itself does not need the details
     assert not callback.has_experiment_folder
     for call in (lambda: callback.try_infer_experiment_details(infer_cloud_details=False),
                  lambda: callback.experiment_folder):
-        with pytest.raises(AttributeError, match="pass project_name, experiment_name and "
+        with pytest.raises(AttributeError, match="pass all three of project_name, experiment_name and "
                                                  "local_model_result_folder_path"):
             call()
         with pytest.raises(ValueError):
@@ -88,7 +90,7 @@ def test_missing_details_are_an_attribute_and_value_error(make_model, make_loade
         requires_experiment_folder = True
 
     with pytest.raises(MissingExperimentDetailsError, match="Writer does not know where to write"):
-        tl.callbacks_handler.register_callbacks([Writer("writer")])
+        tl.callbacks_handler.register_callbacks([Writer("writer", experiment_name="e")])
 
 
 def test_cloud_details_are_inferred_only_when_none_is_given(make_model, make_loader):

@@ -223,5 +223,6 @@ def test_grad_distribution_plot_arguments(make_model, make_loader):
         GradDistributionPlot(lambda m: [m.out], cloud_save_mode="dropbox")
     model = make_model()
     tl = TrainLoop(model, make_loader(), None, None, torch.optim.SGD(model.parameters(), lr=LR), nn.MSELoss())
+    # Some of the folder details only (given none, the plots go into the plain loop's default run folder).
     with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path"):
-        tl.callbacks_handler.register_callbacks([GradDistributionPlot(lambda m: [m.out])])
+        tl.callbacks_handler.register_callbacks([GradDistributionPlot(lambda m: [m.out], project_name="p")])

@@ -223,10 +223,11 @@ def test_explicit_arguments_matching_the_preset_reuse_its_folder(tmp_path):
 
 
 @pytest.mark.parametrize("callback_class", [ModelTrainHistoryPlot, ModelTrainHistoryFileWriter])
-def test_no_folder_is_a_clear_error_at_registration(callback_class):
+def test_some_of_the_folder_details_only_is_a_clear_error_at_registration(callback_class):
+    """Given none, the callback writes into a plain loop's default run folder (test_default_run_folder.py)."""
     with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path.*"
                                          "TrainLoopCheckpoint"):
-        make_train_loop().fit(num_epochs=1, callbacks=[callback_class()])
+        make_train_loop().fit(num_epochs=1, callbacks=[callback_class(local_model_result_folder_path="out")])
 
 
 @pytest.mark.parametrize("callback_class", [ModelTrainHistoryPlot, ModelTrainHistoryFileWriter])

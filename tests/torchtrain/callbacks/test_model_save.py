@@ -161,9 +161,10 @@ def test_bad_arguments_fail_at_construction(make, error, message):
         make()
 
 
-def test_without_a_folder_the_callbacks_say_where_to_get_one():
-    with pytest.raises(ValueError, match="does not know where to write"):
-        make_loop().fit(num_epochs=1, callbacks=[ModelCheckpoint()])
+def test_with_some_of_the_folder_details_the_callbacks_say_what_to_pass():
+    # None of them writes into a plain loop's default run folder (tests/torchtrain/callbacks/test_default_run_folder).
+    with pytest.raises(ValueError, match="does not know where to write .*pass all three"):
+        make_loop().fit(num_epochs=1, callbacks=[ModelCheckpoint(project_name="p")])
 
 
 # --- ModelIterationCheckpoint ------------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def test_train_end_save_with_its_own_folder(tmp_path):
     run = only_run_folder(tmp_path)
     with open(os.path.join(run, "results", "results.json")) as handle:
         results = json.load(handle)
-    assert set(results["results"]["validation"]) == {"Accuracy"} and results["results"] == callback.results
+    assert set(results["results"]["validation"]) == {"Accuracy", "F1_score", "Precision", "Recall"} and results["results"] == callback.results
     assert json.loads(open(os.path.join(run, "hyperparams.json")).read()) == {"lr": 1e-2}
     (model_file,) = os.listdir(os.path.join(run, "model"))
     assert_same_weights(torch.load(os.path.join(run, "model", model_file), weights_only=True)["model_state_dict"],

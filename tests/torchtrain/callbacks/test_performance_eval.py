@@ -376,7 +376,7 @@ def test_print_report_logs_latest_values_after_evaluation(report_log):
     assert f"train_end_val_Accuracy: {tl.train_history['train_end_val_Accuracy'][0]}" in messages[2]
     assert f"val_loss: {tl.train_history['val_loss'][1]}" in messages[2]  # no train_end_ value: the latest
     for epoch, message in enumerate(messages[:2]):
-        assert message.startswith(f"Epoch {epoch} performance report")
+        assert message.startswith(f"Epoch {epoch + 1} performance report")  # counted as the epoch line counts
         assert f"val_Accuracy: {tl.train_history['val_Accuracy'][epoch]}" in message
         assert f"val_loss: {tl.train_history['val_loss'][epoch]}" in message
 
@@ -385,7 +385,7 @@ def test_print_report_frequency_train_end_and_tracked_list(report_log):
     tl = make_train_loop()
     tl.fit(num_epochs=4, callbacks=[ModelPerformancePrintReport(["loss"], report_frequency=2)])
     assert [message.splitlines()[0] for message in report_log()] == [
-        "Epoch 0 performance report", "Epoch 2 performance report", "End of training performance report"]
+        "Epoch 1 performance report", "Epoch 3 performance report", "End of training performance report"]
     tl = make_train_loop()
     tl.fit(num_epochs=2, callbacks=[ModelPerformancePrintReport(["loss"], on_each_epoch=False,
                                                                 list_tracked_metrics=True)])
@@ -406,7 +406,7 @@ def test_print_report_lenient_skips_missing_metric(report_log):
     tl.fit(num_epochs=1, callbacks=[ModelPerformancePrintReport(["val_Accuracy", "val_loss"],
                                                                 strict_metric_reporting=False)])
     assert "val_Accuracy" in report_log(logging.WARNING)[0]
-    assert report_log()[0] == f"Epoch 0 performance report\n  val_loss: {tl.train_history['val_loss'][0]}"
+    assert report_log()[0] == f"Epoch 1 performance report\n  val_loss: {tl.train_history['val_loss'][0]}"
 
 
 @pytest.mark.parametrize("kwargs, error", [

@@ -112,11 +112,13 @@ def test_traces_go_into_the_run_folder_of_a_preset(tmp_path):
     assert TRACE_NAME.match(os.path.basename(path)) and trace_steps(path) == [1, 2, 3]
 
 
-def test_without_output_dir_or_run_folder_registration_says_what_to_pass(tmp_path):
+def test_without_output_dir_a_plain_loop_s_traces_go_into_its_default_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     tl = make_loop()
-    with pytest.raises(ValueError, match=r"output_dir=.*TrainLoopCheckpoint"):
-        tl.fit(num_epochs=1, callbacks=[ProfilerCallback()])
-    assert tl.epochs_completed == 0
+    callback = ProfilerCallback()
+    tl.fit(num_epochs=1, callbacks=[callback])
+    folder = os.path.join(str(tmp_path), "aitoolbox_runs", f"run_{tl.experiment_timestamp}", "profiler")
+    assert callback.trace_dir == folder and len(trace_files(folder)) == 1
 
 
 @pytest.mark.parametrize("arguments, error", [

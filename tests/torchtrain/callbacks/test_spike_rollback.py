@@ -192,7 +192,8 @@ def test_the_spike_after_max_rollbacks_stops_training_with_an_error_listing_them
     with pytest.raises(SpikeRollbackError, match="max_rollbacks=1") as raised:
         train(tl, callbacks=[SpikeRollback(**SETTINGS, max_rollbacks=1)])
     message = str(raised.value)
-    assert "spike at epoch 1, iteration 3" in message and "epoch 2, iteration 6" in message
+    # Epochs counted from 1 in messages, as the epoch line counts (the records keep the index).
+    assert "spike at epoch 2, iteration 3" in message and "epoch 3, iteration 6" in message
     assert len(raised.value.rollbacks) == 1 and raised.value.spike["epoch"] == 2
 
 

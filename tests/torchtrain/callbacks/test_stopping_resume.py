@@ -23,7 +23,7 @@ one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", n
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "requeue_script.py")
-SCORES = [1.0, 0.8, 0.9, 0.85, 0.7, 0.6, 0.5, 0.4]  # patience 1 (mode min): the straight run stops at epoch 3
+SCORES = [1.0, 0.8, 0.9, 0.85, 0.7, 0.6, 0.5, 0.4]  # patience 1 (mode min): the straight run stops at epoch index 3 ("epoch 4" in messages)
 
 
 class Scores(AbstractCallback):
@@ -94,7 +94,7 @@ def test_a_stopped_runs_checkpoint_says_so_and_a_fit_from_it_trains_nothing(capl
             logging.getLogger("aitoolbox").propagate = False
     assert scores.trained_epochs == [] and returned is requeued.model
     assert all(torch.equal(requeued.model.state_dict()[name], value) for name, value in weights.items())
-    assert "stopped at epoch 3" in caplog.text and "tl.early_stop = False" in caplog.text
+    assert "stopped at epoch 4" in caplog.text and "tl.early_stop = False" in caplog.text
 
     requeued.early_stop = False  # the documented way to train a stopped run further
     requeued.fit(num_epochs=5, callbacks=[])

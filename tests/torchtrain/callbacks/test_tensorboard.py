@@ -321,9 +321,10 @@ def test_nothing_is_written_outside_the_main_process(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_missing_folder_information_fails_at_registration():
+def test_some_of_the_folder_information_fails_at_registration():
+    """Given none, the callback writes into a plain loop's default run folder (test_default_run_folder.py)."""
     with pytest.raises(ValueError, match="project_name, experiment_name and local_model_result_folder_path"):
-        make_train_loop().fit(num_epochs=1, callbacks=[TensorboardTrainBatchLoss()])
+        make_train_loop().fit(num_epochs=1, callbacks=[TensorboardTrainBatchLoss(project_name="p")])
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

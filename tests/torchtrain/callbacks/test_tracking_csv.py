@@ -227,6 +227,7 @@ def test_arguments_are_checked():
         CSVLogger(metric_names="val_loss")
     with pytest.raises(TypeError, match="is_project"):
         CSVLogger(is_project="yes")
-    # A folder inside the experiment folder, with a plain TrainLoop that has none: refused at registration.
+    # A folder inside the experiment folder, with a plain TrainLoop and some of the details only: refused at
+    # registration (with none, the loop's default run folder is taken).
     with pytest.raises(MissingExperimentDetailsError, match="CSVLogger"):
-        make_train_loop().fit(num_epochs=1, callbacks=[CSVLogger()])
+        make_train_loop().fit(num_epochs=1, callbacks=[CSVLogger(experiment_name="e")])

@@ -132,9 +132,10 @@ def test_arguments_are_checked_and_a_missing_package_is_named(tmp_path, monkeypa
         WandBTracking(tags="baseline")
     with pytest.raises(ValueError, match="batch_log_frequency"):
         WandBTracking(batch_log_frequency=0)
-    # is_project (the default) with a plain TrainLoop and no experiment details: refused at registration.
+    # is_project (the default) with a plain TrainLoop and some of the experiment details only: refused at
+    # registration (with none, the loop's default run folder is taken).
     with pytest.raises(MissingExperimentDetailsError, match="WandBTracking"):
-        make_train_loop().fit(num_epochs=1, callbacks=[WandBTracking()])
+        make_train_loop().fit(num_epochs=1, callbacks=[WandBTracking(project_name="p")])
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match=r"aitoolbox\[wandb\]"):
         make_train_loop().fit(num_epochs=1, callbacks=[WandBTracking(is_project=False)])

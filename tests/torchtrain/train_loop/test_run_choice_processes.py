@@ -160,5 +160,5 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumed_by_another_number_falls
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
     assert resumed["resumed_from"].endswith(f"model_exp_{timestamp}_E0.pth")
     assert resumed["epochs"] == 2 and resumed["folder"] == str(folder)
-    assert f"model_exp_{timestamp}_E1_ITER5.pth was saved by 2 process(es) in the middle of epoch 1" in stderr
+    assert f"model_exp_{timestamp}_E1_ITER5.pth was saved by 2 process(es) in the middle of epoch 2" in stderr
     assert "is lost and is done again" in stderr

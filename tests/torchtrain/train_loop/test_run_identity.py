@@ -118,6 +118,6 @@ def test_a_reserved_name_is_never_taken_by_another_run_and_creating_the_folder_k
     other = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp="2026-01-01_10-00-00")
     other.create()  # the other job, same second: eager
     assert other.timestamp == "2026-01-01_10-00-00_1"
-    lazy.create()
+    lazy.ensure(lazy.checkpoint_dir)  # the first file's folder, created with the run folder
     assert lazy.checkpoint_dir == checkpoint_dir and os.path.isdir(checkpoint_dir)
     assert sorted(os.listdir(tmp_path / "proj")) == ["exp_2026-01-01_10-00-00", "exp_2026-01-01_10-00-00_1"]

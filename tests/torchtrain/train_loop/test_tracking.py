@@ -228,8 +228,7 @@ def test_an_existing_experiment_folder_is_never_overwritten(tmp_path):
     for seconds in range(-1, 4):  # whatever second the constructor reads, its folder exists already
         stamp = (now + datetime.timedelta(seconds=seconds)).strftime("%Y-%m-%d_%H-%M-%S")
         folder = ExperimentFolder(str(tmp_path), "proj", "exp", timestamp=stamp)
-        folder.create()
-        open(os.path.join(folder.checkpoint_dir, "model_exp_E0.pth"), "wb").close()
+        open(os.path.join(folder.ensure(folder.checkpoint_dir), "model_exp_E0.pth"), "wb").close()
         taken.append(folder.path)
     tl = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {})
     assert tl.experiment_folder.path not in taken and os.path.isdir(tl.experiment_folder.path)

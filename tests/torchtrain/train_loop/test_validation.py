@@ -84,6 +84,34 @@ def test_loader_that_is_not_iterable():
         build(validation_loader=3)
 
 
+@pytest.mark.parametrize("argument", ["train_loader", "test_loader"])
+def test_a_dict_of_loaders_is_refused_where_one_loader_goes(argument):
+    """A dict as test_loader used to train fully and then fail at the end; only validation sets have names."""
+    with pytest.raises(TypeError, match=rf"{argument} is a dict .*only validation_loader takes named sets.*one "
+                                        rf"DataLoader"):
+        build(**{argument: {"a": loader(), "b": loader()}})
+
+
+@pytest.mark.parametrize("argument", ["train_loader", "test_loader"])
+def test_a_list_of_loaders_is_refused_where_one_loader_goes(argument):
+    with pytest.raises(TypeError, match=rf"{argument} is a list of 2 DataLoaders"):
+        build(**{argument: [loader(), loader()]})
+
+
+def test_an_empty_test_loader_is_refused():
+    with pytest.raises(ValueError, match=r"test_loader is empty \(len 0\)"):
+        build(test_loader=DataLoader(classification_data(3), batch_size=4, drop_last=True))
+
+
+def test_a_list_of_batches_is_still_a_loader():
+    """Any iterable of batches is a loader (the docs say so): only a list of loaders is refused."""
+    x, y = classification_data(8).tensors
+    batches = [(x[:4], y[:4]), (x[4:], y[4:])]
+    tl = build(train_loader=batches, validation_loader=batches, test_loader=batches)
+    tl.fit(num_epochs=1)
+    assert len(tl.train_history["val_loss"]) == 1
+
+
 # --- optimizer, criterion, options --------------------------------------------------------------------------
 @pytest.mark.parametrize("optimizer, error, message", [
     ("sgd", TypeError, r"optimizer must be a torch.optim.Optimizer \(or an object with its step\(\) and zero_grad\(\) "
@@ -120,6 +148,23 @@ def test_an_optimizer_wrapper_trains_but_needs_a_torch_optimizer_for_amp_and_che
         tl.checkpoint_state()
     with pytest.raises(TypeError, match="mixed precision needs torch.optim.Optimizer instances .* OptimizerWrapper"):
         build(model=model, optimizer=wrapper, use_amp=True).fit(num_epochs=1)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, [torch.optim.SGD]])
+def test_an_optimizer_class_is_refused_at_construction(optimizer):
+    """torch.optim.AdamW has step() and zero_grad() too: it used to fail 6 s in with torch's raw error."""
+    with pytest.raises(TypeError, match=r"optimizer is the class torch\.optim\.\w+\.?\w*, not an optimizer: build one, "
+                                        r"e\.g\. \w+\(model\.parameters\(\), lr=1e-3\)"):
+        build(optimizer=optimizer)
+
+
+@pytest.mark.parametrize("criterion, shown", [(nn.CrossEntropyLoss, "nn.CrossEntropyLoss"),
+                                              ({"ce": nn.CrossEntropyLoss}, "criterion['ce']"),
+                                              ([nn.MSELoss(), nn.L1Loss], "criterion[1]")])
+def test_a_criterion_class_is_refused_at_construction(criterion, shown):
+    with pytest.raises(TypeError, match=r"is the class .*(CrossEntropyLoss|L1Loss), not a loss function: pass an "
+                                        r"instance, e\.g\. nn\.(CrossEntropyLoss|L1Loss)\(\)"):
+        build(criterion=criterion)
 
 
 def test_list_with_a_non_optimizer():

@@ -389,6 +389,28 @@ def test_bad_validation_sets_are_refused_at_construction(validation, error, mess
         make_loop(validation=validation)
 
 
+def test_an_empty_named_set_is_refused_at_construction():
+    """Issue 34, item 7: it used to pass construction and fail after the first epoch's training."""
+    empty = DataLoader(IN_DOMAIN, batch_size=len(IN_DOMAIN) + 1, drop_last=True)
+    assert len(empty) == 0
+    with pytest.raises(ValueError, match=r"validation_loader\['shifted'\] is empty \(len 0\)"):
+        make_loop(validation={"in_domain": DataLoader(IN_DOMAIN), "shifted": empty})
+    with pytest.raises(ValueError, match=r"validation_loader is empty \(len 0\)"):
+        make_loop(validation=empty)
+
+
+def test_a_list_of_loaders_is_refused_at_construction_with_the_dict_to_write():
+    """A Lightning habit: it used to train an epoch and then fail inside get_loss ('DataLoader' object is not
+    subscriptable)."""
+    with pytest.raises(TypeError, match=r"validation_loader is a list of 2 DataLoaders.*name each set: "
+                                        r"validation_loader=\{'set_0': \.\.\., 'set_1': \.\.\.\}"):
+        make_loop(validation=[DataLoader(IN_DOMAIN), DataLoader(SHIFTED)])
+    tl = make_loop()
+    with pytest.raises(TypeError, match="a tuple of 1 DataLoader: "):
+        tl.validation_loader = (DataLoader(SHIFTED),)
+    assert tl.validation_set_names == ["in_domain", "shifted"]
+
+
 def test_a_bad_dict_assigned_later_is_refused_and_the_loader_kept():
     tl = make_loop()
     with pytest.raises(ValueError, match="empty dict"):

@@ -1,0 +1,70 @@
+"""Where a run's files go, said once when training starts: ``Run folder: <path>``, for a preset's experiment folder
+and a plain TrainLoop's default run folder (``./aitoolbox_runs/run_<timestamp>/``) alike.
+
+A run folder is in use when the loop is a preset (its experiment folder) or a registered callback resolved one
+(checkpoints, TensorBoard, CSV logs, history files and plots, ...). A plain TrainLoop whose callbacks write no files
+names none, and nothing is created for it.
+"""
+import logging
+from typing import TYPE_CHECKING, Any, List, Set
+
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.torchtrain.distributed.environment import current_external_placement
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
+
+
+def decides_folder_names() -> bool:
+    """False in the ranks other than 0 of a job started by torchrun, SLURM or OpenMPI: rank 0 names the folders
+    (and alone writes into them)."""
+    try:
+        placement = current_external_placement()
+    except ValueError:  # an incomplete launcher environment: fit_distributed reports it
+        return True
+    return placement is None or placement.rank == 0
+
+
+def claim_default_run_folder(folder: ExperimentFolder, reserve: bool) -> None:
+    """A callback will write into a plain TrainLoop's default run folder ``folder``.
+
+    Args:
+        folder: the loop's default run folder.
+        reserve: decide the name now (a training in one process): callbacks derive their paths (the TensorBoard
+            and CSV folders) from it when they are registered, and a run started within the same second as another
+            must not write into that one's folder (``run_<timestamp>_1`` instead). False for a run of several
+            processes, which all name the folder by the timestamp (the main process creates it).
+
+    Raises:
+        OSError: the working directory cannot hold ``aitoolbox_runs/``.
+    """
+    folder.check_creatable()
+    if reserve and decides_folder_names():
+        folder.reserve()
+
+
+def run_folders_in_use(tl: "TrainLoop") -> List[Any]:
+    """The experiment folders the loop and its callbacks write into, each once, the loop's first."""
+    candidates = [tl.experiment_folder] + [callback.experiment_folder for callback in tl.callbacks
+                                           if getattr(callback, "has_experiment_folder", False)]
+    folders: List[Any] = []
+    for folder in candidates:
+        if folder is not None and all(folder is not known for known in folders):
+            folders.append(folder)
+    return folders
+
+
+class RunFolderAnnouncement:
+    """Logs each run folder's path once per TrainLoop, when the first ``fit`` that writes into it starts."""
+
+    def __init__(self):
+        self._announced: Set[str] = set()
+
+    def announce(self, tl: "TrainLoop") -> None:
+        """Log the folders not logged yet (main process)."""
+        for folder in run_folders_in_use(tl):
+            if folder.path not in self._announced:
+                self._announced.add(folder.path)
+                logger.info("Run folder: %s", folder.path)
