@@ -6,6 +6,7 @@ tests/experiment/test_redaction.py. The e-mail and the bucket uploads are in tes
 """
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -152,6 +153,40 @@ def test_wandb_uploads_source_files_only(tmp_path, wandb_offline, no_network):
         {"project": ["config.yaml", "pkg/model.py", "train.py"]}
     assert files_holding_secrets(tmp_path / "wandb_home") == []
     assert files_holding_secrets(tmp_path / "default") == files_holding_secrets(tmp_path / "everything") == []
+
+
+def test_wandb_never_uploads_credentials_files_nor_symbolic_links(tmp_path, wandb_offline, no_network, caplog,
+                                                                   monkeypatch):
+    pytest.importorskip("wandb")
+    from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
+    project, outside = tmp_path / "project", tmp_path / "outside"
+    for folder in (project / "pkg", project / ".kube", project / ".aws", outside / "lib"):
+        folder.mkdir(parents=True)
+    (project / "train.py").write_text("print('train')\n")
+    (project / "config.yaml").write_text("lr: 0.1\n")
+    planted = {"service-account.json": '{"private_key": "%s"}', ".s3cfg": "secret_key = %s", ".boto": "pw = %s",
+               "kubeconfig": "token: %s", ".dockercfg": '{"auth": "%s"}', ".envrc": "export TOKEN=%s",
+               ".my.cnf": "password=%s", ".kube/config": "token: %s", ".aws/config": "key = %s",
+               "prod.tfvars": 'db_password = "%s"', ".netrc": "machine x password %s", "id_rsa": "%s"}
+    for name, content in planted.items():
+        (project / name).write_text(content % API_KEY)
+    (outside / "credentials").write_text(f"aws_secret_access_key = {API_KEY}\n")
+    (outside / "lib" / "helpers.py").write_text(f"TOKEN = {API_KEY!r}\n")
+    os.symlink(outside / "credentials", project / "pkg" / "utils.py")  # a link named like code
+    os.symlink(outside / "lib", project / "linked_lib")
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    caplog.set_level("WARNING", logger="aitoolbox")
+    callback = WandBTracking(source_dirs=[str(project)], log_dir=str(tmp_path / "logs"), is_project=False,
+                             project_name="p", experiment_name="e", include_fn=lambda path: True)
+    make_train_loop().fit(num_epochs=1, callbacks=[callback])
+
+    (run_dir,) = offline_run_dirs(tmp_path / "logs")
+    code = {artifact.name: sorted(entry.path for entry in artifact.manifest.contents)
+            for artifact in WandbRun(run_dir).artifacts if artifact.type == "code"}
+    assert code == {"project": ["config.yaml", "train.py"]}
+    assert files_holding_secrets(tmp_path / "logs") == files_holding_secrets(tmp_path / "wandb_home") == []
+    (warning,) = [record.getMessage() for record in caplog.records if "symbolic link" in record.getMessage()]
+    assert "linked_lib" in warning and "pkg/utils.py" in warning and str(outside) not in warning
 
 
 def test_wandb_include_fn_is_checked():
