@@ -44,7 +44,7 @@ from aitoolbox.experiment.secret_names import (
     MODEL_VOCABULARY_WORDS, SECRET_WORDS, is_credentials_file, is_secret_key, key_words, secret_words_in)
 
 __all__ = ["REDACTED", "SECRET_WORDS", "Secret", "is_credentials_file", "is_secret_key", "key_words",
-           "redact_hyperparams", "redact_text", "redact_value"]
+           "redact_hyperparams", "redact_message", "redact_text", "redact_value"]
 
 #: What a secret value is replaced with.
 REDACTED = "<redacted>"
@@ -109,12 +109,22 @@ def redact_text(text: str) -> str:
     """``text`` with the secrets it shows replaced by :data:`REDACTED`: the user information of URLs
     (``scheme://user:password@`` -> ``scheme://<redacted>@``), the values assigned to secret-looking names
     (``password=...``, ``"api_key": "..."``, ``?token=...``, ``Authorization: Bearer ...``) and ``Bearer``
-    tokens. Used for every string of the hyperparameters, and for messages that quote a service's errors.
-    """
+    tokens. Used for every string of the hyperparameters."""
+    return _redact_text(text, frozenset())
+
+
+def redact_message(text: str) -> str:
+    """:func:`redact_text` for a message that quotes a service's error (logged, or raised to the user): the same,
+    except that the value assigned to a bare ``key`` is kept, as storage and tracking services name an object or
+    a metric that way (``key='val_loss'``)."""
+    return _redact_text(text, frozenset({"key", "keys"}))
+
+
+def _redact_text(text: str, spared_names: frozenset) -> str:
     text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
     pieces, done = [], 0
     for match in _ASSIGNMENT.finditer(text):
-        if match.start() < done:
+        if match.start() < done or match.group("name").lower() in spared_names:
             continue
         words = secret_words_in(match.group("name"))
         value = _ASSIGNED_VALUE.match(text, match.end()) if words else None
