@@ -40,6 +40,7 @@ from aitoolbox.cloud.folders import (
     FOLDER_MARKER, MAX_MARKER_BYTES, OpenFolder, folder_marker, local_path_inside, open_folder, open_for_upload,
     parse_folder_marker)
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.experiment.redaction import redact_message
 
 # The errors and folder helpers are importable from here too: this is the module users meet first.
 __all__ = ["CloudStorage", "CloudObject", "join_key", "CloudStorageError", "CloudNotFoundError",
@@ -401,10 +402,12 @@ class CloudStorage(abc.ABC):
             failure = self._classify(error)
             if failure is None:
                 raise
+            # The client's own error stays attached for debugging, unless its text had credentials to hide.
+            cause = error if redact_message(str(error)) == str(error) else None
             raise self._error(failure.kind, operation, key, failure.reason,
                               _describe(error) + (f". {failure.hint}" if failure.hint else ""),
                               local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1) \
-                from error
+                from cause
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
                local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
@@ -429,5 +432,6 @@ def _has_fileno(handle: IO[bytes]) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
+    # A client's message may quote an endpoint or a signed URL with credentials in it.
+    text = redact_message(str(error).strip()) or type(error).__name__
     return text if len(text) <= 500 else text[:500] + "..."
