@@ -17,6 +17,7 @@ looks secret when one of its words, compared case-insensitively, singular or plu
   (:data:`CREDENTIAL_QUALIFIERS`), so ``monkey``, ``turkey``, ``hotkey``, ``subtoken`` and ``bypass`` are not
   secret names. Whole words otherwise: ``keyboard``, ``tokenizer`` and ``passage`` are not secret either.
 """
+import functools
 import os
 import re
 from typing import Any, FrozenSet, List, Optional
@@ -71,6 +72,7 @@ def _singulars(word: str) -> List[str]:
     return forms
 
 
+@functools.lru_cache(maxsize=4096)  # keys repeat at every checkpoint: judge each word once
 def _secret_word_of(word: str) -> Optional[str]:
     """The secret word that ``word`` (one lower-case word of a key) is or contains, or None."""
     for form in _singulars(word):
@@ -118,7 +120,7 @@ _CREDENTIAL_FILE_EXTENSIONS = frozenset({
     ".tfstate", ".kubeconfig", ".ovpn", ".crt", ".cer", ".der", ".p8", ".keytab"})
 # Folders whose every file is a credential or a tool's private state (also the tools' configuration folders that
 # keep tokens: .docker/config.json, .kube/config, .aws/config).
-_CREDENTIAL_FOLDERS = frozenset({".ssh", ".gnupg", ".aws", ".kube", ".docker", ".azure", ".gcloud", "gcloud",
+_CREDENTIAL_FOLDERS = frozenset({".ssh", ".gnupg", ".aws", ".kube", ".docker", ".azure", ".gcloud",
                                  ".git", ".password-store", ".vault", ".config/gcloud", ".terraform.d"})
 # Parts of names that mark a cloud service account's key (service-account.json, my-sa_service_account.json).
 _SERVICE_ACCOUNT = re.compile(r"service[-_. ]?account|serviceaccount", re.IGNORECASE)

@@ -127,7 +127,8 @@ class MLflowTracking(TrackingCallback):
         hyperparams: the run's parameters; None takes the experiment-tracking TrainLoop's (none with a plain
             TrainLoop).
         tags: ``{name: value}`` tags of the run (the experiment folder's path is added as
-            ``aitoolbox.experiment_folder`` when there is one).
+            ``aitoolbox.experiment_folder`` when there is one); secrets in them are redacted as in the
+            hyperparameters.
         run_name: the run's name instead of ``<experiment_name>_<timestamp>``.
         run_id: continue this existing run instead of creating one.
         artifact_location: where a new MLflow experiment keeps its artifacts (used only when the callback
@@ -272,7 +273,7 @@ class MLflowTracking(TrackingCallback):
             # Checks the URI and opens a local store; an HTTP client does not connect before its first call.
             self.client = self._make_client()
         experiment_name, run_name = self.experiment_and_run_names()
-        tags = {mlflow_key(key): str(value) for key, value in self.tags.items()}
+        tags = {mlflow_key(key): str(value) for key, value in redact_hyperparams(self.tags).items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
         self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from aitoolbox.experiment.redaction import redact_hyperparams
+from aitoolbox.experiment.redaction import redact_hyperparams, redact_value
 from aitoolbox.experiment.secret_names import is_credentials_file
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback, check_log_dir
 
@@ -134,7 +134,7 @@ class WandBTracking(TrackingCallback):
         experiment_name: the W&B run name; None takes the loop's.
         local_model_result_folder_path: root folder of the experiment folders, or None to take the loop's.
         **kwargs: further ``wandb.init()`` arguments (``entity``, ``mode``, ``group``, ``settings``...); they
-            override the callback's own choices.
+            override the callback's own choices. A ``config`` given here is redacted like the hyperparameters.
 
     Raises:
         TypeError / ValueError: a bad argument, e.g. an alert that is not an :class:`AlertConfig` or whose
@@ -232,6 +232,8 @@ class WandBTracking(TrackingCallback):
             if self.run_id is not None:  # a later fit of the same loop: the same run
                 init_args.update(id=self.run_id, resume="allow")
             init_args.update(self.wandb_params_kwargs)
+            if init_args.get("config") is not None:  # a config given through the callback is redacted too
+                init_args["config"] = redact_value(init_args["config"])
             self.run = wandb.init(**init_args)
             self.run_id = self.run.id
         if not self._code_logged:

@@ -118,11 +118,13 @@ def test_wandb_config_holds_no_secret(tmp_path, wandb_offline, no_network):
     from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
     hyperparams = secret_hyperparams()
     callback = WandBTracking(hyperparams=hyperparams, log_dir=str(tmp_path / "logs"), is_project=False,
-                             project_name="p", experiment_name="e")
+                             project_name="p", experiment_name="e",
+                             config={"db_password": DB_PASSWORD, "seed": 3})  # a wandb.init() argument
     make_train_loop().fit(num_epochs=1, callbacks=[callback])
 
     (run_dir,) = offline_run_dirs(tmp_path / "logs")
     assert_redacted(WandbRun(run_dir).config)
+    assert (WandbRun(run_dir).config["seed"], WandbRun(run_dir).config["db_password"]) == (3, "<redacted>")
     assert files_holding_secrets(tmp_path) == []  # the run files, wandb's cache, staging and settings folders
     assert hyperparams["api_key"] == API_KEY
 
@@ -204,7 +206,9 @@ def test_mlflow_params_hold_no_secret(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores behind this switch
     store = (tmp_path / "mlruns").as_uri()
     hyperparams = secret_hyperparams()
-    make_train_loop().fit(num_epochs=1, callbacks=[MLflowTracking(store, hyperparams=hyperparams,
+    tags = {"repo": f"https://x-access-token:{API_KEY}@github.com/org/repo.git", "deploy_token": DB_PASSWORD,
+            "team": "vision"}
+    make_train_loop().fit(num_epochs=1, callbacks=[MLflowTracking(store, hyperparams=hyperparams, tags=tags,
                                                                   project_name="secrets")])
 
     client = MlflowClient(store)
@@ -212,5 +216,7 @@ def test_mlflow_params_hold_no_secret(tmp_path, monkeypatch, no_network):
     assert run.data.params == {"lr": "0.1", "api_key": "<redacted>", "max_tokens": "512", "tokenizer": "bpe-32k",
                                "database.host": "db.internal", "database.password": "<redacted>",
                                "results_db": "<redacted>"}
+    assert (run.data.tags["repo"], run.data.tags["deploy_token"], run.data.tags["team"]) == \
+        ("https://<redacted>@github.com/org/repo.git", "<redacted>", "vision")
     assert files_holding_secrets(tmp_path) == []
     assert hyperparams["database"]["password"] == DB_PASSWORD
