@@ -158,6 +158,15 @@ def _keep_under_secret_key(words: frozenset, value: Any) -> bool:
     return words <= MODEL_VOCABULARY_WORDS and _numbers_only(value) and not _holds_secret(value)
 
 
+def _shows_secret(name: str, value: Any) -> bool:
+    """Whether an attribute of an arbitrary object holds a secret, judged without searching inside its value (an
+    object's attributes may reach far: a dataset, a model)."""
+    words = secret_words_in(name)
+    if words and not _keep_under_secret_key(words, value):
+        return True
+    return _holds_secret(value) or (isinstance(value, str) and redact_text(value) != value)
+
+
 class _Redactor:
     """One pass over a value; ``redact`` returns ``(copy, whether anything was redacted)``. Containers are always
     rebuilt; other objects are copied only when something in them is redacted."""
@@ -238,7 +247,7 @@ class _Redactor:
         if isinstance(value, types.ModuleType):
             return value, False
         attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict) and any(self.entry(name, item)[1] for name, item in list(attributes.items())
+        if isinstance(attributes, dict) and any(_shows_secret(name, item) for name, item in list(attributes.items())
                                                 if isinstance(name, str) and not name.startswith("__")):
             return REDACTED, True
         try:
