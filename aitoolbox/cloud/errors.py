@@ -43,6 +43,12 @@ class CloudPermissionError(CloudStorageError, PermissionError):
     """No credentials were found, or they do not allow the operation."""
 
 
+class CloudIntegrityError(CloudStorageError, ValueError):
+    """What the bucket holds is not what its folder's marker says (an object of another size than listed, a
+    marker or record too large to be one): the download is refused and nothing is written. A ``ValueError`` as
+    well, like every refusal of content read from a bucket (a marker naming a file outside its folder)."""
+
+
 class MissingBucket(Exception):
     """Raised by a primitive when the bucket does not exist (a permanent error, reported by name)."""
 

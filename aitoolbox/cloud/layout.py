@@ -26,7 +26,8 @@ import posixpath
 import re
 from typing import Dict, List, Optional, Tuple
 
-from aitoolbox.cloud.folders import FOLDER_MARKER, local_path_inside, parse_folder_marker
+from aitoolbox.cloud.errors import CloudIntegrityError
+from aitoolbox.cloud.folders import FOLDER_MARKER, MAX_MARKER_BYTES, local_path_inside, parse_folder_marker
 from aitoolbox.cloud.storage import CloudNotFoundError, CloudStorage, join_key
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_position
 from aitoolbox.experiment.local_save.names import check_key_prefix, check_name
@@ -35,6 +36,8 @@ from aitoolbox.experiment.local_save.run_identity import (
 
 CHECKPOINT_DIR = "checkpoint_model"
 FINAL_MODEL_DIR = "model"
+# A run record (aitoolbox_run.json) is a few hundred bytes: a larger object there is refused unread.
+_MAX_RUN_RECORD_BYTES = 64 * 1024
 RESULTS_DIR = "results"
 
 logger = logging.getLogger(__name__)
@@ -149,8 +152,9 @@ def list_cloud_checkpoints(storage: CloudStorage, prefix: str) -> List[str]:
 def _folder_complete(storage: CloudStorage, folder_key: str, contents: Dict[str, int]) -> bool:
     marker_key = join_key(folder_key, FOLDER_MARKER)
     try:
-        manifest = parse_folder_marker(storage.download_bytes(marker_key), storage.uri(marker_key))
-    except (CloudNotFoundError, ValueError):  # removed since the listing, or not our marker
+        manifest = parse_folder_marker(storage.download_bytes(marker_key, max_size=MAX_MARKER_BYTES),
+                                       storage.uri(marker_key))
+    except (CloudNotFoundError, ValueError):  # removed since the listing, or not our marker (too large included)
         return False
     return all(contents.get(path) == size for path, size in manifest.items())
 
@@ -249,7 +253,13 @@ def _cloud_run_identity(storage: CloudStorage, run_key: str) -> Optional[RunIden
     key = join_key(run_key, RUN_IDENTITY_FILE)
     if not storage.exists(key):
         return None
-    return parse_run_identity(storage.download_bytes(key).decode("utf-8", errors="replace"), storage.uri(key))
+    try:
+        data = storage.download_bytes(key, max_size=_MAX_RUN_RECORD_BYTES)
+    except CloudIntegrityError as error:  # not a record aitoolbox wrote: as unreadable as a broken one
+        logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record",
+                       storage.uri(key), error)
+        return None
+    return parse_run_identity(data.decode("utf-8", errors="replace"), storage.uri(key))
 
 
 def _key_position(key: str) -> Tuple[int, int, int]:

@@ -10,6 +10,9 @@ ignores, so a process killed before the upload leaves at most such a link, as an
 
 Where hard links are not possible (some network and FAT file systems), nothing is pinned: the upload opens the
 original when it starts.
+
+A pin never follows a symbolic link: a link is pinned as a link (a copy of the link itself), which the upload then
+leaves out (:mod:`aitoolbox.cloud.folders`), so its target is neither linked nor read.
 """
 import contextlib
 import logging
@@ -66,11 +69,11 @@ def pin(local_path: str) -> Pinned:
     # The pin's name leaves out the original's, so that no tool matching file names (TensorBoard reads every
     # "*tfevents*" file of a folder) takes it for a file of its own.
     try:
-        if os.path.isdir(local_path):
+        if os.path.isdir(local_path) and not os.path.islink(local_path):
             _link_tree(local_path, target)
         else:
-            os.link(local_path, target, follow_symlinks=True)
-    except OSError as error:
+            os.link(local_path, target, follow_symlinks=False)  # a link swapped in meanwhile stays a link
+    except (OSError, NotImplementedError) as error:  # NotImplementedError: no linkat without following
         if os.path.isdir(target):
             shutil.rmtree(target, ignore_errors=True)
         if isinstance(error, FileNotFoundError) and not os.path.lexists(local_path):
@@ -81,14 +84,21 @@ def pin(local_path: str) -> Pinned:
 
 
 def _link_tree(source: str, target: str) -> None:
-    """A copy of the folder ``source`` at ``target`` made of hard links (``.tmp-*`` entries left out)."""
+    """A copy of the folder ``source`` at ``target`` made of hard links (``.tmp-*`` entries left out); symbolic
+    links, to files or folders, are copied as links (never followed)."""
     os.mkdir(target)
-    for root, dirs, names in os.walk(source):
-        dirs[:] = [entry for entry in dirs if not entry.startswith(TEMP_PREFIX)]
+    for root, dirs, names in os.walk(source):  # does not descend into linked folders
         relative = os.path.relpath(root, source)
         here = os.path.normpath(os.path.join(target, relative))
+        linked = [entry for entry in dirs if os.path.islink(os.path.join(root, entry))]
+        dirs[:] = [entry for entry in dirs if not entry.startswith(TEMP_PREFIX) and entry not in linked]
         for entry in dirs:
             os.mkdir(os.path.join(here, entry))
-        for entry in names:
-            if not entry.startswith(TEMP_PREFIX):
-                os.link(os.path.join(root, entry), os.path.join(here, entry), follow_symlinks=True)
+        for entry in linked + names:
+            if entry.startswith(TEMP_PREFIX):
+                continue
+            path = os.path.join(root, entry)
+            if os.path.islink(path):
+                os.symlink(os.readlink(path), os.path.join(here, entry))
+            else:
+                os.link(path, os.path.join(here, entry), follow_symlinks=False)

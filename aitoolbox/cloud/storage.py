@@ -15,7 +15,10 @@ Faults:
 - a single object is never seen half-written (S3 and GCS publish an object only once its upload completes);
   a folder is complete only once its marker object (:data:`FOLDER_MARKER`, a manifest of the files and their
   sizes) is written, after every file;
-- downloads write into a temporary file that replaces the target only once complete.
+- downloads write into a temporary file that replaces the target only once complete; a file of a folder is
+  written only up to the size its marker lists, and an object of another size is refused
+  (:class:`CloudIntegrityError`): whoever can write to the bucket cannot fill the disk through a folder's
+  download. An upload never follows a symbolic link (see :mod:`aitoolbox.cloud.folders`).
 """
 import abc
 import contextlib
@@ -29,16 +32,20 @@ import threading
 from dataclasses import dataclass
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, TypeVar
 
+from aitoolbox.cloud.bounded import BoundedWriter, went_past_the_bound
 from aitoolbox.cloud.errors import (
-    CloudNotFoundError, CloudPermissionError, CloudStorageError, Failure, MissingBucket, MissingObject, RetryPolicy)
+    CloudIntegrityError, CloudNotFoundError, CloudPermissionError, CloudStorageError, Failure, MissingBucket,
+    MissingObject, RetryPolicy)
 from aitoolbox.cloud.folders import (
-    FOLDER_MARKER, OpenFolder, folder_marker, local_path_inside, open_folder, parse_folder_marker)
+    FOLDER_MARKER, MAX_MARKER_BYTES, OpenFolder, folder_marker, local_path_inside, open_folder, open_for_upload,
+    parse_folder_marker)
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
+from aitoolbox.experiment.redaction import redact_message
 
 # The errors and folder helpers are importable from here too: this is the module users meet first.
 __all__ = ["CloudStorage", "CloudObject", "join_key", "CloudStorageError", "CloudNotFoundError",
-           "CloudPermissionError", "RetryPolicy", "Failure", "MissingBucket", "MissingObject", "FOLDER_MARKER",
-           "OpenFolder", "open_folder"]
+           "CloudPermissionError", "CloudIntegrityError", "RetryPolicy", "Failure", "MissingBucket", "MissingObject",
+           "FOLDER_MARKER", "OpenFolder", "open_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +132,17 @@ class CloudStorage(abc.ABC):
 
         Raises:
             FileNotFoundError: there is no such local file.
+            ValueError: ``local_path`` is a symbolic link (an upload never follows one) or not a regular file.
             CloudStorageError: the upload failed (after the retries, for transient errors).
         """
         local_path = os.path.expanduser(local_path)
-        with open(local_path, "rb") as handle:
+        handle = open_for_upload(local_path)
+        if handle is None:
+            kind = "a symbolic link" if os.path.islink(local_path) else "not a regular file"
+            raise ValueError(f"refusing to upload {local_path} to {self.uri(key)}: it is {kind}, and an upload "
+                             "never follows a link (its target could be any file of this machine) nor reads what is "
+                             "not a regular file; upload the file a link points to by its own path")
+        with handle:
             return self.upload_handle(handle, key, local_path=local_path)
 
     def upload_handle(self, handle: IO[bytes], key: str, local_path: Optional[str] = None,
@@ -154,12 +168,16 @@ class CloudStorage(abc.ABC):
     def upload_folder(self, local_folder: str, key_prefix: str, complete_marker: bool = True) -> List[str]:
         """Upload every file below ``local_folder`` to ``<key_prefix>/<path inside the folder>``.
 
-        Temporary files of interrupted local writes (``.tmp-*``) are skipped. With ``complete_marker``, an earlier
-        marker of the prefix is removed first and a new one (:data:`FOLDER_MARKER`, listing each file and its
-        size) is written after every file: :meth:`is_complete_folder` is true only for a fully uploaded folder.
+        Temporary files of interrupted local writes (``.tmp-*``) are skipped, and so are symbolic links and what is
+        not a regular file (one warning names them). With ``complete_marker``, an earlier marker of the prefix is
+        removed first and a new one (:data:`FOLDER_MARKER`, listing each file and its size) is written after every
+        file: :meth:`is_complete_folder` is true only for a fully uploaded folder.
 
         Returns:
             The keys written, the marker last.
+
+        Raises:
+            ValueError: ``local_folder`` itself is a symbolic link.
         """
         return self.upload_open_folder(open_folder(local_folder), key_prefix, complete_marker)
 
@@ -181,13 +199,22 @@ class CloudStorage(abc.ABC):
                 written.append(marker_key)
         return written
 
-    def download_file(self, key: str, local_path: str) -> str:
+    def download_file(self, key: str, local_path: str, expected_size: Optional[int] = None,
+                      listed_in: str = "") -> str:
         """Download ``key`` to ``local_path`` (folders are created); returns ``local_path``.
 
         The file appears only once complete: a failed download leaves an earlier file of that name as it was.
 
+        Args:
+            key: the object.
+            local_path: where to put it.
+            expected_size: the size the object must have (a folder's marker lists it): no more than this is ever
+                written, and an object of another size is refused. None: any size.
+            listed_in: where ``expected_size`` comes from (a marker's URI), for the error.
+
         Raises:
             CloudNotFoundError: there is no such bucket or object.
+            CloudIntegrityError: the object's size is not ``expected_size``; nothing was written.
             CloudStorageError: the download failed.
         """
         local_path = os.path.expanduser(local_path)
@@ -199,9 +226,12 @@ class CloudStorage(abc.ABC):
                 def get() -> None:
                     handle.seek(0)
                     handle.truncate()
-                    self._get(key, handle)
-                self._call("download", key, get, local_path=local_path)
+                    self._get(key, handle if expected_size is None else BoundedWriter(handle, expected_size))
+                self._call_bounded("download", key, get, expected_size, listed_in, local_path=local_path)
                 handle.flush()
+                size = os.fstat(handle.fileno()).st_size
+                if expected_size is not None and size != expected_size:
+                    raise self._size_error(key, expected_size, f"{size:,} bytes", listed_in, local_path)
                 os.fsync(handle.fileno())
             os.replace(temp_path, local_path)
         except BaseException:
@@ -210,23 +240,35 @@ class CloudStorage(abc.ABC):
             raise
         return local_path
 
-    def download_bytes(self, key: str) -> bytes:
-        """The content of ``key``."""
+    def download_bytes(self, key: str, max_size: Optional[int] = None) -> bytes:
+        """The content of ``key``.
+
+        Args:
+            key: the object.
+            max_size: refuse an object larger than this many bytes (:class:`CloudIntegrityError`) before more is
+                held in memory; None: any size.
+        """
         buffer = io.BytesIO()
 
         def get() -> None:
             buffer.seek(0)
             buffer.truncate()
-            self._get(key, buffer)
-        self._call("download", key, get)
+            self._get(key, buffer if max_size is None else BoundedWriter(buffer, max_size))
+        self._call_bounded("download", key, get, max_size, "", at_most=True)
         return buffer.getvalue()
 
     def folder_manifest(self, key_prefix: str) -> Optional[Dict[str, int]]:
-        """The files (path inside the folder -> size) of a complete folder; None when its marker is missing."""
+        """The files (path inside the folder -> size) of a complete folder; None when its marker is missing.
+
+        Raises:
+            ValueError: the marker is not one aitoolbox wrote (see
+                :func:`~aitoolbox.cloud.folders.parse_folder_marker`); :class:`CloudIntegrityError` (a
+                ``ValueError`` too) when it is larger than :data:`~aitoolbox.cloud.folders.MAX_MARKER_BYTES`.
+        """
         marker_key = join_key(key_prefix.rstrip("/"), FOLDER_MARKER)
         if not self.exists(marker_key):
             return None
-        return parse_folder_marker(self.download_bytes(marker_key), self.uri(marker_key))
+        return parse_folder_marker(self.download_bytes(marker_key, max_size=MAX_MARKER_BYTES), self.uri(marker_key))
 
     def is_complete_folder(self, key_prefix: str) -> bool:
         """True when the folder's marker exists and every file it lists is there with its size."""
@@ -244,11 +286,14 @@ class CloudStorage(abc.ABC):
         (e.g. the same folder placed meanwhile by another process downloading it too) and the download dropped.
 
         The marker comes from the bucket: a name it lists that is absolute or leads outside ``local_folder``
-        (``..``) is refused before anything is downloaded.
+        (``..``) is refused before anything is downloaded, and each file is written only up to the size the marker
+        lists.
 
         Raises:
             CloudNotFoundError: the folder has no completion marker (it is missing, or its upload was
                 interrupted) or a file it lists is missing.
+            CloudIntegrityError: a file's object is larger or smaller than the marker lists (the folder was changed
+                after its upload, or planted); nothing was written.
             ValueError: the marker lists a name outside the folder; nothing was written.
         """
         key_prefix = key_prefix.rstrip("/")
@@ -264,10 +309,11 @@ class CloudStorage(abc.ABC):
         temp_folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.path.basename(local_folder)}.", dir=parent)
         try:
             marker_uri = self.uri(join_key(key_prefix, FOLDER_MARKER))
-            for relative_path in manifest:
+            for relative_path, size in manifest.items():
                 # The marker's names were checked when it was read; the fresh temporary folder holds no links.
                 self.download_file(join_key(key_prefix, relative_path),
-                                   local_path_inside(temp_folder, relative_path, marker_uri))
+                                   local_path_inside(temp_folder, relative_path, marker_uri), expected_size=size,
+                                   listed_in=marker_uri)
             if os.path.isdir(local_folder):
                 if not replace:
                     shutil.rmtree(temp_folder, ignore_errors=True)
@@ -316,6 +362,29 @@ class CloudStorage(abc.ABC):
 
     # The errors ----------------------------------------------------------------------------------------------
 
+    def _call_bounded(self, operation: str, key: str, function: Callable[[], T], bound: Optional[int],
+                      listed_in: str, local_path: Optional[str] = None, at_most: bool = False) -> T:
+        """:meth:`_call` of a download written through a :class:`~aitoolbox.cloud.bounded.BoundedWriter`: going
+        past the bound is a :class:`CloudIntegrityError`, however the client wraps it."""
+        try:
+            return self._call(operation, key, function, local_path=local_path)
+        except Exception as error:
+            if not went_past_the_bound(error):
+                raise
+            if at_most:
+                raise self._error(CloudIntegrityError, operation, key, "ObjectTooLarge",
+                                  f"the object is larger than {bound:,} bytes, the most accepted there; refused "
+                                  "before reading more", local_path=local_path) from None
+            raise self._size_error(key, bound, f"more than {bound:,} bytes", listed_in, local_path) from None
+
+    def _size_error(self, key: str, expected: int, found: str, listed_in: str,
+                    local_path: Optional[str]) -> CloudIntegrityError:
+        where = f"its folder's marker {listed_in}" if listed_in else "the size it must have"
+        return self._error(CloudIntegrityError, "download", key, "SizeMismatch",
+                           f"the object holds {found}, but {where} lists {expected:,} byte"
+                           f"{'' if expected == 1 else 's'}: refused, nothing was written (the folder was changed "
+                           "after its upload completed, or planted; upload it again)", local_path=local_path)
+
     def _call(self, operation: str, key: str, function: Callable[[], T], local_path: Optional[str] = None) -> T:
         """Run ``function`` (an operation on ``key``) once: the client retries transient errors itself, request
         by request (:attr:`retry`); what it raises in the end becomes a :class:`CloudStorageError`."""
@@ -333,10 +402,12 @@ class CloudStorage(abc.ABC):
             failure = self._classify(error)
             if failure is None:
                 raise
+            # The client's own error stays attached for debugging, unless its text had credentials to hide.
+            cause = error if redact_message(str(error)) == str(error) else None
             raise self._error(failure.kind, operation, key, failure.reason,
                               _describe(error) + (f". {failure.hint}" if failure.hint else ""),
                               local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1) \
-                from error
+                from cause
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
                local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
@@ -361,5 +432,6 @@ def _has_fileno(handle: IO[bytes]) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
+    # A client's message may quote an endpoint or a signed URL with credentials in it.
+    text = redact_message(str(error).strip()) or type(error).__name__
     return text if len(text) <= 500 else text[:500] + "..."

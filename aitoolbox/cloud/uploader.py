@@ -18,7 +18,10 @@ not open files:
   are never removed;
 - where a hard link is not possible (some network file systems), nothing is pinned and a file removed before its
   upload starts is either skipped with a warning (``missing_ok``: the training callbacks, whose only removals
-  are pruned checkpoints) or fails its upload with a :class:`FileNotFoundError` naming the file and the key.
+  are pruned checkpoints) or fails its upload with a :class:`FileNotFoundError` naming the file and the key;
+- a symbolic link is uploaded as nothing, with a warning naming it: submitted itself (the future's result is
+  None) or found in a submitted folder (see :mod:`aitoolbox.cloud.folders`). Its target, which could be any file
+  of the machine (a credentials file), is never read.
 
 Failures are logged when they happen and raised by :meth:`CloudUploader.wait` / :meth:`CloudUploader.close`,
 which the training loop calls before ``fit`` returns; the local copy stays in the experiment folder either way.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 from aitoolbox.cloud import gcs_available_options, s3_available_options
+from aitoolbox.cloud.folders import open_for_upload
 from aitoolbox.cloud.staging import Pinned, pin
 from aitoolbox.cloud.storage import CloudStorage, open_folder
 
@@ -139,9 +143,9 @@ class CloudUploader:
                 warning (the future's result is None) instead of failing the upload.
 
         Returns:
-            A future whose result is the object's URI, or whose exception is the
-            :class:`~aitoolbox.cloud.storage.CloudStorageError` naming the bucket and key; cancelled when a newer
-            submit of the same key replaced it before it started.
+            A future whose result is the object's URI (None when the file is a symbolic link, which is not
+            uploaded), or whose exception is the :class:`~aitoolbox.cloud.storage.CloudStorageError` naming the
+            bucket and key; cancelled when a newer submit of the same key replaced it before it started.
 
         Raises:
             FileNotFoundError / IsADirectoryError: ``local_path`` is not a file now.
@@ -152,12 +156,16 @@ class CloudUploader:
             raise IsADirectoryError(f"cannot upload {local_path} as a file: it is a folder (use submit_folder)")
         os.stat(local_path)  # a missing file is the caller's error: raise it now, in the caller's thread
         uri = self.storage.uri(key)
+        if os.path.islink(local_path):
+            return _not_followed(local_path, uri)
 
         def upload(pinned: Pinned) -> Optional[str]:
             try:
-                handle = open(pinned.path, "rb")
+                handle = open_for_upload(pinned.path)
             except FileNotFoundError:
                 return _removed(local_path, uri, missing_ok)
+            if handle is None:  # replaced by a link (or something else) after it was submitted
+                return _not_followed(local_path, uri).result()
             with handle:
                 size = os.fstat(handle.fileno()).st_size  # a file still growing goes up as it is now
                 return self.storage.upload_handle(handle, key, local_path=local_path, size=size)
@@ -184,10 +192,12 @@ class CloudUploader:
             raise NotADirectoryError(f"cannot upload the folder {local_folder}: it is not a folder")
         key_prefix = key_prefix.rstrip("/")
         uri = f"{self.storage.uri(key_prefix)}/"
+        if os.path.islink(local_folder):
+            return _not_followed(local_folder, uri)
 
         def upload(pinned: Pinned) -> Optional[List[str]]:
             try:
-                files = open_folder(pinned.path)
+                files = open_folder(pinned.path, shown_as=local_folder)
             except (FileNotFoundError, NotADirectoryError):
                 if os.path.isdir(pinned.path):  # a file inside vanished while the folder stays: not pruning
                     raise
@@ -359,6 +369,15 @@ def _removed(local_path: str, uri: str, missing_ok: bool) -> None:
         return None
     raise FileNotFoundError(f"{local_path} was removed before its upload to {uri} started: nothing was uploaded "
                             "(keep the file until CloudUploader.wait() returns, or submit it with missing_ok=True)")
+
+
+def _not_followed(local_path: str, uri: str) -> concurrent.futures.Future:
+    """The outcome of a submitted symbolic link: nothing uploaded, one warning, a future whose result is None."""
+    logger.warning("Not uploading %s to %s: it is a symbolic link, and an upload never follows one (its target "
+                   "could be any file of this machine)", local_path, uri)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(None)
+    return future
 
 
 def _log_failure(future: concurrent.futures.Future, description: str) -> None:

@@ -4,53 +4,50 @@ Hyperparameter dicts often carry an API token or a database password next to the
 writes hyperparameters into the run folder (``hyperparams_list.txt``, ``hyperparams.json``, uploaded with
 ``cloud_save_mode``), every checkpoint, ``run_info.json``, the W&B config, the MLflow parameters and the final
 e-mail. Each of those gets :func:`redact_hyperparams`'s copy, in which a secret value is replaced by
-:data:`REDACTED`; the dict the training script holds keeps its real values.
+:data:`REDACTED`; the dict the training script holds keeps its real values. Nothing derived from a secret value
+(a hash, a fingerprint) is written either: the run's identity (:mod:`~aitoolbox.experiment.local_save.
+run_identity`) is computed from the redacted copy.
 
 Which values are secret:
 
-- A value whose key *looks secret*. The key is split into words at every character that is not a letter or a
-  digit and at camelCase boundaries (``hfToken`` -> ``hf``, ``token``; ``AWS_SECRET_ACCESS_KEY`` -> ``aws``,
-  ``secret``, ``access``, ``key``), compared case-insensitively. It looks secret when one of its words is in
-  :data:`SECRET_WORDS` (``token``, ``key``, ``secret``, ``password``, ``credential``, ...), singular or plural.
-  Whole words, not substrings: ``monkey``, ``keyboard`` and ``tokenizer`` are not secret names.
-- Everything under such a key, also a nested dict or a list (``{"credentials": {"user": ..., "pass": ...}}``
-  is redacted as a whole).
+- A value whose key *looks secret* (:func:`~aitoolbox.experiment.secret_names.is_secret_key`: ``api_key``,
+  ``hfToken``, ``dbpassword``, ``accesstoken``, ``Authorization``...), and everything under it, also a nested
+  dict or a list (``{"credentials": {"user": ..., "pass": ...}}`` is redacted as a whole). A pair whose first
+  item is such a name counts as a key and its value: ``[("Authorization", "Bearer ...")]``, a header list.
+- Inside any text, wherever it is (also a dict's key, or the ``repr`` of an object): the user name and password
+  of a URL (``postgresql://user:pw@host/db`` becomes ``postgresql://<redacted>@host/db``), the value of an
+  assignment to a secret-looking name (``password=...``, ``api_key: ...``, ``?token=...``, ``Password=...;``)
+  and the token after ``Bearer``. See :func:`redact_text`.
 - Any value wrapped in :class:`Secret` (or pydantic's ``SecretStr``/``SecretBytes``: any object with a
-  ``get_secret_value`` method), whatever its key. This is how to add what the key rule misses.
+  ``get_secret_value`` method), whatever its key. This is how to add what the rules miss.
 
 What is kept under a secret-looking key: None, booleans and empty strings (they hide nothing), and, under
-``token`` and ``key`` only, values made of numbers alone. Those two words also name parts of models, so
-``max_tokens=512``, ``pad_token_id=0`` and ``num_key_value_heads=8`` stay readable in the logs; a password of
-digits (``password: 123456`` read from YAML) is still redacted.
+``token``, ``key``, ``pass`` and ``sig`` only, values made of numbers alone (a dict only when its keys are numbers
+too: the names in a dict under ``api_keys`` may be the keys themselves). Those words also name parts of models
+and training, so ``max_tokens=512``, ``pad_token_id=0`` and ``num_key_value_heads=8`` stay readable in the logs; a
+password of digits (``password: 123456`` read from YAML) is still redacted.
 
-Nested dicts (any mapping), lists, tuples (namedtuples by their field names), sets, ``argparse.Namespace``
-objects and dataclass instances are searched. Other objects are written by the destinations as their ``repr``:
-wrap one holding a secret in :class:`Secret`.
+Nested dicts (any mapping), lists, tuples (namedtuples by their field names), sets, ``argparse.Namespace`` and
+``types.SimpleNamespace`` objects and dataclass instances are searched and copied. Other objects are written by
+the destinations as their ``repr``: one whose attributes hold a secret by the rules above becomes
+:data:`REDACTED` as a whole, one whose ``repr`` holds a secret by the text rules becomes that ``repr`` redacted.
 """
 import argparse
 import copy
 import dataclasses
 import numbers
-import os
 import re
-from typing import Any, Generic, List, Mapping, Optional, TypeVar
+import types
+from typing import Any, Generic, List, Mapping, Optional, Tuple, TypeVar
+
+from aitoolbox.experiment.secret_names import (
+    MODEL_VOCABULARY_WORDS, SECRET_WORDS, is_credentials_file, is_secret_key, key_words, secret_words_in)
 
 __all__ = ["REDACTED", "SECRET_WORDS", "Secret", "is_credentials_file", "is_secret_key", "key_words",
-           "redact_hyperparams", "redact_value"]
+           "redact_hyperparams", "redact_message", "redact_text", "redact_value"]
 
 #: What a secret value is replaced with.
 REDACTED = "<redacted>"
-
-#: Words that make a hyperparameter's key look secret (compared with the key's words, singular or plural).
-SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "credential", "apikey",
-                          "authorization"})
-
-# Words that also name parts of models (a text's tokens, attention keys): a value of numbers alone is kept.
-_MODEL_VOCABULARY_WORDS = frozenset({"token", "key"})
-
-# Split points of a key: runs of capitals (an acronym, ending before a capitalised word), capitalised or
-# lower-case words, and digits.
-_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 T = TypeVar("T")
 
@@ -94,27 +91,53 @@ class Secret(Generic[T]):
         return Secret(copy.deepcopy(self._secret_value, memo))
 
 
-def key_words(name: Any) -> List[str]:
-    """The lower-case words of a key: ``'hfToken'`` -> ``['hf', 'token']``, ``'API-KEY2'`` -> ``['api', 'key',
-    '2']``."""
-    return [word.lower() for word in _WORD.findall(str(name))]
+# --- text ---------------------------------------------------------------------------------------------------
+# A URL's user information (user name, password, or a token standing for them): everything between "scheme://"
+# and the last "@" before the host's end. Greedy, so a password with an unencoded "@" is hidden whole.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/?#]*@")
+# "name" (or "two words", as in "API Key: ...") followed by "=" or ":" (quoted as in a dict's repr, or not): the
+# start of an assignment.
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_.\-])(?P<name>(?:[A-Za-z][A-Za-z0-9_.\-]* )?[A-Za-z_][A-Za-z0-9_.\-]*)"
+                         r"[\"']?[ \t]*[=:][ \t]*[\"']?")
+# The value assigned: an optional HTTP authorization scheme and its token, up to a separator or a closing quote.
+_ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?[^\s\"',;&)}\]]+")
+_BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)[A-Za-z0-9\-._~+/]+=*")
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
-def _secret_words_in(name: Any) -> set:
-    found = set()
-    for word in key_words(name):
-        singular = word[:-1] if word.endswith("s") else word
-        found.update(candidate for candidate in (word, singular) if candidate in SECRET_WORDS)
-    return found
+def redact_text(text: str) -> str:
+    """``text`` with the secrets it shows replaced by :data:`REDACTED`: the user information of URLs
+    (``scheme://user:password@`` -> ``scheme://<redacted>@``), the values assigned to secret-looking names
+    (``password=...``, ``"api_key": "..."``, ``?token=...``, ``Authorization: Bearer ...``) and ``Bearer``
+    tokens. Used for every string of the hyperparameters."""
+    return _redact_text(text, frozenset())
 
 
-def is_secret_key(name: Any) -> bool:
-    """True when the key ``name`` looks secret: one of its words (see :func:`key_words`) is in
-    :data:`SECRET_WORDS`, singular or plural (``api_key``, ``hfToken``, ``DB_PASSWORD``, ``credentials``;
-    not ``monkey``, ``keyboard``, ``tokenizer``)."""
-    return bool(_secret_words_in(name))
+def redact_message(text: str) -> str:
+    """:func:`redact_text` for a message that quotes a service's error (logged, or raised to the user): the same,
+    except that the value assigned to a bare ``key`` is kept, as storage and tracking services name an object or
+    a metric that way (``key='val_loss'``)."""
+    return _redact_text(text, frozenset({"key", "keys"}))
 
 
+def _redact_text(text: str, spared_names: frozenset) -> str:
+    text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+    pieces, done = [], 0
+    for match in _ASSIGNMENT.finditer(text):
+        if match.start() < done or match.group("name").lower() in spared_names:
+            continue
+        words = secret_words_in(match.group("name"))
+        value = _ASSIGNED_VALUE.match(text, match.end()) if words else None
+        if value is None or value.group() == REDACTED or \
+                (words <= MODEL_VOCABULARY_WORDS and _NUMBER.fullmatch(value.group())):
+            continue
+        pieces += [text[done:match.end()], REDACTED]
+        done = value.end()
+    text = "".join(pieces) + text[done:]
+    return _BEARER.sub(rf"\g<scheme>{REDACTED}", text)
+
+
+# --- values -------------------------------------------------------------------------------------------------
 def _holds_secret(value: Any) -> bool:
     return callable(getattr(value, "get_secret_value", None)) and not isinstance(value, type)
 
@@ -123,70 +146,132 @@ def _numbers_only(value: Any) -> bool:
     if value is None or isinstance(value, numbers.Number):  # also numpy's scalars
         return True
     if isinstance(value, Mapping):
-        return all(_numbers_only(item) for item in value.values())
+        return all(_numbers_only(key) and _numbers_only(item) for key, item in value.items())
     if isinstance(value, (list, tuple, set, frozenset)):
         return all(_numbers_only(item) for item in value)
     return False
 
 
-def _keep_under_secret_key(words: set, value: Any) -> bool:
+def _keep_under_secret_key(words: frozenset, value: Any) -> bool:
     if value is None or isinstance(value, bool) or (isinstance(value, (str, bytes)) and len(value) == 0):
         return True
-    return words <= _MODEL_VOCABULARY_WORDS and _numbers_only(value) and not _holds_secret(value)
+    return words <= MODEL_VOCABULARY_WORDS and _numbers_only(value) and not _holds_secret(value)
 
 
-def _redact_entry(key: Any, value: Any) -> Any:
-    words = _secret_words_in(key)
+def _shows_secret(name: str, value: Any) -> bool:
+    """Whether an attribute of an arbitrary object holds a secret, judged without searching inside its value (an
+    object's attributes may reach far: a dataset, a model)."""
+    words = secret_words_in(name)
     if words and not _keep_under_secret_key(words, value):
-        return REDACTED
-    return redact_value(value)
+        return True
+    return _holds_secret(value) or (isinstance(value, str) and redact_text(value) != value)
 
 
-def _redact_attributes(obj: Any, names: List[str]) -> Any:
-    """A shallow copy of ``obj`` with its attributes ``names`` redacted; ``obj`` itself when none changes."""
-    changed = {}
-    for name in names:
-        value = getattr(obj, name)
-        redacted = _redact_entry(name, value)
-        if redacted is not value:
-            changed[name] = redacted
-    if not changed:
-        return obj
-    try:
-        clone = copy.copy(obj)
-        for name, value in changed.items():
-            object.__setattr__(clone, name, value)  # also for frozen dataclasses
-    except Exception:  # an object that cannot be copied: hide it whole rather than show its secret
-        return REDACTED
-    return clone
+class _Redactor:
+    """One pass over a value; ``redact`` returns ``(copy, whether anything was redacted)``. Containers are always
+    rebuilt; other objects are copied only when something in them is redacted."""
+
+    def __init__(self):
+        self._active: set = set()  # ids of the containers being searched: a cycle is not followed again
+
+    def entry(self, key: Any, value: Any) -> Tuple[Any, bool]:
+        """``value`` found under the name ``key``."""
+        words = secret_words_in(key)
+        if words and not _keep_under_secret_key(words, value):
+            return REDACTED, True
+        return self.redact(value)
+
+    def redact(self, value: Any) -> Tuple[Any, bool]:
+        if isinstance(value, str):
+            text = redact_text(value)
+            return text, text != value
+        if value is None or isinstance(value, (numbers.Number, bytes, bytearray, type)):
+            return value, False
+        if _holds_secret(value):
+            return REDACTED, True
+        if id(value) in self._active:
+            return value, False
+        self._active.add(id(value))
+        try:
+            return self._redact_object(value)
+        finally:
+            self._active.discard(id(value))
+
+    def _redact_object(self, value: Any) -> Tuple[Any, bool]:
+        if isinstance(value, Mapping):
+            changed, result = False, {}
+            for key, item in value.items():
+                new_key, key_changed = self.redact(key) if isinstance(key, str) else (key, False)
+                result[new_key], item_changed = self.entry(key, item)
+                changed = changed or key_changed or item_changed
+            return result, changed
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its field names are keys
+            pairs = [self.entry(name, item) for name, item in zip(value._fields, value)]
+            return type(value)(*(item for item, _ in pairs)), any(changed for _, changed in pairs)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and \
+                is_secret_key(value[0]):  # ("Authorization", "Bearer ..."): a name and its value
+            name, name_changed = self.redact(value[0])
+            item, changed = self.entry(value[0], value[1])
+            return type(value)([name, item]), changed or name_changed
+        if isinstance(value, (list, tuple, set, frozenset)):
+            pairs = [self.redact(item) for item in value]
+            items = [item for item, _ in pairs]
+            return (items if isinstance(value, list) else type(value)(items)), any(changed for _, changed in pairs)
+        if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+            return self._redact_attributes(value, list(vars(value)))
+        if dataclasses.is_dataclass(value):
+            return self._redact_attributes(value, [field.name for field in dataclasses.fields(value)])
+        return self._redact_other(value)
+
+    def _redact_attributes(self, obj: Any, names: List[str]) -> Tuple[Any, bool]:
+        """A shallow copy of ``obj`` with its attributes ``names`` redacted; ``obj`` itself when none is."""
+        changed = {}
+        for name in names:
+            value = getattr(obj, name)
+            redacted, was_changed = self.entry(name, value)
+            if was_changed:
+                changed[name] = redacted
+        if not changed:
+            return obj, False
+        try:
+            clone = copy.copy(obj)
+            for name, value in changed.items():
+                object.__setattr__(clone, name, value)  # also for frozen dataclasses
+        except Exception:  # an object that cannot be copied: hide it whole rather than show its secret
+            return REDACTED, True
+        return clone, True
+
+    def _redact_other(self, value: Any) -> Tuple[Any, bool]:
+        # Written as its repr by every destination. Its own attributes are looked at (not copied: an arbitrary
+        # object may not survive a copy), and its repr's text.
+        if isinstance(value, types.ModuleType):
+            return value, False
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict) and any(_shows_secret(name, item) for name, item in list(attributes.items())
+                                                if isinstance(name, str) and not name.startswith("__")):
+            return REDACTED, True
+        try:
+            text = repr(value)
+        except Exception:  # a repr that fails fails the destination too; nothing to show
+            return value, False
+        redacted = redact_text(text)
+        return (redacted, True) if redacted != text else (value, False)
 
 
 def redact_value(value: Any) -> Any:
-    """``value`` with the secrets inside it replaced by :data:`REDACTED` (see the module's rules); ``value``
-    itself is not changed. A :class:`Secret` becomes :data:`REDACTED`; dicts, lists, tuples and sets are
-    rebuilt; other objects without a secret inside are returned as they are (not copied)."""
-    if _holds_secret(value):
-        return REDACTED
-    if isinstance(value, Mapping):
-        return {key: _redact_entry(key, item) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its field names are keys
-        return type(value)(*(_redact_entry(name, item) for name, item in zip(value._fields, value)))
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [redact_value(item) for item in value]
-        return items if isinstance(value, list) else type(value)(items)
-    if isinstance(value, argparse.Namespace):
-        return _redact_attributes(value, list(vars(value)))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _redact_attributes(value, [field.name for field in dataclasses.fields(value)])
-    return value
+    """``value`` with the secrets inside it replaced (see the module's rules); ``value`` itself is not changed.
+    A :class:`Secret` becomes :data:`REDACTED`; dicts, lists, tuples and sets are rebuilt; other objects without
+    a secret inside are returned as they are (not copied)."""
+    return _Redactor().redact(value)[0]
 
 
 def redact_hyperparams(hyperparams: Optional[Mapping[str, Any]]) -> dict:
     """A copy of ``hyperparams`` to write or send, with every secret value replaced by :data:`REDACTED`.
 
     The rules are the module's (:mod:`aitoolbox.experiment.redaction`): values under keys that look secret
-    (:func:`is_secret_key`), searched in nested dicts, lists, tuples, sets, ``argparse.Namespace`` objects and
-    dataclasses, and values wrapped in :class:`Secret`. ``hyperparams`` is not changed.
+    (:func:`~aitoolbox.experiment.secret_names.is_secret_key`), searched in nested dicts, lists, tuples, sets,
+    namespaces and dataclasses, secrets inside text (:func:`redact_text`), and values wrapped in :class:`Secret`.
+    ``hyperparams`` is not changed.
 
     Args:
         hyperparams: the hyperparameters; None gives an empty dict.
@@ -201,35 +286,5 @@ def redact_hyperparams(hyperparams: Optional[Mapping[str, Any]]) -> dict:
         return {}
     if not isinstance(hyperparams, Mapping):
         raise TypeError(f"hyperparams must be a dict (or another mapping) or None, got "
-                        f"{type(hyperparams).__name__}: {hyperparams!r}"[:300])
+                        f"{type(hyperparams).__name__}: {redact_text(repr(hyperparams))}"[:300])
     return redact_value(hyperparams)
-
-
-# --- files ----------------------------------------------------------------------------------------------------
-# Files that hold credentials by their name or type (key material, SSH keys, tool login files).
-_CREDENTIAL_FILE_NAMES = frozenset({".env", ".netrc", "_netrc", ".pgpass", ".git-credentials", ".npmrc", ".pypirc",
-                                    ".htpasswd", "credentials", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519"})
-_CREDENTIAL_FILE_EXTENSIONS = frozenset({".env", ".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".kdbx",
-                                         ".gpg", ".asc"})
-
-
-def is_credentials_file(path: str) -> bool:
-    """True for a file that is, by its name, likely to hold credentials: never uploaded as code.
-
-    These are ``.env`` and ``.env.*`` files (``.env.local``), login files of tools (``.netrc``, ``.pgpass``,
-    ``.git-credentials``, ``.npmrc``, ``.pypirc``, ``credentials``), key material (``*.pem``, ``*.key``,
-    ``*.p12``, ``*.pfx``, ``*.jks``, SSH keys ``id_rsa``...), and files whose name looks secret by the key rule
-    of :func:`is_secret_key` (``credentials.json``, ``client_secret.json``, ``token.pickle``, ``api_key.txt``).
-    Python files are judged by the words ``secret``, ``password``, ``credential``... only: ``token`` and ``key``
-    name code in NLP projects (``token_classification.py``, ``keys.py``), ``secrets.py`` is refused.
-    """
-    name = os.path.basename(os.fspath(path)).lower()
-    stem, extension = os.path.splitext(name)
-    if name in _CREDENTIAL_FILE_NAMES or name.startswith(".env.") or extension in _CREDENTIAL_FILE_EXTENSIONS:
-        return True
-    if any(name.startswith(ssh_key) for ssh_key in ("id_rsa", "id_dsa", "id_ecdsa", "id_ed25519")):
-        return True
-    words = _secret_words_in(stem)
-    if extension == ".py":
-        return bool(words - _MODEL_VOCABULARY_WORDS)
-    return bool(words)

@@ -4,6 +4,7 @@ tests/torchtrain/callbacks/test_secrets_redacted.py."""
 import html
 import json
 import time
+import traceback
 
 import pytest
 import torch
@@ -83,3 +84,16 @@ def test_uploaded_run_files_hold_no_secret(s3_env, tmp_path):
     assert json.loads(hyperparams_json) == {"lr": 0.01, "api_key": "<redacted>",
                                             "database": {"host": "db.internal", "password": "<redacted>"}}
     assert hyperparams["api_key"] == API_KEY
+
+
+def test_a_storage_error_never_shows_credentials_the_clients_message_quotes(s3_env, tmp_path):
+    from aitoolbox.cloud.storage import CloudStorageError
+    from tests.cloud.buckets import FAST_RETRY, make_storage
+    from tests.cloud.servers import free_port
+    password = "pw-endpoint-5521"
+    storage = make_storage("s3", "bucket", retry=FAST_RETRY,
+                           endpoint_url=f"http://user:{password}@127.0.0.1:{free_port()}")
+    with pytest.raises(CloudStorageError) as raised:
+        storage.download_bytes("key")
+    shown = "".join(traceback.format_exception(raised.type, raised.value, raised.tb))  # the chain included
+    assert "127.0.0.1" in shown and "<redacted>" in shown and password not in shown

@@ -48,10 +48,10 @@ def test_secret_values_are_replaced_and_the_rest_kept():
 
 def test_model_sizes_named_token_or_key_are_kept():
     hyperparams = {"max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64],
-                   "token": {"max": 4}, "eos_token": "</s>", "api_key": 12345, "secret_seed": 7,
+                   "token": {4: 4}, "eos_token": "</s>", "api_key": 12345, "secret_seed": 7,
                    "use_password": True, "hf_token": None, "access_token": "", "num_tokens": np.int64(7)}
     assert redact_hyperparams(hyperparams) == {
-        "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": {"max": 4},
+        "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": {4: 4},
         "eos_token": REDACTED, "api_key": 12345, "secret_seed": REDACTED,
         "use_password": True, "hf_token": None, "access_token": "", "num_tokens": 7}
 
@@ -115,3 +115,106 @@ def test_credentials_files(path):
                                   "requirements.txt", "config.yaml", "monkey.py", "README.md"])
 def test_files_that_are_not_credentials(path):
     assert not is_credentials_file(path)
+
+
+# --- issue 31 item 8: what the rules missed ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dbpassword", "DBPASSWORD", "accesstoken", "apitoken", "authtoken", "clientsecret",
+                                  "secretkey", "privatekey", "userpassword", "refreshTokens", "dbpasswd", "masterkey",
+                                  "awssecretaccesskey", "passkey", "sshpassphrase", "googlecredentials", "db_pass",
+                                  "DB_PWD", "auth", "oauth", "cookies", "X-Amz-Signature", "slack_webhook"])
+def test_compound_and_more_keys_look_secret(name):
+    assert is_secret_key(name)
+
+
+@pytest.mark.parametrize("name", ["turkey", "donkey", "whiskey", "jockey", "hotkey", "turnkey", "subtoken",
+                                  "padtoken", "maxtokens", "secretariat", "bypass", "compass", "passage", "author",
+                                  "authority", "signal", "assignment"])
+def test_compound_words_that_are_not_secret(name):
+    assert not is_secret_key(name)
+
+
+def test_the_names_of_a_secret_named_dict_are_redacted_with_its_values():
+    # A dict under a secret key whose values are numbers: its keys (the API keys themselves) must not be written.
+    redacted = redact_hyperparams({"api_keys": {"sk-live-abc123": 1}, "tokens": {"hf_abcdef": 3},
+                                   "max_tokens": {"train": 512}, "key_sizes": {0: 64, 1: 128}})
+    # Under "token" and "key" numbers are kept, in a dict only with numbers for its keys too.
+    assert redacted == {"api_keys": REDACTED, "tokens": REDACTED, "max_tokens": REDACTED, "key_sizes": {0: 64, 1: 128}}
+
+
+def test_header_lists_are_redacted_by_their_names():
+    headers = [("Authorization", "Bearer eyJhbGciOi.abc.def"), ("Accept", "application/json"),
+               ["X-Api-Key", "k-123"], ("Cookie", "session=s3cr3t")]
+    redacted = redact_hyperparams({"headers": headers, "http": {"headers": tuple(headers)}})
+    expected = [("Authorization", REDACTED), ("Accept", "application/json"), ["X-Api-Key", REDACTED],
+                ("Cookie", REDACTED)]
+    assert redacted == {"headers": expected, "http": {"headers": tuple(expected)}}
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("postgresql://trainer:pw-51@db.internal:5432/runs", "postgresql://<redacted>@db.internal:5432/runs"),
+    ("https://ghp_tok3n@github.com/org/repo.git", "https://<redacted>@github.com/org/repo.git"),
+    ("--db redis://:pw-9@cache:6379/0 --lr 0.1", "--db redis://<redacted>@cache:6379/0 --lr 0.1"),
+    ("https://example.com/path?api_key=k-1&page=2", "https://example.com/path?api_key=<redacted>&page=2"),
+    ("Server=db;Database=runs;Password=pw-7;", "Server=db;Database=runs;Password=<redacted>;"),
+    ("Authorization: Bearer eyJhbGciOi.abc.def", "Authorization: <redacted>"),
+    ("curl -H 'Bearer eyJhbGciOi.abc.def' x", "curl -H 'Bearer <redacted>' x"),
+    ("https://example.com/a?b=1", "https://example.com/a?b=1"),
+    ("cnn_baseline", "cnn_baseline"),
+])
+def test_secrets_inside_strings_are_redacted_wherever_the_string_is(value, expected):
+    assert redact_hyperparams({"dsn": value, "nested": [{"cmd": value}]}) == {"dsn": expected,
+                                                                              "nested": [{"cmd": expected}]}
+
+
+def test_simple_namespaces_and_objects_holding_secrets_are_searched():
+    import types
+
+    class Config:  # a plain class whose repr shows its fields, as many configuration classes do
+        def __init__(self):
+            self.password, self.depth = "pw-obj-1", 3
+
+        def __repr__(self):
+            return f"Config(password={self.password!r}, depth={self.depth})"
+
+    class Plain:
+        def __init__(self):
+            self.depth = 3
+
+    plain = Plain()
+    redacted = redact_hyperparams({"ns": types.SimpleNamespace(password="pw-ns-1", depth=3), "config": Config(),
+                                   "plain": plain, "url_object": types.SimpleNamespace(dsn="mysql://u:pw-2@h/db")})
+    assert vars(redacted["ns"]) == {"password": REDACTED, "depth": 3}
+    assert redacted["config"] == REDACTED and redacted["plain"] is plain
+    assert vars(redacted["url_object"]) == {"dsn": "mysql://<redacted>@h/db"}
+    assert "pw-" not in json.dumps(redacted, default=repr)
+
+
+def test_top_level_dataclasses_and_namespaces_nested_anywhere_are_searched():
+    @dataclasses.dataclass
+    class Inner:
+        token: str
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner
+        items: list
+
+    value = {"run": [Outer(Inner("tok-1"), [argparse.Namespace(api_key="k-2")])]}
+    text = json.dumps(redact_hyperparams(value), default=repr)
+    assert "tok-1" not in text and "k-2" not in text and value["run"][0].inner.token == "tok-1"
+
+
+@pytest.mark.parametrize("path", ["service-account.json", "my_service_account.json", ".s3cfg", ".boto", "kubeconfig",
+                                  "prod.kubeconfig", ".dockercfg", ".envrc", ".my.cnf", ".mylogin.cnf", ".pgpass",
+                                  ".databrickscfg", "kaggle.json", ".bash_history", "prod.tfvars",
+                                  "terraform.tfstate", "putty.ppk", "proj/.kube/config", "proj/.docker/config.json",
+                                  "proj/.aws/config", "proj/.ssh/known_hosts", "proj/.git/config",
+                                  "proj/.config/gcloud/access_tokens.db", ".vault-token", ".yarnrc"])
+def test_more_credentials_files(path):
+    assert is_credentials_file(path)
+
+
+def test_folders_above_the_uploaded_one_are_not_judged():
+    # A project that lives below a folder named like one of credentials is uploaded as usual.
+    assert not is_credentials_file("/home/me/.aws/tools/train.py", root="/home/me/.aws/tools")
+    assert is_credentials_file("/home/me/project/.aws/config", root="/home/me/project")

@@ -5,8 +5,14 @@ new job started after an older one finished, each start their own run instead of
 
 The job id is ``AITOOLBOX_RUN_ID`` when the user sets it, else ``SLURM_JOB_ID`` (kept by a SLURM requeue), else
 torchrun's ``TORCHELASTIC_RUN_ID`` (kept by the restarts of one torchrun invocation; never its default ``none``).
-The fingerprint is a slow salted hash of the real hyperparameter values: two runs with the same values have the
-same fingerprint, and the values themselves (secrets included) are never written.
+The fingerprint is a hash of the *redacted* hyperparameters (:func:`~aitoolbox.experiment.redaction.
+redact_hyperparams`), the copy the run folder's ``hyperparams.json`` shows anyway: nothing derived from a secret
+value is written, so the record cannot be used to test guesses of a password. Two runs whose hyperparameters
+differ only in secret values (a rotated token) have the same fingerprint.
+
+Records written before version 2 hashed the real values (PBKDF2 with a public salt, which let a reader of the
+bucket test guesses of a weak secret offline); such a record's fingerprint is not compared any more: the run
+counts as one without a record.
 """
 import dataclasses
 import hashlib
@@ -16,6 +22,7 @@ import os
 from typing import Mapping, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.redaction import redact_hyperparams
 
 logger = logging.getLogger(__name__)
 
@@ -24,19 +31,19 @@ RUN_IDENTITY_FILE = "aitoolbox_run.json"
 JOB_ID_VARIABLES = ("AITOOLBOX_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # torchrun's value of TORCHELASTIC_RUN_ID when no --rdzv-id is given: every invocation has it, so it names none.
 _TORCHRUN_DEFAULT_RUN_ID = "none"
-# A fixed salt (fingerprints must compare across jobs) and many iterations: guessing a weak secret from a
-# fingerprint costs a brute-force search at 50,000 hashes per guess.
-_SALT = b"aitoolbox-run-fingerprint-v1"
-_ITERATIONS = 50_000
+#: The fingerprint's format: 2 hashes the redacted hyperparameters (1, no longer compared, hashed the real ones).
+FINGERPRINT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
-    """A run's job id (None when the job has none), where it came from, and its hyperparameters' fingerprint."""
+    """A run's job id (None when the job has none), where it came from, its hyperparameters' fingerprint and the
+    fingerprint's format (:data:`FINGERPRINT_VERSION`; 1 for records that do not say)."""
 
     job_id: Optional[str]
     job_id_source: Optional[str]
     fingerprint: str
+    fingerprint_version: int = FINGERPRINT_VERSION
 
     def describe(self) -> str:
         job = f"{self.job_id_source}={self.job_id}" if self.job_id else "no job id"
@@ -53,11 +60,16 @@ def current_job_id(environ: Optional[Mapping[str, str]] = None):
     return None, None
 
 
+def canonical_hyperparams(hyperparams: Optional[Mapping]) -> bytes:
+    """The bytes a fingerprint hashes: the redacted hyperparameters as JSON with sorted keys (objects by their
+    ``repr``). Secret values are replaced before anything is derived from them."""
+    return json.dumps(redact_hyperparams(hyperparams), sort_keys=True, default=repr).encode("utf-8")
+
+
 def hyperparams_fingerprint(hyperparams: Optional[dict]) -> str:
-    """A hex digest of the hyperparameters' real values (key order does not matter); the values cannot be read
-    back from it."""
-    canonical = json.dumps(hyperparams or {}, sort_keys=True, default=repr).encode("utf-8")
-    return hashlib.pbkdf2_hmac("sha256", canonical, _SALT, _ITERATIONS).hex()
+    """A hex digest (SHA-256) of the redacted hyperparameters (:func:`canonical_hyperparams`; key order does not
+    matter). It depends on no secret value: hyperparameters that differ only in secrets have the same one."""
+    return hashlib.sha256(canonical_hyperparams(hyperparams)).hexdigest()
 
 
 def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None) -> RunIdentity:
@@ -92,8 +104,11 @@ def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
     text is not such a record."""
     try:
         record = json.loads(text)
-        return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]))
-    except (ValueError, TypeError, KeyError) as error:
+        version = record.get("fingerprint_version", 1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"fingerprint_version is {version!r}, not a whole number")
+        return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]), version)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
         logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", where, error)
         return None
 
@@ -102,7 +117,8 @@ def adoption_refusal(this: RunIdentity, recorded: Optional[RunIdentity]) -> Opti
     """Why a job with identity ``this`` must not continue a run recorded as ``recorded``; None when it may.
 
     A job with an id continues only a run of the same id. A job without one continues only a run recorded without
-    one and with the same hyperparameters, or a run written before identities were recorded (no record).
+    one and with the same hyperparameters, or a run written before identities were recorded (no record), or whose
+    record's fingerprint is of another format (it cannot be compared; see the module).
     """
     if recorded is None:
         if this.job_id is None:
@@ -116,6 +132,6 @@ def adoption_refusal(this: RunIdentity, recorded: Optional[RunIdentity]) -> Opti
     if recorded.job_id is not None:
         return (f"it belongs to job {recorded.job_id_source}={recorded.job_id} and this job has no id (set "
                 "AITOOLBOX_RUN_ID to the same value to continue it)")
-    if recorded.fingerprint != this.fingerprint:
+    if recorded.fingerprint_version == this.fingerprint_version and recorded.fingerprint != this.fingerprint:
         return "its hyperparameters differ from this job's"
     return None

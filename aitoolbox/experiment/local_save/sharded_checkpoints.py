@@ -106,15 +106,48 @@ def sharded_checkpoint_info(path: str) -> Dict[str, Any]:
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no such folder, a temporary folder
             of an interrupted save, or a folder without its marker).
+        ValueError: the marker is not one a save writes (not JSON, another format, or a value no save writes,
+            e.g. ``world_size: 0``); the message names the file and the field.
     """
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: a checkpoint folder holds "
                                 f"{MARKER_FILE}, written once every process has saved its part (a folder without it, "
                                 f"or named {TEMP_PREFIX}*, is an interrupted save)")
-    with open(os.path.join(path, MARKER_FILE), encoding="utf-8") as handle:
-        info = json.load(handle)
-    if info.get("format") != FORMAT or info.get("version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path}/{MARKER_FILE} is not a {FORMAT} marker of version <= {FORMAT_VERSION}: {info}")
+    marker_path = os.path.join(path, MARKER_FILE)
+    with open(marker_path, "rb") as handle:
+        return _parse_marker(handle.read(_MAX_MARKER_BYTES + 1), marker_path)
+
+
+# A marker is a few hundred bytes: a larger file is refused before it is parsed.
+_MAX_MARKER_BYTES = 1024 * 1024
+
+
+def _parse_marker(data: bytes, where: str) -> Dict[str, Any]:
+    """The marker read from ``where``, checked field by field (it may come from a bucket: see docs/security.rst)."""
+    def refuse(problem: str) -> ValueError:
+        return ValueError(f"{where} is not a {FORMAT} marker of version <= {FORMAT_VERSION}: {problem}")
+
+    if len(data) > _MAX_MARKER_BYTES:
+        raise refuse(f"it is larger than {_MAX_MARKER_BYTES} bytes")
+    try:
+        info = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise refuse(f"it is not JSON ({error})") from None
+    if not isinstance(info, dict):
+        raise refuse(f"it is not a JSON object but {type(info).__name__}")
+    version = info.get("version", 0)
+    if info.get("format") != FORMAT or isinstance(version, bool) or not isinstance(version, int) \
+            or version > FORMAT_VERSION:
+        raise refuse(f"format {info.get('format')!r}, version {version!r}")
+    for field, least in (("world_size", 1), ("num_optimizers", 0)):
+        value = info.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise refuse(f"{field} is {value!r}, where a save writes a whole number >= {least}")
+    stateless = info.get("stateless_optimizers")
+    if not isinstance(stateless, list) or any(isinstance(index, bool) or not isinstance(index, int)
+                                              or not 0 <= index < info["num_optimizers"] for index in stateless):
+        raise refuse(f"stateless_optimizers is {stateless!r}, where a save writes a list of optimizer indices "
+                     f"below num_optimizers ({info['num_optimizers']})")
     return info
 
 

@@ -12,10 +12,15 @@ one at a time, in the order they were handed over:
 - the queue holds at most ``max_queued`` calls; when it is full the oldest waiting call is dropped, with a
   warning, so that memory stays bounded however long the service is away;
 - :meth:`BackgroundSender.wait` waits a bounded time for the queue to empty (the callbacks call it at the end of
-  ``fit``), and :meth:`BackgroundSender.unsent` names what is still queued.
+  ``fit``), and :meth:`BackgroundSender.unsent` names what is still queued;
+- :meth:`BackgroundSender.pause` ends the thread after the call it is making and keeps the queue: the next
+  :meth:`~BackgroundSender.submit` or :meth:`~BackgroundSender.wait` starts a thread again and sends what was
+  kept. A callback that pauses at the end of each ``fit`` holds no thread between fits, however many fits (or
+  callbacks) a script makes while the service is down.
 
-What is still queued when ``fit`` returns keeps being tried while the process runs; the thread is a daemon, so it
-never keeps the process alive.
+The thread is a daemon, so it never keeps the process alive. Error texts are logged through
+:func:`~aitoolbox.experiment.redaction.redact_message`: a service's error that quotes a URL with a user name and
+password (MLflow's does) never puts the password into the log.
 """
 import logging
 import os
@@ -23,6 +28,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, List, Optional
+
+from aitoolbox.experiment.redaction import redact_message
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,7 @@ class BackgroundSender:
         self._failures = 0  # consecutive passing failures of the call at the head
         self._retry_now = False
         self._stopped = False
+        self._paused = False
 
     # --- the training thread's side ----------------------------------------------------------------------------
     def submit(self, description: str, function: Callable[[], Any], key: Optional[str] = None) -> None:
@@ -83,17 +91,24 @@ class BackgroundSender:
             if len(self._calls) >= self.max_queued:
                 self._drop_oldest_waiting()
             self._calls.append(_Call(description, function, key))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"{self.owner} sender", daemon=True)
-                self._thread.start()
+            self._resume()
             self._condition.notify_all()
+
+    def _resume(self) -> None:
+        # Under the condition: sending goes on, on the thread there is or on a new one (never two).
+        self._paused = False
+        if self._thread is None and self._calls and not self._stopped:
+            self._thread = threading.Thread(target=self._run, name=f"{self.owner} sender", daemon=True)
+            self._thread.start()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until every queued call is done (sent, or refused and dropped), at most ``timeout_s`` seconds.
 
-        A call pausing between tries is tried again at once. Returns True when nothing is left.
+        A call pausing between tries is tried again at once; after :meth:`pause`, sending starts again. Returns
+        True when nothing is left.
         """
         with self._condition:
+            self._resume()
             self._retry_now = True
             self._condition.notify_all()
             try:
@@ -111,6 +126,26 @@ class BackgroundSender:
         """How many times in a row the call at the head of the queue failed for a passing reason (0: none)."""
         with self._condition:
             return self._failures
+
+    def pause(self) -> None:
+        """End the thread after the call it is making (or at once, between tries), keeping every queued call:
+        the next :meth:`submit` or :meth:`wait` sends them. See :meth:`join`."""
+        with self._condition:
+            self._paused = True
+            self._condition.notify_all()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` seconds for the thread to end (after :meth:`pause` or :meth:`stop`, or once
+        the queue is empty). Returns True when no thread runs. A thread in the middle of a call ends when the
+        service's client returns from it (its own timeouts bound that), without another try."""
+        with self._condition:
+            return self._condition.wait_for(lambda: self._thread is None, timeout=timeout_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether the sender's thread exists now."""
+        with self._condition:
+            return self._thread is not None
 
     def stop(self) -> None:
         """Drop every queued call; the thread ends after the call it is making, whose outcome is ignored."""
@@ -136,7 +171,7 @@ class BackgroundSender:
     def _run(self) -> None:
         while True:
             with self._condition:
-                if self._stopped or not self._calls:
+                if self._stopped or self._paused or not self._calls:
                     self._thread = None
                     self._condition.notify_all()
                     return
@@ -168,7 +203,7 @@ class BackgroundSender:
                 return True
         if not self.is_transient(error):
             logger.error("%s: %s refused %s, which is dropped: %s", self.owner, self.service, call.description,
-                         error)
+                         redact_message(str(error)))
             return True
         with self._condition:
             self._failures += 1
@@ -177,8 +212,9 @@ class BackgroundSender:
         if failures == 1:  # once per outage: each retry would repeat the same message
             logger.warning("%s: could not send %s to %s (%s: %s). Training goes on; what is not sent is kept and "
                            "tried again in the background (this is reported once, until it gets through)",
-                           self.owner, call.description, self.service, type(error).__name__, error)
+                           self.owner, call.description, self.service, type(error).__name__,
+                           redact_message(str(error)))
         with self._condition:
-            self._condition.wait_for(lambda: self._stopped or self._retry_now, timeout=delay)
+            self._condition.wait_for(lambda: self._stopped or self._paused or self._retry_now, timeout=delay)
             self._retry_now = False
         return False

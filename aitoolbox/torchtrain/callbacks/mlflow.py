@@ -5,7 +5,10 @@ TrainLoop (``pip install aitoolbox[mlflow]``), so ``import aitoolbox`` works wit
 the tracking store through ``MlflowClient`` with the run's id, so it neither needs nor changes MLflow's
 "active run" of the fluent API (``mlflow.start_run``). Every call to the tracking store is made on a background
 thread (:class:`~aitoolbox.torchtrain.callbacks.background.BackgroundSender`): an unreachable or slow server never
-stops or slows training.
+stops or slows training. The thread runs only while a ``fit`` does (and during :meth:`MLflowTracking.flush`).
+
+A tracking URI may carry a user name and password (``https://user:password@host``): no message shows them, the
+MLflow client's own error texts included.
 """
 import logging
 import os
@@ -16,7 +19,7 @@ import urllib.parse
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from aitoolbox.experiment.redaction import redact_hyperparams
+from aitoolbox.experiment.redaction import redact_hyperparams, redact_message
 from aitoolbox.torchtrain.callbacks.background import BackgroundSender
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback
 
@@ -30,6 +33,9 @@ DEFAULT_EXPERIMENT = "Default"
 #: How long the end of ``fit`` waits for what is still queued, and how many metrics wait at most.
 DEFAULT_FLUSH_TIMEOUT_S = 10.0
 DEFAULT_MAX_QUEUED_METRICS = 100_000
+# How long the end of fit (or flush) waits for the sender's thread to end once told to: a call in progress on a
+# stalled connection ends when the client gives up on it, which the thread does not wait for.
+_SENDER_JOIN_S = 1.0
 
 
 def load_mlflow_client_class() -> type:
@@ -59,12 +65,15 @@ def is_transient_mlflow_error(error: BaseException) -> bool:
 
 
 def describe_tracking_uri(uri: str) -> str:
-    """``uri`` without the user name and password it may carry, for messages."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    netloc = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """``uri`` without the user name and password it may carry (nor the values of secret-looking query
+    parameters), for messages."""
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        if "@" in parts.netloc:
+            uri = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    except ValueError:  # not parsable as a URL: the text rules still hide what looks secret
+        pass
+    return redact_message(uri)
 
 
 def flatten_params(params: dict, prefix: str = "") -> Dict[str, str]:
@@ -99,8 +108,10 @@ class MLflowTracking(TrackingCallback):
     are kept (at most ``max_queued_metrics`` metrics; beyond that the oldest are dropped, with a warning) and
     sent when it answers again; the outage is logged once and training goes on. A refusal by the store (an
     unknown ``run_id``, a bad value) is logged as an error. At the end of each ``fit`` the callback waits at most
-    ``flush_timeout_s`` seconds for the queue to empty, then logs what was not sent yet, which keeps being tried
-    while the process runs.
+    ``flush_timeout_s`` seconds for the queue to empty, then logs what was not sent yet and stops its thread
+    (after the call in progress): what was not sent is kept, and sent by the next ``fit`` of the callback or by
+    :meth:`flush`. So no thread of the callback runs between fits, and a script that fits many times while the
+    store is down (with a new callback each time, or the same) does not pile up threads.
 
     The run ends at the end of each ``fit`` (status FINISHED; FAILED or KILLED when an exception or Ctrl-C stopped
     it); a later ``fit`` of the same TrainLoop continues the same run. To continue a run from another process
@@ -116,7 +127,8 @@ class MLflowTracking(TrackingCallback):
         hyperparams: the run's parameters; None takes the experiment-tracking TrainLoop's (none with a plain
             TrainLoop).
         tags: ``{name: value}`` tags of the run (the experiment folder's path is added as
-            ``aitoolbox.experiment_folder`` when there is one).
+            ``aitoolbox.experiment_folder`` when there is one); secrets in them are redacted as in the
+            hyperparameters.
         run_name: the run's name instead of ``<experiment_name>_<timestamp>``.
         run_id: continue this existing run instead of creating one.
         artifact_location: where a new MLflow experiment keeps its artifacts (used only when the callback
@@ -216,14 +228,24 @@ class MLflowTracking(TrackingCallback):
         return ([f"{metrics:,} metrics"] if metrics else []) + calls
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
-        """Send the queued metrics, waiting at most ``timeout_s`` seconds (``flush_timeout_s`` when None).
+        """Send what is queued (also what an earlier ``fit`` could not send), waiting at most ``timeout_s``
+        seconds (``flush_timeout_s`` when None); then the sender's thread ends, keeping what is still unsent.
 
         Returns True when everything queued was sent (or refused by the store, which is logged).
         """
         if self._sender is None:
             return True
         self._request_metrics_sending()
-        return self._sender.wait(self.flush_timeout_s if timeout_s is None else timeout_s)
+        done = self._sender.wait(self.flush_timeout_s if timeout_s is None else timeout_s)
+        self._stop_sending_thread()
+        return done
+
+    def _stop_sending_thread(self) -> None:
+        """End the sender's thread after its call in progress; the queue is kept for the next fit or flush."""
+        self._sender.pause()
+        if not self._sender.join(_SENDER_JOIN_S):
+            logger.debug("MLflowTracking: a call to %s is still in progress; the sender's thread ends when it "
+                         "returns", self._sender.service)
 
     def discard_unsent(self) -> None:
         """Drop everything not sent yet and stop trying: for a script that must not wait for an absent server."""
@@ -249,12 +271,25 @@ class MLflowTracking(TrackingCallback):
             self._client_class = load_mlflow_client_class()
         if self.client is None:
             # Checks the URI and opens a local store; an HTTP client does not connect before its first call.
-            self.client = self._client_class(tracking_uri=self.tracking_uri)
+            self.client = self._make_client()
         experiment_name, run_name = self.experiment_and_run_names()
-        tags = {mlflow_key(key): str(value) for key, value in self.tags.items()}
+        tags = {mlflow_key(key): str(value) for key, value in redact_hyperparams(self.tags).items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
         self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))
+
+    def _make_client(self) -> Any:
+        try:
+            return self._client_class(tracking_uri=self.tracking_uri)
+        except Exception as error:
+            # MLflow's message quotes the URI, password included: raise it without (and without the original).
+            shown = describe_tracking_uri(self.tracking_uri) if self.tracking_uri else "the default tracking URI"
+            message = f"MLflowTracking cannot use the tracking URI {shown}: {redact_message(str(error))}"
+            try:
+                replacement = type(error)(message)
+            except Exception:  # an exception class that takes other arguments
+                replacement = ValueError(message)
+        raise replacement from None
 
     def _open_run(self, experiment_name: str, run_name: Optional[str], tags: Dict[str, str]) -> None:
         # On the sender's thread, before the calls that need the run.
@@ -289,8 +324,10 @@ class MLflowTracking(TrackingCallback):
         if not self._sender.wait(self.flush_timeout_s):
             dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
             logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
-                           "not held up: the callback keeps trying in the background while this process runs",
-                           f"{self.flush_timeout_s:g}", self._sender.service, ", ".join(self.unsent()), dropped)
+                           "not held up: these are kept and sent by the next fit with this callback, or by its "
+                           "flush()", f"{self.flush_timeout_s:g}", self._sender.service, ", ".join(self.unsent()),
+                           dropped)
+        self._stop_sending_thread()
 
     def _terminate(self, status: str) -> None:
         if self._run_open:

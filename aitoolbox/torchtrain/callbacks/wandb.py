@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from aitoolbox.experiment.redaction import is_credentials_file, redact_hyperparams
+from aitoolbox.experiment.redaction import redact_hyperparams, redact_value
+from aitoolbox.experiment.secret_names import is_credentials_file
 from aitoolbox.torchtrain.callbacks.tracking_base import BatchRecord, TrackingCallback, check_log_dir
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,16 @@ def is_python_source(path: str) -> bool:
     return path.endswith(".py")
 
 
+def _symbolic_links_below(folder: str) -> List[str]:
+    """The symbolic links (to files or folders) below ``folder``, as paths inside it; links are not followed."""
+    links = []
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            if os.path.islink(os.path.join(root, name)):
+                links.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(links)
+
+
 def _artifact_name(path: str) -> str:
     # W&B artifact names may hold letters, digits, '-', '_' and '.'.
     return re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(os.path.normpath(path))) or "source"
@@ -79,8 +90,10 @@ class WandBTracking(TrackingCallback):
       the final model's path (when ``ModelTrainEndSave`` or an EndSave preset saved one) as the summary value
       ``final_model_path``;
     - the source code in ``source_dirs`` as code artifacts: the files ``include_fn`` accepts (``*.py`` by
-      default), never files that hold credentials by their name (``.env``, ``credentials.json``, ``*.pem``...,
-      see :func:`~aitoolbox.experiment.redaction.is_credentials_file`), whatever ``include_fn`` says.
+      default), never files that hold credentials by their name or folder (``.env``, ``credentials.json``,
+      ``service-account.json``, ``*.pem``, ``.ssh/``..., see
+      :func:`~aitoolbox.experiment.secret_names.is_credentials_file`) and never symbolic links (whose target may
+      be any file of the machine; one warning names them), whatever ``include_fn`` says.
 
     The run is started when training starts (aitoolbox 1.x started it at registration), in the main process
     only, so neither ``fit_distributed``'s other ranks nor its launching process open one. It is finished
@@ -105,10 +118,10 @@ class WandBTracking(TrackingCallback):
         source_dirs: source folders (or files) stored with the run as code artifacts. Left empty with
             ``is_project=True``, the experiment-tracking TrainLoop's ``source_dirs`` and the script in its
             hyperparameters' ``experiment_file_path`` are stored, where there are any. A file named here is
-            stored only when ``include_fn`` accepts it.
+            stored only when ``include_fn`` accepts it and it is not a symbolic link.
         include_fn: which files of ``source_dirs`` are stored: called with each file's absolute path, True
-            stores it; None stores Python files (``*.py``). Files that hold credentials by their name (``.env``,
-            ``credentials.json``, ``*.pem``...) are never stored. For example ``lambda path:
+            stores it; None stores Python files (``*.py``). Files that hold credentials by their name or folder
+            (``.env``, ``credentials.json``, ``*.pem``, ``.aws/``...) and symbolic links are never stored. For example ``lambda path:
             path.endswith((".py", ".yaml"))`` adds configuration files; with ``fit_distributed`` starting fresh
             processes (spawn) it must be a module-level function, which can be sent to them.
         log_dir: the folder wandb writes its local files in (it adds a ``wandb/`` sub-folder). With
@@ -121,7 +134,7 @@ class WandBTracking(TrackingCallback):
         experiment_name: the W&B run name; None takes the loop's.
         local_model_result_folder_path: root folder of the experiment folders, or None to take the loop's.
         **kwargs: further ``wandb.init()`` arguments (``entity``, ``mode``, ``group``, ``settings``...); they
-            override the callback's own choices.
+            override the callback's own choices. A ``config`` given here is redacted like the hyperparameters.
 
     Raises:
         TypeError / ValueError: a bad argument, e.g. an alert that is not an :class:`AlertConfig` or whose
@@ -219,6 +232,8 @@ class WandBTracking(TrackingCallback):
             if self.run_id is not None:  # a later fit of the same loop: the same run
                 init_args.update(id=self.run_id, resume="allow")
             init_args.update(self.wandb_params_kwargs)
+            if init_args.get("config") is not None:  # a config given through the callback is redacted too
+                init_args["config"] = redact_value(init_args["config"])
             self.run = wandb.init(**init_args)
             self.run_id = self.run.id
         if not self._code_logged:
@@ -226,16 +241,24 @@ class WandBTracking(TrackingCallback):
             for path in self.source_dirs:
                 self._log_code(path)
 
-    def uploads_as_code(self, path: str) -> bool:
+    def uploads_as_code(self, path: str, root: Optional[str] = None) -> bool:
         """True when the file ``path`` goes into the code artifacts: ``include_fn`` (``*.py`` by default)
-        accepts it and its name does not say it holds credentials."""
+        accepts it, it is not a symbolic link, and neither its name nor its folders below ``root`` (the folder
+        uploaded; wandb passes it) say it holds credentials."""
         path = os.path.abspath(path)
-        if is_credentials_file(path):
+        if os.path.islink(path) or is_credentials_file(path, root):
             return False
         return bool((self.include_fn or is_python_source)(path))
 
     def _log_code(self, path: str) -> None:
-        if os.path.isdir(path):
+        if os.path.islink(path):
+            logger.warning("WandBTracking: not storing %s as code: it is a symbolic link (a link's target may be "
+                           "any file of this machine); name the file it points to instead", path)
+        elif os.path.isdir(path):
+            links = _symbolic_links_below(path)
+            if links:
+                logger.warning("WandBTracking: not storing %d symbolic link(s) in %s as code (a link's target may be "
+                               "any file of this machine): %s", len(links), path, ", ".join(links))
             self.run.log_code(path, name=_artifact_name(path), include_fn=self.uploads_as_code)
         elif self.uploads_as_code(path):  # a single file: its folder, filtered to the file
             self.run.log_code(os.path.dirname(path), name=_artifact_name(path),

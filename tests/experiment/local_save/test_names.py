@@ -1,7 +1,11 @@
 """Project, experiment and timestamp names are checked in one place for every folder and key they build."""
+import os
 import re
+import unicodedata
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -14,7 +18,11 @@ from aitoolbox.torchtrain.callbacks.model_load import ModelLoadContinueTraining
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import MLP, classification_data
 
-BAD_NAMES = ["a/b", "../escape", "..", ".", "a\\b", "line\nbreak", "nul\x00", ""]
+BAD_NAMES = ["a/b", "../escape", "..", ".", "a\\b", "line\nbreak", "nul\x00", "",
+             # issue 31 item 10: the C1 controls (NEL among them), line and paragraph separators, a lone surrogate,
+             # non-characters, bidi overrides, and a name longer than a file system takes
+             "next\x85line", "csi\x9b", "line\u2028sep", "para\u2029sep", "lone\ud800", "non\ufffe", "non\U0001ffff",
+             "non\ufdd0", "evil\u202egnp.exe", "iso\u2066late", "x" * 256, "é" * 128]
 GOOD_NAMES = ["my project", "exp.v2", "résumé-run_1", "2024-01-02_03-04-05", " padded ", "a..b"]
 
 
@@ -91,3 +99,43 @@ def test_paths_read_from_storage_must_stay_inside(path):
 def test_paths_read_from_storage_may_have_folders():
     assert check_relative_path("shard/__0_0.distcp", "the marker") == "shard/__0_0.distcp"
     assert check_relative_path("..hidden/.metadata", "the marker") == "..hidden/.metadata"
+
+
+# --- issue 31 item 10: every character a name could carry that would fail later ---------------------------------
+def test_the_message_names_the_character_and_where_it_is():
+    with pytest.raises(ValueError) as refused:
+        check_name("run\u2028two", "experiment_name")
+    assert "U+2028 (LINE SEPARATOR) at position 3" in str(refused.value)
+    with pytest.raises(ValueError, match="U\\+D800 \\(a lone surrogate\\)"):
+        check_name("x\ud800", "project_name")
+    with pytest.raises(ValueError, match="256 bytes in UTF-8; a file system takes at most 255"):
+        check_name("x" * 256, "project_name")
+
+
+ANY_CHARACTER = st.characters(min_codepoint=0, max_codepoint=0x10FFFF, blacklist_categories=())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=ANY_CHARACTER, max_size=12))
+def test_a_name_that_passes_works_everywhere_a_name_goes(tmp_path_factory, name):
+    try:
+        check_name(name, "experiment_name")
+    except ValueError as error:
+        assert repr(name) in str(error) or "must be a non-empty string" in str(error)
+        return
+    encoded = name.encode("utf-8")  # a key, a header, a log line: never a UnicodeEncodeError
+    assert 0 < len(encoded) <= 255
+    assert not any(unicodedata.category(char) in ("Cc", "Cs", "Zl", "Zp") for char in name)
+    assert name.splitlines() == [name] and name not in (".", "..")
+    folder = tmp_path_factory.mktemp("names")
+    os.mkdir(os.path.join(str(folder), name))  # one folder, inside the root
+    assert os.listdir(str(folder)) == [name]
+    assert check_relative_path(name, "a marker") == name and check_key_prefix(f"team/{name}") == f"team/{name}"
+
+
+@pytest.mark.parametrize("bad", ["team/\x85", "team/\u2028x", "\ud800", "a/\u202e"])
+def test_prefixes_and_paths_read_from_storage_refuse_the_same_characters(bad):
+    with pytest.raises(ValueError):
+        check_key_prefix(bad)
+    with pytest.raises(ValueError):
+        check_relative_path(bad, "s3://bucket/marker")

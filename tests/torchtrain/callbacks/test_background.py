@@ -3,6 +3,7 @@ the queue, waiting and stopping. The calls are plain functions that block on eve
 depends on timing."""
 import logging
 import threading
+import time
 
 import pytest
 
@@ -109,3 +110,40 @@ def test_wait_cuts_a_pause_between_tries_short():
 def test_arguments_are_checked():
     with pytest.raises(ValueError, match="max_queued must be a positive int, got 0"):
         make_sender(max_queued=0)
+
+
+def test_pause_ends_the_thread_keeps_the_calls_and_sending_resumes_on_one_thread(records):
+    sender, started, release, done = make_sender(), threading.Event(), threading.Event(), []
+    outage = [True]
+
+    def blocking():
+        started.set()
+        assert release.wait(HANG_LIMIT_S)
+        done.append("blocking")
+
+    def while_down():
+        if outage[0]:
+            raise Passing("connection refused")
+        done.append("after the outage")
+
+    sender.submit("the blocking call", blocking)
+    sender.submit("the call during the outage", while_down)
+    assert started.wait(HANG_LIMIT_S)
+    sender.pause()  # in the middle of a call: the thread ends after it
+    assert not sender.join(0.05) and sender.running
+    release.set()
+    assert sender.join(HANG_LIMIT_S) and not sender.running
+    assert sender.unsent() == ["the call during the outage"] and done == ["blocking"]  # kept, not tried
+
+    sender.submit("the last call", lambda: done.append("last"))  # sending starts again
+    deadline = time.monotonic() + HANG_LIMIT_S
+    while sender.failures < 2:  # tries while down; then a pause between tries ends the thread at once
+        assert time.monotonic() < deadline, "the kept call was not tried again"
+        time.sleep(0.01)
+    sender.pause()
+    assert sender.join(HANG_LIMIT_S)
+    assert [name for name in (thread.name for thread in threading.enumerate()) if name == "Test sender"] == []
+    outage[0] = False
+    assert sender.wait(HANG_LIMIT_S) and done == ["blocking", "after the outage", "last"]
+    assert sender.join(HANG_LIMIT_S)  # an empty queue ends the thread too
+    assert len([message for message in warnings(records) if "could not send" in message]) == 1

@@ -6,6 +6,7 @@ tests/experiment/test_redaction.py. The e-mail and the bucket uploads are in tes
 """
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -117,11 +118,13 @@ def test_wandb_config_holds_no_secret(tmp_path, wandb_offline, no_network):
     from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
     hyperparams = secret_hyperparams()
     callback = WandBTracking(hyperparams=hyperparams, log_dir=str(tmp_path / "logs"), is_project=False,
-                             project_name="p", experiment_name="e")
+                             project_name="p", experiment_name="e",
+                             config={"db_password": DB_PASSWORD, "seed": 3})  # a wandb.init() argument
     make_train_loop().fit(num_epochs=1, callbacks=[callback])
 
     (run_dir,) = offline_run_dirs(tmp_path / "logs")
     assert_redacted(WandbRun(run_dir).config)
+    assert (WandbRun(run_dir).config["seed"], WandbRun(run_dir).config["db_password"]) == (3, "<redacted>")
     assert files_holding_secrets(tmp_path) == []  # the run files, wandb's cache, staging and settings folders
     assert hyperparams["api_key"] == API_KEY
 
@@ -154,6 +157,40 @@ def test_wandb_uploads_source_files_only(tmp_path, wandb_offline, no_network):
     assert files_holding_secrets(tmp_path / "default") == files_holding_secrets(tmp_path / "everything") == []
 
 
+def test_wandb_never_uploads_credentials_files_nor_symbolic_links(tmp_path, wandb_offline, no_network, caplog,
+                                                                   monkeypatch):
+    pytest.importorskip("wandb")
+    from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
+    project, outside = tmp_path / "project", tmp_path / "outside"
+    for folder in (project / "pkg", project / ".kube", project / ".aws", outside / "lib"):
+        folder.mkdir(parents=True)
+    (project / "train.py").write_text("print('train')\n")
+    (project / "config.yaml").write_text("lr: 0.1\n")
+    planted = {"service-account.json": '{"private_key": "%s"}', ".s3cfg": "secret_key = %s", ".boto": "pw = %s",
+               "kubeconfig": "token: %s", ".dockercfg": '{"auth": "%s"}', ".envrc": "export TOKEN=%s",
+               ".my.cnf": "password=%s", ".kube/config": "token: %s", ".aws/config": "key = %s",
+               "prod.tfvars": 'db_password = "%s"', ".netrc": "machine x password %s", "id_rsa": "%s"}
+    for name, content in planted.items():
+        (project / name).write_text(content % API_KEY)
+    (outside / "credentials").write_text(f"aws_secret_access_key = {API_KEY}\n")
+    (outside / "lib" / "helpers.py").write_text(f"TOKEN = {API_KEY!r}\n")
+    os.symlink(outside / "credentials", project / "pkg" / "utils.py")  # a link named like code
+    os.symlink(outside / "lib", project / "linked_lib")
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    caplog.set_level("WARNING", logger="aitoolbox")
+    callback = WandBTracking(source_dirs=[str(project)], log_dir=str(tmp_path / "logs"), is_project=False,
+                             project_name="p", experiment_name="e", include_fn=lambda path: True)
+    make_train_loop().fit(num_epochs=1, callbacks=[callback])
+
+    (run_dir,) = offline_run_dirs(tmp_path / "logs")
+    code = {artifact.name: sorted(entry.path for entry in artifact.manifest.contents)
+            for artifact in WandbRun(run_dir).artifacts if artifact.type == "code"}
+    assert code == {"project": ["config.yaml", "train.py"]}
+    assert files_holding_secrets(tmp_path / "logs") == files_holding_secrets(tmp_path / "wandb_home") == []
+    (warning,) = [record.getMessage() for record in caplog.records if "symbolic link" in record.getMessage()]
+    assert "linked_lib" in warning and "pkg/utils.py" in warning and str(outside) not in warning
+
+
 def test_wandb_include_fn_is_checked():
     pytest.importorskip("wandb")
     from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
@@ -169,7 +206,9 @@ def test_mlflow_params_hold_no_secret(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps file stores behind this switch
     store = (tmp_path / "mlruns").as_uri()
     hyperparams = secret_hyperparams()
-    make_train_loop().fit(num_epochs=1, callbacks=[MLflowTracking(store, hyperparams=hyperparams,
+    tags = {"repo": f"https://x-access-token:{API_KEY}@github.com/org/repo.git", "deploy_token": DB_PASSWORD,
+            "team": "vision"}
+    make_train_loop().fit(num_epochs=1, callbacks=[MLflowTracking(store, hyperparams=hyperparams, tags=tags,
                                                                   project_name="secrets")])
 
     client = MlflowClient(store)
@@ -177,5 +216,7 @@ def test_mlflow_params_hold_no_secret(tmp_path, monkeypatch, no_network):
     assert run.data.params == {"lr": "0.1", "api_key": "<redacted>", "max_tokens": "512", "tokenizer": "bpe-32k",
                                "database.host": "db.internal", "database.password": "<redacted>",
                                "results_db": "<redacted>"}
+    assert (run.data.tags["repo"], run.data.tags["deploy_token"], run.data.tags["team"]) == \
+        ("https://<redacted>@github.com/org/repo.git", "<redacted>", "vision")
     assert files_holding_secrets(tmp_path) == []
     assert hyperparams["database"]["password"] == DB_PASSWORD

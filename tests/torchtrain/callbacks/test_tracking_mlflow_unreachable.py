@@ -9,6 +9,8 @@ in a thread joined with a generous hang limit, far below what the client's own t
 """
 import logging
 import sys
+import threading
+import traceback
 
 import pytest
 
@@ -113,12 +115,13 @@ def test_a_closed_port_is_reported_once_and_training_completes(monkeypatch, reco
     fit_within_hang_limit(tl, waits_on="the tracking server", num_epochs=2, callbacks=[callback])
     assert len(tl.train_history["loss"]) == 2
 
-    wait_until(lambda: callback.sender().failures >= 3, "tried three times")
+    # After the fit nothing is tried until asked: each flush tries again (and keeps what it could not send).
+    wait_until(lambda: callback.flush(timeout_s=0.1) or callback.sender().failures >= 3, "tried three times")
     (report,) = log_messages(records, "could not send")  # one report for the outage, not one per try
     assert url in report and "the start of the run" in report
     (unsent,) = log_messages(records, "not sent yet")
     assert "36 metrics" in unsent and "the run's end (FINISHED)" in unsent
-    assert callback.unsent()[0] == "36 metrics"  # kept while it keeps trying
+    assert callback.unsent()[0] == "36 metrics"  # kept for a later fit or flush
     callback.discard_unsent()
     assert callback.unsent() == []
 
@@ -181,3 +184,55 @@ def test_more_than_one_request_of_metrics_reaches_a_file_store(tmp_path, monkeyp
     assert history(client, run.info.run_id, "train_loss/last_batch_loss") == \
         [(step, recorder.batches[step]["loss"]) for step in range(10)]
     assert history(client, run.info.run_id, "val_loss") == list(enumerate(tl.train_history["val_loss"]))
+
+
+# --- issue 31 items 8 and 10: the URI's password, and sender threads across fits ------------------------------
+def sender_threads() -> list:
+    return [thread for thread in threading.enumerate() if thread.name == "MLflowTracking sender"]
+
+
+def test_four_fits_with_the_store_down_leave_no_sender_thread_and_keep_every_value(mlflow_server, proxy,
+                                                                                   monkeypatch, records):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # each request fails at once
+    proxy.drop_next(10**9)  # the store is down: every connection is reset
+    callbacks, most_threads = [], 0
+    for _ in range(4):  # a new logger for each fit, as a script that builds its loop and callbacks per fit does
+        callbacks.append(MLflowTracking(proxy.url, project_name="down", flush_timeout_s=0.2))
+        fit_within_hang_limit(make_train_loop(), waits_on="the tracking server", num_epochs=1,
+                              callbacks=[callbacks[-1]])
+        most_threads = max(most_threads, len(sender_threads()))
+        wait_until(lambda: not sender_threads(), "stopped the sender threads after the fit")
+    assert most_threads <= 1
+    assert all("the run's end (FINISHED)" in callback.unsent() for callback in callbacks)  # kept, not dropped
+    assert len(log_messages(records, "could not send")) == 4  # one report per logger's outage
+
+    proxy.drop_next(0)  # the store answers again: what was kept is sent by flush (or a later fit)
+    for callback in callbacks:
+        assert callback.flush(timeout_s=HANG_LIMIT_S), callback.unsent()
+    wait_until(lambda: not sender_threads(), "stopped the sender threads after flush")
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.get_experiment_by_name("down")
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(run.info.run_id for run in runs) == sorted(callback.run_id for callback in callbacks)
+    assert {run.info.status for run in runs} == {"FINISHED"}
+    assert [len(history(client, callback.run_id, "val_loss")) for callback in callbacks] == [1, 1, 1, 1]
+
+
+def test_the_tracking_uris_password_is_never_logged(monkeypatch, records):
+    records.set_level(logging.DEBUG)  # every logger, every level
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    password = "pw-secret-7731"
+    url = f"http://trainer:{password}@127.0.0.1:{free_port()}"
+    callback = MLflowTracking(url, project_name="closed", flush_timeout_s=0.2)
+    fit_within_hang_limit(make_train_loop(), waits_on="the tracking server", num_epochs=1, callbacks=[callback])
+    callback.flush(timeout_s=0.2)
+    texts = [record.getMessage() + str(record.exc_text or "") for record in records.records]
+    assert any("could not send" in text and "127.0.0.1" in text for text in texts)
+    assert [text for text in texts if password in text] == []
+    callback.discard_unsent()
+
+    unsupported = MLflowTracking(f"nosuchscheme://trainer:{password}@store.internal/x", project_name="p")
+    with pytest.raises(Exception) as raised:
+        make_train_loop().fit(num_epochs=1, callbacks=[unsupported])
+    shown = "".join(traceback.format_exception(raised.type, raised.value, raised.tb))
+    assert "nosuchscheme://" in shown and password not in shown

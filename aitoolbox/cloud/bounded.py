@@ -1,0 +1,62 @@
+"""Downloads that cannot write more than an object may hold.
+
+A client downloads into the file it is given as fast as the bucket serves: an object made larger than its folder's
+marker lists (by whoever can write to the bucket) would fill the disk, or memory for an object read into memory.
+:class:`BoundedWriter` stands between the client and the file and refuses the first write that would end past the
+bound; :func:`went_past_the_bound` recognises that refusal however the client wrapped it.
+"""
+from typing import IO, Optional
+
+__all__ = ["BoundedWriter", "PastTheBound", "went_past_the_bound"]
+
+
+class PastTheBound(Exception):
+    """Raised by :class:`BoundedWriter` when a client writes past the bound."""
+
+
+class BoundedWriter:
+    """A seekable binary file that refuses writes ending past ``bound`` bytes: what a client downloads into it is
+    never written beyond the size the object must have, whatever the bucket serves. The clients write in order
+    (GCS) or at offsets (S3's ranged parts), so the check is on where each write ends."""
+
+    def __init__(self, handle: IO[bytes], bound: int):
+        self._handle = handle
+        self._bound = bound
+
+    def write(self, data: bytes) -> int:
+        if self._handle.tell() + len(data) > self._bound:
+            raise PastTheBound(f"a write past {self._bound} bytes")
+        return self._handle.write(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def truncate(self, size: Optional[int] = None) -> int:
+        return self._handle.truncate(size)
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+
+def went_past_the_bound(error: BaseException) -> bool:
+    """True when ``error``, or an error it was raised from or while handling, is a :class:`PastTheBound`."""
+    seen = set()
+    cause: Optional[BaseException] = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, PastTheBound):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

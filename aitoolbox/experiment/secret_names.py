@@ -1,0 +1,163 @@
+"""Which names say that what they name is secret: hyperparameter keys, header names and file names.
+
+:mod:`aitoolbox.experiment.redaction` hides the values these names label; :class:`~aitoolbox.torchtrain.callbacks.
+wandb.WandBTracking` never uploads the files they name. The rules are by name only: a value under an innocent name
+is found by the value rules of :mod:`~aitoolbox.experiment.redaction` (URLs with a password, ``Secret``), or not
+at all.
+
+A key is split into words at every character that is not a letter or a digit and at camelCase boundaries
+(``hfToken`` -> ``hf``, ``token``; ``AWS_SECRET_ACCESS_KEY`` -> ``aws``, ``secret``, ``access``, ``key``). It
+looks secret when one of its words, compared case-insensitively, singular or plural:
+
+- is in :data:`SECRET_WORDS` (``token``, ``key``, ``password``, ``secret``, ``credential``, ``auth``, ...);
+- contains ``password``, ``passwd``, ``passphrase``, ``credential``, ``secret``, ``authorization`` or ``apikey``
+  (``dbpassword``, ``clientsecret``, ``awssecretaccesskey``; not ``secretary``);
+- is a compound of a qualifier and one of :data:`SECRET_WORDS` (``accesstoken``, ``apitoken``, ``privatekey``,
+  ``masterkey``, ``dbpass``): the qualifiers are the words that make ``token``, ``key``, ``pass``... a credential
+  (:data:`CREDENTIAL_QUALIFIERS`), so ``monkey``, ``turkey``, ``hotkey``, ``subtoken`` and ``bypass`` are not
+  secret names. Whole words otherwise: ``keyboard``, ``tokenizer`` and ``passage`` are not secret either.
+"""
+import functools
+import os
+import re
+from typing import Any, FrozenSet, List, Optional
+
+__all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "is_credentials_file",
+           "is_secret_key", "key_words", "secret_words_in"]
+
+#: Words that make a key look secret (compared with the key's words, singular or plural).
+SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
+                          "apikey", "auth", "oauth", "authorization", "cookie", "signature", "sig", "webhook"})
+
+#: Secret words that also name parts of models or training (a text's tokens, attention keys, a forward pass, a
+#: significance level): under keys made only of these, values of numbers alone are kept.
+MODEL_VOCABULARY_WORDS = frozenset({"token", "key", "pass", "sig"})
+
+# Contained anywhere in a word, these make it secret (a word of its own or fused with others: "dbpassword").
+_INFIX_WORDS = ("password", "passwd", "passphrase", "credential", "secret", "authorization", "apikey")
+# Words that contain "secret" and name no secret.
+_NOT_SECRET = frozenset({"secretary", "secretaries", "secretarial", "secretariat", "secretariats", "secrete",
+                         "secreted", "secretes", "secreting", "secretion", "secretions", "secretory"})
+# Secret words that are also the ends of ordinary words (monkey, subtoken, bypass): fused with a word they
+# follow, they are secret only after one of the qualifiers.
+_SUFFIX_WORDS = tuple(sorted(SECRET_WORDS))
+
+#: The words before ``token``, ``key``, ``pass``... in a fused word that make it a credential's name
+#: (``accesstoken``, ``privatekey``, ``dbpass``).
+CREDENTIAL_QUALIFIERS = frozenset({
+    "access", "account", "admin", "api", "app", "auth", "aws", "azure", "bearer", "bot", "client", "consumer",
+    "csrf", "database", "db", "deploy", "dev", "developer", "discord", "encryption", "gcp", "gcs", "gh", "github",
+    "gitlab", "gpg", "hf", "hmac", "hub", "id", "jwt", "licence", "license", "live", "login", "master", "mlflow",
+    "my", "oauth", "openai", "pass", "personal", "pgp", "private", "prod", "product", "refresh", "root", "s3",
+    "secret", "service", "session", "sign", "signing", "slack", "ssh", "staging", "storage", "subscription",
+    "telegram", "upload", "user", "wandb", "webhook", "write", "xsrf"})
+
+# Split points of a key: runs of capitals (an acronym, ending before a capitalised word), capitalised or
+# lower-case words, and digits.
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+
+
+def key_words(name: Any) -> List[str]:
+    """The lower-case words of a key: ``'hfToken'`` -> ``['hf', 'token']``, ``'API-KEY2'`` -> ``['api', 'key',
+    '2']``."""
+    return [word.lower() for word in _WORD.findall(str(name))]
+
+
+def _singulars(word: str) -> List[str]:
+    forms = [word]
+    if word.endswith("es"):
+        forms.append(word[:-2])
+    if word.endswith("s"):
+        forms.append(word[:-1])
+    return forms
+
+
+@functools.lru_cache(maxsize=4096)  # keys repeat at every checkpoint: judge each word once
+def _secret_word_of(word: str) -> Optional[str]:
+    """The secret word that ``word`` (one lower-case word of a key) is or contains, or None."""
+    for form in _singulars(word):
+        if form in SECRET_WORDS:
+            return form
+    innocent_removed = word
+    for innocent in _NOT_SECRET:  # "maxsecretary" holds "secret" only inside "secretary"
+        innocent_removed = innocent_removed.replace(innocent, " ")
+    for infix in _INFIX_WORDS:
+        if infix in innocent_removed:
+            return infix
+    for form in _singulars(word):
+        for suffix in _SUFFIX_WORDS:
+            if form.endswith(suffix) and len(form) > len(suffix):
+                prefix = form[:-len(suffix)]
+                if any(prefix.endswith(qualifier) for qualifier in CREDENTIAL_QUALIFIERS):
+                    return suffix
+    return None
+
+
+def secret_words_in(name: Any) -> FrozenSet[str]:
+    """The secret words (of :data:`SECRET_WORDS`, or fused into a word, see the module) the key ``name`` holds;
+    empty when it does not look secret."""
+    return frozenset(found for found in map(_secret_word_of, key_words(name)) if found is not None)
+
+
+def is_secret_key(name: Any) -> bool:
+    """True when the key ``name`` looks secret (see the module's rules): ``api_key``, ``hfToken``,
+    ``DB_PASSWORD``, ``credentials``, ``dbpassword``, ``accesstoken``; not ``monkey``, ``keyboard``,
+    ``tokenizer``."""
+    return bool(secret_words_in(name))
+
+
+# --- files ----------------------------------------------------------------------------------------------------
+# Files that hold credentials by their name: tool login and configuration files, SSH keys, shell histories.
+_CREDENTIAL_FILE_NAMES = frozenset({
+    ".env", ".envrc", ".netrc", "_netrc", ".pgpass", ".git-credentials", ".npmrc", ".yarnrc", ".yarnrc.yml",
+    ".pypirc", ".htpasswd", "credentials", "id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", ".s3cfg", ".boto",
+    "kubeconfig", ".kubeconfig", ".dockercfg", ".my.cnf", ".mylogin.cnf", ".databrickscfg", ".terraformrc",
+    "terraform.rc", ".vault-token", "kaggle.json", ".bash_history", ".zsh_history", ".python_history",
+    ".psql_history", ".mysql_history", ".sqlite_history", ".rediscli_history", "authorized_keys", "known_hosts",
+    ".gitconfig", ".git-credential-cache", "htpasswd", "shadow", "passwd"})
+_CREDENTIAL_FILE_EXTENSIONS = frozenset({
+    ".env", ".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".kdbx", ".gpg", ".asc", ".ppk", ".tfvars",
+    ".tfstate", ".kubeconfig", ".ovpn", ".crt", ".cer", ".der", ".p8", ".keytab"})
+# Folders whose every file is a credential or a tool's private state (also the tools' configuration folders that
+# keep tokens: .docker/config.json, .kube/config, .aws/config).
+_CREDENTIAL_FOLDERS = frozenset({".ssh", ".gnupg", ".aws", ".kube", ".docker", ".azure", ".gcloud",
+                                 ".git", ".password-store", ".vault", ".config/gcloud", ".terraform.d"})
+# Parts of names that mark a cloud service account's key (service-account.json, my-sa_service_account.json).
+_SERVICE_ACCOUNT = re.compile(r"service[-_. ]?account|serviceaccount", re.IGNORECASE)
+
+
+def is_credentials_file(path: str, root: Optional[str] = None) -> bool:
+    """True for a file that is, by its name or its folder, likely to hold credentials: never uploaded as code.
+
+    These are ``.env`` and ``.env.*`` files, login and configuration files of tools (``.netrc``, ``.pgpass``,
+    ``.git-credentials``, ``.npmrc``, ``.pypirc``, ``.s3cfg``, ``.boto``, ``kubeconfig``, ``.dockercfg``,
+    ``.envrc``, ``.my.cnf``, ``.databrickscfg``, ``kaggle.json``, ``credentials``...), shell histories, key
+    material (``*.pem``, ``*.key``, ``*.p12``, ``*.pfx``, ``*.jks``, ``*.ppk``, certificates, SSH keys
+    ``id_rsa``...), Terraform variables and state, cloud service-account keys (``service-account.json``), files
+    inside folders of credentials (``.ssh/``, ``.aws/``, ``.kube/``, ``.docker/``, ``.gnupg/``, ``.git/``...),
+    and files whose name looks secret by :func:`is_secret_key` (``credentials.json``, ``client_secret.json``,
+    ``token.pickle``, ``api_key.txt``). Python files are judged by the words other than ``token``, ``key`` and
+    ``pass``: those name code in NLP projects (``token_classification.py``, ``keys.py``); ``secrets.py`` is refused.
+
+    Args:
+        path: the file.
+        root: the folder being uploaded; only the folders below it are judged (a project kept under a folder
+            named ``.git`` elsewhere is not refused as a whole). None: every folder of ``path``.
+    """
+    path = os.fspath(path)
+    name = os.path.basename(path).lower()
+    stem, extension = os.path.splitext(name)
+    if name in _CREDENTIAL_FILE_NAMES or name.startswith((".env.", ".envrc.")) or \
+            extension in _CREDENTIAL_FILE_EXTENSIONS or _SERVICE_ACCOUNT.search(name):
+        return True
+    if any(name.startswith(ssh_key) for ssh_key in ("id_rsa", "id_dsa", "id_ecdsa", "id_ed25519")):
+        return True
+    inside = os.path.relpath(path, root) if root is not None else path
+    folders = [part.lower() for part in re.split(r"[\\/]+", os.path.dirname(inside)) if part]
+    if any(part in _CREDENTIAL_FOLDERS for part in folders) or \
+            any("/".join(pair) in _CREDENTIAL_FOLDERS for pair in zip(folders, folders[1:])):
+        return True
+    words = secret_words_in(stem)
+    if extension == ".py":
+        return bool(words - MODEL_VOCABULARY_WORDS)
+    return bool(words)
