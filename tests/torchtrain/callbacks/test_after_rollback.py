@@ -6,7 +6,6 @@ import math
 import os
 
 import pytest
-import torch
 
 from aitoolbox.torchtrain.callbacks import CSVLogger, ProfilerCallback, SpikeRollback
 from tests.helpers import MLP, model_pair, single_torch_thread
@@ -43,8 +42,8 @@ def test_the_csv_logs_hold_the_final_trajectory_once_and_mark_the_rollback(tmp_p
     model, twin = model_pair(MLP)
     logger = CSVLogger(log_dir=str(tmp_path), is_project=False)
     tl = train(make_loop(model, loader(Poisoned(**POISON))), callbacks=[SpikeRollback(**SETTINGS), logger])
-    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})),
-                      callbacks=[CSVLogger(log_dir=str(tmp_path / "reference"), is_project=False)])
+    train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})),
+          callbacks=[CSVLogger(log_dir=str(tmp_path / "reference"), is_project=False)])
     rows = read_csv(tmp_path / "batch_log.csv")
     assert [int(row["total_iteration"]) for row in rows] == list(range(TRAINED))
     assert not any(math.isnan(float(row["loss"])) for row in rows)

@@ -310,7 +310,8 @@ def test_a_preset_writes_rollbacks_json_into_its_run_folder(tmp_path):
 
 
 class CountChecks(AbstractCallback):
-    """How often the loop ran an after-step action (SpikeRollback's check: the only host synchronisation it adds)."""
+    """How often the loop ran an after-step action (SpikeRollback's check; with the judgement of the losses left at
+    each epoch's end, the only host synchronisations it adds)."""
 
     def __init__(self):
         super().__init__("count checks", execution_order=300)
