@@ -63,3 +63,12 @@ def test_amp_modes_quick_prints_a_row_per_mode(model):
     # O3 holds the weights and gradients in 16 bits: exactly half of float32's bytes.
     assert weights_grads["O3"] == pytest.approx(weights_grads["fp32"] / 2, rel=0.02)
     assert "O1 speed-up" in output and "O2 weights+grads cut" in output
+
+
+@pytest.mark.slow
+def test_the_spike_rollback_benchmarks_quick_run_without_a_false_alarm():
+    alarms = run_benchmark("spike_alarms.py")
+    assert "false alarms in 2 healthy runs: 0" in alarms and "NaN losses caught: 2 of 2 (100%)" in alarms
+    assert [row[0] for row in table_rows(alarms)][1:] == ["quickstart CNN b32", "quickstart CNN b8"]
+    cost = run_benchmark("spike_rollback.py")
+    assert "same weights at the end (nothing spiked, so nothing was rolled back): yes" in cost

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.tracking_base import (
-    PER_OPTIMIZER_STEP, BatchRecord, TrackingCallback, check_log_dir)
+    PER_OPTIMIZER_STEP, BatchRecord, TrackingCallback, check_log_dir, describe_rollback)
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,11 @@ class CSVLogger(TrackingCallback):
     trained (batches up to its ``total_iteration_idx``, epochs before ``epochs_completed``), so a run resumed
     from a checkpoint, or continued after an exception, appends after the last row it keeps and no batch trained
     again appears twice. A new TrainLoop (nothing trained yet) therefore starts the files afresh. To continue
-    in the files of another process's run, pass the same absolute ``log_dir``.
+    in the files of another process's run, pass the same absolute ``log_dir``. When
+    :class:`~aitoolbox.torchtrain.callbacks.SpikeRollback` returns the run to an earlier point, the rows after it are
+    dropped the same way (the replay writes those batches again), and the first row written after the rollback gets
+    the column ``event`` describing it: the files hold the run's final trajectory once, the rollback marked where
+    it happened (the epoch rows' ``rollbacks`` column counts them).
 
     Args:
         log_dir: the folder of the files. With ``is_project=True``, None is ``csv_logs/`` in the experiment's run
@@ -189,6 +193,7 @@ class CSVLogger(TrackingCallback):
         self.log_dir_path: Optional[str] = None  # resolved at registration
         self.batch_table: Optional[CSVTable] = None
         self.epoch_table: Optional[CSVTable] = None
+        self._event: Optional[str] = None  # a rollback to note in the next row
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -220,7 +225,21 @@ class CSVLogger(TrackingCallback):
     def start_run(self) -> None:
         self.ensure_log_dir(self.log_dir_path)
         tl = self.train_loop_obj
-        last_batch, epochs_done = tl.total_iteration_idx, tl.epochs_completed
+        dropped = self._keep_rows_up_to(tl.total_iteration_idx, tl.epochs_completed)
+        if dropped:
+            logger.info("CSVLogger: dropped %d row(s) after batch %d / epoch %d from %s: training continues from there",
+                        dropped, tl.total_iteration_idx, tl.epochs_completed, self.log_dir_path)
+
+    def write_rollback(self, record: dict) -> None:
+        """The rows logged after the point the run returned to go (the replay logs those batches and epochs again);
+        the next row written gets the column ``event`` describing the rollback."""
+        tl = self.train_loop_obj
+        self._keep_rows_up_to(tl.total_iteration_idx, tl.epochs_completed)
+        self._event = describe_rollback(record) if self._event is None else f"{self._event}; {describe_rollback(record)}"
+
+    def _keep_rows_up_to(self, last_batch: int, epochs_done: int) -> int:
+        """Open the files keeping the rows of batches up to ``last_batch`` and of epochs before ``epochs_done``;
+        how many rows were dropped."""
 
         def is_trained_batch(row: Dict[str, str]) -> bool:
             step = _as_int(row.get("total_iteration"))
@@ -233,14 +252,10 @@ class CSVLogger(TrackingCallback):
         self.batch_table = CSVTable(self.batch_file_path)
         if self.one_file:
             self.epoch_table = self.batch_table
-            dropped = self.batch_table.open(lambda row: is_trained_batch(row) if row.get(ROW_KIND_COLUMN) == "batch"
-                                            else is_done_epoch(row))
-        else:
-            self.epoch_table = CSVTable(self.epoch_file_path)
-            dropped = self.batch_table.open(is_trained_batch) + self.epoch_table.open(is_done_epoch)
-        if dropped:
-            logger.info("CSVLogger: dropped %d row(s) after batch %d / epoch %d from %s: training continues from there",
-                        dropped, last_batch, epochs_done, self.log_dir_path)
+            return self.batch_table.open(lambda row: is_trained_batch(row) if row.get(ROW_KIND_COLUMN) == "batch"
+                                         else is_done_epoch(row))
+        self.epoch_table = CSVTable(self.epoch_file_path)
+        return self.batch_table.open(is_trained_batch) + self.epoch_table.open(is_done_epoch)
 
     def end_run(self, exception: Optional[BaseException]) -> None:
         for table in (self.batch_table, self.epoch_table):
@@ -279,6 +294,8 @@ class CSVLogger(TrackingCallback):
 
     # --- what is logged ---------------------------------------------------------------------------------------
     def _row(self, kind: str, values: Dict[str, Any]) -> Dict[str, Any]:
+        if self._event is not None:  # a rollback just before this row
+            values, self._event = dict(values, event=self._event), None
         return {ROW_KIND_COLUMN: kind, **values} if self.one_file else values
 
     def write_hyperparams(self, hyperparams: dict) -> None:

@@ -108,6 +108,8 @@ class ModelCheckpoint(CheckpointCallback):
             self.saved_checkpoints = self._with_earlier_ranking(metric)
 
         def keep_the_best(path: str) -> None:
+            # A checkpoint written again (the replay after a rollback) is ranked by its new score only.
+            self.saved_checkpoints = [entry for entry in self.saved_checkpoints if entry[1] != path]
             self.saved_checkpoints.append((score, path))
             deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
                                         higher_is_better=higher_is_better(metric))
@@ -272,7 +274,8 @@ class ModelIterationCheckpoint(ModelCheckpoint):
             self._written = [earlier for earlier in list_checkpoints(os.path.dirname(path))
                              if earlier != path and earlier not in self._written
                              and iteration_checkpoint_before(earlier)] + self._written
-        self._written.append(path)
+        # A name written again (the replay after a SpikeRollback rollback) is the newest, and counts once.
+        self._written = [written for written in self._written if written != path] + [path]
         if self.keep_last is not None:
             for old in self._written[:-self.keep_last]:
                 remove_checkpoint(old)

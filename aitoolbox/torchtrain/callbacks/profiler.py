@@ -53,7 +53,9 @@ class ProfilerCallback(AbstractCallback):
 
     Across ``fit`` calls and checkpoints the schedule is one schedule over the run's batches: the cycles recorded
     are counted (:attr:`cycles_done`, in :meth:`state_dict`, so checkpoints keep it), and a later ``fit`` or a run
-    resumed from a checkpoint profiles only the cycles left, each from its ``wait`` again. A cycle counts as done
+    resumed from a checkpoint profiles only the cycles left, each from its ``wait`` again (a rollback of
+    :class:`~aitoolbox.torchtrain.callbacks.SpikeRollback` keeps the count: what was recorded stays recorded, and no
+    more than ``repeat`` traces are written). A cycle counts as done
     once its recording has begun and its trace is written: training that ends (or fails) during a cycle's
     ``active`` batches writes a shorter trace of what was recorded (its last step then holds what followed the last
     batch: the end of training, or the failing batch); one that ends before them records nothing (the log says so)
@@ -185,8 +187,10 @@ class ProfilerCallback(AbstractCallback):
         return {"cycles_done": int(self._cycles_done)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; a cycle the saved run was in the middle of runs again."""
-        self._cycles_done = int(state["cycles_done"])
+        """Restore what :meth:`state_dict` returned; a cycle the saved run was in the middle of runs again. The
+        traces are files already written: a state with fewer cycles (SpikeRollback returning the run to a point
+        before them) does not lower the count, so the replay does not record them again."""
+        self._cycles_done = max(self._cycles_done, int(state["cycles_done"]))
         if self._profiler is None:
             self._take_batch_hooks(self._cycles_done < self.repeat)
 

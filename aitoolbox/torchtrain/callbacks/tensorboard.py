@@ -23,7 +23,10 @@ Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
 - ``loss/<metric>`` for history metrics whose name contains ``loss``, ``metrics/<metric>`` for the others,
   global step = the epoch;
 - :class:`TensorboardFullTracking` adds ``learning_rate/optimizer_<i>_group_<j>`` (batch step) and the
-  histograms ``parameters/<name>`` and ``gradients/<name>`` (epoch step).
+  histograms ``parameters/<name>`` and ``gradients/<name>`` (epoch step);
+- after a :class:`~aitoolbox.torchtrain.callbacks.SpikeRollback` rollback, ``rollbacks/count`` and the text
+  ``rollbacks`` at the first batch step replayed, where the batch steps logged before the rollback are purged
+  (:meth:`TensorboardReporterBaseCB.write_rollback`): the logs show the final trajectory once.
 """
 import inspect
 import logging
@@ -36,7 +39,7 @@ from aitoolbox.cloud.storage import join_key
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
 from aitoolbox.torchtrain.callbacks.tracking_base import (
-    BatchRecord, TrackingCallback, check_batch_log_frequency, check_log_dir)
+    BatchRecord, TrackingCallback, check_batch_log_frequency, check_log_dir, describe_rollback)
 from aitoolbox.torchtrain.precision.precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -220,6 +223,22 @@ class TensorboardReporterBaseCB(TrackingCallback):
             return
         for name, value in metrics.items():
             self.tb_writer.add_scalar(history_tag(name), value, epoch)
+
+    def write_rollback(self, record: dict) -> None:
+        """SpikeRollback returned the run to an earlier point: a new event file purges the batch steps after it
+        (TensorBoard's ``purge_step``, which hides from its readers every event of a step at or after it written
+        before), and the rollback is logged there as ``rollbacks/count`` (the rollbacks so far) and a text
+        ``rollbacks`` describing it. Epoch steps (history metrics) are numbered by epoch; an epoch end the replay
+        logs again (a rollback across an epoch's end) is the same epoch end, with the same values."""
+        if self.tb_writer is None:
+            return
+        tl = self.train_loop_obj
+        step = tl.total_iteration_idx + 1  # the first batch the replay trains
+        self.close_writer()
+        self.tb_writer = self._writer_class(log_dir=self.log_dir_path,
+                                            **dict(self.summary_writer_kwargs, purge_step=step))
+        self.tb_writer.add_scalar("rollbacks/count", len(tl.rollbacks), step)
+        self.tb_writer.add_text("rollbacks", describe_rollback(record), step)
 
 
     # --- aitoolbox 1.x's methods, for subclasses written against it ----------------------------------------

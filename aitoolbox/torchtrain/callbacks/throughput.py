@@ -5,10 +5,14 @@ line, the CSV logger, TensorBoard, W&B and MLflow show them):
 
 - ``samples_per_sec``: samples trained per second of the epoch, summed over all processes of a distributed run;
 - ``tokens_per_sec``: the same for the counts of a ``tokens_fn`` (e.g. non-padding tokens), when one is given;
-- ``data_wait_fraction``: the share of the epoch spent between batches (from the end of one batch to the start of
-  the next, and before the first), which is where the loop waits for the data loader: near 1, the data pipeline
-  is the bottleneck;
-- ``mfu``: the model FLOPs utilisation, achieved FLOP/s over the devices' peak, when both are known;
+- ``data_wait_fraction``: the share of the epoch spent getting batches from the training loader (starting its
+  iteration, and each ``next``: loading, collating, waiting for worker processes), measured by the loop around the
+  loader alone, so the work of callbacks, checkpoints, evaluation and the progress bar never counts as waiting:
+  near 1, the data pipeline is the bottleneck;
+- ``mfu``: the model FLOPs utilisation: the FLOP/s of the model's forward and backward (each counted once, see
+  :mod:`.flop_count`) over the devices' peak for the math they ran in, when both are known;
+- ``hfu``: the hardware FLOPs utilisation, when it differs from ``mfu``: the same with the forward segments that
+  activation checkpointing computes again during the backward counted too;
 - ``peak_memory_mib``: the peak memory of the epoch (CUDA: ``torch.cuda.max_memory_allocated``, reset at each
   epoch's start; CPU: the process's peak resident set size, which the operating system keeps over its life), the
   largest of all processes.
@@ -18,7 +22,7 @@ Every ``window`` batches the progress bar shows the window's numbers.
 Times are the host's (``time.perf_counter``): nothing is synchronised with the device per batch. On a GPU the host
 runs ahead of the device by what it has queued, which a window of many batches averages out; at the epoch's end
 the device is synchronised once, so the epoch's numbers are exact. The FLOPs are counted once, on one real batch,
-with ``torch.utils.flop_counter.FlopCounterMode`` (see :class:`ThroughputMonitor`).
+with ``torch.utils.flop_counter.FlopCounterMode`` (see :class:`ThroughputMonitor` and :mod:`.flop_count`).
 """
 import logging
 import math
@@ -28,10 +32,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
-from aitoolbox.torchtrain.callbacks.peak_flops import PRECISION_NAMES, TABLE_SOURCE, lookup_peak_flops, precision_key
+from aitoolbox.torchtrain.callbacks.flop_count import BatchFlopCounter, BatchFlops
+from aitoolbox.torchtrain.callbacks.peak_flops import TABLE_SOURCE, effective_peak, precision_key
 from aitoolbox.torchtrain.train_loop.evaluation import batch_size_of
 
 try:
@@ -42,7 +45,7 @@ except ImportError:  # pragma: no cover (Windows)
 logger = logging.getLogger(__name__)
 
 #: The names ThroughputMonitor records in ``train_history`` (``tokens_per_sec`` and ``mfu`` only when known).
-HISTORY_KEYS = ("samples_per_sec", "tokens_per_sec", "data_wait_fraction", "mfu", "peak_memory_mib")
+HISTORY_KEYS = ("samples_per_sec", "tokens_per_sec", "data_wait_fraction", "mfu", "hfu", "peak_memory_mib")
 MIB = 2 ** 20
 
 
@@ -78,11 +81,11 @@ class _Meter:
     """What one epoch (or one window of it) measured so far; host numbers, and the token counts still on the
     device."""
 
-    def __init__(self, start: float):
+    def __init__(self, start: float, loader_wait_s: float):
         self.start = start
+        self.loader_wait_at_start = loader_wait_s  # the loop's running total of loader time when the meter started
         self.batches = 0
         self.samples = 0
-        self.wait_s = 0.0
         self.tokens = 0.0  # read from the device
         self.device_tokens: List[torch.Tensor] = []  # tensors tokens_fn returned, not yet read
 
@@ -102,19 +105,28 @@ class ThroughputMonitor(AbstractCallback):
     processes are summed at each epoch's end (one collective per epoch) and the epoch lasts as long as its slowest
     process; the progress bar, drawn by the main process, shows its own rates times the number of processes.
 
-    FLOPs: with ``flops_per_batch='auto'`` the forward and backward of the first training batch of a ``fit`` run
-    under ``torch.utils.flop_counter.FlopCounterMode``, which counts the matrix multiplications and convolutions as
-    they run (``2 * m * n * k`` for an ``(m, k) @ (k, n)`` product; element-wise operations count nothing) without
-    changing what they compute: the trained weights are bitwise those of a run without the monitor. The count is
-    then :attr:`flops_per_batch`, for a batch of :attr:`flops_batch_size` samples, and each batch counts
-    ``flops_per_batch * its samples / flops_batch_size``. Under ``torch_compile`` nothing is counted (a batch
-    counted would run outside the compiled graphs, and round differently): pass the number, e.g. the
-    :attr:`flops_per_batch` of a monitor after an epoch without ``torch_compile``.
+    Waiting for data: the loop times its training loader (starting each epoch's iteration, every ``next``) while a
+    ThroughputMonitor is registered; ``data_wait_fraction`` is that time over the epoch's.
 
-    MFU divides the achieved FLOP/s by ``peak_flops`` per device (times the number of processes) or, on a GPU in
-    the table of :mod:`~aitoolbox.torchtrain.callbacks.peak_flops`, by its dense peak in the precision of the
-    forward pass (bfloat16 or float16 under autocast or an amp opt level, else TF32 where torch allows it for
-    float32 matmuls, else float32); the denominator and its source are logged once.
+    FLOPs: with ``flops_per_batch='auto'`` the first training batch of a ``fit`` runs under
+    ``torch.utils.flop_counter.FlopCounterMode``, which counts the matrix multiplications, convolutions and attention
+    as they run (``2 * m * n * k`` for an ``(m, k) @ (k, n)`` product; element-wise operations count nothing)
+    without changing what they compute: the trained weights are bitwise those of a run without the monitor. The
+    model's forward and backward are counted once each (:attr:`flops_per_batch`, for a batch of
+    :attr:`flops_batch_size` samples); the optimizer steps are not counted (an optimizer whose step multiplies
+    matrices does no model work), and what activation checkpointing computes again during the backward counts only
+    in :attr:`hardware_flops_per_batch` (see :mod:`.flop_count`). Each batch counts ``flops_per_batch * its samples
+    / flops_batch_size``. Under ``torch_compile`` nothing is counted (a batch counted would run outside the compiled
+    graphs, and round differently): pass the number, e.g. the :attr:`flops_per_batch` of a monitor after an epoch
+    without ``torch_compile``.
+
+    MFU divides the achieved model FLOP/s by ``peak_flops`` per device (times the number of processes) or, on a GPU
+    in the table of :mod:`~aitoolbox.torchtrain.callbacks.peak_flops`, by its dense peak for the math the counted
+    FLOPs ran in: bfloat16 or float16 (autocast, amp's O2/O3), or for float32 TF32 where torch allows it for that
+    operation (``cudnn.allow_tf32`` for convolutions, on by default; ``cuda.matmul.allow_tf32`` for matrix
+    multiplications), else float32; work in several precisions divides by the peak of their mix (the time the device
+    would take for each part at its peak). The denominator and its source are logged once. ``hfu`` divides the
+    hardware FLOP/s by the same peak; it is recorded when the hardware count differs from the model's.
 
     Args:
         window: batches per progress-bar update of the rates.
@@ -122,8 +134,8 @@ class ThroughputMonitor(AbstractCallback):
             Python int: reading a CUDA tensor would wait for the device at every batch.
         tokens_fn: ``fn(batch) -> int or tensor``, e.g. ``lambda batch: batch['attention_mask'].sum()``; tensors
             (of any shape: all their elements count) are summed where they are and read once per window.
-        flops_per_batch: ``'auto'`` (count them), a number (the FLOPs of forward and backward of a batch the size
-            of the first batch), or None (no FLOPs, no MFU).
+        flops_per_batch: ``'auto'`` (count them), a number (the model FLOPs of forward and backward of a batch the
+            size of the first batch), or None (no FLOPs, no MFU).
         peak_flops: the peak FLOP/s of one device for MFU; None looks the GPU up in the table (no MFU on the CPU).
 
     Raises:
@@ -148,65 +160,71 @@ class ThroughputMonitor(AbstractCallback):
         self.batch_size_fn = batch_size_fn or first_dimension
         self.tokens_fn = tokens_fn
         self.peak_flops = peak_flops
-        #: FLOPs of forward and backward of a batch of :attr:`flops_batch_size` samples: the given number, the count
-        #: once made (``'auto'`` until then), or None.
+        #: Model FLOPs (forward and backward once) of a batch of :attr:`flops_batch_size` samples: the given number,
+        #: the count once made (``'auto'`` until then), or None.
         self.flops_per_batch: Union[str, float, None] = flops_per_batch
         #: The samples of the batch :attr:`flops_per_batch` is for (the first batch's).
         self.flops_batch_size: Optional[int] = None
-        self._peak_per_device: Optional[float] = None
+        #: What the counted batch's FLOPs were (model, hardware, by precision), for a batch of flops_batch_size; None
+        #: when not counted (a given number, torch_compile, nothing counted yet).
+        self.counted_flops: Optional[BatchFlops] = None
+        self._peaks: Optional[Tuple[Optional[float], bool]] = None  # (peak per device, for hfu too), once resolved
         self._announced = False
         self._world_size = 1
         self._first_batch_due = False  # the next batch is the first of a fit: checked, and its FLOPs counted
-        self._counter: Optional[Tuple[FlopCounterMode, int]] = None  # counting a batch of so many samples
+        self._counter: Optional[Tuple[BatchFlopCounter, int]] = None  # counting a batch of so many samples
         self._epoch_meter: Optional[_Meter] = None
         self._window_meter: Optional[_Meter] = None
-        self._last_batch_end = 0.0
         self._postfix: Dict[str, str] = {}
         #: The numbers of the last complete window (``samples_per_sec``, ``data_wait_fraction``, ...).
         self.last_window: Dict[str, float] = {}
         #: What the last epoch measured over all processes: ``samples``, ``tokens``, ``seconds`` (the slowest
-        #: process's), ``wait_s`` (summed over the processes), ``flops`` (None when unknown).
+        #: process's), ``wait_s`` (summed over the processes), ``flops`` and ``hardware_flops`` (None when unknown).
         self.last_epoch: Dict[str, Any] = {}
+
+    @property
+    def hardware_flops_per_batch(self) -> Optional[float]:
+        """The FLOPs the hardware computed for the counted batch's forward and backward (activation checkpointing's
+        recomputation included), for a batch of :attr:`flops_batch_size`; None when not counted."""
+        return self.counted_flops.hardware if self.counted_flops is not None else None
 
     # --- checkpoints -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The FLOP count (a resumed run need not count again); the rates are measured afresh by every run."""
         counted = self.flops_per_batch if _positive_number(self.flops_per_batch) else None
-        return {"flops_per_batch": counted, "flops_batch_size": self.flops_batch_size}
+        return {"flops_per_batch": counted, "flops_batch_size": self.flops_batch_size,
+                "counted_flops": self.counted_flops.state_dict() if self.counted_flops is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("flops_batch_size") is not None:
             self.flops_batch_size = state["flops_batch_size"]
         if self.flops_per_batch == "auto" and state.get("flops_per_batch") is not None:
             self.flops_per_batch = state["flops_per_batch"]
+            self.counted_flops = BatchFlops.from_state(state.get("counted_flops"))
+            self._peaks = None
 
     # --- the run -----------------------------------------------------------------------------------------------
     def on_train_begin(self) -> None:
         tl = self.train_loop_obj
         self._world_size = len(tl.all_gather_objects(None))  # the only collective outside the epochs' ends
+        tl.run_state.time_loader = True
         self._first_batch_due = True
         if self.flops_per_batch == "auto" and tl.compile_stats is not None:
             self._announce("ThroughputMonitor: FLOPs are not counted under torch_compile (the counted batch would run "
                            "outside the compiled graphs, and train differently): no mfu. Pass flops_per_batch, e.g. "
                            "the monitor's flops_per_batch after an epoch trained without torch_compile")
-        self._peak_per_device = self._resolve_peak()
 
     def on_epoch_begin(self) -> None:
         tl = self.train_loop_obj
         if tl.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(tl.device)
-        now = time.perf_counter()
-        self._epoch_meter, self._window_meter = _Meter(now), _Meter(now)
-        self._last_batch_end = now
+        now, waited = time.perf_counter(), tl.run_state.loader_wait_s
+        self._epoch_meter, self._window_meter = _Meter(now, waited), _Meter(now, waited)
 
     def on_batch_begin(self) -> None:
-        now = time.perf_counter()
         epoch, window = self._epoch_meter, self._window_meter
         if epoch is None:  # registered in the middle of an epoch: measure from the next one
             return
-        waited = now - self._last_batch_end
-        epoch.wait_s += waited
-        window.wait_s += waited
         batch = self.train_loop_obj.current_batch
         samples = self.batch_size_fn(batch)
         if self._first_batch_due:
@@ -220,6 +238,14 @@ class ThroughputMonitor(AbstractCallback):
             else:
                 window.tokens += tokens
 
+    def on_after_gradient_update(self, optimizer_idx: int) -> None:
+        if self._counter is not None and self.train_loop_obj.optimizer_step_due:
+            self._counter[0].pause()  # the optimizer step that follows is not the model's work
+
+    def on_after_optimizer_step(self) -> None:
+        if self._counter is not None:
+            self._counter[0].resume()  # another optimizer's backward may follow (a MultiLoss)
+
     def on_batch_end(self) -> None:
         if self._counter is not None:
             self._finish_count()
@@ -230,12 +256,8 @@ class ThroughputMonitor(AbstractCallback):
         window.batches += 1
         if window.batches >= self.window:
             self._close_window()
-        self._last_batch_end = time.perf_counter()
 
     def progress_bar_postfix(self) -> Optional[Dict[str, str]]:
-        # The loop reads its running loss just before (a device synchronisation on a GPU): that wait is the
-        # loop's, not the data loader's, so the wait for the next batch starts now.
-        self._last_batch_end = time.perf_counter()
         return self._postfix
 
     def on_epoch_train_end(self) -> None:
@@ -248,21 +270,27 @@ class ThroughputMonitor(AbstractCallback):
         seconds = time.perf_counter() - epoch.start
         window = self._window_meter
         epoch.tokens += window.read_tokens()
-        local = {"samples": epoch.samples, "tokens": epoch.tokens, "seconds": seconds, "wait_s": epoch.wait_s,
-                 "flops": self._flops_for(epoch.samples), "peak_mib": process_peak_memory_mib(tl.device)}
+        flops = self._flops_for(epoch.samples)
+        local = {"samples": epoch.samples, "tokens": epoch.tokens, "seconds": seconds,
+                 "wait_s": tl.run_state.loader_wait_s - epoch.loader_wait_at_start,
+                 "flops": flops[0] if flops else None, "hardware_flops": flops[1] if flops else None,
+                 "peak_mib": process_peak_memory_mib(tl.device)}
         every = tl.all_gather_objects(local)
         seconds = max(rank["seconds"] for rank in every)
-        flops = [rank["flops"] for rank in every]
-        self.last_epoch = {"samples": sum(rank["samples"] for rank in every),
-                           "tokens": sum(rank["tokens"] for rank in every), "seconds": seconds,
-                           "wait_s": sum(rank["wait_s"] for rank in every),
-                           "flops": None if None in flops else sum(flops)}
-        results = {"samples_per_sec": sum(rank["samples"] for rank in every) / seconds}
+        self.last_epoch = {name: sum(rank[name] for rank in every) for name in ("samples", "tokens", "wait_s")}
+        self.last_epoch["seconds"] = seconds
+        for name in ("flops", "hardware_flops"):
+            values = [rank[name] for rank in every]
+            self.last_epoch[name] = None if None in values else sum(values)
+        results = {"samples_per_sec": self.last_epoch["samples"] / seconds}
         if self.tokens_fn is not None:
-            results["tokens_per_sec"] = sum(rank["tokens"] for rank in every) / seconds
-        results["data_wait_fraction"] = sum(rank["wait_s"] for rank in every) / sum(rank["seconds"] for rank in every)
-        if self._peak_per_device is not None and self.last_epoch["flops"] is not None:
-            results["mfu"] = self.last_epoch["flops"] / seconds / (self._peak_per_device * len(every))
+            results["tokens_per_sec"] = self.last_epoch["tokens"] / seconds
+        results["data_wait_fraction"] = self.last_epoch["wait_s"] / sum(rank["seconds"] for rank in every)
+        peak, with_hfu = self._peak()
+        if peak is not None and self.last_epoch["flops"] is not None:
+            results["mfu"] = self.last_epoch["flops"] / seconds / (peak * len(every))
+            if with_hfu:
+                results["hfu"] = self.last_epoch["hardware_flops"] / seconds / (peak * len(every))
         peaks = [rank["peak_mib"] for rank in every if rank["peak_mib"] is not None]
         if peaks:
             results["peak_memory_mib"] = max(peaks)
@@ -272,7 +300,7 @@ class ThroughputMonitor(AbstractCallback):
 
     def on_exception(self, exception: BaseException) -> None:
         if self._counter is not None:  # never leave the counting mode active after training stopped
-            self._counter[0].__exit__(None, None, None)
+            self._counter[0].stop()
             self._counter = None
         self._epoch_meter = self._window_meter = None
 
@@ -286,16 +314,15 @@ class ThroughputMonitor(AbstractCallback):
         if self.flops_batch_size is None:
             self.flops_batch_size = samples
         if self.flops_per_batch == "auto" and self.train_loop_obj.compile_stats is None:
-            counter = FlopCounterMode(display=False)
-            counter.__enter__()
+            counter = BatchFlopCounter()
+            counter.start()
             self._counter = (counter, samples)
 
     def _finish_count(self) -> None:
         (counter, samples), self._counter = self._counter, None
-        counter.__exit__(None, None, None)
-        flops = counter.get_total_flops()
+        counted = counter.stop()
         tl = self.train_loop_obj
-        if flops <= 0 or samples <= 0:
+        if counted.model <= 0 or samples <= 0:
             if tl.is_main_process:
                 logger.warning("ThroughputMonitor counted no FLOPs in the first training batch (no matrix "
                                "multiplication or convolution ran through torch's dispatcher): no mfu; pass "
@@ -303,40 +330,53 @@ class ThroughputMonitor(AbstractCallback):
                                self.flops_batch_size)
             self.flops_per_batch = None
             return
-        self.flops_per_batch = flops * self.flops_batch_size / samples
+        self.counted_flops = counted.scaled(self.flops_batch_size / samples)
+        self.flops_per_batch = self.counted_flops.model
+        self._peaks = None
         if tl.is_main_process:
-            logger.info("ThroughputMonitor: forward and backward of a batch of %d samples take %.4g FLOPs "
-                        "(counted by FlopCounterMode)", self.flops_batch_size, self.flops_per_batch)
+            extra = "" if counted.hardware == counted.model else \
+                f"; {self.counted_flops.hardware:.4g} with activation checkpointing's recomputation"
+            logger.info("ThroughputMonitor: forward and backward of a batch of %d samples take %.4g model FLOPs "
+                        "(counted by FlopCounterMode)%s", self.flops_batch_size, self.flops_per_batch, extra)
 
-    def _flops_for(self, samples: int) -> Optional[float]:
+    def _flops_for(self, samples: int) -> Optional[Tuple[float, float]]:
+        """Model and hardware FLOPs of ``samples`` samples; None when unknown."""
         if not _positive_number(self.flops_per_batch) or not self.flops_batch_size:
             return None
-        return self.flops_per_batch * samples / self.flops_batch_size
+        scale = samples / self.flops_batch_size
+        hardware = self.counted_flops.hardware if self.counted_flops is not None else self.flops_per_batch
+        return self.flops_per_batch * scale, hardware * scale
 
     def _close_window(self) -> None:
         window, now = self._window_meter, time.perf_counter()
         seconds = max(now - window.start, 1e-9)
+        waited = self.train_loop_obj.run_state.loader_wait_s - window.loader_wait_at_start
         measured = {"samples_per_sec": window.samples / seconds * self._world_size,
-                    "data_wait_fraction": window.wait_s / seconds}
+                    "data_wait_fraction": waited / seconds}
         postfix = {"samples/s": f"{measured['samples_per_sec']:.4g}"}
         if self.tokens_fn is not None:
             measured["tokens_per_sec"] = window.read_tokens() / seconds * self._world_size
             postfix["tokens/s"] = f"{measured['tokens_per_sec']:.4g}"
         postfix["data wait"] = f"{measured['data_wait_fraction']:.0%}"
         flops = self._flops_for(window.samples)
-        if flops is not None and self._peak_per_device is not None:
-            measured["mfu"] = flops / seconds / self._peak_per_device
+        peak, _ = self._peak()
+        if flops is not None and peak is not None:
+            measured["mfu"] = flops[0] / seconds / peak
             postfix["mfu"] = f"{measured['mfu']:.1%}"
         self.last_window, self._postfix = measured, postfix
         self._epoch_meter.tokens += window.tokens
-        self._window_meter = _Meter(now)
+        self._window_meter = _Meter(now, self.train_loop_obj.run_state.loader_wait_s)
+
+    def _peak(self) -> Tuple[Optional[float], bool]:
+        """``(peak FLOP/s of one device for MFU, whether hfu differs)``, resolved once the FLOPs are known and the
+        denominator logged once; ``(None, False)`` when unknown."""
+        if self._peaks is None and _positive_number(self.flops_per_batch):
+            counted = self.counted_flops
+            self._peaks = (self._resolve_peak(), counted is not None and counted.hardware != counted.model)
+        return self._peaks or (None, False)
 
     def _resolve_peak(self) -> Optional[float]:
-        """The peak FLOP/s of one device for MFU (``peak_flops``, or the table's for this GPU and precision), logged
-        once with its source; None when unknown."""
         tl = self.train_loop_obj
-        if self.flops_per_batch is None:
-            return None
         if self.peak_flops is not None:
             self._announce("ThroughputMonitor: mfu divides by peak_flops=%.4g FLOP/s per device (given)",
                            self.peak_flops)
@@ -346,15 +386,18 @@ class ThroughputMonitor(AbstractCallback):
                            "ThroughputMonitor to record it", tl.device.type.upper())
             return None
         device_name = torch.cuda.get_device_name(tl.device)
-        precision = precision_key(_compute_dtype(tl))
-        found = lookup_peak_flops(device_name, precision)
+        if self.counted_flops is not None:
+            split = self.counted_flops.model_by_precision
+        else:  # a given count: the precision of the forward's matrix multiplications
+            split = {precision_key(_compute_dtype(tl)): float(self.flops_per_batch)}
+        found = effective_peak(device_name, split)
         if found is None:
-            self._announce("ThroughputMonitor: no mfu: %s in %s is not in the table of peak FLOP/s; pass peak_flops",
-                           device_name, PRECISION_NAMES[precision])
+            self._announce("ThroughputMonitor: no mfu: %s computing in %s is not in the table of peak FLOP/s; pass "
+                           "peak_flops", device_name, ", ".join(sorted(split)))
             return None
-        peak, row = found
-        self._announce("ThroughputMonitor: mfu divides by %.4g FLOP/s per device: the dense peak of the %s in %s "
-                       "(%s)", peak, row, PRECISION_NAMES[precision], TABLE_SOURCE)
+        peak, description = found
+        self._announce("ThroughputMonitor: mfu divides by %.4g FLOP/s per device: the dense peak of the %s (%s)", peak,
+                       description, TABLE_SOURCE)
         return peak
 
     def _announce(self, message: str, *args: Any) -> None:

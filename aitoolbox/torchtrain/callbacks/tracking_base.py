@@ -152,6 +152,7 @@ class TrackingCallback(AbstractExperimentCallback):
         self._unloggable_metrics: set = set()
         self._stepped = False  # an optimizer step since the last batch record ('step' mode)
         self._batch_learning_rates: Optional[Dict[tuple, float]] = None  # in effect for the batch to be logged
+        self._rollbacks_seen: Optional[int] = None  # SpikeRollback's rollbacks already handled (tl.rollbacks)
 
     # --- what a subclass implements ---------------------------------------------------------------------------
     def start_run(self) -> None:
@@ -181,6 +182,13 @@ class TrackingCallback(AbstractExperimentCallback):
         """Record where the final model was saved."""
         raise NotImplementedError
 
+    def write_rollback(self, record: dict) -> None:
+        """The run went back to an earlier point (:class:`~aitoolbox.torchtrain.callbacks.SpikeRollback`; ``record``
+        is its entry of ``tl.rollbacks``, the loop is at the point now): the batches and epochs logged after the
+        point are replayed and logged again. A subclass that can drop what it logged after the point
+        (``tl.total_iteration_idx``, ``tl.epochs_completed``) does so and marks the rollback; by default nothing is
+        dropped and the replay is logged after the first attempt."""
+
     def end_run(self, exception: Optional[BaseException]) -> None:
         """Write out what is buffered and close the run; ``exception`` is what stopped training, if anything."""
         raise NotImplementedError
@@ -202,12 +210,27 @@ class TrackingCallback(AbstractExperimentCallback):
             trained = tl.total_iteration_idx >= 0 or tl.epochs_completed > 0
             self._logged_history_lengths = history_lengths(tl.train_history) if trained else {}
         self.reset_epoch_loss()
+        if self._rollbacks_seen is None:  # those a resumed checkpoint brought were handled by the run that made them
+            self._rollbacks_seen = len(getattr(self.train_loop_obj, "rollbacks", None) or [])
         self.start_run()
         self.run_active = True
         self.write_hyperparams(self.hyperparams)
 
     def on_epoch_begin(self) -> None:
         self.reset_epoch_loss()
+        self._handle_rollbacks()
+
+    def _handle_rollbacks(self) -> None:
+        """After a rollback (the loop starts the epoch of the point it returned to): what was logged after the point
+        is logged again, so the history values count as not logged from the point on."""
+        records = getattr(self.train_loop_obj, "rollbacks", None) or []
+        if not self.run_active or self._rollbacks_seen is None or len(records) <= self._rollbacks_seen:
+            return
+        new, self._rollbacks_seen = records[self._rollbacks_seen:], len(records)
+        self._logged_history_lengths = history_lengths(self.train_loop_obj.train_history)
+        self._epoch_base_lengths, self._last_logged_epoch = {}, None
+        for record in new:
+            self.write_rollback(record)
 
     def on_batch_begin(self) -> None:
         # The learning rates this batch's optimizer step uses: a scheduler stepping after the optimizer step
@@ -365,6 +388,16 @@ class TrackingCallback(AbstractExperimentCallback):
             return self.experiment_folder.ensure(path)
         os.makedirs(path, exist_ok=True)
         return path
+
+
+def describe_rollback(record: dict) -> str:
+    """A line for a log: the spike and the point the run returned to (a record of ``tl.rollbacks``)."""
+    # Epochs counted from 1, as the epoch's summary line (the record keeps the 0-based index).
+    restored = record.get("restored", {})
+    back_to = "" if restored.get("epoch") is None else \
+        f"; back to epoch {restored['epoch'] + 1}, iteration {restored.get('iteration')}"
+    return (f"rollback: spike at epoch {record['epoch'] + 1}, iteration {record['iteration']} "
+            f"(loss {record['loss']:.6g}){back_to}")
 
 
 def check_log_dir(log_dir: Any, is_project: Any) -> Optional[str]:

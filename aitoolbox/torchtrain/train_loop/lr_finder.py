@@ -136,7 +136,7 @@ class LRSearch:
         recorded_lrs: List[float] = []
         raw: List[float] = []
         average = MovingAverage(self.smoothing)
-        best = math.inf
+        best, first = math.inf, None
         self.runner.start()
         self._set_lr(self.lrs[0])
         for step_ended in self._batches():
@@ -150,8 +150,9 @@ class LRSearch:
             recorded_lrs.append(self.lrs[step])
             raw.append(loss)
             smoothed = average.add(loss)
+            first = smoothed if first is None else first
             best = min(best, smoothed)
-            if smoothed > self.divergence_threshold * best and step > 0:
+            if step > 0 and diverged(smoothed, best, first, self.divergence_threshold):
                 return recorded_lrs, raw, True
             if len(raw) == len(self.lrs):
                 return recorded_lrs, raw, False
@@ -205,6 +206,16 @@ class LRSearch:
         for optimizer, ratios in zip(self.tl.optimizers, self.ratios):
             for group, ratio in zip(optimizer.param_groups, ratios):
                 _assign_lr(group, lr * ratio)
+
+
+def diverged(smoothed: float, best: float, first: float, threshold: float) -> bool:
+    """The search's stop rule: the smoothed loss exceeds ``threshold`` times its lowest value, i.e. it rose above
+    the lowest by ``threshold - 1`` times the lowest. A lowest value at or below 0 (a negative log-likelihood) has no
+    such multiple: there the rise is measured in units of the larger of its size and how far the loss fell from its
+    first value (so a loss that starts negative is not stopped at its second step)."""
+    if best > 0:
+        return smoothed > threshold * best
+    return smoothed - best > (threshold - 1) * max(abs(best), first - best)
 
 
 FSDP_REFUSAL = ("lr_find cannot run under gpu_mode='fsdp': it keeps the whole run in memory to put it back after the "
@@ -293,23 +304,29 @@ def apply_learning_rate(tl: "TrainLoop", lr: float) -> None:
 
     An LR scheduler callback registered for an optimizer computes its rates from base learning rates: those become
     the new ones, and the current learning rate keeps its place in the schedule (a warm-up at 10 % stays at 10 %).
+    A cyclic schedule (``OneCycleLR``, ``CyclicLR``) peaks at ``max_lr``, which is what a search finds (the largest
+    rate that still trains well): the peak becomes the suggestion, per group with the groups' ratio, and every rate of
+    the schedule (its start, floor and the current rate) moves with it, so the cycle keeps its shape.
     """
     schedulers = _registered_torch_schedulers(tl)
-    bases = [_base_lrs(optimizer, schedulers) for optimizer in tl.optimizers]
-    reference = bases[0][0]
+    references = [_reference_lrs(optimizer, schedulers) for optimizer in tl.optimizers]
+    reference = references[0][0]
     if reference <= 0:
         raise ValueError(f"the first parameter group's learning rate is {reference}: the other groups' ratio to it "
                          "is undefined")
-    for optimizer, optimizer_bases in zip(tl.optimizers, bases):
-        new_bases = [lr * (base / reference) for base in optimizer_bases]
-        for group, base, new_base in zip(optimizer.param_groups, optimizer_bases, new_bases):
-            position = _lr_value(group["lr"]) / base if base > 0 else 1.0
-            _assign_lr(group, new_base * position)
-            if "initial_lr" in group:  # where torch schedulers start from (a scheduler built later keeps it)
-                group["initial_lr"] = new_base
-        for scheduler in schedulers:
-            if scheduler.optimizer is optimizer:
-                scheduler.base_lrs = list(new_bases)
+    for optimizer, optimizer_references in zip(tl.optimizers, references):
+        factors = [lr * (value / reference) / value if value > 0 else 1.0 for value in optimizer_references]
+        driving = [scheduler for scheduler in schedulers if scheduler.optimizer is optimizer]
+        for group_idx, (group, factor) in enumerate(zip(optimizer.param_groups, factors)):
+            _assign_lr(group, _lr_value(group["lr"]) * factor)
+            for key in ("initial_lr", "max_lr", "min_lr"):  # where torch schedulers start from, peak and end
+                if key in group:
+                    group[key] = group[key] * factor
+            for scheduler in driving:
+                for name in ("base_lrs", "max_lrs"):
+                    values = getattr(scheduler, name, None)
+                    if isinstance(values, list) and len(values) == len(optimizer.param_groups):
+                        values[group_idx] = values[group_idx] * factor
 
 
 def _registered_torch_schedulers(tl: "TrainLoop") -> List[Any]:
@@ -323,11 +340,21 @@ def _registered_torch_schedulers(tl: "TrainLoop") -> List[Any]:
     return schedulers
 
 
-def _base_lrs(optimizer: torch.optim.Optimizer, schedulers: List[Any]) -> List[float]:
+def _reference_lrs(optimizer: torch.optim.Optimizer, schedulers: List[Any]) -> List[float]:
+    """The rates of ``optimizer``'s groups the suggestion stands for: a cyclic schedule's peaks (``CyclicLR``'s
+    ``max_lrs``, ``OneCycleLR``'s groups' ``max_lr``), else a scheduler's base rates, else the groups' rates."""
+    groups = optimizer.param_groups
     for scheduler in schedulers:
-        if scheduler.optimizer is optimizer and len(scheduler.base_lrs) == len(optimizer.param_groups):
+        if scheduler.optimizer is not optimizer:
+            continue
+        peaks = getattr(scheduler, "max_lrs", None)
+        if isinstance(peaks, list) and len(peaks) == len(groups):
+            return [float(peak) for peak in peaks]
+        if all("max_lr" in group for group in groups):
+            return [float(group["max_lr"]) for group in groups]
+        if len(scheduler.base_lrs) == len(groups):
             return [float(base) for base in scheduler.base_lrs]
-    return [_lr_value(group["lr"]) for group in optimizer.param_groups]
+    return [_lr_value(group["lr"]) for group in groups]
 
 
 def _lr_value(lr: Any) -> float:

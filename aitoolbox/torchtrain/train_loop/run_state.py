@@ -12,6 +12,7 @@ launching process, and a ``fit`` called again after an exception. So there is on
 """
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 
 import torch
@@ -58,6 +59,10 @@ class RunState:
         self._interrupted_at: Optional[MidEpochResume] = None
         self.rollbacks = RollbackHistory()
         self._after_step: Optional[Callable[["TrainLoop"], None]] = None
+        #: With :attr:`time_loader` (ThroughputMonitor sets it): seconds spent getting training batches from the
+        #: loader (starting an epoch's iteration, and each ``next``), summed over the run.
+        self.loader_wait_s = 0.0
+        self.time_loader = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -99,6 +104,7 @@ class RunState:
         (without loading them where the loader allows: :func:`~.data_position.resumed_epoch`), and the RNG state
         to continue with put back. Batches a rollback left out are not yielded, and the indices are those of the
         batches that remain (:func:`~.data_position.epoch_without`)."""
+        started = time.perf_counter()
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
         self.epoch_start_rng = capture_rng_state(loader)
@@ -114,7 +120,22 @@ class RunState:
         # what the run had there; the state at the stop would draw another data order.)
         self.batches_done = batches_done
         self.mark_batch_done()
-        return batches
+        if not self.time_loader:
+            return batches
+        self.loader_wait_s += time.perf_counter() - started  # the loader's iterator starts (workers, skipping)
+        return self._timed(batches)
+
+    def _timed(self, batches: Iterator[Tuple[int, Any]]) -> Iterator[Tuple[int, Any]]:
+        """``batches``, adding the time each ``next`` takes to :attr:`loader_wait_s`."""
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self.loader_wait_s += time.perf_counter() - started
+                return
+            self.loader_wait_s += time.perf_counter() - started
+            yield batch
 
     def epoch_length(self, loader: Any) -> Optional[int]:
         """The current epoch's number of batches (those a rollback left out not counted); None if unknown. Kept as

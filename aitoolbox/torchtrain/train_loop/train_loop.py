@@ -673,12 +673,14 @@ class TrainLoop:
                 ``'linear'`` (a constant increment).
             smoothing: weight of each new loss in the bias-corrected moving average the stop rule and the
                 suggestion read, in (0, 1]; 1 is no smoothing.
-            divergence_threshold: stop once the smoothed loss exceeds this many times its lowest value (> 1).
+            divergence_threshold: stop once the smoothed loss exceeds this many times its lowest value (> 1; for
+                a lowest value <= 0, see :func:`~aitoolbox.torchtrain.train_loop.lr_finder.diverged`).
             suggestion: the rule that reads the curve (see :mod:`~aitoolbox.torchtrain.train_loop.lr_suggestion`):
                 ``'valley'`` (fastai's: half way down the longest stretch of falling loss), ``'steepest'`` (where
                 the loss falls fastest against log lr) or ``'minimum'`` (a tenth of the lr of the lowest loss).
             apply: make the suggestion the first parameter group's learning rate afterwards, the other groups
-                keeping their ratio to it (a registered LR scheduler callback gets it as its base learning rate).
+                keeping their ratio to it (a registered LR scheduler callback gets it as its base learning rate;
+                ``OneCycleLR`` and ``CyclicLR`` as their peak, ``max_lr``).
             grad_accumulation: batches per optimizer step, as in :meth:`fit` (use the value you will train with).
             callbacks: callbacks to register first, as ``fit(callbacks=...)`` does (they stay registered); of
                 all registered callbacks only gradient clipping ones (``GradNormClip``, ``GradValueClip``) run

@@ -23,7 +23,7 @@ one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", n
 
 NUM_SAMPLES, BATCH_SIZE = 48, 4  # 12 batches an epoch
 LOADER_SEED, TRAIN_SEED = 3, 4
-SETTINGS = dict(window=8, warmup=4, snapshot_every=5, factor=4.0)
+SETTINGS = dict(window=8, warmup=10, snapshot_every=5)  # the default rule, over a short window
 
 
 class Poisoned(Dataset):
@@ -307,11 +307,12 @@ def test_a_preset_writes_rollbacks_json_into_its_run_folder(tmp_path):
     train(tl, num_epochs=2, callbacks=[SpikeRollback(**SETTINGS)])
     records = json.loads(open(os.path.join(tl.experiment_folder.path, "rollbacks.json")).read())
     assert [(r["epoch"], r["iteration"]) for r in records] == [(1, 5)]
-    assert set(records[0]) == {"epoch", "iteration", "loss", "median", "skipped_samples", "restored"}
+    assert set(records[0]) == {"epoch", "iteration", "loss", "median", "limit", "skipped_samples", "restored"}
 
 
 class CountChecks(AbstractCallback):
-    """How often the loop ran an after-step action (SpikeRollback's check: the only host synchronisation it adds)."""
+    """How often the loop ran an after-step action (SpikeRollback's check; with the judgement of the losses left at
+    each epoch's end, the only host synchronisations it adds)."""
 
     def __init__(self):
         super().__init__("count checks", execution_order=300)
@@ -404,3 +405,124 @@ def test_a_fit_stopped_by_an_exception_and_called_again_ends_as_the_run_that_nev
     tl.fit(num_epochs=4)  # continues where the exception stopped it, the left-out batch still left out
     assert_params_equal(tl.model, straight.model)
     assert tl.train_history["rollbacks"] == straight.train_history["rollbacks"] == [0, 1, 0, 0]
+
+
+# --- checkpoints on disk, stop requests (issue 34.2, issue 32.14) -------------------------------------------------
+def iteration_saver(tmp_path, name, **options):
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    return ModelIterationCheckpoint(1, project_name="proj", experiment_name=name,
+                                    local_model_result_folder_path=str(tmp_path), **options)
+
+
+class KeptLast(AbstractCallback):
+    """After every batch (and its checkpoint): the iteration checkpoints of the last ``keep_last`` steps that were on
+    disk after the batch before and are gone now (none should be, also while the replay writes the names of the
+    undone steps again), and whether the newest step's is there."""
+
+    def __init__(self, saver):
+        super().__init__("kept last", execution_order=500)
+        self.saver, self.keep_last, self.missing, self.before = saver, saver.keep_last, [], set()
+
+    def on_batch_end(self):
+        tl = self.train_loop_obj
+        folder = self.saver.experiment_folder.checkpoint_dir
+        present = {int(name.split("_ITER")[1][:-4]) for name in os.listdir(folder) if "_ITER" in name}
+        wanted = range(max(0, tl.total_iteration_idx - self.keep_last + 1), tl.total_iteration_idx + 1)
+        self.missing += [(tl.total_iteration_idx, step) for step in wanted
+                         if step not in present and (step in self.before or step == tl.total_iteration_idx)]
+        self.before = present
+
+
+@pytest.mark.parametrize("keep_last", [2, 10])
+def test_the_point_kept_as_a_checkpoint_survives_the_pruning_of_an_iteration_checkpoint_keeping_the_last_two(
+        tmp_path, keep_last):
+    """The iteration checkpoint of the kept step is written by ModelIterationCheckpoint, which deletes it two steps
+    later (keep_last=2): SpikeRollback's pinned copy is what the rollback loads. The replay writes the names of the
+    steps it trains again: they count once among the last ones kept (keep_last=10)."""
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    saver = iteration_saver(tmp_path, "pruned", keep_last=keep_last)
+    watcher = KeptLast(saver)
+    tl = train(make_loop(model, loader(Poisoned(poison))),
+               callbacks=[saver, SpikeRollback(**SETTINGS, snapshot="checkpoint"), watcher])
+    assert watcher.missing == []
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {5}})))
+    assert_params_equal(tl.model, reference.model)
+    assert len(tl.rollbacks) == 1
+    folder = tmp_path / "proj" / f"pruned_{tl.experiment_timestamp}" / "checkpoint_model"
+    iterations = sorted(int(path.name.split("_ITER")[1][:-4]) for path in folder.iterdir() if "_ITER" in path.name)
+    assert iterations == list(range(47 - keep_last, 47))  # the last of the 47 batches trained; the pin is gone
+    assert not (folder / "spike_rollback").exists()
+
+
+class StopAfterEpoch(AbstractCallback):
+    """A stop request at the end of ``epoch`` (as EarlyStopping makes one)."""
+
+    def __init__(self, epoch):
+        super().__init__("stop after an epoch", execution_order=99)
+        self.epoch = epoch
+
+    def on_epoch_end(self):
+        if self.train_loop_obj.epoch == self.epoch:
+            self.train_loop_obj.stop_training("stop after an epoch")
+
+
+def test_a_stop_request_lets_the_pending_check_run_first():
+    """The spike at step 22 lies after the last check of epoch 1 (step 20); the stop at the epoch's end must not
+    return its weights."""
+    poison = poisoned_at(1, 10)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), StopAfterEpoch(1)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {10}})), callbacks=[StopAfterEpoch(1)])
+    assert [(r["epoch"], r["iteration"]) for r in tl.rollbacks] == [(1, 10)]
+    assert tl.epochs_completed == reference.epochs_completed == 2
+    assert_params_equal(tl.model, reference.model)
+
+
+def test_terminate_on_nan_does_not_end_training_on_a_nan_batch_that_can_be_rolled_back():
+    from aitoolbox.torchtrain.callbacks.stopping import TerminateOnNaN
+    poison = poisoned_at(1, 10)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison, scale=float("nan")))),
+               callbacks=[SpikeRollback(**SETTINGS), TerminateOnNaN(monitor="accumulated_loss")])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {10}})))
+    assert tl.epochs_completed == 4 and len(tl.rollbacks) == 1
+    assert_params_equal(tl.model, reference.model)
+
+
+class KilledAfterRollback(AbstractCallback):
+    """The job dies at the first batch after the first rollback."""
+
+    def __init__(self):
+        super().__init__("killed after a rollback")
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.rollbacks:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("snapshot, keep_last", [("memory", None), ("checkpoint", None), ("checkpoint", 2)])
+def test_a_job_killed_right_after_a_rollback_resumes_from_a_clean_checkpoint(tmp_path, snapshot, keep_last):
+    """The checkpoints of the steps after the kept one (batch 14) hold the run being undone (the spike is at batch 17,
+    found at batch 19): the rollback deletes them, and the newest on disk is the kept step's (put back from
+    SpikeRollback's pin where keep_last had pruned it)."""
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, find_checkpoint
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tl, callbacks=[iteration_saver(tmp_path, "killed", keep_last=keep_last),
+                             SpikeRollback(**SETTINGS, snapshot=snapshot),
+                             KilledAfterRollback()])
+    newest = find_checkpoint(str(tmp_path / "proj" / f"killed_{tl.experiment_timestamp}"))
+    restored = tl.rollbacks[0]["restored"]
+    assert (restored["epoch"], restored["iteration"]) == (1, 2)
+    assert checkpoint_path_position(newest) == (1, 0, 12 + 2)
+
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(newest)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    torch.manual_seed(0)
+    reference_model, _ = model_pair(MLP)
+    reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {5}})))
+    assert_params_equal(resumed.model, reference.model)

@@ -197,6 +197,39 @@ def test_data_wait_is_high_when_loading_dominates_and_low_when_compute_does():
     assert slow_compute.last_epoch["wait_s"] / slow_compute.last_epoch["seconds"] < 0.3
 
 
+class Busy(AbstractCallback):
+    """Work that is not data loading: ``sleep_s`` in both batch hooks, before or after the monitor's."""
+
+    def __init__(self, sleep_s: float, execution_order: int):
+        super().__init__("busy", execution_order=execution_order)
+        self.sleep_s = sleep_s
+
+    def on_batch_begin(self):
+        time.sleep(self.sleep_s)
+
+    def on_batch_end(self):
+        time.sleep(self.sleep_s)
+
+
+def test_data_wait_counts_only_the_time_spent_getting_batches_from_the_loader(tmp_path):
+    """Issue 34.3: other callbacks' work (sleeping 20 ms in each batch hook, an iteration checkpoint every 2
+    batches) is not waiting for data; an in-memory loader waits for next to nothing, a slow one for its loading."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    busy = [Busy(0.02, -10), Busy(0.02, 10)]
+    fast = ThroughputMonitor(window=2)
+    saver = ModelIterationCheckpoint(2, project_name="p", experiment_name="e", local_model_result_folder_path=str(tmp_path))
+    tl = make_loop(DataLoader(data(24), batch_size=4))
+    tl.fit(num_epochs=1, callbacks=[fast, saver] + busy)
+    assert tl.train_history["data_wait_fraction"][0] < 0.05
+    assert fast.last_window["data_wait_fraction"] < 0.05
+
+    slow = ThroughputMonitor(window=2)
+    make_loop(DataLoader(SlowData(12, 0.01), batch_size=2)).fit(num_epochs=1, callbacks=[slow, Busy(0.02, -10),
+                                                                                        Busy(0.02, 10)])
+    loading = 6 * 2 * 0.01  # six batches of two samples, 10 ms each
+    assert loading * 0.9 <= slow.last_epoch["wait_s"] <= loading + 0.1  # not the 0.24 s of the busy callbacks
+
+
 # --- FLOPs and MFU --------------------------------------------------------------------------------------------
 def test_flops_are_counted_once_on_the_first_batch_as_by_hand():
     monitor = ThroughputMonitor(peak_flops=1e9)
@@ -207,6 +240,91 @@ def test_flops_are_counted_once_on_the_first_batch_as_by_hand():
     assert monitor.last_epoch["flops"] == pytest.approx(hand_counted_flops(8) * 50 / 8, rel=1e-12)
     assert monitor.last_epoch["flops"] == pytest.approx(hand_counted_flops(50), rel=1e-12)
     assert _get_current_dispatch_mode() is None  # the counting mode is gone
+
+
+class Checkpointed(TwoLayers):
+    """TwoLayers whose second layer runs under activation checkpointing: its forward is computed again during the
+    backward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        hidden = self.fc1(x)  # requires grad: the reentrant checkpoint needs an input that does
+        return torch.utils.checkpoint.checkpoint(lambda h: self.fc2(torch.relu(h)), hidden,
+                                                 use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_recomputation_counts_for_the_hardware_not_the_model(reentrant):
+    """Issue 34.4: the model's forward and backward count once; the recomputed forward is hardware work only."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    monitor = ThroughputMonitor(peak_flops=1e9)
+    tl = TrainLoop(model, loader(48, 8), None, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                   nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=1, callbacks=[monitor])
+    assert monitor.flops_per_batch == hand_counted_flops(8)
+    recomputed = 2 * 8 * HIDDEN * OUT  # the second layer's forward, run again in the backward
+    if reentrant:
+        assert monitor.hardware_flops_per_batch == hand_counted_flops(8) + recomputed
+    else:  # recomputes only what the backward needs of the segment (here no product: only the ReLU)
+        assert hand_counted_flops(8) <= monitor.hardware_flops_per_batch <= hand_counted_flops(8) + recomputed
+    if monitor.hardware_flops_per_batch != monitor.flops_per_batch:
+        assert tl.train_history["hfu"][0] == pytest.approx(
+            tl.train_history["mfu"][0] * monitor.hardware_flops_per_batch / monitor.flops_per_batch, rel=1e-9)
+
+
+class MatmulStepSGD(torch.optim.SGD):
+    """SGD whose step first orthogonalises each matrix gradient a little with matrix products (as Muon does): work
+    of the optimizer, not of the model."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None and parameter.grad.dim() == 2:
+                    gram = parameter.grad @ parameter.grad.T
+                    parameter.grad.copy_(1.5 * parameter.grad - 0.5 * (gram @ parameter.grad))
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_an_optimizer_step_with_matrix_products_is_not_counted(grad_accumulation):
+    torch.manual_seed(0)
+    model = TwoLayers()
+    monitor = ThroughputMonitor(peak_flops=1e9)
+    tl = TrainLoop(model, loader(48, 8), None, None, MatmulStepSGD(model.parameters(), lr=0.01),
+                   nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=1, callbacks=[monitor], grad_accumulation=grad_accumulation)
+    assert monitor.flops_per_batch == monitor.hardware_flops_per_batch == hand_counted_flops(8)
+    assert "hfu" not in tl.train_history  # no recomputation: the hardware figure is the model's
+
+
+def test_the_counted_flops_are_filed_by_the_precision_their_math_ran_in():
+    from aitoolbox.torchtrain.callbacks.peak_flops import effective_peak, math_precision
+    monitor = ThroughputMonitor(peak_flops=1e9)
+    make_loop(loader(16, 8), use_amp={"opt_level": "O1", "dtype": torch.bfloat16}).fit(num_epochs=1,
+                                                                                       callbacks=[monitor])
+    counted = monitor.counted_flops
+    # Under bfloat16 autocast the forward's products run in bfloat16 and so do the backward's gradients of them.
+    assert set(counted.model_by_precision) == {"bf16"} and counted.model_by_precision["bf16"] == counted.model
+    # float32 on a CUDA device: TF32 where torch allows it for the kind of operation (convolutions by default).
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+        assert math_precision("conv", torch.float32, "cuda") == "tf32"
+        assert math_precision("matmul", torch.float32, "cuda") == "fp32"
+        assert math_precision("conv", torch.float32, "cpu") == "fp32"
+        assert math_precision("matmul", torch.bfloat16, "cuda") == "bf16"
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+    # A100: TF32 156 TFLOP/s, float32 19.5: 80 % of the FLOPs in TF32 take 8/156 of the time per 10 FLOPs...
+    peak, description = effective_peak("NVIDIA A100-SXM4-80GB", {"tf32": 8.0, "fp32": 2.0})
+    assert peak == pytest.approx(10 / (8 / 156e12 + 2 / 19.5e12), rel=1e-12)
+    assert description.startswith("A100") and "TF32 80%" in description
+    assert effective_peak("NVIDIA A100-SXM4-80GB", {"fp64": 1.0}) is None
 
 
 def test_mfu_is_the_achieved_flops_over_the_given_peak():
@@ -371,7 +489,8 @@ def test_the_precision_of_the_table():
 
 
 def test_history_keys_are_listed():
-    assert set(HISTORY_KEYS) == {"samples_per_sec", "tokens_per_sec", "data_wait_fraction", "mfu", "peak_memory_mib"}
+    assert set(HISTORY_KEYS) == {"samples_per_sec", "tokens_per_sec", "data_wait_fraction", "mfu", "hfu",
+                                 "peak_memory_mib"}
 
 
 # --- two processes --------------------------------------------------------------------------------------------

@@ -501,3 +501,85 @@ def test_fit_after_lr_find_is_bitwise_fit_alone_in_matrix_cells(cell_args):
     assert tl.lr_find(num_iterations=6, grad_accumulation=cell.grad_accumulation).suggestion is not None
     fit(tl, cell, 2)
     assert_params_equal(tl.model, straight.model)
+
+
+# --- issue 34: cyclic schedules, negative losses ---------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["one-cycle", "cyclic"])
+def test_apply_makes_the_suggestion_the_peak_of_a_one_cycle_or_cyclic_schedule_for_every_group(schedule):
+    """Issue 34.5: OneCycleLR and CyclicLR peak at max_lr, not at their base rate: the suggestion (the largest rate
+    that still trains well) becomes the peak, per group with the groups' ratio, and the schedule keeps its shape."""
+    from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+    torch.manual_seed(0)
+    model = MLP()
+    groups = [{"params": model.fc1.parameters()}, {"params": model.fc2.parameters(), "lr": 0.01}]
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    tl = TrainLoop(model, seeded_loader(classification_data(40), batch_size=6), None, None, optimizer,
+                   nn.CrossEntropyLoss(), show_progress=False)
+    if schedule == "one-cycle":
+        scheduler = GeneralLRSchedulerCallback(torch.optim.lr_scheduler.OneCycleLR, max_lr=[0.1, 0.01],
+                                               total_steps=20, pct_start=0.25, step_per_optimizer_step=True)
+    else:
+        scheduler = GeneralLRSchedulerCallback(torch.optim.lr_scheduler.CyclicLR, base_lr=[0.01, 0.001],
+                                               max_lr=[0.1, 0.01], step_size_up=3, step_per_optimizer_step=True)
+    result = search(tl, callbacks=[scheduler], apply=True, end_lr=10.0, num_iterations=30)
+    suggestion = result.suggestion
+    assert suggestion is not None
+
+    class Peaks(AbstractCallback):
+        def __init__(self):
+            super().__init__("peaks")
+            self.seen = [0.0, 0.0]
+
+        def on_after_gradient_update(self, optimizer_idx):
+            rates = [group["lr"] for group in self.train_loop_obj.optimizer.param_groups]
+            self.seen = [max(seen, rate) for seen, rate in zip(self.seen, rates)]
+
+    peaks = Peaks()
+    tl.fit(num_epochs=2, callbacks=[peaks])  # 14 optimizer steps: one-cycle peaks at the 5th, cyclic at the 4th
+    assert peaks.seen[0] == pytest.approx(suggestion, rel=1e-9)
+    assert peaks.seen[1] == pytest.approx(suggestion / 10, rel=1e-9)
+    torch_scheduler = scheduler.scheduler
+    if schedule == "one-cycle":
+        assert [group["max_lr"] for group in optimizer.param_groups] == pytest.approx([suggestion, suggestion / 10])
+        assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(suggestion / 25)  # div_factor kept
+    else:
+        assert torch_scheduler.max_lrs == pytest.approx([suggestion, suggestion / 10])
+        assert torch_scheduler.base_lrs == pytest.approx([suggestion / 10, suggestion / 100])  # the ratio kept
+
+
+class GaussianRegression(TTModel):
+    """A linear mean and a learnt variance under ``nn.GaussianNLLLoss``: near the data's noise the loss is
+    negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.Linear(2, 1).double()
+        self.log_variance = nn.Parameter(torch.tensor(-3.0, dtype=torch.float64))
+        with torch.no_grad():
+            self.mean.weight.copy_(torch.tensor([[1.0, -3.0]]))
+            self.mean.bias.zero_()
+
+    def get_loss(self, batch_data, criterion, device):
+        x, y = batch_data
+        return criterion(self.mean(x).squeeze(1), y, self.log_variance.exp().expand(len(y)))
+
+    def get_predictions(self, batch_data, device):
+        return self.mean(batch_data[0]).squeeze(1), batch_data[1], None
+
+
+def test_a_negative_loss_is_searched_over_the_whole_range_and_suggests_a_rate():
+    """Issue 34.7: 'smoothed > 4 x best' holds at once for a negative best; the search stopped after two steps and
+    its warning blamed the range."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -3.0], dtype=torch.float64) + 0.05 * torch.randn(64, generator=generator,
+                                                                                dtype=torch.float64)
+    model = GaussianRegression()
+    tl = TrainLoop(model, DataLoader(TensorDataset(x, y), batch_size=8), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.GaussianNLLLoss(), show_progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        result = tl.lr_find(start_lr=1e-5, end_lr=10.0, num_iterations=60)
+    assert max(result.raw_losses[:3]) < 0  # negative from the start
+    assert len(result.lrs) > 30 and result.suggestion is not None
+    assert min(result.losses) < result.losses[0]

@@ -1,0 +1,157 @@
+"""The clean points :class:`~aitoolbox.torchtrain.callbacks.spike_rollback.SpikeRollback` returns to, and what a
+rollback does to the checkpoints on disk.
+
+A point is kept in host memory (a :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot`) or as a
+mid-epoch checkpoint. A checkpoint point is written by the registered checkpoint callback under its usual name (so
+``auto_resume`` finds it) and *pinned*: hard-linked (copied where the file system has no hard links) into
+``checkpoint_model/spike_rollback/``, where no callback prunes. The checkpoint callbacks may then delete or replace
+the file under its usual name as they please (``keep_last``, a best-k ranking): the point SpikeRollback adopted stays
+readable until a newer point replaces it or training ends.
+
+When the run returns to a point, the checkpoints written after it (by any checkpoint callback of the run, in this
+process's run) hold the run that is being undone: :func:`remove_checkpoints_after` deletes them, so that a job killed
+right after the rollback never resumes from spiked weights.
+"""
+import logging
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+
+from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints, remove_checkpoint
+from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
+from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, apply_pending_states
+
+if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+
+logger = logging.getLogger(__name__)
+
+#: The sub-folder of ``checkpoint_model/`` that holds the pinned point.
+PIN_FOLDER = "spike_rollback"
+
+
+class KeptPoint:
+    """A clean point of the run: where it was (``epoch``, ``iteration`` of the last batch trained, ``batches_done``
+    of its epoch, ``total_iteration``), when (``kept_at``, wall clock), and a snapshot in memory or the path of a
+    pinned checkpoint."""
+
+    def __init__(self, epoch: int, iteration: int, batches_done: int, total_iteration: int,
+                 snapshot: Optional[RunSnapshot] = None, pin: Optional[str] = None,
+                 checkpoint_callback: Any = None, written: Optional[str] = None):
+        self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
+        self.total_iteration = total_iteration
+        self.kept_at = time.time()
+        self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
+        self.written = written  # the checkpoint under its usual name, when it was written for this point alone
+
+    @property
+    def position(self) -> tuple:
+        """Comparable with :func:`~aitoolbox.experiment.local_save.checkpoints.checkpoint_position`."""
+        return self.epoch, 0, self.total_iteration
+
+    def discard(self, keep: Sequence[Optional[str]] = ()) -> None:
+        """A newer point replaces this one (main process): its pin goes, and the checkpoint written for it alone,
+        except the paths in ``keep`` (the newer point's own)."""
+        if self.pin is not None and self.pin not in keep:
+            _remove(self.pin)
+        if self.written is not None and self.written not in keep:
+            _remove(self.written)
+
+    def restore(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
+        """Put the point back into ``tl`` (a call in every process); where its epoch continues."""
+        if self.snapshot is not None:
+            return self.snapshot.restore(tl)
+        if self.pin is None or not os.path.exists(self.pin):
+            raise FileNotFoundError(f"SpikeRollback cannot roll back: its pinned checkpoint {self.pin} is gone (was "
+                                    f"the run folder's checkpoint_model/{PIN_FOLDER}/ deleted during training?)")
+        tl.load_checkpoint(self.pin)
+        return apply_pending_states(tl)  # inside fit: the states are applied now, as fit's start would
+
+
+def pin_checkpoint(path: str) -> str:
+    """Hard-link the checkpoint ``path`` (a file, or a sharded checkpoint's folder) into the pin folder beside it and
+    return the pin's path; copies where hard links are not possible (another file system, no link support)."""
+    folder = os.path.join(os.path.dirname(path), PIN_FOLDER)
+    os.makedirs(folder, exist_ok=True)
+    pin = os.path.join(folder, os.path.basename(path))
+    _remove(pin)
+    try:
+        if os.path.isdir(path):
+            shutil.copytree(path, pin, copy_function=os.link)
+        else:
+            os.link(path, pin)
+    except OSError as error:
+        logger.info("SpikeRollback: cannot hard-link %s (%s); copying it instead", path, error)
+        _remove(pin)
+        if os.path.isdir(path):
+            shutil.copytree(path, pin)
+        else:
+            shutil.copy2(path, pin)
+    return pin
+
+
+def unpin(point: KeptPoint) -> None:
+    """After returning to ``point`` (main process): where a checkpoint callback has pruned the point's checkpoint
+    under its usual name, put it back from the pin, so that the newest resumable checkpoint on disk is the point's.
+    It is the point's own from then on (deleted when a newer point replaces it)."""
+    if point.pin is None:
+        return
+    path = os.path.join(os.path.dirname(os.path.dirname(point.pin)), os.path.basename(point.pin))
+    if os.path.lexists(path):
+        return
+    try:
+        if os.path.isdir(point.pin):
+            shutil.copytree(point.pin, path, copy_function=os.link)
+        else:
+            os.link(point.pin, path)
+    except OSError:
+        _remove(path)
+        if os.path.isdir(point.pin):
+            shutil.copytree(point.pin, path)
+        else:
+            shutil.copy2(point.pin, path)
+    point.written = path
+
+
+def clear_pins(checkpoint_dir: str) -> None:
+    """Remove what an earlier, interrupted process left in the pin folder (main process, at the start of a fit)."""
+    folder = os.path.join(checkpoint_dir, PIN_FOLDER)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_checkpoints_after(tl: "TrainLoop", point: KeptPoint, callbacks: List[Any]) -> List[str]:
+    """Delete the checkpoints that ``callbacks`` (the run's checkpoint callbacks) wrote after ``point``: those of a
+    later training position, written (modified) since the point was kept. Call it in every process: background saves
+    are waited for first, then the main process deletes. Returns the deleted paths (main process)."""
+    for callback in callbacks:
+        callback.wait_for_pending_save()  # a save in flight would land after the clean-up
+    if not tl.is_main_process:
+        return []
+    deleted = []
+    folders = dict.fromkeys(callback.experiment_folder.checkpoint_dir for callback in callbacks)
+    for folder in folders:
+        for path in list_checkpoints(folder):
+            position = checkpoint_path_position(path)
+            try:
+                written_after = os.path.getmtime(path) >= point.kept_at
+            except OSError:  # deleted meanwhile
+                continue
+            if position is not None and position > point.position and written_after:
+                remove_checkpoint(path)
+                deleted.append(path)
+    if deleted:
+        logger.warning("SpikeRollback: deleted %d checkpoint(s) written after the point the run returns to (they hold "
+                       "the run being undone): %s", len(deleted), ", ".join(os.path.basename(p) for p in deleted))
+    return deleted
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+    except OSError as error:
+        logger.warning("SpikeRollback could not delete %s: %s", path, error)
