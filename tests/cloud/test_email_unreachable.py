@@ -20,7 +20,7 @@ from tests.cloud.test_ses import sent_messages
 
 
 def subjects(project: str) -> list:
-    return [f"End of epoch 0 report: {project}: exp", f"End of epoch 1 report: {project}: exp",
+    return [f"End of epoch 1 report: {project}: exp", f"End of epoch 2 report: {project}: exp",
             f"End of training: {project}: exp"]
 
 
@@ -60,7 +60,7 @@ def test_a_closed_endpoint_is_reported_once_and_training_completes(s3_env, monke
 
     wait_until(lambda: callback.outbox.failures >= 3, "tried three times")
     (report,) = log_messages(aitoolbox_records, "could not send")  # one report for the outage, not one per try
-    assert url in report and f"End of epoch 0 report: {project}: exp" in report
+    assert url in report and f"End of epoch 1 report: {project}: exp" in report
     assert [record for record in aitoolbox_records.records if record.levelname == "ERROR"] == []
     assert len(callback.unsent()) == 3  # kept while it keeps trying
     callback.discard_unsent()
@@ -99,8 +99,8 @@ def test_a_line_break_in_a_project_name_neither_raises_nor_adds_a_header(s3_env,
     tl = TrainLoop(*loop_arguments())
     callback = EmailNotification("Bot", SENDER, RECIPIENT, f"{project}\r\nBcc: someone@example.com", "exp")
     tl.fit(num_epochs=1, callbacks=[callback])  # the names come from data: the hooks must not raise
-    message = one_email(s3_env.url, f"End of epoch 0 report: {project} Bcc: someone@example.com: exp")
+    message = one_email(s3_env.url, f"End of epoch 1 report: {project} Bcc: someone@example.com: exp")
     assert message["Bcc"] is None and message["To"] == RECIPIENT
-    assert "<h2>End of epoch 0</h2>" in html_body(message)
+    assert "<h2>End of epoch 1</h2>" in html_body(message)
     one_email(s3_env.url, f"End of training: {project} Bcc: someone@example.com: exp")
     assert [record for record in aitoolbox_records.records if record.levelname == "ERROR"] == []

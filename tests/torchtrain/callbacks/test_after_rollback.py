@@ -51,7 +51,7 @@ def test_the_csv_logs_hold_the_final_trajectory_once_and_mark_the_rollback(tmp_p
     assert [row["loss"] for row in rows] == [row["loss"] for row in expected]  # the final trajectory itself
     events = [(int(row["total_iteration"]), row["event"]) for row in rows if row.get("event")]
     assert len(events) == 1 and events[0][0] == 15  # the first batch trained after the point returned to
-    assert "rollback" in events[0][1] and "epoch 1, iteration 5" in events[0][1]
+    assert "rollback" in events[0][1] and "epoch 2, iteration 5" in events[0][1]
     epochs = read_csv(tmp_path / "epoch_log.csv")
     assert [int(row["epoch"]) for row in epochs] == [0, 1, 2, 3]
     assert [row["accumulated_loss"] for row in epochs] == [row["accumulated_loss"]
