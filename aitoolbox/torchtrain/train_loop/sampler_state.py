@@ -6,8 +6,11 @@ generators (:func:`~.evaluation.loader_generators`). Samplers that draw from a r
 (a bucketing sampler's ``random.Random``, a numpy ``Generator``) are saved here, for every sampler the loader
 iterates (its sampler, its batch sampler and the samplers they wrap):
 
-* a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a sampler
-  whose random state is out of reach can still expose it);
+* a sampler with ``random_state_dict()`` and ``load_random_state_dict()`` is saved and restored through them: the
+  way for a sampler whose ``state_dict`` means something else (torchdata's ``StatefulDataLoader`` takes a sampler's
+  ``state_dict`` for its position in the epoch and stops fast-forwarding it);
+* else a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a
+  sampler whose random state is out of reach can still expose it);
 * otherwise its attributes that hold a ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator,
   or a torch ``Generator`` are saved and restored by value;
 * a random state that cannot be saved (``random.SystemRandom``, which draws from the operating system; generators
@@ -62,8 +65,8 @@ def _keyed(loader: Any) -> Dict[str, Any]:
     return keyed
 
 
-def _has_state_dict(sampler: Any) -> bool:
-    return callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))
+def _has_methods(sampler: Any, save: str, load: str) -> bool:
+    return callable(getattr(sampler, save, None)) and callable(getattr(sampler, load, None))
 
 
 def _rng_state(rng: Any) -> Any:
@@ -133,7 +136,10 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
     known = list(known_generators)
     states: Dict[str, Any] = {}
     for key, sampler in _keyed(loader).items():
-        if _has_state_dict(sampler):
+        if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+            states[key] = {"random_state": sampler.random_state_dict()}
+            continue
+        if _has_methods(sampler, "state_dict", "load_state_dict"):
             states[key] = {"state_dict": sampler.state_dict()}
             continue
         rngs = _own_rngs(sampler, known)
@@ -153,6 +159,9 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
                 logger.warning("the checkpoint holds the random state of the training sampler %s, which this training "
                                "loader does not have: build the loader as in the saved run for the same data order",
                                key)
+            continue
+        if "random_state" in saved:
+            sampler.load_random_state_dict(saved["random_state"])
             continue
         if "state_dict" in saved:
             sampler.load_state_dict(saved["state_dict"])
