@@ -1,14 +1,16 @@
 """Data loaders for distributed training: every DataLoader option kept, the user's sampler sharded across ranks."""
 import hashlib
 import logging
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler)
+    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler,
+    SubsetRandomSampler)
 
-from aitoolbox.torchtrain.distributed.sharding import ShardedBatchSampler, ShardedSampler
+from aitoolbox.torchtrain.distributed.sharding import ShardedBatchSampler, ShardedSampler, shared_global_random_state
+from aitoolbox.torchtrain.train_loop.data_position import ITERATOR_KEY
 from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, loader_samplers
 
 logger = logging.getLogger(__name__)
@@ -20,17 +22,21 @@ _LOADER_OPTIONS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "dro
 
 
 class ContiguousDistributedSampler(Sampler[int]):
-    """Rank r gets one contiguous block of the data set, without padding or shuffling.
+    """Rank r gets one contiguous block of the data set (or of ``indices``), without padding or shuffling.
 
-    Concatenating the ranks' outputs in rank order gives every sample exactly once, in data-set order, which
-    is what exact evaluation needs (DistributedSampler repeats samples to even out the ranks).
+    Concatenating the ranks' outputs in rank order gives every sample exactly once, in data-set order (the order of
+    ``indices``), which is what exact evaluation needs (DistributedSampler repeats samples to even out the ranks).
     """
 
-    def __init__(self, dataset_size: int, rank: int, world_size: int):
-        self.start = dataset_size * rank // world_size
-        self.stop = dataset_size * (rank + 1) // world_size
+    def __init__(self, dataset_size: int, rank: int, world_size: int, indices: Optional[List[int]] = None):
+        self.indices = indices
+        size = dataset_size if indices is None else len(indices)
+        self.start = size * rank // world_size
+        self.stop = size * (rank + 1) // world_size
 
     def __iter__(self) -> Iterator[int]:
+        if self.indices is not None:
+            return iter(self.indices[self.start:self.stop])
         return iter(range(self.start, self.stop))
 
     def __len__(self) -> int:
@@ -202,6 +208,31 @@ def distributed_train_loader(loader: Optional[DataLoader], rank: int, world_size
     return type(loader)(loader.dataset, sampler=ShardedSampler(sampler, rank, world_size, seed), **options)
 
 
+def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
+    """The samples an evaluation loader's sampler covers, in its order; None: the whole data set in order.
+
+    A sampler that visits the whole data set (sequential, a permutation, one that shards itself or the wrapper of
+    the training loader's sampler around one of those) gives None; a ``SubsetRandomSampler`` (a validation split)
+    its indices as listed; any other sampler the order it draws, from a seed every process shares (its own random
+    state as it was afterwards, so evaluating does not change a training order).
+    """
+    sampler = loader.sampler
+    if isinstance(sampler, ShardedSampler):  # the training loader, evaluated: the user's sampler
+        sampler = sampler.sampler
+    if _rank_aware(sampler) or isinstance(sampler, SequentialSampler) or _plain_random(sampler):
+        return None
+    if isinstance(sampler, SubsetRandomSampler):
+        return [int(index) for index in sampler.indices]
+    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
+    saved = capture_rng_state(loader)
+    saved.pop(ITERATOR_KEY, None)
+    try:
+        with shared_global_random_state(0):
+            return [int(index) for index in sampler]
+    finally:
+        restore_rng_state(saved, loader)
+
+
 def peek_seed() -> int:
     """A seed drawn from this process's global torch random state, which is left as it was (the run's random
     stream is the same with one process or several)."""
@@ -252,10 +283,11 @@ def _feed(digest: Any, value: Any) -> None:
 
 
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
-    """An evaluation loader of one rank: a contiguous block of the data, in order, no sample repeated."""
+    """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
+    no sample repeated (see :func:`evaluation_indices`)."""
     if loader is None or not _is_shardable(loader):
         return loader
-    sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size)
+    sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader))
     options = _loader_options(loader)
     options["drop_last"] = False
     return DataLoader(loader.dataset, sampler=sampler, **options)

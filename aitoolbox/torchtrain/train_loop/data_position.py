@@ -14,6 +14,12 @@ an epoch of I/O when resuming near its end). Three ways, the cheapest the loader
   worker that loaded it in the uninterrupted run;
 * anything else (an ``IterableDataset``, a loader class with its own iteration): the trained batches are loaded
   and discarded, as there is no index to skip to.
+
+A DataLoader with ``persistent_workers=True`` keeps one worker iterator for the run (:class:`_WorkerIterator`,
+made by the first epoch): only the first epoch draws the workers' base seed; the later ones reset the iterator and
+draw nothing. That iterator's base seed is part of the run's RNG state (:func:`persistent_iterator_state`), and
+restoring the state makes the loader's next epoch iterate as the uninterrupted run's would
+(:func:`continue_persistent_iterator`).
 """
 import logging
 from typing import Any, Iterator, List, Optional, Sequence

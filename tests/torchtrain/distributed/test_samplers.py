@@ -331,3 +331,29 @@ def test_a_resumed_ddp_run_with_persistent_workers_trains_the_straight_run_s_sam
         trained = [torch.load(tmp_path / run / f"rank{rank}.pt") for run in ("straight", "resumed")]
         assert trained[1] == trained[0][after:]
     assert all(torch.equal(value, resumed.model.state_dict()[key]) for key, value in straight.model.state_dict().items())
+
+
+def evaluate_a_split_in_rank(rank: int, world_size: int) -> dict:
+    join_as_torchrun(rank, world_size)
+    data = regression_data(32)
+    model = make_model(IndexRecordingRegressor)
+    validation = DataLoader(data, batch_size=BATCH, sampler=SubsetRandomSampler(list(range(16, 32))))
+    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=SubsetRandomSampler(list(range(16)))),
+                   validation, None, torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    tl.fit(num_epochs=1)
+    loss = tl.evaluate_loss_on_validation_set(float_dict_format=True)
+    _, _, metadata = tl.predict_on_validation_set()
+    with torch.no_grad():
+        x, y, _ = data[16:32]
+        expected = nn.MSELoss()(model(x), y).item()
+    return {"loss": loss, "expected": expected, "indices": list(metadata["index"])}
+
+
+@pytest.mark.slow
+def test_a_validation_split_is_evaluated_on_its_own_samples():
+    """A SubsetRandomSampler validation loader: under DDP each rank evaluates a block of the split's indices (the
+    whole data set was evaluated before), the loss and the predictions those of the split."""
+    for result in run_distributed(evaluate_a_split_in_rank, world_size=2):
+        assert result["indices"] == list(range(16, 32))
+        assert result["loss"] == pytest.approx(result["expected"], rel=1e-5)
