@@ -223,14 +223,34 @@ def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
         return None
     if isinstance(sampler, SubsetRandomSampler):
         return [int(index) for index in sampler.indices]
+    return [int(index) for index in _drawn_alike(loader, sampler)]
+
+
+def _drawn_alike(loader: DataLoader, sampler: Any) -> List[Any]:
+    """The order ``sampler`` (of ``loader``) draws from a seed every process shares; every random state it draws
+    from is as before afterwards."""
     from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
     saved = capture_rng_state(loader)
     saved.pop(ITERATOR_KEY, None)
     try:
         with shared_global_random_state(0):
-            return [int(index) for index in sampler]
+            return list(sampler)
     finally:
         restore_rng_state(saved, loader)
+
+
+def _batch_sampler_eval_loader(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
+    """An evaluation loader with a batch sampler of its own: this rank's contiguous block of the batches it draws
+    (from a seed every process shares; the training loader's sharding wrapper is looked through), whole."""
+    batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, ShardedBatchSampler):
+        batch_sampler = batch_sampler.sampler
+    batches = [[int(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
+    block = batches[len(batches) * rank // world_size:len(batches) * (rank + 1) // world_size]
+    options = _loader_options(loader)
+    for name in ("batch_size", "drop_last"):  # given by the batch sampler
+        options.pop(name, None)
+    return DataLoader(loader.dataset, batch_sampler=block, **options)
 
 
 def peek_seed() -> int:
@@ -284,7 +304,11 @@ def _feed(digest: Any, value: Any) -> None:
 
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
     """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
-    no sample repeated (see :func:`evaluation_indices`)."""
+    no sample repeated (see :func:`evaluation_indices`); with a batch sampler of its own, a contiguous block of the
+    batches it makes."""
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+            and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
+        return _batch_sampler_eval_loader(loader, rank, world_size)
     if loader is None or not _is_shardable(loader):
         return loader
     sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader))

@@ -347,13 +347,28 @@ def evaluate_a_split_in_rank(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         x, y, _ = data[16:32]
         expected = nn.MSELoss()(model(x), y).item()
-    return {"loss": loss, "expected": expected, "indices": list(metadata["index"])}
+    result = {"loss": loss, "expected": expected, "indices": list(metadata["index"])}
+
+    # The training set of a loader with a batch sampler (sharded by whole batches for training): every sample once.
+    buckets = DataLoader(data, batch_sampler=BucketBatchSampler(32, BATCH))
+    tl = TrainLoop(model, buckets, None, None, torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(),
+                   show_progress=False, end_auto_eval=False, gpu_mode="ddp")
+    tl.fit(num_epochs=1)
+    _, _, metadata = tl.predict_on_train_set()
+    with torch.no_grad():
+        x, y, _ = data[:]
+        result["train"] = (tl.evaluate_loss_on_train_set(float_dict_format=True), nn.MSELoss()(model(x), y).item(),
+                           sorted(metadata["index"]))
+    return result
 
 
 @pytest.mark.slow
 def test_a_validation_split_is_evaluated_on_its_own_samples():
     """A SubsetRandomSampler validation loader: under DDP each rank evaluates a block of the split's indices (the
-    whole data set was evaluated before), the loss and the predictions those of the split."""
+    whole data set was evaluated before), the loss and the predictions those of the split. A training loader with a
+    batch sampler is evaluated on every sample once."""
     for result in run_distributed(evaluate_a_split_in_rank, world_size=2):
         assert result["indices"] == list(range(16, 32))
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-5)
+        loss, expected, indices = result["train"]
+        assert indices == list(range(32)) and loss == pytest.approx(expected, rel=1e-5)
