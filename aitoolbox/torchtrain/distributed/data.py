@@ -11,7 +11,7 @@ from torch.utils.data import (
 
 from aitoolbox.torchtrain.distributed.sharding import ShardedBatchSampler, ShardedSampler, shared_global_random_state
 from aitoolbox.torchtrain.train_loop.data_position import ITERATOR_KEY
-from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, loader_samplers
+from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, keyed_samplers, loader_samplers
 
 logger = logging.getLogger(__name__)
 
@@ -270,12 +270,16 @@ def sampler_random_state_digest(loader: Any) -> str:
     if not isinstance(loader, DataLoader):
         return digest.hexdigest()
     for sampler in loader_samplers(loader):
-        generator = getattr(sampler, "generator", None)
-        if isinstance(generator, torch.Generator):
-            _feed(digest, generator.get_state())
         if isinstance(sampler, DistributedSampler):
             _feed(digest, ("DistributedSampler", sampler.seed, sampler.shuffle))
-    _feed(digest, capture_sampler_states(loader))
+        generator = getattr(sampler, "generator", None)
+        if isinstance(generator, torch.Generator) and not _rank_aware(sampler):
+            _feed(digest, generator.get_state())
+    # (A sampler that shards by itself may keep its rank in its state: only the others' states must agree.)
+    rank_aware = [key for key, sampler in keyed_samplers(loader).items()
+                  if _rank_aware(sampler) and not isinstance(sampler, ShardedSampler)]
+    states = capture_sampler_states(loader)
+    _feed(digest, {key: state for key, state in states.items() if key not in rank_aware})
     return digest.hexdigest()
 
 

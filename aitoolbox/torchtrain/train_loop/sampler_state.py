@@ -52,7 +52,7 @@ def loader_samplers(loader: Any) -> List[Any]:
     return found
 
 
-def _keyed(loader: Any) -> Dict[str, Any]:
+def keyed_samplers(loader: Any) -> Dict[str, Any]:
     """The loader's samplers keyed ``<class name>:<n>`` (n counts the samplers of that class): the keys of a loader
     built the same way again, under one process or several, are the same."""
     keyed: Dict[str, Any] = {}
@@ -135,7 +135,7 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
         known_generators = loader_generators(loader)
     known = list(known_generators)
     states: Dict[str, Any] = {}
-    for key, sampler in _keyed(loader).items():
+    for key, sampler in keyed_samplers(loader).items():
         if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
             states[key] = {"random_state": sampler.random_state_dict()}
             continue
@@ -151,7 +151,7 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
 def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
     """Put back what :func:`capture_sampler_states` returned into the samplers of ``loader`` (one built as the saved
     run's was); a saved sampler this loader lacks is named in a warning."""
-    current = _keyed(loader)
+    current = keyed_samplers(loader)
     for key, saved in states.items():
         sampler = current.get(key)
         if sampler is None:

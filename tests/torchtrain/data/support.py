@@ -8,6 +8,7 @@ import io
 import random
 from typing import Callable, Iterator, List, Optional
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
@@ -71,12 +72,31 @@ class RecordingMLP(MLP):
         return super().get_loss(batch_data, criterion, device)
 
 
+# The loops the current test made (see shut_down_workers).
+_LOOPS: List[TrainLoop] = []
+
+
 def make_loop(loader: DataLoader, seed: int = 0, model_class=None, **options) -> TrainLoop:
     """A TrainLoop over ``loader`` with a :class:`RecordingMLP` (dropout: the global RNG matters) and Adam."""
     torch.manual_seed(seed)
     model = (model_class or RecordingMLP)()
-    return TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
-                     nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False, **options)
+    tl = TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
+                   nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False, **options)
+    _LOOPS.append(tl)
+    return tl
+
+
+@pytest.fixture(autouse=True)
+def shut_down_workers():
+    """After each test, stop the persistent DataLoader workers of the loops it made. (Left to the garbage collector,
+    which frees a TrainLoop as part of a reference cycle, their shutdown waits 5 s per worker for workers that never
+    see the stop message: torch's own DataLoader iterator does the same.)"""
+    yield
+    for tl in _LOOPS:
+        iterator = getattr(tl.train_loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+    _LOOPS.clear()
 
 
 class SaveAt(AbstractCallback):

@@ -11,9 +11,9 @@ from aitoolbox.torchtrain.callbacks import SpikeRollback
 from aitoolbox.torchtrain.train_loop.data_position import resumed_epoch
 from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 from tests.helpers import assert_params_equal, single_torch_thread
-from tests.torchtrain.data.support import (
+from tests.torchtrain.data.support import (  # noqa: F401 (shut_down_workers: an autouse fixture)
     BATCH_SIZE, NUM_SAMPLES, CrashAt, IndexedSamples, RecordingMLP, SaveAt, assert_same_run, make_loop,
-    straight_and_resumed)
+    shut_down_workers, straight_and_resumed)
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 

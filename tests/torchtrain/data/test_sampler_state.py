@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, Sampler
 
 from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, restore_sampler_states
 from tests.helpers import single_torch_thread
-from tests.torchtrain.data.support import (
+from tests.torchtrain.data.support import (  # noqa: F401 (shut_down_workers: an autouse fixture)
     BATCH_SIZE, NUM_SAMPLES, BucketBatchSampler, IndexedSamples, SaveAt, assert_same_run, make_loop,
-    straight_and_resumed)
+    shut_down_workers, straight_and_resumed)
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 

@@ -193,6 +193,7 @@ class SaveTrained(AbstractCallback):
         torch.save(tl.model.trained_indices, os.path.join(self.folder, f"rank{tl.strategy.rank}.pt"))
 
 
+@pytest.mark.slow
 def test_the_issue_s_train_validation_split_trains_only_the_training_indices(tmp_path):
     """The launcher's own processes (forked), the loader built in the launching process: a SubsetRandomSampler
     split trained the validation samples (16-31) before."""
@@ -372,3 +373,23 @@ def test_a_validation_split_is_evaluated_on_its_own_samples():
         assert result["loss"] == pytest.approx(result["expected"], rel=1e-5)
         loss, expected, indices = result["train"]
         assert indices == list(range(32)) and loss == pytest.approx(expected, rel=1e-5)
+
+
+def seeded_by_rank(rank: int, world_size: int) -> str:
+    join_as_torchrun(rank, world_size)
+    model = make_model(IndexRecordingRegressor)
+    data = regression_data(NUM_SAMPLES)
+    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(rank))  # a per-rank seed: a mistake here
+    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    with pytest.raises(ValueError) as error:
+        tl.fit(num_epochs=1)
+    assert model.trained_indices == []
+    return str(error.value)
+
+
+@pytest.mark.slow
+def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process():
+    for message in run_distributed(seeded_by_rank, world_size=2):
+        assert "random state differs between the processes (ranks [1] differ from rank 0)" in message
