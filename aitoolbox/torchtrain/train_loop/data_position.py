@@ -143,7 +143,11 @@ def continue_persistent_iterator(loader: Any, state: Optional[dict]) -> None:
     if state is None or not keeps_workers(loader):
         return
     wanted, current = state["base_seed"], loader._iterator
-    if current is not None and wanted is not None and int(current._base_seed) == wanted:
+    if current is not None and wanted is not None:
+        # The run's iterator goes on (it may be the one the current epoch iterates: never replaced).
+        if int(current._base_seed) != int(wanted):
+            logger.warning("the training loader's persistent workers run with base seed %d, the saved run's had %d: "
+                           "their random state differs from the saved run's", current._base_seed, wanted)
         return
     if current is not None:
         current._shutdown_workers()
