@@ -10,8 +10,8 @@ from torch.utils.data import (
     SubsetRandomSampler)
 
 from aitoolbox.torchtrain.distributed.sharding import ShardedBatchSampler, ShardedSampler, shared_global_random_state
-from aitoolbox.torchtrain.train_loop.data_position import ITERATOR_KEY
-from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, keyed_samplers, loader_samplers
+from aitoolbox.torchtrain.data.sampler_state import (
+    capture_sampler_states, keyed_samplers, loader_samplers, preserved_random_states)
 
 logger = logging.getLogger(__name__)
 
@@ -229,14 +229,8 @@ def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
 def _drawn_alike(loader: DataLoader, sampler: Any) -> List[Any]:
     """The order ``sampler`` (of ``loader``) draws from a seed every process shares; every random state it draws
     from is as before afterwards."""
-    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
-    saved = capture_rng_state(loader)
-    saved.pop(ITERATOR_KEY, None)
-    try:
-        with shared_global_random_state(0):
-            return list(sampler)
-    finally:
-        restore_rng_state(saved, loader)
+    with preserved_random_states(loader), shared_global_random_state(0):
+        return list(sampler)
 
 
 def _batch_sampler_eval_loader(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
@@ -264,7 +258,7 @@ def peek_seed() -> int:
 
 def sampler_random_state_digest(loader: Any) -> str:
     """A digest of what the training loader's samplers draw their orders from: the torch generators they hold,
-    their own random states (:mod:`~aitoolbox.torchtrain.train_loop.sampler_state`) and a DistributedSampler's
+    their own random states (:mod:`~aitoolbox.torchtrain.data.sampler_state`) and a DistributedSampler's
     seed. Processes whose digests differ would draw different orders."""
     digest = hashlib.sha256()
     if not isinstance(loader, DataLoader):

@@ -16,7 +16,7 @@ from aitoolbox.torchtrain.distributed.data import (
 from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.strategy import SingleDeviceStrategy
-from aitoolbox.torchtrain.train_loop.sampler_state import loader_samplers
+from aitoolbox.torchtrain.data.sampler_state import loader_samplers
 
 logger = logging.getLogger(__name__)
 

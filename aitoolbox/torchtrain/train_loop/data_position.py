@@ -304,7 +304,7 @@ def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], posi
     as DistributedSampler, are set to ``epoch``), drawn again from the sampler without fetching anything; None where
     the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
     unknown. Every RNG state, the samplers' epochs and the loader's worker iterator are as before afterwards."""
-    from aitoolbox.torchtrain.train_loop.sampler_state import loader_samplers
+    from aitoolbox.torchtrain.data.sampler_state import loader_samplers
     if epoch_start_rng is None or not skips_by_index(loader) or not positions:
         return None
     saved = _draw_state(loader)

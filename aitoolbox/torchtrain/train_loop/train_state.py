@@ -25,7 +25,7 @@ from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.data_position import (
     ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
-from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, restore_sampler_states
+from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from aitoolbox.torchtrain.train_loop.sampler_state import capture_sampler_states, restore_sampler_states
+from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
 from tests.helpers import single_torch_thread
 from tests.torchtrain.data.support import (  # noqa: F401 (shut_down_workers: an autouse fixture)
     BATCH_SIZE, NUM_SAMPLES, BucketBatchSampler, IndexedSamples, SaveAt, assert_same_run, make_loop,

@@ -2,7 +2,7 @@
 
 A resumed epoch draws its data order again from the state its samplers had at the epoch's start, so that state
 must be saved. Torch generators (``sampler.generator``, the loader's ``generator``) are saved with the loader's
-generators (:func:`~.evaluation.loader_generators`). Samplers that draw from a random state of their own besides
+generators (:func:`loader_generators`). Samplers that draw from a random state of their own besides
 (a bucketing sampler's ``random.Random``, a numpy ``Generator``) are saved here, for every sampler the loader
 iterates (its sampler, its batch sampler and the samplers they wrap):
 
@@ -19,11 +19,12 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
 ``DistributedSampler`` (and subclasses such as torchdata's ``StatefulDistributedSampler``, whose ``state_dict`` is
 an iteration position, not a random state) is left out: its order follows from its seed and epoch alone.
 """
+import contextlib
 import itertools
 import logging
 import random
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -50,6 +51,33 @@ def loader_samplers(loader: Any) -> List[Any]:
         found.append(sampler)
         pending.append(getattr(sampler, "sampler", None))
     return found
+
+
+def loader_generators(loader: Any) -> List[torch.Generator]:
+    """The torch generators iterating ``loader`` draws from: the DataLoader's own and its samplers' (the sampler,
+    the batch sampler and the samplers they wrap, e.g. the user's sampler inside the one ``fit_distributed`` shards
+    it with)."""
+    generators: List[torch.Generator] = []
+    for owner in [loader] + loader_samplers(loader):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not known for known in generators):
+            generators.append(generator)
+    return generators
+
+
+@contextlib.contextmanager
+def preserved_random_states(loader: Any) -> Iterator[None]:
+    """Within the block the loader's samplers may draw; afterwards their random states (the loader's torch
+    generators, the samplers' own states) are as before it."""
+    generators = loader_generators(loader)
+    generator_states = [generator.get_state() for generator in generators]
+    sampler_states = capture_sampler_states(loader, generators)
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, generator_states):
+            generator.set_state(state)
+        restore_sampler_states(loader, sampler_states)
 
 
 def keyed_samplers(loader: Any) -> Dict[str, Any]:
@@ -128,10 +156,9 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
     Args:
         loader: the training loader.
         known_generators: torch generators saved elsewhere, not saved again; None: the loader's generators
-            (:func:`~.evaluation.loader_generators`).
+            (:func:`loader_generators`).
     """
     if known_generators is None:
-        from aitoolbox.torchtrain.train_loop.evaluation import loader_generators  # (it imports this module)
         known_generators = loader_generators(loader)
     known = list(known_generators)
     states: Dict[str, Any] = {}
