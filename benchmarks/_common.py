@@ -156,3 +156,21 @@ def fmt_ratio(value: float) -> str:
 
 def fmt_list(values: List[float], digits: int = 3) -> str:
     return ", ".join(f"{v:.{digits}f}" for v in values)
+
+
+class RankShare(torch.utils.data.Sampler):
+    """A hand-written worker's share of another sampler's order, as ``fit_distributed`` shards a training loader's
+    sampler: every rank draws the whole order (the sampler's own generator, alike in every rank) and rank r takes
+    positions r, r + W, ... of it, padded with its first positions to a multiple of W (as DistributedSampler pads).
+    """
+
+    def __init__(self, sampler: torch.utils.data.Sampler, rank: int, world_size: int):
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.sampler)
+        order += order[:len(self) * self.world_size - len(order)]
+        return iter(order[self.rank::self.world_size])

@@ -6,8 +6,9 @@ Both train the quickstart CNN (``DigitsCNN``) on scikit-learn's digits (the 1,25
 * ``fit_distributed``: ``TrainLoop(show_progress=False, end_auto_eval=False).fit_distributed(num_epochs,
   num_cpu_processes=N)``, started from this script (so its launcher spawns fresh interpreters).
 * ``hand``: ``torch.multiprocessing.spawn`` of a worker that joins the group (``tcp://127.0.0.1:<free port>``),
-  wraps the model in ``DistributedDataParallel`` and trains with a ``DistributedSampler`` (``set_epoch`` every
-  epoch), the same per-process batch size, the same Adam settings, the same initial weights and the same
+  wraps the model in ``DistributedDataParallel`` and trains on its share of the shuffling loader's permutation
+  (every rank draws it alike, rank r takes positions r, r + W, ...: how fit_distributed shards a sampler), the
+  same per-process batch size, the same Adam settings, the same initial weights and the same
   initial RNG state (the dropout masks) as ``fit_distributed`` hands its processes.
 
 ``OMP_NUM_THREADS=1`` is set before torch is imported, so every process of both runners has one intra-op
@@ -20,7 +21,7 @@ Measured per run, in rank 0:
   hand worker right after its loader yields the first batch) minus ``time.time()`` just before the call
   (``fit_distributed`` / ``mp.spawn``) in this process: process start, imports, unpickling, process group,
   DDP wrap, loader set-up.
-* samples/s: samples trained by all ranks (DistributedSampler pads to equal shares) divided by the time
+* samples/s: samples trained by all ranks (the shares are padded to equal sizes) divided by the time
   from the start of rank 0's first batch to the end of its last batch.
 
 Runs are interleaved (hand, ours; ours, hand; ... so slow drift of a shared machine cancels) over
@@ -64,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset  # noqa: E402
 
 import _common  # noqa: E402
 from quickstart import DigitsCNN, digits_loaders  # noqa: E402
@@ -132,7 +133,7 @@ def fresh_model(args) -> DigitsCNN:
 
 
 def samples_per_run(args, dataset_size: int) -> int:
-    """What all ranks train on: DistributedSampler pads every rank to ceil(N / world_size) samples an epoch."""
+    """What all ranks train on: every rank's share is padded to ceil(N / world_size) samples an epoch."""
     per_rank = math.ceil(dataset_size / args.processes)
     return per_rank * args.processes * args.epochs
 
@@ -156,18 +157,17 @@ def hand_worker(rank: int, world_size: int, port: int, initial_state: dict, imag
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=settings["lr"])
     criterion = nn.CrossEntropyLoss()
     dataset = TensorDataset(images, labels)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=settings["seed"])
-    # The loader's own generator, as in the quickstart: the loader draws its base seed from it, not from the
-    # global RNG that the dropout masks come from.
-    loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler,
-                        generator=torch.Generator().manual_seed(settings["seed"]))
+    # The quickstart's loader (shuffle=True with its own generator, which draws the base seed and the permutation)
+    # sharded as fit_distributed shards it: this rank's share of the permutation every rank draws alike.
+    generator = torch.Generator().manual_seed(settings["seed"])
+    sampler = _common.RankShare(RandomSampler(dataset, generator=generator), rank, world_size)
+    loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler, generator=generator)
     torch.set_rng_state(rng_state)  # as fit_distributed: every rank trains from the parent's RNG state
     accumulation = settings["grad_accumulation"]
     first_time = first_perf = last_perf = None
     batches = 0
     ddp_model.train()
     for epoch in range(settings["epochs"]):
-        sampler.set_epoch(epoch)
         for index, (batch_images, batch_labels) in enumerate(loader):
             if first_time is None:
                 first_time, first_perf = time.time(), time.perf_counter()

@@ -8,11 +8,12 @@ synthetic data set (random token sequences, a learnable regression target) with 
 * ``fsdp``: the same with ``gpu_mode='fsdp'`` and ``fsdp_model_args={'shard_modules': [nn.TransformerEncoderLayer]}``.
 * ``hand_fsdp``: ``torch.multiprocessing.spawn`` of a plain FSDP2 worker: ``init_process_group('gloo')``,
   ``init_device_mesh('cpu', (2,))``, ``fully_shard`` on each encoder layer and then on the model, AdamW built
-  on the sharded parameters, a ``DistributedSampler`` (``set_epoch`` every epoch) and the plain loop (forward,
+  on the sharded parameters, its share of the training loader's permutation (``_common.RankShare``: as
+  fit_distributed shards the loader's sampler) and the plain loop (forward,
   MSE, backward, step, ``zero_grad(set_to_none=True)``; the epoch's loss summed on the tensor, read once).
 
-All three start from the same initial weights and see the same data order (the sampler's seed is the training
-loader's generator seed), so their training losses agree up to the reduction order of the gradients.
+All three start from the same initial weights and see the same data order (the permutations come from the
+training loader's generator), so their training losses agree up to the reduction order of the gradients.
 
 ``OMP_NUM_THREADS=1`` is set before torch is imported: every process of every runner has one intra-op thread
 (the machine has two cores for the two ranks); each process records ``torch.get_num_threads()`` to prove it.
@@ -20,9 +21,9 @@ loader's generator seed), so their training losses agree up to the reduction ord
 Measured per run, in every rank:
 
 * samples/s (steady state): the samples all ranks train in the epochs after ``--warmup-epochs`` (the
-  DistributedSampler pads the ranks to equal shares) over rank 0's time from the start of the first timed
+  shares are padded to equal sizes) over rank 0's time from the start of the first timed
   epoch to the end of the last (TrainLoop: its ``on_epoch_begin`` / ``on_epoch_end`` callbacks; the hand worker
-  at the same points: after ``set_epoch``, after reading the epoch's loss). Epoch ends between timed epochs
+  at the same points: at the epoch's start, after reading the epoch's loss). Epoch ends between timed epochs
   count: they are part of training.
 * held bytes: after training, one more forward and backward on a training batch (so gradients exist, as
   between a backward and its optimizer step), then the bytes of the parameters, their gradients and the
@@ -67,7 +68,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset  # noqa: E402
 
 import _common  # noqa: E402
 
@@ -127,13 +128,13 @@ def synthetic_data(args) -> TensorDataset:
 
 
 def training_loader(args) -> DataLoader:
-    # The generator's seed becomes the DistributedSampler's seed under fit_distributed: the hand worker uses it too.
+    # fit_distributed shards this loader's permutation (drawn from the generator) across the ranks: the hand worker too.
     return DataLoader(synthetic_data(args), batch_size=args.batch_size, shuffle=True,
                       generator=torch.Generator().manual_seed(args.seed))
 
 
 def samples_per_epoch(args) -> int:
-    """What all ranks train on in an epoch: DistributedSampler pads every rank to ceil(N / world_size)."""
+    """What all ranks train on in an epoch: each rank's share is padded to ceil(N / world_size)."""
     return math.ceil(args.samples / args.processes) * args.processes
 
 
@@ -242,12 +243,13 @@ def hand_fsdp_worker(rank: int, world_size: int, port: int, initial_state: dict,
     criterion = nn.MSELoss()
     start_rss = rss_bytes()
     dataset = TensorDataset(tokens, targets)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=settings["seed"])
-    loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler)
+    # The training loader (shuffle=True with its own generator) sharded as fit_distributed shards it.
+    generator = torch.Generator().manual_seed(settings["seed"])
+    sampler = _common.RankShare(RandomSampler(dataset, generator=generator), rank, world_size)
+    loader = DataLoader(dataset, batch_size=settings["batch_size"], sampler=sampler, generator=generator)
     losses, start, start_cpu = [], 0.0, 0.0
     model.train()
     for epoch in range(settings["epochs"]):
-        sampler.set_epoch(epoch)
         if epoch == settings["warmup_epochs"]:
             start, start_cpu = time.perf_counter(), time.process_time()
         loss_sum, batches = torch.zeros(()), 0

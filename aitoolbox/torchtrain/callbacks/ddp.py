@@ -13,8 +13,9 @@ LoaderSource = Union[LoaderFactory, bool, None]
 class DistributedSamplerSetEpoch(AbstractCallback):
     """Call ``set_epoch(epoch)`` on the given samplers at the start of every epoch (before other callbacks).
 
-    ``fit_distributed`` already does this for the samplers it creates; use this callback for
-    ``DistributedSampler`` objects you created yourself, so that each epoch shuffles differently.
+    ``fit_distributed`` already does this for every sampler of the training loader (a ``DistributedSampler`` of
+    your own too); use this callback for samplers it does not see, e.g. those of evaluation loaders you iterate
+    yourself, so that each epoch shuffles differently.
 
     Args:
         train_sampler: the training loader's sampler, or None.

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from aitoolbox.torchtrain.distributed.data import distributed_eval_loader, distributed_train_loader
+from aitoolbox.torchtrain.distributed.data import (
+    distributed_eval_loader, distributed_train_loader, peek_seed, sampler_random_state_digest)
 from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.strategy import SingleDeviceStrategy
+from aitoolbox.torchtrain.data.sampler_state import loader_samplers
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +130,41 @@ class DistributedStrategy(SingleDeviceStrategy):
                 offset += tensor.numel()
 
     def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
-        return distributed_train_loader(loader, self.rank, self.world_size, shuffle)
+        """This process's share of the user's training loader (:func:`~.data.distributed_train_loader`); a
+        collective. Every process draws the user's sampler's order alike: the seed of the global random state it
+        draws with is rank 0's, and the samplers' own random states must agree across the processes.
+
+        Raises:
+            ValueError: in every process, when a process's loader cannot be sharded or the processes' samplers
+                would draw different orders.
+        """
+        seed = self.broadcast_object(peek_seed())
+        try:
+            prepared = distributed_train_loader(loader, self.rank, self.world_size, shuffle, seed)
+            outcome = ("ok", sampler_random_state_digest(prepared))
+        except ValueError as error:  # raised in every process below, so that none waits for the others
+            outcome = ("error", str(error))
+        outcomes = self.all_gather_objects(outcome)
+        for rank, (status, detail) in enumerate(outcomes):
+            if status == "error":
+                raise ValueError(detail if rank == self.rank else f"rank {rank} refused its training loader: {detail}")
+        if len({detail for _, detail in outcomes}) > 1:
+            differing = [rank for rank, (_, detail) in enumerate(outcomes) if detail != outcomes[0][1]]
+            raise ValueError(f"the training sampler's own random state differs between the processes (ranks "
+                             f"{differing} differ from rank 0): each would draw another order, training some samples "
+                             "twice and others never. Build the sampler and its generator with the same seed in every "
+                             "process")
+        return prepared
 
     def setup_eval_loader(self, loader: Optional[DataLoader]) -> Optional[DataLoader]:
         return distributed_eval_loader(loader, self.rank, self.world_size)
 
     def on_epoch_begin(self, epoch: int, loader: Optional[DataLoader] = None) -> None:
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        # Every sampler the loader draws from (a user's DistributedSampler, also inside a batch sampler; the
+        # sharding wrapper and what it wraps) gets the epoch: a new order each epoch, as in the torchrun recipe.
+        for sampler in loader_samplers(loader):
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         reduced = tensor.clone()

@@ -14,15 +14,24 @@ an epoch of I/O when resuming near its end). Three ways, the cheapest the loader
   worker that loaded it in the uninterrupted run;
 * anything else (an ``IterableDataset``, a loader class with its own iteration): the trained batches are loaded
   and discarded, as there is no index to skip to.
+
+A DataLoader with ``persistent_workers=True`` keeps one worker iterator for the run (:class:`_WorkerIterator`,
+made by the first epoch): only the first epoch draws the workers' base seed; the later ones reset the iterator and
+draw nothing. That iterator's base seed is part of the run's RNG state (:func:`persistent_iterator_state`), and
+restoring the state makes the loader's next epoch iterate as the uninterrupted run's would
+(:func:`continue_persistent_iterator`).
 """
 import logging
 from typing import Any, Iterator, List, Optional, Sequence
 
+import torch
 from torch.utils.data import DataLoader
-from torch.utils.data.dataloader import (
-    _BaseDataLoaderIter, _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter)
+from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
 logger = logging.getLogger(__name__)
+
+# The key of the persistent worker iterator's state in a run's RNG state (train_state.capture_rng_state).
+ITERATOR_KEY = "loader_iterator"
 
 # The DataLoader iterator internals the index skipping builds on (torch 2.x): another torch that lacks them gets
 # the skipping by loading, slower but right.
@@ -57,39 +66,94 @@ def resumed_epoch(loader: Any, batches_done: int, loader_state: Optional[Any] = 
         batches_done: batches of the epoch already trained.
         loader_state: the loader's own state saved with them (a loader with :func:`has_own_state`), or None.
     """
-    if batches_done <= 0:
-        return iter(loader)
-    if loader_state is not None and has_own_state(loader):
+    if batches_done > 0 and loader_state is not None and has_own_state(loader):
         loader.load_state_dict(loader_state)
         return iter(loader)
+    if keeps_workers(loader):
+        return _persistent_epoch(loader, batches_done)
+    if batches_done <= 0:
+        return iter(loader)
     if skips_by_index(loader):
-        iterator = _index_skipping_iterator(loader, batches_done)
-        if iterator is not None:
-            return iterator
+        return _index_skipping_iterator(loader, batches_done)
     logger.debug("resuming the epoch by loading and discarding its first %d batch(es) (%s)", batches_done,
                  type(loader).__name__)
-    iterator = iter(loader)
-    for _ in range(batches_done):
+    return _loaded_and_discarded(iter(loader), batches_done)
+
+
+def _loaded_and_discarded(iterator: Iterator[Any], count: int) -> Iterator[Any]:
+    for _ in range(count):
         next(iterator)
     return iterator
 
 
-def _index_skipping_iterator(loader: DataLoader, batches_done: int) -> Optional[Iterator[Any]]:
-    """The iterator ``iter(loader)`` would return, its first ``batches_done`` batches drawn but not fetched;
-    None where the loader's persistent workers already run an iterator (it is reset, not built, so the
-    fetching path serves)."""
+def _index_skipping_iterator(loader: DataLoader, batches_done: int) -> Iterator[Any]:
+    """The iterator ``iter(loader)`` would return (a loader whose workers do not persist), its first
+    ``batches_done`` batches drawn but not fetched."""
     if loader.num_workers == 0:
         iterator = _IndexSkippingSingleProcessIter(loader)
         iterator.skip_batches(batches_done)  # now: the draws must precede the caller's RNG restore
         return iterator
-    if loader.persistent_workers:
-        if loader._iterator is not None:
-            return None
-        loader.check_worker_number_rationality()
-        loader._iterator = _IndexSkippingMultiProcessIter(loader, batches_done)  # later epochs reuse its workers
-        return loader._iterator
     loader.check_worker_number_rationality()
-    return _IndexSkippingMultiProcessIter(loader, batches_done)
+    return _WorkerIterator(loader, skip=batches_done)
+
+
+def _persistent_epoch(loader: DataLoader, skip: int) -> Iterator[Any]:
+    """The epoch's iterator of a loader whose workers persist: the loader's one worker iterator (started now by the
+    first epoch, else reset to the epoch's start as ``iter(loader)`` resets it), its first ``skip`` batches drawn
+    but not sent to a worker."""
+    iterator = loader._iterator
+    if iterator is None:
+        loader.check_worker_number_rationality()
+        loader._iterator = _WorkerIterator(loader, skip=skip)  # the later epochs reset it
+        return loader._iterator
+    if isinstance(iterator, _WorkerIterator):
+        iterator.skip_at_next_reset(skip)
+        return iter(loader)  # DataLoader resets it (or starts it: a restored iterator starts on first use)
+    # An iterator made by iterating the loader elsewhere (a user's loop before fit): the loader resets it, and the
+    # skipped batches are loaded and discarded.
+    return _loaded_and_discarded(iter(loader), skip)
+
+
+def keeps_workers(loader: Any) -> bool:
+    """Whether ``loader`` is a DataLoader (iterating as ``torch.utils.data.DataLoader`` does) whose worker processes
+    persist from one epoch to the next (``persistent_workers=True``): then only its first ``iter`` starts workers and
+    draws their base seed; the later ones reset that iterator and draw nothing."""
+    return skips_by_index(loader) and loader.num_workers > 0 and bool(loader.persistent_workers)
+
+
+def persistent_iterator_state(loader: Any) -> Optional[dict]:
+    """What the RNG state of a run keeps of ``loader``'s persistent worker iterator (see :func:`keeps_workers`):
+    ``{"base_seed": the iterator's base seed}``, or None as the seed before the first epoch started the workers;
+    None for a loader whose workers do not persist."""
+    if not keeps_workers(loader):
+        return None
+    iterator = loader._iterator
+    return {"base_seed": None if iterator is None else int(iterator._base_seed)}
+
+
+def continue_persistent_iterator(loader: Any, state: Optional[dict]) -> None:
+    """Make the next ``iter(loader)`` what it was where ``state`` (:func:`persistent_iterator_state`) was captured.
+
+    Before the run's first epoch started the workers (``base_seed`` None), ``iter(loader)`` starts them and draws
+    their base seed: a worker iterator left from later in the run (an LR search, a rolled-back epoch, an interrupted
+    ``fit``) is shut down. Afterwards, ``iter(loader)`` resets the run's iterator and draws nothing: a loader without
+    it (a resumed run, another process) gets an iterator that starts on first use with the saved base seed (the same
+    worker seeds), drawing nothing.
+    """
+    if state is None or not keeps_workers(loader):
+        return
+    wanted, current = state["base_seed"], loader._iterator
+    if current is not None and wanted is not None:
+        # The run's iterator goes on (it may be the one the current epoch iterates: never replaced).
+        if int(current._base_seed) != int(wanted):
+            logger.warning("the training loader's persistent workers run with base seed %d, the saved run's had %d: "
+                           "their random state differs from the saved run's", current._base_seed, wanted)
+        return
+    if current is not None:
+        current._shutdown_workers()
+        loader._iterator = None
+    if wanted is not None:
+        loader._iterator = _WorkerIterator(loader, base_seed=int(wanted), start=False)
 
 
 def _draw_indices(sampler_iterator: Iterator[Any], count: int) -> None:
@@ -108,17 +172,57 @@ class _IndexSkippingSingleProcessIter(_SingleProcessDataLoaderIter):
         self._num_yielded += count
 
 
-class _IndexSkippingMultiProcessIter(_MultiProcessingDataLoaderIter):
-    """DataLoader's own multi-process iterator, its first ``skip`` batches drawn but never sent to a worker.
+class _WorkerIterator(_MultiProcessingDataLoaderIter):
+    """DataLoader's own multi-process iterator that can pass over an epoch's first batches and can continue a
+    persistent iterator of an earlier run.
 
-    The workers start with the same base seed as in the uninterrupted run (it is drawn where the DataLoader
-    draws it), and the remaining batches are handed out round-robin from the worker that would have had the
-    first of them, so each batch is loaded by the same worker (same seed, same ``get_worker_info().id``).
+    Skipped batches (``skip``, or :meth:`skip_at_next_reset` before ``iter(loader)`` resets it) are drawn but never
+    sent to a worker; the remaining batches are handed out round-robin from the worker that would have had the first
+    of them, so each batch is loaded by the same worker (same seed, same ``get_worker_info().id``) as in the
+    uninterrupted run.
+
+    With ``base_seed`` the iterator is the uninterrupted run's persistent iterator going on: its workers get that base
+    seed, and starting it draws nothing (the run reset its iterator here, which draws no base seed). With
+    ``start=False`` the workers start when the loader first resets it (``iter(loader)``).
     """
 
-    def __init__(self, loader: DataLoader, skip: int):
+    def __init__(self, loader: DataLoader, skip: int = 0, base_seed: Optional[int] = None, start: bool = True):
         self._batches_to_skip = skip  # read by _next_index, which the constructor's prefetching calls
+        self._continued_seed = base_seed
+        self._drawn_seed: Optional[int] = None
+        self._draws_to_undo: Optional[dict] = None
+        self._started = False
+        if start:
+            self._start(loader)
+
+    def _start(self, loader: DataLoader) -> None:
+        self._started = True
+        if self._continued_seed is not None:
+            self._draws_to_undo = _draw_state(loader)
         super().__init__(loader)
+
+    # DataLoader's constructor assigns the base seed it draws; a continued iterator keeps the saved one instead.
+    @property
+    def _base_seed(self) -> Optional[int]:
+        return self._continued_seed if self._continued_seed is not None else self._drawn_seed
+
+    @_base_seed.setter
+    def _base_seed(self, value: int) -> None:
+        self._drawn_seed = value
+
+    def skip_at_next_reset(self, count: int) -> None:
+        """Pass over the first ``count`` batches of the epoch the next reset (``iter(loader)``) starts."""
+        self._batches_to_skip = count
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        if not self._started:
+            self._start(loader)  # its first reset primes the epoch
+            return
+        if first_iter and self._draws_to_undo is not None:
+            # The constructor drew a base seed (and any draws of iter(sampler)): the run being continued did not.
+            state, self._draws_to_undo = self._draws_to_undo, None
+            _restore_draw_state(state, loader)
+        super()._reset(loader, first_iter)
 
     def _next_index(self) -> Any:
         if self._batches_to_skip:
@@ -128,6 +232,23 @@ class _IndexSkippingMultiProcessIter(_MultiProcessingDataLoaderIter):
             for _ in range(skip % self._num_workers):
                 next(self._worker_queue_idx_cycle)
         return super()._next_index()
+
+    def _shutdown_workers(self) -> None:
+        if self._started:  # an iterator that never started has no workers (nor the attributes shutting down reads)
+            super()._shutdown_workers()
+
+
+def _draw_state(loader: Any) -> dict:
+    """The RNG state iterating ``loader`` draws from (the run's RNG state without the iterator's)."""
+    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state
+    state = capture_rng_state(loader)
+    state.pop(ITERATOR_KEY, None)
+    return state
+
+
+def _restore_draw_state(state: dict, loader: Any) -> None:
+    from aitoolbox.torchtrain.train_loop.train_state import restore_rng_state
+    restore_rng_state({key: value for key, value in state.items() if key != ITERATOR_KEY}, loader)
 
 
 def epoch_without(loader: Any, start: int, skipped: Sequence[int], loader_state: Optional[Any] = None
@@ -179,31 +300,42 @@ def _leaving_out(iterator: Iterator[Any], position: int, pending: List[int]) -> 
 def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], positions: Sequence[int]
                   ) -> Optional[List[int]]:
     """The dataset indices of the batches at ``positions`` of epoch ``epoch`` of ``loader``, whose data order was
-    drawn from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`; a sampler with ``set_epoch``, such
-    as DistributedSampler, is set to ``epoch``), drawn again from the sampler without fetching anything; None where
+    drawn from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`; samplers with ``set_epoch``, such
+    as DistributedSampler, are set to ``epoch``), drawn again from the sampler without fetching anything; None where
     the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
-    unknown. Every RNG state, and the sampler's epoch, is as before afterwards."""
-    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
+    unknown. Every RNG state, the samplers' epochs and the loader's worker iterator are as before afterwards."""
+    from aitoolbox.torchtrain.data.sampler_state import loader_samplers
     if epoch_start_rng is None or not skips_by_index(loader) or not positions:
         return None
-    saved = capture_rng_state(loader)
-    sampler = getattr(loader, "sampler", None)
-    sampler_epoch = getattr(sampler, "epoch", None) if callable(getattr(sampler, "set_epoch", None)) else None
+    saved = _draw_state(loader)
+    with_epoch = [(sampler, sampler.epoch) for sampler in loader_samplers(loader)
+                  if callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "epoch")]
     try:
-        if sampler_epoch is not None:
+        for sampler, _ in with_epoch:
             sampler.set_epoch(epoch)
-        restore_rng_state(epoch_start_rng, loader)
-        iterator = _BaseDataLoaderIter(loader)  # draws the base seed where iter(loader) does: same sampler draws
+        _restore_draw_state(epoch_start_rng, loader)
+        sampler_iterator = _epoch_index_iterator(loader, epoch_start_rng)
         wanted, indices = set(positions), []
         for position in range(max(positions) + 1):
             try:
-                drawn = iterator._next_index()
+                drawn = next(sampler_iterator)
             except StopIteration:
                 break
             if position in wanted:
                 indices.extend(int(index) for index in (drawn if isinstance(drawn, (list, tuple)) else [drawn]))
         return indices
     finally:
-        restore_rng_state(saved, loader)
-        if sampler_epoch is not None:
+        _restore_draw_state(saved, loader)
+        for sampler, sampler_epoch in with_epoch:
             sampler.set_epoch(sampler_epoch)
+
+
+def _epoch_index_iterator(loader: DataLoader, epoch_start_rng: dict) -> Iterator[Any]:
+    """The index (or batch) iterator of the epoch, with the draws ``iter(loader)`` made before it, in its order:
+    ``iter(sampler)``, the base seed (unless a persistent iterator was reset, which draws none) and, for a worker
+    iterator starting, ``iter(sampler)`` again (its constructor resets itself)."""
+    sampler_iterator = iter(loader._index_sampler)
+    if (epoch_start_rng.get(ITERATOR_KEY) or {}).get("base_seed") is not None:
+        return sampler_iterator
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    return iter(loader._index_sampler) if loader.num_workers > 0 else sampler_iterator

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.ddp import InMultiProcessDataLoad
+from aitoolbox.torchtrain.distributed.data import check_train_loader
 from aitoolbox.torchtrain.distributed.environment import (
     PortReservation, current_external_placement, job_master_port)
 from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
@@ -34,8 +36,19 @@ RUN_RECORD_KEY = "experiment_run"
 
 def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
     """Give this process its share of the training data (after in-process data loading)."""
-    shuffle = None if train_data_shuffle else False
-    tl.train_loader = tl.strategy.setup_loader(tl.train_loader, shuffle)
+    tl.train_loader = tl.strategy.setup_loader(tl.train_loader, _shuffle(train_data_shuffle))
+
+
+def _shuffle(train_data_shuffle: bool) -> Optional[bool]:
+    """``train_data_shuffle`` as the strategy takes it: None keeps the sampler's order, False the data set's."""
+    return None if train_data_shuffle else False
+
+
+def _train_loader_built_in_process(options: "DistributedFitOptions") -> bool:
+    """Whether ``in_process_data_load`` may replace the training loader in each process (a callback other than
+    InMultiProcessDataLoad may do anything)."""
+    return any(not isinstance(callback, InMultiProcessDataLoad) or callback.train_loader_build_fn not in (None, False)
+               for callback in options.data_load_callbacks())
 
 
 def distributed_result(tl: "TrainLoop") -> dict:
@@ -334,6 +347,8 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         return train_in_this_process(job, placement)
 
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
+    if not _train_loader_built_in_process(options):  # refused before any process starts (each checks it again)
+        check_train_loader(tl.train_loader, options.num_nodes * per_node, _shuffle(options.train_data_shuffle))
     addr, port, reservation = rendezvous(options.num_nodes, options.node_rank, options.master_addr,
                                          options.master_port)
     method = choose_start_method(options.start_method)

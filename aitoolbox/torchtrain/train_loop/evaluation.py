@@ -10,6 +10,7 @@ from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.losses import (
     LossResult, as_float_dict, as_loss_result, detached_values, history_entries, loss_names)
 from aitoolbox.torchtrain.train_loop.progress import EvaluationProgress
+from aitoolbox.torchtrain.data.sampler_state import loader_generators
 from aitoolbox.torchtrain.train_loop.validation_sets import VALIDATION, history_prefixes, select_validation_set
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,18 +54,6 @@ def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) ->
             values = values.detach().cpu().tolist()
         collected.setdefault(key, []).extend(values)
     return collected
-
-
-def loader_generators(loader: Any) -> List[torch.Generator]:
-    """The torch generators iterating ``loader`` draws from: the DataLoader's own and its samplers'."""
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    generators: List[torch.Generator] = []
-    for owner in (loader, sampler, batch_sampler_sampler):
-        generator = getattr(owner, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not known for known in generators):
-            generators.append(generator)
-    return generators
 
 
 @contextlib.contextmanager

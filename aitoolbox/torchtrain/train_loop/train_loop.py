@@ -736,7 +736,9 @@ class TrainLoop:
 
         Args:
             num_epochs, num_iterations, callbacks, grad_accumulation: as in :meth:`fit`.
-            train_data_shuffle: shuffle the training data each epoch (when the original loader shuffles).
+            train_data_shuffle: True: each process trains its share of the order the training loader's sampler
+                draws; False: a ``RandomSampler``'s data set in its order instead (another shuffling sampler is
+                refused). See the "Distributed training" docs page.
             ddp_model_args: keyword arguments for ``torch.nn.parallel.DistributedDataParallel``.
             amp_init_args: ``amp.initialize`` keyword arguments, e.g. ``{'opt_level': 'O1'}``.
             in_process_data_load: callback(s) whose ``on_multiprocess_start`` builds the data loaders in each

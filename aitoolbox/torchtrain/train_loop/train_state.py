@@ -23,7 +23,9 @@ import torch
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
-from aitoolbox.torchtrain.train_loop.data_position import has_own_state
+from aitoolbox.torchtrain.train_loop.data_position import (
+    ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
+from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,17 +39,25 @@ FORMAT_VERSION = 2
 
 
 def capture_rng_state(loader: Any = None) -> dict:
-    """RNG states of this process (and of ``loader``'s torch generators), as weights-only-loadable values."""
+    """RNG states of this process and of ``loader``'s data order (its torch generators, the random states its
+    samplers keep themselves, its persistent worker iterator), as weights-only-loadable values."""
     numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
+    generators = loader_generators(loader) if loader is not None else []
     state = {
         "python": random.getstate(),
         "numpy": [numpy_kind, torch.from_numpy(numpy_keys.astype(np.int64)), int(numpy_pos), int(numpy_has_gauss),
                   float(numpy_gauss)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
-        "loader_generators": [generator.get_state() for generator in loader_generators(loader)]
-        if loader is not None else [],
+        "loader_generators": [generator.get_state() for generator in generators],
     }
+    if loader is not None:
+        samplers = capture_sampler_states(loader, generators)
+        if samplers:
+            state["samplers"] = weights_only_safe(samplers)
+        iterator = persistent_iterator_state(loader)
+        if iterator is not None:
+            state[ITERATOR_KEY] = iterator
     return state
 
 
@@ -66,6 +76,9 @@ def restore_rng_state(state: dict, loader: Any = None) -> None:
                          f"the train loader has {len(generators)}: build the DataLoader as in the original run")
     for generator, generator_state in zip(generators, state["loader_generators"]):
         generator.set_state(generator_state)
+    if loader is not None:  # (states saved before these keys existed hold neither)
+        restore_sampler_states(loader, state.get("samplers", {}))
+        continue_persistent_iterator(loader, state.get(ITERATOR_KEY))
 
 
 @dataclasses.dataclass

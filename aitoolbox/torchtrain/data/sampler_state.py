@@ -1,0 +1,197 @@
+"""The random state a training loader's samplers keep themselves, saved and restored with the run's RNG state.
+
+A resumed epoch draws its data order again from the state its samplers had at the epoch's start, so that state
+must be saved. Torch generators (``sampler.generator``, the loader's ``generator``) are saved with the loader's
+generators (:func:`loader_generators`). Samplers that draw from a random state of their own besides
+(a bucketing sampler's ``random.Random``, a numpy ``Generator``) are saved here, for every sampler the loader
+iterates (its sampler, its batch sampler and the samplers they wrap):
+
+* a sampler with ``random_state_dict()`` and ``load_random_state_dict()`` is saved and restored through them: the
+  way for a sampler whose ``state_dict`` means something else (torchdata's ``StatefulDataLoader`` takes a sampler's
+  ``state_dict`` for its position in the epoch and stops fast-forwarding it);
+* else a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a
+  sampler whose random state is out of reach can still expose it);
+* otherwise its attributes that hold a ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator,
+  or a torch ``Generator`` are saved and restored by value;
+* a random state that cannot be saved (``random.SystemRandom``, which draws from the operating system; generators
+  inside a list or dict attribute) is named in a warning: a resumed run will not draw that sampler's order again.
+
+``DistributedSampler`` (and subclasses such as torchdata's ``StatefulDistributedSampler``, whose ``state_dict`` is
+an iteration position, not a random state) is left out: its order follows from its seed and epoch alone.
+"""
+import contextlib
+import itertools
+import logging
+import random
+import warnings
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+logger = logging.getLogger(__name__)
+
+# The sharding wrappers fit_distributed adds exist only with several processes: a run resumed by another number
+# of processes lacks (or has) them, which is not a change of the user's loader.
+_WORLD_SIZE_SPECIFIC = ("ShardedSampler", "ShardedBatchSampler")
+_ITEMS_LOOKED_AT = 8
+_SAVEABLE = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator, torch.Generator)
+
+
+def loader_samplers(loader: Any) -> List[Any]:
+    """The samplers iterating ``loader`` draws from, outermost first: its ``sampler`` and ``batch_sampler`` and, in
+    turn, the samplers each wraps (their ``sampler`` attribute), each once."""
+    found: List[Any] = []
+    pending = [getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    while pending:
+        sampler = pending.pop(0)
+        if sampler is None or not hasattr(sampler, "__iter__") or any(sampler is known for known in found):
+            continue
+        found.append(sampler)
+        pending.append(getattr(sampler, "sampler", None))
+    return found
+
+
+def loader_generators(loader: Any) -> List[torch.Generator]:
+    """The torch generators iterating ``loader`` draws from: the DataLoader's own and its samplers' (the sampler,
+    the batch sampler and the samplers they wrap, e.g. the user's sampler inside the one ``fit_distributed`` shards
+    it with)."""
+    generators: List[torch.Generator] = []
+    for owner in [loader] + loader_samplers(loader):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not known for known in generators):
+            generators.append(generator)
+    return generators
+
+
+@contextlib.contextmanager
+def preserved_random_states(loader: Any) -> Iterator[None]:
+    """Within the block the loader's samplers may draw; afterwards their random states (the loader's torch
+    generators, the samplers' own states) are as before it."""
+    generators = loader_generators(loader)
+    generator_states = [generator.get_state() for generator in generators]
+    sampler_states = capture_sampler_states(loader, generators)
+    try:
+        yield
+    finally:
+        for generator, state in zip(generators, generator_states):
+            generator.set_state(state)
+        restore_sampler_states(loader, sampler_states)
+
+
+def keyed_samplers(loader: Any) -> Dict[str, Any]:
+    """The loader's samplers keyed ``<class name>:<n>`` (n counts the samplers of that class): the keys of a loader
+    built the same way again, under one process or several, are the same."""
+    keyed: Dict[str, Any] = {}
+    for sampler in loader_samplers(loader):
+        if isinstance(sampler, DistributedSampler):
+            continue
+        name = type(sampler).__name__
+        count = sum(key.rsplit(":", 1)[0] == name for key in keyed)
+        keyed[f"{name}:{count}"] = sampler
+    return keyed
+
+
+def _has_methods(sampler: Any, save: str, load: str) -> bool:
+    return callable(getattr(sampler, save, None)) and callable(getattr(sampler, load, None))
+
+
+def _rng_state(rng: Any) -> Any:
+    """The state of one random number generator, in values ``torch.load(weights_only=True)`` reads."""
+    if isinstance(rng, torch.Generator):
+        return rng.get_state()
+    if isinstance(rng, random.Random):
+        return rng.getstate()
+    if isinstance(rng, np.random.RandomState):
+        kind, keys, position, has_gauss, gauss = rng.get_state(legacy=True)
+        return [kind, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss)]
+    bit_generator = rng.bit_generator if isinstance(rng, np.random.Generator) else rng
+    return bit_generator.state  # a dict of str and int (Python ints of any size load with weights_only)
+
+
+def _set_rng_state(rng: Any, state: Any) -> None:
+    if isinstance(rng, torch.Generator):
+        rng.set_state(state)
+    elif isinstance(rng, random.Random):
+        version, internal, gauss = state
+        rng.setstate((version, tuple(internal), gauss))
+    elif isinstance(rng, np.random.RandomState):
+        kind, keys, position, has_gauss, gauss = state
+        rng.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    else:
+        (rng.bit_generator if isinstance(rng, np.random.Generator) else rng).state = state
+
+
+def _own_rngs(sampler: Any, known: List[torch.Generator]) -> Dict[str, Any]:
+    """The sampler's attributes holding a random number generator it owns (not one of ``known``, the loader's
+    torch generators, saved with them); warns about those that cannot be saved."""
+    saveable: Dict[str, Any] = {}
+    for name, value in vars(sampler).items() if hasattr(sampler, "__dict__") else ():
+        if isinstance(value, random.SystemRandom):
+            _warn_unsaved(sampler, f"attribute {name!r} is a random.SystemRandom, which draws from the operating "
+                                   "system and has no state to save")
+        elif isinstance(value, _SAVEABLE):
+            if not any(value is generator for generator in known):
+                saveable[name] = value
+        elif isinstance(value, (list, tuple, dict)):
+            # The first few items only: a sampler's list of indices may hold millions.
+            items = itertools.islice(value.values() if isinstance(value, dict) else value, _ITEMS_LOOKED_AT)
+            if any(isinstance(item, _SAVEABLE) for item in items):
+                _warn_unsaved(sampler, f"attribute {name!r} holds random number generators inside a "
+                                       f"{type(value).__name__}, which are not saved")
+    return saveable
+
+
+def _warn_unsaved(sampler: Any, why: str) -> None:
+    warnings.warn(f"the training sampler {type(sampler).__name__} keeps a random state of its own that a checkpoint "
+                  f"cannot hold: {why}. A resumed run will not draw the same data order; give "
+                  f"{type(sampler).__name__} state_dict() and load_state_dict() methods that save and restore it "
+                  "(or keep each generator in an attribute of its own)", UserWarning, stacklevel=4)
+
+
+def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Generator]] = None) -> Dict[str, Any]:
+    """The random states the samplers of ``loader`` keep themselves, keyed by sampler (see the module's description).
+
+    Args:
+        loader: the training loader.
+        known_generators: torch generators saved elsewhere, not saved again; None: the loader's generators
+            (:func:`loader_generators`).
+    """
+    if known_generators is None:
+        known_generators = loader_generators(loader)
+    known = list(known_generators)
+    states: Dict[str, Any] = {}
+    for key, sampler in keyed_samplers(loader).items():
+        if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+            states[key] = {"random_state": sampler.random_state_dict()}
+            continue
+        if _has_methods(sampler, "state_dict", "load_state_dict"):
+            states[key] = {"state_dict": sampler.state_dict()}
+            continue
+        rngs = _own_rngs(sampler, known)
+        if rngs:
+            states[key] = {"attributes": {name: _rng_state(rng) for name, rng in rngs.items()}}
+    return states
+
+
+def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
+    """Put back what :func:`capture_sampler_states` returned into the samplers of ``loader`` (one built as the saved
+    run's was); a saved sampler this loader lacks is named in a warning."""
+    current = keyed_samplers(loader)
+    for key, saved in states.items():
+        sampler = current.get(key)
+        if sampler is None:
+            if key.rsplit(":", 1)[0] not in _WORLD_SIZE_SPECIFIC:
+                logger.warning("the checkpoint holds the random state of the training sampler %s, which this training "
+                               "loader does not have: build the loader as in the saved run for the same data order",
+                               key)
+            continue
+        if "random_state" in saved:
+            sampler.load_random_state_dict(saved["random_state"])
+            continue
+        if "state_dict" in saved:
+            sampler.load_state_dict(saved["state_dict"])
+            continue
+        for name, state in saved["attributes"].items():
+            _set_rng_state(getattr(sampler, name), state)
