@@ -112,7 +112,8 @@ def test_transient_bars_leave_nothing_in_the_saved_notebook(tmp_path):
     assert set(views) <= set(saved.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"])
     # What is left of a transient bar's display is an output without content, which shows nothing.
     emptied = [output for output in outputs if output["output_type"] == "display_data" and not output["data"]]
-    assert len(emptied) >= 2 * 2 + 2  # validation loss and predictions in both epochs, then the third cell's two
+    # An epoch's evaluation passes share one transient bar (validation loss and predictions), then the third cell's two.
+    assert len(emptied) >= EPOCH_BARS + 2
     # The transient bars' widgets are closed: a frontend saving its live widget state saves none of them (nbclient
     # itself saves the state of every widget ever opened), and the kernel holds none of them any more.
     report = re.search(r"OPEN BARS (\[.*?\]) STRAY (\[.*?\]) CREATED (\d+)", text)
