@@ -69,7 +69,44 @@ def _checkpoint_safe_types() -> List[_SafeGlobal]:
 CHECKPOINT_SAFE_TYPES: List[_SafeGlobal] = _checkpoint_safe_types()
 
 
-class UntrustedCheckpointError(pickle.UnpicklingError, RuntimeError):
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint could not be loaded; the base of aitoolbox's loading errors, and raised as itself for a
+    failure that is neither of the two below (e.g. the file's tensors were saved on a device this machine lacks).
+
+    A ``RuntimeError``, as unreadable checkpoints raised before. The message names the file and what is wrong.
+
+    Attributes:
+        path: the file (or a sharded checkpoint's folder, or one file in it).
+        reason: what is wrong, in words.
+    """
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return f"cannot load {self.path}: {self.reason}"
+
+    def __reduce__(self) -> Any:  # DCP sends a process's error to the others pickled
+        return type(self), (self.path, self.reason)
+
+
+class CorruptCheckpointError(CheckpointLoadError, ValueError):
+    """The file is damaged, truncated, not a checkpoint, or beyond what the reader accepts (a decompressed size far
+    beyond the file's, a storage entry outside its folder, nesting too deep).
+
+    Nothing from the file was run. Loading it with ``weights_only=False`` would not help: use another copy, or an
+    earlier checkpoint. A ``RuntimeError`` and a ``ValueError`` (what aitoolbox raised before for unreadable and for
+    non-checkpoint files).
+    """
+
+    def _message(self) -> str:
+        return (f"cannot load {self.path}: it is corrupt or not a checkpoint: {self.reason}. Nothing from it was "
+                "run; use another copy of it or an earlier checkpoint")
+
+
+class UntrustedCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
     """A file holds Python objects that loading it would have to build by running code named in the file.
 
     Nothing from the file was run. A ``RuntimeError`` (as other unreadable checkpoints) and a
@@ -77,21 +114,21 @@ class UntrustedCheckpointError(pickle.UnpicklingError, RuntimeError):
 
     Attributes:
         path: the file.
-        refused: the refused globals, ``module.name``; empty when torch did not say.
+        refused: the refused globals, ``module.name`` (at least one).
     """
 
     def __init__(self, path: str, refused: Sequence[str], detail: str = ""):
-        self.path = path
         self.refused = list(refused)
         self.detail = detail
-        what = f"objects of {', '.join(self.refused)}" if self.refused else f"objects torch refuses ({detail})"
-        super().__init__(
-            f"refusing to load {path}: it holds {what}, which only full unpickling can build, and full unpickling "
-            "runs whatever code the file names. Nothing from the file was run. If you trust this file (you wrote "
-            "it yourself, e.g. with aitoolbox 1.x and custom objects in the hyperparameters), load it with "
-            "weights_only=False; only for files you trust")
+        super().__init__(path, f"it holds objects of {', '.join(self.refused) or detail}")
 
-    def __reduce__(self) -> Any:  # DCP sends a process's error to the others pickled
+    def _message(self) -> str:
+        return (f"refusing to load {self.path}: {self.reason}, which only full unpickling can build, and full "
+                "unpickling runs whatever code the file names. Nothing from the file was run. If you trust this "
+                "file (you wrote it yourself, e.g. with aitoolbox 1.x and custom objects in the hyperparameters), "
+                "load it with weights_only=False; only for files you trust")
+
+    def __reduce__(self) -> Any:
         return type(self), (self.path, self.refused, self.detail)
 
 
@@ -160,7 +197,8 @@ def load_torch_file(path: str, map_location: Any = "cpu", weights_only: bool = T
 
     Raises:
         UntrustedCheckpointError: the file holds other objects (with ``weights_only=True``).
-        FileNotFoundError / RuntimeError: as :func:`~aitoolbox.experiment.local_save.atomic.torch_load_checked`.
+        CorruptCheckpointError: the file is truncated, damaged or not a torch file.
+        FileNotFoundError: there is no file at ``path``.
     """
     # Imported here: atomic imports nothing of this package, and this module must not import it at its top
     # either (checkpoints imports both).
@@ -172,12 +210,14 @@ def load_torch_file(path: str, map_location: Any = "cpu", weights_only: bool = T
     with checkpoint_types_allowed():
         try:
             return torch_load_checked(path, map_location=map_location, weights_only=True)
+        except FileNotFoundError:
+            raise
         except RuntimeError as error:
             cause = error.__cause__
-            if cause is None or not is_weights_only_refusal(cause):
-                raise
-            raise UntrustedCheckpointError(path, _refused_globals(path, cause),
-                                           str(cause).strip().splitlines()[-1]) from cause
+            refused = _refused_globals(path, cause) if cause is not None and is_weights_only_refusal(cause) else []
+            if not refused:
+                raise CorruptCheckpointError(path, str(cause or error).strip().splitlines()[-1]) from error
+            raise UntrustedCheckpointError(path, refused, str(cause).strip().splitlines()[-1]) from cause
 
 
 # What torch's DCP pickles into a sharded checkpoint's ``.metadata`` (its index of tensors and where their pieces
