@@ -77,6 +77,7 @@ print(json.dumps(dict(opened)))
 """
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.parametrize("load", SHARDED_LOADS.keys())
 def test_each_file_of_a_sharded_checkpoint_is_opened_once(tmp_path, load):
     folder = hostile.sharded_checkpoint(str(tmp_path / "model_exp_ts_E1"))
@@ -184,6 +185,7 @@ def test_a_storage_entry_beyond_its_file_is_refused_before_reading(tmp_path, loa
     assert folder in str(refused.value)
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_storage_entry_naming_a_device_file_reads_nothing(tmp_path):
     """``/dev/zero`` with a 16 GiB length: refused before a byte is read (in a process with a memory limit)."""
     cases = []
@@ -200,6 +202,7 @@ def test_a_storage_entry_naming_a_device_file_reads_nothing(tmp_path):
 
 
 # --- item 4: numpy values rebuilt from plain data only -----------------------------------------------------------
+@pytest.mark.slow  # a process of its own
 def test_a_numpy_dtype_with_an_object_field_is_refused_and_the_process_survives(tmp_path):
     cases = []
     for entry, key in (("loop", "early_stop"), ("file", "hyperparams"), ("loader", "epoch")):
@@ -302,6 +305,7 @@ def test_loading_changes_nothing_another_torch_load_sees(tmp_path):
 
 
 # --- item 6: decompression bombs ------------------------------------------------------------------------------------
+@pytest.mark.slow  # a process of its own
 def test_a_decompression_bomb_is_refused_before_memory_is_allocated(tmp_path):
     cases = []
     honest = hostile.deflate_bomb(256 << 20)  # 256 MiB of zeros in about 256 KiB

@@ -89,8 +89,9 @@ class TensorBuilder:
         if not _empty(hooks):
             raise Malformed("a tensor with backward hooks")
         if not _empty(metadata) and (type(metadata) is not dict or not all(
-                isinstance(key, str) and type(value) is bool for key, value in metadata.items())):
-            raise Malformed("a tensor with metadata other than flags")
+                key in ("conj", "neg") and type(value) is bool for key, value in metadata.items())
+                or (metadata.get("conj") and not dtype.is_complex) or (metadata.get("neg") and dtype == torch.bool)):
+            raise Malformed("a tensor with metadata other than torch's conjugate and negative flags")
         element = torch._utils._element_size(dtype)
         nbytes = storage._untyped_storage.nbytes()
         elements = nbytes // element
@@ -229,9 +230,14 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
     return complex(real, imag)
 
 
+def _attributes(names: Any) -> bool:
+    """Plain attribute names: text, none of Python's own (``__class__``, ``__dict__``)."""
+    return all(isinstance(name, str) and not name.startswith("__") for name in names)
+
+
 def _namespace(*args: Any, **kwargs: Any) -> argparse.Namespace:
-    if args or not all(isinstance(key, str) for key in kwargs):
-        raise Malformed("argparse.Namespace with positional arguments")
+    if args or not _attributes(kwargs):
+        raise Malformed("argparse.Namespace with positional arguments or attributes of Python's own")
     return argparse.Namespace(**kwargs)
 
 
@@ -384,8 +390,8 @@ def build_state(numpy_builder: NumpyBuilder) -> Callable[[Any, Any], Any]:
         if type(instance) in (collections.OrderedDict, argparse.Namespace):
             if type(state) is tuple and len(state) == 2 and state[1] is None:
                 state = state[0]
-            if type(state) is not dict or not all(isinstance(key, str) for key in state):
-                raise Malformed(f"the state of a {type(instance).__name__} is not a dict of names")
+            if type(state) is not dict or not _attributes(state):
+                raise Malformed(f"the state of a {type(instance).__name__} is not a dict of plain attribute names")
             vars(instance).update(state)
             return None
         raise Malformed(f"sets the state of a {type(instance).__name__}, which a checkpoint never does")

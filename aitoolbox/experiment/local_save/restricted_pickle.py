@@ -50,14 +50,17 @@ def short(value: Any) -> str:
 
 
 def check_key(key: Any) -> Any:
-    """``key`` for a dict or set built from a file: not an int of more than 60 bits (nor a tuple holding one).
+    """``key`` for a dict or set built from a file: not an int of more than 60 bits nor a complex number (nor a
+    tuple holding one).
 
-    Python hashes such ints modulo 2**61 - 1, so a file can hold thousands of distinct ones with one hash, and
-    building a dict of them takes time quadratic in their number (minutes for a file of a megabyte). Strings and
-    bytes are hashed with a secret seed; checkpoints use those, and small ints, as keys.
+    Python hashes such ints modulo 2**61 - 1, so a file can hold thousands of distinct ones with one hash (complex
+    numbers combine two hashes the file chooses), and building a dict of them takes time quadratic in their number
+    (minutes for a file of a megabyte). Strings and bytes are hashed with a secret seed; checkpoints use those,
+    and small ints, as keys.
     """
-    if type(key) is int and key.bit_length() > 60:
-        raise Malformed("a dict or set key is an integer of more than 60 bits (a hash-collision attack?)")
+    if (type(key) is int and key.bit_length() > 60) or isinstance(key, complex):
+        raise Malformed("a dict or set key is an integer of more than 60 bits or a complex number (a "
+                        "hash-collision attack?)")
     if type(key) in (tuple, frozenset):
         for item in key:
             check_key(item)
