@@ -127,9 +127,11 @@ class TensorBuilder:
     def parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> torch.nn.Parameter:
         if type(data) is not torch.Tensor or type(requires_grad) is not bool or not _empty(hooks):
             raise Malformed("a parameter of other than a tensor and a flag, or with backward hooks")
-        if not _empty(state):
-            raise Refused(["a torch.nn.Parameter with attributes of its own"])
-        return torch.nn.Parameter(data, requires_grad)
+        attributes = _tensor_attributes(state)
+        parameter = torch.nn.Parameter(data, requires_grad)
+        for name, value in attributes.items():
+            setattr(parameter, name, value)
+        return parameter
 
     @staticmethod
     def meta_tensor(dtype: Any, size: Any, stride: Any, requires_grad: Any) -> torch.Tensor:
@@ -142,12 +144,31 @@ class TensorBuilder:
 _PLAIN_TENSOR = Allowed("torch.Tensor")
 
 
+def _tensor_attributes(state: Any) -> Dict[str, Any]:
+    """The Python attributes torch pickles with a tensor (e.g. ``_dynamo_static_input_type``, which a compiled
+    training sets on its optimizer's state): plain names that do not hide anything of ``torch.Tensor``, plain
+    values."""
+    if type(state) is tuple and len(state) == 2 and _empty(state[1]):
+        state = state[0]
+    if _empty(state):
+        return {}
+    if type(state) is not dict or not all(
+            isinstance(name, str) and re.fullmatch(r"_?[A-Za-z][A-Za-z0-9_]*", name) and not name.endswith("hooks")
+            and not hasattr(torch.Tensor, name) and type(value) in (str, int, float, bool, type(None))
+            for name, value in state.items()):
+        raise Refused(["a tensor with attributes other than plain values"])
+    return state
+
+
 def _from_type(builder_calls: Dict[int, Allowed]) -> Callable[..., Any]:
     def rebuild(function: Any, new_type: Any, args: Any, state: Any) -> Any:
-        if id(function) not in builder_calls or new_type is not _PLAIN_TENSOR or type(args) is not tuple \
-                or not _empty(state):
-            raise Refused([f"a tensor subclass or a tensor with attributes ({getattr(new_type, 'name', new_type)})"])
-        return function.call(*args)
+        if id(function) not in builder_calls or new_type is not _PLAIN_TENSOR or type(args) is not tuple:
+            raise Refused([f"a tensor subclass ({getattr(new_type, 'name', short(new_type))})"])
+        attributes = _tensor_attributes(state)
+        tensor = function.call(*args)
+        for name, value in attributes.items():
+            setattr(tensor, name, value)
+        return tensor
     return rebuild
 
 
@@ -214,9 +235,9 @@ def _collection(kind: type) -> Callable[..., Any]:
     def build(items: Any = ()) -> Any:
         if type(items) not in (list, tuple, set, frozenset, dict, collections.OrderedDict):
             raise Malformed(f"{kind.__name__} of {type(items).__name__}")
-        if isinstance(items, dict) or kind in (set, frozenset):
-            keys = items
-        else:  # the (key, value) pairs of a dict type
+        if isinstance(items, dict) or kind in (set, frozenset, collections.Counter):
+            keys = items  # a dict's keys; the elements of a set, or those a Counter counts
+        else:  # the (key, value) pairs of an OrderedDict
             keys = [pair[0] for pair in items if type(pair) in (tuple, list) and len(pair) == 2]
         for key in keys:
             check_key(key)

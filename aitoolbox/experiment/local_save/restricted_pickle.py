@@ -15,10 +15,9 @@ does changes what a load accepts.
   out-of-band buffers are refused.
 
 Every other failure (truncated data, an unknown opcode, a wrong argument) is :class:`Malformed`.
-:func:`check_shape` then bounds what was built: nesting depth, cycles, and how many objects a walk over it meets
+:func:`~aitoolbox.experiment.local_save.object_bounds.check_shape` then bounds what was built: nesting depth, cycles, and how many objects a walk over it meets
 (a pickle can reference one list from many places, which a naive walk multiplies).
 """
-import argparse
 import codecs
 import collections
 import reprlib
@@ -425,77 +424,3 @@ class RestrictedUnpickler:
 
     def _extension(self, code: int) -> None:
         raise Refused([f"copyreg extension code {code}"])
-
-
-# --- bounding what was built ---------------------------------------------------------------------------------------
-def _children(value: Any) -> Optional[list]:
-    kind = type(value)
-    if kind in (list, tuple, set, frozenset):
-        return list(value)
-    if kind in (dict, collections.OrderedDict, collections.Counter):
-        return [item for pair in value.items() for item in pair] + list(getattr(value, "__dict__", {}).values())
-    if kind is argparse.Namespace:
-        return list(vars(value).values())
-    return None
-
-
-def check_shape(value: Any, max_depth: int, max_visits: int) -> None:
-    """Raise :class:`Malformed` when ``value`` (a loaded object) nests containers deeper than ``max_depth``, holds
-    a container that contains itself, or when walking it, a shared container once per place it is referenced,
-    would meet more than ``max_visits`` objects (a few hundred bytes of pickle can describe a DAG whose walk never
-    ends)."""
-    visits: Dict[int, int] = {}  # id -> objects a walk from it meets; absent: not done
-    depth: Dict[int, int] = {}
-    on_path = set()
-    stack: List[Tuple[Any, bool]] = [(value, False)]
-    while stack:
-        node, done = stack.pop()
-        children = _children(node)
-        key = id(node)
-        if children is None:
-            continue
-        if done:
-            on_path.discard(key)
-            inner = [child for child in children if _children(child) is not None]
-            visits[key] = 1 + len(children) + sum(visits[id(child)] - 1 for child in inner)
-            depth[key] = 1 + max((depth[id(child)] for child in inner), default=0)
-            if depth[key] > max_depth:
-                raise Malformed(f"containers nest {depth[key]} deep, more than {max_depth}")
-            if visits[key] > max_visits:
-                raise Malformed(f"walking it would meet over {max_visits} objects (containers referenced from "
-                                "many places)")
-            continue
-        if key in visits:
-            continue
-        if key in on_path:
-            raise Malformed("a container contains itself")
-        on_path.add(key)
-        stack.append((node, True))
-        if len(on_path) > max_depth:
-            raise Malformed(f"containers nest more than {max_depth} deep")
-        for child in children:
-            if _children(child) is not None:
-                if id(child) in on_path:
-                    raise Malformed("a container contains itself")
-                if id(child) not in visits:
-                    stack.append((child, False))
-
-
-def refused_names(data: bytes) -> List[str]:
-    """Every global a pickle names (best effort, without building anything): what a refusal lists."""
-    import pickletools
-
-    names: List[str] = []
-    strings: List[str] = []
-    try:
-        for opcode, argument, _ in pickletools.genops(bytes(data)):
-            if opcode.name in ("GLOBAL", "INST"):
-                names.append(str(argument).replace(" ", "."))
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(argument, str):
-                strings.append(argument)
-    except Exception:  # noqa: BLE001 - a damaged tail: what was found before it is the answer
-        pass
-    return list(dict.fromkeys(names))
-

@@ -107,7 +107,7 @@ def sharded_checkpoint_info(path: str) -> Dict[str, Any]:
             of an interrupted save, or a folder without its marker).
         CorruptCheckpointError: the marker is not one this package writes (a ``ValueError``).
     """
-    from aitoolbox.experiment.local_save.dcp_reader import CheckpointFolder
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
 
     _check_complete(path)
     with CheckpointFolder(path) as folder:
@@ -464,7 +464,7 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
             checkpoint (a ``RuntimeError``); in a process group, another process could not read the checkpoint.
         All of them in every process of the group.
     """
-    from aitoolbox.experiment.local_save.dcp_reader import CheckpointFolder
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     _check_complete(path)
@@ -475,7 +475,7 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
 def _read_for_load(folder: Any, optimizers: list, process_group: Any) -> tuple:
     """The marker, DCP's index and this process's extra state of ``folder``, read by every process; what one process
     cannot read stops all of them before DCP's collectives (where the others would wait for it)."""
-    from aitoolbox.experiment.local_save.dcp_reader import read_dcp_metadata
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
     from aitoolbox.experiment.local_save.safe_load import CheckpointLoadError
 
     rank, world_size = _group_rank_and_size(process_group)
@@ -550,7 +550,8 @@ def read_sharded_checkpoint_state(folder_path: str, rank: int = 0, check_index: 
         UntrustedCheckpointError / CorruptCheckpointError: as for a checkpoint file (see
             :mod:`~aitoolbox.experiment.local_save.safe_load`).
     """
-    from aitoolbox.experiment.local_save.dcp_reader import CheckpointFolder, read_dcp_metadata
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
 
     _check_complete(folder_path)
     with CheckpointFolder(folder_path) as folder:
@@ -598,8 +599,9 @@ def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from aitoolbox.experiment.local_save.dcp_reader import (
-        CheckpointFolder, FolderStorageReader, RestrictedLoadPlanner, dcp_errors, read_dcp_metadata)
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
+    from aitoolbox.experiment.local_save.dcp_reader import FolderStorageReader, RestrictedLoadPlanner, dcp_errors
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     _check_complete(path)

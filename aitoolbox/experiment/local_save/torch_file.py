@@ -7,7 +7,7 @@ times the file). The pickle (``data.pkl``) is read by
 :class:`~aitoolbox.experiment.local_save.restricted_pickle.RestrictedUnpickler` with the table of
 :mod:`~aitoolbox.experiment.local_save.plain_types`; each storage it names is read once from its record into
 memory of exactly the size the pickle states, which must be the record's size. What was built is then bounded by
-:func:`~aitoolbox.experiment.local_save.restricted_pickle.check_shape`.
+:func:`~aitoolbox.experiment.local_save.object_bounds.check_shape`.
 
 Failures are :class:`~aitoolbox.experiment.local_save.restricted_pickle.Refused`,
 :class:`~aitoolbox.experiment.local_save.restricted_pickle.Malformed` or
@@ -27,8 +27,9 @@ import torch
 
 from aitoolbox.experiment.local_save.plain_types import (
     NumpyBuilder, StorageKind, TensorBuilder, build_state, numpy_table, python_table, torch_table)
+from aitoolbox.experiment.local_save.object_bounds import check_shape, refused_names
 from aitoolbox.experiment.local_save.restricted_pickle import (
-    CallerError, Malformed, Refused, RestrictedUnpickler, Unavailable, check_shape, refused_names, short)
+    CallerError, Malformed, Refused, RestrictedUnpickler, Unavailable, short)
 
 _CHUNK = 1 << 20
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length

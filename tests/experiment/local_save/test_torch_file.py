@@ -17,7 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from aitoolbox.experiment.local_save.restricted_pickle import Malformed, RestrictedUnpickler, check_shape
+from aitoolbox.experiment.local_save.object_bounds import check_shape
+from aitoolbox.experiment.local_save.restricted_pickle import Malformed, RestrictedUnpickler
 from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError, load_torch_file, read_torch_source
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
@@ -133,6 +134,27 @@ def _swapped(content, name, values):
     tensor = list(values.values())[key]
     unit = tensor.element_size() // (2 if tensor.is_complex() else 1)
     return np.frombuffer(content, dtype=np.uint8).reshape(-1, unit)[:, ::-1].tobytes() if unit > 1 else content
+
+
+def test_plain_attributes_of_tensors_load_and_others_are_refused(tmp_path):
+    """A compiled training marks its optimizer's state tensors (``_dynamo_static_input_type``); a file must not
+    hide a tensor's methods or set its hooks that way."""
+    from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
+
+    marked = torch.ones(2)
+    marked._dynamo_static_input_type = "guarded"
+    parameter = torch.nn.Parameter(torch.ones(2))
+    parameter.note = 3
+    path = str(tmp_path / "marked.pth")
+    torch.save({"step": marked, "p": parameter}, path)
+    loaded = load_torch_file(path)
+    assert loaded["step"]._dynamo_static_input_type == "guarded" and loaded["p"].note == 3
+    for name, value in (("sum", 1), ("_backward_hooks", "x"), ("__class__", "x"), ("nested", [1])):
+        hostile = torch.ones(2)
+        hostile.__dict__[name] = value  # pickled as the tensor's state, as torch pickles attributes
+        torch.save({"t": hostile}, path)
+        with pytest.raises(UntrustedCheckpointError, match="attributes"):
+            load_torch_file(path)
 
 
 def test_numpy_values_of_aitoolbox_1_hyperparameters_load(tmp_path):
