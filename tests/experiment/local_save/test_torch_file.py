@@ -183,3 +183,19 @@ def test_bytes_in_memory_are_read_the_same_way():
 def test_what_was_built_is_bounded(pickled, reason):
     with pytest.raises(Malformed, match=reason):
         check_shape(RestrictedUnpickler(pickled, {}).load(), max_depth=100, max_visits=10 ** 6)
+
+
+def test_tensors_saved_on_a_gpu_load_where_map_location_says(tmp_path):
+    from aitoolbox.experiment.local_save.safe_load import CheckpointLoadError
+    from tests.security.hostile import TensorRef, torch_file
+
+    path = str(tmp_path / "gpu.pth")
+    with open(path, "wb") as handle:
+        handle.write(torch_file({"w": TensorRef(location="cuda:0")}, {"0": bytes(16)}))
+    assert load_torch_file(path, map_location="cpu")["w"].device.type == "cpu"
+    if torch.cuda.is_available():
+        assert load_torch_file(path, map_location=None)["w"].device.type == "cuda"
+    else:  # a sound file this machine cannot place: not corrupt, and the message says what to do
+        with pytest.raises(CheckpointLoadError, match="map_location='cpu'") as error:
+            load_torch_file(path, map_location=None)
+        assert type(error.value) is CheckpointLoadError and path in str(error.value)
