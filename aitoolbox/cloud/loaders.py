@@ -2,9 +2,9 @@
 with a local loader (:class:`~aitoolbox.experiment.local_load.local_model_load.PyTorchLocalModelLoader` by
 default).
 
-Whatever is in the bucket, loading runs no code from it: the local loader reads the file with
-``torch.load(weights_only=True)`` and refuses other pickled objects (``weights_only=False`` on the loading call
-allows them: only for files you trust). Downloads stay inside the local experiment folder (see
+Whatever is in the bucket, loading runs no code from it: the local loader reads the downloaded file with
+aitoolbox's restricted reader and refuses other pickled objects (``weights_only=False`` on the loading call
+allows them: only for files you trust); damaged files raise ``CorruptCheckpointError`` (see the Security page). Downloads stay inside the local experiment folder (see
 :meth:`~aitoolbox.cloud.storage.CloudStorage.download_folder`).
 
 The model is downloaded into the same place of the local experiment folder that the savers wrote it to, so a
@@ -62,7 +62,11 @@ class ModelLoaderMixin:
 
         Raises:
             CloudNotFoundError: the bucket (or the model in it) does not exist; the message names both.
-            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
+            CloudStorageError: the download failed.
+            ValueError: a sharded checkpoint's folder marker in the bucket lists a name outside the folder.
+            UntrustedCheckpointError: the file holds objects only full unpickling can build (nothing was run).
+            CorruptCheckpointError: the downloaded file (or folder) is damaged or not a checkpoint.
+            CheckpointLoadError: see :mod:`~aitoolbox.experiment.local_save.safe_load`.
         """
         trust = {} if weights_only else {"weights_only": False}
         keys = ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
@@ -94,7 +98,8 @@ class ModelLoaderMixin:
 
         Raises:
             CloudNotFoundError: the run has no complete checkpoint in the bucket.
-            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
+            CloudStorageError / ValueError / UntrustedCheckpointError / CorruptCheckpointError /
+            CheckpointLoadError: as :meth:`load_model`.
         """
         keys = ExperimentKeys(self.cloud_dir_prefix, project_name, experiment_name, experiment_timestamp)
         key = find_newest_cloud_checkpoint(self.storage, keys.experiment)

@@ -3,12 +3,15 @@
 The checkpoint is found by the parts of the experiment folder it was saved in (:meth:`load_model`) or by its
 path (:meth:`load_model_from_path`). Files written by this package and by aitoolbox 1.x are both read:
 
-- files are read with ``torch.load(weights_only=True)``, which runs no code from the file; the plain data types
-  aitoolbox 1.x checkpoints hold (numpy values, ``argparse.Namespace``, paths, dates in the hyperparameters)
-  are accepted too. A file holding other Python objects is refused with
-  :class:`~aitoolbox.experiment.local_save.safe_load.UntrustedCheckpointError` naming it and the refused types;
-  ``weights_only=False`` loads it with full unpickling, which runs whatever code the file names: only for files
-  you trust.
+- files are read by aitoolbox's restricted reader (:mod:`~aitoolbox.experiment.local_save.safe_load`), which
+  runs no code from the file; the plain data types aitoolbox 1.x checkpoints hold (numpy values,
+  ``argparse.Namespace``, paths, dates in the hyperparameters) are accepted too. A file holding other Python
+  objects is refused with :class:`~aitoolbox.experiment.local_save.safe_load.UntrustedCheckpointError` naming it
+  and the refused types; ``weights_only=False`` loads it with full unpickling, which runs whatever code the file
+  names: only for files you trust. A damaged file raises
+  :class:`~aitoolbox.experiment.local_save.safe_load.CorruptCheckpointError`.
+- the ``init_*`` methods name the file in what does not fit
+  (:class:`~aitoolbox.experiment.local_save.safe_load.CheckpointMismatchError`: another model's weights, ...).
 - a file of this package's first format (``model`` / ``optimizers`` entries) is read with aitoolbox 1.x's
   entry names (``model_state_dict``, ``optimizer_state_dict``, ...); every other entry is kept as it is.
 """
@@ -20,7 +23,7 @@ from typing import Any, List, Optional
 import torch
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, load_checkpoint_file)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, failures_named, load_checkpoint_file)
 from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
 
@@ -68,6 +71,7 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
     def __init__(self, local_model_result_folder_path: str):
         self.local_model_result_folder_path = os.path.expanduser(local_model_result_folder_path)
         self.model_representation: Optional[dict] = None
+        self._loaded_from: Optional[str] = None  # the file or folder it was read from, named in errors
 
     def load_model(self, project_name: str, experiment_name: str, experiment_timestamp: str,
                    model_save_dir: str = "checkpoint_model", epoch_num: Optional[int] = None,
@@ -91,10 +95,10 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             ``schedulers_state_dict`` list is added when the file has none.
 
         Raises:
-            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
+            UntrustedCheckpointError: the file holds objects only full unpickling can build (nothing was run).
             FileNotFoundError: there is no such file.
-            RuntimeError: the file is truncated or not a torch file.
-            ValueError: the file holds no ``model_state_dict``.
+            CorruptCheckpointError: the file is truncated, damaged, not a torch file, or holds no
+                ``model_state_dict`` (a ``RuntimeError`` and a ``ValueError``).
         """
         _, experiment_path = ExperimentFolder.get_base_folder_paths(
             project_name, experiment_name, experiment_timestamp, self.local_model_result_folder_path)
@@ -115,11 +119,12 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             The checkpoint dict, as :meth:`load_model`.
 
         Raises:
-            UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses (nothing was run).
+            UntrustedCheckpointError / CorruptCheckpointError / FileNotFoundError: as :meth:`load_model`.
         """
         checkpoint = load_checkpoint_file(model_path, map_location=map_location, weights_only=weights_only)
         checkpoint.setdefault(SCHEDULERS_KEY, [])  # files older than scheduler saving have none
         self.model_representation = checkpoint
+        self._loaded_from = checkpoint.get(SHARDED_CHECKPOINT_KEY, model_path)
         return checkpoint
 
     def check_if_model_loaded(self) -> None:
@@ -137,6 +142,10 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
 
         Returns:
             ``model``.
+
+        Raises:
+            CheckpointMismatchError: the weights do not fit ``model`` (torch's ``load_state_dict`` message follows
+                the file's name).
         """
         self.check_if_model_loaded()
         if MODEL_KEY not in self.model_representation and SHARDED_CHECKPOINT_KEY in self.model_representation:
@@ -148,7 +157,8 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
         if used_data_parallel:
             state_dict = {key[len(DATA_PARALLEL_PREFIX):] if key.startswith(DATA_PARALLEL_PREFIX) else key: value
                           for key, value in state_dict.items()}
-        model.load_state_dict(state_dict)
+        with failures_named(self._loaded_from):  # another model's weights: the error names the file
+            model.load_state_dict(state_dict)
         return model
 
     def init_optimizer(self, optimizer: Any, device: str = "cuda") -> Any:
@@ -180,15 +190,18 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             if len(states) != len(optimizer):
                 raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) and {len(optimizer)} "
                                  "optimizer(s) were given: pass as many optimizers as were saved")
-            for single, single_state in zip(optimizer, states):
-                single.load_state_dict(single_state)
+            with failures_named(self._loaded_from):
+                for single, single_state in zip(optimizer, states):
+                    single.load_state_dict(single_state)
         elif isinstance(state, (list, tuple)) and isinstance(optimizer, torch.optim.Optimizer):
             if len(state) != 1:
                 raise ValueError(f"the checkpoint holds {len(state)} optimizer states and one optimizer was given: "
                                  "pass a MultiOptimizer or a list of the optimizers")
-            optimizer.load_state_dict(state[0])
+            with failures_named(self._loaded_from):
+                optimizer.load_state_dict(state[0])
         else:
-            optimizer.load_state_dict(state)  # one optimizer, or a MultiOptimizer with its list of states
+            with failures_named(self._loaded_from):
+                optimizer.load_state_dict(state)  # one optimizer, or a MultiOptimizer with its list of states
         return optimizer
 
     def init_scheduler(self, scheduler_callbacks_list: List[Any], ignore_saved: bool = False,
@@ -231,7 +244,8 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             if not callable(getattr(scheduler, "load_state_dict", None)):
                 raise TypeError(f"{type(scheduler).__name__} is not a scheduler callback: it has no load_state_dict "
                                 "(use the schedulers of aitoolbox.torchtrain.schedulers)")
-            scheduler.load_state_dict(state)
+            with failures_named(self._loaded_from):
+                scheduler.load_state_dict(state)
         return scheduler_callbacks_list
 
     def init_amp(self, amp_scaler: Any) -> Any:
@@ -246,5 +260,6 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
         self.check_if_model_loaded()
         if "amp" not in self.model_representation:
             raise KeyError("the checkpoint holds no AMP scaler state ('amp'): it was saved by training without AMP")
-        amp_scaler.load_state_dict(self.model_representation["amp"])
+        with failures_named(self._loaded_from):
+            amp_scaler.load_state_dict(self.model_representation["amp"])
         return amp_scaler

@@ -1,6 +1,7 @@
 """Checkpoint files of an experiment: names, the newest one, loading with clear errors, keeping the best k (and
 the ranking that does so across processes)."""
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -8,13 +9,15 @@ import os
 import re
 import sys
 import threading
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, atomic_write_text, torch_save_atomic
-# UntrustedCheckpointError is imported for the callers of load_checkpoint_file, which raises it.
-from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError, load_torch_file  # noqa: F401
+from aitoolbox.experiment.local_save.checkpoint_contents import check_checkpoint_contents
+# The errors are imported for the callers of load_checkpoint_file, which raises them.
+from aitoolbox.experiment.local_save.safe_load import (  # noqa: F401
+    CheckpointLoadError, CheckpointMismatchError, CorruptCheckpointError, UntrustedCheckpointError, load_torch_file)
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
     is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
 
@@ -88,8 +91,8 @@ def find_checkpoint(path: str) -> str:
     """The checkpoint ``path`` names: itself (a file or a sharded checkpoint's folder), or the newest one of an
     experiment or checkpoint folder."""
     path = os.path.expanduser(path)
-    if os.path.isfile(path) or is_sharded_checkpoint(path):
-        return path
+    if os.path.isfile(path) or is_sharded_checkpoint(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        return path  # a file (a pipe or device too: the loader refuses it, naming it)
     if path.endswith(".pth") and not os.path.exists(path) and is_sharded_checkpoint(path[:-len(".pth")]):
         return path[:-len(".pth")]  # the file name of a checkpoint that a sharded run wrote as a folder
     if not os.path.isdir(path):
@@ -117,27 +120,47 @@ def upgrade_checkpoint_format(checkpoint: dict) -> dict:
 
     Files written before the 1.8 layout was adopted keep loading: ``model`` becomes ``model_state_dict`` and the
     ``optimizers`` list becomes ``optimizer_state_dict`` (the state dict itself for one optimizer, the list for
-    several) and the count ``total_iteration_idx`` becomes the index ``iteration_idx``. Other dicts are
-    returned unchanged.
+    several) and the count ``total_iteration_idx`` becomes the index ``iteration_idx``. Other dicts (and entries
+    not of the first format's types) are returned unchanged.
     """
     if MODEL_KEY in checkpoint or "model" not in checkpoint:
         return checkpoint
     upgraded = {key: value for key, value in checkpoint.items() if key not in ("model", "optimizers")}
     upgraded[MODEL_KEY] = checkpoint["model"]
     optimizers = checkpoint.get("optimizers")
-    if optimizers is not None:
+    if isinstance(optimizers, (list, tuple)) and optimizers:
         upgraded[OPTIMIZER_KEY] = optimizers[0] if len(optimizers) == 1 else list(optimizers)
-    if "total_iteration_idx" in checkpoint:  # it counted the batches done; 1.x's iteration_idx is the last index
-        upgraded["iteration_idx"] = checkpoint["total_iteration_idx"] - 1
+    total = checkpoint.get("total_iteration_idx")
+    if isinstance(total, int) and not isinstance(total, bool):  # it counted the batches done; 1.x's is the index
+        upgraded["iteration_idx"] = total - 1
     return upgraded
+
+
+def _confined(file_path: str) -> str:
+    """``file_path``, or for a symbolic link named as a checkpoint, its target when that is inside the link's folder.
+
+    A checkpoint of an experiment folder (``model_*.pth``, or a sharded checkpoint's folder) found there or named
+    by its parts must not lead outside that folder: a link planted in a shared folder would load another run's
+    files.
+    """
+    if checkpoint_path_position(file_path) is None or not os.path.islink(file_path):
+        return file_path
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(file_path)))
+    target = os.path.realpath(file_path)
+    if os.path.commonpath([folder, target]) != folder:
+        raise CorruptCheckpointError(file_path, f"it is a symbolic link to {target}, outside its folder: a checkpoint "
+                                                "of an experiment folder reads nothing outside it")
+    return target
 
 
 def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = True) -> dict:
     """Load the checkpoint ``path`` names (see :func:`find_checkpoint`) without running code from it.
 
-    The file is read with ``torch.load(weights_only=True)``, which also accepts the plain data types aitoolbox
-    1.x checkpoints hold in their hyperparameters (numpy values, ``argparse.Namespace``, paths, dates; see
-    :mod:`~aitoolbox.experiment.local_save.safe_load`). A file that holds other Python objects is refused.
+    The file is read once by aitoolbox's restricted reader (:mod:`~aitoolbox.experiment.local_save.safe_load`),
+    which also accepts the plain data types aitoolbox 1.x checkpoints hold in their hyperparameters (numpy values,
+    ``argparse.Namespace``, paths, dates). A file that holds other Python objects is refused. The entries a
+    TrainLoop and 1.x's loaders use are checked
+    (:mod:`~aitoolbox.experiment.local_save.checkpoint_contents`).
 
     A sharded checkpoint's folder gives its training state without the weights: the model and optimizer states
     stay on disk and ``SHARDED_CHECKPOINT_KEY`` names the folder (:meth:`TrainLoop.load_checkpoint` reads them
@@ -151,21 +174,46 @@ def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = 
             trust (e.g. your own aitoolbox 1.x checkpoints holding custom objects).
 
     Raises:
-        UntrustedCheckpointError: the file holds objects ``weights_only`` loading refuses; it names the file and
+        UntrustedCheckpointError: the file holds objects only full unpickling can build; it names the file and
             the refused types (nothing from the file was run).
+        CorruptCheckpointError: the file is truncated, damaged, not a torch file, beyond the reader's limits, or
+            not an aitoolbox checkpoint (no ``model_state_dict``, or an entry not of its kind). A ``ValueError``.
+        CheckpointLoadError: the file's tensors were saved on a device this machine lacks.
         FileNotFoundError: there is no checkpoint at ``path``.
-        RuntimeError: the file is truncated or not a torch file.
-        ValueError: the file is not a checkpoint (no ``model_state_dict``).
     """
-    file_path = find_checkpoint(path)
+    file_path = _confined(find_checkpoint(path))
     if os.path.isdir(file_path):
-        return dict(read_sharded_checkpoint_state(file_path), **{SHARDED_CHECKPOINT_KEY: file_path})
-    checkpoint = load_torch_file(file_path, map_location=map_location, weights_only=weights_only)
+        state = check_checkpoint_contents(read_sharded_checkpoint_state(file_path), file_path, sharded=True)
+        return dict(state, **{SHARDED_CHECKPOINT_KEY: file_path})
+    checkpoint = load_torch_file(file_path, map_location=map_location, weights_only=weights_only,
+                                 follow_symlinks=checkpoint_path_position(file_path) is None)
     if isinstance(checkpoint, dict):
         checkpoint = upgrade_checkpoint_format(checkpoint)
-    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
-        raise ValueError(f"{file_path} is not an aitoolbox checkpoint (no {MODEL_KEY!r} entry)")
-    return checkpoint
+    return check_checkpoint_contents(checkpoint, file_path)
+
+
+@contextlib.contextmanager
+def failures_named(path: Optional[str]) -> Iterator[None]:
+    """Name ``path`` in what putting a checkpoint read from it into a model, optimizers or loop raises.
+
+    A ``RuntimeError`` or ``ValueError`` (torch's ``load_state_dict`` of another model, another number of
+    optimizers) becomes :class:`CheckpointMismatchError`, still both; a ``TypeError``, ``KeyError``, ``IndexError``
+    or ``AttributeError`` (content no checkpoint holds) becomes :class:`CorruptCheckpointError`. The original is
+    chained. aitoolbox's own loading errors, and everything with ``path`` None (a checkpoint dict the caller
+    made), pass unchanged.
+    """
+    if path is None:
+        yield
+        return
+    try:
+        yield
+    except CheckpointLoadError:
+        raise
+    except (RuntimeError, ValueError) as error:
+        raise CheckpointMismatchError(path, f"{type(error).__name__}: {error}") from error
+    except (TypeError, KeyError, IndexError, AttributeError) as error:
+        raise CorruptCheckpointError(path, f"its content is not what a checkpoint holds ({type(error).__name__}: "
+                                           f"{error})") from error
 
 
 def save_checkpoint_file(checkpoint: dict, folder: str, file_name: str,

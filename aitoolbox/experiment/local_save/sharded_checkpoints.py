@@ -65,15 +65,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from aitoolbox.experiment.local_save.atomic import (
-    TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text, torch_load_checked)
+from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text
 from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, mark_temporary_folder, remove_stale_temporaries
+from aitoolbox.experiment.local_save.restricted_pickle import short
+from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError, read_torch_source
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
-from aitoolbox.experiment.local_save.safe_load import (
-    check_dcp_metadata, dcp_refusals_raised, weights_only_load_planner)
 
-# torch.distributed.checkpoint is imported where it is used: this module is imported wherever checkpoints are
-# listed, and most runs never touch DCP.
+# torch.distributed.checkpoint (and dcp_reader, built on it) is imported where it is used: this module is imported
+# wherever checkpoints are listed, and most runs never touch DCP.
 
 MARKER_FILE = "checkpoint.json"
 FORMAT = "aitoolbox-sharded-checkpoint"
@@ -106,49 +105,52 @@ def sharded_checkpoint_info(path: str) -> Dict[str, Any]:
     Raises:
         FileNotFoundError: ``path`` is not a complete sharded checkpoint (no such folder, a temporary folder
             of an interrupted save, or a folder without its marker).
-        ValueError: the marker is not one a save writes (not JSON, another format, or a value no save writes,
-            e.g. ``world_size: 0``); the message names the file and the field.
+        CorruptCheckpointError: the marker is not one this package writes (a ``ValueError``).
     """
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+
+    _check_complete(path)
+    with CheckpointFolder(path) as folder:
+        return _read_marker(folder)
+
+
+def _check_complete(path: str) -> None:
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: a checkpoint folder holds "
                                 f"{MARKER_FILE}, written once every process has saved its part (a folder without it, "
                                 f"or named {TEMP_PREFIX}*, is an interrupted save)")
-    marker_path = os.path.join(path, MARKER_FILE)
-    with open(marker_path, "rb") as handle:
-        return _parse_marker(handle.read(_MAX_MARKER_BYTES + 1), marker_path)
 
 
-# A marker is a few hundred bytes: a larger file is refused before it is parsed.
-_MAX_MARKER_BYTES = 1024 * 1024
+_MAX_MARKER_BYTES = 1 << 20
 
 
-def _parse_marker(data: bytes, where: str) -> Dict[str, Any]:
-    """The marker read from ``where``, checked field by field (it may come from a bucket: see docs/security.rst)."""
-    def refuse(problem: str) -> ValueError:
-        return ValueError(f"{where} is not a {FORMAT} marker of version <= {FORMAT_VERSION}: {problem}")
-
-    if len(data) > _MAX_MARKER_BYTES:
-        raise refuse(f"it is larger than {_MAX_MARKER_BYTES} bytes")
+def _read_marker(folder: Any) -> Dict[str, Any]:
+    """The marker of the open checkpoint ``folder``, each field checked (it comes from storage)."""
+    where = folder.where(MARKER_FILE)
+    if folder.size(MARKER_FILE) > _MAX_MARKER_BYTES:
+        raise CorruptCheckpointError(where, f"it is larger than the {_MAX_MARKER_BYTES} bytes a marker takes")
     try:
-        info = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise refuse(f"it is not JSON ({error})") from None
+        info = json.loads(folder.read(MARKER_FILE).decode("utf-8"))
+    except (ValueError, RecursionError) as error:
+        raise CorruptCheckpointError(where, f"it is not JSON ({type(error).__name__}: {error})") from None
     if not isinstance(info, dict):
-        raise refuse(f"it is not a JSON object but {type(info).__name__}")
-    version = info.get("version", 0)
-    if info.get("format") != FORMAT or isinstance(version, bool) or not isinstance(version, int) \
-            or version > FORMAT_VERSION:
-        raise refuse(f"format {info.get('format')!r}, version {version!r}")
-    for field, least in (("world_size", 1), ("num_optimizers", 0)):
-        value = info.get(field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise refuse(f"{field} is {value!r}, where a save writes a whole number >= {least}")
-    stateless = info.get("stateless_optimizers")
-    if not isinstance(stateless, list) or any(isinstance(index, bool) or not isinstance(index, int)
-                                              or not 0 <= index < info["num_optimizers"] for index in stateless):
-        raise refuse(f"stateless_optimizers is {stateless!r}, where a save writes a list of optimizer indices "
-                     f"below num_optimizers ({info['num_optimizers']})")
-    return info
+        raise CorruptCheckpointError(where, f"it is not a JSON object but a {type(info).__name__}")
+    if info.get("format") != FORMAT:
+        raise CorruptCheckpointError(where, f"it is not a {FORMAT} marker (format {short(info.get('format'))})")
+    version, world_size, count = info.get("version"), info.get("world_size"), info.get("num_optimizers")
+    stateless = info.get("stateless_optimizers", [])
+
+    def whole(value: Any, low: int, high: int) -> bool:
+        return type(value) is int and low <= value <= high
+
+    if not whole(version, 1, FORMAT_VERSION):
+        raise CorruptCheckpointError(where, f"its version {short(version)} is not one this package reads (1 to "
+                                            f"{FORMAT_VERSION}): written by a newer aitoolbox?")
+    if not whole(world_size, 1, 1 << 20) or not whole(count, 0, 1 << 16) or type(stateless) is not list \
+            or not all(whole(index, 0, count - 1) for index in stateless):
+        raise CorruptCheckpointError(where, f"its world_size {short(world_size)}, num_optimizers {short(count)} or "
+                                            f"stateless_optimizers {short(stateless)} are not counts and indices")
+    return dict(info, stateless_optimizers=stateless)
 
 
 def checkpoint_process_group(timeout_s: Optional[float] = None) -> Any:
@@ -455,22 +457,59 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
 
     Raises:
         FileNotFoundError: not a complete checkpoint.
-        UntrustedCheckpointError: DCP's index ``.metadata`` holds objects other than DCP's metadata, or an entry
-            holds objects ``torch.load(weights_only=True)`` refuses (a planted file); nothing from it was run.
+        UntrustedCheckpointError: DCP's index ``.metadata`` or an entry holds objects only full unpickling can
+            build (a planted file); nothing from it was run.
+        CorruptCheckpointError: a file of the folder is damaged or not what it should be, DCP's index names a
+            file outside the folder or bytes beyond a file, or a file is a symbolic link or not a regular file.
         ValueError: the number of optimizers differs from the saved one.
-        RuntimeError: DCP's load failed, e.g. a parameter is missing or has another shape in the checkpoint.
+        CheckpointLoadError: DCP's load failed otherwise, e.g. a parameter is missing or has another shape in the
+            checkpoint (a ``RuntimeError``); in a process group, another process could not read the checkpoint.
+        All of them in every process of the group.
     """
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+
+    path = os.path.abspath(os.path.expanduser(folder_path))
+    _check_complete(path)
+    with CheckpointFolder(path) as folder:
+        return _load_sharded(folder, model, _as_list(optimizers), process_group)
+
+
+def _read_for_load(folder: Any, optimizers: list, process_group: Any) -> tuple:
+    """The marker, DCP's index and this process's extra state of ``folder``, read by every process; what one process
+    cannot read stops all of them before DCP's collectives (where the others would wait for it)."""
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
+    from aitoolbox.experiment.local_save.safe_load import CheckpointLoadError
+
+    rank, world_size = _group_rank_and_size(process_group)
+    info, metadata, extra, error = None, None, None, None
+    try:
+        info = _read_marker(folder)
+        if len(optimizers) != info["num_optimizers"]:
+            raise ValueError(f"the checkpoint {folder.path} holds {info['num_optimizers']} optimizer state(s), "
+                             f"{len(optimizers)} optimizer(s) were given: pass the optimizers of the saved run")
+        metadata = read_dcp_metadata(folder)  # the one read of DCP's index; DCP opens no file itself
+        extra = _extra_state(folder, info, rank)
+    except Exception as failure:  # noqa: BLE001 - every process must learn it
+        error = failure
+    if _distributed():
+        failures = [outcome for outcome in exchange_in_group(process_group, world_size)(
+            None if error is None else (rank, type(error).__name__, str(error))) if outcome is not None]
+        if failures and error is None:
+            other, kind, message = failures[0]
+            raise CheckpointLoadError(folder.path, f"process {other} could not read it ({kind}: {message})")
+    if error is not None:
+        raise error
+    return info, metadata, extra
+
+
+def _load_sharded(folder: Any, model: nn.Module, optimizers: list, process_group: Any) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    from aitoolbox.experiment.local_save.dcp_reader import FolderStorageReader, RestrictedLoadPlanner, dcp_errors
 
-    path = os.path.abspath(os.path.expanduser(folder_path))
-    info = sharded_checkpoint_info(path)
-    optimizers = _as_list(optimizers)
-    if len(optimizers) != info["num_optimizers"]:
-        raise ValueError(f"the checkpoint {path} holds {info['num_optimizers']} optimizer state(s), "
-                         f"{len(optimizers)} optimizer(s) were given: pass the optimizers of the saved run")
-    rank, _ = _group_rank_and_size(process_group)
+    path = folder.path
+    info, metadata, extra = _read_for_load(folder, optimizers, process_group)
     stateless = set(info["stateless_optimizers"])
     with_state = [index for index in range(len(optimizers)) if index not in stateless]
     # DCP loads into existing tensors: an optimizer without state gets it (zeros) from a step at lr 0, which
@@ -487,27 +526,50 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
         for param, grad in grads.items():
             param.grad = grad
     state = {_MODEL: get_model_state_dict(model), _OPTIMIZERS: optimizer_states}
-    check_dcp_metadata(path)  # DCP unpickles its index fully: refuse a planted one first
-    with _single_process_intended(not _distributed()), dcp_refusals_raised():
-        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=not _distributed(),
-                 planner=weights_only_load_planner(path))
+    with _single_process_intended(not _distributed()), dcp_errors(path):
+        dcp.load(state, storage_reader=FolderStorageReader(folder, metadata), planner=RestrictedLoadPlanner(),
+                 process_group=process_group, no_dist=not _distributed())
     set_model_state_dict(model, state[_MODEL])
     for index, optimizer in enumerate(optimizers):
         if index in stateless:
             optimizer.state.clear()
         else:
             set_optimizer_state_dict(model, optimizer, state[_OPTIMIZERS][str(index)])
-    return read_sharded_checkpoint_state(path, rank)
+    return extra
 
 
-def read_sharded_checkpoint_state(folder_path: str, rank: int = 0) -> dict:
+def read_sharded_checkpoint_state(folder_path: str, rank: int = 0, check_index: bool = True) -> dict:
     """The extra state saved process ``rank % saved_world_size`` wrote, without loading any weights.
+
+    Args:
+        folder_path: the checkpoint folder.
+        rank: this process's rank.
+        check_index: also read DCP's index and check that its entries lie inside the folder's files (cheap: the
+            weights are not read), so that a damaged or planted index is found now, not when the weights load.
 
     Raises:
         FileNotFoundError: not a complete checkpoint.
+        UntrustedCheckpointError / CorruptCheckpointError: as for a checkpoint file (see
+            :mod:`~aitoolbox.experiment.local_save.safe_load`).
     """
-    info = sharded_checkpoint_info(folder_path)
-    return torch_load_checked(os.path.join(folder_path, _extra_state_file(rank % info["world_size"])))
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
+
+    _check_complete(folder_path)
+    with CheckpointFolder(folder_path) as folder:
+        info = _read_marker(folder)
+        if check_index:
+            read_dcp_metadata(folder)
+        return _extra_state(folder, info, rank)
+
+
+def _extra_state(folder: Any, info: Dict[str, Any], rank: int) -> dict:
+    name = _extra_state_file(rank % info["world_size"])
+    state = read_torch_source(folder.open(name), folder.where(name))
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(folder.where(name), f"it holds a {type(state).__name__}, not the dict of a "
+                                                         "process's training state")
+    return state
 
 
 def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optional[str] = None) -> str:
@@ -532,23 +594,32 @@ def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optio
 def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
     """The full model state dict of a sharded checkpoint, read into this process's memory (no process group
     needed): what :func:`consolidate_sharded_checkpoint` writes, for ``model.load_state_dict`` on the plain model.
+
+    Raises:
+        FileNotFoundError: not a complete checkpoint.
+        UntrustedCheckpointError / CorruptCheckpointError / CheckpointLoadError: see :func:`load_sharded_checkpoint`.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
+    from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
+    from aitoolbox.experiment.local_save.dcp_reader import FolderStorageReader, RestrictedLoadPlanner, dcp_errors
 
     path = os.path.abspath(os.path.expanduser(folder_path))
-    sharded_checkpoint_info(path)
-    check_dcp_metadata(path)  # DCP unpickles its index fully: refuse a planted one first
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    prefix = f"{_MODEL}."
-    # The model state dict is flat (parameter name -> tensor), so its DCP keys are "model." + the name.
-    model_state = {}
-    for name, item in metadata.state_dict_metadata.items():
-        if name.startswith(prefix):
-            model_state[name[len(prefix):]] = (torch.empty(item.size, dtype=item.properties.dtype)
-                                               if isinstance(item, TensorStorageMetadata) else io.BytesIO())
-    with _single_process_intended(True), dcp_refusals_raised():
-        dcp.load({_MODEL: model_state}, checkpoint_id=path, no_dist=True, planner=weights_only_load_planner(path))
+    _check_complete(path)
+    with CheckpointFolder(path) as folder:
+        _read_marker(folder)
+        metadata = read_dcp_metadata(folder)  # sizes bounded by what is stored: the allocations below are too
+        prefix = f"{_MODEL}."
+        # The model state dict is flat (parameter name -> tensor), so its DCP keys are "model." + the name.
+        model_state = {}
+        for name, item in metadata.state_dict_metadata.items():
+            if name.startswith(prefix):
+                model_state[name[len(prefix):]] = (torch.empty(item.size, dtype=item.properties.dtype)
+                                                   if isinstance(item, TensorStorageMetadata) else io.BytesIO())
+        with _single_process_intended(True), dcp_errors(path):
+            dcp.load({_MODEL: model_state}, storage_reader=FolderStorageReader(folder, metadata),
+                     planner=RestrictedLoadPlanner(), no_dist=True)
     return model_state
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 from aitoolbox.cloud.layout import ExperimentKeys, download_checkpoint, list_cloud_checkpoints
 from aitoolbox.cloud.storage import CloudNotFoundError
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, SCHEDULERS_KEY, checkpoint_position, list_checkpoints, load_checkpoint_file,
+    MODEL_KEY, SCHEDULERS_KEY, checkpoint_position, failures_named, list_checkpoints, load_checkpoint_file,
     upgrade_checkpoint_format)
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
 from aitoolbox.experiment.local_save.names import check_name
@@ -62,10 +62,11 @@ class ModelLoadContinueTraining(AbstractCallback):
         bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
         cloud_dir_prefix: the folder inside the bucket that holds the projects.
         saved_model_path: a checkpoint file, a run folder, or its checkpoint folder (instead of the above).
-        weights_only: True (the default) reads the checkpoint with ``torch.load(weights_only=True)``, which runs no
+        weights_only: True (the default) reads the checkpoint with aitoolbox's restricted reader, which runs no
             code from the file and refuses files holding other Python objects than tensors and plain data
             (:class:`~aitoolbox.experiment.local_save.safe_load.UntrustedCheckpointError`, raised when the
-            callback is registered). False unpickles fully, which runs whatever code the file names: only for
+            callback is registered; a damaged file raises ``CorruptCheckpointError``, a checkpoint that does not
+            fit the loop ``CheckpointMismatchError``, both naming the file). False unpickles fully, which runs whatever code the file names: only for
             files you trust. With ``custom_local_loader_class`` it is passed to its ``load_model`` when False.
         **kwargs: passed to ``custom_local_loader_class.load_model``.
     """
@@ -104,14 +105,16 @@ class ModelLoadContinueTraining(AbstractCallback):
         self.weights_only = weights_only
         self.local_loader_kwargs = kwargs
         self.checkpoint = None
+        self._loaded_from: Optional[str] = None  # the file or folder the checkpoint was read from, for errors
 
     def on_train_loop_registration(self) -> None:
         checkpoint = self._load()
-        if MODEL_KEY in checkpoint:  # a sharded checkpoint keeps its weights on disk until the model is set up
-            checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
-        if self.ignore_saved_schedulers:
-            checkpoint.pop(SCHEDULERS_KEY, None)
-        self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint)
+        with failures_named(self._loaded_from):  # what does not fit the loop names the file
+            if MODEL_KEY in checkpoint:  # a sharded checkpoint keeps its weights on disk until the model is set up
+                checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
+            if self.ignore_saved_schedulers:
+                checkpoint.pop(SCHEDULERS_KEY, None)
+            self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint)
 
     def on_train_begin(self) -> None:
         # The scheduler callbacks are registered by now (fit's callbacks too); their states are restored next.
@@ -126,6 +129,7 @@ class ModelLoadContinueTraining(AbstractCallback):
             pending.pop(SCHEDULERS_KEY)
 
     def _load(self) -> dict:
+        self._loaded_from = self.saved_model_path
         if self.saved_model_path is not None and self.custom_local_loader_class is None:
             return load_checkpoint_file(self.saved_model_path, weights_only=self.weights_only)
         self._infer_folder_details()
@@ -140,6 +144,7 @@ class ModelLoadContinueTraining(AbstractCallback):
                 self.epoch_num, **trust, **self.local_loader_kwargs)))
         folder = os.path.join(os.path.expanduser(self.local_model_result_folder_path), self.project_name,
                               f"{self.experiment_name}_{self.saved_experiment_timestamp}", self.saved_model_dir)
+        self._loaded_from = folder
         if self.epoch_num is None:
             return load_checkpoint_file(folder, weights_only=self.weights_only)
         return load_checkpoint_file(os.path.join(

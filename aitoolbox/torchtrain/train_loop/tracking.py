@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Optional, Tuple, Union
 
+from aitoolbox.experiment.local_save.checkpoints import failures_named
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
 from aitoolbox.experiment.local_save.run_identity import this_run_identity
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
@@ -123,7 +124,8 @@ class _ExperimentTrainLoop(TrainLoop):
         if checkpoint is None:
             return
         self.resumed_from = os.path.join(folder.path, decision.checkpoint)
-        self.load_checkpoint(checkpoint, weights_only=self.weights_only)
+        with failures_named(self.resumed_from):  # what does not fit names the file
+            self.load_checkpoint(checkpoint, weights_only=self.weights_only)
         if self.strategy.is_main_process:
             logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", folder.path,
                         decision.checkpoint, self.epochs_completed)

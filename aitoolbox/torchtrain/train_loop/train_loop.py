@@ -576,14 +576,16 @@ class TrainLoop:
                 refused with an error naming it. False unpickles the file in full, which runs whatever code it
                 names: only for files you trust (see the Security page of the docs).
         """
-        if not isinstance(checkpoint, dict):
-            from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
-            checkpoint = load_checkpoint_file(checkpoint, weights_only=weights_only)
-        self.run_state.load(self, checkpoint)
-        if self._model_runner is not None or self.gpu_mode != "fsdp":
-            # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then each
-            # process reads its own shards when fit sets it up.
-            load_pending_sharded_weights(self)
+        from aitoolbox.experiment.local_save.checkpoints import failures_named, load_checkpoint_file
+        path = None if isinstance(checkpoint, dict) else checkpoint
+        if path is not None:
+            checkpoint = load_checkpoint_file(path, weights_only=weights_only)
+        with failures_named(path):  # what does not fit names the file (CheckpointMismatchError)
+            self.run_state.load(self, checkpoint)
+            if self._model_runner is not None or self.gpu_mode != "fsdp":
+                # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then
+                # each process reads its own shards when fit sets it up.
+                load_pending_sharded_weights(self)
         return checkpoint
 
     # --- training ---------------------------------------------------------------------------------------

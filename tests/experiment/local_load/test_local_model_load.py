@@ -56,12 +56,12 @@ def test_nothing_is_loaded_at_first(tmp_path):
 
 def test_model_and_optimizer_are_restored_from_an_epoch_checkpoint(tmp_path):
     model, optimizer = trained()
-    save(tmp_path, checkpoint_of(model, optimizer, iteration_idx=11, format_version=2, rng={"seed": 5}))
+    save(tmp_path, checkpoint_of(model, optimizer, iteration_idx=11, format_version=2, rng=[{"seed": 5}]))
     loader = PyTorchLocalModelLoader(str(tmp_path))
     loaded = loader.load_model("proj", "exp", "ts", "checkpoint_model", 3)
     assert loaded is loader.model_representation
     # Extra entries are carried along; a missing scheduler list is added empty (as aitoolbox 1.x did).
-    assert loaded["format_version"] == 2 and loaded["rng"] == {"seed": 5} and loaded["iteration_idx"] == 11
+    assert loaded["format_version"] == 2 and loaded["rng"] == [{"seed": 5}] and loaded["iteration_idx"] == 11
     assert loaded["schedulers_state_dict"] == []
 
     fresh_model, fresh_optimizer = trained(seed=1)

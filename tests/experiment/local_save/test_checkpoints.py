@@ -8,6 +8,7 @@ from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, torch_save_atomi
 from aitoolbox.experiment.local_save.checkpoints import (
     checkpoint_file_name, checkpoint_position, find_checkpoint, list_checkpoints, load_checkpoint_file,
     prune_checkpoints, save_checkpoint_file)
+from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError
 
 
 def test_file_names_follow_aitoolbox():
@@ -70,10 +71,10 @@ def test_loading_a_damaged_or_foreign_file_names_it(tmp_path):
     newest = folder / "model_e_ts_E1.pth"
     _write(folder, newest.name, 1)
     newest.write_bytes(newest.read_bytes()[:100])  # truncated by something that did not write atomically
-    with pytest.raises(RuntimeError, match=f"cannot read checkpoint {newest}"):
+    with pytest.raises(CorruptCheckpointError, match=f"cannot read checkpoint {newest}: it is corrupt"):
         load_checkpoint_file(str(tmp_path))
     torch.save([1, 2, 3], str(newest))
-    with pytest.raises(ValueError, match=f"{newest} is not an aitoolbox checkpoint"):
+    with pytest.raises(ValueError, match=f"cannot read checkpoint {newest}: .* not an aitoolbox checkpoint"):
         load_checkpoint_file(str(tmp_path))
 
 
