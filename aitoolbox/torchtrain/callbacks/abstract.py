@@ -8,9 +8,12 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.torchtrain.callbacks.cloud_destination import (
+    CloudDestination, check_cloud_save_mode, loop_cloud_destination)
+from aitoolbox.torchtrain.callbacks.cloud_destination import cloud_destination as destination_of_arguments
 
 if TYPE_CHECKING:  # pragma: no cover
-    from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination, CloudUploads
+    from aitoolbox.torchtrain.callbacks.cloud_upload import CloudUploads
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 _FOLDER_ARGUMENTS = ("project_name", "experiment_name", "local_model_result_folder_path")
@@ -203,7 +206,6 @@ class AbstractExperimentCallback(AbstractCallback):
         self.experiment_name = experiment_name
         self.local_model_result_folder_path = (os.path.expanduser(local_model_result_folder_path)
                                                if local_model_result_folder_path is not None else None)
-        from aitoolbox.torchtrain.callbacks.cloud_upload import check_cloud_save_mode
         check_cloud_save_mode(cloud_save_mode, type(self).__name__)
         self.cloud_save_mode = cloud_save_mode
         self.bucket_name = bucket_name
@@ -298,11 +300,10 @@ class AbstractExperimentCallback(AbstractCallback):
         A callback writing to the loop's bucket uses the loop's storage options (``cloud_storage_options`` of
         the presets: endpoint, retries, ...).
         """
-        from aitoolbox.torchtrain.callbacks.cloud_upload import cloud_destination, loop_cloud_destination
         from_loop = loop_cloud_destination(self.train_loop_obj)
         if all(getattr(self, name) is None for name in _CLOUD_ARGUMENTS):
             return from_loop
-        own = cloud_destination(self.cloud_save_mode, self.bucket_name, self.cloud_dir_prefix,
+        own = destination_of_arguments(self.cloud_save_mode, self.bucket_name, self.cloud_dir_prefix,
                                 owner=type(self).__name__)
         if own is not None and from_loop is not None \
                 and (own.service, own.bucket_name) == (from_loop.service, from_loop.bucket_name):
@@ -312,9 +313,8 @@ class AbstractExperimentCallback(AbstractCallback):
     def setup_cloud_destination(self) -> None:
         """Resolve :attr:`cloud_destination` and, when there is one, make sure the loop has its
         :class:`~aitoolbox.torchtrain.callbacks.cloud_upload.CloudUploads` (called at registration)."""
-        from aitoolbox.torchtrain.callbacks.cloud_upload import CloudUploads
         self._cloud_destination = self.resolve_cloud_destination()
-        self._cloud_uploads = CloudUploads.of(self.train_loop_obj) if self._cloud_destination is not None else None
+        self._cloud_uploads = self.train_loop_obj.cloud_uploads() if self._cloud_destination is not None else None
 
     def cloud_upload(self, local_path: str, only_if_changed: bool = False) -> Any:
         """Queue the upload of a file (or folder) this callback wrote into the experiment folder, to the same place

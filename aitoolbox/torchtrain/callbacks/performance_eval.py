@@ -16,7 +16,7 @@ from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.history_format import MetricHistoryRename, TrainHistoryFormatter
 from aitoolbox.torchtrain.callbacks.history_output import (
     ModelTrainHistoryBaseCB, ModelTrainHistoryFileWriter, ModelTrainHistoryPlot)
-from aitoolbox.torchtrain.train_loop.validation_sets import history_prefixes
+from aitoolbox.torchtrain.data.validation_names import history_prefixes
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ class TrainLoopView(Protocol):
       ``validation_loader`` may be a dict of named loaders; ``validation_set_names`` lists them (None for one).
     - ``train_history``: the metrics so far; add to it with :meth:`insert_metric_result_into_history`.
     - ``device``, ``is_main_process`` (truthy, and callable as in aitoolbox 1.x), ``experiment_timestamp``,
-      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one) and
-      :meth:`claim_run_folder` (the same, for a callback that will write into it).
+      ``run_folder`` (where the run's files go: a preset's experiment folder, or a plain loop's default one),
+      :meth:`claim_run_folder` (the same, for a callback that will write into it) and :meth:`cloud_uploads` (the
+      background uploads of the files a callback writes, for one with a bucket).
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
       ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
@@ -40,8 +41,10 @@ class TrainLoopView(Protocol):
 
     For a callback that changes the run's course (``SpikeRollback``): ``run_state`` (the run's progress, see
     ``train_loop/run_state.py``), ``rollbacks`` (the rollbacks so far), ``epoch_start_rng_state`` (the RNG state the
-    current epoch's data order was drawn from), ``experiment_folder`` (a preset's run folder, else None) and
-    :meth:`all_reduce_sum`.
+    current epoch's data order was drawn from), ``experiment_folder`` (a preset's run folder, else None),
+    :meth:`take_snapshot`, :meth:`apply_pending_restore`, :meth:`batch_indices` and :meth:`all_reduce_sum`; such a
+    callback returns the run to a kept point by raising
+    :class:`~aitoolbox.torchtrain.callbacks.rollback_request.RollBack`.
 
     Write: ``grad_cb_used`` (aitoolbox 1.x's flag, accepted and ignored: every overridden hook is called),
     ``pending_restore`` (read and cleared by checkpoint-loading callbacks before training).
@@ -128,6 +131,20 @@ class TrainLoopView(Protocol):
 
     def claim_run_folder(self) -> Any:
         """:attr:`run_folder` for a callback that writes into it: a default folder's name is decided now."""
+
+    def cloud_uploads(self) -> Any:
+        """The loop's :class:`~aitoolbox.torchtrain.callbacks.cloud_upload.CloudUploads`, registered now if needed
+        (for a callback with a bucket to upload its files to)."""
+
+    def take_snapshot(self, mid_epoch: bool = True) -> Any:
+        """The run as it is now in host memory (a :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot`;
+        its ``restore(tl)`` puts it back)."""
+
+    def apply_pending_restore(self) -> Any:
+        """Inside ``fit``: apply a checkpoint just loaded with :meth:`load_checkpoint`, as ``fit``'s start would."""
+
+    def batch_indices(self, epoch: int, epoch_start_rng: Optional[dict], positions: List[int]) -> Optional[List[int]]:
+        """The dataset indices of the training batches at ``positions`` of ``epoch``, drawn again (None: unknown)."""
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""

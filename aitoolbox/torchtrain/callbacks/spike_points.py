@@ -16,14 +16,14 @@ import logging
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints, remove_checkpoint
-from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
-from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, apply_pending_states
 
 if TYPE_CHECKING:  # pragma: no cover
+    from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+    from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,16 @@ class KeptPoint:
     pinned checkpoint."""
 
     def __init__(self, epoch: int, iteration: int, batches_done: int, total_iteration: int,
-                 snapshot: Optional[RunSnapshot] = None, pin: Optional[str] = None,
-                 checkpoint_callback: Any = None, written: Optional[str] = None):
+                 snapshot: Optional["RunSnapshot"] = None, pin: Optional[str] = None,
+                 checkpoint_callback: Any = None, written: Optional[str] = None,
+                 on_disk: Optional[Dict[str, int]] = None):
         self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
         self.total_iteration = total_iteration
         self.kept_at = time.time()
+        # The checkpoints on disk when the point was kept (path: modification time in ns): any other, or one changed
+        # since, was written after it. (A file's time comes from a coarser clock than time.time(): a checkpoint
+        # written a few milliseconds after the point can carry an earlier time.)
+        self.on_disk = dict(on_disk or {})
         self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
         self.written = written  # the checkpoint under its usual name, when it was written for this point alone
 
@@ -58,7 +63,7 @@ class KeptPoint:
         if self.written is not None and self.written not in keep:
             _remove(self.written)
 
-    def restore(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
+    def restore(self, tl: "TrainLoop") -> Optional["MidEpochResume"]:
         """Put the point back into ``tl`` (a call in every process); where its epoch continues."""
         if self.snapshot is not None:
             return self.snapshot.restore(tl)
@@ -66,7 +71,7 @@ class KeptPoint:
             raise FileNotFoundError(f"SpikeRollback cannot roll back: its pinned checkpoint {self.pin} is gone (was "
                                     f"the run folder's checkpoint_model/{PIN_FOLDER}/ deleted during training?)")
         tl.load_checkpoint(self.pin)
-        return apply_pending_states(tl)  # inside fit: the states are applied now, as fit's start would
+        return tl.apply_pending_restore()  # inside fit: the states are applied now, as fit's start would
 
 
 def pin_checkpoint(path: str) -> str:
@@ -121,26 +126,34 @@ def clear_pins(checkpoint_dir: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def checkpoints_on_disk(callbacks: List[Any]) -> Dict[str, int]:
+    """``{path: modification time in ns}`` of the checkpoints in the folders of ``callbacks`` (checkpoint
+    callbacks)."""
+    on_disk = {}
+    for folder in dict.fromkeys(callback.experiment_folder.checkpoint_dir for callback in callbacks):
+        for path in list_checkpoints(folder):
+            try:
+                on_disk[path] = os.stat(path).st_mtime_ns
+            except OSError:  # deleted meanwhile
+                continue
+    return on_disk
+
+
 def remove_checkpoints_after(tl: "TrainLoop", point: KeptPoint, callbacks: List[Any]) -> List[str]:
     """Delete the checkpoints that ``callbacks`` (the run's checkpoint callbacks) wrote after ``point``: those of a
-    later training position, written (modified) since the point was kept. Call it in every process: background saves
+    later training position, not on disk as they were when the point was kept (new or rewritten since). Call it in every process: background saves
     are waited for first, then the main process deletes. Returns the deleted paths (main process)."""
     for callback in callbacks:
         callback.wait_for_pending_save()  # a save in flight would land after the clean-up
     if not tl.is_main_process:
         return []
     deleted = []
-    folders = dict.fromkeys(callback.experiment_folder.checkpoint_dir for callback in callbacks)
-    for folder in folders:
-        for path in list_checkpoints(folder):
-            position = checkpoint_path_position(path)
-            try:
-                written_after = os.path.getmtime(path) >= point.kept_at
-            except OSError:  # deleted meanwhile
-                continue
-            if position is not None and position > point.position and written_after:
-                remove_checkpoint(path)
-                deleted.append(path)
+    for path, modified in checkpoints_on_disk(callbacks).items():
+        position = checkpoint_path_position(path)
+        written_after = point.on_disk.get(path) != modified
+        if position is not None and position > point.position and written_after:
+            remove_checkpoint(path)
+            deleted.append(path)
     if deleted:
         logger.warning("SpikeRollback: deleted %d checkpoint(s) written after the point the run returns to (they hold "
                        "the run being undone): %s", len(deleted), ", ".join(os.path.basename(p) for p in deleted))

@@ -20,15 +20,13 @@ import torch
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.spike_points import (
-    KeptPoint, clear_pins, pin_checkpoint, remove_checkpoints_after, unpin)
+    KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number
-from aitoolbox.torchtrain.train_loop.data_position import batch_indices
-from aitoolbox.torchtrain.train_loop.rollback import RollBack
-from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
-from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume
+from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
+    from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume
 
 logger = logging.getLogger(__name__)
 
@@ -289,12 +287,14 @@ class SpikeRollback(AbstractCallback):
                      total_iteration=tl.total_iteration_idx)
         if self.snapshot == "memory":
             del previous
-            self._snapshot = KeptPoint(snapshot=RunSnapshot.take(tl, mid_epoch=True), **where)
+            on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
+            self._snapshot = KeptPoint(snapshot=tl.take_snapshot(mid_epoch=True), on_disk=on_disk, **where)
             return
         callback = self._checkpoint_callback
         alone = tl.is_main_process and not _checkpoint_exists(tl, callback)  # else another callback saved it here
         path = callback.save_resume_checkpoint()
         callback.wait_for_pending_save()  # the pin links the complete file
+        where["on_disk"] = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
         pin = pin_checkpoint(path) if tl.is_main_process else None
         path, pin = tl.broadcast_object((path, pin))  # the main process knows them
         self._snapshot = KeptPoint(pin=pin, checkpoint_callback=callback, written=path if alone else None, **where)
@@ -312,8 +312,7 @@ class SpikeRollback(AbstractCallback):
         positions = [history.loader_position(epoch, skipped) for skipped in iterations]
         loss = self._pending[first]
         own = (bool(judgement.flags[first]), float(loss), float(judgement.centres[first]),
-               float(judgement.limits[first]), batch_indices(tl.train_loader, epoch, self._epoch_rngs.get(epoch),
-                                                             positions))
+               float(judgement.limits[first]), tl.batch_indices(epoch, self._epoch_rngs.get(epoch), positions))
         per_rank = tl.all_gather_objects(own)  # a rollback is rare: the spiking rank's numbers for all
         spiked = next(values for values in per_rank if values[0])
         samples = None if any(values[4] is None for values in per_rank) else \
@@ -340,7 +339,7 @@ class SpikeRollback(AbstractCallback):
         self._write_records(tl, list(tl.rollbacks) + [record])
         return RollBack(self._restore, [(epoch, position) for position in positions], record)
 
-    def _restore(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
+    def _restore(self, tl: "TrainLoop") -> Optional["MidEpochResume"]:
         point = self._snapshot
         resume = point.restore(tl)  # this callback's detection state goes back with the run
         remove_checkpoints_after(tl, point, _checkpoint_callbacks(tl))

@@ -35,7 +35,7 @@ import torch
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.flop_count import BatchFlopCounter, BatchFlops
 from aitoolbox.torchtrain.callbacks.peak_flops import TABLE_SOURCE, effective_peak, precision_key
-from aitoolbox.torchtrain.train_loop.evaluation import batch_size_of
+from aitoolbox.torchtrain.data.loader_info import batch_size_of
 
 try:
     import resource  # POSIX only
@@ -52,7 +52,7 @@ MIB = 2 ** 20
 def first_dimension(batch: Any) -> int:
     """The samples of a batch such as ``(inputs, labels)`` or ``{'input_ids': ..., 'labels': ...}``: the first
     dimension of its first tensor, searched depth first through tuples, lists and dicts (values in order), as the
-    loop's evaluation counts them (:func:`~aitoolbox.torchtrain.train_loop.evaluation.batch_size_of`).
+    loop's evaluation counts them (:func:`~aitoolbox.torchtrain.data.loader_info.batch_size_of`).
 
     Raises:
         ValueError: ``batch`` holds no tensor.

@@ -17,7 +17,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_save import CHECKPOINT_EXECUTION_ORDER
 from aitoolbox.torchtrain.model import TTModel
-from aitoolbox.torchtrain.train_loop.evaluation import loader_generators, loader_length, preserved_generator_states
+from aitoolbox.torchtrain.data.loader_info import loader_length, preserved_generator_states
+from aitoolbox.torchtrain.data.sampler_state import loader_generators
 
 logger = logging.getLogger(__name__)
 

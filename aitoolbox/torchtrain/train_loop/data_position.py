@@ -24,9 +24,10 @@ restoring the state makes the loader's next epoch iterate as the uninterrupted r
 import logging
 from typing import Any, Iterator, List, Optional, Sequence
 
-import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
+
+from aitoolbox.torchtrain.train_loop.random_state import capture_draw_state, restore_draw_state
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class _WorkerIterator(_MultiProcessingDataLoaderIter):
     def _start(self, loader: DataLoader) -> None:
         self._started = True
         if self._continued_seed is not None:
-            self._draws_to_undo = _draw_state(loader)
+            self._draws_to_undo = capture_draw_state(loader)
         super().__init__(loader)
 
     # DataLoader's constructor assigns the base seed it draws; a continued iterator keeps the saved one instead.
@@ -221,7 +222,7 @@ class _WorkerIterator(_MultiProcessingDataLoaderIter):
         if first_iter and self._draws_to_undo is not None:
             # The constructor drew a base seed (and any draws of iter(sampler)): the run being continued did not.
             state, self._draws_to_undo = self._draws_to_undo, None
-            _restore_draw_state(state, loader)
+            restore_draw_state(state, loader)
         super()._reset(loader, first_iter)
 
     def _next_index(self) -> Any:
@@ -236,19 +237,6 @@ class _WorkerIterator(_MultiProcessingDataLoaderIter):
     def _shutdown_workers(self) -> None:
         if self._started:  # an iterator that never started has no workers (nor the attributes shutting down reads)
             super()._shutdown_workers()
-
-
-def _draw_state(loader: Any) -> dict:
-    """The RNG state iterating ``loader`` draws from (the run's RNG state without the iterator's)."""
-    from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state
-    state = capture_rng_state(loader)
-    state.pop(ITERATOR_KEY, None)
-    return state
-
-
-def _restore_draw_state(state: dict, loader: Any) -> None:
-    from aitoolbox.torchtrain.train_loop.train_state import restore_rng_state
-    restore_rng_state({key: value for key, value in state.items() if key != ITERATOR_KEY}, loader)
 
 
 def epoch_without(loader: Any, start: int, skipped: Sequence[int], loader_state: Optional[Any] = None
@@ -295,47 +283,3 @@ def _leaving_out(iterator: Iterator[Any], position: int, pending: List[int]) -> 
                 return
             yield batch
         position += 1
-
-
-def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], positions: Sequence[int]
-                  ) -> Optional[List[int]]:
-    """The dataset indices of the batches at ``positions`` of epoch ``epoch`` of ``loader``, whose data order was
-    drawn from ``epoch_start_rng`` (see :func:`~.train_state.capture_rng_state`; samplers with ``set_epoch``, such
-    as DistributedSampler, are set to ``epoch``), drawn again from the sampler without fetching anything; None where
-    the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
-    unknown. Every RNG state, the samplers' epochs and the loader's worker iterator are as before afterwards."""
-    from aitoolbox.torchtrain.data.sampler_state import loader_samplers
-    if epoch_start_rng is None or not skips_by_index(loader) or not positions:
-        return None
-    saved = _draw_state(loader)
-    with_epoch = [(sampler, sampler.epoch) for sampler in loader_samplers(loader)
-                  if callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "epoch")]
-    try:
-        for sampler, _ in with_epoch:
-            sampler.set_epoch(epoch)
-        _restore_draw_state(epoch_start_rng, loader)
-        sampler_iterator = _epoch_index_iterator(loader, epoch_start_rng)
-        wanted, indices = set(positions), []
-        for position in range(max(positions) + 1):
-            try:
-                drawn = next(sampler_iterator)
-            except StopIteration:
-                break
-            if position in wanted:
-                indices.extend(int(index) for index in (drawn if isinstance(drawn, (list, tuple)) else [drawn]))
-        return indices
-    finally:
-        _restore_draw_state(saved, loader)
-        for sampler, sampler_epoch in with_epoch:
-            sampler.set_epoch(sampler_epoch)
-
-
-def _epoch_index_iterator(loader: DataLoader, epoch_start_rng: dict) -> Iterator[Any]:
-    """The index (or batch) iterator of the epoch, with the draws ``iter(loader)`` made before it, in its order:
-    ``iter(sampler)``, the base seed (unless a persistent iterator was reset, which draws none) and, for a worker
-    iterator starting, ``iter(sampler)`` again (its constructor resets itself)."""
-    sampler_iterator = iter(loader._index_sampler)
-    if (epoch_start_rng.get(ITERATOR_KEY) or {}).get("base_seed") is not None:
-        return sampler_iterator
-    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-    return iter(loader._index_sampler) if loader.num_workers > 0 else sampler_iterator

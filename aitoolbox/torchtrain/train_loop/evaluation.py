@@ -1,7 +1,7 @@
 """Loss evaluation and prediction over a whole data set, exact over batches (and processes)."""
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -10,6 +10,8 @@ from aitoolbox.torchtrain.train_loop.module_modes import modes_restored
 from aitoolbox.torchtrain.train_loop.losses import (
     LossResult, as_float_dict, as_loss_result, detached_values, history_entries, loss_names)
 from aitoolbox.torchtrain.train_loop.progress import EvaluationProgress
+from aitoolbox.torchtrain.data.loader_info import (  # noqa: F401 (importable from here as before)
+    batch_size_of, loader_length, preserved_generator_states)
 from aitoolbox.torchtrain.data.sampler_state import loader_generators
 from aitoolbox.torchtrain.train_loop.validation_sets import VALIDATION, history_prefixes, select_validation_set
 
@@ -17,28 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
-
-
-def batch_size_of(batch_data: Any) -> Optional[int]:
-    """Number of samples in a batch: the first dimension of its first tensor, searched depth first."""
-    if isinstance(batch_data, torch.Tensor):
-        return batch_data.shape[0] if batch_data.dim() > 0 else 1
-    if isinstance(batch_data, dict):
-        batch_data = list(batch_data.values())
-    if isinstance(batch_data, (list, tuple)):
-        for element in batch_data:
-            size = batch_size_of(element)
-            if size is not None:
-                return size
-    return None
-
-
-def loader_length(loader: Any) -> Optional[int]:
-    """``len(loader)`` when the loader knows it (an IterableDataset may not)."""
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) -> Optional[dict]:
@@ -54,17 +34,6 @@ def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) ->
             values = values.detach().cpu().tolist()
         collected.setdefault(key, []).extend(values)
     return collected
-
-
-@contextlib.contextmanager
-def preserved_generator_states(generators: List[torch.Generator]):
-    """Restore the generators' states on exit."""
-    states = [generator.get_state() for generator in generators]
-    try:
-        yield
-    finally:
-        for generator, state in zip(generators, states):
-            generator.set_state(state)
 
 
 @contextlib.contextmanager

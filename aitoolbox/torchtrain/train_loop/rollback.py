@@ -2,7 +2,8 @@
 
 A callback that finds the run has gone wrong since a point it kept (a :class:`~.run_snapshot.RunSnapshot`, or a
 mid-epoch checkpoint) asks the loop to return there: at the end of an optimizer step, after every callback's
-``on_batch_end`` (:meth:`.RunState.call_after_step`), it raises :class:`RollBack`. ``TrainLoop._train``'s epoch
+``on_batch_end`` (:meth:`.RunState.call_after_step`), it raises
+:class:`~aitoolbox.torchtrain.callbacks.rollback_request.RollBack`. ``TrainLoop._train``'s epoch
 loop catches it, lets :func:`roll_back` put the kept point back, and continues from there with the
 :class:`~.train_state.MidEpochResume` it returns (the point may lie in an earlier epoch: the history, counters and
 callbacks' states go back with it).
@@ -17,8 +18,9 @@ import bisect
 import copy
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional
 
+from aitoolbox.torchtrain.callbacks.rollback_request import RollBack  # noqa: F401 (the loop catches it from here)
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,25 +30,6 @@ logger = logging.getLogger(__name__)
 
 #: The checkpoint key of :meth:`RollbackHistory.state_dict`.
 CHECKPOINT_KEY = "rollbacks"
-
-
-class RollBack(Exception):
-    """Control flow, not an error: the run returns to a kept point (raised at the end of an optimizer step, in
-    every process of a distributed run alike, and caught by ``TrainLoop._train``).
-
-    Args:
-        restore: puts the kept point back into the loop (a call in every process); returns where its epoch
-            continues (None: at an epoch's start).
-        skip: ``(epoch, position)`` of each batch to leave out from now on (positions in the epoch's batch order).
-        record: what happened, appended to ``tl.rollbacks``.
-    """
-
-    def __init__(self, restore: Callable[["TrainLoop"], Optional[MidEpochResume]],
-                 skip: Sequence[Tuple[int, int]], record: dict):
-        super().__init__(f"roll back: {record}")
-        self.restore = restore
-        self.skip = list(skip)
-        self.record = record
 
 
 @dataclasses.dataclass

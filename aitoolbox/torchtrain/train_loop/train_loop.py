@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.activation_checkpointing import (
     apply_activation_checkpointing, check_module_classes, checkpointed_modules)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.cloud_upload import CloudUploads
 from aitoolbox.torchtrain.callbacks.handler import CallbacksHandler
 from aitoolbox.torchtrain.callbacks.messages import MessageService
 from aitoolbox.torchtrain.compiling import CompileOptions, CompileStats, Compiler
@@ -40,11 +41,14 @@ from aitoolbox.torchtrain.train_loop.losses import LossResult
 from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
+from aitoolbox.torchtrain.train_loop.batch_indices import batch_indices
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
 from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, claim_default_run_folder
+from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
-from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
+from aitoolbox.torchtrain.train_loop.train_state import (
+    MidEpochResume, apply_pending_states, load_pending_sharded_weights, truncate_history)
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
     check_use_amp, create_precision, create_sharded_precision, describe_precision, initial_loss_scaler)
@@ -255,6 +259,33 @@ class TrainLoop:
                                   or self.gpu_mode in ("ddp", "fsdp"))
             claim_default_run_folder(folder, reserve=in_one_process)
         return folder
+
+    def cloud_uploads(self) -> CloudUploads:
+        """The loop's background cloud uploads (a callback run after all others), registered now if it has none
+        yet: a callback with a bucket to write to hands its files to it."""
+        return CloudUploads.of(self)
+
+    def take_snapshot(self, mid_epoch: bool = True) -> RunSnapshot:
+        """The run as it is now, copied into host memory (set up first, as ``fit`` would); ``snapshot.restore(tl)``
+        puts it back. ``mid_epoch``: taken inside an epoch, to continue it at the same batch.
+
+        Raises:
+            ValueError: the model is sharded (FSDP): keep a checkpoint instead.
+        """
+        return RunSnapshot.take(self, mid_epoch=mid_epoch)
+
+    def apply_pending_restore(self) -> Optional[MidEpochResume]:
+        """Inside ``fit``: apply the checkpoint :meth:`load_checkpoint` loaded now (precision, callbacks', scheduler
+        and random states) as the start of ``fit`` would; returns where its epoch continues (None: at an epoch's
+        start)."""
+        return apply_pending_states(self)
+
+    def batch_indices(self, epoch: int, epoch_start_rng: Optional[dict], positions: List[int]) -> Optional[List[int]]:
+        """The dataset indices of the training batches at ``positions`` of epoch ``epoch``, whose data order was
+        drawn from ``epoch_start_rng`` (:attr:`epoch_start_rng_state` during that epoch), drawn again without
+        loading anything; None where the loader cannot tell (an iterable dataset) or the state is unknown. Every
+        random state is as before afterwards."""
+        return batch_indices(self.train_loader, epoch, epoch_start_rng, positions)
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:

@@ -14,10 +14,8 @@ continues from it), and the RNG state of the checkpoint is put back.
 import dataclasses
 import json
 import logging
-import random
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from aitoolbox.experiment.redaction import redact_hyperparams
@@ -25,8 +23,8 @@ from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.data_position import (
     ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
-from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
-from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
+from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
+    capture_draw_state, restore_draw_state, weights_only_safe)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -41,43 +39,17 @@ FORMAT_VERSION = 2
 def capture_rng_state(loader: Any = None) -> dict:
     """RNG states of this process and of ``loader``'s data order (its torch generators, the random states its
     samplers keep themselves, its persistent worker iterator), as weights-only-loadable values."""
-    numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    generators = loader_generators(loader) if loader is not None else []
-    state = {
-        "python": random.getstate(),
-        "numpy": [numpy_kind, torch.from_numpy(numpy_keys.astype(np.int64)), int(numpy_pos), int(numpy_has_gauss),
-                  float(numpy_gauss)],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
-        "loader_generators": [generator.get_state() for generator in generators],
-    }
-    if loader is not None:
-        samplers = capture_sampler_states(loader, generators)
-        if samplers:
-            state["samplers"] = weights_only_safe(samplers)
-        iterator = persistent_iterator_state(loader)
-        if iterator is not None:
-            state[ITERATOR_KEY] = iterator
+    state = capture_draw_state(loader)
+    iterator = persistent_iterator_state(loader) if loader is not None else None
+    if iterator is not None:
+        state[ITERATOR_KEY] = iterator
     return state
 
 
 def restore_rng_state(state: dict, loader: Any = None) -> None:
     """Put back what :func:`capture_rng_state` returned."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    generators = loader_generators(loader) if loader is not None else []
-    if len(generators) != len(state["loader_generators"]):
-        raise ValueError(f"the checkpoint holds {len(state['loader_generators'])} train-loader generator state(s), "
-                         f"the train loader has {len(generators)}: build the DataLoader as in the original run")
-    for generator, generator_state in zip(generators, state["loader_generators"]):
-        generator.set_state(generator_state)
-    if loader is not None:  # (states saved before these keys existed hold neither)
-        restore_sampler_states(loader, state.get("samplers", {}))
+    restore_draw_state(state, loader)
+    if loader is not None:  # (states saved before this key existed hold none)
         continue_persistent_iterator(loader, state.get(ITERATOR_KEY))
 
 
@@ -125,21 +97,6 @@ def copied_history(history: Dict[str, list]) -> Dict[str, list]:
     """A checkpoint's training history with lists of its own: the loop appends to them, and the checkpoint dict
     (the caller's, or one a callback keeps) must stay as it was saved."""
     return {name: list(values) for name, values in history.items()}
-
-
-def weights_only_safe(value: Any) -> Any:
-    """``value`` with numpy scalars and arrays (e.g. metrics computed by scikit-learn) turned into Python numbers
-    and tensors, which ``torch.load(weights_only=True)`` accepts; containers are converted recursively."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy()) if value.dtype != object else value.tolist()
-    if isinstance(value, dict):
-        return {key: weights_only_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        converted = [weights_only_safe(item) for item in value]
-        return converted if isinstance(value, list) else tuple(converted)
-    return value
 
 
 def json_safe(value: Any) -> Any:

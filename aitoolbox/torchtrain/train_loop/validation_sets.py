@@ -11,10 +11,12 @@ A single loader stays what it was: no name, the plain ``val_`` names only.
 """
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
+from aitoolbox.torchtrain.data.validation_names import (  # noqa: F401 (importable from here as before)
+    history_prefix, history_prefixes, validation_set_names)
 from aitoolbox.torchtrain.train_loop.validation import check_loader
 
 # Letters, digits, '_' and '-': such names are safe in file names (history plots), CSV columns and the keys of
@@ -76,25 +78,6 @@ def check_validation_loader(loader: Any) -> None:
         if isinstance(value, torch.Tensor):
             raise TypeError(f"{where} is a tensor: wrap the data in a DataLoader")
         check_loader(value, where)  # e.g. an empty set, which would fail only after the first epoch's training
-
-
-def validation_set_names(loader: Any) -> Optional[List[str]]:
-    """The names of the validation sets, in order, for a dict of loaders; None for one loader (or none)."""
-    return list(loader) if isinstance(loader, Mapping) else None
-
-
-def history_prefix(name: Optional[str]) -> str:
-    """The prefix of a validation set's history keys: ``'val_'`` for a single loader, ``'val_<name>_'``."""
-    return "val_" if name is None else f"val_{name}_"
-
-
-def history_prefixes(loader: Any) -> List[Tuple[Optional[str], List[str]]]:
-    """``(set name, prefixes its values are recorded under)`` for every validation set, in order: the first set
-    of a dict is recorded under ``'val_'`` too."""
-    names = validation_set_names(loader)
-    if names is None:
-        return [(None, ["val_"])]
-    return [(name, (["val_"] if index == 0 else []) + [history_prefix(name)]) for index, name in enumerate(names)]
 
 
 def select_validation_set(loader: Any, name: Optional[str]) -> Tuple[str, Optional[str], Any]:

@@ -526,3 +526,33 @@ def test_a_job_killed_right_after_a_rollback_resumes_from_a_clean_checkpoint(tmp
     reference_model, _ = model_pair(MLP)
     reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {5}})))
     assert_params_equal(resumed.model, reference.model)
+
+
+def test_a_checkpoint_written_after_the_kept_point_is_deleted_whatever_time_its_file_carries(tmp_path):
+    """A file's modification time comes from a coarser clock than ``time.time()``: a checkpoint written milliseconds
+    after the kept point can carry an earlier time. It holds the run being undone all the same (a killed job resumed
+    from it continued the spiked run: the memory-snapshot variant above failed about every other run)."""
+    from types import SimpleNamespace
+
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name
+    from aitoolbox.torchtrain.callbacks.spike_points import KeptPoint, checkpoints_on_disk, remove_checkpoints_after
+
+    folder = tmp_path / "checkpoint_model"
+    folder.mkdir()
+    saver = SimpleNamespace(experiment_folder=SimpleNamespace(checkpoint_dir=str(folder)),
+                            wait_for_pending_save=lambda: None)
+
+    def write(iteration):
+        path = folder / checkpoint_file_name("exp", "ts", 1, iteration)
+        torch.save({"iteration": iteration}, path)
+        return path
+
+    older_timeline = write(20)  # a later position already on disk when the point was kept: not this run's to undo
+    kept_step = write(14)
+    point = KeptPoint(epoch=1, iteration=2, batches_done=3, total_iteration=14,
+                      on_disk=checkpoints_on_disk([saver]))
+    undone = [write(15), write(16)]
+    os.utime(undone[0], (point.kept_at - 5, point.kept_at - 5))  # an earlier time than the point's
+    deleted = remove_checkpoints_after(SimpleNamespace(is_main_process=True), point, [saver])
+    assert sorted(deleted) == sorted(str(path) for path in undone)
+    assert kept_step.exists() and older_timeline.exists() and not any(path.exists() for path in undone)
