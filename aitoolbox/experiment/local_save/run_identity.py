@@ -5,8 +5,9 @@ new job started after an older one finished, each start their own run instead of
 
 The job id is ``AITOOLBOX_RUN_ID`` when the user sets it, else ``SLURM_JOB_ID`` (kept by a SLURM requeue), else
 torchrun's ``TORCHELASTIC_RUN_ID`` (kept by the restarts of one torchrun invocation; never its default ``none``).
-The fingerprint is a slow salted hash of the real hyperparameter values: two runs with the same values have the
-same fingerprint, and the values themselves (secrets included) are never written.
+The fingerprint is a slow salted hash of the real hyperparameter values, written in a form every process computes
+alike: two runs with the same values have the same fingerprint, and the values themselves (secrets included) are
+never written.
 """
 import dataclasses
 import hashlib
@@ -16,6 +17,7 @@ import os
 from typing import Mapping, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.local_save.stable_value import UnstableValueError, stable_json
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +55,34 @@ def current_job_id(environ: Optional[Mapping[str, str]] = None):
     return None, None
 
 
-def hyperparams_fingerprint(hyperparams: Optional[dict]) -> str:
-    """A hex digest of the hyperparameters' real values (key order does not matter); the values cannot be read
-    back from it."""
-    canonical = json.dumps(hyperparams or {}, sort_keys=True, default=repr).encode("utf-8")
-    return hashlib.pbkdf2_hmac("sha256", canonical, _SALT, _ITERATIONS).hex()
+def hyperparams_fingerprint(hyperparams: Optional[dict], strict: bool = True) -> str:
+    """A hex digest of the hyperparameters' real values, the same in every process for equal values (key order
+    does not matter; see :mod:`~aitoolbox.experiment.local_save.stable_value`); the values cannot be read back
+    from it.
+
+    Args:
+        hyperparams: the run's hyperparameters.
+        strict: raise for a value without a form that is the same in every process. False fingerprints such a value
+            by its ``repr``: the fingerprint then matches no other process's, so no later job continues the run
+            by its hyperparameters (a run without ``auto_resume`` needs no more).
+
+    Raises:
+        UnstableValueError: (``strict``) a value without a stable form; the message names it.
+    """
+    try:
+        canonical = stable_json(hyperparams or {})
+    except UnstableValueError:
+        if strict:
+            raise
+        canonical = json.dumps(hyperparams or {}, sort_keys=True, default=repr)
+    return hashlib.pbkdf2_hmac("sha256", canonical.encode("utf-8"), _SALT, _ITERATIONS).hex()
 
 
-def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None) -> RunIdentity:
-    """The identity of a run this process starts now."""
+def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None,
+                      strict: bool = True) -> RunIdentity:
+    """The identity of a run this process starts now (``strict``: see :func:`hyperparams_fingerprint`)."""
     job_id, source = current_job_id(environ)
-    return RunIdentity(job_id, source, hyperparams_fingerprint(hyperparams))
+    return RunIdentity(job_id, source, hyperparams_fingerprint(hyperparams, strict=strict))
 
 
 def write_run_identity(run_folder: str, identity: RunIdentity) -> str:
@@ -101,18 +120,24 @@ def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
 def adoption_refusal(this: RunIdentity, recorded: Optional[RunIdentity]) -> Optional[str]:
     """Why a job with identity ``this`` must not continue a run recorded as ``recorded``; None when it may.
 
-    A job with an id continues only a run of the same id. A job without one continues only a run recorded without
-    one and with the same hyperparameters, or a run written before identities were recorded (no record).
+    A job continues only a run with its own hyperparameters and of its own job id (none: a run recorded without
+    one), or a run written before identities were recorded (no record) when it has no job id. The job id alone
+    is not enough: the jobs of a sweep inside one allocation (``srun`` steps, a loop in one ``sbatch``) share
+    the allocation's ``SLURM_JOB_ID``.
     """
     if recorded is None:
         if this.job_id is None:
             return None
         return f"it has no job id recorded, and this job is {this.job_id_source}={this.job_id}"
     if this.job_id is not None:
-        if recorded.job_id == this.job_id:
-            return None
-        other = f"{recorded.job_id_source}={recorded.job_id}" if recorded.job_id else "no job id"
-        return f"it belongs to another job ({other}; this job is {this.job_id_source}={this.job_id})"
+        if recorded.job_id != this.job_id:
+            other = f"{recorded.job_id_source}={recorded.job_id}" if recorded.job_id else "no job id"
+            return f"it belongs to another job ({other}; this job is {this.job_id_source}={this.job_id})"
+        if recorded.fingerprint != this.fingerprint:
+            return (f"its hyperparameters differ from this job's (both are {this.job_id_source}={this.job_id}: "
+                    "another run of the same allocation, such as a sweep's; give each its own AITOOLBOX_RUN_ID or "
+                    "experiment_name to keep them apart)")
+        return None
     if recorded.job_id is not None:
         return (f"it belongs to job {recorded.job_id_source}={recorded.job_id} and this job has no id (set "
                 "AITOOLBOX_RUN_ID to the same value to continue it)")

@@ -98,7 +98,7 @@ class _ExperimentTrainLoop(TrainLoop):
         # lazy_experiment_save at the first file written into it. Either way an unusable folder is reported now.
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
                                                   hyperparams=self.hyperparams,
-                                                  identity=this_run_identity(self.hyperparams))
+                                                  identity=this_run_identity(self.hyperparams, strict=auto_resume))
         self.experiment_folder.check_creatable()
         # auto_resume's choice still to be made (by rank 0 of a distributed run, when its process group exists).
         self._resume_undecided = auto_resume
