@@ -109,7 +109,7 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
             dist.barrier()
             dist.destroy_process_group()
     except SignalStop as stop:  # SIGTERM/SIGHUP: stopped after a step, with a checkpoint when one was asked for
-        message_queue.put(("stopped", rank, stop.signum, ""))
+        message_queue.put(("stopped", rank, stop.signum, list(stop.saved)))
         raise SystemExit(stop.code)
     except BaseException as error:  # report everything, KeyboardInterrupt included, then exit non-zero
         message_queue.put(("error", rank, f"{type(error).__name__}: {error}", traceback.format_exc()))

@@ -18,13 +18,22 @@ not continue exactly. While ``fit`` trains, :class:`InterruptGuard` therefore ha
 The guard is active only in the main thread and only for the signals that have their default handling there (a
 terminal, a Jupyter kernel, the processes of ``fit_distributed`` and torchrun); an application that installed its
 own handler keeps it.
+
+DataLoader worker processes leave these signals to the training process while it trains: a terminal's Ctrl-C,
+SLURM and torchrun's agent signal every process of a group, and a worker killed by SIGTERM would make torch raise
+in the training process wherever it is (in the middle of a checkpoint), while one that exits on SIGINT could not
+serve the rest of the batch. The loaders the guard watches start their workers with a handler of their own for
+SIGTERM, SIGHUP and SIGINT (set before the loader's own ``worker_init_fn`` runs): while the guard is active the
+signal is left to the training process, which closes its workers when it is done; afterwards a worker reacts as
+torch's workers do (it ends), so that the usual clean-up at exit, which terminates workers with SIGTERM, works.
 """
 import datetime
 import logging
+import multiprocessing.sharedctypes
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional
 
 import torch
 
@@ -102,18 +111,32 @@ class InterruptGuard:
         self.stop_signal: Optional[int] = None
         self.grace_s = grace_s
         self._previous_handlers: dict = {}
+        self._loaders: List[Any] = []
+        self._shielded: List[Any] = []
+        self._training: Any = None  # 1 while the guard is active, in memory shared with DataLoader workers
         self._strategy: Any = None
         self._agreement = StopAgreement()
         self._deadline: Optional[threading.Timer] = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_previous_handlers={}, _strategy=None, _deadline=None, stop_signal=None)
+        state.update(_previous_handlers={}, _strategy=None, _deadline=None, stop_signal=None, _loaders=[],
+                     _shielded=[], _training=None)
         return state
+
+    def watching(self, loaders: Iterable[Any]) -> "InterruptGuard":
+        """The guard, to be entered, with the data loaders whose workers leave stop signals to this process."""
+        self._loaders = [loader for loader in loaders if loader is not None]
+        return self
 
     def __enter__(self) -> "InterruptGuard":
         if threading.current_thread() is not threading.main_thread():
             return self
+        if any(getattr(loader, "num_workers", 0) for loader in self._loaders):
+            if self._training is None:  # shared with the workers: forked or spawned ones read it
+                self._training = multiprocessing.sharedctypes.RawValue("b", 0)
+            self._training.value = 1
+            self._shielded = [loader for loader in self._loaders if shield_loader_workers(loader, self._training)]
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
         for signum in STOP_SIGNALS:
@@ -130,6 +153,11 @@ class InterruptGuard:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers = {}
+            for loader in self._shielded:
+                unshield_loader_workers(loader)
+            self._shielded, self._loaders = [], []
+            if self._training is not None:
+                self._training.value = 0  # workers still running (persistent ones) react to signals again
             self.in_batch = False
             self.pending = False
             self.stop_signal = None
@@ -190,12 +218,13 @@ class InterruptGuard:
         """
         signum = self.stop_signal or signal.SIGTERM  # in a distributed run another process may have received it
         saved = save_resume_checkpoints(tl)
-        if saved:
-            logger.warning("%s: saved %s; stopping", signal.Signals(signum).name, ", ".join(saved))
-        else:
-            logger.warning("%s: stopping (no checkpoint callback is registered: the progress since the last "
-                           "checkpoint is lost)", signal.Signals(signum).name)
-        raise SignalStop(signum)
+        if tl.strategy.is_main_process:  # the one process that writes checkpoints knows what was saved
+            if saved:
+                logger.warning("%s: saved %s; stopping", signal.Signals(signum).name, ", ".join(saved))
+            else:
+                logger.warning("%s: stopping (no checkpoint callback is registered: the progress since the last "
+                               "checkpoint is lost)", signal.Signals(signum).name)
+        raise SignalStop(signum, saved)
 
 
 def save_resume_checkpoints(tl: "TrainLoop") -> list:
@@ -214,3 +243,59 @@ def save_resume_checkpoints(tl: "TrainLoop") -> list:
         if path is not None:
             saved.append(path)
     return saved
+
+
+class WorkerLeavesStopSignals:
+    """A DataLoader ``worker_init_fn``: in the worker, leave SIGTERM, SIGHUP and SIGINT to the training process
+    while it trains, then run the loader's own ``worker_init_fn``.
+
+    torch's worker loop installs a SIGTERM handler that ends the worker before ``worker_init_fn`` runs; this
+    replaces it with one that does nothing while ``training`` (memory shared with the training process) is set,
+    and otherwise ends the worker quietly (exit code 0, as torch's workers end on Ctrl-C).
+    A module-level class, so that loaders whose workers are spawned can send it.
+
+    Args:
+        worker_init_fn: the loader's own (None: none).
+        training: a shared ``ctypes`` value, non-zero while the training process handles stop signals.
+    """
+
+    def __init__(self, worker_init_fn: Optional[Callable[[int], Any]], training: Any):
+        self.worker_init_fn = worker_init_fn
+        self.training = training
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in STOP_SIGNALS + (signal.SIGINT,):
+            signal.signal(signum, self._on_signal)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.training.value:
+            return  # the training process stops the run and closes this worker
+        # End at once and quietly (exit code 0), as torch's workers end on Ctrl-C. Dying by the signal would make
+        # torch raise "DataLoader worker ... is killed" in the training process, e.g. in its clean-up at exit,
+        # which terminates its workers with SIGTERM; an exception could meet the worker's own exit path.
+        os._exit(0)
+
+
+def shield_loader_workers(loader: Any, training: Any) -> bool:
+    """Make the workers ``loader`` starts from now on leave stop signals to this process while ``training`` is set
+    (see :class:`WorkerLeavesStopSignals`); True when it was changed (undo it with
+    :func:`unshield_loader_workers`). Loaders without workers, without a settable ``worker_init_fn`` or already
+    shielded are left as they are."""
+    if not getattr(loader, "num_workers", 0) or not hasattr(loader, "worker_init_fn"):
+        return False
+    if isinstance(loader.worker_init_fn, WorkerLeavesStopSignals):
+        return False
+    try:
+        loader.worker_init_fn = WorkerLeavesStopSignals(loader.worker_init_fn, training)
+    except (AttributeError, ValueError, TypeError):  # a loader class that does not let it be set
+        return False
+    return True
+
+
+def unshield_loader_workers(loader: Any) -> None:
+    """Give ``loader`` its own ``worker_init_fn`` back (workers already started keep their handlers, which react
+    to signals again once the guard is left)."""
+    if isinstance(getattr(loader, "worker_init_fn", None), WorkerLeavesStopSignals):
+        loader.worker_init_fn = loader.worker_init_fn.worker_init_fn
