@@ -12,6 +12,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -114,10 +115,14 @@ class ProcessLauncher:
         job: what every process runs.
         start_method: ``'fork'``, ``'spawn'`` or ``'forkserver'`` (see :func:`choose_start_method`).
         poll_interval_s: how often the parent checks on its processes.
+        listen_socket: the reserved rendezvous port's socket, handed to the process of global rank 0 (its store
+            serves on it); None: rank 0 is on another node, or binds the port itself.
     """
 
-    def __init__(self, job: DistributedJob, start_method: str, poll_interval_s: float = 0.1):
+    def __init__(self, job: DistributedJob, start_method: str, poll_interval_s: float = 0.1,
+                 listen_socket: Optional[socket.socket] = None):
         self.job = job
+        self.listen_socket = listen_socket
         self.start_method = start_method
         self.poll_interval_s = poll_interval_s
         self._processes: List[multiprocessing.Process] = []
@@ -183,7 +188,10 @@ class ProcessLauncher:
                 else:
                     job_source, sender = context.Pipe(duplex=False)
                     senders.append(sender)
-                process = context.Process(target=worker_entry, args=(local_rank, job_source, messages),
+                rank_0 = self.job.placement(local_rank).rank == 0
+                process = context.Process(target=worker_entry,
+                                          args=(local_rank, job_source, messages,
+                                                self.listen_socket if rank_0 else None),
                                           name=f"aitoolbox-rank{self.job.placement(local_rank).rank}")
                 process.start()
                 self._processes.append(process)

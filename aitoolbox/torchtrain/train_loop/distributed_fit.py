@@ -12,7 +12,8 @@ import torch
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.distributed.environment import (
     PortReservation, current_external_placement, job_master_port)
-from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
+from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method, main_script_path
+from aitoolbox.torchtrain.distributed.rendezvous import job_shape, job_token
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
 from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fsdp_model_args
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
@@ -115,7 +116,7 @@ def _join_as_rank(job: DistributedJob, placement: ProcessPlacement) -> None:
     options = dict(job.strategy_options)
     strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
     strategy = strategy_class(placement, **options)
-    strategy.init_process_group()
+    strategy.init_process_group(job.rendezvous_token, job.listen_socket if placement.rank == 0 else None)
     tl.use_strategy(strategy, job.amp_init_args)
     tl.callbacks_handler.drop_callbacks_of_other_ranks()
     tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
@@ -140,9 +141,23 @@ def join_external_job(tl: "TrainLoop", options: "DistributedFitOptions") -> bool
     logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
     job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
                          master_addr=placement.master_addr, master_port=placement.master_port, result_path=None,
-                         **_job_settings(tl, options))
+                         rendezvous_token=_external_job_token(tl, options, placement), **_job_settings(tl, options))
     _join_as_rank(job, placement)
     return True
+
+
+def _external_job_token(tl: "TrainLoop", options: "DistributedFitOptions",
+                        placement: ProcessPlacement) -> Optional[str]:
+    """The identity of a SLURM or OpenMPI job in its rendezvous store; None under torchrun, whose agent runs the
+    rendezvous of its job."""
+    if placement.launcher == "torchrun":
+        return None
+    return job_token(os.environ, job_shape(main_script_path(), placement.world_size, 0, _fit_shape(options),
+                                           tl.model_for_user, tl.optimizers))
+
+
+def _fit_shape(options: "DistributedFitOptions") -> list:
+    return [options.num_epochs, options.num_iterations, options.grad_accumulation]
 
 
 def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -199,23 +214,26 @@ def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int, use_cuda
 def rendezvous(num_nodes: int, node_rank: int, master_addr: Optional[str], master_port: Optional[int]):
     """Host, port and :class:`PortReservation` (or None) of rank 0's rendezvous store.
 
-    On one node the port is reserved here (a free one, or ``master_port`` unless busy, then a free one instead)
-    and stays reserved until the caller closes the reservation, after the processes are done: no other job can
-    take it before the store binds it. Several nodes agree on the port without talking: ``master_port``, else one
-    derived from the job id (:func:`job_master_port`), else 29500; node 0 reserves it and, when it is busy, stops
-    with an error saying to pass ``master_port``.
+    On one node the port is reserved here (a free one, or ``master_port`` unless busy, then a free one instead:
+    nothing outside the machine needs to know it) and stays reserved until the caller closes the reservation,
+    after the processes are done: rank 0's store serves on the reservation's socket, so no other job can take the
+    port at any moment. Several nodes agree on the port without talking: ``master_port``, else one derived from
+    the job id (:func:`job_master_port`), else 29500; node 0 reserves it and, when it is busy, stops at once with
+    an error saying to pass ``master_port``.
     """
     if num_nodes == 1:
         addr = master_addr or "127.0.0.1"
+        host = "127.0.0.1" if addr in ("127.0.0.1", "localhost") else "0.0.0.0"  # where the processes connect
         if master_port is not None:
             try:
-                reservation = PortReservation(master_port)
+                reservation = PortReservation(master_port, host)
                 return addr, reservation.port, reservation
             except OSError:
-                reservation = PortReservation()
-                logger.warning("master_port %d is busy; using port %d instead", master_port, reservation.port)
+                reservation = PortReservation(0, host)
+                logger.warning("master_port %d is busy (another job's?); using port %d instead", master_port,
+                               reservation.port)
                 return addr, reservation.port, reservation
-        reservation = PortReservation()
+        reservation = PortReservation(0, host)
         return addr, reservation.port, reservation
     if master_addr is None:
         raise ValueError(f"num_nodes={num_nodes}: pass master_addr, the address of the node with node_rank 0, so "
@@ -330,7 +348,7 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
         job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
                              master_addr=placement.master_addr, master_port=placement.master_port,
-                             result_path=None, **common)
+                             result_path=None, rendezvous_token=_external_job_token(tl, options, placement), **common)
         return train_in_this_process(job, placement)
 
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
@@ -351,10 +369,16 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir, \
             (reservation or contextlib.nullcontext()):
         result_path = os.path.join(result_dir, "result.pt")
-        job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank,
-                             world_size=options.num_nodes * per_node, master_addr=addr, master_port=port,
-                             result_path=result_path, rng_states=capture_rng_state(), threads_per_process=threads,
+        world_size = options.num_nodes * per_node
+        # The job's identity in its rendezvous: on one machine its own (no other process may join); across machines
+        # what every node computes alike (job id, what the job trains).
+        token = job_token({}) if options.num_nodes == 1 else job_token(os.environ, job_shape(
+            main_script_path(), world_size, options.num_nodes, _fit_shape(options), tl.model_for_user,
+            tl.optimizers))
+        job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank, world_size=world_size,
+                             master_addr=addr, master_port=port, result_path=result_path,
+                             rng_states=capture_rng_state(), threads_per_process=threads, rendezvous_token=token,
                              **common)
-        ProcessLauncher(job, method).run()
+        ProcessLauncher(job, method, listen_socket=reservation.socket if reservation is not None else None).run()
         adopt_distributed_result(tl, result_path, options.callbacks)
     return tl.model_for_user
