@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # In the result the launcher adopts: the run folder (and resumed checkpoint) of an experiment-tracking preset.
 RUN_RECORD_KEY = "experiment_run"
+# ... and the experiment folders of the callbacks, as rank 0 used them (their timestamps, whether created).
+CALLBACK_FOLDERS_KEY = "callback_experiment_folders"
 
 
 def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
@@ -47,7 +49,34 @@ def distributed_result(tl: "TrainLoop") -> dict:
     result = tl.checkpoint_state(mid_epoch=False)
     if callable(getattr(tl, "run_record", None)):
         result[RUN_RECORD_KEY] = tl.run_record()
+    result[CALLBACK_FOLDERS_KEY] = callback_folders(tl)
     return result
+
+
+def _callback_folder_objects(tl: "TrainLoop") -> list:
+    """The experiment folders of the registered callbacks that know theirs (each once)."""
+    folders = []
+    for callback in tl.callbacks:
+        folder = getattr(callback, "_experiment_folder", None)
+        if folder is not None and not any(folder is known for known in folders):
+            folders.append(folder)
+    return folders
+
+
+def callback_folders(tl: "TrainLoop") -> list:
+    """``[root, project, experiment, timestamp, created]`` of each callback's experiment folder (plain data)."""
+    return [[folder.root, folder.project_name, folder.experiment_name, folder.timestamp, folder.created]
+            for folder in _callback_folder_objects(tl)]
+
+
+def adopt_callback_folders(tl: "TrainLoop", records: list) -> None:
+    """In the launching process: the callbacks write, in a later call, into the folders the processes used (a
+    folder the processes created is this run's, never one to avoid as another run's)."""
+    used = {tuple(record[:3]): record[3:] for record in records}
+    for folder in _callback_folder_objects(tl):
+        found = used.get((folder.root, folder.project_name, folder.experiment_name))
+        if found is not None:
+            folder.adopt(found[0], created=found[1])
 
 
 def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
@@ -69,6 +98,7 @@ def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[Lis
     pending[OPTIMIZER_KEY] = [{"param_groups": state["param_groups"]} for state in saved_optimizer_states(pending)]
     if result.get(RUN_RECORD_KEY) is not None:  # the folder rank 0 decided on, never one derived from a clock
         tl.adopt_run_record(result[RUN_RECORD_KEY])
+    adopt_callback_folders(tl, result.get(CALLBACK_FOLDERS_KEY, []))
 
 
 def _continues_in_this_process(tl: "TrainLoop", placement: ProcessPlacement) -> bool:
@@ -351,6 +381,14 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                              result_path=None, rendezvous_token=_external_job_token(tl, options, placement), **common)
         return train_in_this_process(job, placement)
 
+    if options.num_nodes == 1 and tl._target_reached(options.num_epochs, options.num_iterations):
+        # As fit answers: the callbacks are registered (they stay for a later call), nothing is trained, and no
+        # process is started for it. (With several nodes every node's launcher must meet the others.)
+        tl.callbacks_handler.register_callbacks(options.callbacks, every_rank=True)
+        logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit_distributed() counts in "
+                       "totals; pass a larger num_epochs or num_iterations to continue.", tl.epochs_completed,
+                       tl.iterations_done)
+        return tl.model_for_user
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
     addr, port, reservation = rendezvous(options.num_nodes, options.node_rank, options.master_addr,
                                          options.master_port)
