@@ -308,11 +308,18 @@ class ProcessLauncher:
             return RuntimeError(f"fit_distributed: after {name}, rank {rank} failed with {summary} while stopping; "
                                 f"the resumable checkpoint may not have been written\n\nTraceback of rank {rank}:\n"
                                 f"{trace}")
+        # A process kills itself when its grace period is over (InterruptGuard): its timer started when the signal
+        # reached it, which may be a little before it reached this launcher (a scheduler signals every process).
+        grace_over = time.monotonic() >= self._stop_deadline - min(1.0, self.job.signal_grace_s / 2)
         for local_rank, process in enumerate(self._processes):
             rank = self.job.placement(local_rank).rank
-            if process.exitcode not in (0, 128 + signum) and rank not in self._reports:
-                error = self._exit_error(local_rank, process)
-                return RuntimeError(f"after {name}: {error}")
+            if process.exitcode in (0, 128 + signum) or rank in self._reports:
+                continue
+            if grace_over and process.exitcode == -getattr(signal, "SIGKILL", signal.SIGTERM):
+                logger.error("%s: rank %d did not stop within the %g s grace period and was killed", name, rank,
+                             self.job.signal_grace_s)
+                continue
+            return RuntimeError(f"after {name}: {self._exit_error(local_rank, process)}")
         return None
 
     def _root_cause(self, reported: Dict[int, RuntimeError], messages) -> RuntimeError:

@@ -9,7 +9,8 @@ not continue exactly. While ``fit`` trains, :class:`InterruptGuard` therefore ha
   takes too long. Outside batches (evaluation, callbacks at the epoch end) Ctrl-C acts immediately, as always.
 * **SIGTERM and SIGHUP** (a scheduler's time limit or ``scancel``, torchrun's agent stopping its workers, a
   closed terminal): training goes on to the end of the current optimizer step (the accumulation window's last
-  batch), every process of a distributed run at the same step, and then every registered checkpoint callback
+  batch), every process of a distributed run at the same step (agreed within about a quarter of a second, see
+  :mod:`~aitoolbox.torchtrain.train_loop.stop_agreement`), and then every registered checkpoint callback
   writes a resumable mid-epoch checkpoint (the pre-requeue pattern of SLURM jobs) before :class:`SignalStop`
   ends training. A signal that arrives outside the batches takes effect at the next step, or when ``fit``
   ends. ``grace_s`` seconds after the signal the process is killed if it has not stopped by then; the same
@@ -19,80 +20,25 @@ The guard is active only in the main thread and only for the signals that have t
 terminal, a Jupyter kernel, the processes of ``fit_distributed`` and torchrun); an application that installed its
 own handler keeps it.
 
-DataLoader worker processes leave these signals to the training process while it trains: a terminal's Ctrl-C,
-SLURM and torchrun's agent signal every process of a group, and a worker killed by SIGTERM would make torch raise
-in the training process wherever it is (in the middle of a checkpoint), while one that exits on SIGINT could not
-serve the rest of the batch. The loaders the guard watches start their workers with a handler of their own for
-SIGTERM, SIGHUP and SIGINT (set before the loader's own ``worker_init_fn`` runs): while the guard is active the
-signal is left to the training process, which closes its workers when it is done; afterwards a worker reacts as
-torch's workers do (it ends), so that the usual clean-up at exit, which terminates workers with SIGTERM, works.
+DataLoader worker processes leave these signals to the training process while it trains (SLURM, torchrun's agent
+and a terminal signal every process of a group): see :mod:`~aitoolbox.torchtrain.train_loop.worker_signals`.
 """
-import datetime
 import logging
-import multiprocessing.sharedctypes
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional
 
 from aitoolbox.torchtrain.distributed.signals import (  # noqa: F401  (re-exported: part of this module's API)
     DEFAULT_SIGNAL_GRACE_S, STOP_SIGNALS, SignalStop)
+from aitoolbox.torchtrain.train_loop.stop_agreement import StopAgreement
+from aitoolbox.torchtrain.train_loop.worker_signals import (
+    shared_training_flag, shield_loader_workers, unshield_loader_workers)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
-
-
-class StopAgreement:
-    """All processes of a distributed run stop after the same optimizer step.
-
-    At each step every process contributes whether it was asked to stop; the flags are combined in the
-    background over a gloo group of their own and read at the next step, so training never waits for the
-    exchange (and with CUDA never synchronises for it). Every process therefore sees the same answer at the
-    same step, one step after the signal reached the last of them.
-    """
-
-    def __init__(self):
-        self._group: Any = None
-        self._flag: Optional[torch.Tensor] = None
-        self._work: Any = None
-
-    def __getstate__(self) -> dict:
-        return {"_group": None, "_flag": None, "_work": None}  # a process group cannot travel
-
-    def poll(self, strategy: Any, requested: bool) -> bool:
-        """The agreed answer of the previous step's exchange (False at the first); starts this step's."""
-        import torch.distributed as dist
-        agreed = self._collect()
-        if agreed:
-            return True
-        if self._group is None:  # every process gets here at the same step: new_group is a collective
-            timeout = datetime.timedelta(seconds=getattr(strategy, "timeout_s", 600.0))
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-        self._flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return False
-
-    def settle(self, requested: bool) -> bool:
-        """At the end of training: whether any process was asked to stop (waits for the exchange)."""
-        import torch.distributed as dist
-        if self._collect():
-            return True
-        if self._group is None:
-            return requested  # no step was trained: nothing was exchanged and nothing to agree on
-        flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
-
-    def _collect(self) -> bool:
-        work, self._work = self._work, None
-        if work is None:
-            return False
-        work.wait()
-        return bool(self._flag.item())
 
 
 class InterruptGuard:
@@ -134,7 +80,7 @@ class InterruptGuard:
             return self
         if any(getattr(loader, "num_workers", 0) for loader in self._loaders):
             if self._training is None:  # shared with the workers: forked or spawned ones read it
-                self._training = multiprocessing.sharedctypes.RawValue("b", 0)
+                self._training = shared_training_flag()
             self._training.value = 1
             self._shielded = [loader for loader in self._loaders if shield_loader_workers(loader, self._training)]
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -243,59 +189,3 @@ def save_resume_checkpoints(tl: "TrainLoop") -> list:
         if path is not None:
             saved.append(path)
     return saved
-
-
-class WorkerLeavesStopSignals:
-    """A DataLoader ``worker_init_fn``: in the worker, leave SIGTERM, SIGHUP and SIGINT to the training process
-    while it trains, then run the loader's own ``worker_init_fn``.
-
-    torch's worker loop installs a SIGTERM handler that ends the worker before ``worker_init_fn`` runs; this
-    replaces it with one that does nothing while ``training`` (memory shared with the training process) is set,
-    and otherwise ends the worker quietly (exit code 0, as torch's workers end on Ctrl-C).
-    A module-level class, so that loaders whose workers are spawned can send it.
-
-    Args:
-        worker_init_fn: the loader's own (None: none).
-        training: a shared ``ctypes`` value, non-zero while the training process handles stop signals.
-    """
-
-    def __init__(self, worker_init_fn: Optional[Callable[[int], Any]], training: Any):
-        self.worker_init_fn = worker_init_fn
-        self.training = training
-
-    def __call__(self, worker_id: int) -> None:
-        for signum in STOP_SIGNALS + (signal.SIGINT,):
-            signal.signal(signum, self._on_signal)
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(worker_id)
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.training.value:
-            return  # the training process stops the run and closes this worker
-        # End at once and quietly (exit code 0), as torch's workers end on Ctrl-C. Dying by the signal would make
-        # torch raise "DataLoader worker ... is killed" in the training process, e.g. in its clean-up at exit,
-        # which terminates its workers with SIGTERM; an exception could meet the worker's own exit path.
-        os._exit(0)
-
-
-def shield_loader_workers(loader: Any, training: Any) -> bool:
-    """Make the workers ``loader`` starts from now on leave stop signals to this process while ``training`` is set
-    (see :class:`WorkerLeavesStopSignals`); True when it was changed (undo it with
-    :func:`unshield_loader_workers`). Loaders without workers, without a settable ``worker_init_fn`` or already
-    shielded are left as they are."""
-    if not getattr(loader, "num_workers", 0) or not hasattr(loader, "worker_init_fn"):
-        return False
-    if isinstance(loader.worker_init_fn, WorkerLeavesStopSignals):
-        return False
-    try:
-        loader.worker_init_fn = WorkerLeavesStopSignals(loader.worker_init_fn, training)
-    except (AttributeError, ValueError, TypeError):  # a loader class that does not let it be set
-        return False
-    return True
-
-
-def unshield_loader_workers(loader: Any) -> None:
-    """Give ``loader`` its own ``worker_init_fn`` back (workers already started keep their handlers, which react
-    to signals again once the guard is left)."""
-    if isinstance(getattr(loader, "worker_init_fn", None), WorkerLeavesStopSignals):
-        loader.worker_init_fn = loader.worker_init_fn.worker_init_fn

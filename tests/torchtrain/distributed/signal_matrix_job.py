@@ -22,6 +22,9 @@ from tests.torchtrain.distributed.support import PidFileWorkerInit, RecordPid, R
 
 NUM_EPOCHS = 3
 PAUSE_S = 2.0
+# Under ddp every step of rank 0 lasts at least this long: the processes agree on a stop within about
+# stop_agreement.CHECK_INTERVAL_S of training, which must end before the run does for the stop to be seen mid-run.
+DDP_STEP_S = 0.1
 MOMENTS = ("first batch", "mid-epoch", "evaluation", "checkpoint write")
 
 
@@ -71,6 +74,10 @@ class PauseAtMoment(AbstractCallback):
     def on_epoch_begin(self):
         if self.moment == "evaluation" and self.train_loop_obj.epoch == 1 and self._rank_0():
             self.train_loop_obj.model.pause_marker = self.folder
+
+    def on_batch_end(self):
+        if self.train_loop_obj.strategy.is_distributed:
+            time.sleep(DDP_STEP_S)
 
     def on_epoch_end(self):  # runs before the checkpoint callbacks (execution order 100)
         self._armed = self.moment == "checkpoint write" and self.train_loop_obj.epoch == 1 and self._rank_0()

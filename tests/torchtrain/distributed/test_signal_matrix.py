@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, find_checkpoint
+from aitoolbox.torchtrain.train_loop import stop_agreement
 from tests.torchtrain.distributed import signal_matrix_job as job
 from tests.torchtrain.distributed.support import (
     assert_state_dicts_equal, process_alive, recorded_pids, script_env, wait_until_gone)
@@ -42,8 +43,8 @@ DIMENSIONS = (SIGNALS, RECIPIENTS, NUM_WORKERS, job.MOMENTS, STRATEGIES)
 SCRIPT = Path(job.__file__)
 # Batches per epoch of each process: 32 samples in batches of 4, split between 2 processes under ddp.
 BATCHES_PER_EPOCH = {"single": 8, "ddp": 4}
-# Where the moment is, as (epoch, batch): the stop lands at its step (single) or within a few steps after it (the
-# processes of a ddp run agree first); a signal in an epoch's end lands in the next epoch.
+# Where the moment is, as (epoch, batch): the stop lands at its step (single) or within the agreement's bound after
+# it (the processes of a ddp run agree first); a signal in an epoch's end lands in the next epoch.
 MOMENT_POSITION = {"first batch": (0, 0), "mid-epoch": (1, 2), "evaluation": (2, 0), "checkpoint write": (2, 0)}
 
 
@@ -211,9 +212,12 @@ def test_signal_cell(tmp_path, tmp_path_factory, signame, recipient, num_workers
         epoch, batch = MOMENT_POSITION[moment]
         landed = checkpoint_path_position(newest)
         first_possible = epoch * BATCHES_PER_EPOCH[strategy] + batch
-        assert landed[0] == epoch and landed[2] >= first_possible, (newest, stderr[-6000:])
+        assert landed[2] >= first_possible, (newest, stderr[-6000:])
         if strategy == "single":  # one process: the very step the signal came in (or the epoch's first)
             assert landed[2] == first_possible, newest
+        else:  # the processes agree within about CHECK_INTERVAL_S of training plus two steps
+            bound = int(stop_agreement.CHECK_INTERVAL_S // job.DDP_STEP_S) + 2
+            assert landed[2] <= first_possible + bound, (newest, bound)
         assert f"{signame}: saved" in stderr, stderr[-6000:]
         assert "the progress since the last checkpoint is lost" not in stderr  # no rank says so: rank 0 saved
 
