@@ -12,7 +12,7 @@ from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking
 from tests.torchtrain.distributed.support import make_train_loop
 
-pytestmark = pytest.mark.filterwarnings("ignore:CUDA is not available")
+pytestmark = [pytest.mark.filterwarnings("ignore:CUDA is not available"), pytest.mark.slow]  # fit_distributed runs
 
 
 def experiment(folder) -> dict:
