@@ -29,12 +29,17 @@ Runs are interleaved (hand, ours; ours, hand; ... so slow drift of a shared mach
 median of the per-pair ratios are reported. Both runners end with rank 0's weights, compared bitwise
 ("same weights": both did the same arithmetic).
 
+With ``--model tiny`` both train a linear classifier of the 64 pixels instead (a step of well under a
+millisecond of arithmetic), where a fixed per-step cost of the loop shows most: issue 33 found the stop agreement,
+then exchanged at every step, costing 0.5-1.3 ms a step (1.23-1.46x the step time) on such a model.
+
 With ``--grad-accumulation N`` both step every N batches (and at each epoch's end); the hand worker runs the
 micro-batches before a window's last under DDP's ``no_sync()``, as fit_distributed does, so both all-reduce the
 gradients once per optimizer step.
 
 Run:  python benchmarks/distributed.py                    (about 2 minutes on 2 cores)
       python benchmarks/distributed.py --grad-accumulation 4
+      python benchmarks/distributed.py --model tiny
       python benchmarks/distributed.py --quick            (smoke test, about 30 s)
 """
 import argparse
@@ -127,9 +132,26 @@ def repeated_digits(args):
                       generator=torch.Generator().manual_seed(args.seed))
 
 
-def fresh_model(args) -> DigitsCNN:
+class TinyDigits(DigitsCNN):
+    """A linear classifier of the 64 pixels: almost no arithmetic a step, so the loop's own per-step cost shows.
+    (DigitsCNN's ``get_loss`` and ``get_predictions`` apply as they are.)"""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__(num_classes)
+        del self.features  # only the classifier trains: the layers the CNN built are dropped
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, images):
+        return self.classifier(images)
+
+
+#: ``--model`` choices.
+MODELS = {"cnn": DigitsCNN, "tiny": TinyDigits}
+
+
+def fresh_model(args) -> nn.Module:
     torch.manual_seed(args.seed)
-    return DigitsCNN()
+    return MODELS[args.model]()
 
 
 def samples_per_run(args, dataset_size: int) -> int:
@@ -151,7 +173,7 @@ def hand_worker(rank: int, world_size: int, port: int, initial_state: dict, imag
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     group_up_time = time.time()
-    model = DigitsCNN()
+    model = MODELS[settings["model"]]()
     model.load_state_dict(initial_state)  # a private copy (the spawn arguments live in shared memory)
     ddp_model = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=settings["lr"])
@@ -193,7 +215,7 @@ def run_hand(args, workdir: str) -> Dict[str, object]:
     model = fresh_model(args)
     loader = repeated_digits(args)
     images, labels = loader.dataset.tensors
-    settings = {"lr": args.lr, "seed": args.seed, "batch_size": args.batch_size, "epochs": args.epochs,
+    settings = {"model": args.model, "lr": args.lr, "seed": args.seed, "batch_size": args.batch_size, "epochs": args.epochs,
                 "grad_accumulation": args.grad_accumulation}
     marker_path, weights_path = os.path.join(workdir, "hand.json"), os.path.join(workdir, "hand_weights.pt")
     torch.manual_seed(args.seed + 1)  # the dropout RNG state both runners hand to their processes
@@ -305,6 +327,9 @@ def verdict_lines(outcome: Dict[str, object]) -> List[str]:
 def parse_args(argv: Optional[List[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=2, help="CPU processes of each job (default 2)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="cnn",
+                        help="cnn: the quickstart's DigitsCNN (default); tiny: a linear classifier (the loop's "
+                             "per-step cost shows most)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeat-data", type=int, default=8,
                         help="the 1,257 training digits repeated this many times make one epoch (default 8)")
@@ -335,7 +360,7 @@ def main(argv: Optional[List[str]] = None) -> str:
     info = _common.machine_info(torch.device("cpu"))
     info["torch threads"] = "1 per process (OMP_NUM_THREADS=1)"
     dataset_size = len(repeated_digits(args).dataset)
-    info["settings"] = (f"{args.processes} CPU processes (gloo), DigitsCNN, {dataset_size} samples an epoch "
+    info["settings"] = (f"{args.processes} CPU processes (gloo), {MODELS[args.model].__name__}, {dataset_size} samples an epoch "
                         f"(digits x{args.repeat_data}), per-process batch size {args.batch_size}, "
                         f"grad_accumulation {args.grad_accumulation}, Adam lr {args.lr}, "
                         f"{args.epochs} epochs a run ({samples_per_run(args, dataset_size)} samples over all "
@@ -347,8 +372,9 @@ def main(argv: Optional[List[str]] = None) -> str:
     text = "\n".join([f"Command: `{_common.command_line()}`", "", _common.info_lines(info), "", table, "",
                       *verdict_lines(outcome), ""])
     print(text)
-    if args.write_results:  # the accumulation runs have a section of their own
+    if args.write_results:  # the accumulation and tiny-model runs have sections of their own
         section = "distributed" if args.grad_accumulation == 1 else f"distributed-ga{args.grad_accumulation}"
+        section += "-tiny" if args.model == "tiny" else ""
         path = _common.update_results_section(section, text)
         print(f"updated {path}")
     return text

@@ -185,6 +185,11 @@ class ExperimentFolder:
         return os.path.join(self.root, self.project_name, f"{self.experiment_name}_{self.timestamp}")
 
     @property
+    def created(self) -> bool:
+        """The run folder exists as this run's (created by this object, or by another process of the run)."""
+        return self._created
+
+    @property
     def checkpoint_dir(self) -> str:
         return os.path.join(self.path, "checkpoint_model")
 

@@ -2,11 +2,13 @@
 
 Every save writes a temporary first (``.tmp-<name>...``) and renames it when complete; a process killed midway
 leaves it behind, full size. Each temporary says who writes it: a file in its name
-(``.tmp-<name>.<pid>-<token>@<host>.<random>``), a sharded checkpoint's folder in an :data:`OWNER_FILE` inside.
+(``.tmp-<name>.<pid>-<token>[-j<job>]@<host>.<random>``, ``<job>`` a short hash of the job id), a sharded
+checkpoint's folder in an :data:`OWNER_FILE` inside.
 :func:`remove_stale_temporaries` removes those of writers that are gone, never one a live process may still
 write, so that it can run at the start of every save, even with another job writing into the same folder.
 """
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -45,13 +47,21 @@ class _ProcessIdentity:
         return cls._token
 
 
+def _job_tag(job: str) -> str:
+    """A short hash of a job id for file names ('' for none): ids may be long or hold characters a name cannot."""
+    return hashlib.sha256(job.encode("utf-8")).hexdigest()[:12] if job else ""
+
+
 def owner_token() -> str:
-    """``<pid>-<token>@<host>``: put into the names of temporary files (a file cannot hold a marker)."""
-    return f"{os.getpid()}-{_ProcessIdentity.token()}@{socket.gethostname()}"
+    """``<pid>-<token>[-j<job>]@<host>``: put into the names of temporary files (a file cannot hold a marker). The
+    job lets a requeued job on another host recognise the temporaries its killed processes left."""
+    tag = _job_tag(_job_id())
+    return f"{os.getpid()}-{_ProcessIdentity.token()}{f'-j{tag}' if tag else ''}@{socket.gethostname()}"
 
 
-# .tmp-<name>.<pid>-<token>@<host>.<random>: mkstemp's random part has no dot, host names may have some.
-_OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX) + r".+\.(\d+)-([0-9a-f]+)@([^@/]+)\.[A-Za-z0-9_]+$")
+# .tmp-<name>.<pid>-<token>[-j<job>]@<host>.<random>: mkstemp's random part has no dot, host names may have some.
+_OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX)
+                              + r".+\.(\d+)-([0-9a-f]+)(?:-j([0-9a-f]+))?@([^@/]+)\.[A-Za-z0-9_]+$")
 
 
 def mark_temporary_folder(path: str) -> None:
@@ -91,18 +101,19 @@ def _is_stale(path: str) -> bool:
         return True  # a replaced or removed checkpoint moved aside: its deletion was all that was left to do
     owner = None
     if os.path.isdir(path):
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as handle:
                 record = json.load(handle)
-            owner = (str(record["host"]), int(record["pid"]), record.get("token"), str(record.get("job", "")))
+            owner = (str(record["host"]), int(record["pid"]), record.get("token"),
+                     _job_tag(str(record.get("job", ""))))
     else:
         match = _OWNED_TEMP_FILE.match(name)
-        if match:
-            owner = (match.group(3), int(match.group(1)), match.group(2), None)
+        if match:  # a file without a job in its name: no job id, or an older aitoolbox (None: unknown)
+            owner = (match.group(4), int(match.group(1)), match.group(2), match.group(3))
     if owner is None:  # no owner recorded (an older aitoolbox, or killed before it was written)
         return _quiet_for(path, STALE_AFTER_S)
-    host, pid, token, job = owner
-    same_job = job is not None and job == _job_id()
+    host, pid, token, job = owner  # job: the tag of the writer's job id ('': none; None: not recorded)
+    same_job = job is not None and job == _job_tag(_job_id())
     if host == socket.gethostname():
         if pid == os.getpid():
             return token is not None and token != _ProcessIdentity.token()  # an earlier process with our pid

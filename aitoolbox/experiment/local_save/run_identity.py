@@ -6,13 +6,15 @@ new job started after an older one finished, each start their own run instead of
 The job id is ``AITOOLBOX_RUN_ID`` when the user sets it, else ``SLURM_JOB_ID`` (kept by a SLURM requeue), else
 torchrun's ``TORCHELASTIC_RUN_ID`` (kept by the restarts of one torchrun invocation; never its default ``none``).
 The fingerprint is a hash of the *redacted* hyperparameters (:func:`~aitoolbox.experiment.redaction.
-redact_hyperparams`), the copy the run folder's ``hyperparams.json`` shows anyway: nothing derived from a secret
-value is written, so the record cannot be used to test guesses of a password. Two runs whose hyperparameters
-differ only in secret values (a rotated token) have the same fingerprint.
+redact_hyperparams`), the copy the run folder's ``hyperparams.json`` shows anyway, in a form every process computes
+alike (:mod:`~aitoolbox.experiment.local_save.stable_value`: no memory addresses): two runs with the same values have
+the same fingerprint, and nothing derived from a secret value is written, so the record cannot be used to test
+guesses of a password. Two runs whose hyperparameters differ only in secret values (a rotated token) have the same
+fingerprint.
 
-Records written before version 2 hashed the real values (PBKDF2 with a public salt, which let a reader of the
-bucket test guesses of a weak secret offline); such a record's fingerprint is not compared any more: the run
-counts as one without a record.
+Records of another fingerprint format (version 1 hashed the real values with PBKDF2 and a public salt, which let a
+reader of the bucket test guesses of a weak secret offline; version 2 hashed a ``repr`` form that differs between
+processes) are not compared: the run counts as one whose hyperparameters are unknown.
 """
 import dataclasses
 import hashlib
@@ -22,6 +24,7 @@ import os
 from typing import Mapping, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.local_save.stable_value import UnstableValueError, stable_json
 from aitoolbox.experiment.redaction import redact_hyperparams
 
 logger = logging.getLogger(__name__)
@@ -31,8 +34,8 @@ RUN_IDENTITY_FILE = "aitoolbox_run.json"
 JOB_ID_VARIABLES = ("AITOOLBOX_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # torchrun's value of TORCHELASTIC_RUN_ID when no --rdzv-id is given: every invocation has it, so it names none.
 _TORCHRUN_DEFAULT_RUN_ID = "none"
-#: The fingerprint's format: 2 hashes the redacted hyperparameters (1, no longer compared, hashed the real ones).
-FINGERPRINT_VERSION = 2
+#: The fingerprint's format: 3 hashes the redacted hyperparameters' stable form (1 and 2 are no longer compared).
+FINGERPRINT_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,22 +63,45 @@ def current_job_id(environ: Optional[Mapping[str, str]] = None):
     return None, None
 
 
-def canonical_hyperparams(hyperparams: Optional[Mapping]) -> bytes:
-    """The bytes a fingerprint hashes: the redacted hyperparameters as JSON with sorted keys (objects by their
-    ``repr``). Secret values are replaced before anything is derived from them."""
-    return json.dumps(redact_hyperparams(hyperparams), sort_keys=True, default=repr).encode("utf-8")
+def canonical_hyperparams(hyperparams: Optional[Mapping], strict: bool = True) -> bytes:
+    """The bytes a fingerprint hashes: the redacted hyperparameters in their stable form (sorted keys; see
+    :mod:`~aitoolbox.experiment.local_save.stable_value`). Secret values are replaced before anything is derived
+    from them.
+
+    Args:
+        hyperparams: the run's hyperparameters.
+        strict: raise for a value without a form that is the same in every process. False takes such a value by its
+            ``repr``: the fingerprint then matches no other process's, so no later job continues the run by its
+            hyperparameters (a run without ``auto_resume`` needs no more).
+
+    Raises:
+        UnstableValueError: (``strict``) a value without a stable form; the message names it.
+    """
+    redacted = redact_hyperparams(hyperparams) or {}
+    try:
+        return stable_json(redacted).encode("utf-8")
+    except UnstableValueError:
+        if strict:
+            raise
+        return json.dumps(redacted, sort_keys=True, default=repr).encode("utf-8")
 
 
-def hyperparams_fingerprint(hyperparams: Optional[dict]) -> str:
+def hyperparams_fingerprint(hyperparams: Optional[dict], strict: bool = True) -> str:
     """A hex digest (SHA-256) of the redacted hyperparameters (:func:`canonical_hyperparams`; key order does not
-    matter). It depends on no secret value: hyperparameters that differ only in secrets have the same one."""
-    return hashlib.sha256(canonical_hyperparams(hyperparams)).hexdigest()
+    matter), the same in every process for equal values. It depends on no secret value: hyperparameters that differ
+    only in secrets have the same one.
+
+    Raises:
+        UnstableValueError: (``strict``) a value without a stable form; the message names it.
+    """
+    return hashlib.sha256(canonical_hyperparams(hyperparams, strict=strict)).hexdigest()
 
 
-def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None) -> RunIdentity:
-    """The identity of a run this process starts now."""
+def this_run_identity(hyperparams: Optional[dict], environ: Optional[Mapping[str, str]] = None,
+                      strict: bool = True) -> RunIdentity:
+    """The identity of a run this process starts now (``strict``: see :func:`hyperparams_fingerprint`)."""
     job_id, source = current_job_id(environ)
-    return RunIdentity(job_id, source, hyperparams_fingerprint(hyperparams))
+    return RunIdentity(job_id, source, hyperparams_fingerprint(hyperparams, strict=strict))
 
 
 def write_run_identity(run_folder: str, identity: RunIdentity) -> str:
@@ -116,19 +142,25 @@ def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
 def adoption_refusal(this: RunIdentity, recorded: Optional[RunIdentity]) -> Optional[str]:
     """Why a job with identity ``this`` must not continue a run recorded as ``recorded``; None when it may.
 
-    A job with an id continues only a run of the same id. A job without one continues only a run recorded without
-    one and with the same hyperparameters, or a run written before identities were recorded (no record), or whose
-    record's fingerprint is of another format (it cannot be compared; see the module).
+    A job continues only a run with its own hyperparameters and of its own job id (none: a run recorded without
+    one), or a run written before identities were recorded (no record) when it has no job id. The job id alone
+    is not enough: the jobs of a sweep inside one allocation (``srun`` steps, a loop in one ``sbatch``) share
+    the allocation's ``SLURM_JOB_ID``. A record whose fingerprint is of another format cannot be compared (see the
+    module): its hyperparameters count as the same.
     """
     if recorded is None:
         if this.job_id is None:
             return None
         return f"it has no job id recorded, and this job is {this.job_id_source}={this.job_id}"
     if this.job_id is not None:
-        if recorded.job_id == this.job_id:
-            return None
-        other = f"{recorded.job_id_source}={recorded.job_id}" if recorded.job_id else "no job id"
-        return f"it belongs to another job ({other}; this job is {this.job_id_source}={this.job_id})"
+        if recorded.job_id != this.job_id:
+            other = f"{recorded.job_id_source}={recorded.job_id}" if recorded.job_id else "no job id"
+            return f"it belongs to another job ({other}; this job is {this.job_id_source}={this.job_id})"
+        if recorded.fingerprint_version == this.fingerprint_version and recorded.fingerprint != this.fingerprint:
+            return (f"its hyperparameters differ from this job's (both are {this.job_id_source}={this.job_id}: "
+                    "another run of the same allocation, such as a sweep's; give each its own AITOOLBOX_RUN_ID or "
+                    "experiment_name to keep them apart)")
+        return None
     if recorded.job_id is not None:
         return (f"it belongs to job {recorded.job_id_source}={recorded.job_id} and this job has no id (set "
                 "AITOOLBOX_RUN_ID to the same value to continue it)")

@@ -15,6 +15,7 @@ from aitoolbox.torchtrain.distributed.data import (
     distributed_eval_loader, distributed_train_loader, peek_seed, sampler_random_state_digest)
 from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
+from aitoolbox.torchtrain.distributed.rendezvous import init_job_process_group
 from aitoolbox.torchtrain.distributed.strategy import SingleDeviceStrategy
 from aitoolbox.torchtrain.data.sampler_state import loader_samplers
 
@@ -56,8 +57,14 @@ class DistributedStrategy(SingleDeviceStrategy):
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"backend={self.backend!r})")
 
-    def init_process_group(self) -> None:
-        """Join the job's process group (unless this process already belongs to one)."""
+    def init_process_group(self, job_token: Optional[str] = None, listen_socket: Any = None) -> None:
+        """Join the job's process group (unless this process already belongs to one).
+
+        Args:
+            job_token: the job's identity (see :mod:`~aitoolbox.torchtrain.distributed.rendezvous`): with the
+                ``'env://'`` init method the group meets in a store of this job only. None: torch's own rendezvous.
+            listen_socket: rank 0's: the socket its launcher reserved the port with (the store serves on it).
+        """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if dist.is_initialized():
@@ -75,6 +82,9 @@ class DistributedStrategy(SingleDeviceStrategy):
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"aitoolbox/attempt_{attempt}", store),
                                     rank=self.rank, world_size=self.world_size, timeout=timeout)
+            return
+        if self.init_method == "env://" and job_token is not None:
+            init_job_process_group(self.backend, self.placement, job_token, timeout, listen_socket)
             return
         init_method = self.init_method
         if init_method == "env://":

@@ -82,12 +82,17 @@ def current_external_placement(master_addr: Optional[str] = None,
 
 
 class PortReservation:
-    """A TCP port held for a rendezvous store that binds it later, in another process.
+    """A TCP port held for a job's rendezvous store, which rank 0 creates later, in another process.
 
-    A port found free and released at once can be taken by another job before the store binds it. This keeps a
-    socket bound to it (not listening) with ``SO_REUSEADDR``: a plain bind by anyone else fails, the kernel hands
-    it to no ``bind(0)``, and torch's TCPStore (which binds with ``SO_REUSEADDR`` and then listens) still can.
-    Hold it until the job's processes are done; :meth:`close` (or leaving the ``with`` block) releases it.
+    The port is bound and *listening*: no other socket can bind it then, ``SO_REUSEADDR`` or not (a port found free
+    and released, or bound without listening, lets another job take it or share it). Rank 0's store serves on this
+    very socket (``torch.distributed.TCPStore(..., master_listen_fd=...)``, see :meth:`fileno`), so the port is
+    never free between the reservation and the store. Hold it until the job's processes are done; :meth:`close`
+    (or leaving the ``with`` block) releases it.
+
+    Args:
+        port: the port; 0 picks a free one.
+        host: the address to listen on (``'0.0.0.0'``: every interface, for the other nodes of a job).
 
     Raises:
         OSError: the port is taken already (``EADDRINUSE``).
@@ -96,12 +101,23 @@ class PortReservation:
     def __init__(self, port: int = 0, host: str = "127.0.0.1"):
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
+            # Only lets the port be bound while connections of an earlier job linger (TIME_WAIT): a listening
+            # socket is never shared on Linux, whatever the other socket's options.
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._socket.bind((host, port))
+            self._socket.listen(128)
         except OSError:
             self._socket.close()
             raise
         self.port: int = self._socket.getsockname()[1]
+
+    @property
+    def socket(self) -> socket.socket:
+        """The listening socket (handed to the process of rank 0, whose store serves on it)."""
+        return self._socket
+
+    def fileno(self) -> int:
+        return self._socket.fileno()
 
     def close(self) -> None:
         self._socket.close()

@@ -12,6 +12,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -114,15 +115,20 @@ class ProcessLauncher:
         job: what every process runs.
         start_method: ``'fork'``, ``'spawn'`` or ``'forkserver'`` (see :func:`choose_start_method`).
         poll_interval_s: how often the parent checks on its processes.
+        listen_socket: the reserved rendezvous port's socket, handed to the process of global rank 0 (its store
+            serves on it); None: rank 0 is on another node, or binds the port itself.
     """
 
-    def __init__(self, job: DistributedJob, start_method: str, poll_interval_s: float = 0.1):
+    def __init__(self, job: DistributedJob, start_method: str, poll_interval_s: float = 0.1,
+                 listen_socket: Optional[socket.socket] = None):
         self.job = job
+        self.listen_socket = listen_socket
         self.start_method = start_method
         self.poll_interval_s = poll_interval_s
         self._processes: List[multiprocessing.Process] = []
         self._stop_signal: Optional[int] = None  # forwarded to the processes, or reported by them
         self._stop_deadline = 0.0
+        self._reports: Dict[int, tuple] = {}  # rank -> its first report: (kind, summary, traceback or saved paths)
 
     def run(self) -> None:
         """Run the job to the end; raise with the failing rank's traceback if any process fails."""
@@ -146,8 +152,13 @@ class ProcessLauncher:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # Ctrl-C twice: stop now (the processes are killed)
             return  # the same request again: the grace period already bounds the wait
-        logger.warning("%s: forwarded to the training processes, which stop after their current optimizer step "
-                       "(killed if still running in %g s)", signal.Signals(signum).name, self.job.signal_grace_s)
+        if signum == signal.SIGINT:
+            logger.warning("SIGINT: forwarded to the training processes, which stop after their current batch with "
+                           "KeyboardInterrupt, without writing a checkpoint (Ctrl-C again kills them at once)")
+        else:
+            logger.warning("%s: forwarded to the training processes, which stop after their current optimizer step "
+                           "and save a resumable checkpoint with each checkpoint callback (killed if still running in "
+                           "%g s)", signal.Signals(signum).name, self.job.signal_grace_s)
         self._begin_stop(signum)
         for process in self._processes:
             if process.exitcode is None:
@@ -177,7 +188,10 @@ class ProcessLauncher:
                 else:
                     job_source, sender = context.Pipe(duplex=False)
                     senders.append(sender)
-                process = context.Process(target=worker_entry, args=(local_rank, job_source, messages),
+                rank_0 = self.job.placement(local_rank).rank == 0
+                process = context.Process(target=worker_entry,
+                                          args=(local_rank, job_source, messages,
+                                                self.listen_socket if rank_0 else None),
                                           name=f"aitoolbox-rank{self.job.placement(local_rank).rank}")
                 process.start()
                 self._processes.append(process)
@@ -217,7 +231,7 @@ class ProcessLauncher:
         """Return once every process has exited cleanly; raise at the first failure, naming its cause."""
         while True:
             if self._stop_signal is not None:
-                self._wait_for_stop()
+                self._wait_for_stop(messages)
             reported = self._next_error(messages, self.poll_interval_s)
             if self._stop_signal is not None:
                 continue  # the processes are stopping: errors now follow from that (a peer that left first)
@@ -229,31 +243,84 @@ class ProcessLauncher:
             if all(process.exitcode == 0 for process in self._processes):
                 return
 
-    def _next_error(self, messages, timeout_s: float) -> Optional[Tuple[int, RuntimeError]]:
-        """``(rank, error)`` reported by a process within ``timeout_s`` (0: only what is already there)."""
+    def _receive(self, messages, timeout_s: float) -> Optional[tuple]:
+        """The next report of a process within ``timeout_s`` (0: only what is already there), recorded as its
+        rank's outcome when it is the rank's first; None when there is none."""
         try:
-            kind, rank, summary, trace = messages.get(timeout=timeout_s) if timeout_s > 0 else messages.get(False)
+            message = messages.get(timeout=timeout_s) if timeout_s > 0 else messages.get(False)
         except queue.Empty:
             return None
+        kind, rank, summary, trace = message
+        self._reports.setdefault(rank, (kind, summary, trace))
         if kind == "stopped" and self._stop_signal is None:  # a process was signalled directly
             self._begin_stop(summary)
-        if kind != "error":
+        return message
+
+    def _next_error(self, messages, timeout_s: float) -> Optional[Tuple[int, RuntimeError]]:
+        """``(rank, error)`` reported by a process within ``timeout_s`` (0: only what is already there)."""
+        message = self._receive(messages, timeout_s)
+        if message is None or message[0] != "error":
             return None
+        _, rank, summary, trace = message
         return rank, RuntimeError(f"fit_distributed: rank {rank} failed with {summary}\n\n"
                                   f"Traceback of rank {rank}:\n{trace}")
 
-    def _wait_for_stop(self) -> None:
-        """After a stop signal: wait for the processes until the grace period ends, then raise."""
+    def _wait_for_stop(self, messages) -> None:
+        """After a stop signal: wait for the processes until the grace period ends, then raise what happened.
+
+        SIGTERM / SIGHUP: :class:`SignalStop` when every process stopped as asked (or was killed after the grace
+        period, which the log says); the error of a rank that failed meanwhile (a full disk while saving the
+        checkpoint), with its traceback, or of one that died: a ``SignalStop`` would claim a checkpoint that may not
+        have been written. SIGINT: KeyboardInterrupt (the processes stopped without a checkpoint).
+        """
         signum = self._stop_signal
+        killed_after_grace = False
         while any(process.exitcode is None for process in self._processes):
             if time.monotonic() >= self._stop_deadline:
                 logger.error("%s: training processes still running after the %g s grace period are killed",
                              signal.Signals(signum).name, self.job.signal_grace_s)
+                killed_after_grace = True
                 break
-            time.sleep(self.poll_interval_s)
+            self._receive(messages, self.poll_interval_s)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise SignalStop(signum)
+        if not killed_after_grace:
+            failure = self._stop_failure(signum, messages)
+            if failure is not None:
+                raise failure
+        saved = [path for kind, _, paths in self._reports.values() if kind == "stopped" for path in paths]
+        if saved:
+            logger.warning("%s: the training processes stopped; saved %s", signal.Signals(signum).name,
+                           ", ".join(saved))
+        raise SignalStop(signum, saved)
+
+    def _stop_failure(self, signum: int, messages) -> Optional[RuntimeError]:
+        """The error of a rank that did not stop as asked (every process has exited), or None."""
+        while self._receive(messages, 0.0) is not None:
+            pass  # every report is in self._reports now (a process reports before it exits)
+        name = signal.Signals(signum).name
+        errors = {rank: report for rank, report in self._reports.items() if report[0] == "error"}
+        if errors:
+            # Rank 0 saves the checkpoint and the others learn its outcome (they raise its error too): its error is
+            # the cause. Otherwise the first reported; the later ones follow from it (a peer that left).
+            rank = 0 if 0 in errors else next(iter(errors))
+            _, summary, trace = errors[rank]
+            return RuntimeError(f"fit_distributed: after {name}, rank {rank} failed with {summary} while stopping; "
+                                f"the resumable checkpoint may not have been written\n\nTraceback of rank {rank}:\n"
+                                f"{trace}")
+        # A process kills itself when its grace period is over (InterruptGuard): its timer started when the signal
+        # reached it, which may be a little before it reached this launcher (a scheduler signals every process).
+        grace_over = time.monotonic() >= self._stop_deadline - min(1.0, self.job.signal_grace_s / 2)
+        for local_rank, process in enumerate(self._processes):
+            rank = self.job.placement(local_rank).rank
+            if process.exitcode in (0, 128 + signum) or rank in self._reports:
+                continue
+            if grace_over and process.exitcode == -getattr(signal, "SIGKILL", signal.SIGTERM):
+                logger.error("%s: rank %d did not stop within the %g s grace period and was killed", name, rank,
+                             self.job.signal_grace_s)
+                continue
+            return RuntimeError(f"after {name}: {self._exit_error(local_rank, process)}")
+        return None
 
     def _root_cause(self, reported: Dict[int, RuntimeError], messages) -> RuntimeError:
         """The error to raise once a rank has reported one.
@@ -267,10 +334,10 @@ class ProcessLauncher:
         while True:
             exited = [(i, process) for i, process in enumerate(self._processes) if process.exitcode not in (None, 0)]
             # Read the queue after taking the exits: a rank reports before it exits, so its report is there now.
-            while (more := self._next_error(messages, 0.0)) is not None:
-                reported.setdefault(*more)
+            while self._receive(messages, 0.0) is not None:
+                pass  # recorded in self._reports
             for local_rank, process in exited:
-                if self.job.placement(local_rank).rank not in reported:
+                if self.job.placement(local_rank).rank not in self._reports:
                     return self._exit_error(local_rank, process)
             if time.monotonic() >= deadline:
                 return first

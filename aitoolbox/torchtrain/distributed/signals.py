@@ -4,6 +4,7 @@ Shared by the ``fit_distributed`` launcher (which forwards them), its processes 
 training loop's :class:`~aitoolbox.torchtrain.train_loop.interrupts.InterruptGuard` (which handles them).
 """
 import signal
+from typing import Sequence
 
 DEFAULT_SIGNAL_GRACE_S = 60.0
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -17,14 +18,17 @@ class SignalStop(SystemExit):
 
     Attributes:
         signum: the signal received.
+        saved: the resumable checkpoints written before stopping (in the process that wrote them; empty in the
+            other processes of a distributed run, and when no checkpoint callback is registered).
     """
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, saved: Sequence[str] = ()):
         super().__init__(128 + signum)
         self.signum = signum
+        self.saved = tuple(saved)
 
     def __str__(self) -> str:
         return f"training stopped by {signal.Signals(self.signum).name}"
 
-    def __reduce__(self):  # travels between processes with its signal number
-        return type(self), (self.signum,)
+    def __reduce__(self):  # travels between processes with its signal number and checkpoints
+        return type(self), (self.signum, self.saved)

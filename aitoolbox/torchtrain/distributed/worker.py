@@ -58,6 +58,9 @@ class DistributedJob:
         threads_per_process: torch intra-op threads of each CPU process (None leaves torch's default).
         signal_grace_s: after SIGTERM/SIGHUP, how long a process may take to finish its optimizer step and save
             a resumable checkpoint before it is killed.
+        rendezvous_token: the job's identity in its rendezvous store (see
+            :mod:`~aitoolbox.torchtrain.distributed.rendezvous`); None: torch's own rendezvous (torchrun's).
+        listen_socket: in the process of rank 0 only: the socket its launcher reserved the rendezvous port with.
     """
 
     train_loop: Any
@@ -76,19 +79,23 @@ class DistributedJob:
     rng_states: Optional[dict] = None
     threads_per_process: Optional[int] = None
     signal_grace_s: float = 60.0
+    rendezvous_token: Optional[str] = None
+    listen_socket: Any = None
 
     def placement(self, local_rank: int) -> ProcessPlacement:
         rank = self.node_rank * self.processes_per_node + local_rank
         return ProcessPlacement(rank, local_rank, self.world_size, self.master_addr, self.master_port, "aitoolbox")
 
 
-def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], message_queue) -> None:
+def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], message_queue,
+                 listen_socket: Any = None) -> None:
     """Entry point of a launched process; reports an exception with its traceback to the parent.
 
     Args:
         local_rank: the process's rank on this node.
         job: the job itself (fork), or the receiving end of a pipe the parent writes the pickled job to (spawn).
         message_queue: where the outcome is reported.
+        listen_socket: (the process of rank 0) the reserved rendezvous port's socket, which its store serves on.
     """
     reset_signal_handlers()
     die_with_parent()
@@ -102,6 +109,7 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
         if isinstance(job, Connection):
             with job:
                 job = pickle.loads(job.recv_bytes())
+        job.listen_socket = listen_socket
         placement = job.placement(local_rank)
         rank = placement.rank
         job.train_process(job, placement)
@@ -109,7 +117,7 @@ def worker_entry(local_rank: int, job: Union[DistributedJob, Connection], messag
             dist.barrier()
             dist.destroy_process_group()
     except SignalStop as stop:  # SIGTERM/SIGHUP: stopped after a step, with a checkpoint when one was asked for
-        message_queue.put(("stopped", rank, stop.signum, ""))
+        message_queue.put(("stopped", rank, stop.signum, list(stop.saved)))
         raise SystemExit(stop.code)
     except BaseException as error:  # report everything, KeyboardInterrupt included, then exit non-zero
         message_queue.put(("error", rank, f"{type(error).__name__}: {error}", traceback.format_exc()))

@@ -14,7 +14,8 @@ from aitoolbox.torchtrain.callbacks.ddp import InMultiProcessDataLoad
 from aitoolbox.torchtrain.distributed.data import check_train_loader
 from aitoolbox.torchtrain.distributed.environment import (
     PortReservation, current_external_placement, job_master_port)
-from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method
+from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method, main_script_path
+from aitoolbox.torchtrain.distributed.rendezvous import job_shape, job_token
 from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
 from aitoolbox.torchtrain.distributed.fsdp import FullyShardedStrategy, check_fsdp_model_args
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # In the result the launcher adopts: the run folder (and resumed checkpoint) of an experiment-tracking preset.
 RUN_RECORD_KEY = "experiment_run"
+# ... and the experiment folders of the callbacks, as rank 0 used them (their timestamps, whether created).
+CALLBACK_FOLDERS_KEY = "callback_experiment_folders"
 
 
 def shard_data_loaders(tl: "TrainLoop", train_data_shuffle: bool) -> None:
@@ -59,7 +62,34 @@ def distributed_result(tl: "TrainLoop") -> dict:
     result = tl.checkpoint_state(mid_epoch=False)
     if callable(getattr(tl, "run_record", None)):
         result[RUN_RECORD_KEY] = tl.run_record()
+    result[CALLBACK_FOLDERS_KEY] = callback_folders(tl)
     return result
+
+
+def _callback_folder_objects(tl: "TrainLoop") -> list:
+    """The experiment folders of the registered callbacks that know theirs (each once)."""
+    folders = []
+    for callback in tl.callbacks:
+        folder = getattr(callback, "_experiment_folder", None)
+        if folder is not None and not any(folder is known for known in folders):
+            folders.append(folder)
+    return folders
+
+
+def callback_folders(tl: "TrainLoop") -> list:
+    """``[root, project, experiment, timestamp, created]`` of each callback's experiment folder (plain data)."""
+    return [[folder.root, folder.project_name, folder.experiment_name, folder.timestamp, folder.created]
+            for folder in _callback_folder_objects(tl)]
+
+
+def adopt_callback_folders(tl: "TrainLoop", records: list) -> None:
+    """In the launching process: the callbacks write, in a later call, into the folders the processes used (a
+    folder the processes created is this run's, never one to avoid as another run's)."""
+    used = {tuple(record[:3]): record[3:] for record in records}
+    for folder in _callback_folder_objects(tl):
+        found = used.get((folder.root, folder.project_name, folder.experiment_name))
+        if found is not None:
+            folder.adopt(found[0], created=found[1])
 
 
 def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[List[AbstractCallback]]) -> None:
@@ -81,6 +111,7 @@ def adopt_distributed_result(tl: "TrainLoop", path: str, callbacks: Optional[Lis
     pending[OPTIMIZER_KEY] = [{"param_groups": state["param_groups"]} for state in saved_optimizer_states(pending)]
     if result.get(RUN_RECORD_KEY) is not None:  # the folder rank 0 decided on, never one derived from a clock
         tl.adopt_run_record(result[RUN_RECORD_KEY])
+    adopt_callback_folders(tl, result.get(CALLBACK_FOLDERS_KEY, []))
 
 
 def _continues_in_this_process(tl: "TrainLoop", placement: ProcessPlacement) -> bool:
@@ -128,7 +159,7 @@ def _join_as_rank(job: DistributedJob, placement: ProcessPlacement) -> None:
     options = dict(job.strategy_options)
     strategy_class = FullyShardedStrategy if options.pop("shard_parameters", False) else DistributedStrategy
     strategy = strategy_class(placement, **options)
-    strategy.init_process_group()
+    strategy.init_process_group(job.rendezvous_token, job.listen_socket if placement.rank == 0 else None)
     tl.use_strategy(strategy, job.amp_init_args)
     tl.callbacks_handler.drop_callbacks_of_other_ranks()
     tl.callbacks_handler.register_callbacks(list(job.in_process_data_load) + list(job.fit_arguments.callbacks or []))
@@ -153,9 +184,23 @@ def join_external_job(tl: "TrainLoop", options: "DistributedFitOptions") -> bool
     logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
     job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
                          master_addr=placement.master_addr, master_port=placement.master_port, result_path=None,
-                         **_job_settings(tl, options))
+                         rendezvous_token=_external_job_token(tl, options, placement), **_job_settings(tl, options))
     _join_as_rank(job, placement)
     return True
+
+
+def _external_job_token(tl: "TrainLoop", options: "DistributedFitOptions",
+                        placement: ProcessPlacement) -> Optional[str]:
+    """The identity of a SLURM or OpenMPI job in its rendezvous store; None under torchrun, whose agent runs the
+    rendezvous of its job."""
+    if placement.launcher == "torchrun":
+        return None
+    return job_token(os.environ, job_shape(main_script_path(), placement.world_size, 0, _fit_shape(options),
+                                           tl.model_for_user, tl.optimizers))
+
+
+def _fit_shape(options: "DistributedFitOptions") -> list:
+    return [options.num_epochs, options.num_iterations, options.grad_accumulation]
 
 
 def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -212,23 +257,26 @@ def processes_per_node(num_gpus: Optional[int], num_cpu_processes: int, use_cuda
 def rendezvous(num_nodes: int, node_rank: int, master_addr: Optional[str], master_port: Optional[int]):
     """Host, port and :class:`PortReservation` (or None) of rank 0's rendezvous store.
 
-    On one node the port is reserved here (a free one, or ``master_port`` unless busy, then a free one instead)
-    and stays reserved until the caller closes the reservation, after the processes are done: no other job can
-    take it before the store binds it. Several nodes agree on the port without talking: ``master_port``, else one
-    derived from the job id (:func:`job_master_port`), else 29500; node 0 reserves it and, when it is busy, stops
-    with an error saying to pass ``master_port``.
+    On one node the port is reserved here (a free one, or ``master_port`` unless busy, then a free one instead:
+    nothing outside the machine needs to know it) and stays reserved until the caller closes the reservation,
+    after the processes are done: rank 0's store serves on the reservation's socket, so no other job can take the
+    port at any moment. Several nodes agree on the port without talking: ``master_port``, else one derived from
+    the job id (:func:`job_master_port`), else 29500; node 0 reserves it and, when it is busy, stops at once with
+    an error saying to pass ``master_port``.
     """
     if num_nodes == 1:
         addr = master_addr or "127.0.0.1"
+        host = "127.0.0.1" if addr in ("127.0.0.1", "localhost") else "0.0.0.0"  # where the processes connect
         if master_port is not None:
             try:
-                reservation = PortReservation(master_port)
+                reservation = PortReservation(master_port, host)
                 return addr, reservation.port, reservation
             except OSError:
-                reservation = PortReservation()
-                logger.warning("master_port %d is busy; using port %d instead", master_port, reservation.port)
+                reservation = PortReservation(0, host)
+                logger.warning("master_port %d is busy (another job's?); using port %d instead", master_port,
+                               reservation.port)
                 return addr, reservation.port, reservation
-        reservation = PortReservation()
+        reservation = PortReservation(0, host)
         return addr, reservation.port, reservation
     if master_addr is None:
         raise ValueError(f"num_nodes={num_nodes}: pass master_addr, the address of the node with node_rank 0, so "
@@ -343,9 +391,17 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         logger.info("joining the %s job as rank %d of %d", placement.launcher, placement.rank, placement.world_size)
         job = DistributedJob(processes_per_node=1, node_rank=placement.rank, world_size=placement.world_size,
                              master_addr=placement.master_addr, master_port=placement.master_port,
-                             result_path=None, **common)
+                             result_path=None, rendezvous_token=_external_job_token(tl, options, placement), **common)
         return train_in_this_process(job, placement)
 
+    if options.num_nodes == 1 and tl._target_reached(options.num_epochs, options.num_iterations):
+        # As fit answers: the callbacks are registered (they stay for a later call), nothing is trained, and no
+        # process is started for it. (With several nodes every node's launcher must meet the others.)
+        tl.callbacks_handler.register_callbacks(options.callbacks, every_rank=True)
+        logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit_distributed() counts in "
+                       "totals; pass a larger num_epochs or num_iterations to continue.", tl.epochs_completed,
+                       tl.iterations_done)
+        return tl.model_for_user
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
     if not _train_loader_built_in_process(options):  # refused before any process starts (each checks it again)
         check_train_loader(tl.train_loader, options.num_nodes * per_node, _shuffle(options.train_data_shuffle))
@@ -366,10 +422,16 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     with tempfile.TemporaryDirectory(prefix="aitoolbox-ddp-") as result_dir, \
             (reservation or contextlib.nullcontext()):
         result_path = os.path.join(result_dir, "result.pt")
-        job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank,
-                             world_size=options.num_nodes * per_node, master_addr=addr, master_port=port,
-                             result_path=result_path, rng_states=capture_rng_state(), threads_per_process=threads,
+        world_size = options.num_nodes * per_node
+        # The job's identity in its rendezvous: on one machine its own (no other process may join); across machines
+        # what every node computes alike (job id, what the job trains).
+        token = job_token({}) if options.num_nodes == 1 else job_token(os.environ, job_shape(
+            main_script_path(), world_size, options.num_nodes, _fit_shape(options), tl.model_for_user,
+            tl.optimizers))
+        job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank, world_size=world_size,
+                             master_addr=addr, master_port=port, result_path=result_path,
+                             rng_states=capture_rng_state(), threads_per_process=threads, rendezvous_token=token,
                              **common)
-        ProcessLauncher(job, method).run()
+        ProcessLauncher(job, method, listen_socket=reservation.socket if reservation is not None else None).run()
         adopt_distributed_result(tl, result_path, options.callbacks)
     return tl.model_for_user

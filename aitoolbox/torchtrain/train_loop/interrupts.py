@@ -9,7 +9,8 @@ not continue exactly. While ``fit`` trains, :class:`InterruptGuard` therefore ha
   takes too long. Outside batches (evaluation, callbacks at the epoch end) Ctrl-C acts immediately, as always.
 * **SIGTERM and SIGHUP** (a scheduler's time limit or ``scancel``, torchrun's agent stopping its workers, a
   closed terminal): training goes on to the end of the current optimizer step (the accumulation window's last
-  batch), every process of a distributed run at the same step, and then every registered checkpoint callback
+  batch), every process of a distributed run at the same step (agreed within about a quarter of a second, see
+  :mod:`~aitoolbox.torchtrain.train_loop.stop_agreement`), and then every registered checkpoint callback
   writes a resumable mid-epoch checkpoint (the pre-requeue pattern of SLURM jobs) before :class:`SignalStop`
   ends training. A signal that arrives outside the batches takes effect at the next step, or when ``fit``
   ends. ``grace_s`` seconds after the signal the process is killed if it has not stopped by then; the same
@@ -18,72 +19,26 @@ not continue exactly. While ``fit`` trains, :class:`InterruptGuard` therefore ha
 The guard is active only in the main thread and only for the signals that have their default handling there (a
 terminal, a Jupyter kernel, the processes of ``fit_distributed`` and torchrun); an application that installed its
 own handler keeps it.
+
+DataLoader worker processes leave these signals to the training process while it trains (SLURM, torchrun's agent
+and a terminal signal every process of a group): see :mod:`~aitoolbox.torchtrain.train_loop.worker_signals`.
 """
-import datetime
 import logging
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional
 
 from aitoolbox.torchtrain.distributed.signals import (  # noqa: F401  (re-exported: part of this module's API)
     DEFAULT_SIGNAL_GRACE_S, STOP_SIGNALS, SignalStop)
+from aitoolbox.torchtrain.train_loop.stop_agreement import StopAgreement
+from aitoolbox.torchtrain.train_loop.worker_signals import (
+    shared_training_flag, shield_loader_workers, unshield_loader_workers)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
-
-
-class StopAgreement:
-    """All processes of a distributed run stop after the same optimizer step.
-
-    At each step every process contributes whether it was asked to stop; the flags are combined in the
-    background over a gloo group of their own and read at the next step, so training never waits for the
-    exchange (and with CUDA never synchronises for it). Every process therefore sees the same answer at the
-    same step, one step after the signal reached the last of them.
-    """
-
-    def __init__(self):
-        self._group: Any = None
-        self._flag: Optional[torch.Tensor] = None
-        self._work: Any = None
-
-    def __getstate__(self) -> dict:
-        return {"_group": None, "_flag": None, "_work": None}  # a process group cannot travel
-
-    def poll(self, strategy: Any, requested: bool) -> bool:
-        """The agreed answer of the previous step's exchange (False at the first); starts this step's."""
-        import torch.distributed as dist
-        agreed = self._collect()
-        if agreed:
-            return True
-        if self._group is None:  # every process gets here at the same step: new_group is a collective
-            timeout = datetime.timedelta(seconds=getattr(strategy, "timeout_s", 600.0))
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-        self._flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return False
-
-    def settle(self, requested: bool) -> bool:
-        """At the end of training: whether any process was asked to stop (waits for the exchange)."""
-        import torch.distributed as dist
-        if self._collect():
-            return True
-        if self._group is None:
-            return requested  # no step was trained: nothing was exchanged and nothing to agree on
-        flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
-
-    def _collect(self) -> bool:
-        work, self._work = self._work, None
-        if work is None:
-            return False
-        work.wait()
-        return bool(self._flag.item())
 
 
 class InterruptGuard:
@@ -102,18 +57,32 @@ class InterruptGuard:
         self.stop_signal: Optional[int] = None
         self.grace_s = grace_s
         self._previous_handlers: dict = {}
+        self._loaders: List[Any] = []
+        self._shielded: List[Any] = []
+        self._training: Any = None  # 1 while the guard is active, in memory shared with DataLoader workers
         self._strategy: Any = None
         self._agreement = StopAgreement()
         self._deadline: Optional[threading.Timer] = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_previous_handlers={}, _strategy=None, _deadline=None, stop_signal=None)
+        state.update(_previous_handlers={}, _strategy=None, _deadline=None, stop_signal=None, _loaders=[],
+                     _shielded=[], _training=None)
         return state
+
+    def watching(self, loaders: Iterable[Any]) -> "InterruptGuard":
+        """The guard, to be entered, with the data loaders whose workers leave stop signals to this process."""
+        self._loaders = [loader for loader in loaders if loader is not None]
+        return self
 
     def __enter__(self) -> "InterruptGuard":
         if threading.current_thread() is not threading.main_thread():
             return self
+        if any(getattr(loader, "num_workers", 0) for loader in self._loaders):
+            if self._training is None:  # shared with the workers: forked or spawned ones read it
+                self._training = shared_training_flag()
+            self._training.value = 1
+            self._shielded = [loader for loader in self._loaders if shield_loader_workers(loader, self._training)]
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
         for signum in STOP_SIGNALS:
@@ -130,6 +99,11 @@ class InterruptGuard:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers = {}
+            for loader in self._shielded:
+                unshield_loader_workers(loader)
+            self._shielded, self._loaders = [], []
+            if self._training is not None:
+                self._training.value = 0  # workers still running (persistent ones) react to signals again
             self.in_batch = False
             self.pending = False
             self.stop_signal = None
@@ -190,12 +164,13 @@ class InterruptGuard:
         """
         signum = self.stop_signal or signal.SIGTERM  # in a distributed run another process may have received it
         saved = save_resume_checkpoints(tl)
-        if saved:
-            logger.warning("%s: saved %s; stopping", signal.Signals(signum).name, ", ".join(saved))
-        else:
-            logger.warning("%s: stopping (no checkpoint callback is registered: the progress since the last "
-                           "checkpoint is lost)", signal.Signals(signum).name)
-        raise SignalStop(signum)
+        if tl.strategy.is_main_process:  # the one process that writes checkpoints knows what was saved
+            if saved:
+                logger.warning("%s: saved %s; stopping", signal.Signals(signum).name, ", ".join(saved))
+            else:
+                logger.warning("%s: stopping (no checkpoint callback is registered: the progress since the last "
+                               "checkpoint is lost)", signal.Signals(signum).name)
+        raise SignalStop(signum, saved)
 
 
 def save_resume_checkpoints(tl: "TrainLoop") -> list:

@@ -99,15 +99,21 @@ class _ExperimentTrainLoop(TrainLoop):
         # lazy_experiment_save at the first file written into it. Either way an unusable folder is reported now.
         self.experiment_folder = ExperimentFolder(local_model_result_folder_path, project_name, experiment_name,
                                                   hyperparams=self.hyperparams,
-                                                  identity=this_run_identity(self.hyperparams))
+                                                  identity=this_run_identity(self.hyperparams, strict=auto_resume))
         self.experiment_folder.check_creatable()
         # auto_resume's choice still to be made (by rank 0 of a distributed run, when its process group exists).
         self._resume_undecided = auto_resume
         self._run_agreed_in_process: Optional[int] = None
+        # auto_resume's choice made here, before any process group exists: provisional. Should the run go on with
+        # fit_distributed, its group's rank 0 decides again (each node's launcher decided alone, maybe from another
+        # disk) and every process follows.
+        self._provisional_choice: Optional[run_choice.RunDecision] = None
         if not runs_in_several_processes(self):
             if auto_resume:
-                self._continue_or_start(*run_choice.decide_run(self.experiment_folder, destination, 1,
-                                                               weights_only, self.lazy_experiment_save))
+                decision, checkpoint = run_choice.decide_run(self.experiment_folder, destination, 1, weights_only,
+                                                             self.lazy_experiment_save)
+                self._continue_or_start(decision, checkpoint)
+                self._provisional_choice = decision
             elif not self.lazy_experiment_save:
                 self.experiment_folder.create()  # its path is logged when training starts (see run_folders)
             return
@@ -121,9 +127,12 @@ class _ExperimentTrainLoop(TrainLoop):
         folder.adopt(decision.timestamp, created=False)
         if decision.created:
             folder.adopt_if_created_elsewhere()
-        if checkpoint is None:
+        if decision.checkpoint is not None:
+            self.resumed_from = os.path.join(folder.path, decision.checkpoint)
+        elif self._provisional_choice is not None:  # rank 0 starts a new run where the launcher had continued one
+            self.resumed_from = None
+        if checkpoint is None:  # a new run, or the checkpoint is loaded already (the provisional choice stood)
             return
-        self.resumed_from = os.path.join(folder.path, decision.checkpoint)
         with failures_named(self.resumed_from):  # what does not fit names the file
             self.load_checkpoint(checkpoint, weights_only=self.weights_only)
         if self.strategy.is_main_process:
@@ -136,7 +145,9 @@ class _ExperimentTrainLoop(TrainLoop):
         folder (and with ``auto_resume`` on the run to continue), once. With ``lazy_experiment_save`` the run
         folder's name is reserved now (nothing is created before the first file)."""
         if self.strategy.is_distributed and self._run_agreed_in_process != os.getpid():
-            self._continue_or_start(*run_choice.agree_on_run(self, decide=self._resume_undecided))
+            decide = self._resume_undecided or self._provisional_choice is not None
+            self._continue_or_start(*run_choice.agree_on_run(self, decide, self._provisional_choice))
+            self._provisional_choice = None
             self._run_agreed_in_process = os.getpid()
         elif not runs_in_several_processes(self) and self.lazy_experiment_save:
             self.experiment_folder.reserve()
@@ -160,10 +171,10 @@ class _ExperimentTrainLoop(TrainLoop):
         """In the launching process: write into the run folder the processes wrote into (decided by rank 0, never
         derived again from a clock or from which folders exist)."""
         self._resume_undecided = False
+        self._provisional_choice = None  # the processes agreed: a later call continues their run
         self.experiment_folder.adopt(record["timestamp"], created=False)
         self.experiment_folder.adopt_if_created_elsewhere()
-        if record.get("resumed_from"):
-            self.resumed_from = record["resumed_from"]
+        self.resumed_from = record.get("resumed_from")  # the processes', which rank 0's choice may have changed
 
 
 class TrainLoopCheckpoint(_ExperimentTrainLoop):

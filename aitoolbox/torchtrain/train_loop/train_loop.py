@@ -669,7 +669,7 @@ class TrainLoop:
                            state.epochs_completed, state.iterations_done)
             return self.model_for_user
         try:
-            with self._interrupts, self._compile_recording:
+            with self._interrupts.watching(self._data_loaders()), self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
             self._current_batch = None
@@ -735,6 +735,12 @@ class TrainLoop:
         from aitoolbox.torchtrain.train_loop.lr_finder import find_lr  # it imports callbacks: not at module load
         return find_lr(self, start_lr, end_lr, num_iterations, mode, smoothing, divergence_threshold, suggestion,
                        apply, grad_accumulation, callbacks, distributed_kwargs)
+
+    def _data_loaders(self) -> list:
+        """Every data loader of the run (training, validation sets, test)."""
+        validation = self._validation_loader
+        validation = list(validation.values()) if isinstance(validation, Mapping) else [validation]
+        return [self.train_loader, *validation, self.test_loader]
 
     def _report_stopped_run(self, callbacks: Optional[List[AbstractCallback]]) -> None:
         """``fit`` of a run that a stop request ended (in this process, or in the run a loaded checkpoint saved): it

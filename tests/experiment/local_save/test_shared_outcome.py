@@ -238,3 +238,31 @@ def test_a_directory_fsync_the_file_system_refuses_is_not_a_failure(caplog):
     atomic._fsync_directory("/proc")  # before: OSError EINVAL turned a good save into a failure
     with pytest.raises(FileNotFoundError):
         atomic._fsync_directory("/no/such/folder")  # other errors still count
+
+
+def test_a_requeued_job_on_another_host_removes_the_temporary_file_its_killed_save_left(tmp_path, monkeypatch):
+    """Issue 33 item 10: temporary files recorded no job, so a requeued job on another host kept its killed save's
+    full-size temporary file for an hour (its temporary folder went at once). The file's name now carries the job
+    (a short hash of its id): the same job removes it at its next save, another job's stays until quiet."""
+    folder = str(tmp_path)
+    monkeypatch.delenv("AITOOLBOX_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "31337")
+    with atomic.atomic_write(os.path.join(folder, "model_x_ts_E3.pth")) as handle:
+        handle.write(b"half a checkpoint")
+        (written,) = [name for name in os.listdir(folder) if name.startswith(TEMP_PREFIX)]
+        # What the same save on the killed job's host left (another host name, a pid long gone), and one of
+        # another job there.
+        other_host = written.replace(f"@{socket.gethostname()}.", "@gpu-node-17.")
+        assert other_host != written
+        os.link(os.path.join(folder, written), os.path.join(folder, other_host))
+        monkeypatch.setenv("SLURM_JOB_ID", "4")
+        with atomic.atomic_write(os.path.join(folder, "model_y_ts_E3.pth")) as other_job:
+            other_job.write(b"x")
+            other_job_file = [name for name in os.listdir(folder) if name.startswith(TEMP_PREFIX)
+                              and "model_y" in name][0].replace(f"@{socket.gethostname()}.", "@gpu-node-18.")
+            os.link(os.path.join(folder, [name for name in os.listdir(folder) if "model_y" in name][0]),
+                    os.path.join(folder, other_job_file))
+        monkeypatch.setenv("SLURM_JOB_ID", "31337")  # the requeued job
+        removed = {os.path.basename(path) for path in remove_stale_temporaries(folder)}
+        assert removed == {other_host}  # not this process's save in flight, not the other job's
+    assert sorted(os.listdir(folder)) == sorted([other_job_file, "model_x_ts_E3.pth", "model_y_ts_E3.pth"])

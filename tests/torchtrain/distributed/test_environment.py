@@ -1,6 +1,7 @@
 """Where a process sits in a job: our own launch (processes per node, rendezvous), or one prepared by torchrun,
 SLURM or OpenMPI, which fit_distributed joins instead of spawning."""
 import errno
+import os
 import subprocess
 import sys
 import textwrap
@@ -122,7 +123,9 @@ def test_the_rendezvous_port_stays_reserved_until_the_store_binds_it():
             thief.bind((addr, port))
             thief.listen()
         assert refused.value.errno == errno.EADDRINUSE
-        store = dist.TCPStore(addr, port, 1, True, timeout=timedelta(seconds=30))
+        # Rank 0's store serves on the reserved socket itself.
+        store = dist.TCPStore(addr, port, 1, True, timeout=timedelta(seconds=30),
+                              master_listen_fd=os.dup(reservation.fileno()))
         store.set("key", "value")
         assert store.get("key") == b"value"
         del store
@@ -134,6 +137,25 @@ def test_the_rendezvous_port_stays_reserved_until_the_store_binds_it():
         addr, port, reservation = rendezvous(1, 0, None, busy)
         reservation.close()
         assert port != busy
+
+
+def test_a_reserved_port_keeps_other_jobs_off_also_when_they_use_so_reuseaddr():
+    """Issue 33 item 9: both sockets used SO_REUSEADDR and neither listened, so a second job bound the same port
+    and the two jobs' stores then fought over it. Reserved now, the port is listening: no bind succeeds, whatever
+    the other socket's options, and a second reservation of it fails at once."""
+    import socket
+    from aitoolbox.torchtrain.distributed.environment import PortReservation
+
+    with PortReservation() as reservation:
+        for host in ("127.0.0.1", "0.0.0.0"):
+            other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with other, pytest.raises(OSError) as refused:
+                other.bind((host, reservation.port))
+            assert refused.value.errno == errno.EADDRINUSE
+        with pytest.raises(OSError):
+            PortReservation(reservation.port)
+    PortReservation(reservation.port).close()  # released with the reservation
 
 
 def test_several_nodes_agree_on_a_port_of_the_job_and_node_0_refuses_a_busy_one(monkeypatch):

@@ -151,3 +151,56 @@ def test_a_busy_master_port_is_replaced(tmp_path):
     rank0, rank1 = load_rank_results(tmp_path)
     assert rank0["master_port"] == rank1["master_port"] != port
     assert len(tl.train_history["loss"]) == 1
+
+
+TWO_NODE_JOB = textwrap.dedent("""
+    import json
+    import sys
+    import torch
+    from tests.torchtrain.distributed.support import make_train_loop
+
+    if __name__ == "__main__":
+        node_rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+        tl = make_train_loop()
+        tl.fit_distributed(num_epochs=1, num_nodes=2, node_rank=node_rank, master_addr="127.0.0.1",
+                           master_port=port, num_gpus=1, start_method="fork", timeout_s=90)
+        torch.save(tl.model.state_dict(), out)
+""")
+
+
+@pytest.mark.slow
+def test_a_rank_of_another_job_given_the_same_master_port_never_joins_this_job(tmp_path):
+    """Issue 33 item 9: job B's node 1 reaches job A's rendezvous (the same master_port, B's node 0 never came).
+    It stops at once, naming master_port, instead of taking a rank in A's group; job A trains as if B never
+    existed."""
+    import subprocess
+    import sys
+    from tests.torchtrain.distributed.support import free_port, script_env
+    script = tmp_path / "node.py"
+    script.write_text(TWO_NODE_JOB)
+    port = free_port()
+
+    def start(job, node_rank):
+        return subprocess.Popen([sys.executable, str(script), str(node_rank), str(port),
+                                 str(tmp_path / f"{job}{node_rank}.pt")], env=script_env({"AITOOLBOX_RUN_ID": job}),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    a0 = start("a", 0)
+    b1 = start("b", 1)  # before A's node 1: it meets A's store first
+    processes = [a0, b1]
+    try:
+        _, b_err = b1.communicate(timeout=HANG_DEADLINE_S)
+        processes.append(start("a", 1))
+        outputs = [process.communicate(timeout=HANG_DEADLINE_S) for process in (processes[0], processes[2])]
+    finally:
+        for process in processes:
+            process.kill()
+    assert b1.returncode != 0
+    assert "belongs to another job" in b_err and f"master_port={port}" in b_err, b_err[-3000:]
+    for process, (_, stderr) in zip((processes[0], processes[2]), outputs):
+        assert process.returncode == 0, stderr[-3000:]
+    import torch
+    a0_weights, a1_weights = (torch.load(tmp_path / f"a{node}.pt") for node in (0, 1))
+    for name in a0_weights:
+        assert torch.equal(a0_weights[name], a1_weights[name])
+    assert not (tmp_path / "b1.pt").exists()

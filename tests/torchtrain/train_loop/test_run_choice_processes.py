@@ -87,6 +87,45 @@ def test_node_local_disks_that_differ_resume_every_rank_from_rank_0s_checkpoint(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("disks", ["node 1 lags", pytest.param("only node 1 has the run",
+                                                               marks=pytest.mark.extended)])
+def test_a_choice_made_when_the_preset_was_built_is_decided_again_by_rank_0_and_every_rank_follows(tmp_path,
+                                                                                                   disks):
+    """aitoolbox 1.x scripts build the preset plainly (no gpu_mode='ddp') and then call fit_distributed: each
+    node's launcher chooses alone, from its own disk, when the preset is built. That choice is provisional: the
+    group's rank 0 decides again, and every rank follows, whatever its launcher loaded (node 1 lags: it had
+    chosen epoch 0 and continues from epoch 1 with the others; only node 1 has the run: rank 0 starts a new run
+    and rank 1 drops the checkpoint its launcher loaded). The nodes end alike, as a job that never stopped."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    run_two_nodes(tmp_path, "first", roots, num_epochs=2, gpu_mode="single")
+    folder = run_folder(roots[0])
+    timestamp = folder.name[4:]
+    shutil.rmtree(roots[1])
+    copy = roots[1] / "proj" / folder.name
+    shutil.copytree(folder, copy)
+    if disks == "node 1 lags":
+        os.remove(copy / "checkpoint_model" / f"model_exp_{timestamp}_E1.pth")
+        straight_epochs, expected = 3, f"model_exp_{timestamp}_E1.pth"
+    else:
+        shutil.rmtree(roots[0])
+        straight_epochs, expected = 3, None
+    straight, _ = run_two_nodes(tmp_path, "straight", [tmp_path / "s0", tmp_path / "s1"], num_epochs=straight_epochs,
+                                gpu_mode="single")
+    resumed, stderr = run_two_nodes(tmp_path, "resumed", roots, num_epochs=3, auto_resume=True, timeout_s=60,
+                                    gpu_mode="single")
+    for node in resumed:
+        if expected is None:
+            assert node["resumed_from"] is None
+        else:
+            assert node["resumed_from"].endswith(expected)
+            assert node["folder"].endswith(folder.name)
+        assert node["epochs"] == 3
+        assert_state_dicts_equal(node["state_dict"], straight[0]["state_dict"])
+        assert node["history"] == straight[0]["history"]
+    assert "the launchers of rank(s) [1] had chosen otherwise when the preset was built" in stderr[0]
+
+
+@pytest.mark.slow
 @pytest.mark.extended
 def test_a_sharded_checkpoint_missing_on_a_node_stops_the_job_naming_it_and_the_rank(tmp_path):
     roots = [tmp_path / "node0", tmp_path / "node1"]

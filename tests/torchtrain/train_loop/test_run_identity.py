@@ -123,3 +123,99 @@ def test_a_reserved_name_is_never_taken_by_another_run_and_creating_the_folder_k
     lazy.ensure(lazy.checkpoint_dir)  # the first file's folder, created with the run folder
     assert lazy.checkpoint_dir == checkpoint_dir and os.path.isdir(checkpoint_dir)
     assert sorted(os.listdir(tmp_path / "proj")) == ["exp_2026-01-01_10-00-00", "exp_2026-01-01_10-00-00_1"]
+
+
+# --- issue 33 item 4: the job id alone is not enough; the fingerprint is the same in every process --------------
+def test_a_run_of_the_same_job_id_with_other_hyperparameters_is_not_continued(tmp_path, no_job_id, caplog):
+    """A sweep inside one allocation: every step has the allocation's SLURM_JOB_ID. The lr=0.5 job must not
+    continue (and return) the lr=0.05 run."""
+    no_job_id.setenv("SLURM_JOB_ID", "900")
+    first = crashed_run(tmp_path, {"lr": 0.05})
+    with caplog.at_level(logging.INFO):
+        other = restarted(tmp_path, {"lr": 0.5})
+    assert other.resumed_from is None and other.epochs_completed == 0
+    assert other.experiment_folder.path != first.experiment_folder.path
+    assert "its hyperparameters differ from this job's (both are SLURM_JOB_ID=900" in caplog.text
+    requeued = restarted(tmp_path, {"lr": 0.05})  # the same job again still continues its own run
+    assert requeued.resumed_from is not None and requeued.experiment_folder.path == first.experiment_folder.path
+
+
+def module_level_function(value):
+    return value
+
+
+FINGERPRINT_IN_ANOTHER_PROCESS = """
+import sys, torch
+from torch import nn
+from aitoolbox.experiment.local_save.run_identity import hyperparams_fingerprint
+from tests.torchtrain.train_loop.test_run_identity import module_level_function, stable_hyperparams
+print(hyperparams_fingerprint(stable_hyperparams()))
+"""
+
+
+def stable_hyperparams() -> dict:
+    """Values whose repr names a memory address, next to plain ones: each has a form every process computes."""
+    import functools
+    import pathlib
+    import numpy as np
+    import torch
+    from torch import nn
+    return {"activation": torch.tanh, "loss": nn.MSELoss, "init": module_level_function,
+            "schedule": functools.partial(module_level_function, 3), "layer": nn.Linear(4, 2),
+            "scale": np.float32(0.5), "mask": torch.tensor([1.0, 2.0]), "path": pathlib.Path("/data"),
+            "groups": {3, 1, 2}, "lr": 0.1}
+
+
+def test_the_fingerprint_of_functions_classes_and_objects_is_the_same_in_another_process():
+    """json.dumps(default=repr) wrote memory addresses: a job without a job id never recognised its own run."""
+    import subprocess
+    import sys
+    from tests.torchtrain.distributed.support import script_env
+    here = hyperparams_fingerprint(stable_hyperparams())
+    there = subprocess.run([sys.executable, "-c", FINGERPRINT_IN_ANOTHER_PROCESS], env=script_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert there.returncode == 0, there.stderr
+    assert there.stdout.strip() == here
+
+
+class Opaque:
+    """An object whose repr is the default one, with its memory address."""
+
+
+@pytest.mark.parametrize("value, where", [(Opaque(), "hyperparams['collate']"),
+                                          (lambda x: x, "hyperparams['collate']"),
+                                          ({"inner": [1, Opaque()]}, "hyperparams['collate']['inner'][1]")])
+def test_a_value_without_a_stable_form_is_refused_at_construction_with_auto_resume(tmp_path, no_job_id, value,
+                                                                                     where):
+    with pytest.raises(TypeError, match="has no value that is the same in every process") as error:
+        restarted(tmp_path, {"lr": 0.1, "collate": value})
+    assert str(error.value).startswith(where + " = ")
+    assert "auto_resume" in str(error.value)
+    assert not (tmp_path / "proj").exists()  # nothing was created
+    # Without auto_resume the run never needs to be recognised: the preset is built as before.
+    TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {"collate": value}, show_progress=False)
+
+
+def test_a_job_requeued_across_an_upgrade_still_continues_its_run():
+    """A record of an earlier fingerprint format (1: PBKDF2 of the real values; 2: SHA-256 of a repr form) cannot be
+    compared with this version's: the same job continues its run, a job of another id still does not."""
+    import hashlib
+    from aitoolbox.experiment.local_save.run_identity import (
+        FINGERPRINT_VERSION, RunIdentity, adoption_refusal, parse_run_identity)
+    hyperparams = {"lr": 0.1, "layers": [16, {"dropout": 0.3}], "name": "x", "flag": None, "pair": (1, 2),
+                   "epochs": {10: 0.1, 9: 0.2}}
+    canonical = json.dumps(hyperparams, sort_keys=True, default=repr).encode("utf-8")
+    version_1 = hashlib.pbkdf2_hmac("sha256", canonical, b"aitoolbox-run-fingerprint-v1", 50_000).hex()
+    this = RunIdentity("77", "SLURM_JOB_ID", hyperparams_fingerprint(hyperparams))
+    assert this.fingerprint_version == FINGERPRINT_VERSION > 2 and this.fingerprint != version_1
+    for version, fingerprint in ((None, version_1), (2, hashlib.sha256(canonical).hexdigest())):
+        record = {"job_id": "77", "job_id_source": "SLURM_JOB_ID", "fingerprint": fingerprint}
+        if version is not None:
+            record["fingerprint_version"] = version
+        recorded = parse_run_identity(json.dumps(record), "aitoolbox_run.json")
+        assert adoption_refusal(this, recorded) is None
+        other_job = RunIdentity("78", "SLURM_JOB_ID", this.fingerprint)
+        assert "another job" in adoption_refusal(other_job, recorded)
+    # The same format with other hyperparameters is refused, also for the same job id (a sweep in one allocation).
+    other = RunIdentity("77", "SLURM_JOB_ID", hyperparams_fingerprint(dict(hyperparams, lr=0.2)))
+    assert "hyperparameters differ" in adoption_refusal(this, other)

@@ -7,6 +7,7 @@ the final model, JSON results with the result packages' metrics, plots and the h
 import copy
 import datetime
 import json
+import logging
 import os
 import re
 
@@ -423,3 +424,66 @@ def test_a_resumed_run_keeps_the_checkpoints_a_straight_run_keeps(tmp_path):
     epoch_checkpoints = [name for name in straight_files if "ITER" not in name]
     assert len(epoch_checkpoints) in (2, 3)  # the best 2, and the newest when it is not one of them
     assert len(straight_files) - len(epoch_checkpoints) == 2  # keep_last
+
+
+def test_auto_resume_passes_over_a_truncated_newest_checkpoint_naming_it_and_keeping_it(tmp_path, caplog,
+                                                                                       monkeypatch):
+    """A save cut short on storage without atomic renames (or a copy that broke) left the newest checkpoint
+    truncated: the job continues from the newest readable one, every requeue alike, and ends bitwise as the run
+    that never stopped; the bad file is left as it was."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    straight = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "straight"), {},
+                                   show_progress=False)
+    straight.fit(num_epochs=4)
+
+    root = str(tmp_path / "crashing")
+    first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True, show_progress=False)
+    first.fit(num_epochs=3)
+    checkpoints = sorted(os.listdir(first.experiment_folder.checkpoint_dir))
+    newest = os.path.join(first.experiment_folder.checkpoint_dir,
+                          f"model_exp_{first.experiment_timestamp}_E2.pth")
+    with open(newest, "rb") as handle:
+        data = handle.read()
+    with open(newest, "wb") as handle:
+        handle.write(data[:len(data) // 2])
+    for _ in range(2):  # every requeue alike: the bad file never blocks the job
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            again = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
+                                        show_progress=False)
+        assert again.experiment_folder.path == first.experiment_folder.path
+        assert os.path.basename(again.resumed_from) == f"model_exp_{first.experiment_timestamp}_E1.pth"
+        assert f"cannot read the checkpoint {newest}" in caplog.text
+        assert sorted(os.listdir(first.experiment_folder.checkpoint_dir)) == checkpoints
+        with open(newest, "rb") as handle:
+            assert handle.read() == data[:len(data) // 2]
+    again.fit(num_epochs=4)
+    for key, value in straight.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+    assert again.train_history == straight.train_history
+
+
+class PlantedObject:
+    """Stands for what a planted file holds: loading it would run code."""
+
+
+def test_auto_resume_with_no_readable_checkpoint_starts_a_new_run_and_a_planted_one_stops_it(tmp_path, caplog,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    root = str(tmp_path)
+    first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True, show_progress=False)
+    first.fit(num_epochs=1)
+    (only,) = os.listdir(first.experiment_folder.checkpoint_dir)
+    path = os.path.join(first.experiment_folder.checkpoint_dir, only)
+    with open(path, "wb") as handle:
+        handle.write(b"PK\x03\x04 not a whole zip file")
+    with caplog.at_level(logging.WARNING):
+        fresh = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
+                                    show_progress=False)
+    assert fresh.resumed_from is None and fresh.epochs_completed == 0
+    assert fresh.experiment_folder.path != first.experiment_folder.path
+    assert f"no checkpoint of {first.experiment_folder.path} can be read: a new run starts" in caplog.text
+    assert os.path.isfile(path)
+    torch.save({"model_state_dict": {}, "payload": PlantedObject()}, path)
+    with pytest.raises(RuntimeError, match="refusing to load"):
+        TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True, show_progress=False)
