@@ -449,3 +449,54 @@ def test_fit_distributed_twice_equals_one_longer_call_under_fsdp():
     assert_params_equal(split.model, whole.model)
     assert dict(split.train_history) == dict(whole.train_history)
     assert split.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
+
+
+# --- O2 + dynamic scaling + MultiLoss with two optimizers + accumulation: one overflow verdict per optimizer ----
+class PoisonedAux:
+    """Makes a ComboNet's auxiliary loss infinite at the get_loss calls numbered in ``calls`` (0-based)."""
+
+    def __init__(self, model, calls):
+        self.calls, self.count = set(calls), 0
+        self.original = model.get_loss
+        model.get_loss = self
+
+    def __call__(self, batch_data, criterion, device):
+        loss = self.original(batch_data, criterion, device)
+        if self.count in self.calls:
+            loss["aux"] = loss["aux"] * float("inf")
+        self.count += 1
+        return loss
+
+
+def _o2_two_optimizer_run(poisoned_call: int):
+    from tests.combinations.support import Cell, build_loop, build_model
+    cell = Cell(loss="multi2", grad_accumulation=2)
+    model = build_model(cell)
+    PoisonedAux(model, [poisoned_call])
+    tl = build_loop(cell, model)
+    tl.use_amp = {"opt_level": "O2", "loss_scale": "dynamic"}
+    skipped = []
+
+    class Skips(AbstractCallback):
+        def on_after_optimizer_step(self):
+            skipped.append(self.train_loop_obj.optimizer_step_skipped)
+
+    tl.fit(num_epochs=1, grad_accumulation=2, callbacks=[Skips("skips")])
+    return tl, skipped
+
+
+@pytest.mark.parametrize("first_micro_batch", [0, 2])  # 5 batches: windows (0, 1), (2, 3), (4)
+def test_o2_dynamic_scaling_two_optimizers_accumulation_skips_only_the_overflowing_optimizer(first_micro_batch):
+    """An inf in the second loss in the first micro-batch of a window skipped optimizer 0 and let optimizer 1 step on
+    NaN gradients (one overflow verdict for both, cleared after optimizer 0's step). Each optimizer has its own
+    verdict now: optimizer 1 skips, optimizer 0 steps, exactly as when the inf comes in the window's last micro-batch
+    (the main loss never sees the auxiliary head: its gradients are the same either way)."""
+    early, early_skips = _o2_two_optimizer_run(first_micro_batch)
+    late, late_skips = _o2_two_optimizer_run(first_micro_batch + 1)
+    for name, tensor in early.model.state_dict().items():
+        assert torch.isfinite(tensor.float()).all(), f"{name} is not finite"
+    assert_params_equal(early.model, late.model)
+    window = first_micro_batch // 2
+    assert early_skips == late_skips  # per optimizer step: [opt0, opt1] of each window
+    assert early_skips[2 * window: 2 * window + 2] == [False, True]
+    assert early.precision.loss_scaler.loss_scale == late.precision.loss_scaler.loss_scale == 2.0 ** 15
