@@ -9,7 +9,7 @@ that has not configured logging) printed above the progress bars; silence it alo
 import logging
 import numbers
 import time
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -32,10 +32,12 @@ class EpochReport:
         self._start_time = 0.0
         self._history_lengths: Dict[str, int] = {}
 
-    def start(self, history: Mapping[str, list]) -> None:
-        """At the start of an epoch: note the time and what the history holds already."""
+    def start(self, history: Mapping[str, list], lengths_before: Optional[Mapping[str, int]] = None) -> None:
+        """At the start of an epoch: note the time and what the history holds already (or held before the epoch:
+        ``lengths_before``, the length of each list, for an epoch's end continued after an exception)."""
         self._start_time = time.monotonic()
-        self._history_lengths = {name: len(values) for name, values in history.items()}
+        self._history_lengths = dict(lengths_before) if lengths_before is not None else \
+            {name: len(values) for name, values in history.items()}
 
     def line(self, epoch: int, num_epochs: int, history: Mapping[str, list]) -> str:
         """The summary of epoch ``epoch`` (0-based; shown 1-based) of ``num_epochs``, with every history entry

@@ -151,10 +151,46 @@ class RunState:
         self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
 
     def mark_epoch_trained(self, history: Any) -> None:
-        """The epoch's batches are all trained: an exception in its end (evaluation, ``on_epoch_end``) does only the
-        end again, dropping what the interrupted end recorded in ``history``."""
+        """The epoch's batches are all trained: its end (:meth:`run_epoch_end_step`) begins. An exception in it
+        continues with the end's steps not finished yet."""
+        lengths = history_lengths(history)
         self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), None, None,
-                                          batches_trained=True, history_lengths=history_lengths(history))
+                                          batches_trained=True, history_lengths=lengths,
+                                          finished_history_lengths=lengths)
+
+    def continue_epoch_end(self, resume: MidEpochResume, device: torch.device) -> None:
+        """Continue the end of an epoch that an exception interrupted (``resume``, from :meth:`resume_point`): its
+        progress, the epoch's batch count and loss sum are the interrupted end's."""
+        self._step_point = resume
+        self.batches_done = resume.batches_done
+        self.epoch_loss = EpochLossSum(resume.loss_sum, device)
+
+    def run_epoch_end_step(self, name: str, action: Callable[[], None], history: Any) -> None:
+        """One step of the epoch's end: ``action()`` unless an interrupted end finished the step ``name`` already;
+        then the step is recorded as finished (with the history as it left it)."""
+        progress = self._step_point
+        if name in progress.finished_steps:
+            return
+        action()
+        progress.finished_steps.append(name)
+        progress.finished_history_lengths = history_lengths(history)
+
+    @property
+    def in_epoch_end(self) -> bool:
+        """The current epoch's batches are all trained and its end is running."""
+        return isinstance(self._step_point, MidEpochResume) and self._step_point.batches_trained
+
+    def epochs_completed_at_checkpoint(self, mid_epoch: bool) -> int:
+        """The epochs a checkpoint taken now records as done: the counter; in an epoch's end, an epoch-end
+        checkpoint (``mid_epoch=False``) is the run after that end, so the epoch counts."""
+        return self.counters.epochs_completed + (1 if not mid_epoch and self.in_epoch_end else 0)
+
+    @property
+    def continuation_pending(self) -> bool:
+        """The last ``fit`` stopped on an exception with work the next ``fit`` must finish before anything else
+        (an epoch's end), whatever the counters say is left to train."""
+        point = self._interrupted_at
+        return point is not None and point.batches_trained
 
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""

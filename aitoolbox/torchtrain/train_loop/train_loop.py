@@ -7,7 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-from typing import Any, Callable, ContextManager, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -581,7 +581,7 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.state.early_stop:
+        if self.state.early_stop and not self.run_state.continuation_pending:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -596,7 +596,7 @@ class TrainLoop:
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        if self._target_reached(num_epochs, num_iterations):
+        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -756,7 +756,9 @@ class TrainLoop:
         self._step_runner.start()
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)
-        while not state.early_stop and not self._target_reached(num_epochs, num_iterations):
+        # An epoch's end an exception interrupted is finished first, also when it had asked to stop.
+        while (resume is not None and resume.batches_trained) or \
+                (not state.early_stop and not self._target_reached(num_epochs, num_iterations)):
             state.epoch = state.epochs_completed
             try:
                 self._run_epoch(num_iterations, resume)
@@ -795,34 +797,50 @@ class TrainLoop:
         return self.state.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
-        """One pass over the training data (:meth:`_train_batches`), then the epoch's end: its accumulated loss
-        into the history, auto-evaluation, ``on_epoch_end`` and the epoch's summary line.
+        """One pass over the training data (:meth:`_train_batches`), then the epoch's end: a sequence of named
+        steps (:meth:`_epoch_end_steps`: the accumulated loss into the history, ``on_epoch_train_end``,
+        auto-evaluation, ``on_epoch_end``, the summary line), each done once.
 
-        ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted.
+        ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted; after an exception in
+        the epoch's end, the steps it did not finish.
         """
         state, run_state = self.state, self.run_state
-        if resume is not None and resume.batches_trained:  # stopped in the epoch's end: do it again
-            truncate_history(self.train_history, resume.history_lengths)
-            self._epoch_report.start(self.train_history)
-            run_state.batches_done = resume.batches_done
-            run_state.epoch_loss = EpochLossSum(resume.loss_sum, self.device)
+        if resume is not None and resume.batches_trained:  # stopped in the epoch's end: the steps left
+            truncate_history(self.train_history, resume.finished_history_lengths)
+            self._epoch_report.start(self.train_history, resume.history_lengths)
+            run_state.continue_epoch_end(resume, self.device)
         else:
             self._epoch_report.start(self.train_history)
             self.strategy.on_epoch_begin(state.epoch, self.train_loader)
             self.callbacks_handler.on_epoch_begin()
             self._train_batches(num_iterations, resume)
-        run_state.mark_epoch_trained(self.train_history)
-        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / run_state.batches_done,
+            run_state.mark_epoch_trained(self.train_history)
+        for name, step in self._epoch_end_steps():
+            run_state.run_epoch_end_step(name, step, self.train_history)
+
+    def _epoch_end_steps(self) -> Iterator[Tuple[str, Callable[[], None]]]:
+        """The steps of an epoch's end, in order, by name (a callback's by its identity: the end continued after an
+        exception runs each callback that had finished its hook not again, and one registered since once)."""
+        hooks, state = self.callbacks_handler, self.state
+        yield "accumulated_loss", self._record_accumulated_loss
+        for callback in hooks.subscribers("on_epoch_train_end"):
+            yield f"on_epoch_train_end:{id(callback)}", callback.on_epoch_train_end
+        yield "auto_evaluation", self._evaluator.at_epoch_end
+        for callback in hooks.subscribers("on_epoch_end"):
+            yield f"on_epoch_end:{id(callback)}", callback.on_epoch_end
+        yield "messages", self.message_service.end_of_epoch_trigger
+        if self.strategy.is_main_process:
+            yield "summary", lambda: self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
+        yield "stop_agreement", self._agree_on_stop
+
+    def _record_accumulated_loss(self) -> None:
+        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / self.run_state.batches_done,
                                       self._loss_names)
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
-        self.callbacks_handler.on_epoch_train_end()
-        self._evaluator.at_epoch_end()
-        self.callbacks_handler.on_epoch_end()
-        self.message_service.end_of_epoch_trigger()
-        if self.strategy.is_main_process:
-            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history)
-        state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
+
+    def _agree_on_stop(self) -> None:
+        self.state.early_stop = self.strategy.any_process(self.state.early_stop)  # all ranks stop together
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
         """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained)."""

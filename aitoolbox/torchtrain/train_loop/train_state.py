@@ -78,9 +78,12 @@ class MidEpochResume:
         epoch_start_rng: the RNG state at the start of the epoch (its data order is drawn again from it).
         rng: the RNG state to continue with.
         batches_trained: the epoch's batches were all trained and its end (evaluation, ``on_epoch_end``) was
-            interrupted: only the end is done again.
+            interrupted: the steps of the end not finished yet are done (each step once).
         history_lengths: with ``batches_trained``, the length of each training-history list before the epoch's
-            end, so that what the interrupted end recorded is not recorded twice.
+            end (the epoch's summary line lists what the end recorded).
+        finished_steps: with ``batches_trained``, the names of the steps of the epoch's end finished so far.
+        finished_history_lengths: with ``batches_trained``, the length of each training-history list after those
+            steps: what a step that did not finish recorded is dropped, so that it is not recorded twice.
         loader_state: the training loader's own state after the batches done (a loader with ``state_dict``, such
             as torchdata's ``StatefulDataLoader``), which it continues from; None: the batches done are skipped.
     """
@@ -92,6 +95,8 @@ class MidEpochResume:
     batches_trained: bool = False
     history_lengths: Optional[Dict[str, int]] = None
     loader_state: Any = None
+    finished_steps: List[str] = dataclasses.field(default_factory=list)
+    finished_history_lengths: Optional[Dict[str, int]] = None
 
 
 def history_lengths(history: Any) -> Dict[str, int]:
@@ -206,7 +211,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "precision": tl.precision.state_dict(),
         "callbacks": {key: weights_only_safe(cb.state_dict())
                       for key, cb in stateful_callbacks(tl, include_schedulers=False).items()},
-        "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
+        "epochs_completed": tl.run_state.epochs_completed_at_checkpoint(mid_epoch),
         "iteration": tl.iteration + 1 if mid_epoch else 0,
         # A stop request (early stopping) ends the run after this epoch: a fit resuming from here trains nothing
         # (a requeued job must not train on and overwrite the final model). Agreed by all ranks, as the loop

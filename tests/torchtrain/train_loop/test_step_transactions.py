@@ -1,0 +1,190 @@
+"""A step is a transaction (DESIGN.md principle 17): what a step changes is committed at the step point or not at all,
+and an epoch's end is a sequence of named steps, each done once. Continuing after an exception, resuming from a
+checkpoint taken at any moment and loading a checkpoint dict then equal the straight run (issue 32)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.combinations.support import Cell, ComboNet, build_loop, build_model, dataset
+from tests.helpers import assert_params_equal, single_torch_thread
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+
+def _tensors(value, prefix=""):
+    """Every tensor in a nested checkpoint dict, by path."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if isinstance(value, dict):
+        return {path: tensor for key, item in value.items() for path, tensor in _tensors(item, f"{prefix}/{key}").items()}
+    if isinstance(value, (list, tuple)):
+        return {path: tensor for index, item in enumerate(value)
+                for path, tensor in _tensors(item, f"{prefix}/{index}").items()}
+    return {}
+
+
+def assert_runs_equal(a: TrainLoop, b: TrainLoop) -> None:
+    """Weights and buffers, optimizer states and history bitwise equal."""
+    assert_params_equal(a.model, b.model)
+    for optimizer_a, optimizer_b in zip(a.optimizers, b.optimizers):
+        state_a, state_b = _tensors(optimizer_a.state_dict()), _tensors(optimizer_b.state_dict())
+        assert state_a.keys() == state_b.keys()
+        for path in state_a:
+            assert torch.equal(state_a[path], state_b[path]), f"optimizer state {path} differs"
+    assert dict(a.train_history) == dict(b.train_history)
+
+
+class IterationCounter(AbstractCallback):
+    def __init__(self):
+        super().__init__("iterations")
+        self.batches = 0
+
+    def on_batch_end(self):
+        self.batches += 1
+
+
+# --- item 2: a checkpoint records the run state's own counters ------------------------------------------------
+def test_a_checkpoint_taken_before_training_resumes_at_the_first_epoch():
+    """``checkpoint_state()`` on a fresh loop recorded ``epochs_completed=1`` (it wrote ``epoch + 1``): loading it
+    and fitting 2 epochs trained one."""
+    fresh = build_loop(Cell())
+    checkpoint = fresh.checkpoint_state()
+    assert checkpoint["epochs_completed"] == 0 and checkpoint["iteration"] == 0
+
+    resumed = build_loop(Cell())
+    resumed.load_checkpoint(checkpoint)
+    counter = IterationCounter()
+    resumed.fit(num_epochs=2, callbacks=[counter])
+    assert counter.batches == 2 * len(resumed.train_loader)
+    straight = build_loop(Cell())
+    straight.fit(num_epochs=2)
+    assert_runs_equal(resumed, straight)
+
+
+def test_checkpoints_after_fit_and_at_an_epoch_end_record_the_epochs_done():
+    """After ``fit(num_epochs=1)``: 1 epoch done. In ``on_epoch_end`` of the second epoch: 2 (the epoch is ending,
+    and the checkpoint is the run after its end)."""
+    saved = {}
+
+    class SaveAtEpochEnd(AbstractCallback):
+        def on_epoch_end(self):
+            saved[self.train_loop_obj.epoch] = self.train_loop_obj.checkpoint_state()
+
+    tl = build_loop(Cell())
+    tl.fit(num_epochs=1)
+    assert tl.checkpoint_state()["epochs_completed"] == 1
+    tl.fit(num_epochs=2, callbacks=[SaveAtEpochEnd("save")])
+    assert saved[1]["epochs_completed"] == 2 and saved[1]["iteration"] == 0
+
+
+# --- item 3: an epoch's end is a sequence of named steps, each done once -----------------------------------------
+class FailOnceInEpochEnd(AbstractCallback):
+    """In ``on_epoch_end`` of epoch ``epoch``: records a value into the history, then (the first time only) raises, as
+    a checkpoint save on a full disk would. Runs after the LR scheduler and EarlyStopping (order 100)."""
+
+    hook = "on_epoch_end"
+
+    def __init__(self, epoch):
+        super().__init__("fail once", execution_order=100)
+        self.epoch, self.failed, self.calls = epoch, False, []
+
+    def _maybe_fail(self):
+        tl = self.train_loop_obj
+        self.calls.append(tl.epoch)
+        tl.insert_metric_result_into_history(f"{self.hook}_marker", float(tl.epoch))
+        if tl.epoch == self.epoch and not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+
+    def on_epoch_end(self):
+        self._maybe_fail()
+
+
+class FailOnceInEpochTrainEnd(FailOnceInEpochEnd):
+    hook = "on_epoch_train_end"
+    on_epoch_end = AbstractCallback.on_epoch_end
+
+    def on_epoch_train_end(self):
+        self._maybe_fail()
+
+
+class CountsEpochEnds(AbstractCallback):
+    def __init__(self):
+        super().__init__("counts", execution_order=50)
+        self.train_ends, self.ends = [], []
+
+    def on_epoch_train_end(self):
+        self.train_ends.append(self.train_loop_obj.epoch)
+
+    def on_epoch_end(self):
+        self.ends.append(self.train_loop_obj.epoch)
+
+
+@pytest.mark.parametrize("failing_class", [FailOnceInEpochEnd, FailOnceInEpochTrainEnd])
+def test_an_exception_in_the_epoch_end_does_not_repeat_the_steps_it_finished(failing_class):
+    """A callback's ``on_epoch_end`` raised; the next ``fit`` called every ``on_epoch_end`` again: the per-epoch LR
+    scheduler stepped twice and EarlyStopping counted the epoch twice (it stopped an epoch early). Now the continued
+    fit runs only the steps of the end that did not finish: equal to the straight run in weights, learning rate,
+    EarlyStopping's state, history and the hooks each callback got."""
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+
+    def run(fail_at):
+        tl = build_loop(Cell())
+        failing, counts = failing_class(fail_at), CountsEpochEnds()
+        stopping = EarlyStopping(monitor="accumulated_loss", min_delta=100.0, patience=1)
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), stopping, failing, counts]
+        if fail_at is not None:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(num_epochs=5, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=5, callbacks=callbacks)
+        return tl, stopping, failing, counts
+
+    straight, straight_stopping, straight_failing, straight_counts = run(None)
+    continued, stopping, failing, counts = run(1)
+    assert straight.epochs_completed == continued.epochs_completed == 3  # EarlyStopping stopped after epoch 2
+    assert continued.optimizers[0].param_groups[0]["lr"] == straight.optimizers[0].param_groups[0]["lr"]
+    assert_runs_equal(continued, straight)
+    assert stopping.state_dict() == straight_stopping.state_dict()
+    assert (counts.train_ends, counts.ends) == (straight_counts.train_ends, straight_counts.ends) == ([0, 1, 2],) * 2
+    assert failing.calls == [0, 1, 1, 2]  # the failed call is made again, once
+
+
+@pytest.mark.parametrize("length", [{"num_epochs": 5}, {"num_iterations": 10}])
+def test_an_interrupted_epoch_end_is_finished_by_the_next_fit_even_when_training_is_over(length):
+    """In the last epoch's end (EarlyStopping asked to stop in it; or num_iterations is reached) a later callback
+    raised: the next fit must still finish that end (the failed callback, the epoch count, on_train_end), not report
+    "nothing to train"."""
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+
+    class TrainEnds(AbstractCallback):
+        def __init__(self):
+            super().__init__("train ends")
+            self.count = 0
+
+        def on_train_end(self):
+            self.count += 1
+
+    def run(fail_at):
+        tl = build_loop(Cell())
+        failing, ends = FailOnceInEpochEnd(fail_at), TrainEnds()
+        callbacks = [EarlyStopping(monitor="accumulated_loss", min_delta=100.0, patience=0), failing, ends]
+        if fail_at is not None:
+            with pytest.raises(OSError):
+                tl.fit(callbacks=callbacks, **length)
+            callbacks = None
+        tl.fit(callbacks=callbacks, **length)
+        return tl, failing, ends
+
+    straight, straight_failing, straight_ends = run(None)
+    continued, failing, ends = run(1)
+    assert continued.epochs_completed == straight.epochs_completed == 2
+    assert continued.early_stop == straight.early_stop
+    assert failing.calls == [0, 1, 1] and ends.count == straight_ends.count == 1
+    assert_runs_equal(continued, straight)
