@@ -12,7 +12,7 @@ launching process, and a ``fit`` called again after an exception. So there is on
 """
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -58,6 +58,10 @@ class RunState:
         self._interrupted_at: Optional[MidEpochResume] = None
         self.rollbacks = RollbackHistory()
         self._after_step: Optional[Callable[["TrainLoop"], None]] = None
+        # The model's buffers (BatchNorm's running statistics...) and their values at the step point: a batch
+        # trained again after an exception must not count its forward's updates twice.
+        self._buffers: List[torch.Tensor] = []
+        self._buffers_at_step: List[torch.Tensor] = []
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -69,6 +73,12 @@ class RunState:
         """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
         restore_train_state(tl, checkpoint)
         self._interrupted_at = None  # the checkpoint says where to continue
+
+    def start_training(self, model: torch.nn.Module) -> None:
+        """At the start of ``fit``, the model set up (its buffers are the tensors that train now: casting a model
+        replaces them): the buffers the step point holds."""
+        self._buffers = list(model.buffers())
+        self._buffers_at_step = [buffer.detach().clone() for buffer in self._buffers]
 
     def resume_point(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
         """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
@@ -142,11 +152,14 @@ class RunState:
     def mark_batch_done(self) -> None:
         """Every optimizer stepped for the last batch: an exception from here on continues after it.
 
-        Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes)
-        and of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
-        exception draw their dropout masks as the interrupted run did.
+        Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes),
+        of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
+        exception draw their dropout masks as the interrupted run did; and a copy of the model's buffers (put back
+        by the exception, see :meth:`remember_interruption`).
         """
         self.epoch_loss.commit()
+        if self._buffers:
+            torch._foreach_copy_(self._buffers_at_step, self._buffers)  # one kernel launch for all of them
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # (is_available: slower)
         self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
 
@@ -199,7 +212,8 @@ class RunState:
     # --- an exception --------------------------------------------------------------------------------------
     def remember_interruption(self, loader: Any) -> None:
         """``fit`` is left by an exception: remember where the next ``fit`` continues (never raises, so that the
-        user sees their own exception)."""
+        user sees their own exception). Inside an epoch's batches the model's buffers go back to the step point
+        at once, so the model is the committed run's (weights change only at steps)."""
         try:
             self._interrupted_at = self._interruption_point(loader)
         except Exception:  # e.g. a device in an error state
@@ -214,6 +228,9 @@ class RunState:
             return point
         batches_done, total_iteration_idx, torch_rng, cuda_rng = point
         self.counters.total_iteration_idx = total_iteration_idx
+        if self._buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._buffers_at_step)
         rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
         committed = self.epoch_loss.committed
         return MidEpochResume(batches_done, None if committed is None else committed.tolist(),

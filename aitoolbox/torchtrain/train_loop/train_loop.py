@@ -754,6 +754,7 @@ class TrainLoop:
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self._step_runner.start()
+        self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)
         # An epoch's end an exception interrupted is finished first, also when it had asked to stop.

@@ -188,3 +188,44 @@ def test_an_interrupted_epoch_end_is_finished_by_the_next_fit_even_when_training
     assert continued.early_stop == straight.early_stop
     assert failing.calls == [0, 1, 1] and ends.count == straight_ends.count == 1
     assert_runs_equal(continued, straight)
+
+
+# --- item 4: the step point holds the buffers -------------------------------------------------------------------
+class FailOnceAtBatch(AbstractCallback):
+    """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run), once."""
+
+    def __init__(self, at):
+        super().__init__("fail at batch")
+        self.at, self.failed = at, False
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a failure in the middle of an accumulation window")
+
+
+def _evaluated_loop(model):
+    loader = DataLoader(dataset(), batch_size=8)
+    return TrainLoop(model, loader, DataLoader(dataset(), batch_size=8), None,
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), end_auto_eval=True,
+                     show_progress=False)
+
+
+@pytest.mark.parametrize("fail_at", [1, 6])
+def test_continuing_after_an_exception_mid_window_counts_batchnorm_statistics_once(fail_at):
+    """With accumulation 3, an exception after the window's first or second batch: the continued fit trains those
+    batches again. Their BatchNorm updates were counted twice (num_batches_tracked 12 or 11 instead of 10; the
+    running statistics, and so ``loss`` and ``val_loss``, differed). The step point holds the buffers now."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _evaluated_loop(ComboNet())
+        callbacks = [FailOnceAtBatch(fail)] if fail is not None else []
+        if fail is not None:
+            with pytest.raises(RuntimeError, match="middle of an accumulation window"):
+                tl.fit(num_epochs=2, grad_accumulation=3, callbacks=callbacks)
+        tl.fit(num_epochs=2, grad_accumulation=3, callbacks=None if fail is not None else callbacks)
+        return tl
+
+    straight, continued = run(None), run(fail_at)
+    assert int(continued.model.bn.num_batches_tracked) == int(straight.model.bn.num_batches_tracked) == 10
+    assert_runs_equal(continued, straight)
