@@ -15,13 +15,12 @@ those processes): the newest epoch-end checkpoint of the run is taken instead, w
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, load_checkpoint_file
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run, run_checkpoints
 from aitoolbox.experiment.local_save.run_identity import RunIdentity
-from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,73 +83,30 @@ def saved_shape(checkpoint: dict) -> Tuple[int, int]:
     return world_size, int(checkpoint.get("iteration", 0) or 0)
 
 
-def _read_checkpoint(path: str, weights_only: bool) -> Optional[dict]:
-    """The checkpoint at ``path``, or None (with a warning naming it) when it cannot be read: truncated or corrupt
-    (a save cut short on storage that is not atomic, a copy that broke), vanished or unreadable. The file is left as
-    it is.
-
-    Raises:
-        UntrustedCheckpointError: the file holds objects that ``weights_only`` loading refuses: a planted or
-            foreign file stops the job rather than being passed over quietly.
-    """
-    try:
-        return load_checkpoint_file(path, weights_only=weights_only)
-    except UntrustedCheckpointError:
-        raise
-    except Exception as error:  # every loader's documented errors (corrupt, truncated, not a checkpoint, I/O)
-        logger.warning("auto_resume: cannot read the checkpoint %s (%s: %s); it is passed over and left as it is "
-                       "(a later save of the same epoch and iteration replaces it: copy it elsewhere to keep it)",
-                       path, type(error).__name__, error)
-        return None
-
-
 def usable_checkpoint(run_folder: str, newest: str, world_size: int,
                       weights_only: bool) -> Optional[Tuple[str, dict]]:
-    """The checkpoint of a run that ``world_size`` processes can continue, loaded: ``newest``, or the newest
-    earlier one of the run that can be read, when ``newest`` (and what came after the one returned) is truncated
-    or corrupt, each passed over with a warning naming it; and when the newest readable one was saved mid-epoch by
-    another number of processes, the run's newest readable epoch-end checkpoint before it (with a warning saying
-    what is trained again). None when there is none: a new run starts.
-
-    Raises:
-        UntrustedCheckpointError: a checkpoint tried holds objects ``weights_only`` loading refuses.
-    """
-    newest_position = checkpoint_path_position(newest)
-    candidates = [path for path in run_checkpoints(run_folder) if path != newest
-                  and (newest_position is None or checkpoint_path_position(path) < newest_position)]
-    refused = None  # (path, checkpoint): the newest readable one, saved mid-epoch by another number of processes
-    for path in [newest] + candidates[::-1]:
-        if refused is not None and (checkpoint_path_position(path) or (0, 0, 0))[1] != 1:
-            continue  # after a refused mid-epoch checkpoint, only an epoch end can continue
-        checkpoint = _read_checkpoint(path, weights_only)
-        if checkpoint is None:
-            continue
-        saved_world_size, batches_done = saved_shape(checkpoint)
-        if saved_world_size == world_size or batches_done == 0:
-            if refused is not None:
-                logger.warning("auto_resume: %s. Continuing from the epoch-end checkpoint %s instead: the training "
-                               "done after it (in epoch %s) is lost and is done again, with the data split among %d "
-                               "process(es)", _mid_epoch_refusal(*refused, world_size), os.path.basename(path),
-                               refused[1].get("epoch"), world_size)
-            elif path != newest:
-                logger.warning("auto_resume: continuing from %s, the newest checkpoint of the run that can be read",
-                               path)
-            return path, checkpoint
-        refused = path, checkpoint
-    if refused is not None:
-        logger.warning("auto_resume: %s, and the run has no readable epoch-end checkpoint before it: a new run starts",
-                       _mid_epoch_refusal(*refused, world_size))
-    else:
-        logger.warning("auto_resume: no checkpoint of %s can be read: a new run starts (the run's folder and files "
-                       "are left as they are)", run_folder)
-    return None
-
-
-def _mid_epoch_refusal(path: str, checkpoint: dict, world_size: int) -> str:
+    """The checkpoint of a run that ``world_size`` processes can continue, loaded: ``newest``, or when that one was
+    saved mid-epoch by another number of processes, the run's newest epoch-end checkpoint (with a warning saying
+    what is trained again). None when there is none."""
+    checkpoint = load_checkpoint_file(newest, weights_only=weights_only)
     saved_world_size, batches_done = saved_shape(checkpoint)
-    return (f"{path} was saved by {saved_world_size} process(es) in the middle of epoch {checkpoint.get('epoch')} "
+    if saved_world_size == world_size or batches_done == 0:
+        return newest, checkpoint
+    position = checkpoint_path_position(newest)
+    epoch_ends: List[str] = [path for path in run_checkpoints(run_folder)
+                             if (checkpoint_path_position(path) or (0, 0, 0))[1] == 1
+                             and checkpoint_path_position(path) < position]
+    lost = (f"{newest} was saved by {saved_world_size} process(es) in the middle of epoch {checkpoint.get('epoch')} "
             f"({batches_done} batch(es) per process done) and this job has {world_size}: a mid-epoch checkpoint "
             "continues only with the number of processes that saved it")
+    if not epoch_ends:
+        logger.warning("auto_resume: %s, and the run has no epoch-end checkpoint: a new run starts", lost)
+        return None
+    fallback = epoch_ends[-1]
+    logger.warning("auto_resume: %s. Continuing from the epoch-end checkpoint %s instead: the training done after it "
+                   "(in epoch %s) is lost and is done again, with the data split among %d process(es)", lost,
+                   os.path.basename(fallback), checkpoint.get("epoch"), world_size)
+    return fallback, load_checkpoint_file(fallback, weights_only=weights_only)
 
 
 def decide_run(folder: ExperimentFolder, destination: Optional["CloudDestination"], world_size: int,
