@@ -145,42 +145,72 @@ def test_ddp_replicas_stay_identical_when_an_unsized_epoch_ends_inside_an_accumu
     assert run_distributed(_unsized_epoch_end_worker, 2) == [[], []]
 
 
-# --- several optimizers: the batch is the unit of progress ------------------------------------------------------
-class FailAfterFirstOptimizerStep(AbstractCallback):
-    def __init__(self, at_iteration: int):
-        super().__init__("fail after optimizer 0")
-        self.at_iteration, self.failed = at_iteration, False
+# --- several optimizers: a step some optimizer took is finished, not taken again ---------------------------------
+class FailBetweenOptimizerSteps(AbstractCallback):
+    """Raises once, at batch ``at_iteration``: in ``on_after_gradient_update`` of optimizer 1 (optimizer 0 stepped
+    already, optimizer 1 not yet), or in the ``on_after_optimizer_step`` after optimizer ``after_step``'s step."""
+
+    def __init__(self, at_iteration: int, hook: str = "gradient", after_step: int = 0):
+        super().__init__("fail between optimizers")
+        self.at_iteration, self.hook, self.after_step, self.failed = at_iteration, hook, after_step, False
+        self.steps_seen = 0
+
+    def _fail(self):
+        self.failed = True
+        raise RuntimeError("a failure between two optimizers' steps")
 
     def on_after_gradient_update(self, optimizer_idx):
         tl = self.train_loop_obj
-        if optimizer_idx == 1 and tl.total_iteration_idx == self.at_iteration and not self.failed:
-            self.failed = True  # optimizer 0 stepped on this batch, optimizer 1 not yet
-            raise RuntimeError("a failure between two optimizers' steps")
+        if self.hook == "gradient" and optimizer_idx == 1 and tl.total_iteration_idx == self.at_iteration \
+                and not self.failed:
+            self._fail()
+
+    def on_after_optimizer_step(self):
+        tl = self.train_loop_obj
+        if tl.total_iteration_idx != self.at_iteration:
+            self.steps_seen = 0
+            return
+        self.steps_seen += 1
+        if self.hook == "step" and self.steps_seen == self.after_step + 1 and not self.failed:
+            self._fail()
 
 
 def _adam_steps(optimizer) -> int:
     return int(next(iter(optimizer.state.values()))["step"])
 
 
-def test_an_exception_between_two_optimizers_steps_trains_the_batch_again():
-    """Before: the resume point moved after optimizer 0's step, so the continued fit skipped optimizer 1's step
-    for that batch. Now the batch is redone: optimizer 1 takes every step a straight run takes."""
+@pytest.mark.parametrize("hook, after_step, between, compiled", [
+    ("gradient", 0, None, False), ("step", 0, None, False), ("step", 1, None, False), ("gradient", 0, "lr_find", False),
+    pytest.param("gradient", 0, None, True, marks=pytest.mark.slow)])  # compiled: every backward before any step
+def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(hook, after_step, between, compiled):
+    """Before: optimizer 0 stepped on the failed batch, and the continued fit trained the batch again, so optimizer 0
+    stepped twice on it (11 steps instead of 10). A step that some optimizer took cannot be abandoned: the next fit
+    finishes it (the other optimizers step on the gradients they had, the loss scale is updated, the batch ends),
+    then goes on with the next batch: bitwise the straight run, also with an lr_find in between (it clears the
+    gradients)."""
     from tests.combinations.support import Cell, build_loop
-    cell = Cell(loss="multi2")
+    cell = Cell(loss="multi2", precision="scaler", compile=compiled)
 
     def run(fail_at):
         tl = build_loop(cell)
         tl.optimizers[1] = torch.optim.Adam(tl.optimizers[1].param_groups[0]["params"], lr=1e-2)
         tl.optimizer[1] = tl.optimizers[1]
+        callbacks = [FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1, hook, after_step)]
         if fail_at is not None:
             with pytest.raises(RuntimeError, match="between two optimizers"):
-                tl.fit(num_epochs=2, callbacks=[FailAfterFirstOptimizerStep(fail_at)])
-        tl.fit(num_epochs=2)
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+            if between == "lr_find":
+                tl.lr_find(num_iterations=3, start_lr=1e-4, end_lr=1e-2)
+        tl.fit(num_epochs=2, callbacks=callbacks)
         return tl
 
     straight, continued = run(None), run(fail_at=6)
     assert _adam_steps(continued.optimizers[1]) == _adam_steps(straight.optimizers[1]) == 10
-    assert _adam_steps(continued.optimizers[0]) == 11  # optimizer 0 stepped on the failed batch before
+    assert _adam_steps(continued.optimizers[0]) == _adam_steps(straight.optimizers[0]) == 10
+    assert_params_equal(continued.model, straight.model)
+    assert continued.precision.loss_scaler.state_dict() == straight.precision.loss_scaler.state_dict()
+    assert dict(continued.train_history) == dict(straight.train_history)
 
 
 # --- frozen modules stay frozen ------------------------------------------------------------------------------------

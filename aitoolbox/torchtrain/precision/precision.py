@@ -196,6 +196,20 @@ class Precision:
         self._found_inf.clear()
         self._masters_hold_local_grads = False
 
+    def step_state(self) -> dict:
+        """The state of the step in progress (which optimizers are unscaled, their overflow verdicts, whether a step
+        skipped since the last scale update), for finishing it later: :meth:`load_step_state`."""
+        return {"unscaled": set(self._unscaled_optimizers), "found_inf": dict(self._found_inf),
+                "masters_hold_local_grads": self._masters_hold_local_grads,
+                "skipped_since_update": self._skipped_since_update}
+
+    def load_step_state(self, state: dict) -> None:
+        """Put back what :meth:`step_state` returned (after anything else used the precision object meanwhile)."""
+        self._unscaled_optimizers = set(state["unscaled"])
+        self._found_inf = dict(state["found_inf"])
+        self._masters_hold_local_grads = state["masters_hold_local_grads"]
+        self._skipped_since_update = state["skipped_since_update"]
+
     def update_scale(self) -> None:
         """Apply the dynamic-scaling rule once for the steps since the last update (backing off if any skipped)."""
         if self.loss_scaler is not None:

@@ -29,13 +29,38 @@ def detached_values(loss: LossResult) -> torch.Tensor:
 
 
 def checked_batch_loss(loss: LossResult) -> Tuple[torch.Tensor, Optional[List[str]]]:
-    """A training batch's loss checked (see :func:`~aitoolbox.torchtrain.train_loop.validation.check_loss`), as
-    ``(detached values, loss names)``: :func:`detached_values` and :func:`loss_names` in one call, since it
-    runs for every batch."""
-    if type(loss) is torch.Tensor and loss.dim() == 0:  # the usual case first
+    """A training batch's loss checked (see :func:`~aitoolbox.torchtrain.train_loop.validation.check_loss` and
+    :func:`check_trainable_loss`), as ``(detached values, loss names)``: :func:`detached_values` and
+    :func:`loss_names` in one call, since it runs for every batch."""
+    if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # the usual case first
         return loss.detach(), None
     check_loss(loss, "get_loss")
+    check_trainable_loss(loss)
     return detached_values(loss), loss_names(loss)
+
+
+def check_trainable_loss(loss: LossResult) -> None:
+    """A training loss is a floating-point tensor with an autograd graph back to the parameters (for a MultiLoss:
+    every entry floating-point, at least one with a graph). Torch's own errors for the two mistakes below name
+    neither ``get_loss`` nor the cause.
+
+    Raises:
+        TypeError: an integer (or boolean) loss, which has no gradient.
+        ValueError: a loss that does not require grad: backward would train nothing.
+    """
+    entries = [(f"MultiLoss entry {name!r}", loss[name]) for name in sorted(loss)] if isinstance(loss, MultiLoss) \
+        else [("loss", loss)]
+    for what, value in entries:
+        if not (value.is_floating_point() or value.is_complex()):
+            raise TypeError(f"get_loss returned a {what} of dtype {value.dtype}: a loss must be a floating-point "
+                            "tensor (an integer one has no gradient). Compute it with the criterion on the model's "
+                            "outputs, e.g. criterion(model(x), y), not from argmax() or a cast to an integer dtype.")
+    if not any(value.requires_grad for _, value in entries):
+        raise ValueError("get_loss returned a loss that does not require grad, so backward would train nothing: it "
+                         "has no autograd graph back to the model's parameters. It was detached (.detach(), "
+                         ".item(), torch.tensor(...)), computed under torch.no_grad() or torch.inference_mode(), or "
+                         "computed from parameters that all have requires_grad=False. Return the criterion's output "
+                         "on the model's outputs itself.")
 
 
 def as_loss_result(values: torch.Tensor, names: Optional[List[str]]) -> LossResult:

@@ -12,6 +12,7 @@ launching process, and a ``fit`` called again after an exception. So there is on
 """
 import copy
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -62,6 +63,7 @@ class RunState:
         # trained again after an exception must not count its forward's updates twice.
         self._buffers: List[torch.Tensor] = []
         self._buffers_at_step: List[torch.Tensor] = []
+        self._loader_length_warned = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -72,7 +74,7 @@ class RunState:
     def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
         """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
         restore_train_state(tl, checkpoint)
-        self._interrupted_at = None  # the checkpoint says where to continue
+        self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
 
     def start_training(self, model: torch.nn.Module) -> None:
         """At the start of ``fit``, the model set up (its buffers are the tensors that train now: casting a model
@@ -131,6 +133,19 @@ class RunState:
         :attr:`num_batches` until the next epoch (or replay) starts."""
         self.num_batches = self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
         return self.num_batches
+
+    def check_loader_exhausted(self) -> None:
+        """The epoch's loader is exhausted: warn (once) if it yielded another number of batches than its ``len``
+        said (an ``IterableDataset`` with an approximate ``__len__``)."""
+        expected = self.num_batches
+        if expected is None or self.batches_done == expected or self._loader_length_warned:
+            return
+        self._loader_length_warned = True
+        warnings.warn(f"train_loader's len() is {expected} (batches an epoch) but it yielded {self.batches_done} in "
+                      f"epoch {self.counters.epoch}: the loop steps on the last window's gradients when the loader "
+                      "is exhausted, but what is computed from len() (the progress bar, get_num_training_steps(), "
+                      "schedules built on it) is off. Give the dataset an exact __len__, or none.", UserWarning,
+                      stacklevel=2)
 
     def call_after_step(self, action: Callable[["TrainLoop"], None]) -> None:
         """Run ``action(tl)`` once the current batch is done: after its optimizer step and every callback's
@@ -210,20 +225,32 @@ class RunState:
         self._step_point = None
 
     # --- an exception --------------------------------------------------------------------------------------
-    def remember_interruption(self, loader: Any) -> None:
+    def remember_interruption(self, loader: Any, unfinished_step: bool = False) -> None:
         """``fit`` is left by an exception: remember where the next ``fit`` continues (never raises, so that the
         user sees their own exception). Inside an epoch's batches the model's buffers go back to the step point
-        at once, so the model is the committed run's (weights change only at steps)."""
+        at once, so the model is the committed run's (weights change only at steps).
+
+        Args:
+            loader: the training loader.
+            unfinished_step: the current batch's step was interrupted after some optimizer had stepped (several
+                optimizers stepped in turn): the next ``fit`` finishes it, then goes on after the batch.
+        """
+        if self._interrupted_at is not None:  # the last exception's continuation has not begun: it still stands
+            return
         try:
-            self._interrupted_at = self._interruption_point(loader)
+            self._interrupted_at = self._interruption_point(loader, unfinished_step)
         except Exception:  # e.g. a device in an error state
             logger.exception("Could not record where training stopped; the next fit restarts the epoch")
             self._interrupted_at = None
 
-    def _interruption_point(self, loader: Any) -> Optional[MidEpochResume]:
+    def _interruption_point(self, loader: Any, unfinished_step: bool) -> Optional[MidEpochResume]:
         """The interrupted epoch's last completed batch (the batches of a partly accumulated window are trained
-        again, with the torch RNG state they had) or, stopped in the epoch's end, that end."""
+        again, with the torch RNG state they had), the batch whose step is to be finished, or, stopped in the
+        epoch's end, that end."""
         point = self._step_point
+        if unfinished_step:  # everything as it is now: the batch's forward and backward are done
+            return MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), self.epoch_start_rng,
+                                  capture_rng_state(loader), finish_step=True)
         if point is None or isinstance(point, MidEpochResume):
             return point
         batches_done, total_iteration_idx, torch_rng, cuda_rng = point

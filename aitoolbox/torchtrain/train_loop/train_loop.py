@@ -43,6 +43,7 @@ from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
+from aitoolbox.torchtrain.train_loop.trained_parameters import check_optimizers_step_the_model
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, load_pending_sharded_weights, truncate_history
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
@@ -150,6 +151,7 @@ class TrainLoop:
         self.state = self.run_state.counters
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
+        self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.message_service = MessageService()  # before any callback registers: they keep a reference
@@ -546,6 +548,9 @@ class TrainLoop:
             from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
             checkpoint = load_checkpoint_file(checkpoint, weights_only=weights_only)
         self.run_state.load(self, checkpoint)
+        if self._step_runner is not None:  # the checkpoint says where to continue, not an interrupted fit
+            self._step_runner.discard_interrupted_step()
+        self._interrupted_batch = None
         if self._model_runner is not None or self.gpu_mode != "fsdp":
             # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then each
             # process reads its own shards when fit sets it up.
@@ -605,10 +610,13 @@ class TrainLoop:
             with self._interrupts, self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
+            # The step in progress is abandoned (the next one starts clean), unless an optimizer had stepped in it:
+            # then the next fit finishes it, on this batch.
+            unfinished = self._step_runner is not None and self._step_runner.abandon()
+            if unfinished and self._current_batch is not None:
+                self._interrupted_batch = self._current_batch
             self._current_batch = None
-            if self._step_runner is not None:
-                self._step_runner.abandon()  # the step in progress is abandoned: the next one starts clean
-            self.run_state.remember_interruption(self.train_loader)
+            self.run_state.remember_interruption(self.train_loader, unfinished_step=unfinished)
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
@@ -754,6 +762,8 @@ class TrainLoop:
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self._step_runner.start()
+        check_optimizers_step_the_model(self.model, self.criterion, self.optimizers,
+                                        getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)
@@ -844,29 +854,63 @@ class TrainLoop:
         self.state.early_stop = self.strategy.any_process(self.state.early_stop)  # all ranks stop together
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
-        """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained)."""
+        """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained; first the step an
+        exception interrupted, if ``resume`` says so)."""
         state, run_state = self.state, self.run_state
         num_batches = run_state.epoch_length(self.train_loader)  # without the batches a rollback left out
         batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
-        running_loss = self._running_loss_postfix
         with contextlib.closing(bar):
-            for state.iteration, batch_data in batches:
-                iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
-                step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
-                    or (state.iteration + 1) % state.grad_accumulation == 0
-                self._run_batch(batch_data, step_due)
-                bar.update(running_loss)
-                if iteration_limit_hit or (state.early_stop and self.strategy.stops_mid_epoch):
-                    break
-            else:
-                if num_batches is None:  # a loader without len: its last batch is known only now
-                    self._step_runner.step_pending_gradients()
+            if not (resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)):
+                self._train_loader_batches(batches, num_batches, num_iterations, bar)
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
             postfix = loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names)
             bar.set_postfix(self.callbacks_handler.progress_bar_postfix(postfix))
+
+    def _train_loader_batches(self, batches: Any, num_batches: Optional[int], num_iterations: int,
+                              bar: ProgressBar) -> None:
+        """The batches of the epoch's loader until it is exhausted, ``num_iterations`` is reached or a stop is
+        requested. Every batch trained has its gradients stepped: a window ends every ``grad_accumulation``
+        batches, at the epoch's last batch (by ``len``), at ``num_iterations``, and also where the loader ends or
+        the stop comes inside a window."""
+        state, strategy = self.state, self.strategy
+        running_loss = self._running_loss_postfix
+        for state.iteration, batch_data in batches:
+            iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
+            step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
+                or (state.iteration + 1) % state.grad_accumulation == 0
+            self._run_batch(batch_data, step_due)
+            bar.update(running_loss)
+            if iteration_limit_hit:
+                return
+            if state.early_stop and strategy.stops_mid_epoch:
+                self._step_runner.step_pending_gradients()  # the window's batches were trained, as at num_iterations
+                return
+        self.run_state.check_loader_exhausted()  # warns once if len() said otherwise
+        self._step_runner.step_pending_gradients()  # a window the loader's end cut short (by len() unforeseen)
+
+    def _finish_interrupted_step(self, num_iterations: int) -> bool:
+        """Finish the batch whose step an exception interrupted after an optimizer had stepped (see
+        :class:`~.step_runner.StepRunner`): its remaining optimizer steps, then its end (``on_batch_end``...).
+        Returns True where the epoch's batches end with it (``num_iterations`` reached, a stop requested)."""
+        state, runner = self.state, self._step_runner
+        batch, self._interrupted_batch = self._interrupted_batch, None
+        state.iteration = self.run_state.batches_done - 1
+        if not runner.has_interrupted_step:  # e.g. fit_distributed after an interrupted fit: another step runner
+            logger.warning("the optimizer step of batch %d of epoch %d was interrupted after some optimizers had "
+                           "stepped and cannot be finished here: the other optimizers skip that batch",
+                           state.iteration, state.epoch)
+            self.run_state.mark_batch_done()
+            return False
+        self._interrupts.in_batch = True
+        state.optimizer_step_due = True
+        self._current_batch = batch
+        runner.finish_interrupted_step()
+        self._end_batch(True)
+        return (num_iterations > 0 and state.iterations_done >= num_iterations) or \
+            (state.early_stop and self.strategy.stops_mid_epoch)
 
     def _running_loss_postfix(self) -> dict:
         postfix = {"loss": f"{self.epoch_loss_sum.mean().item() / self.run_state.batches_done:.4f}"}
@@ -874,14 +918,13 @@ class TrainLoop:
 
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
-        optimizer's step (both by the :class:`~.step_runner.StepRunner`)."""
-        state, hooks, interrupts = self.state, self.callbacks_handler, self._interrupts
-        batch_hooks = hooks.has_batch_hooks  # without any, the empty calls are skipped (microseconds a batch)
-        interrupts.in_batch = True
+        optimizer's step (both by the :class:`~.step_runner.StepRunner`); then the batch's end."""
+        state, hooks = self.state, self.callbacks_handler
+        self._interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
         self._current_batch = batch_data
-        if batch_hooks:
+        if hooks.has_batch_hooks:  # without any, the empty calls are skipped (microseconds a batch)
             hooks.on_batch_begin()
         if self._compiler is not None and self._compiler.verification_due:
             self._verify_compiled_gradients(batch_data)
@@ -891,8 +934,14 @@ class TrainLoop:
             self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
             self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
             self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
-        state.optimizer_step_due = False
-        if batch_hooks:
+        self._end_batch(optimizer_step)
+
+    def _end_batch(self, optimizer_step: bool) -> None:
+        """``on_batch_end``, a Ctrl-C held during the batch, the action asked for after the step (SpikeRollback's
+        check) and a stop on SIGTERM."""
+        hooks, interrupts = self.callbacks_handler, self._interrupts
+        self.state.optimizer_step_due = False
+        if hooks.has_batch_hooks:
             hooks.on_batch_end()
         self._current_batch = None
         interrupts.in_batch = False
@@ -900,8 +949,8 @@ class TrainLoop:
             interrupts.raise_pending()
         if optimizer_step:
             self.run_state.run_after_step(self)  # e.g. SpikeRollback's check: may roll the run back (RollBack)
-        if optimizer_step and interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
-            interrupts.stop(self)
+            if interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
+                interrupts.stop(self)
 
     def _verify_compiled_gradients(self, batch_data: Any) -> None:
         """torch_compile's check on the first training batch (see :mod:`aitoolbox.torchtrain.compiling.verify`): the

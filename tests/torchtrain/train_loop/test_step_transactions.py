@@ -229,3 +229,108 @@ def test_continuing_after_an_exception_mid_window_counts_batchnorm_statistics_on
     straight, continued = run(None), run(fail_at)
     assert int(continued.model.bn.num_batches_tracked) == int(straight.model.bn.num_batches_tracked) == 10
     assert_runs_equal(continued, straight)
+
+
+# --- item 13: what cannot train is said plainly ---------------------------------------------------------------
+def _plain_loop(model, optimizer, criterion=None):
+    return TrainLoop(model, DataLoader(dataset(), batch_size=8), None, None, optimizer,
+                     criterion if criterion is not None else nn.CrossEntropyLoss(), end_auto_eval=False,
+                     show_progress=False)
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_at_fit_start():
+    """A model built again after its optimizer: the optimizer steps the old model's parameters and the model never
+    changed (silently). Now fit refuses before training, saying why."""
+    stale = ComboNet()
+    model = ComboNet()
+    before = copy.deepcopy(model.state_dict())
+    tl = _plain_loop(model, torch.optim.Adam(stale.parameters(), lr=1e-2))
+    with pytest.raises(ValueError, match=r"none of the optimizers' 6 parameter\(s\) is a parameter of the model"):
+        tl.fit(num_epochs=1)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("use_amp", [False, {"opt_level": "O2"}])
+def test_an_optimizer_with_some_foreign_parameters_is_warned_about(use_amp):
+    """Part of the parameters outside the model (and the criterion): a warning naming how many and their shapes. The
+    check sees through amp's float32 master weights (O2: the optimizer steps copies of the model's parameters), and
+    a criterion's own parameters are the run's."""
+    model = ComboNet()
+    extra = nn.Parameter(torch.zeros(5, 2))
+    weighting = nn.Linear(1, 1)  # a criterion with parameters: trained by the optimizer too, legitimately
+
+    class WeightedLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weighting = weighting
+
+        def forward(self, logits, target):
+            return nn.functional.cross_entropy(logits, target) * self.weighting.weight.squeeze() ** 2
+
+    tl = _plain_loop(model, torch.optim.Adam([*model.parameters(), *weighting.parameters(), extra], lr=1e-2),
+                     WeightedLoss())
+    tl.use_amp = use_amp
+    with pytest.warns(UserWarning, match=r"optimizer 0 \(Adam\) holds 1 of its 9 parameter\(s\).*\(5, 2\)"):
+        tl.fit(num_epochs=1)
+
+
+class LossOf(ComboNet):
+    def __init__(self, make_loss):
+        super().__init__()
+        self.make_loss = make_loss
+
+    def get_loss(self, batch_data, criterion, device):
+        return self.make_loss(super().get_loss(batch_data, criterion, device), self(batch_data[0])[0])
+
+
+@pytest.mark.parametrize("make_loss, error, message", [
+    (lambda loss, logits: loss.detach(), ValueError, "does not require grad"),
+    (lambda loss, logits: torch.tensor(loss.item()), ValueError, r"\.item\(\), torch\.tensor"),
+    (lambda loss, logits: (logits.argmax(dim=1) == 0).sum(), TypeError, "dtype torch.int64: a loss must be a floating"),
+])
+def test_a_detached_or_integer_loss_gets_a_message_naming_get_loss(make_loss, error, message):
+    """Torch's raw "element 0 of tensors does not require grad and does not have a grad_fn" named neither get_loss
+    nor the cause."""
+    model = LossOf(make_loss)
+    tl = _plain_loop(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(error, match=f"get_loss returned.*{message}"):
+        tl.fit(num_epochs=1)
+
+
+# --- item 10: a checkpoint dict handed to load_checkpoint stays the caller's --------------------------------------
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_load_checkpoint_of_a_dict_leaves_the_dict_as_it_was(mid_epoch):
+    """``load_checkpoint(dict)`` then ``fit`` changed the caller's dict (the optimizer's state tensors were shared
+    with it): loading it again continued from another state. Every tensor of the dict is as saved after the fit, and
+    a second loop loading it trains as the first."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+    saved = {}
+
+    class Save(AbstractCallback):
+        def on_batch_end(self):
+            if self.train_loop_obj.total_iteration_idx == 6 and mid_epoch:
+                saved["checkpoint"] = self.train_loop_obj.checkpoint_state(mid_epoch=True)
+
+    def callbacks():
+        return [StepLRScheduler(step_size=1, gamma=0.5),
+                EarlyStopping(monitor="accumulated_loss_main", patience=5)]
+
+    cell = Cell(precision="O2", loss="multi2")
+    first = build_loop(cell)
+    first.fit(num_epochs=2, callbacks=callbacks() + [Save("save")])
+    checkpoint = saved["checkpoint"] if mid_epoch else first.checkpoint_state()
+    pristine = copy.deepcopy(checkpoint)
+
+    runs = []
+    for _ in range(2):
+        resumed = build_loop(cell)
+        resumed.load_checkpoint(checkpoint)
+        resumed.fit(num_epochs=4, callbacks=callbacks())
+        runs.append(resumed)
+        got, expected = _tensors(checkpoint), _tensors(pristine)
+        assert got.keys() == expected.keys()
+        for path in expected:
+            assert torch.equal(got[path], expected[path]), f"the caller's checkpoint changed at {path}"
+        assert checkpoint.keys() == pristine.keys()
+    assert_runs_equal(*runs)
