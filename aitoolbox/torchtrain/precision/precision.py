@@ -160,8 +160,12 @@ class Precision:
             True if the optimizers stepped, False if the step was skipped.
         """
         if self.loss_scaler is None and self.master_weights is None:  # nothing to unscale or check (runs per step)
+            step_optimizer = self.step_optimizer
             for optimizer in optimizers:
-                self.step_optimizer(optimizer)
+                if step_optimizer is _eager_step:  # called directly: a call less per step
+                    optimizer.step()
+                else:
+                    step_optimizer(optimizer)
             if self._unscaled_optimizers:
                 self._unscaled_optimizers.clear()  # (unscale_ without scaling only records the call)
             self.last_step_skipped = False

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
+_CPU_GENERATOR = torch.default_generator  # torch.get_rng_state() is a Python call around its get_state()
+
 
 class RunState:
     """A training run's progress, and the capture and restore of its whole state.
@@ -63,6 +65,7 @@ class RunState:
         # trained again after an exception must not count its forward's updates twice.
         self._buffers: List[torch.Tensor] = []
         self._buffers_at_step: List[torch.Tensor] = []
+        self._cuda_rng = False
         self._loader_length_warned = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
@@ -81,6 +84,9 @@ class RunState:
         replaces them): the buffers the step point holds."""
         self._buffers = list(model.buffers())
         self._buffers_at_step = [buffer.detach().clone() for buffer in self._buffers]
+        # CUDA's generators are part of the step point once CUDA is in use (a model on a GPU initialises it in set-up;
+        # asked once here: is_initialized() at every step costs, is_available() more).
+        self._cuda_rng = torch.cuda.is_initialized()
 
     def resume_point(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
         """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
@@ -175,14 +181,14 @@ class RunState:
         self.epoch_loss.commit()
         if self._buffers:
             torch._foreach_copy_(self._buffers_at_step, self._buffers)  # one kernel launch for all of them
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # (is_available: slower)
-        self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
+        cuda = torch.cuda.get_rng_state_all() if self._cuda_rng else []
+        self._step_point = (self.batches_done, self.counters.total_iteration_idx, _CPU_GENERATOR.get_state(), cuda)
 
     def mark_epoch_trained(self, history: Any) -> None:
         """The epoch's batches are all trained: its end (:meth:`run_epoch_end_step`) begins. An exception in it
         continues with the end's steps not finished yet."""
         lengths = history_lengths(history)
-        self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), None, None,
+        self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.state(include_pending=True), None, None,
                                           batches_trained=True, history_lengths=lengths,
                                           finished_history_lengths=lengths)
 
@@ -249,7 +255,7 @@ class RunState:
         epoch's end, that end."""
         point = self._step_point
         if unfinished_step:  # everything as it is now: the batch's forward and backward are done
-            return MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), self.epoch_start_rng,
+            return MidEpochResume(self.batches_done, self.epoch_loss.state(include_pending=True), self.epoch_start_rng,
                                   capture_rng_state(loader), finish_step=True)
         if point is None or isinstance(point, MidEpochResume):
             return point
@@ -259,6 +265,4 @@ class RunState:
             with torch.no_grad():
                 torch._foreach_copy_(self._buffers, self._buffers_at_step)
         rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
-        committed = self.epoch_loss.committed
-        return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
-                              self.epoch_start_rng, rng)
+        return MidEpochResume(batches_done, self.epoch_loss.state(), self.epoch_start_rng, rng)

@@ -159,7 +159,8 @@ class StepRunner:
         ``zero_grad``; ``batch_done`` marks the batch done (the other optimizers of the batch stepped too)."""
         self.counters.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
         if batch_done:
-            self._batch_done()
+            self.pending_batches = 0
+            self.batch_done()
         if self.hooks.has_batch_hooks:
             self.hooks.on_after_optimizer_step()
         self.precision.zero_grad(optimizers)

@@ -152,6 +152,7 @@ class TrainLoop:
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
         self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
+        self._plain_batches = False  # set per fit: neither the strategy nor the precision has a context for a batch
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.message_service = MessageService()  # before any callback registers: they keep a reference
@@ -341,6 +342,7 @@ class TrainLoop:
     def precision(self, precision: Precision) -> None:
         self._precision = precision
         self._precision_chosen_by_user = precision is not None
+        self._plain_batches = False  # its autocast is entered from the next batch on
         if self._step_runner is not None:
             self._step_runner.precision = precision
 
@@ -527,7 +529,8 @@ class TrainLoop:
         """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process.
 
         ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
-        with DCP and stores this dict beside them)."""
+        with DCP and stores this dict beside them). The dict's weight and optimizer tensors are the live run's (no
+        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on."""
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
 
@@ -762,6 +765,7 @@ class TrainLoop:
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
         self._step_runner.start()
+        self._plain_batches = _no_batch_context(self.strategy, self._precision)
         check_optimizers_step_the_model(self.model, self.criterion, self.optimizers,
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
@@ -877,10 +881,11 @@ class TrainLoop:
         the stop comes inside a window."""
         state, strategy = self.state, self.strategy
         running_loss = self._running_loss_postfix
+        accumulation = state.grad_accumulation
         for state.iteration, batch_data in batches:
             iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
             step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
-                or (state.iteration + 1) % state.grad_accumulation == 0
+                or (state.iteration + 1) % accumulation == 0
             self._run_batch(batch_data, step_due)
             bar.update(running_loss)
             if iteration_limit_hit:
@@ -928,13 +933,20 @@ class TrainLoop:
             hooks.on_batch_begin()
         if self._compiler is not None and self._compiler.verification_due:
             self._verify_compiled_gradients(batch_data)
-        with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
-            with self._precision.autocast():
-                loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
-            self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
-            self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
-            self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
+        if self._plain_batches:  # no context to enter around the batch (two no-op ones cost a microsecond)
+            self._backward_and_step(self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device),
+                                    optimizer_step)
+        else:
+            with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
+                with self._precision.autocast():
+                    loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
+                self._backward_and_step(loss, optimizer_step)
         self._end_batch(optimizer_step)
+
+    def _backward_and_step(self, loss: LossResult, optimizer_step: bool) -> None:
+        self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
+        self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
+        self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
 
     def _end_batch(self, optimizer_step: bool) -> None:
         """``on_batch_end``, a Ctrl-C held during the batch, the action asked for after the step (SpikeRollback's
@@ -961,6 +973,14 @@ class TrainLoop:
             return sum(loss[name] for name in loss) if isinstance(loss, MultiLoss) else loss
 
         self._compiler.verify(self.model, compute_loss, self._precision.autocast_dtype)
+
+
+def _no_batch_context(strategy: Any, precision: Any) -> bool:
+    """Whether the contexts a batch runs in (the strategy's gradient-sync skip, the precision's autocast) are all
+    no-ops, whatever the batch: then the loop does not enter them."""
+    contexts = (strategy.skip_gradient_sync(accumulating=True), strategy.skip_gradient_sync(accumulating=False),
+                precision.autocast())
+    return all(isinstance(context, contextlib.nullcontext) for context in contexts)
 
 
 def _state_unlike_parameters(optimizer: torch.optim.Optimizer) -> bool:

@@ -75,7 +75,8 @@ class MidEpochResume:
 
     Attributes:
         batches_done: batches of the epoch trained (their optimizer steps taken).
-        loss_sum: the sum of their losses (a list of sums for a MultiLoss).
+        loss_sum: the sum of their losses (:meth:`~.losses.EpochLossSum.state`; from older checkpoints the sum
+            itself, a list of sums for a MultiLoss).
         epoch_start_rng: the RNG state at the start of the epoch (its data order is drawn again from it).
         rng: the RNG state to continue with.
         batches_trained: the epoch's batches were all trained and its end (evaluation, ``on_epoch_end``) was
@@ -255,8 +256,11 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
     if mid_epoch:
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
-        # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
+        # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss). The sum, and what
+        # continues it bit for bit (the sum of its complete blocks, the open block's values: losses.EpochLossSum).
         checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.tolist())
+        checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(
+            tl.run_state.epoch_loss.state(include_pending=True))
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
             checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
                 weights_only_safe(tl.train_loader.state_dict()))
@@ -348,7 +352,8 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
         tl.train_history.update(copied_history(checkpoint["train_history_per_rank"][rank]))
     if checkpoint["iteration"] > 0:
         loader_states = checkpoint.get("train_loader_state")
-        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
+        loss_sums = checkpoint.get("epoch_loss_state", checkpoint["epoch_loss_sum"])  # older checkpoints: the sum
+        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=loss_sums[rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank],
                               loader_state=private_copy(loader_states[rank]) if loader_states else None)
     restore_rng_state(rng_states[rank], tl.train_loader)
