@@ -145,42 +145,72 @@ def test_ddp_replicas_stay_identical_when_an_unsized_epoch_ends_inside_an_accumu
     assert run_distributed(_unsized_epoch_end_worker, 2) == [[], []]
 
 
-# --- several optimizers: the batch is the unit of progress ------------------------------------------------------
-class FailAfterFirstOptimizerStep(AbstractCallback):
-    def __init__(self, at_iteration: int):
-        super().__init__("fail after optimizer 0")
-        self.at_iteration, self.failed = at_iteration, False
+# --- several optimizers: a step some optimizer took is finished, not taken again ---------------------------------
+class FailBetweenOptimizerSteps(AbstractCallback):
+    """Raises once, at batch ``at_iteration``: in ``on_after_gradient_update`` of optimizer 1 (optimizer 0 stepped
+    already, optimizer 1 not yet), or in the ``on_after_optimizer_step`` after optimizer ``after_step``'s step."""
+
+    def __init__(self, at_iteration: int, hook: str = "gradient", after_step: int = 0):
+        super().__init__("fail between optimizers")
+        self.at_iteration, self.hook, self.after_step, self.failed = at_iteration, hook, after_step, False
+        self.steps_seen = 0
+
+    def _fail(self):
+        self.failed = True
+        raise RuntimeError("a failure between two optimizers' steps")
 
     def on_after_gradient_update(self, optimizer_idx):
         tl = self.train_loop_obj
-        if optimizer_idx == 1 and tl.total_iteration_idx == self.at_iteration and not self.failed:
-            self.failed = True  # optimizer 0 stepped on this batch, optimizer 1 not yet
-            raise RuntimeError("a failure between two optimizers' steps")
+        if self.hook == "gradient" and optimizer_idx == 1 and tl.total_iteration_idx == self.at_iteration \
+                and not self.failed:
+            self._fail()
+
+    def on_after_optimizer_step(self):
+        tl = self.train_loop_obj
+        if tl.total_iteration_idx != self.at_iteration:
+            self.steps_seen = 0
+            return
+        self.steps_seen += 1
+        if self.hook == "step" and self.steps_seen == self.after_step + 1 and not self.failed:
+            self._fail()
 
 
 def _adam_steps(optimizer) -> int:
     return int(next(iter(optimizer.state.values()))["step"])
 
 
-def test_an_exception_between_two_optimizers_steps_trains_the_batch_again():
-    """Before: the resume point moved after optimizer 0's step, so the continued fit skipped optimizer 1's step
-    for that batch. Now the batch is redone: optimizer 1 takes every step a straight run takes."""
+@pytest.mark.parametrize("hook, after_step, between, compiled", [
+    ("gradient", 0, None, False), ("step", 0, None, False), ("step", 1, None, False), ("gradient", 0, "lr_find", False),
+    pytest.param("gradient", 0, None, True, marks=pytest.mark.slow)])  # compiled: every backward before any step
+def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(hook, after_step, between, compiled):
+    """Before: optimizer 0 stepped on the failed batch, and the continued fit trained the batch again, so optimizer 0
+    stepped twice on it (11 steps instead of 10). A step that some optimizer took cannot be abandoned: the next fit
+    finishes it (the other optimizers step on the gradients they had, the loss scale is updated, the batch ends),
+    then goes on with the next batch: bitwise the straight run, also with an lr_find in between (it clears the
+    gradients)."""
     from tests.combinations.support import Cell, build_loop
-    cell = Cell(loss="multi2")
+    cell = Cell(loss="multi2", precision="scaler", compile=compiled)
 
     def run(fail_at):
         tl = build_loop(cell)
         tl.optimizers[1] = torch.optim.Adam(tl.optimizers[1].param_groups[0]["params"], lr=1e-2)
         tl.optimizer[1] = tl.optimizers[1]
+        callbacks = [FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1, hook, after_step)]
         if fail_at is not None:
             with pytest.raises(RuntimeError, match="between two optimizers"):
-                tl.fit(num_epochs=2, callbacks=[FailAfterFirstOptimizerStep(fail_at)])
-        tl.fit(num_epochs=2)
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+            if between == "lr_find":
+                tl.lr_find(num_iterations=3, start_lr=1e-4, end_lr=1e-2)
+        tl.fit(num_epochs=2, callbacks=callbacks)
         return tl
 
     straight, continued = run(None), run(fail_at=6)
     assert _adam_steps(continued.optimizers[1]) == _adam_steps(straight.optimizers[1]) == 10
-    assert _adam_steps(continued.optimizers[0]) == 11  # optimizer 0 stepped on the failed batch before
+    assert _adam_steps(continued.optimizers[0]) == _adam_steps(straight.optimizers[0]) == 10
+    assert_params_equal(continued.model, straight.model)
+    assert continued.precision.loss_scaler.state_dict() == straight.precision.loss_scaler.state_dict()
+    assert dict(continued.train_history) == dict(straight.train_history)
 
 
 # --- frozen modules stay frozen ------------------------------------------------------------------------------------
@@ -449,3 +479,54 @@ def test_fit_distributed_twice_equals_one_longer_call_under_fsdp():
     assert_params_equal(split.model, whole.model)
     assert dict(split.train_history) == dict(whole.train_history)
     assert split.optimizers[0].param_groups[0]["lr"] == whole.optimizers[0].param_groups[0]["lr"]
+
+
+# --- O2 + dynamic scaling + MultiLoss with two optimizers + accumulation: one overflow verdict per optimizer ----
+class PoisonedAux:
+    """Makes a ComboNet's auxiliary loss infinite at the get_loss calls numbered in ``calls`` (0-based)."""
+
+    def __init__(self, model, calls):
+        self.calls, self.count = set(calls), 0
+        self.original = model.get_loss
+        model.get_loss = self
+
+    def __call__(self, batch_data, criterion, device):
+        loss = self.original(batch_data, criterion, device)
+        if self.count in self.calls:
+            loss["aux"] = loss["aux"] * float("inf")
+        self.count += 1
+        return loss
+
+
+def _o2_two_optimizer_run(poisoned_call: int):
+    from tests.combinations.support import Cell, build_loop, build_model
+    cell = Cell(loss="multi2", grad_accumulation=2)
+    model = build_model(cell)
+    PoisonedAux(model, [poisoned_call])
+    tl = build_loop(cell, model)
+    tl.use_amp = {"opt_level": "O2", "loss_scale": "dynamic"}
+    skipped = []
+
+    class Skips(AbstractCallback):
+        def on_after_optimizer_step(self):
+            skipped.append(self.train_loop_obj.optimizer_step_skipped)
+
+    tl.fit(num_epochs=1, grad_accumulation=2, callbacks=[Skips("skips")])
+    return tl, skipped
+
+
+@pytest.mark.parametrize("first_micro_batch", [0, 2])  # 5 batches: windows (0, 1), (2, 3), (4)
+def test_o2_dynamic_scaling_two_optimizers_accumulation_skips_only_the_overflowing_optimizer(first_micro_batch):
+    """An inf in the second loss in the first micro-batch of a window skipped optimizer 0 and let optimizer 1 step on
+    NaN gradients (one overflow verdict for both, cleared after optimizer 0's step). Each optimizer has its own
+    verdict now: optimizer 1 skips, optimizer 0 steps, exactly as when the inf comes in the window's last micro-batch
+    (the main loss never sees the auxiliary head: its gradients are the same either way)."""
+    early, early_skips = _o2_two_optimizer_run(first_micro_batch)
+    late, late_skips = _o2_two_optimizer_run(first_micro_batch + 1)
+    for name, tensor in early.model.state_dict().items():
+        assert torch.isfinite(tensor.float()).all(), f"{name} is not finite"
+    assert_params_equal(early.model, late.model)
+    window = first_micro_batch // 2
+    assert early_skips == late_skips  # per optimizer step: [opt0, opt1] of each window
+    assert early_skips[2 * window: 2 * window + 2] == [False, True]
+    assert early.precision.loss_scaler.loss_scale == late.precision.loss_scaler.loss_scale == 2.0 ** 15

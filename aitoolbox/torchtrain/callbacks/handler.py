@@ -128,6 +128,11 @@ class CallbacksHandler:
                              for name in HOOK_NAMES}
         self.has_batch_hooks = any(self._subscribers[name] for name in BATCH_HOOK_NAMES)
 
+    def subscribers(self, hook_name: str) -> List[AbstractCallback]:
+        """The callbacks called for ``hook_name``, in execution order (a list of its own), for a caller that runs
+        them one by one (the loop's epoch end records each one done)."""
+        return list(self._subscribers[hook_name])
+
     def on_multiprocess_start(self) -> None:
         for callback in self._subscribers["on_multiprocess_start"]:
             callback.on_multiprocess_start()

@@ -83,7 +83,7 @@ class LossScaler:
         """
         grads_by_key: Dict[tuple, list] = {}
         for grad in grads:
-            grad = local_part(grad)
+            grad = values_of(local_part(grad))
             grads_by_key.setdefault((grad.device, grad.dtype), []).append(grad)
         if not grads_by_key:
             return False
@@ -103,7 +103,7 @@ class LossScaler:
     @staticmethod
     def has_overflow(grads: Iterable[torch.Tensor]) -> bool:
         """Return True if any gradient holds inf or NaN, without changing them."""
-        return any(not torch.isfinite(local_part(grad)).all() for grad in grads)
+        return any(not torch.isfinite(values_of(local_part(grad))).all() for grad in grads)
 
     def update(self, found_inf: bool) -> None:
         """Apply the dynamic-scaling rule after one step (a static scaler ignores it)."""
@@ -143,6 +143,12 @@ class LossScaler:
         self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
         self.growth_interval = int(state.get("growth_interval", self.growth_interval))
         self.unskipped = int(state.get("_growth_tracker", 0))
+
+
+def values_of(grad: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a gradient's numbers: a sparse gradient's values (a view: unscaling them in place unscales
+    the gradient; the fused unscaling kernel takes only dense tensors), any other gradient itself."""
+    return grad._values() if grad.is_sparse else grad
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

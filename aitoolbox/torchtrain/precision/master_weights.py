@@ -157,12 +157,17 @@ def unscale_into(pairs: Sequence[GradPair], inverse_scaler) -> bool:
     """
     moved: List[Tuple[torch.Tensor, torch.Tensor]] = []
     for model, stepped in pairs:
-        if model.grad is None:
+        grad = model.grad
+        if grad is None:
             continue
+        if grad.is_sparse and grad.dtype == torch.float16:
+            # As torch.amp.GradScaler: summing the duplicate indices of a float16 sparse gradient may overflow, so
+            # the check must see the coalesced values.
+            grad = model.grad = grad.coalesce()
         if model is stepped:
-            moved.append((stepped, model.grad))
+            moved.append((stepped, grad))
         else:
-            moved.append((stepped, model.grad.float()))
+            moved.append((stepped, grad.float()))
             model.grad = None
     found_inf = False
     if inverse_scaler is not None:

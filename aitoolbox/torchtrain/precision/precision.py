@@ -12,11 +12,11 @@ TrainLoop calls it at fixed points of every iteration and never asks which preci
 Full precision is the same object with autocast and scaling disabled, so the code path is identical.
 """
 import contextlib
-from typing import ContextManager, List, Optional, Sequence
+from typing import ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
-from aitoolbox.torchtrain.precision.loss_scaler import LossScaler
+from aitoolbox.torchtrain.precision.loss_scaler import LossScaler, values_of
 from aitoolbox.torchtrain.precision.master_weights import MasterWeights, optimizer_pairs, unscale_into
 
 
@@ -57,7 +57,10 @@ class Precision:
         self.last_step_skipped = False
         self._no_autocast = contextlib.nullcontext()  # reusable, and cheaper than a new one every batch
         self._unscaled_optimizers: set = set()
-        self._found_inf = False
+        # The overflow verdict of each optimizer's gradients since its last step, by id(optimizer): optimizers
+        # stepped one after another (a MultiLoss with several optimizers) each skip on their own verdict, as
+        # torch.amp.GradScaler skips per optimizer.
+        self._found_inf: Dict[int, bool] = {}
         self._masters_hold_local_grads = False  # accumulated into the masters since the last step, unsynchronised
         self._skipped_since_update = False
 
@@ -95,10 +98,12 @@ class Precision:
         ``.grad``, whose 8 or 11 significant bits would round away the smaller micro-batch contributions.
         Float32 parameters keep their scaled gradients until the step unscales them once.
         """
+        found_inf = self._found_inf
         for optimizer in self.master_weights.optimizers:
             pairs = [(model, master) for model, master in self.master_weights.grad_pairs(optimizer)
                      if model is not master]
-            self._found_inf |= unscale_into(pairs, self.loss_scaler)
+            if unscale_into(pairs, self.loss_scaler):
+                found_inf[id(optimizer)] = True
         self._masters_hold_local_grads = True
 
     def _average_accumulated_master_grads(self) -> None:
@@ -109,13 +114,18 @@ class Precision:
         rank (an inf or NaN of any rank survives the average), so all ranks skip or step together.
         """
         self._masters_hold_local_grads = False
-        grads = [master.grad for optimizer in self.master_weights.optimizers
-                 for model, master in self.master_weights.grad_pairs(optimizer)
-                 if model is not master and master.grad is not None]
+        grads_by_optimizer = [(optimizer, [master.grad for model, master in self.master_weights.grad_pairs(optimizer)
+                                           if model is not master and master.grad is not None])
+                              for optimizer in self.master_weights.optimizers]
+        grads = [grad for _, optimizer_grads in grads_by_optimizer for grad in optimizer_grads]
         if not grads:
             return
         self.average_across_processes(grads)
-        self._found_inf = not bool(torch.stack([grad.isfinite().all() for grad in grads]).all())
+        finite = torch.stack([torch.stack([values_of(grad).isfinite().all() for grad in optimizer_grads]).all()
+                              if optimizer_grads else torch.ones((), dtype=torch.bool, device=grads[0].device)
+                              for _, optimizer_grads in grads_by_optimizer]).tolist()  # one host sync
+        for (optimizer, _), optimizer_finite in zip(grads_by_optimizer, finite):
+            self._found_inf[id(optimizer)] = not optimizer_finite
 
     @staticmethod
     def stepped_parameters(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -133,7 +143,8 @@ class Precision:
             self._average_accumulated_master_grads()
         if self.loss_scaler is not None or self.master_weights is not None:
             pairs = optimizer_pairs(optimizer, self.master_weights)
-            self._found_inf |= unscale_into(pairs, self.loss_scaler)
+            if unscale_into(pairs, self.loss_scaler):
+                self._found_inf[id(optimizer)] = True
         self._unscaled_optimizers.add(id(optimizer))
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer], update_scale: bool = True) -> bool:
@@ -149,25 +160,32 @@ class Precision:
             True if the optimizers stepped, False if the step was skipped.
         """
         if self.loss_scaler is None and self.master_weights is None:  # nothing to unscale or check (runs per step)
+            step_optimizer = self.step_optimizer
             for optimizer in optimizers:
-                self.step_optimizer(optimizer)
-            self._unscaled_optimizers.clear()
+                if step_optimizer is _eager_step:  # called directly: a call less per step
+                    optimizer.step()
+                else:
+                    step_optimizer(optimizer)
+            if self._unscaled_optimizers:
+                self._unscaled_optimizers.clear()  # (unscale_ without scaling only records the call)
             self.last_step_skipped = False
             if self.step_listener is not None:
                 self.step_listener(False, optimizers)
             return True
         for optimizer in optimizers:
             self.unscale_(optimizer)
-        # A static scale never skips (apex semantics): inf/NaN gradients then reach the optimizer as they are.
-        skip = self.loss_scaler is not None and self.loss_scaler.dynamic and self.agree_on_overflow(self._found_inf)
+        # Optimizers stepped together share one verdict (apex's scale_loss over several optimizers): any overflow
+        # skips them all. A static scale never skips (apex semantics): inf/NaN gradients reach the optimizer.
+        found_inf = any(self._found_inf.pop(id(optimizer), False) for optimizer in optimizers)
+        skip = self.loss_scaler is not None and self.loss_scaler.dynamic and self.agree_on_overflow(found_inf)
         if not skip:
             for optimizer in optimizers:
                 self.step_optimizer(optimizer)
         self._skipped_since_update |= skip
         if update_scale:
             self.update_scale()
-        self._unscaled_optimizers.clear()
-        self._found_inf = False
+        for optimizer in optimizers:
+            self._unscaled_optimizers.discard(id(optimizer))  # another optimizer's unscale_ still stands
         self._masters_hold_local_grads = False
         self.last_step_skipped = skip
         if self.step_listener is not None:
@@ -179,8 +197,22 @@ class Precision:
         ``step``): which optimizers were unscaled and whether an overflow was found. The loop calls it whenever
         a step is abandoned and when training starts, so the next step unscales its own gradients."""
         self._unscaled_optimizers.clear()
-        self._found_inf = False
+        self._found_inf.clear()
         self._masters_hold_local_grads = False
+
+    def step_state(self) -> dict:
+        """The state of the step in progress (which optimizers are unscaled, their overflow verdicts, whether a step
+        skipped since the last scale update), for finishing it later: :meth:`load_step_state`."""
+        return {"unscaled": set(self._unscaled_optimizers), "found_inf": dict(self._found_inf),
+                "masters_hold_local_grads": self._masters_hold_local_grads,
+                "skipped_since_update": self._skipped_since_update}
+
+    def load_step_state(self, state: dict) -> None:
+        """Put back what :meth:`step_state` returned (after anything else used the precision object meanwhile)."""
+        self._unscaled_optimizers = set(state["unscaled"])
+        self._found_inf = dict(state["found_inf"])
+        self._masters_hold_local_grads = state["masters_hold_local_grads"]
+        self._skipped_since_update = state["skipped_since_update"]
 
     def update_scale(self) -> None:
         """Apply the dynamic-scaling rule once for the steps since the last update (backing off if any skipped)."""

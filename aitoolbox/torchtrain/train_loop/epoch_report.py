@@ -34,10 +34,12 @@ class EpochReport:
         self._start_time = 0.0
         self._history_lengths: Dict[str, int] = {}
 
-    def start(self, history: Mapping[str, list]) -> None:
-        """At the start of an epoch: note the time and what the history holds already."""
+    def start(self, history: Mapping[str, list], lengths_before: Optional[Mapping[str, int]] = None) -> None:
+        """At the start of an epoch: note the time and what the history holds already (or held before the epoch:
+        ``lengths_before``, the length of each list, for an epoch's end continued after an exception)."""
         self._start_time = time.monotonic()
-        self._history_lengths = {name: len(values) for name, values in history.items()}
+        self._history_lengths = dict(lengths_before) if lengths_before is not None else \
+            {name: len(values) for name, values in history.items()}
 
     def line(self, epoch: int, num_epochs: int, history: Mapping[str, list],
              validation_set_names: Optional[Sequence[str]] = None) -> str:

@@ -13,7 +13,8 @@ launching process, and a ``fit`` called again after an exception. So there is on
 import copy
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
+
+_CPU_GENERATOR = torch.default_generator  # torch.get_rng_state() is a Python call around its get_state()
 
 
 class RunState:
@@ -63,6 +66,12 @@ class RunState:
         #: loader (starting an epoch's iteration, and each ``next``), summed over the run.
         self.loader_wait_s = 0.0
         self.time_loader = False
+        # The model's buffers (BatchNorm's running statistics...) and their values at the step point: a batch
+        # trained again after an exception must not count its forward's updates twice.
+        self._buffers: List[torch.Tensor] = []
+        self._buffers_at_step: List[torch.Tensor] = []
+        self._cuda_rng = False
+        self._loader_length_warned = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -73,7 +82,16 @@ class RunState:
     def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
         """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
         restore_train_state(tl, checkpoint)
-        self._interrupted_at = None  # the checkpoint says where to continue
+        self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
+
+    def start_training(self, model: torch.nn.Module) -> None:
+        """At the start of ``fit``, the model set up (its buffers are the tensors that train now: casting a model
+        replaces them): the buffers the step point holds."""
+        self._buffers = list(model.buffers())
+        self._buffers_at_step = [buffer.detach().clone() for buffer in self._buffers]
+        # CUDA's generators are part of the step point once CUDA is in use (a model on a GPU initialises it in set-up;
+        # asked once here: is_initialized() at every step costs, is_available() more).
+        self._cuda_rng = torch.cuda.is_initialized()
 
     def resume_point(self, tl: "TrainLoop") -> Optional[MidEpochResume]:
         """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
@@ -143,6 +161,19 @@ class RunState:
         self.num_batches = self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
         return self.num_batches
 
+    def check_loader_exhausted(self) -> None:
+        """The epoch's loader is exhausted: warn (once) if it yielded another number of batches than its ``len``
+        said (an ``IterableDataset`` with an approximate ``__len__``)."""
+        expected = self.num_batches
+        if expected is None or self.batches_done == expected or self._loader_length_warned:
+            return
+        self._loader_length_warned = True
+        warnings.warn(f"train_loader's len() is {expected} (batches an epoch) but it yielded {self.batches_done} in "
+                      f"epoch {self.counters.epoch}: the loop steps on the last window's gradients when the loader "
+                      "is exhausted, but what is computed from len() (the progress bar, get_num_training_steps(), "
+                      "schedules built on it) is off. Give the dataset an exact __len__, or none.", UserWarning,
+                      stacklevel=2)
+
     def call_after_step(self, action: Callable[["TrainLoop"], None]) -> None:
         """Run ``action(tl)`` once the current batch is done: after its optimizer step and every callback's
         ``on_batch_end``, where a mid-epoch checkpoint holds the whole step (call it from a batch hook of a batch
@@ -163,43 +194,96 @@ class RunState:
     def mark_batch_done(self) -> None:
         """Every optimizer stepped for the last batch: an exception from here on continues after it.
 
-        Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes)
-        and of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
-        exception draw their dropout masks as the interrupted run did.
+        Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes),
+        of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
+        exception draw their dropout masks as the interrupted run did; and a copy of the model's buffers (put back
+        by the exception, see :meth:`remember_interruption`).
         """
         self.epoch_loss.commit()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # (is_available: slower)
-        self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
+        if self._buffers:
+            torch._foreach_copy_(self._buffers_at_step, self._buffers)  # one kernel launch for all of them
+        cuda = torch.cuda.get_rng_state_all() if self._cuda_rng else []
+        self._step_point = (self.batches_done, self.counters.total_iteration_idx, _CPU_GENERATOR.get_state(), cuda)
 
     def mark_epoch_trained(self, history: Any) -> None:
-        """The epoch's batches are all trained: an exception in its end (evaluation, ``on_epoch_end``) does only the
-        end again, dropping what the interrupted end recorded in ``history``."""
-        self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.total().tolist(), None, None,
-                                          batches_trained=True, history_lengths=history_lengths(history))
+        """The epoch's batches are all trained: its end (:meth:`run_epoch_end_step`) begins. An exception in it
+        continues with the end's steps not finished yet."""
+        lengths = history_lengths(history)
+        self._step_point = MidEpochResume(self.batches_done, self.epoch_loss.state(include_pending=True), None, None,
+                                          batches_trained=True, history_lengths=lengths,
+                                          finished_history_lengths=lengths)
+
+    def continue_epoch_end(self, resume: MidEpochResume, device: torch.device) -> None:
+        """Continue the end of an epoch that an exception interrupted (``resume``, from :meth:`resume_point`): its
+        progress, the epoch's batch count and loss sum are the interrupted end's."""
+        self._step_point = resume
+        self.batches_done = resume.batches_done
+        self.epoch_loss = EpochLossSum(resume.loss_sum, device)
+
+    def run_epoch_end_step(self, name: str, action: Callable[[], None], history: Any) -> None:
+        """One step of the epoch's end: ``action()`` unless an interrupted end finished the step ``name`` already;
+        then the step is recorded as finished (with the history as it left it)."""
+        progress = self._step_point
+        if name in progress.finished_steps:
+            return
+        action()
+        progress.finished_steps.append(name)
+        progress.finished_history_lengths = history_lengths(history)
+
+    @property
+    def in_epoch_end(self) -> bool:
+        """The current epoch's batches are all trained and its end is running."""
+        return isinstance(self._step_point, MidEpochResume) and self._step_point.batches_trained
+
+    def epochs_completed_at_checkpoint(self, mid_epoch: bool) -> int:
+        """The epochs a checkpoint taken now records as done: the counter; in an epoch's end, an epoch-end
+        checkpoint (``mid_epoch=False``) is the run after that end, so the epoch counts."""
+        return self.counters.epochs_completed + (1 if not mid_epoch and self.in_epoch_end else 0)
+
+    @property
+    def continuation_pending(self) -> bool:
+        """The last ``fit`` stopped on an exception with work the next ``fit`` must finish before anything else
+        (an epoch's end), whatever the counters say is left to train."""
+        point = self._interrupted_at
+        return point is not None and point.batches_trained
 
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""
         self._step_point = None
 
     # --- an exception --------------------------------------------------------------------------------------
-    def remember_interruption(self, loader: Any) -> None:
+    def remember_interruption(self, loader: Any, unfinished_step: bool = False) -> None:
         """``fit`` is left by an exception: remember where the next ``fit`` continues (never raises, so that the
-        user sees their own exception)."""
+        user sees their own exception). Inside an epoch's batches the model's buffers go back to the step point
+        at once, so the model is the committed run's (weights change only at steps).
+
+        Args:
+            loader: the training loader.
+            unfinished_step: the current batch's step was interrupted after some optimizer had stepped (several
+                optimizers stepped in turn): the next ``fit`` finishes it, then goes on after the batch.
+        """
+        if self._interrupted_at is not None:  # the last exception's continuation has not begun: it still stands
+            return
         try:
-            self._interrupted_at = self._interruption_point(loader)
+            self._interrupted_at = self._interruption_point(loader, unfinished_step)
         except Exception:  # e.g. a device in an error state
             logger.exception("Could not record where training stopped; the next fit restarts the epoch")
             self._interrupted_at = None
 
-    def _interruption_point(self, loader: Any) -> Optional[MidEpochResume]:
+    def _interruption_point(self, loader: Any, unfinished_step: bool) -> Optional[MidEpochResume]:
         """The interrupted epoch's last completed batch (the batches of a partly accumulated window are trained
-        again, with the torch RNG state they had) or, stopped in the epoch's end, that end."""
+        again, with the torch RNG state they had), the batch whose step is to be finished, or, stopped in the
+        epoch's end, that end."""
         point = self._step_point
+        if unfinished_step:  # everything as it is now: the batch's forward and backward are done
+            return MidEpochResume(self.batches_done, self.epoch_loss.state(include_pending=True), self.epoch_start_rng,
+                                  capture_rng_state(loader), finish_step=True)
         if point is None or isinstance(point, MidEpochResume):
             return point
         batches_done, total_iteration_idx, torch_rng, cuda_rng = point
         self.counters.total_iteration_idx = total_iteration_idx
+        if self._buffers:
+            with torch.no_grad():
+                torch._foreach_copy_(self._buffers, self._buffers_at_step)
         rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
-        committed = self.epoch_loss.committed
-        return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
-                              self.epoch_start_rng, rng)
+        return MidEpochResume(batches_done, self.epoch_loss.state(), self.epoch_start_rng, rng)

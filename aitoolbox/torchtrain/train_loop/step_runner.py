@@ -5,13 +5,41 @@ during training. The loop hands it each batch's loss and whether the batch ends 
 the callbacks every optimizer step gets (``on_after_gradient_update`` before the step, a clipping callback unscales
 and clips there; ``on_after_optimizer_step`` after it) and tells the run state when a batch is done, which is
 where a ``fit`` stopped by an exception continues.
+
+A step is a transaction: until an optimizer steps, an exception abandons it (the loop trains the window's batches
+again from the last step). Optimizers stepped one after another (a MultiLoss with one loss per optimizer) cannot be
+abandoned once the first has stepped: the step is then kept, with the gradients and precision state of the others,
+and the next ``fit`` finishes it (:meth:`StepRunner.finish_interrupted_step`) as the uninterrupted run would have.
 """
-from typing import Any, Callable, List, Optional
+import dataclasses
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss, MultiOptimizer
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
+
+
+@dataclasses.dataclass
+class _PerOptimizerStep:
+    """A batch's work over several optimizers in turn, as named actions ``(kind, optimizer_idx)`` done in order;
+    ``position`` is the first action not done yet."""
+
+    loss: Optional[MultiLoss]
+    step_due: bool
+    actions: List[Tuple[str, int]]
+    position: int = 0
+    skipped: List[bool] = dataclasses.field(default_factory=list)  # per optimizer that stepped, in order
+    stepped_any: bool = False
+
+
+@dataclasses.dataclass
+class _UnfinishedStep:
+    """A per-optimizer step an exception interrupted after an optimizer had stepped, kept for the next ``fit``."""
+
+    work: _PerOptimizerStep
+    gradients: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    precision_state: dict
 
 
 class StepRunner:
@@ -27,8 +55,8 @@ class StepRunner:
         backwards_first: with several optimizers, every loss's backward pass comes before the first step (a
             distributed model synchronises the gradients once all are back-propagated; a compiled model's backward
             is one graph that needs the forward's parameters unchanged by a step).
-        sync_skipped_gradients: all-reduces gradients whose synchronisation was skipped (an unsized epoch that ended
-            inside an accumulation window).
+        sync_skipped_gradients: all-reduces gradients whose synchronisation was skipped (an epoch that ended
+            inside an accumulation window without the loop knowing beforehand).
         batch_done: called once every optimizer stepped for the batch (the run's resume point moves there).
         amp_scaler: the loop's 1.x ``amp_scaler`` view, handed to a MultiLoss/MultiOptimizer subclass's methods.
     """
@@ -45,16 +73,62 @@ class StepRunner:
         self.sync_skipped_gradients = sync_skipped_gradients
         self.batch_done = batch_done
         self.amp_scaler = amp_scaler
+        self.pending_batches = 0  # batches back-propagated since the last step: their gradients wait for one
+        self._per_optimizer_last = False  # the last batch stepped its optimizers one after another
+        self._work: Optional[_PerOptimizerStep] = None
+        self._unfinished: Optional[_UnfinishedStep] = None
 
     def start(self) -> None:
         """Before training: no per-step state left from outside ``fit`` (an unscale a user did by hand), no
-        gradients."""
+        gradients (an interrupted step keeps its own, see :meth:`abandon`)."""
         self.precision.reset()
         self.precision.zero_grad(self.optimizers)
+        self.pending_batches = 0
+        self._work = None
 
-    def abandon(self) -> None:
-        """The step in progress will not be finished (an exception): forget what it unscaled and found."""
+    @property
+    def has_interrupted_step(self) -> bool:
+        """An exception interrupted a step after some optimizer had stepped: :meth:`finish_interrupted_step`."""
+        return self._unfinished is not None
+
+    def abandon(self) -> bool:
+        """The step in progress is not finished now (an exception). Until an optimizer has stepped, its precision
+        state is forgotten: the window's batches are trained again. Once one has (optimizers stepped one after
+        another), it is kept with the gradients and precision state the others step on, for
+        :meth:`finish_interrupted_step`. Returns whether a step is kept for the next ``fit``."""
+        work, self._work = self._work, None
+        self.pending_batches = 0
+        if work is not None and work.stepped_any and work.position < len(work.actions):
+            self._unfinished = _UnfinishedStep(work, self._held_gradients(), self.precision.step_state())
+        if self._unfinished is not None:  # kept (also one whose finishing has not begun yet)
+            return True
         self.precision.reset()
+        return False
+
+    def discard_interrupted_step(self) -> None:
+        """Forget an interrupted step (the run goes on from elsewhere: a loaded checkpoint, a rollback)."""
+        self._unfinished = None
+
+    def finish_interrupted_step(self) -> None:
+        """Do what an interrupted step had left (the gradient hooks, steps and ``zero_grad`` of the optimizers that
+        had not stepped, the loss-scale update), on the gradients and precision state it had: the batch ends as in
+        the uninterrupted run."""
+        unfinished, self._unfinished = self._unfinished, None
+        for tensor, grad in unfinished.gradients:  # anything since (zero_grad, lr_find) cleared or replaced them
+            tensor.grad = grad
+        self.precision.load_step_state(unfinished.precision_state)
+        self._per_optimizer_last = True
+        self._run(unfinished.work)
+
+    def _held_gradients(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Every stepped tensor's gradient (and, under master weights, the model parameter's), by reference."""
+        tensors = [param for optimizer in self.optimizers for group in optimizer.param_groups
+                   for param in group["params"]]
+        masters = getattr(self.precision, "master_weights", None)
+        if masters is not None:
+            tensors += [model for optimizer in self.optimizers if masters.manages(optimizer)
+                        for model, master in masters.grad_pairs(optimizer) if model is not master]
+        return [(tensor, tensor.grad) for tensor in tensors]
 
     def backward_and_step(self, loss: Any, loss_names: Optional[List[str]], step_due: bool) -> None:
         """Back-propagate a batch's loss (divided by ``grad_accumulation``) and, when ``step_due``, step.
@@ -65,6 +139,7 @@ class StepRunner:
         if loss_names is not None and len(self.optimizers) > 1:
             self._per_optimizer(loss, step_due)
             return
+        self._per_optimizer_last = False
         if loss_names is not None:
             loss = sum(loss[name] for name in loss_names)
         if self.counters.grad_accumulation > 1:
@@ -75,6 +150,8 @@ class StepRunner:
                 self.hooks.on_after_gradient_update(optimizer_idx)
         if step_due:
             self.step(self.optimizers)
+        else:
+            self.pending_batches += 1
 
     def step(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True,
              batch_done: bool = True) -> None:
@@ -82,28 +159,38 @@ class StepRunner:
         ``zero_grad``; ``batch_done`` marks the batch done (the other optimizers of the batch stepped too)."""
         self.counters.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
         if batch_done:
+            self.pending_batches = 0
             self.batch_done()
         if self.hooks.has_batch_hooks:
             self.hooks.on_after_optimizer_step()
         self.precision.zero_grad(optimizers)
 
+    def _batch_done(self) -> None:
+        self.pending_batches = 0
+        self.batch_done()
+
     def step_pending_gradients(self) -> bool:
-        """At the end of an epoch whose length was not known (a loader without ``len``): step on the gradients
-        accumulated since the last step, with the hooks every step gets; True if there were any."""
-        counters = self.counters
-        if (counters.iteration + 1) % counters.grad_accumulation == 0:
+        """At the end of an epoch the loop found only when the loader was exhausted (a loader without ``len``, or
+        one whose ``len`` overstated), or at a stop requested mid-window: step on the gradients of the batches since
+        the last step, with the hooks every step gets; True if there were any."""
+        if self.pending_batches == 0:
             return False
+        counters = self.counters
         self.sync_skipped_gradients()
         counters.optimizer_step_due = True
         # A clipping callback clips these gradients now: its call for the batch saw optimizer_step_due False, as
-        # the loader's end was not known yet.
-        if self.hooks.has_batch_hooks:
-            for optimizer_idx in range(len(self.optimizers)):
-                self.hooks.on_after_gradient_update(optimizer_idx)
-        self.step(self.optimizers)
+        # the window's end was not known yet.
+        if self._per_optimizer_last:
+            self._run(_PerOptimizerStep(None, True, self._step_actions(with_backward=False)))
+        else:
+            if self.hooks.has_batch_hooks:
+                for optimizer_idx in range(len(self.optimizers)):
+                    self.hooks.on_after_gradient_update(optimizer_idx)
+            self.step(self.optimizers)
         counters.optimizer_step_due = False
         return True
 
+    # --- several optimizers, one after another -------------------------------------------------------------------
     def _per_optimizer(self, loss: MultiLoss, step_due: bool) -> None:
         """aitoolbox 1.x's MultiLoss + MultiOptimizer order: for each optimizer in turn, the backward pass of
         the loss mapped to it (``MultiLoss.optimizer_loss_map``), then, on update iterations, its step; the loss
@@ -113,47 +200,84 @@ class StepRunner:
         In a distributed run all the backward passes come first: DDP and FSDP synchronise the gradients of one
         forward once every loss was back-propagated, so an optimizer stepping in between would step on this
         process's own gradients. So they do under torch_compile: the compiled backward of the forward is one graph,
-        which needs every parameter as the forward saw it, also the ones an earlier step changed. The result is 1.x's wherever 1.x's order is well defined (each loss trains
-        only its own optimizer's parameters). The batch is the unit of progress: an exception before the last
-        optimizer stepped trains the whole batch again.
+        which needs every parameter as the forward saw it, also the ones an earlier step changed. The result is
+        1.x's wherever 1.x's order is well defined (each loss trains only its own optimizer's parameters).
         """
-        counters = self.counters
-        if counters.grad_accumulation > 1:
-            loss = loss / counters.grad_accumulation
+        if self.counters.grad_accumulation > 1:
+            loss = loss / self.counters.grad_accumulation
+        self._per_optimizer_last = True
+        self._run(_PerOptimizerStep(loss, step_due, self._step_actions(with_backward=True, step_due=step_due)))
+        if not step_due:
+            self.pending_batches += 1
+
+    def _step_actions(self, with_backward: bool, step_due: bool = True) -> List[Tuple[str, int]]:
+        count = len(self.optimizers)
+        backwards = [("backward", idx) for idx in range(count)] if with_backward else []
+        actions: List[Tuple[str, int]] = list(backwards) if self.backwards_first else []
+        for idx in range(count):
+            if with_backward and not self.backwards_first:
+                actions.append(backwards[idx])
+            actions.append(("gradient_hooks", idx))
+            if step_due:
+                actions += [("step", idx), ("after_step", idx), ("zero_grad", idx)]
+        return actions + ([("batch_done", -1)] if step_due else [])
+
+    def _run(self, work: _PerOptimizerStep) -> None:
+        """The actions of ``work`` from its position on; an exception leaves the position at the failed action."""
+        self._work = work
+        while work.position < len(work.actions):
+            kind, idx = work.actions[work.position]
+            getattr(self, f"_do_{kind}")(work, idx)
+            work.position += 1
+        self._work = None
+
+    def _own_step(self) -> bool:
         user_optimizer = self.user_optimizer
-        own_step = isinstance(user_optimizer, MultiOptimizer) and (
+        return isinstance(user_optimizer, MultiOptimizer) and (
             type(user_optimizer).step is not MultiOptimizer.step
             or type(user_optimizer).zero_grad is not MultiOptimizer.zero_grad)
-        if self.backwards_first:
-            for optimizer_idx in range(len(self.optimizers)):
-                self._backward_for(loss, optimizer_idx, step_due)
-        skipped = False
-        for optimizer_idx, optimizer in enumerate(self.optimizers):
-            if not self.backwards_first:
-                self._backward_for(loss, optimizer_idx, step_due)
-            self.hooks.on_after_gradient_update(optimizer_idx)
-            if not step_due:
-                continue
-            if own_step:
-                user_optimizer.step(optimizer_idx, counters.iteration, self.amp_scaler)
-                counters.optimizer_step_skipped = self.precision.last_step_skipped
-                self.hooks.on_after_optimizer_step()
-                user_optimizer.zero_grad(optimizer_idx, counters.iteration)
-            else:
-                self.step([optimizer], update_scale=False, batch_done=False)
-            skipped |= counters.optimizer_step_skipped
-        if step_due:
-            self.precision.update_scale()
-            counters.optimizer_step_skipped = skipped
-            self.batch_done()
 
-    def _backward_for(self, loss: MultiLoss, optimizer_idx: int, step_due: bool) -> None:
+    def _do_backward(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        loss = work.loss
         if type(loss).backward is not MultiLoss.backward:  # a subclass's own backward, as 1.x called it
             loss.backward(optimizer_idx, self.counters.iteration, self.amp_scaler)
             return
         if optimizer_idx not in loss.optimizer_loss_map:
             raise ValueError(f"the MultiLoss maps no loss to optimizer {optimizer_idx} (it maps "
                              f"{loss.optimizer_loss_map}); give one loss per optimizer, or loss_optimizer_map")
+        name = loss.optimizer_loss_map[optimizer_idx]
+        if not loss[name].requires_grad:
+            raise ValueError(f"get_loss's MultiLoss entry {name!r} (the loss of optimizer {optimizer_idx}) does not "
+                             "require grad: it has no autograd graph back to the parameters that optimizer steps "
+                             "(detached, computed under torch.no_grad(), or from frozen parameters only)")
         retain = loss.retain_graph_until_last and optimizer_idx < len(self.optimizers) - 1
-        self.precision.backward(loss[loss.optimizer_loss_map[optimizer_idx]], accumulating=not step_due,
-                                retain_graph=retain)
+        self.precision.backward(loss[name], accumulating=not work.step_due, retain_graph=retain)
+
+    def _do_gradient_hooks(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        if self.hooks.has_batch_hooks:
+            self.hooks.on_after_gradient_update(optimizer_idx)
+
+    def _do_step(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        if self._own_step():
+            self.user_optimizer.step(optimizer_idx, self.counters.iteration, self.amp_scaler)
+            skipped = self.precision.last_step_skipped
+        else:
+            skipped = not self.precision.step([self.optimizers[optimizer_idx]], update_scale=False)
+        work.stepped_any = True
+        work.skipped.append(skipped)
+
+    def _do_after_step(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        self.counters.optimizer_step_skipped = work.skipped[-1]
+        if self.hooks.has_batch_hooks:
+            self.hooks.on_after_optimizer_step()
+
+    def _do_zero_grad(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        if self._own_step():
+            self.user_optimizer.zero_grad(optimizer_idx, self.counters.iteration)
+        else:
+            self.precision.zero_grad([self.optimizers[optimizer_idx]])
+
+    def _do_batch_done(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
+        self.precision.update_scale()
+        self.counters.optimizer_step_skipped = any(work.skipped)
+        self._batch_done()

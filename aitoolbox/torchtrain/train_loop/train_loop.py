@@ -7,7 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-from typing import Any, Callable, ContextManager, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, c
 from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
+from aitoolbox.torchtrain.train_loop.trained_parameters import check_optimizers_step_the_model
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, load_pending_sharded_weights, truncate_history)
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
@@ -157,6 +158,8 @@ class TrainLoop:
         self.state = self.run_state.counters
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
+        self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
+        self._plain_batches = False  # set per fit: neither the strategy nor the precision has a context for a batch
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
         self.message_service = MessageService()  # before any callback registers: they keep a reference
@@ -399,6 +402,7 @@ class TrainLoop:
     def precision(self, precision: Precision) -> None:
         self._precision = precision
         self._precision_chosen_by_user = precision is not None
+        self._plain_batches = False  # its autocast is entered from the next batch on
         if self._step_runner is not None:
             self._step_runner.precision = precision
 
@@ -590,7 +594,8 @@ class TrainLoop:
         """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process.
 
         ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
-        with DCP and stores this dict beside them)."""
+        with DCP and stores this dict beside them). The dict's weight and optimizer tensors are the live run's (no
+        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on."""
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
 
@@ -613,6 +618,9 @@ class TrainLoop:
             checkpoint = load_checkpoint_file(path, weights_only=weights_only)
         with failures_named(path):  # what does not fit names the file (CheckpointMismatchError)
             self.run_state.load(self, checkpoint)
+            if self._step_runner is not None:  # the checkpoint says where to continue, not an interrupted fit
+                self._step_runner.discard_interrupted_step()
+            self._interrupted_batch = None
             if self._model_runner is not None or self.gpu_mode != "fsdp":
                 # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then
                 # each process reads its own shards when fit sets it up.
@@ -648,7 +656,7 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.state.early_stop:
+        if self.state.early_stop and not self.run_state.continuation_pending:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -663,7 +671,7 @@ class TrainLoop:
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        if self._target_reached(num_epochs, num_iterations):
+        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -672,10 +680,13 @@ class TrainLoop:
             with self._interrupts.watching(self._data_loaders()), self._compile_recording:
                 self._train(num_epochs, num_iterations)
         except BaseException as exception:  # KeyboardInterrupt too: a notebook user stops a run this way
+            # The step in progress is abandoned (the next one starts clean), unless an optimizer had stepped in it:
+            # then the next fit finishes it, on this batch.
+            unfinished = self._step_runner is not None and self._step_runner.abandon()
+            if unfinished and self._current_batch is not None:
+                self._interrupted_batch = self._current_batch
             self._current_batch = None
-            if self._step_runner is not None:
-                self._step_runner.abandon()  # the step in progress is abandoned: the next one starts clean
-            self.run_state.remember_interruption(self.train_loader)
+            self.run_state.remember_interruption(self.train_loader, unfinished_step=unfinished)
             self.callbacks_handler.on_exception(exception)
             raise
         return self.model_for_user
@@ -834,9 +845,15 @@ class TrainLoop:
         if self.strategy.is_main_process:
             self._run_folders.announce(self)
         self._step_runner.start()
+        self._plain_batches = _no_batch_context(self.strategy, self._precision)
+        check_optimizers_step_the_model(self.model, self.criterion, self.optimizers,
+                                        getattr(self._precision, "master_weights", None))
+        self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
         resume = self.run_state.resume_point(self)
-        while not state.early_stop and not self._target_reached(num_epochs, num_iterations):
+        # An epoch's end an exception interrupted is finished first, also when it had asked to stop.
+        while (resume is not None and resume.batches_trained) or \
+                (not state.early_stop and not self._target_reached(num_epochs, num_iterations)):
             state.epoch = state.epochs_completed
             try:
                 self._run_epoch(num_iterations, resume)
@@ -875,60 +892,116 @@ class TrainLoop:
         return self.state.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
-        """One pass over the training data (:meth:`_train_batches`), then the epoch's end: its accumulated loss
-        into the history, auto-evaluation, ``on_epoch_end`` and the epoch's summary line.
+        """One pass over the training data (:meth:`_train_batches`), then the epoch's end: a sequence of named
+        steps (:meth:`_epoch_end_steps`: the accumulated loss into the history, ``on_epoch_train_end``,
+        auto-evaluation, ``on_epoch_end``, the summary line), each done once.
 
-        ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted.
+        ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted; after an exception in
+        the epoch's end, the steps it did not finish.
         """
         state, run_state = self.state, self.run_state
-        if resume is not None and resume.batches_trained:  # stopped in the epoch's end: do it again
-            truncate_history(self.train_history, resume.history_lengths)
-            self._epoch_report.start(self.train_history)
-            run_state.batches_done = resume.batches_done
-            run_state.epoch_loss = EpochLossSum(resume.loss_sum, self.device)
+        if resume is not None and resume.batches_trained:  # stopped in the epoch's end: the steps left
+            truncate_history(self.train_history, resume.finished_history_lengths)
+            self._epoch_report.start(self.train_history, resume.history_lengths)
+            run_state.continue_epoch_end(resume, self.device)
         else:
             self._epoch_report.start(self.train_history)
             self.strategy.on_epoch_begin(state.epoch, self.train_loader)
             self.callbacks_handler.on_epoch_begin()
             self._train_batches(num_iterations, resume)
-        run_state.mark_epoch_trained(self.train_history)
-        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / run_state.batches_done,
+            run_state.mark_epoch_trained(self.train_history)
+        steps = list(self._epoch_end_steps())
+        passes = next(index for index, (name, _) in enumerate(steps) if name == "messages")
+        with self._evaluator.progress.shared("Evaluation", self.show_progress):  # the epoch end's passes: one bar
+            for name, step in steps[:passes]:
+                run_state.run_epoch_end_step(name, step, self.train_history)
+        for name, step in steps[passes:]:
+            run_state.run_epoch_end_step(name, step, self.train_history)
+
+    def _epoch_end_steps(self) -> Iterator[Tuple[str, Callable[[], None]]]:
+        """The steps of an epoch's end, in order, by name (a callback's by its identity: the end continued after an
+        exception runs each callback that had finished its hook not again, and one registered since once)."""
+        hooks, state = self.callbacks_handler, self.state
+        yield "accumulated_loss", self._record_accumulated_loss
+        for callback in hooks.subscribers("on_epoch_train_end"):
+            yield f"on_epoch_train_end:{id(callback)}", callback.on_epoch_train_end
+        yield "auto_evaluation", self._evaluator.at_epoch_end
+        for callback in hooks.subscribers("on_epoch_end"):
+            yield f"on_epoch_end:{id(callback)}", callback.on_epoch_end
+        yield "messages", self.message_service.end_of_epoch_trigger
+        if self.strategy.is_main_process:
+            yield "summary", lambda: self._epoch_report.log(state.epoch, state.num_epochs, self.train_history,
+                                                            self.validation_set_names)
+        yield "stop_agreement", self._agree_on_stop
+
+    def _record_accumulated_loss(self) -> None:
+        accumulated = history_entries("accumulated_loss", self.epoch_loss_sum / self.run_state.batches_done,
                                       self._loss_names)
         for name, value in accumulated.items():
             self.insert_metric_result_into_history(name, value)
-        self.callbacks_handler.on_epoch_train_end()
-        with self._evaluator.progress.shared("Evaluation", self.show_progress):  # the epoch end's passes: one bar
-            self._evaluator.at_epoch_end()
-            self.callbacks_handler.on_epoch_end()
-        self.message_service.end_of_epoch_trigger()
-        if self.strategy.is_main_process:
-            self._epoch_report.log(state.epoch, state.num_epochs, self.train_history, self.validation_set_names)
-        state.early_stop = self.strategy.any_process(state.early_stop)  # all ranks stop together
+
+    def _agree_on_stop(self) -> None:
+        self.state.early_stop = self.strategy.any_process(self.state.early_stop)  # all ranks stop together
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
-        """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained)."""
+        """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained; first the step an
+        exception interrupted, if ``resume`` says so)."""
         state, run_state = self.state, self.run_state
         num_batches = run_state.epoch_length(self.train_loader)  # without the batches a rollback left out
         batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
-        running_loss = self._running_loss_postfix
         with contextlib.closing(bar):
-            for state.iteration, batch_data in batches:
-                iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
-                step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
-                    or (state.iteration + 1) % state.grad_accumulation == 0
-                self._run_batch(batch_data, step_due)
-                bar.update(running_loss)
-                if iteration_limit_hit or (state.early_stop and self.strategy.stops_mid_epoch):
-                    break
-            else:
-                if num_batches is None:  # a loader without len: its last batch is known only now
-                    self._step_runner.step_pending_gradients()
+            if not (resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)):
+                self._train_loader_batches(batches, num_batches, num_iterations, bar)
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
             postfix = loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names)
             bar.set_postfix(self.callbacks_handler.progress_bar_postfix(postfix))
+
+    def _train_loader_batches(self, batches: Any, num_batches: Optional[int], num_iterations: int,
+                              bar: ProgressBar) -> None:
+        """The batches of the epoch's loader until it is exhausted, ``num_iterations`` is reached or a stop is
+        requested. Every batch trained has its gradients stepped: a window ends every ``grad_accumulation``
+        batches, at the epoch's last batch (by ``len``), at ``num_iterations``, and also where the loader ends or
+        the stop comes inside a window."""
+        state, strategy = self.state, self.strategy
+        running_loss = self._running_loss_postfix
+        accumulation = state.grad_accumulation
+        for state.iteration, batch_data in batches:
+            iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
+            step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
+                or (state.iteration + 1) % accumulation == 0
+            self._run_batch(batch_data, step_due)
+            bar.update(running_loss)
+            if iteration_limit_hit:
+                return
+            if state.early_stop and strategy.stops_mid_epoch:
+                self._step_runner.step_pending_gradients()  # the window's batches were trained, as at num_iterations
+                return
+        self.run_state.check_loader_exhausted()  # warns once if len() said otherwise
+        self._step_runner.step_pending_gradients()  # a window the loader's end cut short (by len() unforeseen)
+
+    def _finish_interrupted_step(self, num_iterations: int) -> bool:
+        """Finish the batch whose step an exception interrupted after an optimizer had stepped (see
+        :class:`~.step_runner.StepRunner`): its remaining optimizer steps, then its end (``on_batch_end``...).
+        Returns True where the epoch's batches end with it (``num_iterations`` reached, a stop requested)."""
+        state, runner = self.state, self._step_runner
+        batch, self._interrupted_batch = self._interrupted_batch, None
+        state.iteration = self.run_state.batches_done - 1
+        if not runner.has_interrupted_step:  # e.g. fit_distributed after an interrupted fit: another step runner
+            logger.warning("the optimizer step of batch %d of epoch %d was interrupted after some optimizers had "
+                           "stepped and cannot be finished here: the other optimizers skip that batch",
+                           state.iteration, state.epoch)
+            self.run_state.mark_batch_done()
+            return False
+        self._interrupts.in_batch = True
+        state.optimizer_step_due = True
+        self._current_batch = batch
+        runner.finish_interrupted_step()
+        self._end_batch(True)
+        return (num_iterations > 0 and state.iterations_done >= num_iterations) or \
+            (state.early_stop and self.strategy.stops_mid_epoch)
 
     def _running_loss_postfix(self) -> dict:
         postfix = {"loss": f"{self.epoch_loss_sum.mean().item() / self.run_state.batches_done:.4f}"}
@@ -936,25 +1009,37 @@ class TrainLoop:
 
     def _run_batch(self, batch_data: Any, optimizer_step: bool) -> None:
         """Forward and backward of one batch, its loss added to the epoch's sum; with ``optimizer_step`` also every
-        optimizer's step (both by the :class:`~.step_runner.StepRunner`)."""
-        state, hooks, interrupts = self.state, self.callbacks_handler, self._interrupts
-        batch_hooks = hooks.has_batch_hooks  # without any, the empty calls are skipped (microseconds a batch)
-        interrupts.in_batch = True
+        optimizer's step (both by the :class:`~.step_runner.StepRunner`); then the batch's end."""
+        state, hooks = self.state, self.callbacks_handler
+        self._interrupts.in_batch = True
         state.total_iteration_idx += 1
         state.optimizer_step_due = optimizer_step
         self._current_batch = batch_data
-        if batch_hooks:
+        if hooks.has_batch_hooks:  # without any, the empty calls are skipped (microseconds a batch)
             hooks.on_batch_begin()
         if self._compiler is not None and self._compiler.verification_due:
             self._verify_compiled_gradients(batch_data)
-        with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
-            with self._precision.autocast():
-                loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
-            self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
-            self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
-            self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
-        state.optimizer_step_due = False
-        if batch_hooks:
+        if self._plain_batches:  # no context to enter around the batch (two no-op ones cost a microsecond)
+            self._backward_and_step(self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device),
+                                    optimizer_step)
+        else:
+            with self.strategy.skip_gradient_sync(accumulating=not optimizer_step):
+                with self._precision.autocast():
+                    loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
+                self._backward_and_step(loss, optimizer_step)
+        self._end_batch(optimizer_step)
+
+    def _backward_and_step(self, loss: LossResult, optimizer_step: bool) -> None:
+        self.last_batch_loss, self._loss_names = checked_batch_loss(loss)
+        self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
+        self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
+
+    def _end_batch(self, optimizer_step: bool) -> None:
+        """``on_batch_end``, a Ctrl-C held during the batch, the action asked for after the step (SpikeRollback's
+        check) and a stop on SIGTERM."""
+        hooks, interrupts = self.callbacks_handler, self._interrupts
+        self.state.optimizer_step_due = False
+        if hooks.has_batch_hooks:
             hooks.on_batch_end()
         self._current_batch = None
         interrupts.in_batch = False
@@ -962,8 +1047,8 @@ class TrainLoop:
             interrupts.raise_pending()
         if optimizer_step:
             self.run_state.run_after_step(self)  # e.g. SpikeRollback's check: may roll the run back (RollBack)
-        if optimizer_step and interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
-            interrupts.stop(self)
+            if interrupts.stop_due(self.strategy):  # SIGTERM: every process stops at this step
+                interrupts.stop(self)
 
     def _verify_compiled_gradients(self, batch_data: Any) -> None:
         """torch_compile's check on the first training batch (see :mod:`aitoolbox.torchtrain.compiling.verify`): the
@@ -974,6 +1059,14 @@ class TrainLoop:
             return sum(loss[name] for name in loss) if isinstance(loss, MultiLoss) else loss
 
         self._compiler.verify(self.model, compute_loss, self._precision.autocast_dtype)
+
+
+def _no_batch_context(strategy: Any, precision: Any) -> bool:
+    """Whether the contexts a batch runs in (the strategy's gradient-sync skip, the precision's autocast) are all
+    no-ops, whatever the batch: then the loop does not enter them."""
+    contexts = (strategy.skip_gradient_sync(accumulating=True), strategy.skip_gradient_sync(accumulating=False),
+                precision.autocast())
+    return all(isinstance(context, contextlib.nullcontext) for context in contexts)
 
 
 def _state_unlike_parameters(optimizer: torch.optim.Optimizer) -> bool:

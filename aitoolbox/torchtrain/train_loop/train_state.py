@@ -14,6 +14,7 @@ continues from it), and the RNG state of the checkpoint is put back.
 import dataclasses
 import json
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
@@ -59,13 +60,19 @@ class MidEpochResume:
 
     Attributes:
         batches_done: batches of the epoch trained (their optimizer steps taken).
-        loss_sum: the sum of their losses (a list of sums for a MultiLoss).
+        loss_sum: the sum of their losses (:meth:`~.losses.EpochLossSum.state`; from older checkpoints the sum
+            itself, a list of sums for a MultiLoss).
         epoch_start_rng: the RNG state at the start of the epoch (its data order is drawn again from it).
         rng: the RNG state to continue with.
         batches_trained: the epoch's batches were all trained and its end (evaluation, ``on_epoch_end``) was
-            interrupted: only the end is done again.
+            interrupted: the steps of the end not finished yet are done (each step once).
         history_lengths: with ``batches_trained``, the length of each training-history list before the epoch's
-            end, so that what the interrupted end recorded is not recorded twice.
+            end (the epoch's summary line lists what the end recorded).
+        finished_steps: with ``batches_trained``, the names of the steps of the epoch's end finished so far.
+        finished_history_lengths: with ``batches_trained``, the length of each training-history list after those
+            steps: what a step that did not finish recorded is dropped, so that it is not recorded twice.
+        finish_step: the last of the ``batches_done`` batches has an optimizer step an exception interrupted after
+            some optimizer had stepped: it is finished first (see :class:`~.step_runner.StepRunner`).
         loader_state: the training loader's own state after the batches done (a loader with ``state_dict``, such
             as torchdata's ``StatefulDataLoader``), which it continues from; None: the batches done are skipped.
     """
@@ -77,6 +84,9 @@ class MidEpochResume:
     batches_trained: bool = False
     history_lengths: Optional[Dict[str, int]] = None
     loader_state: Any = None
+    finished_steps: List[str] = dataclasses.field(default_factory=list)
+    finished_history_lengths: Optional[Dict[str, int]] = None
+    finish_step: bool = False
 
 
 def history_lengths(history: Any) -> Dict[str, int]:
@@ -97,6 +107,22 @@ def copied_history(history: Dict[str, list]) -> Dict[str, list]:
     """A checkpoint's training history with lists of its own: the loop appends to them, and the checkpoint dict
     (the caller's, or one a callback keeps) must stay as it was saved."""
     return {name: list(values) for name, values in history.items()}
+
+
+def private_copy(value: Any) -> Any:
+    """``value`` with every tensor cloned (on its device) and every container copied: what the loop loads it may keep
+    and change in place (an optimizer keeps the state tensors it is given and steps them), and a checkpoint dict the
+    caller holds must stay as it was saved, to be loaded again."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        copied = {key: private_copy(item) for key, item in value.items()}
+        return OrderedDict(copied) if isinstance(value, OrderedDict) else copied
+    if isinstance(value, list):
+        return [private_copy(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(private_copy(item) for item in value)
+    return value
 
 
 def json_safe(value: Any) -> Any:
@@ -176,7 +202,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "precision": tl.precision.state_dict(),
         "callbacks": {key: weights_only_safe(cb.state_dict())
                       for key, cb in stateful_callbacks(tl, include_schedulers=False).items()},
-        "epochs_completed": tl.epoch if mid_epoch else tl.epoch + 1,
+        "epochs_completed": tl.run_state.epochs_completed_at_checkpoint(mid_epoch),
         "iteration": tl.iteration + 1 if mid_epoch else 0,
         # A stop request (early stopping) ends the run after this epoch: a fit resuming from here trains nothing
         # (a requeued job must not train on and overwrite the final model). Agreed by all ranks, as the loop
@@ -200,8 +226,11 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
     if mid_epoch:
         checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
-        # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss).
+        # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss). The sum, and what
+        # continues it bit for bit (the sum of its complete blocks, the open block's values: losses.EpochLossSum).
         checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.tolist())
+        checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(
+            tl.run_state.epoch_loss.state(include_pending=True))
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
             checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
                 weights_only_safe(tl.train_loader.state_dict()))
@@ -232,8 +261,8 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
                          f"has {len(tl.optimizers)} optimizer(s)")
     if not sharded:
         tl.strategy.load_model_state_dict(tl.model_for_user, checkpoint[MODEL_KEY])
-        for optimizer, state in zip(tl.optimizers, states):
-            tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, state)
+        for optimizer, state in zip(tl.optimizers, states):  # a copy: the optimizer keeps the tensors it is given
+            tl.strategy.load_optimizer_state_dict(tl.loop_model, optimizer, private_copy(state))
     if "rng" not in checkpoint:  # aitoolbox 1.x: saved at the end of epoch ``epoch``
         logger.warning("the checkpoint was written by aitoolbox 1.x: it holds no random state or training history, "
                        "so training continues from epoch %d but not bitwise as the original run would have",
@@ -247,7 +276,7 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     tl.total_iteration_idx = checkpoint.get("iteration_idx", -1)
     tl.early_stop = bool(checkpoint.get("early_stop", False))  # checkpoints written before it was saved: False
     tl.run_state.rollbacks.load_state_dict(checkpoint.get("rollbacks"))  # before rollbacks existed: none
-    tl.pending_restore = checkpoint
+    tl.pending_restore = dict(checkpoint)  # its own dict: applying it pops keys, and the caller's stays whole
 
 
 def load_pending_sharded_weights(tl: "TrainLoop") -> None:
@@ -280,8 +309,8 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
     restore_callback_states(tl, checkpoint)
     # Schedulers built at registration reset the learning rate to its initial value; put the saved one back.
     for optimizer, state in zip(tl.optimizers, saved_optimizer_states(checkpoint)):
-        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
-            group.update({key: value for key, value in saved_group.items() if key != "params"})
+        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):  # (a tensor lr is changed in place)
+            group.update({key: private_copy(value) for key, value in saved_group.items() if key != "params"})
     if "rng" not in checkpoint:
         return None
     rank = tl.strategy.rank
@@ -293,9 +322,10 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
         tl.train_history.update(copied_history(checkpoint["train_history_per_rank"][rank]))
     if checkpoint["iteration"] > 0:
         loader_states = checkpoint.get("train_loader_state")
-        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=checkpoint["epoch_loss_sum"][rank],
+        loss_sums = checkpoint.get("epoch_loss_state", checkpoint["epoch_loss_sum"])  # older checkpoints: the sum
+        return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=loss_sums[rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank],
-                              loader_state=loader_states[rank] if loader_states else None)
+                              loader_state=private_copy(loader_states[rank]) if loader_states else None)
     restore_rng_state(rng_states[rank], tl.train_loader)
     return None
 
@@ -335,11 +365,11 @@ def restore_callback_states(tl: "TrainLoop", checkpoint: dict) -> None:
                        len(saved_schedulers), len(schedulers))
     elif saved_schedulers:
         for scheduler, state in zip(schedulers, saved_schedulers):
-            scheduler.load_state_dict(state)
+            scheduler.load_state_dict(private_copy(state))  # copies: a callback may keep what it is given
     callbacks = stateful_callbacks(tl, include_schedulers=not saved_schedulers)
     for key, state in checkpoint.get("callbacks", {}).items():
         if key in callbacks:
-            callbacks[key].load_state_dict(state)
+            callbacks[key].load_state_dict(private_copy(state))
         else:
             logger.warning("the checkpoint holds the state of callback %s, which this run does not have: register the "
                            "same callbacks (e.g. the LR scheduler) as in the saved run for an exact continuation", key)

@@ -331,22 +331,22 @@ def test_ctrl_c_acts_at_once_when_repeated_or_outside_a_batch(hook, times, expec
 
 
 # --- the epoch's loss sum ----------------------------------------------------------------------------------
-def test_epoch_loss_sum_commits_in_batch_order_with_float32_at_least():
+def test_epoch_loss_sum_commits_at_the_step_with_float32_at_least():
+    """The sum is float32 at least (a bfloat16 loss does not round it), the committed part is the last step's, and a
+    sum from an older checkpoint (a plain number or list) goes on from there."""
     from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
     values = [torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.7), torch.tensor(1e-3)]
-    expected = torch.tensor(0.0)
-    for value in values:
-        expected = expected + value  # the sequential sum of a float32 zero and the values
     epoch_loss = EpochLossSum()
     epoch_loss.pending.extend(values[:2])
     epoch_loss.commit()
     epoch_loss.pending.append(values[2])
-    assert epoch_loss.committed.dtype == torch.float32
-    assert torch.equal(epoch_loss.total(), expected)
-    assert torch.equal(epoch_loss.committed, torch.tensor(0.0) + values[0] + values[1])  # the last step's sum
+    assert epoch_loss.total().dtype == torch.float32
+    torch.testing.assert_close(epoch_loss.total(include_pending=False), values[0].float() + values[1])
+    torch.testing.assert_close(epoch_loss.total(), values[0].float() + values[1] + values[2])
+    assert torch.equal(epoch_loss.state()["values"], torch.stack([values[0].float(), values[1]]))  # not the pending
     epoch_loss.commit()
-    assert torch.equal(epoch_loss.committed, expected) and epoch_loss.pending == []
+    assert epoch_loss.pending == [] and torch.equal(epoch_loss.total(include_pending=False), epoch_loss.total())
     resumed = EpochLossSum([1.0, 2.0])
     resumed.pending.append(torch.tensor([0.5, 0.25]))
     resumed.commit()
-    assert resumed.committed.tolist() == [1.5, 2.25]
+    assert resumed.total().tolist() == [1.5, 2.25]

@@ -23,7 +23,8 @@ def build(model=None, train_loader="default", validation_loader=None, test_loade
     model = MLP() if model is None else model
     train_loader = loader() if isinstance(train_loader, str) else train_loader
     criterion = nn.CrossEntropyLoss() if isinstance(criterion, str) else criterion
-    optimizer = optimizer if optimizer is not None else torch.optim.SGD(MLP().parameters(), lr=0.1)
+    if optimizer is None:  # the model's own parameters (fit refuses an optimizer over none of them)
+        optimizer = torch.optim.SGD((model if isinstance(model, nn.Module) else MLP()).parameters(), lr=0.1)
     return TrainLoop(model, train_loader, validation_loader, test_loader, optimizer, criterion,
                      show_progress=False, **kwargs)
 

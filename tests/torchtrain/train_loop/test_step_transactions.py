@@ -1,0 +1,336 @@
+"""A step is a transaction (DESIGN.md principle 17): what a step changes is committed at the step point or not at all,
+and an epoch's end is a sequence of named steps, each done once. Continuing after an exception, resuming from a
+checkpoint taken at any moment and loading a checkpoint dict then equal the straight run (issue 32)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.combinations.support import Cell, ComboNet, build_loop, build_model, dataset
+from tests.helpers import assert_params_equal, single_torch_thread
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+
+def _tensors(value, prefix=""):
+    """Every tensor in a nested checkpoint dict, by path."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if isinstance(value, dict):
+        return {path: tensor for key, item in value.items() for path, tensor in _tensors(item, f"{prefix}/{key}").items()}
+    if isinstance(value, (list, tuple)):
+        return {path: tensor for index, item in enumerate(value)
+                for path, tensor in _tensors(item, f"{prefix}/{index}").items()}
+    return {}
+
+
+def assert_runs_equal(a: TrainLoop, b: TrainLoop) -> None:
+    """Weights and buffers, optimizer states and history bitwise equal."""
+    assert_params_equal(a.model, b.model)
+    for optimizer_a, optimizer_b in zip(a.optimizers, b.optimizers):
+        state_a, state_b = _tensors(optimizer_a.state_dict()), _tensors(optimizer_b.state_dict())
+        assert state_a.keys() == state_b.keys()
+        for path in state_a:
+            assert torch.equal(state_a[path], state_b[path]), f"optimizer state {path} differs"
+    assert dict(a.train_history) == dict(b.train_history)
+
+
+class IterationCounter(AbstractCallback):
+    def __init__(self):
+        super().__init__("iterations")
+        self.batches = 0
+
+    def on_batch_end(self):
+        self.batches += 1
+
+
+# --- item 2: a checkpoint records the run state's own counters ------------------------------------------------
+def test_a_checkpoint_taken_before_training_resumes_at_the_first_epoch():
+    """``checkpoint_state()`` on a fresh loop recorded ``epochs_completed=1`` (it wrote ``epoch + 1``): loading it
+    and fitting 2 epochs trained one."""
+    fresh = build_loop(Cell())
+    checkpoint = fresh.checkpoint_state()
+    assert checkpoint["epochs_completed"] == 0 and checkpoint["iteration"] == 0
+
+    resumed = build_loop(Cell())
+    resumed.load_checkpoint(checkpoint)
+    counter = IterationCounter()
+    resumed.fit(num_epochs=2, callbacks=[counter])
+    assert counter.batches == 2 * len(resumed.train_loader)
+    straight = build_loop(Cell())
+    straight.fit(num_epochs=2)
+    assert_runs_equal(resumed, straight)
+
+
+def test_checkpoints_after_fit_and_at_an_epoch_end_record_the_epochs_done():
+    """After ``fit(num_epochs=1)``: 1 epoch done. In ``on_epoch_end`` of the second epoch: 2 (the epoch is ending,
+    and the checkpoint is the run after its end)."""
+    saved = {}
+
+    class SaveAtEpochEnd(AbstractCallback):
+        def on_epoch_end(self):
+            saved[self.train_loop_obj.epoch] = self.train_loop_obj.checkpoint_state()
+
+    tl = build_loop(Cell())
+    tl.fit(num_epochs=1)
+    assert tl.checkpoint_state()["epochs_completed"] == 1
+    tl.fit(num_epochs=2, callbacks=[SaveAtEpochEnd("save")])
+    assert saved[1]["epochs_completed"] == 2 and saved[1]["iteration"] == 0
+
+
+# --- item 3: an epoch's end is a sequence of named steps, each done once -----------------------------------------
+class FailOnceInEpochEnd(AbstractCallback):
+    """In ``on_epoch_end`` of epoch ``epoch``: records a value into the history, then (the first time only) raises, as
+    a checkpoint save on a full disk would. Runs after the LR scheduler and EarlyStopping (order 100)."""
+
+    hook = "on_epoch_end"
+
+    def __init__(self, epoch):
+        super().__init__("fail once", execution_order=100)
+        self.epoch, self.failed, self.calls = epoch, False, []
+
+    def _maybe_fail(self):
+        tl = self.train_loop_obj
+        self.calls.append(tl.epoch)
+        tl.insert_metric_result_into_history(f"{self.hook}_marker", float(tl.epoch))
+        if tl.epoch == self.epoch and not self.failed:
+            self.failed = True
+            raise OSError(28, "No space left on device")
+
+    def on_epoch_end(self):
+        self._maybe_fail()
+
+
+class FailOnceInEpochTrainEnd(FailOnceInEpochEnd):
+    hook = "on_epoch_train_end"
+    on_epoch_end = AbstractCallback.on_epoch_end
+
+    def on_epoch_train_end(self):
+        self._maybe_fail()
+
+
+class CountsEpochEnds(AbstractCallback):
+    def __init__(self):
+        super().__init__("counts", execution_order=50)
+        self.train_ends, self.ends = [], []
+
+    def on_epoch_train_end(self):
+        self.train_ends.append(self.train_loop_obj.epoch)
+
+    def on_epoch_end(self):
+        self.ends.append(self.train_loop_obj.epoch)
+
+
+@pytest.mark.parametrize("failing_class", [FailOnceInEpochEnd, FailOnceInEpochTrainEnd])
+def test_an_exception_in_the_epoch_end_does_not_repeat_the_steps_it_finished(failing_class):
+    """A callback's ``on_epoch_end`` raised; the next ``fit`` called every ``on_epoch_end`` again: the per-epoch LR
+    scheduler stepped twice and EarlyStopping counted the epoch twice (it stopped an epoch early). Now the continued
+    fit runs only the steps of the end that did not finish: equal to the straight run in weights, learning rate,
+    EarlyStopping's state, history and the hooks each callback got."""
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+
+    def run(fail_at):
+        tl = build_loop(Cell())
+        failing, counts = failing_class(fail_at), CountsEpochEnds()
+        stopping = EarlyStopping(monitor="accumulated_loss", min_delta=100.0, patience=1)
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), stopping, failing, counts]
+        if fail_at is not None:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(num_epochs=5, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=5, callbacks=callbacks)
+        return tl, stopping, failing, counts
+
+    straight, straight_stopping, straight_failing, straight_counts = run(None)
+    continued, stopping, failing, counts = run(1)
+    assert straight.epochs_completed == continued.epochs_completed == 3  # EarlyStopping stopped after epoch 2
+    assert continued.optimizers[0].param_groups[0]["lr"] == straight.optimizers[0].param_groups[0]["lr"]
+    assert_runs_equal(continued, straight)
+    assert stopping.state_dict() == straight_stopping.state_dict()
+    assert (counts.train_ends, counts.ends) == (straight_counts.train_ends, straight_counts.ends) == ([0, 1, 2],) * 2
+    assert failing.calls == [0, 1, 1, 2]  # the failed call is made again, once
+
+
+@pytest.mark.parametrize("length", [{"num_epochs": 5}, {"num_iterations": 10}])
+def test_an_interrupted_epoch_end_is_finished_by_the_next_fit_even_when_training_is_over(length):
+    """In the last epoch's end (EarlyStopping asked to stop in it; or num_iterations is reached) a later callback
+    raised: the next fit must still finish that end (the failed callback, the epoch count, on_train_end), not report
+    "nothing to train"."""
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+
+    class TrainEnds(AbstractCallback):
+        def __init__(self):
+            super().__init__("train ends")
+            self.count = 0
+
+        def on_train_end(self):
+            self.count += 1
+
+    def run(fail_at):
+        tl = build_loop(Cell())
+        failing, ends = FailOnceInEpochEnd(fail_at), TrainEnds()
+        callbacks = [EarlyStopping(monitor="accumulated_loss", min_delta=100.0, patience=0), failing, ends]
+        if fail_at is not None:
+            with pytest.raises(OSError):
+                tl.fit(callbacks=callbacks, **length)
+            callbacks = None
+        tl.fit(callbacks=callbacks, **length)
+        return tl, failing, ends
+
+    straight, straight_failing, straight_ends = run(None)
+    continued, failing, ends = run(1)
+    assert continued.epochs_completed == straight.epochs_completed == 2
+    assert continued.early_stop == straight.early_stop
+    assert failing.calls == [0, 1, 1] and ends.count == straight_ends.count == 1
+    assert_runs_equal(continued, straight)
+
+
+# --- item 4: the step point holds the buffers -------------------------------------------------------------------
+class FailOnceAtBatch(AbstractCallback):
+    """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run), once."""
+
+    def __init__(self, at):
+        super().__init__("fail at batch")
+        self.at, self.failed = at, False
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a failure in the middle of an accumulation window")
+
+
+def _evaluated_loop(model):
+    loader = DataLoader(dataset(), batch_size=8)
+    return TrainLoop(model, loader, DataLoader(dataset(), batch_size=8), None,
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), end_auto_eval=True,
+                     show_progress=False)
+
+
+@pytest.mark.parametrize("fail_at", [1, 6])
+def test_continuing_after_an_exception_mid_window_counts_batchnorm_statistics_once(fail_at):
+    """With accumulation 3, an exception after the window's first or second batch: the continued fit trains those
+    batches again. Their BatchNorm updates were counted twice (num_batches_tracked 12 or 11 instead of 10; the
+    running statistics, and so ``loss`` and ``val_loss``, differed). The step point holds the buffers now."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _evaluated_loop(ComboNet())
+        callbacks = [FailOnceAtBatch(fail)] if fail is not None else []
+        if fail is not None:
+            with pytest.raises(RuntimeError, match="middle of an accumulation window"):
+                tl.fit(num_epochs=2, grad_accumulation=3, callbacks=callbacks)
+        tl.fit(num_epochs=2, grad_accumulation=3, callbacks=None if fail is not None else callbacks)
+        return tl
+
+    straight, continued = run(None), run(fail_at)
+    assert int(continued.model.bn.num_batches_tracked) == int(straight.model.bn.num_batches_tracked) == 10
+    assert_runs_equal(continued, straight)
+
+
+# --- item 13: what cannot train is said plainly ---------------------------------------------------------------
+def _plain_loop(model, optimizer, criterion=None):
+    return TrainLoop(model, DataLoader(dataset(), batch_size=8), None, None, optimizer,
+                     criterion if criterion is not None else nn.CrossEntropyLoss(), end_auto_eval=False,
+                     show_progress=False)
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_at_fit_start():
+    """A model built again after its optimizer: the optimizer steps the old model's parameters and the model never
+    changed (silently). Now fit refuses before training, saying why."""
+    stale = ComboNet()
+    model = ComboNet()
+    before = copy.deepcopy(model.state_dict())
+    tl = _plain_loop(model, torch.optim.Adam(stale.parameters(), lr=1e-2))
+    with pytest.raises(ValueError, match=r"none of the optimizers' 6 parameter\(s\) is a parameter of the model"):
+        tl.fit(num_epochs=1)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("use_amp", [False, {"opt_level": "O2"}])
+def test_an_optimizer_with_some_foreign_parameters_is_warned_about(use_amp):
+    """Part of the parameters outside the model (and the criterion): a warning naming how many and their shapes. The
+    check sees through amp's float32 master weights (O2: the optimizer steps copies of the model's parameters), and
+    a criterion's own parameters are the run's."""
+    model = ComboNet()
+    extra = nn.Parameter(torch.zeros(5, 2))
+    weighting = nn.Linear(1, 1)  # a criterion with parameters: trained by the optimizer too, legitimately
+
+    class WeightedLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weighting = weighting
+
+        def forward(self, logits, target):
+            return nn.functional.cross_entropy(logits, target) * self.weighting.weight.squeeze() ** 2
+
+    tl = _plain_loop(model, torch.optim.Adam([*model.parameters(), *weighting.parameters(), extra], lr=1e-2),
+                     WeightedLoss())
+    tl.use_amp = use_amp
+    with pytest.warns(UserWarning, match=r"optimizer 0 \(Adam\) holds 1 of its 9 parameter\(s\).*\(5, 2\)"):
+        tl.fit(num_epochs=1)
+
+
+class LossOf(ComboNet):
+    def __init__(self, make_loss):
+        super().__init__()
+        self.make_loss = make_loss
+
+    def get_loss(self, batch_data, criterion, device):
+        return self.make_loss(super().get_loss(batch_data, criterion, device), self(batch_data[0])[0])
+
+
+@pytest.mark.parametrize("make_loss, error, message", [
+    (lambda loss, logits: loss.detach(), ValueError, "does not require grad"),
+    (lambda loss, logits: torch.tensor(loss.item()), ValueError, r"\.item\(\), torch\.tensor"),
+    (lambda loss, logits: (logits.argmax(dim=1) == 0).sum(), TypeError, "dtype torch.int64: a loss must be a floating"),
+])
+def test_a_detached_or_integer_loss_gets_a_message_naming_get_loss(make_loss, error, message):
+    """Torch's raw "element 0 of tensors does not require grad and does not have a grad_fn" named neither get_loss
+    nor the cause."""
+    model = LossOf(make_loss)
+    tl = _plain_loop(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(error, match=f"get_loss returned.*{message}"):
+        tl.fit(num_epochs=1)
+
+
+# --- item 10: a checkpoint dict handed to load_checkpoint stays the caller's --------------------------------------
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_load_checkpoint_of_a_dict_leaves_the_dict_as_it_was(mid_epoch):
+    """``load_checkpoint(dict)`` then ``fit`` changed the caller's dict (the optimizer's state tensors were shared
+    with it): loading it again continued from another state. Every tensor of the dict is as saved after the fit, and
+    a second loop loading it trains as the first."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
+    saved = {}
+
+    class Save(AbstractCallback):
+        def on_batch_end(self):
+            if self.train_loop_obj.total_iteration_idx == 6 and mid_epoch:
+                saved["checkpoint"] = self.train_loop_obj.checkpoint_state(mid_epoch=True)
+
+    def callbacks():
+        return [StepLRScheduler(step_size=1, gamma=0.5),
+                EarlyStopping(monitor="accumulated_loss_main", patience=5)]
+
+    cell = Cell(precision="O2", loss="multi2")
+    first = build_loop(cell)
+    first.fit(num_epochs=2, callbacks=callbacks() + [Save("save")])
+    checkpoint = saved["checkpoint"] if mid_epoch else first.checkpoint_state()
+    pristine = copy.deepcopy(checkpoint)
+
+    runs = []
+    for _ in range(2):
+        resumed = build_loop(cell)
+        resumed.load_checkpoint(checkpoint)
+        resumed.fit(num_epochs=4, callbacks=callbacks())
+        runs.append(resumed)
+        got, expected = _tensors(checkpoint), _tensors(pristine)
+        assert got.keys() == expected.keys()
+        for path in expected:
+            assert torch.equal(got[path], expected[path]), f"the caller's checkpoint changed at {path}"
+        assert checkpoint.keys() == pristine.keys()
+    assert_runs_equal(*runs)
