@@ -1,5 +1,6 @@
 """Loss evaluation and prediction over a whole data set, exact over batches (and processes)."""
 import contextlib
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
@@ -37,6 +38,21 @@ def loader_length(loader: Any) -> Optional[int]:
     try:
         return len(loader)
     except TypeError:
+        return None
+
+
+def weights_version(module: Any) -> Optional[tuple]:
+    """A value that changes whenever ``module``'s parameters or buffers change: each tensor's identity, storage and
+    version counter (torch counts every in-place change: an optimizer step, ``load_state_dict``, a copy into
+    ``detach()``, ``running_mean`` updates). None when a tensor keeps no version (an inference-mode tensor).
+
+    A change made through ``tensor.data`` (``p.data.mul_(2)``) is not counted by torch and not seen here."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    try:
+        return tuple((id(tensor), tensor._version, tensor.data_ptr())
+                     for tensor in itertools.chain(module.parameters(), module.buffers()))
+    except RuntimeError:
         return None
 
 
@@ -105,8 +121,9 @@ class Evaluator:
 
     The evaluation runs in eval mode without gradients, under the loop's precision, and inside a forked
     torch RNG so that evaluating (for example shuffling a loader) never changes the training run.
-    Predictions are cached for the current training iteration: several callbacks asking for validation
-    predictions at one epoch end share a single pass. It also records the losses the loop evaluates at the end of
+    Results are cached for the current training iteration and weights: several callbacks asking for validation
+    predictions at one epoch end share a single pass, and a change of the weights or buffers in between (the
+    average WeightAveraging puts in, a ``load_state_dict``) is evaluated anew (see :func:`weights_version`). It also records the losses the loop evaluates at the end of
     an epoch and of training (``end_auto_eval``).
     """
 
@@ -192,14 +209,19 @@ class Evaluator:
 
     # --- any loader ----------------------------------------------------------------------------------------
 
-    def _cache_key(self, dataset_type: str, loader: Any) -> tuple:
+    def _cache_key(self, dataset_type: str, loader: Any) -> Optional[tuple]:
+        """What a cached result answers for: the set, the loader, the training position and the weights (None: the
+        weights' version cannot be read, nothing is cached)."""
         # The loader's identity too: a result computed on a loader since replaced is not the new loader's. (Cached
         # values keep their loader alive, so its id cannot be reused by another loader meanwhile.)
-        return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx
+        version = weights_version(self.train_loop.model)
+        if version is None:
+            return None
+        return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx, version
 
     @staticmethod
     def _store(cache: dict, key: tuple, value) -> dict:
-        """``cache`` with ``value`` under ``key``; what older iterations left behind is dropped."""
+        """``cache`` with ``value`` under ``key``; what older iterations or other weights left behind is dropped."""
         kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[2:] == key[2:]}
         kept[key] = value
         return kept
@@ -211,8 +233,8 @@ class Evaluator:
         Returns:
             A 0-dim float64 CPU tensor, or a MultiLoss of them when ``get_loss_eval`` returns a MultiLoss.
         """
-        key = self._cache_key(dataset_type, loader)
-        if cache and not force and key in self._loss_cache:
+        key = self._cache_key(dataset_type, loader) if cache else None
+        if key is not None and not force and key in self._loss_cache:
             return self._loss_cache[key][1]
         tl = self.train_loop
         tl.set_up()
@@ -235,7 +257,7 @@ class Evaluator:
             raise ValueError(f"cannot evaluate the loss on {dataset_type}: the data loader yielded no batches")
         mean = (totals[:-1] / totals[-1]).cpu()
         result = as_loss_result(mean.reshape(()) if names is None else mean, names)
-        if cache:
+        if key is not None:
             self._loss_cache = self._store(self._loss_cache, key, (loader, result))
         return result
 
@@ -252,8 +274,8 @@ class Evaluator:
             dataset_info: handed to the callbacks; ``{'type': dataset_type}`` when None.
         """
         tl = self.train_loop
-        key = self._cache_key(dataset_type, loader)
-        if cache and not force and key in self._prediction_cache:
+        key = self._cache_key(dataset_type, loader) if cache else None
+        if key is not None and not force and key in self._prediction_cache:
             return self._prediction_cache[key][1]
         tl.set_up()
         y_pred, y_true, metadata = [], [], None
@@ -279,7 +301,7 @@ class Evaluator:
         if tl.strategy.world_size > 1:
             y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
-        if cache:
+        if key is not None:
             self._prediction_cache = self._store(self._prediction_cache, key, (loader, result))
         return result
 
