@@ -123,8 +123,8 @@ class Evaluator:
     torch RNG so that evaluating (for example shuffling a loader) never changes the training run.
     Results are cached for the current training iteration and weights: several callbacks asking for validation
     predictions at one epoch end share a single pass, and a change of the weights or buffers in between (the
-    average WeightAveraging puts in, a ``load_state_dict``) is evaluated anew (see :func:`weights_version`). It also records the losses the loop evaluates at the end of
-    an epoch and of training (``end_auto_eval``).
+    average WeightAveraging puts in, a ``load_state_dict``) is evaluated anew (see :func:`weights_version`). It
+    also records the losses the loop evaluates at the end of an epoch and of training (``end_auto_eval``).
     """
 
     def __init__(self, train_loop: "TrainLoop"):
