@@ -219,9 +219,22 @@ class Evaluator:
             return None
         return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx, version
 
+    def _key_after(self, key_before: tuple, dataset_type: str, loader: Any) -> Optional[tuple]:
+        """The key to store a result under: the weights' version as the evaluation left them. A distributed
+        evaluation puts rank 0's buffers into every rank and each rank's own back afterwards (the same values, new
+        versions); the next call must still find the result. A result whose evaluation changed the weights
+        otherwise (a module that updates a buffer in eval mode) is not kept."""
+        key_after = self._cache_key(dataset_type, loader)
+        if key_after is None or not self.train_loop.strategy.is_distributed:
+            return key_before if key_after == key_before else None
+        return key_after
+
     @staticmethod
-    def _store(cache: dict, key: tuple, value) -> dict:
-        """``cache`` with ``value`` under ``key``; what older iterations or other weights left behind is dropped."""
+    def _store(cache: dict, key: Optional[tuple], value) -> dict:
+        """``cache`` with ``value`` under ``key``; what older iterations or other weights left behind is dropped.
+        ``key`` None: nothing is stored."""
+        if key is None:
+            return cache
         kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[2:] == key[2:]}
         kept[key] = value
         return kept
@@ -258,7 +271,8 @@ class Evaluator:
         mean = (totals[:-1] / totals[-1]).cpu()
         result = as_loss_result(mean.reshape(()) if names is None else mean, names)
         if key is not None:
-            self._loss_cache = self._store(self._loss_cache, key, (loader, result))
+            self._loss_cache = self._store(self._loss_cache, self._key_after(key, dataset_type, loader),
+                                           (loader, result))
         return result
 
     def predict(self, loader: DataLoader, dataset_type: str, execute_callbacks: bool = False, force: bool = False,
@@ -302,7 +316,8 @@ class Evaluator:
             y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
         if key is not None:
-            self._prediction_cache = self._store(self._prediction_cache, key, (loader, result))
+            self._prediction_cache = self._store(self._prediction_cache, self._key_after(key, dataset_type, loader),
+                                                 (loader, result))
         return result
 
     def _gather_from_ranks(self, y_pred, y_true, metadata):
