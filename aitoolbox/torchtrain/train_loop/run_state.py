@@ -21,9 +21,10 @@ from aitoolbox.torchtrain.train_loop.evaluation import loader_length
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.rollback import RollbackHistory
+from aitoolbox.experiment.local_save.checkpoints import OPTIMIZER_KEY, SCHEDULERS_KEY
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
-    restore_rng_state, restore_train_state)
+    restore_rng_state, restore_train_state, saved_optimizer_states)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -61,9 +62,18 @@ class RunState:
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
-                include_weights: bool = True) -> dict:
-        """The whole run now, as a checkpoint dict (a collective in a distributed run: call it in every process)."""
-        return capture_train_state(tl, mid_epoch, hyperparams, include_weights)
+                include_weights: bool = True, include_pending: bool = True) -> dict:
+        """The whole run now, as a checkpoint dict (a collective in a distributed run: call it in every process).
+
+        A loaded checkpoint that ``fit`` has not applied yet is the run: its precision, callback, scheduler and
+        random states and its position are taken from it (those of the loop are not the run's until ``fit``
+        applies them), the weights, optimizer states and history from the loop, where loading put them.
+        ``include_pending=False`` captures the loop as it is (a :class:`~.run_snapshot.RunSnapshot` keeps the
+        pending checkpoint beside it)."""
+        checkpoint = capture_train_state(tl, mid_epoch, hyperparams, include_weights)
+        if include_pending and self.pending_checkpoint is not None:
+            _take_pending_states(checkpoint, self.pending_checkpoint)
+        return checkpoint
 
     def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
         """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
@@ -182,3 +192,26 @@ class RunState:
         committed = self.epoch_loss.committed
         return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
                               self.epoch_start_rng, rng)
+
+
+# What a loaded checkpoint waiting for fit holds of the run that the loop does not hold yet.
+_PENDING_KEYS = ("precision", "callbacks", SCHEDULERS_KEY, "amp", "rng", "epochs_completed", "iteration", "early_stop",
+                 "epoch_start_rng", "epoch_loss_sum", "train_loader_state", "train_history_per_rank", "rollbacks")
+
+
+def _take_pending_states(checkpoint: dict, pending: dict) -> None:
+    """Put into ``checkpoint`` (captured from the loop) the states of the loaded checkpoint ``pending`` that ``fit``
+    has not applied yet (copies: the pending checkpoint is the caller's)."""
+    for key in _PENDING_KEYS:
+        if key in pending:
+            checkpoint[key] = copy.deepcopy(pending[key])
+        else:
+            checkpoint.pop(key, None)
+    if "train_history_per_rank" in checkpoint:
+        checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
+    # LR schedulers put their initial learning rate into the optimizers when registered; fit puts the saved back.
+    saved_groups = [state["param_groups"] for state in saved_optimizer_states(pending)]
+    states = [checkpoint[OPTIMIZER_KEY]] if isinstance(checkpoint[OPTIMIZER_KEY], dict) else checkpoint[OPTIMIZER_KEY]
+    for state, groups in zip(states, saved_groups):
+        for group, saved in zip(state["param_groups"], groups):
+            group.update({key: copy.deepcopy(value) for key, value in saved.items() if key != "params"})
