@@ -86,6 +86,12 @@ class MasterWeights:
         self._sync_masters_if_model_changed(optimizer)
         return self._by_optimizer[optimizer].pairs
 
+    def model_parameters(self, optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+        """The model's parameters of the optimizer, as they are: the masters are not refreshed from them (clearing
+        gradients must not take a write the model has for now, such as an average swapped in, for the weights)."""
+        self._install_new_groups(optimizer)
+        return [model for model, _ in self._by_optimizer[optimizer].pairs]
+
     def _record_versions(self, optimizer: torch.optim.Optimizer) -> None:
         record = self._by_optimizer[optimizer]
         record.model_versions = [model._version for model, _ in record.pairs]
