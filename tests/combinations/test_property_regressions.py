@@ -116,3 +116,30 @@ def test_o2_two_fits_with_weight_averaging_equal_one(averaging):
     two.tl.fit(num_epochs=1)
     two.tl.fit(num_epochs=3)
     assert not differences(observe(two, {}), observe(one, {}))
+
+
+# --- two exceptions in a row ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("first", ["on_batch_end", "get_loss"])
+@pytest.mark.parametrize("resumed_from", ["exception", "checkpoint"])
+def test_a_second_exception_before_the_first_step_keeps_where_the_run_stopped(first, resumed_from):
+    """Found by the property test. A fit stopped by an exception (or a new loop that loaded a mid-epoch checkpoint)
+    is continued by a fit that raises again before its first step (in on_epoch_begin): the point to continue from
+    was forgotten, so the next fit started the epoch over, training its first batch a second time (Adam one step
+    ahead) or drawing its data order and dropout masks anew."""
+    setup = Setup(num_samples=12, batchnorm=False, shuffle=True)
+    straight = Run(setup, under_test=False)
+    straight.tl.fit(num_epochs=2)
+    run = Run(setup, under_test=True)
+    run.faults.arm(first, 1)  # batch 1 (after batch 0's step; before or after batch 1's forward)
+    with pytest.raises(InjectedFault):
+        run.tl.fit(num_epochs=2)
+    if resumed_from == "checkpoint":
+        checkpoint = run.keeper.newest  # after batch 0's step
+        torch.manual_seed(77)
+        run = Run(setup, under_test=True)
+        run.tl.load_checkpoint(checkpoint)
+    run.faults.arm("on_epoch_begin", 0)
+    with pytest.raises(InjectedFault):
+        run.tl.fit(num_epochs=2)
+    run.tl.fit(num_epochs=2)
+    assert not differences(observe(run, {}), observe(straight, {}))

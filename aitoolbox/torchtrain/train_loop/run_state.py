@@ -84,7 +84,10 @@ class RunState:
         """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
         ``fit`` stopped on an exception. Returns where to continue inside an epoch (None: at an epoch's start)."""
         from_checkpoint = apply_pending_states(tl)
-        point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
+        point, self._interrupted_at = self._interrupted_at, None
+        # Until the epoch's batches start again (epoch_batches marks the resumed position), an exception (in
+        # on_epoch_begin, say) continues from this same point: nothing was trained since.
+        self._step_point = from_checkpoint if from_checkpoint is not None else point
         if from_checkpoint is not None:
             return from_checkpoint
         if point is not None and tl.strategy.is_main_process:
