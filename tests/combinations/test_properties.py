@@ -33,11 +33,13 @@ Known defects that other slices fix at the same time are kept out of the search,
 (:data:`KNOWN_DEFECTS`); remove an entry once its fix is merged and the machine searches that part too. The quick
 tier runs a few dozen derandomized examples; the extended tier (``--extended``) a few hundred random ones.
 """
+import collections
 import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from tests.combinations.properties_support import (
@@ -124,8 +126,17 @@ class TrainingInvariant(RuleBasedStateMachine):
     # --- training ---------------------------------------------------------------------------------------------
     @precondition(lambda self: not self.ended)
     @rule(unit=st.sampled_from(["epochs", "iterations"]), epochs=st.integers(1, 2), iterations=st.integers(1, 9),
-          fault=st.none() | st.tuples(st.integers(0, len(FAULT_POINTS) - 1), st.integers(0, 8)))
-    def fit(self, unit, epochs, iterations, fault):
+          fault=st.none() | st.tuples(st.integers(0, len(FAULT_POINTS) - 1), st.integers(0, 4)),
+          detour=st.sampled_from([None, None, "evaluate", "model.eval()", "lr_find"]), variant=st.integers(0, 3))
+    def fit(self, unit, epochs, iterations, fault, detour=None, variant=0):
+        """A detour of the test run (``variant`` picks its kind), then a fit of both runs, the test run's with an
+        armed fault. (The detours are part of this rule so that most of a sequence's steps train.)"""
+        if detour == "evaluate":
+            self.evaluate(["train_loss", "validation_loss", "train_predictions", "validation_predictions"][variant])
+        elif detour == "model.eval()":
+            self.model_eval()
+        elif detour == "lr_find":
+            self.lr_find(num_iterations=2 + variant)
         reference = self.reference.tl
         target = reference.epochs_completed + epochs if unit == "epochs" else reference.iterations_done + iterations
         if self.failed_call is not None:  # the call that raised, again (its target, or a larger one)
@@ -135,6 +146,7 @@ class TrainingInvariant(RuleBasedStateMachine):
             points = fault_points(self.setup)
             faults.arm(points[fault[0] % len(points)], fault[1])
         self.steps.append(f"fit({unit}={target}, fault={faults.where and (faults.where, faults.after)})")
+        _note("fit")
         own_error = None
         with self.random.use("test"):
             try:
@@ -143,6 +155,7 @@ class TrainingInvariant(RuleBasedStateMachine):
                 if not faults.fired:  # the run's own error: the reference must meet the same one
                     own_error = error
                 else:  # the fault (a full disk's error is torch.save's: OSError or RuntimeError)
+                    _note(f"fault raised in {self.steps[-1].split(chr(39))[1]}")
                     self.steps[-1] += f" raised {type(error).__name__}"
                     self.failed_call = (unit, target)
                     faults.uncommitted = 0  # the next fit starts from the last completed step
@@ -159,14 +172,17 @@ class TrainingInvariant(RuleBasedStateMachine):
                     raise AssertionError(f"the reference run raised, the test run {own_error!r}: {self.steps}") \
                         from error
                 self.ended = True
+                _note("both runs raised the same error of their own")
                 return
         if own_error is not None:
             raise AssertionError(f"the test run raised, the reference run did not: {self.steps}") from own_error
+        if any(step.endswith(("Fault", "Error")) for step in self.steps):
+            _note("compared after a fault")
+        if any(step.startswith(("save", "resume")) for step in self.steps):
+            _note("compared after a new TrainLoop loaded a checkpoint")
         self._compare(trained=position != (reference.epochs_completed, reference.iterations_done))
 
-    # --- detours ------------------------------------------------------------------------------------------------
-    @precondition(lambda self: not self.ended)
-    @rule(which=st.sampled_from(["train_loss", "validation_loss", "train_predictions", "validation_predictions"]))
+    # --- detours (of the fit rule) -----------------------------------------------------------------------------
     def evaluate(self, which):
         tl = self.test.tl
         if which.startswith("validation") and tl.validation_loader is None:
@@ -179,14 +195,10 @@ class TrainingInvariant(RuleBasedStateMachine):
             cached, forced = method(), method(force_prediction=True)
         assert not differences(cached, forced), f"the cached {which} is not the forced one: {self.steps}"
 
-    @precondition(lambda self: not self.ended)
-    @rule()
     def model_eval(self):
         self.steps.append("model.eval()")
         self.test.tl.model.eval()
 
-    @precondition(lambda self: not self.ended)
-    @rule(num_iterations=st.integers(2, 5))
     def lr_find(self, num_iterations):
         self.steps.append(f"lr_find({num_iterations})")
         with self.random.use("test"):
@@ -206,7 +218,10 @@ class TrainingInvariant(RuleBasedStateMachine):
                   and (14 not in KNOWN_DEFECTS or self.test.keeper.rollbacks == len(self.test.tl.rollbacks)))
     @rule()
     def resume_from_newest_checkpoint(self):
-        self.steps.append("resume from the newest kept checkpoint in a new TrainLoop")
+        mid_epoch = self.test.keeper.newest["iteration"] > 0
+        _note(f"resumed from a {'mid-epoch' if mid_epoch else 'epoch-end'} checkpoint")
+        self.steps.append(f"resume from the newest kept checkpoint ({'mid-epoch' if mid_epoch else 'epoch end'}) "
+                          "in a new TrainLoop")
         self._continue_from(self.test.keeper.newest, scramble=4321)
 
     def _continue_from(self, checkpoint: dict, scramble: int) -> None:
@@ -243,6 +258,16 @@ class TrainingInvariant(RuleBasedStateMachine):
                            + "\nafter:\n  " + "\n  ".join(self.steps))
 
 
+# What the search did, over a test's examples: the test checks that the machine did reach what it is for.
+STATISTICS: collections.Counter = collections.Counter()
+
+
+def _note(what: str) -> None:
+    STATISTICS[what] += 1
+    if currently_in_test_context():  # (a state machine driven by hand, to replay a case, is not)
+        event(what)
+
+
 def _fit(tl, unit: str, target: int, accumulation: int) -> None:
     if unit == "epochs":
         tl.fit(num_epochs=target, grad_accumulation=accumulation)
@@ -250,17 +275,27 @@ def _fit(tl, unit: str, target: int, accumulation: int) -> None:
         tl.fit(num_iterations=target, grad_accumulation=accumulation)
 
 
-QUICK = settings(max_examples=30, stateful_step_count=5, deadline=None, derandomize=True, database=None,
+QUICK = settings(max_examples=30, stateful_step_count=6, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 EXTENDED = settings(max_examples=300, stateful_step_count=8, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def _search(tier: settings) -> None:
+    STATISTICS.clear()
+    run_state_machine_as_test(TrainingInvariant, settings=tier)
+    print("what the search did:", dict(sorted(STATISTICS.items())))
+    # Not a vacuous search: continuations after faults and after loading a checkpoint were compared.
+    assert STATISTICS["compared after a fault"] > 0, STATISTICS
+    assert STATISTICS["compared after a new TrainLoop loaded a checkpoint"] > 0, STATISTICS
+    assert sum(count for what, count in STATISTICS.items() if what.startswith("fault raised")) > 0, STATISTICS
+
+
 def test_the_invariant_holds_for_drawn_configurations_and_operations():
-    run_state_machine_as_test(TrainingInvariant, settings=QUICK)
+    _search(QUICK)
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 def test_the_invariant_holds_for_drawn_configurations_and_operations_extended():
-    run_state_machine_as_test(TrainingInvariant, settings=EXTENDED)
+    _search(EXTENDED)

@@ -143,3 +143,21 @@ def test_a_second_exception_before_the_first_step_keeps_where_the_run_stopped(fi
         run.tl.fit(num_epochs=2)
     run.tl.fit(num_epochs=2)
     assert not differences(observe(run, {}), observe(straight, {}))
+
+
+# --- the loader's generator at the step point ------------------------------------------------------------------
+@pytest.mark.parametrize("num_samples", [5, 6])
+def test_an_exception_fetching_the_last_partial_batch_keeps_the_next_epochs_order(num_samples):
+    """Found by the property test. A shuffling loader with its own generator, whose last batch is partial: fetching
+    it makes the sampler draw from the generator once more (RandomSampler's tail), after the last step. An exception
+    in that batch's get_loss saved the generator as it was then, the continuation drew the tail again on top of it,
+    and every later epoch was shuffled differently from the straight run's."""
+    setup = Setup(num_samples=num_samples, batchnorm=False, shuffle=True)
+    straight = Run(setup, under_test=False)
+    straight.tl.fit(num_epochs=3)
+    run = Run(setup, under_test=True)
+    run.faults.arm("get_loss", 1)  # batch 1, the partial one, of epoch 0
+    with pytest.raises(InjectedFault):
+        run.tl.fit(num_epochs=3)
+    run.tl.fit(num_epochs=3)
+    assert not differences(observe(run, {}), observe(straight, {}))

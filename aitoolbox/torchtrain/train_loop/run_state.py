@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Tuple
 import torch
 
 from aitoolbox.torchtrain.train_loop.data_position import epoch_without
-from aitoolbox.torchtrain.train_loop.evaluation import loader_length
+from aitoolbox.torchtrain.train_loop.evaluation import loader_generators, loader_length
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.rollback import RollbackHistory
@@ -56,6 +56,7 @@ class RunState:
         # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
         # epoch's batches are all trained; None before the epoch's first step.
         self._step_point: Any = None
+        self._loader_generators: list = []  # the training loader's own generators (epoch_batches), see mark_batch_done
         self._interrupted_at: Optional[MidEpochResume] = None
         self.rollbacks = RollbackHistory()
         self._after_step: Optional[Callable[["TrainLoop"], None]] = None
@@ -114,6 +115,7 @@ class RunState:
         batches that remain (:func:`~.data_position.epoch_without`)."""
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
+        self._loader_generators = loader_generators(loader)
         self.epoch_start_rng = capture_rng_state(loader)
         self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
         batches_done = resume.batches_done if resume is not None else 0
@@ -157,11 +159,15 @@ class RunState:
 
         Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes)
         and of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
-        exception draw their dropout masks as the interrupted run did.
+        exception draw their dropout masks as the interrupted run did. The training loader's own generators too (none
+        for most loaders): fetching the next batch may draw from them after the step (a shuffling sampler's tail,
+        with a partial last batch), and the continuation draws that again.
         """
         self.epoch_loss.commit()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # (is_available: slower)
-        self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda)
+        loader_states = [generator.get_state() for generator in self._loader_generators]
+        self._step_point = (self.batches_done, self.counters.total_iteration_idx, torch.get_rng_state(), cuda,
+                            loader_states)
 
     def mark_epoch_trained(self, history: Any) -> None:
         """The epoch's batches are all trained: an exception in its end (evaluation, ``on_epoch_end``) does only the
@@ -189,9 +195,9 @@ class RunState:
         point = self._step_point
         if point is None or isinstance(point, MidEpochResume):
             return point
-        batches_done, total_iteration_idx, torch_rng, cuda_rng = point
+        batches_done, total_iteration_idx, torch_rng, cuda_rng, loader_states = point
         self.counters.total_iteration_idx = total_iteration_idx
-        rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
+        rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng, loader_generators=loader_states)
         committed = self.epoch_loss.committed
         return MidEpochResume(batches_done, None if committed is None else committed.tolist(),
                               self.epoch_start_rng, rng)
