@@ -76,8 +76,8 @@ class Faults:
     """One armed fault: ``where`` raises at its ``after``-th eligible occurrence (0: the first), then disarms.
 
     ``uncommitted`` counts the training forwards since the last completed optimizer step: the batches a fault
-    makes the next ``fit`` train again. ``retrain_allowed`` False (issue 32 item 4: BatchNorm statistics counted
-    twice for the batches trained again) makes only the occurrences with none of them eligible.
+    makes the next ``fit`` train again. ``retrain_allowed`` False (a known defect with the batches trained again,
+    see ``KNOWN_DEFECTS`` in test_properties.py) makes only the occurrences with none of them eligible.
     """
 
     def __init__(self):
@@ -255,6 +255,10 @@ class Run:
         self.keeper = KeepCheckpoints() if under_test else None
         extra = [FaultPoints(self.faults, fault_order), self.keeper] if under_test else []
         self.tl.callbacks_handler.register_callbacks(self.callbacks + extra)
+
+    def fit(self, **targets) -> None:
+        """``fit`` with the setup's accumulation."""
+        self.tl.fit(grad_accumulation=self.setup.accumulation, **targets)
 
 
 def setup_callbacks(setup: Setup) -> List[AbstractCallback]:
