@@ -29,9 +29,12 @@ The reference run is the test run without its detours: it makes the same sequenc
 * ``model.eval()`` (as before predicting in a notebook): the reference does nothing; the next ``fit`` trains as
   without it.
 
-Known defects that other slices fix at the same time are kept out of the search, each by the smallest exclusion
-(:data:`KNOWN_DEFECTS`); remove an entry once its fix is merged and the machine searches that part too. The quick
-tier runs a few dozen derandomized examples; the extended tier (``--extended``) a few hundred random ones.
+Known defects that other slices fix at the same time, and those this test found whose fix belongs elsewhere, are
+kept out of the search, each by the smallest exclusion (:data:`KNOWN_DEFECTS`); remove an entry once its fix is
+merged and the machine searches that part too. What it found is kept as named regression tests in
+test_property_regressions.py. One process only: the equivalence of distributed and single-process training is the
+matrix's (test_matrix.py), whose cells cost processes. The quick tier runs a few dozen derandomized examples; the
+extended tier (``--extended``) a few hundred random ones.
 """
 import collections
 import copy

@@ -349,6 +349,7 @@ def main() -> int:
     parser.add_argument("--timeout-factor", type=float, default=3.0,
                         help="a mutant's tests may take this many times the unmutated run (then: killed, timeout)")
     parser.add_argument("--no-coverage", action="store_true", help="run every mutant, covered or not")
+    parser.add_argument("--baseline-only", action="store_true", help="run the unmutated selection only")
     options = parser.parse_args()
 
     files = target_files(options.target)
@@ -382,8 +383,13 @@ def main() -> int:
         outcome, baseline_s, covered = _run_tests(copy_root, os.path.join(log_dir, "baseline.log"), 3600,
                                                   None if options.no_coverage else files)
         if outcome != "survived":
-            print(f"the unmutated tests do not pass ({outcome}): see {log_dir}/baseline.log")
+            with open(os.path.join(log_dir, "baseline.log")) as log:
+                print(f"the unmutated tests do not pass ({outcome}); the end of their output:\n"
+                      + "".join(log.readlines()[-80:]))
             return 2
+        if options.baseline_only:
+            print(f"unmutated: the selection passes in {baseline_s:.0f} s")
+            return 0
         print(f"unmutated: the selection passes in {baseline_s:.0f} s; {len(plan)} mutants")
         timeout_s = options.timeout_factor * baseline_s + 30
         sources = {path: open(os.path.join(REPOSITORY, path)).read() for path in files}
