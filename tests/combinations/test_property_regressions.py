@@ -220,3 +220,19 @@ def test_spike_rollback_resumed_from_a_checkpoint_of_a_checked_step_equals_strai
     resumed.tl.load_checkpoint(crashed.keeper.newest)
     resumed.fit(num_epochs=2)
     assert not differences(observe(resumed, {}), observe(straight, {}))
+
+
+# --- restoring O2's masters while the model holds WeightAveraging's average --------------------------------------
+def test_lr_find_leaves_the_average_in_the_model_under_o2():
+    """Found by the property test (O2, EMA saved into the model, lr_find between fits, then a fit with nothing to
+    train: the run had stopped early). lr_find restores the run from its snapshot, and restoring O2's float32 masters
+    copied them into the model, over the averaged weights it held: the model lr_find returned held the training
+    weights (1e-2 away), while WeightAveraging still took the average for being in the model."""
+    setup = Setup(precision="O2", averaging="ema", batchnorm=True, num_samples=12)
+    run = Run(setup, under_test=False)
+    run.fit(num_epochs=2)
+    before = {name: tensor.clone() for name, tensor in run.tl.model.state_dict().items()}
+    masters = run.tl.precision.state_dict()["master_weights"]
+    run.tl.lr_find(num_iterations=3)
+    assert not differences(run.tl.model.state_dict(), before)
+    assert not differences(run.tl.precision.state_dict()["master_weights"], masters)
