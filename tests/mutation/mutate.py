@@ -40,6 +40,7 @@ TARGETS = ["aitoolbox/torchtrain/train_loop/step_runner.py", "aitoolbox/torchtra
 # list to change the selection; ``-m "not slow"`` applies.
 TESTS = [
     "tests/torchtrain/precision/test_loss_scaler.py",
+    "tests/torchtrain/precision/test_loss_scaler_defaults.py",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/combinations/test_property_regressions.py",
     "tests/torchtrain/precision/test_precision_parity.py",
