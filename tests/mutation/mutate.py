@@ -42,6 +42,7 @@ TESTS = [
     "tests/torchtrain/precision/test_loss_scaler.py",
     "tests/torchtrain/precision/test_loss_scaler_defaults.py",
     "tests/torchtrain/precision/test_master_weights_kinds.py",
+    "tests/torchtrain/precision/test_cast_floating.py",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/combinations/test_property_regressions.py",
     "tests/torchtrain/precision/test_precision_parity.py",
