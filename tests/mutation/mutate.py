@@ -44,6 +44,7 @@ TESTS = [
     "tests/torchtrain/precision/test_master_weights_kinds.py",
     "tests/torchtrain/precision/test_cast_floating.py",
     "tests/torchtrain/train_loop/test_data_position.py",
+    "tests/torchtrain/train_loop/test_loader_own_state.py",
     "tests/combinations/test_property_regressions.py",
     "tests/torchtrain/precision/test_precision_parity.py",
     "tests/torchtrain/train_loop/test_run_snapshot.py",
