@@ -5,6 +5,8 @@ A test marked ``xfail(strict=True)`` documents a defect whose fix belongs to ano
 reason); it starts passing (and so failing as xfail) when the fix is merged: then remove the mark and the matching
 entry of ``KNOWN_DEFECTS`` in test_properties.py.
 """
+import copy
+
 import pytest
 import torch
 
@@ -236,3 +238,22 @@ def test_lr_find_leaves_the_average_in_the_model_under_o2():
     run.tl.lr_find(num_iterations=3)
     assert not differences(run.tl.model.state_dict(), before)
     assert not differences(run.tl.precision.state_dict()["master_weights"], masters)
+
+
+# --- loading a checkpoint after an exception -------------------------------------------------------------------------
+def test_a_checkpoint_loaded_after_an_exception_is_where_the_next_fit_continues():
+    """Kills a mutant the mutation run found surviving (RunState.load keeping the exception's point): a fit stopped
+    by an exception inside epoch 2, then the checkpoint of epoch 1's end loaded into the same loop: the next fit
+    continues from the checkpoint, not from where the exception stopped."""
+    setup = Setup(num_samples=12, batchnorm=False, shuffle=True)
+    straight = Run(setup, under_test=False)
+    straight.fit(num_epochs=2)
+    run = Run(setup, under_test=True)
+    run.fit(num_epochs=1)
+    epoch_one = copy.deepcopy(run.keeper.newest)
+    run.faults.arm("get_loss", 2)
+    with pytest.raises(InjectedFault):
+        run.fit(num_epochs=2)
+    run.tl.load_checkpoint(epoch_one)
+    run.fit(num_epochs=2)
+    assert not differences(observe(run, {}), observe(straight, {}))
