@@ -86,10 +86,11 @@ class Compiler:
     def verify(self, module: nn.Module, compute_loss: Callable[[], Any], autocast_dtype: Any) -> None:
         """Compare the compiled gradients of one batch with eager ones (raises when they differ); once."""
         started = time.perf_counter()
-        verify_compiled_gradients(module, compute_loss, autocast_dtype)
+        compared = verify_compiled_gradients(module, compute_loss, autocast_dtype)
         self._verified = True
-        logger.info("torch_compile: the compiled gradients of the first batch match eager ones (checked in %.1f s; "
-                    "torch_compile={'verify': False} skips the check)", time.perf_counter() - started)
+        if compared:
+            logger.info("torch_compile: the compiled gradients of the first batch match eager ones (checked in %.1f s; "
+                        "torch_compile={'verify': False} skips the check)", time.perf_counter() - started)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` (compiled when ``optimizer_step`` is on); the Precision object calls this."""

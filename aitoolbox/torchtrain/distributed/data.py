@@ -28,9 +28,12 @@ class ContiguousDistributedSampler(Sampler[int]):
     ``indices``), which is what exact evaluation needs (DistributedSampler repeats samples to even out the ranks).
     """
 
-    def __init__(self, dataset_size: int, rank: int, world_size: int, indices: Optional[List[int]] = None):
+    def __init__(self, dataset_size: int, rank: int, world_size: int, indices: Optional[List[int]] = None,
+                 full_batches_of: Optional[int] = None):
         self.indices = indices
         size = dataset_size if indices is None else len(indices)
+        if full_batches_of:  # a loader that drops its incomplete last batch evaluates its full batches' samples only
+            size -= size % full_batches_of
         self.start = size * rank // world_size
         self.stop = size * (rank + 1) // world_size
 
@@ -302,15 +305,16 @@ def _feed(digest: Any, value: Any) -> None:
 
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
     """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
-    no sample repeated (see :func:`evaluation_indices`); with a batch sampler of its own, a contiguous block of the
-    batches it makes."""
+    no sample repeated (see :func:`evaluation_indices`); with ``drop_last`` only the samples of the full batches, as
+    one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes."""
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
         return _batch_sampler_eval_loader(loader, rank, world_size)
     if loader is None or not _is_shardable(loader):
         return loader
-    sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader))
+    sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader),
+                                           full_batches_of=loader.batch_size if loader.drop_last else None)
     options = _loader_options(loader)
-    options["drop_last"] = False
+    options["drop_last"] = False  # the sampler kept the full batches' samples only
     return DataLoader(loader.dataset, sampler=sampler, **options)
 

@@ -1,10 +1,11 @@
 """The DistributedDataParallel strategy: one process per device, gradients all-reduced by torch DDP."""
 import atexit
+import contextlib
 import datetime
 import os
 import time
 import logging
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,12 @@ class DistributedStrategy(SingleDeviceStrategy):
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
 
+    def evaluation_context(self) -> ContextManager:
+        """Every rank evaluates with rank 0's buffers (see :func:`rank0_buffers`)."""
+        if self._ddp_wrapper is None:
+            return self._no_sync_needed
+        return rank0_buffers(self._ddp_wrapper.module)
+
     def setup_loader(self, loader: Optional[DataLoader], shuffle: Optional[bool] = None) -> Optional[DataLoader]:
         """This process's share of the user's training loader (:func:`~.data.distributed_train_loader`); a
         collective. Every process draws the user's sampler's order alike: the seed of the global random state it
@@ -202,6 +209,29 @@ class DistributedStrategy(SingleDeviceStrategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def rank0_buffers(module: nn.Module) -> Iterator[None]:
+    """``module``'s buffers as rank 0 holds them, in every rank, for an evaluation; each rank's own put back after.
+
+    The model is rank 0's (``fit_distributed`` returns it, checkpoints save it), but each rank updates its own
+    buffers: DDP gives every rank rank 0's buffers at the start of each training forward, so after training a
+    rank's BatchNorm statistics differ by its last batch's update (FSDP never synchronises them). Each rank's block
+    of the data is then evaluated with the statistics one process evaluates it with. A collective: every rank
+    enters it.
+    """
+    buffers = list(module.buffers())
+    own = [buffer.detach().clone() for buffer in buffers]
+    with torch.no_grad():
+        for buffer in buffers:
+            dist.broadcast(buffer, src=0)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, own):
+                buffer.copy_(value)
 
 
 def _destroy_process_group_at_exit() -> None:

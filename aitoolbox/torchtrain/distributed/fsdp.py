@@ -23,7 +23,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy
+from aitoolbox.torchtrain.distributed.ddp import DistributedStrategy, rank0_buffers
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,13 @@ class FullyShardedStrategy(DistributedStrategy):
         communicate nothing, so ranks with different numbers of evaluation batches never wait on each other."""
         if self._sharded_model is None:
             return contextlib.nullcontext()
-        return _gathered_parameters(self._sharded_model, self.fsdp_model_args.get("reshard_after_forward", True))
+        return self._evaluation_context(self._sharded_model)
+
+    @contextlib.contextmanager
+    def _evaluation_context(self, model: nn.Module) -> Iterator[None]:
+        # The model's buffers are rank 0's (see rank0_buffers): FSDP does not shard or synchronise them.
+        with rank0_buffers(model), _gathered_parameters(model, self.fsdp_model_args.get("reshard_after_forward", True)):
+            yield
 
     def model_state_dict(self, model: nn.Module) -> dict:
         """The full model state dict, gathered to the CPU of rank 0 (other ranks get an empty dict); a collective:

@@ -86,6 +86,12 @@ class MasterWeights:
         self._sync_masters_if_model_changed(optimizer)
         return self._by_optimizer[optimizer].pairs
 
+    def model_parameters(self, optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+        """The model's parameters of the optimizer, as they are: the masters are not refreshed from them (clearing
+        gradients must not take a write the model has for now, such as an average swapped in, for the weights)."""
+        self._install_new_groups(optimizer)
+        return [model for model, _ in self._by_optimizer[optimizer].pairs]
+
     def _record_versions(self, optimizer: torch.optim.Optimizer) -> None:
         record = self._by_optimizer[optimizer]
         record.model_versions = [model._version for model, _ in record.pairs]
@@ -125,7 +131,10 @@ class MasterWeights:
                  if model is not master] for optimizer in optimizers]
 
     def load_state_dict(self, state: List[List[torch.Tensor]]) -> None:
-        """Restore the masters exactly and copy them into the model (what a step would have left there)."""
+        """Restore the masters exactly and copy each into its model parameter, unless that parameter was written
+        since the last step (a checkpoint's model state loaded, WeightAveraging's average swapped in): it keeps
+        what was written, and the next step adopts it or not as for any other write (see
+        :meth:`_sync_masters_if_model_changed`)."""
         optimizers = self.optimizers
         for optimizer in optimizers:
             self._install_new_groups(optimizer)
@@ -139,10 +148,16 @@ class MasterWeights:
                 if len(saved) != len(masters):
                     raise ValueError(f"the checkpoint holds {len(saved)} master weights for an optimizer that "
                                      f"has {len(masters)}: was it saved from the same model and opt_level?")
+                record = self._by_optimizer[optimizer]
+                written = {id(model) for (model, master), version in zip(record.pairs, record.model_versions)
+                           if model is not master and model._version != version}
                 for (model, master), value in zip(masters, saved):
                     master.copy_(value)
-                    model.copy_(master)
-                self._record_versions(optimizer)
+                    if id(model) not in written:
+                        model.copy_(master)
+                # Only the parameters copied into are recorded: a written one stays a write for the next step.
+                record.model_versions = [version if id(model) in written else model._version
+                                         for (model, _), version in zip(record.pairs, record.model_versions)]
 
 
 def unscale_into(pairs: Sequence[GradPair], inverse_scaler) -> bool:

@@ -225,7 +225,9 @@ class Precision:
         for optimizer in optimizers:
             optimizer.zero_grad()  # set_to_none=True, torch's default, without asking wrappers to take it
             if self.master_weights is not None and self.master_weights.manages(optimizer):
-                for model_param, _ in self.master_weights.grad_pairs(optimizer):
+                # Not grad_pairs: it adopts a write of the model's weights into the masters, and between two fits
+                # the model may hold weights that are not the training ones (WeightAveraging's average).
+                for model_param in self.master_weights.model_parameters(optimizer):
                     model_param.grad = None
 
     def state_dict(self) -> dict:

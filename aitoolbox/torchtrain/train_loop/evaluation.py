@@ -1,5 +1,6 @@
 """Loss evaluation and prediction over a whole data set, exact over batches (and processes)."""
 import contextlib
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
@@ -19,6 +20,21 @@ if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
+
+
+def weights_version(module: Any) -> Optional[tuple]:
+    """A value that changes whenever ``module``'s parameters or buffers change: each tensor's identity, storage and
+    version counter (torch counts every in-place change: an optimizer step, ``load_state_dict``, a copy into
+    ``detach()``, ``running_mean`` updates). None when a tensor keeps no version (an inference-mode tensor).
+
+    A change made through ``tensor.data`` (``p.data.mul_(2)``) is not counted by torch and not seen here."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    try:
+        return tuple((id(tensor), tensor._version, tensor.data_ptr())
+                     for tensor in itertools.chain(module.parameters(), module.buffers()))
+    except RuntimeError:
+        return None
 
 
 def merge_metadata(batch_metadata: Optional[dict], collected: Optional[dict]) -> Optional[dict]:
@@ -63,9 +79,10 @@ class Evaluator:
 
     The evaluation runs in eval mode without gradients, under the loop's precision, and inside a forked
     torch RNG so that evaluating (for example shuffling a loader) never changes the training run.
-    Predictions are cached for the current training iteration: several callbacks asking for validation
-    predictions at one epoch end share a single pass. It also records the losses the loop evaluates at the end of
-    an epoch and of training (``end_auto_eval``).
+    Results are cached for the current training iteration and weights: several callbacks asking for validation
+    predictions at one epoch end share a single pass, and a change of the weights or buffers in between (the
+    average WeightAveraging puts in, a ``load_state_dict``) is evaluated anew (see :func:`weights_version`). It
+    also records the losses the loop evaluates at the end of an epoch and of training (``end_auto_eval``).
     """
 
     def __init__(self, train_loop: "TrainLoop"):
@@ -151,14 +168,32 @@ class Evaluator:
 
     # --- any loader ----------------------------------------------------------------------------------------
 
-    def _cache_key(self, dataset_type: str, loader: Any) -> tuple:
+    def _cache_key(self, dataset_type: str, loader: Any) -> Optional[tuple]:
+        """What a cached result answers for: the set, the loader, the training position and the weights (None: the
+        weights' version cannot be read, nothing is cached)."""
         # The loader's identity too: a result computed on a loader since replaced is not the new loader's. (Cached
         # values keep their loader alive, so its id cannot be reused by another loader meanwhile.)
-        return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx
+        version = weights_version(self.train_loop.model)
+        if version is None:
+            return None
+        return dataset_type, id(loader), self.train_loop.epoch, self.train_loop.total_iteration_idx, version
+
+    def _key_after(self, key_before: tuple, dataset_type: str, loader: Any) -> Optional[tuple]:
+        """The key to store a result under: the weights' version as the evaluation left them. A distributed
+        evaluation puts rank 0's buffers into every rank and each rank's own back afterwards (the same values, new
+        versions); the next call must still find the result. A result whose evaluation changed the weights
+        otherwise (a module that updates a buffer in eval mode) is not kept."""
+        key_after = self._cache_key(dataset_type, loader)
+        if key_after is None or not self.train_loop.strategy.is_distributed:
+            return key_before if key_after == key_before else None
+        return key_after
 
     @staticmethod
-    def _store(cache: dict, key: tuple, value) -> dict:
-        """``cache`` with ``value`` under ``key``; what older iterations left behind is dropped."""
+    def _store(cache: dict, key: Optional[tuple], value) -> dict:
+        """``cache`` with ``value`` under ``key``; what older iterations or other weights left behind is dropped.
+        ``key`` None: nothing is stored."""
+        if key is None:
+            return cache
         kept = {old_key: old_value for old_key, old_value in cache.items() if old_key[2:] == key[2:]}
         kept[key] = value
         return kept
@@ -170,8 +205,8 @@ class Evaluator:
         Returns:
             A 0-dim float64 CPU tensor, or a MultiLoss of them when ``get_loss_eval`` returns a MultiLoss.
         """
-        key = self._cache_key(dataset_type, loader)
-        if cache and not force and key in self._loss_cache:
+        key = self._cache_key(dataset_type, loader) if cache else None
+        if key is not None and not force and key in self._loss_cache:
             return self._loss_cache[key][1]
         tl = self.train_loop
         tl.set_up()
@@ -194,8 +229,9 @@ class Evaluator:
             raise ValueError(f"cannot evaluate the loss on {dataset_type}: the data loader yielded no batches")
         mean = (totals[:-1] / totals[-1]).cpu()
         result = as_loss_result(mean.reshape(()) if names is None else mean, names)
-        if cache:
-            self._loss_cache = self._store(self._loss_cache, key, (loader, result))
+        if key is not None:
+            self._loss_cache = self._store(self._loss_cache, self._key_after(key, dataset_type, loader),
+                                           (loader, result))
         return result
 
     def predict(self, loader: DataLoader, dataset_type: str, execute_callbacks: bool = False, force: bool = False,
@@ -211,8 +247,8 @@ class Evaluator:
             dataset_info: handed to the callbacks; ``{'type': dataset_type}`` when None.
         """
         tl = self.train_loop
-        key = self._cache_key(dataset_type, loader)
-        if cache and not force and key in self._prediction_cache:
+        key = self._cache_key(dataset_type, loader) if cache else None
+        if key is not None and not force and key in self._prediction_cache:
             return self._prediction_cache[key][1]
         tl.set_up()
         y_pred, y_true, metadata = [], [], None
@@ -238,8 +274,9 @@ class Evaluator:
         if tl.strategy.world_size > 1:
             y_pred, y_true, metadata = self._gather_from_ranks(y_pred, y_true, metadata)
         result = (tl.pred_transform_fn(y_pred), tl.pred_transform_fn(y_true), metadata)
-        if cache:
-            self._prediction_cache = self._store(self._prediction_cache, key, (loader, result))
+        if key is not None:
+            self._prediction_cache = self._store(self._prediction_cache, self._key_after(key, dataset_type, loader),
+                                                 (loader, result))
         return result
 
     def _gather_from_ranks(self, y_pred, y_true, metadata):

@@ -36,7 +36,8 @@ class FrozenModules:
     When ``fit`` starts with the model in training mode, the submodules found in eval mode are the frozen ones:
     they stay in eval mode, and are remembered. When it starts with the whole model in eval mode (``model.eval()``
     before predicting, say), the model is put in training mode except the frozen submodules remembered from an
-    earlier ``fit``. Unfreezing is ``submodule.train()`` before the next ``fit``.
+    earlier ``fit`` that are still in eval mode. Unfreezing is ``submodule.train()`` before the next ``fit``, also
+    after ``model.eval()``: a remembered submodule found in training mode is no longer frozen.
     """
 
     def __init__(self):
@@ -50,6 +51,8 @@ class FrozenModules:
         """Put ``runner`` (the model or its parallel wrapper) in training mode, keeping ``model``'s frozen parts."""
         if model.training:
             self._frozen = [submodule for submodule in model.modules() if not submodule.training]
+        else:  # the whole tree was put in eval mode: only the user's train() calls since then tell what changed
+            self._frozen = [submodule for submodule in self._frozen if not submodule.training]
         runner.train()
         for submodule in self._frozen:
             submodule.eval()

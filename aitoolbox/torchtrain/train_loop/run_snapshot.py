@@ -70,7 +70,7 @@ class RunSnapshot:
                              "SpikeRollback: snapshot='checkpoint' with a checkpoint callback registered)")
         tl.set_up()
         progress = tl.run_state.progress_beyond_checkpoint()
-        checkpoint = host_copy(tl.run_state.capture(tl, mid_epoch=mid_epoch))
+        checkpoint = host_copy(tl.run_state.capture(tl, mid_epoch=mid_epoch, include_pending=False))
         return cls(checkpoint, tl.state.state_dict(), progress, mid_epoch)
 
     def restore(self, tl: "TrainLoop") -> Optional[MidEpochResume]:

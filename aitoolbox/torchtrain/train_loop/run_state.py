@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from aitoolbox.torchtrain.train_loop.data_position import epoch_without
-from aitoolbox.torchtrain.train_loop.evaluation import loader_length
+from aitoolbox.torchtrain.train_loop.evaluation import loader_generators, loader_length
 from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.rollback import RollbackHistory
+from aitoolbox.experiment.local_save.checkpoints import OPTIMIZER_KEY, SCHEDULERS_KEY
 from aitoolbox.torchtrain.train_loop.train_state import (
     MidEpochResume, apply_pending_states, capture_rng_state, capture_train_state, history_lengths,
-    restore_rng_state, restore_train_state)
+    restore_rng_state, restore_train_state, saved_optimizer_states)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -59,6 +60,7 @@ class RunState:
         # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
         # epoch's batches are all trained; None before the epoch's first step.
         self._step_point: Any = None
+        self._loader_generators: list = []  # the training loader's own generators (epoch_batches), see mark_batch_done
         self._interrupted_at: Optional[MidEpochResume] = None
         self.rollbacks = RollbackHistory()
         self._after_step: Optional[Callable[["TrainLoop"], None]] = None
@@ -75,9 +77,18 @@ class RunState:
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
-                include_weights: bool = True) -> dict:
-        """The whole run now, as a checkpoint dict (a collective in a distributed run: call it in every process)."""
-        return capture_train_state(tl, mid_epoch, hyperparams, include_weights)
+                include_weights: bool = True, include_pending: bool = True) -> dict:
+        """The whole run now, as a checkpoint dict (a collective in a distributed run: call it in every process).
+
+        A loaded checkpoint that ``fit`` has not applied yet is the run: its precision, callback, scheduler and
+        random states and its position are taken from it (those of the loop are not the run's until ``fit``
+        applies them), the weights, optimizer states and history from the loop, where loading put them.
+        ``include_pending=False`` captures the loop as it is (a :class:`~.run_snapshot.RunSnapshot` keeps the
+        pending checkpoint beside it)."""
+        checkpoint = capture_train_state(tl, mid_epoch, hyperparams, include_weights)
+        if include_pending and self.pending_checkpoint is not None:
+            _take_pending_states(checkpoint, self.pending_checkpoint)
+        return checkpoint
 
     def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
         """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
@@ -97,7 +108,10 @@ class RunState:
         """At the start of training: apply a loaded checkpoint's pending states, or take the point where the last
         ``fit`` stopped on an exception. Returns where to continue inside an epoch (None: at an epoch's start)."""
         from_checkpoint = apply_pending_states(tl)
-        point, self._interrupted_at, self._step_point = self._interrupted_at, None, None
+        point, self._interrupted_at = self._interrupted_at, None
+        # Until the epoch's batches start again (epoch_batches marks the resumed position), an exception (in
+        # on_epoch_begin, say) continues from this same point: nothing was trained since.
+        self._step_point = from_checkpoint if from_checkpoint is not None else point
         if from_checkpoint is not None:
             return from_checkpoint
         if point is not None and tl.strategy.is_main_process:
@@ -125,6 +139,7 @@ class RunState:
         started = time.perf_counter()
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
+        self._loader_generators = loader_generators(loader)
         self.epoch_start_rng = capture_rng_state(loader)
         self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
         batches_done = resume.batches_done if resume is not None else 0
@@ -197,13 +212,17 @@ class RunState:
         Runs at every optimizer step, so it keeps a tuple (the MidEpochResume is built only if an exception comes),
         of the RNG only torch's generators (a copy of a few kilobytes): the batches trained again after an
         exception draw their dropout masks as the interrupted run did; and a copy of the model's buffers (put back
-        by the exception, see :meth:`remember_interruption`).
+        by the exception, see :meth:`remember_interruption`). The training loader's own generators too (none for
+        most loaders): fetching the next batch may draw from them after the step (a shuffling sampler's tail, with
+        a partial last batch), and the continuation draws that again.
         """
         self.epoch_loss.commit()
         if self._buffers:
             torch._foreach_copy_(self._buffers_at_step, self._buffers)  # one kernel launch for all of them
         cuda = torch.cuda.get_rng_state_all() if self._cuda_rng else []
-        self._step_point = (self.batches_done, self.counters.total_iteration_idx, _CPU_GENERATOR.get_state(), cuda)
+        loader_states = [generator.get_state() for generator in self._loader_generators]
+        self._step_point = (self.batches_done, self.counters.total_iteration_idx, _CPU_GENERATOR.get_state(), cuda,
+                            loader_states)
 
     def mark_epoch_trained(self, history: Any) -> None:
         """The epoch's batches are all trained: its end (:meth:`run_epoch_end_step`) begins. An exception in it
@@ -280,10 +299,34 @@ class RunState:
                                   capture_rng_state(loader), finish_step=True)
         if point is None or isinstance(point, MidEpochResume):
             return point
-        batches_done, total_iteration_idx, torch_rng, cuda_rng = point
+        batches_done, total_iteration_idx, torch_rng, cuda_rng, loader_states = point
         self.counters.total_iteration_idx = total_iteration_idx
         if self._buffers:
             with torch.no_grad():
                 torch._foreach_copy_(self._buffers, self._buffers_at_step)
-        rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng)
+        rng = dict(capture_rng_state(loader), torch=torch_rng, cuda=cuda_rng, loader_generators=loader_states)
         return MidEpochResume(batches_done, self.epoch_loss.state(), self.epoch_start_rng, rng)
+
+
+# What a loaded checkpoint waiting for fit holds of the run that the loop does not hold yet.
+_PENDING_KEYS = ("precision", "callbacks", SCHEDULERS_KEY, "amp", "rng", "epochs_completed", "iteration", "early_stop",
+                 "epoch_start_rng", "epoch_loss_sum", "epoch_loss_state", "train_loader_state",
+                 "train_history_per_rank", "rollbacks")
+
+
+def _take_pending_states(checkpoint: dict, pending: dict) -> None:
+    """Put into ``checkpoint`` (captured from the loop) the states of the loaded checkpoint ``pending`` that ``fit``
+    has not applied yet (copies: the pending checkpoint is the caller's)."""
+    for key in _PENDING_KEYS:
+        if key in pending:
+            checkpoint[key] = copy.deepcopy(pending[key])
+        else:
+            checkpoint.pop(key, None)
+    if "train_history_per_rank" in checkpoint:
+        checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
+    # LR schedulers put their initial learning rate into the optimizers when registered; fit puts the saved back.
+    saved_groups = [state["param_groups"] for state in saved_optimizer_states(pending)]
+    states = [checkpoint[OPTIMIZER_KEY]] if isinstance(checkpoint[OPTIMIZER_KEY], dict) else checkpoint[OPTIMIZER_KEY]
+    for state, groups in zip(states, saved_groups):
+        for group, saved in zip(state["param_groups"], groups):
+            group.update({key: copy.deepcopy(value) for key, value in saved.items() if key != "params"})

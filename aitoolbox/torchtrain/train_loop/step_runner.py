@@ -126,8 +126,9 @@ class StepRunner:
                    for param in group["params"]]
         masters = getattr(self.precision, "master_weights", None)
         if masters is not None:
+            stepped = {id(tensor) for tensor in tensors}
             tensors += [model for optimizer in self.optimizers if masters.manages(optimizer)
-                        for model, master in masters.grad_pairs(optimizer) if model is not master]
+                        for model in masters.model_parameters(optimizer) if id(model) not in stepped]
         return [(tensor, tensor.grad) for tensor in tensors]
 
     def backward_and_step(self, loss: Any, loss_names: Optional[List[str]], step_due: bool) -> None:

@@ -28,7 +28,7 @@ def stepped_model_tensors(optimizer: torch.optim.Optimizer, master_weights: Any 
     """The tensors ``optimizer`` trains: its parameters, or, for the float32 masters of a model cast to low
     precision (amp's O2), the model parameters they are copied into."""
     if master_weights is not None and master_weights.manages(optimizer):
-        return [model for model, _ in master_weights.grad_pairs(optimizer)]
+        return master_weights.model_parameters(optimizer)  # (grad_pairs would take the model's weights as a write)
     return [param for group in getattr(optimizer, "param_groups", []) for param in group["params"]]
 
 

@@ -1,0 +1,439 @@
+"""Mutation testing of the loop's core: does the test suite notice a wrong line in what decides what is trained?
+
+Each *mutant* is a copy of the package with one small change in one of :data:`TARGETS` (a comparison flipped, an
+off-by-one constant, ``and``/``or`` swapped, a ``not`` dropped, an arithmetic operator swapped, a statement
+dropped). The tests of :data:`TESTS` run against each mutant; a mutant is *killed* when they fail (or hang past the
+timeout), *survives* when they pass. A surviving mutant is a change the selected tests cannot see: either a missing
+test or an equivalent mutant (a change that computes the same), to be told apart by reading it.
+
+Usage (from the repository root; one command, the test selection is :data:`TESTS` below)::
+
+    python tests/mutation/mutate.py                     # every mutant of every target
+    python tests/mutation/mutate.py --target step_runner --limit 20 --report mutants.json
+    python tests/mutation/mutate.py --list              # the mutants, without running anything
+
+The package is copied to a temporary folder; the mutated file is written there only (the working tree is never
+changed). Mutants on lines the selected tests never execute (measured once, with coverage, in the test process)
+are reported as *not covered* without running. Each mutant's tests run in a process forked from one that imported
+torch and pytest already, stopping at the first failure.
+"""
+import argparse
+import ast
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# What is mutated: what decides what is trained (the step, precision, the run's state, the data position).
+TARGETS = ["aitoolbox/torchtrain/train_loop/step_runner.py", "aitoolbox/torchtrain/precision/*.py",
+           "aitoolbox/torchtrain/train_loop/run_state.py", "aitoolbox/torchtrain/train_loop/data_position.py"]
+
+# The tests run against each mutant, fastest and most telling first (the run stops at the first failure). Edit this
+# list to change the selection; ``-m "not slow"`` applies.
+TESTS = [
+    "tests/torchtrain/precision/test_loss_scaler.py",
+    "tests/torchtrain/precision/test_loss_scaler_defaults.py",
+    "tests/torchtrain/precision/test_master_weights_kinds.py",
+    "tests/torchtrain/precision/test_cast_floating.py",
+    "tests/torchtrain/train_loop/test_data_position.py",
+    "tests/torchtrain/train_loop/test_loader_own_state.py",
+    "tests/combinations/test_property_regressions.py",
+    "tests/torchtrain/precision/test_precision_parity.py",
+    "tests/torchtrain/train_loop/test_run_snapshot.py",
+    "tests/torchtrain/train_loop/test_resume.py",
+    "tests/torchtrain/train_loop/test_train_loop.py",
+    "tests/torchtrain/amp/test_scale_loss.py",
+    "tests/torchtrain/amp/test_checkpoint.py",
+    "tests/combinations/test_defects.py::test_get_num_training_steps_counts_the_epoch_end_steps",
+    "tests/combinations/test_defects.py::test_the_epoch_end_step_of_a_loader_without_len_is_clipped",
+    "tests/combinations/test_defects.py::test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit",
+    "tests/combinations/test_defects.py::test_an_exception_between_two_optimizers_steps_trains_the_batch_again",
+    "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
+    "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
+    "tests/combinations/test_matrix.py::test_representative_cells[single]",
+    "tests/combinations/test_properties.py",
+]
+# Tests of the selection left out: slow for what they add here.
+DESELECTED = ["tests/torchtrain/precision/test_cpu_fallback.py"]
+
+# Function names whose bodies are not mutated: what only describes an object.
+SKIPPED_FUNCTIONS = {"__repr__", "__str__"}
+
+
+@dataclasses.dataclass
+class Mutant:
+    path: str  # relative to the repository
+    line: int
+    description: str
+    index: int  # which mutation of the file's mutation list
+    status: str = "pending"  # killed, survived, timeout, not covered, error
+    seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.line}: {self.description}"
+
+
+# --- the mutations ----------------------------------------------------------------------------------------------
+_COMPARE_SWAPS = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE,
+                  ast.GtE: ast.Gt, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
+_BINARY_SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
+                 ast.Mod: ast.FloorDiv}
+_SYMBOLS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
+            ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in", ast.Add: "+", ast.Sub: "-", ast.Mult: "*",
+            ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.And: "and", ast.Or: "or"}
+
+
+def _is_docstring(node: ast.AST) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _is_logging(node: ast.AST) -> bool:
+    """A call of ``logger.<level>(...)`` or ``warnings.warn(...)``: output, not behaviour."""
+    call = node.value if isinstance(node, ast.Expr) else node
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+        return False
+    owner = call.func.value
+    return isinstance(owner, ast.Name) and owner.id in ("logger", "logging", "warnings")
+
+
+class _Sites(ast.NodeVisitor):
+    """Every place a mutation applies, in a fixed order: ``(node path, kind, description, line)``."""
+
+    def __init__(self):
+        self.sites: List[Tuple[Tuple, str, str, int]] = []
+        self._path: List = []
+        self._in_function = 0
+        self._quiet = 0  # inside a logging call, a raise's message, an annotation
+
+    def generic_visit(self, node: ast.AST) -> None:
+        for field, value in ast.iter_fields(node):
+            if field in ("annotation", "returns", "decorator_list"):
+                continue
+            if isinstance(value, list):
+                for index, item in enumerate(value):
+                    if isinstance(item, ast.AST):
+                        self._path.append((field, index))
+                        self.visit(item)
+                        self._path.pop()
+            elif isinstance(value, ast.AST):
+                self._path.append((field, None))
+                self.visit(value)
+                self._path.pop()
+
+    def _add(self, kind: str, description: str, node: ast.AST) -> None:
+        if self._in_function and not self._quiet:
+            self.sites.append((tuple(self._path), kind, description, node.lineno))
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        if node.name in SKIPPED_FUNCTIONS:
+            return
+        self._in_function += 1
+        self.generic_visit(node)
+        self._in_function -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _is_logging(node):
+            return
+        self.generic_visit(node)
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        self._add("drop", "raise dropped", node)
+        self._quiet += 1  # the message of an error is not behaviour
+        self.generic_visit(node)
+        self._quiet -= 1
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
+        return  # an f-string: text
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        for index, op in enumerate(node.ops):
+            swapped = _COMPARE_SWAPS.get(type(op))
+            if swapped is not None:
+                self._add(f"compare:{index}", f"{_SYMBOLS[type(op)]} -> {_SYMBOLS[swapped]}", node)
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> None:
+        other = "or" if isinstance(node.op, ast.And) else "and"
+        self._add("boolop", f"{_SYMBOLS[type(node.op)]} -> {other}", node)
+        self.generic_visit(node)
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
+        if isinstance(node.op, ast.Not):
+            self._add("not", "not x -> x", node)
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        swapped = _BINARY_SWAPS.get(type(node.op))
+        if swapped is not None:
+            self._add("binop", f"{_SYMBOLS[type(node.op)]} -> {_SYMBOLS[swapped]}", node)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        swapped = _BINARY_SWAPS.get(type(node.op))
+        if swapped is not None:
+            self._add("augop", f"{_SYMBOLS[type(node.op)]}= -> {_SYMBOLS[swapped]}=", node)
+        self._add("drop", "statement dropped", node)
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        value = node.value
+        if isinstance(value, bool):
+            self._add("bool", f"{value} -> {not value}", node)
+        elif isinstance(value, int):
+            self._add("int+1", f"{value} -> {value + 1}", node)
+            self._add("int-1", f"{value} -> {value - 1}", node)
+        elif isinstance(value, float):
+            self._add("float", f"{value} -> {value * 2 if value else 1.0}", node)
+
+    def _statement(self, node: ast.AST) -> None:
+        if _is_docstring(node) or _is_logging(node):
+            return
+        self._add("drop", "statement dropped", node)
+        self.generic_visit(node)
+
+    visit_Expr = visit_Assign = visit_AnnAssign = _statement
+
+
+def _node_at(tree: ast.AST, path: Tuple) -> Tuple[ast.AST, str, Optional[int]]:
+    """The parent of the node at ``path``, the field and index the node is in."""
+    parent = tree
+    for field, index in path[:-1]:
+        value = getattr(parent, field)
+        parent = value[index] if index is not None else value
+    field, index = path[-1]
+    return parent, field, index
+
+
+def mutated_source(source: str, site: Tuple[Tuple, str, str, int]) -> str:
+    """``source`` with the mutation ``site`` applied."""
+    tree = ast.parse(source)
+    path, kind, _, _ = site
+    parent, field, index = _node_at(tree, path)
+    node = getattr(parent, field)[index] if index is not None else getattr(parent, field)
+
+    def replace(new: ast.AST) -> None:
+        if index is None:
+            setattr(parent, field, new)
+        else:
+            getattr(parent, field)[index] = new
+
+    if kind.startswith("compare:"):
+        position = int(kind.split(":")[1])
+        node.ops[position] = _COMPARE_SWAPS[type(node.ops[position])]()
+    elif kind == "boolop":
+        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+    elif kind == "not":
+        replace(node.operand)
+    elif kind in ("binop", "augop"):
+        node.op = _BINARY_SWAPS[type(node.op)]()
+    elif kind == "bool":
+        node.value = not node.value
+    elif kind == "int+1":
+        node.value = node.value + 1
+    elif kind == "int-1":
+        node.value = node.value - 1
+    elif kind == "float":
+        node.value = node.value * 2 if node.value else 1.0
+    elif kind == "drop":
+        replace(ast.Pass())
+    else:  # pragma: no cover
+        raise ValueError(kind)
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def target_files(selected: Optional[str]) -> List[str]:
+    files = sorted({path for pattern in TARGETS for path in glob.glob(os.path.join(REPOSITORY, pattern))})
+    files = [os.path.relpath(path, REPOSITORY) for path in files if not path.endswith("__init__.py")]
+    return [path for path in files if selected is None or selected in path]
+
+
+def mutants_of(path: str) -> Tuple[List[Mutant], List[Tuple]]:
+    with open(os.path.join(REPOSITORY, path)) as source_file:
+        sites = _Sites()
+        sites.visit(ast.parse(source_file.read()))
+    return [Mutant(path, site[3], site[2], index) for index, site in enumerate(sites.sites)], sites.sites
+
+
+# --- running ----------------------------------------------------------------------------------------------------
+def _copy_repository(destination: str) -> None:
+    for name in ("aitoolbox", "tests"):
+        shutil.copytree(os.path.join(REPOSITORY, name), os.path.join(destination, name),
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis"))
+    shutil.copy(os.path.join(REPOSITORY, "pytest.ini"), destination)
+
+
+def _pytest_arguments() -> List[str]:
+    arguments = list(TESTS) + ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "--no-header",
+                               "-o", "addopts=--import-mode=importlib"]
+    return arguments + [f"--ignore={path}" for path in DESELECTED]
+
+
+def _run_tests(copy_root: str, log_path: str, timeout_s: float, coverage_of: Optional[List[str]] = None
+               ) -> Tuple[str, float, Optional[Dict[str, Set[int]]]]:
+    """Run the selection in a forked process inside ``copy_root``: ``(outcome, seconds, executed lines)``."""
+    coverage_file = os.path.join(copy_root, ".coverage-lines.json")
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: imports the package from the copy, runs pytest, exits with its code
+        code = 3
+        try:
+            os.setpgrp()  # its own process group: a timeout kills the processes its tests started too
+            os.chdir(copy_root)
+            sys.path.insert(0, copy_root)
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            import pytest
+            if coverage_of:
+                import coverage
+                measured = coverage.Coverage(include=[os.path.join(copy_root, path) for path in coverage_of],
+                                             data_file=None)
+                measured.start()
+            code = pytest.main(_pytest_arguments())
+            if coverage_of:
+                measured.stop()
+                data = measured.get_data()
+                lines = {os.path.relpath(path, copy_root): sorted(data.lines(path) or [])
+                         for path in data.measured_files()}
+                with open(coverage_file, "w") as handle:
+                    json.dump(lines, handle)
+        finally:
+            os._exit(int(code))
+    deadline = started + timeout_s
+    while True:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            break
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", time.monotonic() - started, None
+        time.sleep(0.2)
+    seconds = time.monotonic() - started
+    code = os.waitstatus_to_exitcode(status)
+    lines = None
+    if coverage_of and os.path.exists(coverage_file):
+        with open(coverage_file) as handle:
+            lines = {path: set(numbers) for path, numbers in json.load(handle).items()}
+    outcome = {0: "survived", 1: "killed"}.get(code, "error")
+    return outcome, seconds, lines
+
+
+def _statement_lines(source: str, line: int) -> Set[int]:
+    """The lines of the innermost statement that contains ``line`` (a mutation's node may start on a line coverage
+    does not list, inside a statement spanning several)."""
+    best = None
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            if best is None or (node.end_lineno - node.lineno) <= (best.end_lineno - best.lineno):
+                best = node
+    return set(range(best.lineno, best.end_lineno + 1)) if best is not None else {line}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="only the target files whose path contains this")
+    parser.add_argument("--limit", type=int, help="at most this many mutants per file (spread over it)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument("--report", help="write every mutant's outcome to this JSON file")
+    parser.add_argument("--timeout-factor", type=float, default=3.0,
+                        help="a mutant's tests may take this many times the unmutated run (then: killed, timeout)")
+    parser.add_argument("--no-coverage", action="store_true", help="run every mutant, covered or not")
+    parser.add_argument("--baseline-only", action="store_true", help="run the unmutated selection only")
+    options = parser.parse_args()
+
+    files = target_files(options.target)
+    plan: List[Tuple[Mutant, Tuple]] = []
+    for path in files:
+        mutants, sites = mutants_of(path)
+        pairs = list(zip(mutants, sites))
+        if options.limit and len(pairs) > options.limit:
+            step = len(pairs) / options.limit
+            pairs = [pairs[int(i * step)] for i in range(options.limit)]
+        plan += pairs
+    if options.list:
+        for mutant, _ in plan:
+            print(mutant.name)
+        print(f"{len(plan)} mutants in {len(files)} files")
+        return 0
+
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's module must never be read from a stale .pyc
+    sys.dont_write_bytecode = True
+    import torch  # noqa: F401  (imported once here: every forked test run starts with it)
+    import pytest  # noqa: F401
+    import hypothesis  # noqa: F401
+
+    workspace = tempfile.mkdtemp(prefix="aitoolbox_mutants_")
+    copy_root = os.path.join(workspace, "repository")
+    _copy_repository(copy_root)
+    os.environ["PYTHONPATH"] = copy_root + os.pathsep + os.environ.get("PYTHONPATH", "")  # tests' subprocesses
+    log_dir = os.path.join(workspace, "logs")
+    os.makedirs(log_dir)
+    try:
+        outcome, baseline_s, covered = _run_tests(copy_root, os.path.join(log_dir, "baseline.log"), 3600,
+                                                  None if options.no_coverage else files)
+        if outcome != "survived":
+            with open(os.path.join(log_dir, "baseline.log")) as log:
+                print(f"the unmutated tests do not pass ({outcome}); the end of their output:\n"
+                      + "".join(log.readlines()[-80:]))
+            return 2
+        if options.baseline_only:
+            print(f"unmutated: the selection passes in {baseline_s:.0f} s")
+            return 0
+        print(f"unmutated: the selection passes in {baseline_s:.0f} s; {len(plan)} mutants")
+        timeout_s = options.timeout_factor * baseline_s + 30
+        sources = {path: open(os.path.join(REPOSITORY, path)).read() for path in files}
+        for number, (mutant, site) in enumerate(plan, start=1):
+            original = sources[mutant.path]
+            if covered is not None and not (_statement_lines(original, mutant.line) & covered.get(mutant.path, set())):
+                mutant.status = "not covered"
+            else:
+                target = os.path.join(copy_root, mutant.path)
+                with open(target, "w") as handle:
+                    handle.write(mutated_source(original, site))
+                try:
+                    mutant.status, mutant.seconds, _ = _run_tests(
+                        copy_root, os.path.join(log_dir, f"{number}.log"), timeout_s)
+                finally:
+                    with open(target, "w") as handle:
+                        handle.write(original)
+            print(f"[{number}/{len(plan)}] {mutant.status:11s} {mutant.seconds:5.0f} s  {mutant.name}", flush=True)
+    finally:
+        summary = _summary([mutant for mutant, _ in plan])
+        print(summary)
+        if options.report:
+            with open(options.report, "w") as handle:
+                json.dump({"summary": summary, "tests": TESTS,
+                           "mutants": [dataclasses.asdict(mutant) for mutant, _ in plan]}, handle, indent=1)
+        shutil.rmtree(workspace, ignore_errors=True)
+    return 0
+
+
+def _summary(mutants: List[Mutant]) -> str:
+    counts: Dict[str, int] = {}
+    for mutant in mutants:
+        counts[mutant.status] = counts.get(mutant.status, 0) + 1
+    killed = counts.get("killed", 0) + counts.get("timeout", 0) + counts.get("error", 0)
+    ran = sum(counts.values()) - counts.get("pending", 0)
+    lines = [f"score: {killed} killed of {ran} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})"]
+    lines += [f"  survived: {mutant.name}" for mutant in mutants if mutant.status == "survived"]
+    lines += [f"  not covered: {mutant.name}" for mutant in mutants if mutant.status == "not covered"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Which parameters get float32 masters, and which values the loss scaler refuses.
+
+Written for the mutation run (tests/mutation/): these mutants survived the rest of its selection."""
+import pytest
+import torch
+
+from aitoolbox.torchtrain.precision import LossScaler
+from aitoolbox.torchtrain.precision.master_weights import MasterWeights, is_low_precision
+
+
+@pytest.mark.parametrize("dtype, low", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False),
+                                        (torch.float64, False), (torch.complex64, False), (torch.int64, False)])
+def test_only_16_bit_floating_tensors_are_low_precision(dtype, low):
+    assert is_low_precision(torch.zeros(2, dtype=dtype)) is low
+
+
+def test_a_complex_parameter_is_stepped_as_it_is_beside_a_bfloat16_one():
+    """A float32 master of a complex parameter would drop its imaginary part."""
+    low = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    complex_param = torch.nn.Parameter(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    optimizer = torch.optim.SGD([low, complex_param], lr=0.5)
+    masters = MasterWeights([optimizer])
+    (model_low, stepped_low), (model_complex, stepped_complex) = masters.grad_pairs(optimizer)
+    assert stepped_low is not low and stepped_low.dtype == torch.float32
+    assert stepped_complex is complex_param
+    stepped_complex.grad = torch.tensor([1j, 1.0], dtype=torch.complex64)
+    stepped_low.grad = torch.ones(3)
+    optimizer.step()
+    assert torch.equal(complex_param.detach(), torch.tensor([1 + 1.5j, 2.5 - 1j], dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("growth_factor, backoff_factor", [(1.0, 0.5), (2.0, 1.0), (2.0, 0.0)])
+def test_a_scale_that_does_not_move_both_ways_is_refused(growth_factor, backoff_factor):
+    with pytest.raises(ValueError, match="growth_factor must be > 1 and backoff_factor in"):
+        LossScaler(growth_factor=growth_factor, backoff_factor=backoff_factor)
+
+
+def _bfloat16_sgd():
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 5).to(torch.bfloat16))
+    optimizer = torch.optim.SGD([param], lr=0.01)
+    return param, optimizer, MasterWeights([optimizer])
+
+
+def _step(param, optimizer, masters):
+    (_, stepped), = masters.grad_pairs(optimizer)
+    stepped.grad = torch.full((5,), 0.337)
+    optimizer.step()
+
+
+def test_loading_the_masters_alone_puts_the_model_back_at_their_rounding():
+    param, optimizer, masters = _bfloat16_sgd()
+    _step(param, optimizer, masters)
+    saved = masters.state_dict()
+    for _ in range(3):
+        _step(param, optimizer, masters)
+    masters.load_state_dict(saved)
+    assert torch.equal(masters.state_dict()[0][0], saved[0][0])
+    assert torch.equal(param.detach(), saved[0][0].to(torch.bfloat16))
+
+
+def test_loading_the_masters_keeps_a_model_weight_written_since_the_last_step():
+    param, optimizer, masters = _bfloat16_sgd()
+    _step(param, optimizer, masters)
+    saved = masters.state_dict()
+    with torch.no_grad():
+        param.fill_(0.25)  # e.g. an average put in, or a model state loaded
+    masters.load_state_dict(saved)
+    assert torch.equal(param.detach(), torch.full((5,), 0.25, dtype=torch.bfloat16))
+    assert torch.equal(masters.state_dict()[0][0], saved[0][0])
+    _step(param, optimizer, masters)  # the next step takes the write as the weights, as after any write
+    assert torch.equal(masters.state_dict()[0][0], torch.full((5,), 0.25) - 0.01 * torch.full((5,), 0.337))

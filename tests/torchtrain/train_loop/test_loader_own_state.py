@@ -1,0 +1,51 @@
+"""Which loaders keep their position themselves: only one that can both save and restore it (a loader with
+``state_dict`` alone would be asked to load a position it cannot). Written for the mutation run (tests/mutation/):
+this mutant survived the rest of its selection."""
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from aitoolbox.torchtrain.train_loop.data_position import epoch_without, has_own_state
+
+
+class _Saves(DataLoader):
+    def state_dict(self):
+        return {}
+
+
+class _Loads(DataLoader):
+    def load_state_dict(self, state):
+        pass
+
+
+class _SavesAndLoads(_Saves):
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("loader_class, own", [(DataLoader, False), (_Saves, False), (_Loads, False),
+                                               (_SavesAndLoads, True)])
+def test_a_loader_keeps_its_position_itself_only_if_it_saves_and_restores_it(loader_class, own):
+    assert has_own_state(loader_class(TensorDataset(torch.zeros(4, 1)), batch_size=2)) is own
+
+
+class _CountingDataset(torch.utils.data.Dataset):
+    def __init__(self):
+        self.fetched = []
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        self.fetched.append(index)
+        return torch.tensor([float(index)])
+
+
+def test_the_batches_an_epoch_leaves_out_are_not_fetched():
+    """The single-process DataLoader over a map-style dataset passes over a left-out batch by its indices: a
+    dataset that reads files or draws augmentations does no work for it (epoch_without's promise)."""
+    dataset = _CountingDataset()
+    loader = DataLoader(dataset, batch_size=2)
+    batches = [batch.flatten().tolist() for batch in epoch_without(loader, start=1, skipped=[2])]
+    assert batches == [[2.0, 3.0], [6.0, 7.0]]
+    assert dataset.fetched == [2, 3, 6, 7]
