@@ -93,6 +93,8 @@ class EarlyStopping(AbstractCallback):
 
     At every epoch end the newest value of ``train_history[monitor]`` is compared with the best so far. After
     more than ``patience`` epochs in a row without an improvement larger than ``min_delta`` the loop stops.
+    As in Keras, the best starts at +inf (``mode='min'``) or -inf, and a NaN never improves on it: a NaN epoch counts
+    as one without improvement and is never the best one (nor restored), even at the first epoch.
     Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted. Checkpoints hold
     the count and the best value (:meth:`state_dict`), so a resumed run stops where the uninterrupted run would.
 
@@ -159,7 +161,7 @@ class EarlyStopping(AbstractCallback):
             return  # nothing new was evaluated in this epoch
         current = values[-1]
         epoch = self.train_loop_obj.epoch
-        if self.best_performance is None or self._improves(current):
+        if self._improves(current):
             self.best_performance = current
             self.best_epoch = epoch
             self.patience_count = self.patience
@@ -168,9 +170,11 @@ class EarlyStopping(AbstractCallback):
             return
         self.patience_count -= 1
         if self.patience_count < 0:
+            best = (f"best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})"
+                    if self.best_performance is not None else f"no epoch had a finite {self.monitor}")
             self.train_loop_obj.stop_training(
                 f"EarlyStopping: {self.monitor} has not improved for {self.patience + 1} epoch(s); stopped at epoch "
-                f"{epoch + 1}, best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})")
+                f"{epoch + 1}, {best}")
 
     def on_train_end(self) -> None:
         tl = self.train_loop_obj
@@ -202,9 +206,12 @@ class EarlyStopping(AbstractCallback):
                         ", ".join(f"{name} {history[name][-1]:.6g}" for name in recorded))
 
     def _improves(self, current: float) -> bool:
+        # As Keras: the best starts at +-inf, and a NaN compares False, so it never improves on anything.
         if self.mode == "min":
-            return current < self.best_performance - self.min_delta
-        return current > self.best_performance + self.min_delta
+            best = math.inf if self.best_performance is None else self.best_performance
+            return current < best - self.min_delta
+        best = -math.inf if self.best_performance is None else self.best_performance
+        return current > best + self.min_delta
 
     def state_dict(self) -> Dict[str, Any]:
         """The count of epochs without improvement, the best value and its epoch: what a resumed run needs to stop
@@ -238,7 +245,7 @@ class ThresholdEarlyStopping(AbstractCallback):
     """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
 
     A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
-    is better when it is below it. Reaching the threshold again resets the count (``patience_count``), which
+    is better when it is below it; a NaN misses it either way. Reaching the threshold again resets the count (``patience_count``), which
     checkpoints hold (:meth:`state_dict`).
 
     Args:
@@ -270,7 +277,9 @@ class ThresholdEarlyStopping(AbstractCallback):
         if values is None:
             return
         current = values[-1]
-        missed = current > self.threshold if self.mode == "min" else current < self.threshold
+        # Written as "not reached" so that a NaN, which reaches nothing, misses the threshold.
+        reached = current <= self.threshold if self.mode == "min" else current >= self.threshold
+        missed = not reached
         self.patience_count = self.patience_count - 1 if missed else self.patience
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(

@@ -83,6 +83,16 @@ def test_the_best_weights_are_restored_when_the_epochs_run_out_too():
     assert_state(tl.model, scripted.states[1])
 
 
+def test_a_nan_first_epoch_is_never_restored():
+    """Review of issue 35, D3: a NaN at the first epoch became the best, and its weights were restored."""
+    tl = make_loop()
+    scripted = Scripted([float("nan"), 0.5, 0.7, 0.9, 0.8, 0.6])
+    stopping = EarlyStopping("val_score", patience=1, restore_best_weights=True)
+    tl.fit(num_epochs=6, callbacks=[scripted, stopping])
+    assert stopping.best_epoch == 3 and stopping.best_performance == 0.9
+    assert_state(tl.model, scripted.states[3])
+
+
 def test_without_the_option_the_last_weights_stay():
     tl = make_loop()
     scripted = Scripted(VALUES)
