@@ -245,8 +245,8 @@ class ThresholdEarlyStopping(AbstractCallback):
     """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
 
     A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
-    is better when it is below it; a NaN misses it either way. Reaching the threshold again resets the count (``patience_count``), which
-    checkpoints hold (:meth:`state_dict`).
+    is better when it is below it; a NaN misses it either way. Reaching the threshold again resets the count
+    (``patience_count``), which checkpoints hold (:meth:`state_dict`).
 
     Args:
         monitor: the ``train_history`` metric to watch.
