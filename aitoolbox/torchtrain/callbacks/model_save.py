@@ -15,7 +15,7 @@ from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHE
     CHECKPOINT_EXECUTION_ORDER, CheckpointCallback)
 from aitoolbox.torchtrain.callbacks.best_weights import best_of, checkpoint_weights, restore_weights, weights_swapped_in
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
-from aitoolbox.torchtrain.callbacks.stopping import not_evaluated_yet
+from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping, not_evaluated_yet
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,8 @@ class ModelCheckpoint(CheckpointCallback):
     def load_best_model(self) -> nn.Module:
         """Put the weights of :attr:`best_model_path` into the TrainLoop's model and return the model, for
         predicting and evaluating (``tl.predict_on_test_set()`` then uses them). A later ``fit`` trains on from these
-        weights with the optimizer state it has; to continue the run as it was at that epoch instead, use
+        weights with the optimizer state it has (an ``EarlyStopping(restore_best_weights=True)`` does not put the
+        weights training ended with back); to continue the run as it was at that epoch instead, use
         ``tl.load_checkpoint(checkpoint.best_model_path)``.
 
         Raises:
@@ -226,6 +227,9 @@ class ModelCheckpoint(CheckpointCallback):
         """
         path = self._best_checkpoint_path()
         restore_weights(self.train_loop_obj, checkpoint_weights(path))
+        for callback in self.train_loop_obj.callbacks:
+            if isinstance(callback, EarlyStopping):  # its restored weights would be undone by the next fit
+                callback.keep_best_weights()
         logger.info("Loaded the weights of the best checkpoint %s (%s %.6g)", path, self._monitored_metric(),
                     self.best_model_score)
         return self.train_loop_obj.model
