@@ -297,20 +297,27 @@ def _is_checkpoint_name(name: str) -> bool:
     return checkpoint_position(name) is not None or checkpoint_position(f"{name}.pth") is not None
 
 
-def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]]) -> str:
-    """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric``; returns the
-    record's path."""
+def ranking_file_name(tag: Optional[str] = None) -> str:
+    """The ranking record's name: :data:`RANKING_FILE_NAME`, or for a tagged ranking (a later one of several
+    checkpoint callbacks in one folder) ``.aitoolbox-checkpoint-ranking-<tag>.json``."""
+    return RANKING_FILE_NAME if tag is None else f".aitoolbox-checkpoint-ranking-{tag}.json"
+
+
+def write_checkpoint_ranking(folder: str, metric: str, scored: List[Tuple[float, str]],
+                             tag: Optional[str] = None) -> str:
+    """Record, atomically, the ``(score, path)`` of the checkpoints in ``folder`` ranked by ``metric`` (in the
+    record of ``tag``, see :func:`ranking_file_name`); returns the record's path."""
     entries = [[score, os.path.basename(path)] for score, path in scored if os.path.dirname(path) == folder]
-    path = os.path.join(folder, RANKING_FILE_NAME)
+    path = os.path.join(folder, ranking_file_name(tag))
     atomic_write_text(path, json.dumps({"metric": metric, "checkpoints": entries}))
     return path
 
 
-def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]:
-    """The ``(score, path)`` recorded by :func:`write_checkpoint_ranking` for ``metric``, of the checkpoints that
-    still exist; nothing when there is no record, it ranks by another metric, or it cannot be read (the
-    checkpoints it named are then kept, never deleted by mistake)."""
-    path = os.path.join(folder, RANKING_FILE_NAME)
+def read_checkpoint_ranking(folder: str, metric: str, tag: Optional[str] = None) -> List[Tuple[float, str]]:
+    """The ``(score, path)`` recorded by :func:`write_checkpoint_ranking` for ``metric`` (and ``tag``), of the
+    checkpoints that still exist; nothing when there is no record, it ranks by another metric, or it cannot be
+    read (the checkpoints it named are then kept, never deleted by mistake)."""
+    path = os.path.join(folder, ranking_file_name(tag))
     if not os.path.isfile(path):
         return []
     try:
@@ -322,7 +329,7 @@ def read_checkpoint_ranking(folder: str, metric: str) -> List[Tuple[float, str]]
         recorded_metric = record["metric"]
     except (OSError, ValueError, TypeError, KeyError) as error:
         logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,
-                       RANKING_FILE_NAME, error)
+                       ranking_file_name(tag), error)
         return []
     if recorded_metric != metric:
         logger.info("The checkpoints saved before in %s were ranked by %r, not %r: they are kept", folder,

@@ -1,6 +1,7 @@
 """Callbacks: code that runs at fixed points of the training loop (see :mod:`.abstract` for the hooks).
 
-Every public callback class of the package's modules is importable from here (``from
+Every public callback class of the package's modules, and every LR scheduler callback of
+:mod:`aitoolbox.torchtrain.schedulers`, is importable from here (``from
 aitoolbox.torchtrain.callbacks import ModelCheckpoint``), besides the module paths aitoolbox 1.x used (``...callbacks.
 model_save``); none of them imports TensorBoard, matplotlib or a cloud SDK before it is used.
 """
@@ -30,8 +31,12 @@ from aitoolbox.torchtrain.callbacks.throughput import ThroughputMonitor
 from aitoolbox.torchtrain.callbacks.tracking_base import TrackingCallback
 from aitoolbox.torchtrain.callbacks.wandb import WandBTracking
 from aitoolbox.torchtrain.callbacks.weight_averaging import WeightAveraging
-from aitoolbox.torchtrain.schedulers.basic import ReduceLROnPlateauMetricScheduler, ReduceLROnPlateauScheduler
-from aitoolbox.torchtrain.schedulers.warmup import LinearWithWarmupScheduler
+from aitoolbox.torchtrain.schedulers.basic import (
+    GeneralLRSchedulerCallback, LambdaLRScheduler, MultiStepLRScheduler, ReduceLROnPlateauMetricScheduler,
+    ReduceLROnPlateauScheduler, StepLRScheduler)
+from aitoolbox.torchtrain.schedulers.warmup import (
+    ConstantWithWarmupScheduler, CosineWithWarmupScheduler, HardRestartsCosineWithWarmupScheduler,
+    LinearWithWarmupScheduler)
 
 __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "ThresholdEarlyStopping",
            "EmailNotification", "TerminateOnNaN", "AllPredictionsSame", "LogUpload", "ModelPerformanceEvaluation",
@@ -46,4 +51,7 @@ __all__ = ["AbstractCallback", "AbstractExperimentCallback", "EarlyStopping", "T
            "DistributedSamplerSetEpoch", "InMultiProcessDataLoad", "GradientCallbackBase", "GradientClipBase",
            "GradientStatsPrint", "GradDistributionPlot", "MetricHistoryRename", "TrainHistoryFormatter",
            "ModelTrainHistoryBaseCB", "TensorboardReporterBaseCB", "TensorboardReporterBase",
-           "TensorboardTrainBatchLoss", "TrackingCallback", "CloudUploads"]
+           "TensorboardTrainBatchLoss", "TrackingCallback", "CloudUploads",
+           # The LR scheduler callbacks, also importable from aitoolbox.torchtrain.schedulers as in 1.8.
+           "GeneralLRSchedulerCallback", "LambdaLRScheduler", "StepLRScheduler", "MultiStepLRScheduler",
+           "ConstantWithWarmupScheduler", "CosineWithWarmupScheduler", "HardRestartsCosineWithWarmupScheduler"]

@@ -65,6 +65,11 @@ class AbstractCallback:
     def on_train_begin(self) -> None:
         """Once, before the first epoch of a ``fit`` call."""
 
+    def on_before_train_end(self) -> None:
+        """Once, after the last epoch of a ``fit`` call, before the end-of-training evaluations (``train_end_test_loss``,
+        the ``on_train_end`` metrics and saves): e.g. to put the weights ``fit`` returns into the model, as
+        ``EarlyStopping(restore_best_weights=True)`` does."""
+
     def on_train_end(self) -> None:
         """Once, after the last epoch of a ``fit`` call (and after the final test-set evaluation)."""
 

@@ -9,6 +9,8 @@ import contextlib
 import math
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
+
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
@@ -67,6 +69,15 @@ def restore_weights(tl: "TrainLoop", weights: Dict[str, Any]) -> None:
         # values at its next step, as after any load_state_dict (see MasterWeights).
         masters.load_state_dict(weights["master_weights"])
     _forget_cached_evaluations(tl)
+
+
+def holds_weights(tl: "TrainLoop", weights: Dict[str, Any]) -> bool:
+    """Whether the loop's model holds exactly ``weights``'s model state (parameters and buffers)."""
+    current = tl.model.state_dict()
+    expected = weights["model"]
+    if current.keys() != expected.keys():
+        return False
+    return all(torch.equal(current[name].detach().cpu(), expected[name].cpu()) for name in expected)
 
 
 def checkpoint_weights(path: str) -> Dict[str, Any]:

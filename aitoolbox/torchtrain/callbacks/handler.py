@@ -7,7 +7,7 @@ from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 logger = logging.getLogger(__name__)
 
 HOOK_NAMES = (
-    "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_train_end",
+    "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_before_train_end", "on_train_end",
     "on_epoch_begin", "on_epoch_train_end", "on_epoch_end", "on_batch_begin", "on_batch_end",
     "on_after_gradient_update", "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
     "progress_bar_postfix",
@@ -140,6 +140,10 @@ class CallbacksHandler:
     def on_train_begin(self) -> None:
         for callback in self._subscribers["on_train_begin"]:
             callback.on_train_begin()
+
+    def on_before_train_end(self) -> None:
+        for callback in self._subscribers["on_before_train_end"]:
+            callback.on_before_train_end()
 
     def on_train_end(self) -> None:
         """Every callback's ``on_train_end``, even after one of them raised: a failed upload must not keep the final

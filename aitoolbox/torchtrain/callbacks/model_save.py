@@ -2,25 +2,27 @@
 import copy
 import logging
 import os
-from typing import ContextManager, List, Optional, Tuple, Union
+from typing import Any, ContextManager, List, Optional, Tuple, Union
 
 from torch import nn
 
 from aitoolbox.experiment.local_save.checkpoints import (
     checkpoint_file_name, checkpoint_path_position, list_checkpoints, prune_checkpoints, read_checkpoint_ranking,
     remove_checkpoint, write_checkpoint_ranking)
+from aitoolbox.torchtrain.callbacks import checkpoint_ranking as ranking
 from aitoolbox.experiment.result_package.abstract_result_packages import AbstractResultPackage
 from aitoolbox.torchtrain.callbacks.checkpoint_base import (  # noqa: F401  (CHECKPOINT_EXECUTION_ORDER: used from here)
     CHECKPOINT_EXECUTION_ORDER, CheckpointCallback)
 from aitoolbox.torchtrain.callbacks.best_weights import best_of, checkpoint_weights, restore_weights, weights_swapped_in
 from aitoolbox.torchtrain.callbacks.experiment import scalar_value
-from aitoolbox.torchtrain.callbacks.stopping import not_evaluated_yet
+from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping, not_evaluated_yet
 
 logger = logging.getLogger(__name__)
 
+
 def higher_is_better(metric_name: str) -> bool:
-    name = metric_name.lower()
-    return not ("loss" in name or "error" in name)
+    """``mode='auto'``'s guess: True unless the metric's name contains 'loss' or 'error'."""
+    return ranking.higher_is_better(metric_name)
 
 
 class ModelCheckpoint(CheckpointCallback):
@@ -40,23 +42,35 @@ class ModelCheckpoint(CheckpointCallback):
         bucket_name: the bucket (None with a cloud mode: ``'model-result'``, aitoolbox 1.8's default).
         cloud_dir_prefix: the folder inside the bucket that holds the projects.
         rm_subopt_local_models: False keeps every checkpoint; True keeps the ``num_best_checkpoints_kept`` best by
-            ``val_loss`` (``loss`` without validation); a metric name ranks by that metric (higher is better unless
-            the name contains 'loss' or 'error'). The newest checkpoint is always kept, for resuming; older ones
-            are deleted only once the newest is complete on disk. Only local files are deleted: the bucket keeps
-            every checkpoint uploaded (as in aitoolbox 1.8). The scores are recorded beside the checkpoints
-            (``.aitoolbox-checkpoint-ranking.json``), so a run resumed in a new process into the same run folder
-            (``auto_resume``) keeps the same best checkpoints as a run that never stopped.
+            ``val_loss`` (``loss`` without validation; aitoolbox 1.8 ranked by ``loss``); a metric name ranks by
+            that metric, in the direction ``mode`` gives. The newest checkpoint is always kept, for resuming;
+            older ones are deleted only once the newest is complete on disk. Only local files are deleted: the
+            bucket keeps every checkpoint uploaded (as in aitoolbox 1.8). The scores are recorded beside the
+            checkpoints (``.aitoolbox-checkpoint-ranking.json``) and in the callback's state in every checkpoint,
+            so a run continued in a new process (``auto_resume`` into the same run folder, or ``load_checkpoint``
+            and a new run folder) keeps the same best checkpoint as a run that never stopped.
         num_best_checkpoints_kept: how many best checkpoints to keep.
         background_save: copy the state to host memory and write the file in a background thread while
             training goes on (training waits only for the copy; see :doc:`checkpointing`). Holds a copy of the
             model and optimizer state in host memory from the first save to the end of training.
+        mode: which checkpoints are the best by ``rm_subopt_local_models``'s metric: ``'min'`` (lower is better),
+            ``'max'``, or ``'auto'``: ``'min'`` when the metric's name contains 'loss' or 'error', else ``'max'``
+            (e.g. pass ``mode='min'`` for a perplexity or a mean absolute error named ``val_mae``).
+
+    Several ModelCheckpoints may share a run folder (e.g. one ranking by ``val_loss``, one by ``val_Accuracy``):
+    the first registered keeps aitoolbox 1.8's file names, each later one tags its checkpoints and its ranking record
+    with its metric (``model_<experiment>_<timestamp>_val_Accuracy_E<epoch>.pth``), so none deletes or ranks
+    another's checkpoints (see :mod:`~aitoolbox.torchtrain.callbacks.checkpoint_ranking`).
+
+    Raises:
+        TypeError / ValueError: a bad argument (the message names it).
     """
 
     def __init__(self, project_name: Optional[str] = None, experiment_name: Optional[str] = None,
                  local_model_result_folder_path: Optional[str] = None, hyperparams: Optional[dict] = None,
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
-                 num_best_checkpoints_kept: int = 2, background_save: bool = False):
+                 num_best_checkpoints_kept: int = 2, background_save: bool = False, mode: str = "auto"):
         super().__init__("Model checkpoint at each epoch", project_name, experiment_name,
                          local_model_result_folder_path, hyperparams, cloud_save_mode, background_save,
                          bucket_name=bucket_name, cloud_dir_prefix=cloud_dir_prefix)
@@ -65,17 +79,34 @@ class ModelCheckpoint(CheckpointCallback):
         if isinstance(num_best_checkpoints_kept, bool) or not isinstance(num_best_checkpoints_kept, int) \
                 or num_best_checkpoints_kept < 1:
             raise ValueError(f"num_best_checkpoints_kept must be an int >= 1, got {num_best_checkpoints_kept!r}")
+        ranking.check_ranking_mode(mode, rm_subopt_local_models)
         self.rm_subopt_local_models = rm_subopt_local_models
         self.num_best_checkpoints_kept = num_best_checkpoints_kept
-        self.saved_checkpoints = []  # (score, path) of checkpoints this run wrote and still exist; NaN: unranked
+        self.mode = mode
+        self.saved_checkpoints = []  # (score, path) of the checkpoints it ranked (NaN: unranked), oldest first
+        self._being_saved = []  # (score, path) of checkpoints being written: in the state they are saved with
         self._ranking_restored = False  # those an earlier process recorded in the run folder were read
         self._values_at_epoch_begin = 0  # of the ranked metric: a longer history at the epoch's end scores it
+        self.file_tag: Optional[str] = None  # see checkpoint_ranking: decided when training begins
 
-    def _monitored_metric(self) -> str:
+    def monitored_metric(self) -> str:
+        """The metric the checkpoints are ranked by: ``rm_subopt_local_models``'s name, or for True ``val_loss``
+        (``loss`` on a loop without validation data)."""
         if isinstance(self.rm_subopt_local_models, str):
             return self.rm_subopt_local_models
         # Decided by the loop, not by the history: with end_auto_eval=N val_loss is missing in most epochs.
         return "val_loss" if getattr(self.train_loop_obj, "validation_loader", None) is not None else "loss"
+
+    _monitored_metric = monitored_metric
+
+    def _higher_is_better(self) -> bool:
+        return ranking.higher_is_better(self.monitored_metric(), self.mode)
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()
+        savers = epoch_checkpoint_savers(self.train_loop_obj.callbacks, self.experiment_folder.path)
+        if any(saver is self for saver in savers):
+            self.file_tag = ranking.epoch_file_tag(self, savers)
 
     def on_epoch_begin(self) -> None:
         if self.rm_subopt_local_models is not False:
@@ -84,7 +115,7 @@ class ModelCheckpoint(CheckpointCallback):
     def on_epoch_end(self) -> None:
         tl = self.train_loop_obj
         folder = self.experiment_folder
-        file_name = checkpoint_file_name(folder.experiment_name, folder.timestamp, tl.epoch)
+        file_name = ranking.epoch_file_name(folder, tl.epoch, self.file_tag)
         if self.rm_subopt_local_models is False:
             self._save_checkpoint(False, folder.checkpoint_dir, file_name)
             return
@@ -106,24 +137,52 @@ class ModelCheckpoint(CheckpointCallback):
             # The checkpoints this run folder got from an earlier process (a resumed run) are ranked too.
             self._ranking_restored = True
             self.saved_checkpoints = self._with_earlier_ranking(metric)
+        entry = (score, os.path.join(folder.checkpoint_dir, file_name))
+        if self.is_main_process:  # its own checkpoint's state ranks it (the main process's state is saved)
+            self._being_saved = ranking.merged(self._being_saved, [entry])
 
         def keep_the_best(path: str) -> None:
             # A checkpoint written again (the replay after a rollback) is ranked by its new score only.
-            self.saved_checkpoints = [entry for entry in self.saved_checkpoints if entry[1] != path]
-            self.saved_checkpoints.append((score, path))
-            deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=[path],
-                                        higher_is_better=higher_is_better(metric))
+            self.saved_checkpoints = ranking.merged(self.saved_checkpoints, [(score, path)])
+            self._being_saved = [being for being in self._being_saved if being[1] != entry[1]]
+            # Another run folder's checkpoints (a run continued from it) are ranked, never deleted.
+            keep = [path] + ranking.elsewhere(self.saved_checkpoints, folder.checkpoint_dir)
+            deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=keep,
+                                        higher_is_better=self._higher_is_better())
             self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
             # Uploaded too, so that the bucket keeps mirroring the run folder.
-            self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints))
+            self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints,
+                                                       tag=self.file_tag))
 
         self._save_checkpoint(False, folder.checkpoint_dir, file_name, after_save=keep_the_best)
 
     def _with_earlier_ranking(self, metric: str) -> List[Tuple[float, str]]:
         """:attr:`saved_checkpoints` with those an earlier process ranked in this run folder (read from its record)."""
-        known = {path for _, path in self.saved_checkpoints}
-        earlier = read_checkpoint_ranking(self.experiment_folder.checkpoint_dir, metric)
-        return [entry for entry in earlier if entry[1] not in known] + list(self.saved_checkpoints)
+        earlier = read_checkpoint_ranking(self.experiment_folder.checkpoint_dir, metric, tag=self.file_tag)
+        return ranking.merged(earlier, self.saved_checkpoints)
+
+    def state_dict(self) -> dict:
+        """The ranking: the metric, ``mode`` and the ``(score, path)`` of the checkpoints ranked so far (those being
+        written included), so that a run continued from a checkpoint knows its best checkpoint, also one in the
+        earlier run folder. Empty without ranking (``rm_subopt_local_models=False``)."""
+        if self.rm_subopt_local_models is False or self.train_loop_obj is None:
+            return {}
+        return ranking.ranking_state(self.monitored_metric(), self.mode,
+                                     ranking.merged(self.saved_checkpoints, self._being_saved))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take over the ranking :meth:`state_dict` returned (the checkpoints that still exist count); a state of
+        another metric, or of no ranking, is left aside (the run folder's ranking record still counts)."""
+        if self.rm_subopt_local_models is False:
+            return
+        loaded = ranking.ranking_from_state(state, self.monitored_metric())
+        if loaded is None:
+            if state:
+                logger.info("%s ranks by %s; the checkpoint's ranking was by %s: it is not taken over",
+                            type(self).__name__, self.monitored_metric(), state.get("metric"))
+            return
+        self.saved_checkpoints = ranking.merged([entry for entry in loaded if os.path.exists(entry[1])],
+                                                self.saved_checkpoints)
 
     # --- the best checkpoint ------------------------------------------------------------------------------------
     def _best(self) -> Optional[Tuple[float, str]]:
@@ -131,7 +190,7 @@ class ModelCheckpoint(CheckpointCallback):
             return None
         metric = self._monitored_metric()
         ranked = self.saved_checkpoints if self._ranking_restored else self._with_earlier_ranking(metric)
-        return best_of([(score, path) for score, path in ranked if os.path.exists(path)], higher_is_better(metric))
+        return best_of([(score, path) for score, path in ranked if os.path.exists(path)], self._higher_is_better())
 
     @property
     def best_model_path(self) -> Optional[str]:
@@ -158,7 +217,8 @@ class ModelCheckpoint(CheckpointCallback):
     def load_best_model(self) -> nn.Module:
         """Put the weights of :attr:`best_model_path` into the TrainLoop's model and return the model, for
         predicting and evaluating (``tl.predict_on_test_set()`` then uses them). A later ``fit`` trains on from these
-        weights with the optimizer state it has; to continue the run as it was at that epoch instead, use
+        weights with the optimizer state it has (an ``EarlyStopping(restore_best_weights=True)`` does not put the
+        weights training ended with back); to continue the run as it was at that epoch instead, use
         ``tl.load_checkpoint(checkpoint.best_model_path)``.
 
         Raises:
@@ -167,6 +227,9 @@ class ModelCheckpoint(CheckpointCallback):
         """
         path = self._best_checkpoint_path()
         restore_weights(self.train_loop_obj, checkpoint_weights(path))
+        for callback in self.train_loop_obj.callbacks:
+            if isinstance(callback, EarlyStopping):  # its restored weights would be undone by the next fit
+                callback.keep_best_weights()
         logger.info("Loaded the weights of the best checkpoint %s (%s %.6g)", path, self._monitored_metric(),
                     self.best_model_score)
         return self.train_loop_obj.model
@@ -181,6 +244,15 @@ class ModelCheckpoint(CheckpointCallback):
             ValueError: as :meth:`load_best_model`.
         """
         return weights_swapped_in(self.train_loop_obj, checkpoint_weights(self._best_checkpoint_path()))
+
+
+def epoch_checkpoint_savers(callbacks: List[Any], folder_path: str) -> List[ModelCheckpoint]:
+    """The callbacks that write epoch checkpoints into the run folder ``folder_path``, in registration order: its
+    ModelCheckpoints; a :class:`ModelIterationCheckpoint` only when there is none (else it saves the iteration
+    checkpoints alone, so that no epoch checkpoint is written twice)."""
+    same_folder = [callback for callback in callbacks if isinstance(callback, ModelCheckpoint)
+                   and callback.has_experiment_folder and callback.experiment_folder.path == folder_path]
+    return [callback for callback in same_folder if not isinstance(callback, ModelIterationCheckpoint)] or same_folder
 
 
 class ModelIterationCheckpoint(ModelCheckpoint):
@@ -200,7 +272,7 @@ class ModelIterationCheckpoint(ModelCheckpoint):
         project_name, experiment_name, local_model_result_folder_path, hyperparams: as for
             :class:`ModelCheckpoint`.
         cloud_save_mode, bucket_name, cloud_dir_prefix: as for :class:`ModelCheckpoint`.
-        rm_subopt_local_models, num_best_checkpoints_kept: which epoch checkpoints to keep, as for
+        rm_subopt_local_models, num_best_checkpoints_kept, mode: which epoch checkpoints to keep, as for
             :class:`ModelCheckpoint`; the iteration checkpoints are kept by ``keep_last``.
         keep_last: keep only this many newest iteration checkpoints (None keeps all); older ones are deleted
             only once the newest is complete on disk. In a run resumed into the same run folder, the iteration
@@ -213,10 +285,10 @@ class ModelIterationCheckpoint(ModelCheckpoint):
                  cloud_save_mode: Optional[str] = None, bucket_name: Optional[str] = None,
                  cloud_dir_prefix: Optional[str] = None, rm_subopt_local_models: Union[bool, str] = False,
                  num_best_checkpoints_kept: int = 2, keep_last: Optional[int] = None,
-                 background_save: bool = False):
+                 background_save: bool = False, mode: str = "auto"):
         super().__init__(project_name, experiment_name, local_model_result_folder_path, hyperparams, cloud_save_mode,
                          bucket_name, cloud_dir_prefix, rm_subopt_local_models, num_best_checkpoints_kept,
-                         background_save)
+                         background_save, mode)
         self.callback_name = "Model checkpoint every N iterations"
         if isinstance(save_frequency, bool) or not isinstance(save_frequency, int) or save_frequency < 1:
             raise ValueError(f"save_frequency must be an int >= 1 (iterations between checkpoints), got {save_frequency!r}")
@@ -232,11 +304,8 @@ class ModelIterationCheckpoint(ModelCheckpoint):
 
     def on_train_begin(self) -> None:
         super().on_train_begin()
-        self.saves_epoch_checkpoints = not any(
-            isinstance(callback, ModelCheckpoint) and not isinstance(callback, ModelIterationCheckpoint)
-            and callback.has_experiment_folder and self.has_experiment_folder
-            and callback.experiment_folder.path == self.experiment_folder.path
-            for callback in self.train_loop_obj.callbacks)
+        savers = epoch_checkpoint_savers(self.train_loop_obj.callbacks, self.experiment_folder.path)
+        self.saves_epoch_checkpoints = any(saver is self for saver in savers)
 
     def on_epoch_end(self) -> None:
         if self.saves_epoch_checkpoints:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
-from aitoolbox.torchtrain.callbacks.best_weights import capture_weights, restore_weights
+from aitoolbox.torchtrain.callbacks.best_weights import capture_weights, holds_weights, restore_weights
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,22 @@ class EarlyStopping(AbstractCallback):
 
     At every epoch end the newest value of ``train_history[monitor]`` is compared with the best so far. After
     more than ``patience`` epochs in a row without an improvement larger than ``min_delta`` the loop stops.
+    As in Keras, the best starts at +inf (``mode='min'``) or -inf, and a NaN never improves on it: a NaN epoch counts
+    as one without improvement and is never the best one (nor restored), even at the first epoch.
     Epochs in which no new value was recorded (e.g. evaluation every N epochs) are not counted. Checkpoints hold
     the count and the best value (:meth:`state_dict`), so a resumed run stops where the uninterrupted run would.
 
     With ``restore_best_weights=True`` (Keras's option) the model gets the weights and buffers it had at the end of
     the best epoch back when training ends, whether this callback stopped it or the epochs ran out (as Keras 3
-    does); the loop's ``train_end_test_loss`` is then that of these weights, and the final-model callbacks
-    (``ModelTrainEndSave``) save and evaluate them. A copy of the best weights is kept in host memory and in the
+    does), before the end-of-training evaluations (``on_before_train_end``): ``train_end_test_loss``, the
+    ``train_end_*`` metrics, their reports and trackers, and the final-model callbacks (``ModelTrainEndSave``) all
+    describe these weights, the model ``fit`` returns. A copy of the best weights is kept in host memory and in the
     checkpoints (in :meth:`state_dict`), so a resumed run restores the same weights.
+
+    The restored weights are a view of the run, not its state: the weights training ended with are kept aside (in
+    host memory, and in the state of checkpoints taken while the view is in the model, e.g. the final model), and a
+    later ``fit`` on the loop (or on a loop that loaded such a checkpoint) puts them back when it starts, so two
+    ``fit`` calls train exactly as one (where Keras continues from the restored weights).
 
     Args:
         monitor: the ``train_history`` metric to watch, e.g. ``'val_loss'`` or ``'val_Accuracy'``.
@@ -128,7 +136,9 @@ class EarlyStopping(AbstractCallback):
             raise TypeError(f"restore_best_weights must be True or False, got {restore_best_weights!r}")
         self.restore_best_weights = restore_best_weights
         self.best_weights: Optional[Dict[str, Any]] = None  # with restore_best_weights: the best epoch's, in host memory
-        self._history_lengths_at_epoch_end: Dict[str, int] = {}
+        # While the best weights are in the model after training: the weights training ended with, for the next fit.
+        self.weights_after_training: Optional[Dict[str, Any]] = None
+        self._training = False  # between on_train_begin and the end of training: a loaded view is undone at once
         self.monitor = monitor
         self.min_delta = float(min_delta)
         self.patience = patience
@@ -143,6 +153,22 @@ class EarlyStopping(AbstractCallback):
             raise ValueError("EarlyStopping(restore_best_weights=True) keeps a copy of the whole model, and under "
                              "gpu_mode='fsdp' each process holds shards of it: rank the epoch checkpoints instead "
                              "(ModelCheckpoint(rm_subopt_local_models=...)) and load checkpoint.best_model_path")
+        self._training = True
+        if self.train_loop_obj.pending_restore is not None:
+            self.weights_after_training = None  # a loaded checkpoint decides (its state is loaded next)
+        self._put_back_weights_after_training(self.best_weights)
+
+    def _put_back_weights_after_training(self, view: Optional[Dict[str, Any]]) -> None:
+        """Undo the view of the best weights: training goes on from the weights it ended with. Weights put into the
+        model since (``load_checkpoint``, ``ModelCheckpoint.load_best_model()``, ``load_state_dict``) are kept."""
+        weights, self.weights_after_training = self.weights_after_training, None
+        if weights is not None and view is not None and holds_weights(self.train_loop_obj, view):
+            restore_weights(self.train_loop_obj, weights)
+
+    def keep_best_weights(self) -> None:
+        """Make the restored best weights the run's own: the next ``fit`` trains on from them (as Keras does),
+        instead of from the weights training ended with."""
+        self.weights_after_training = None
 
     def on_epoch_begin(self) -> None:
         self._values_at_epoch_begin = len(self.train_loop_obj.train_history.get(self.monitor, []))
@@ -153,13 +179,11 @@ class EarlyStopping(AbstractCallback):
             "EarlyStopping needs it at every epoch end: for 'loss'/'val_loss' keep TrainLoop's end_auto_eval on "
             "(and pass a validation_loader), for other metrics register a callback that records them, e.g. "
             "ModelPerformanceEvaluation.")
-        self._history_lengths_at_epoch_end = {name: len(values) for name, values
-                                              in self.train_loop_obj.train_history.items()}
         if values is None or len(values) <= self._values_at_epoch_begin:
             return  # nothing new was evaluated in this epoch
         current = values[-1]
         epoch = self.train_loop_obj.epoch
-        if self.best_performance is None or self._improves(current):
+        if self._improves(current):
             self.best_performance = current
             self.best_epoch = epoch
             self.patience_count = self.patience
@@ -168,43 +192,40 @@ class EarlyStopping(AbstractCallback):
             return
         self.patience_count -= 1
         if self.patience_count < 0:
+            best = (f"best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})"
+                    if self.best_performance is not None else f"no epoch had a finite {self.monitor}")
             self.train_loop_obj.stop_training(
                 f"EarlyStopping: {self.monitor} has not improved for {self.patience + 1} epoch(s); stopped at epoch "
-                f"{epoch + 1}, best epoch {self.best_epoch + 1} ({self.monitor}={self.best_performance:.6g})")
+                f"{epoch + 1}, {best}")
 
-    def on_train_end(self) -> None:
+    def on_before_train_end(self) -> None:
+        """Put the best epoch's weights into the model, before the loop and the callbacks evaluate and save it."""
         tl = self.train_loop_obj
+        self._training = False
         if not self.restore_best_weights or self.best_weights is None or self.best_epoch == tl.epoch:
             return  # the model holds the best epoch's weights already
+        self.weights_after_training = capture_weights(tl)
         restore_weights(tl, self.best_weights)
         if tl.is_main_process:
             logger.info("EarlyStopping: restored the weights of epoch %d, the best (%s=%.6g)", self.best_epoch + 1,
                         self.monitor, self.best_performance)
-        self._evaluate_test_loss_again()
 
-    def _evaluate_test_loss_again(self) -> None:
-        """The loop recorded ``train_end_test_loss`` with the last epoch's weights just before: record it again with
-        the restored ones, so that the history, the trackers and the saved results describe the model returned."""
-        tl = self.train_loop_obj
-        history = tl.train_history
-        recorded = [name for name, values in history.items() if name.startswith("train_end_test_loss")
-                    and len(values) > self._history_lengths_at_epoch_end.get(name, 0)]
-        if not recorded:
-            return
-        loss = tl.evaluate_loss_on_test_set(force_prediction=True, float_dict_format=True)
-        entries = loss if isinstance(loss, dict) else {None: loss}
-        for name, value in entries.items():
-            key = "train_end_test_loss" if name is None else f"train_end_test_loss_{name}"
-            if key in recorded:
-                history[key][-1] = value
-        if tl.is_main_process:
-            logger.info("Test loss of the restored weights: %s",
-                        ", ".join(f"{name} {history[name][-1]:.6g}" for name in recorded))
+    def on_train_end(self) -> None:
+        # A callback that ran in between (WeightAveraging(save_average=True) copies its average in at
+        # on_train_end) does not replace the weights asked for here: this callback runs after it (order 99).
+        if self.weights_after_training is not None:
+            restore_weights(self.train_loop_obj, self.best_weights)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._training = False
 
     def _improves(self, current: float) -> bool:
+        # As Keras: the best starts at +-inf, and a NaN compares False, so it never improves on anything.
         if self.mode == "min":
-            return current < self.best_performance - self.min_delta
-        return current > self.best_performance + self.min_delta
+            best = math.inf if self.best_performance is None else self.best_performance
+            return current < best - self.min_delta
+        best = -math.inf if self.best_performance is None else self.best_performance
+        return current > best + self.min_delta
 
     def state_dict(self) -> Dict[str, Any]:
         """The count of epochs without improvement, the best value and its epoch: what a resumed run needs to stop
@@ -216,12 +237,19 @@ class EarlyStopping(AbstractCallback):
                  "best_epoch": int(self.best_epoch), "values_at_epoch_begin": int(self._values_at_epoch_begin)}
         if self.restore_best_weights:  # tensors: a checkpoint holds them (read with weights_only)
             state["best_weights"] = self.best_weights
+        if self.weights_after_training is not None:  # a checkpoint of the view: the next fit trains from these
+            state["weights_after_training"] = self.weights_after_training
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. The epochs without improvement are counted against this
         callback's ``patience`` (a resumed run may change it); a state of another metric or mode is not loaded (a
-        warning says so) and the callback starts afresh."""
+        warning says so) and the callback starts afresh. A state saved while the best weights were in the model after
+        training puts the weights training ended with back: now in a ``fit`` (which then trains from them), else when
+        the next ``fit`` starts."""
+        self.weights_after_training = state.get("weights_after_training")
+        if self._training:  # the view the state describes: its best weights, saved as model_state_dict too
+            self._put_back_weights_after_training(state.get("best_weights"))
         if _watches_another_metric(self, state):
             return
         self.patience_count = self.patience - int(state["epochs_without_improvement"])
@@ -238,8 +266,8 @@ class ThresholdEarlyStopping(AbstractCallback):
     """Stop training when a metric does not reach a threshold for more than ``patience`` epochs in a row.
 
     A metric where lower is better (``mode='min'``) misses the threshold when it is above it; one where higher
-    is better when it is below it. Reaching the threshold again resets the count (``patience_count``), which
-    checkpoints hold (:meth:`state_dict`).
+    is better when it is below it; a NaN misses it either way. Reaching the threshold again resets the count
+    (``patience_count``), which checkpoints hold (:meth:`state_dict`).
 
     Args:
         monitor: the ``train_history`` metric to watch.
@@ -270,7 +298,9 @@ class ThresholdEarlyStopping(AbstractCallback):
         if values is None:
             return
         current = values[-1]
-        missed = current > self.threshold if self.mode == "min" else current < self.threshold
+        # Written as "not reached" so that a NaN, which reaches nothing, misses the threshold.
+        reached = current <= self.threshold if self.mode == "min" else current >= self.threshold
+        missed = not reached
         self.patience_count = self.patience_count - 1 if missed else self.patience
         if self.patience_count < 0:
             self.train_loop_obj.stop_training(

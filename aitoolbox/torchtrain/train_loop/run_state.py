@@ -115,8 +115,9 @@ class RunState:
         if from_checkpoint is not None:
             return from_checkpoint
         if point is not None and tl.strategy.is_main_process:
-            logger.info("Continuing epoch %d where the last fit stopped (batch %d)", self.counters.epoch + 1,
-                        point.batches_done)
+            # A count of the batches done, not a batch index (review of issue 35, friction 4).
+            logger.info("Continuing epoch %d where the last fit stopped, after %d batch%s of it",
+                        self.counters.epoch + 1, point.batches_done, "" if point.batches_done == 1 else "es")
         return point
 
     def progress_beyond_checkpoint(self) -> dict:

@@ -646,7 +646,7 @@ class TrainLoop:
 
             on_train_begin
             for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end, summary line
-            final test-set loss;  on_train_end
+            on_before_train_end;  final test-set loss;  on_train_end
             on an exception:      on_exception(exception), bars closed, the exception re-raised; the next
                                   fit continues from the interrupted epoch's last optimizer step
 
@@ -865,6 +865,7 @@ class TrainLoop:
             self.run_state.end_epoch()  # until here an exception redoes the epoch's end
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
+        self.callbacks_handler.on_before_train_end()  # e.g. the best epoch's weights back, before they are evaluated
         self._evaluator.at_train_end()
         self.callbacks_handler.on_train_end()
 

@@ -370,6 +370,6 @@ def restore_callback_states(tl: "TrainLoop", checkpoint: dict) -> None:
     for key, state in checkpoint.get("callbacks", {}).items():
         if key in callbacks:
             callbacks[key].load_state_dict(private_copy(state))
-        else:
+        elif state:  # an empty state (e.g. a ModelCheckpoint that ranks nothing) has nothing to continue
             logger.warning("the checkpoint holds the state of callback %s, which this run does not have: register the "
                            "same callbacks (e.g. the LR scheduler) as in the saved run for an exact continuation", key)

@@ -1,23 +1,26 @@
 """Every public callback class is importable from ``aitoolbox.torchtrain.callbacks`` (issue 35, item 7).
 
-The test walks the modules of the callbacks package itself, so a callback added later without its export fails
-here rather than in a user's import.
+The test walks the modules of the callbacks package and of the LR schedulers package (whose schedulers are
+callbacks), so a callback added later without its export fails here rather than in a user's import.
 """
 import importlib
 import inspect
 import pkgutil
 
 import aitoolbox.torchtrain.callbacks as callbacks_package
+import aitoolbox.torchtrain.schedulers as schedulers_package
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 
 
 def public_callback_classes() -> dict:
-    """``{name: class}`` of every public callback class defined in a module of the callbacks package."""
+    """``{name: class}`` of every public callback class defined in a module of the callbacks or schedulers package."""
     found = {}
-    for module_info in pkgutil.iter_modules(callbacks_package.__path__):
-        if module_info.name.startswith("_"):
+    modules = [(package, module_info.name) for package in (callbacks_package, schedulers_package)
+               for module_info in pkgutil.iter_modules(package.__path__)]
+    for package, module_name in modules:
+        if module_name.startswith("_"):
             continue
-        module = importlib.import_module(f"{callbacks_package.__name__}.{module_info.name}")
+        module = importlib.import_module(f"{package.__name__}.{module_name}")
         for name, value in vars(module).items():
             if name.startswith("_") or not inspect.isclass(value) or not issubclass(value, AbstractCallback):
                 continue
@@ -31,7 +34,7 @@ def test_the_walk_finds_the_callbacks_of_every_kind():
     # A sample of each module's callbacks: the walk would pass vacuously if it found nothing.
     assert {"ModelCheckpoint", "ModelIterationCheckpoint", "ModelTrainEndSave", "TensorboardTrainBatchLoss",
             "EarlyStopping", "CSVLogger", "InMultiProcessDataLoad", "ModelLoadContinueTraining",
-            "GradientStatsPrint", "ListRegisteredCallbacks"} <= names
+            "GradientStatsPrint", "ListRegisteredCallbacks", "StepLRScheduler", "CosineWithWarmupScheduler"} <= names
 
 
 def test_every_public_callback_class_is_exported_from_the_package():
@@ -44,3 +47,10 @@ def test_every_public_callback_class_is_exported_from_the_package():
 
 def test_the_issue_s_imports_work():
     from aitoolbox.torchtrain.callbacks import ModelCheckpoint, TensorboardTrainBatchLoss  # noqa: F401
+
+
+def test_the_scheduler_callbacks_import_from_the_callbacks_package():
+    """The docs say every callback imports from here: the LR scheduler callbacks too (review of issue 35, D10)."""
+    from aitoolbox.torchtrain.callbacks import (  # noqa: F401
+        ConstantWithWarmupScheduler, CosineWithWarmupScheduler, GeneralLRSchedulerCallback,
+        HardRestartsCosineWithWarmupScheduler, LambdaLRScheduler, MultiStepLRScheduler, StepLRScheduler)

@@ -287,6 +287,12 @@ def test_background_saves_write_what_saving_in_place_writes_and_are_complete_whe
     in_place, background = checkpoints_of(tmp_path, "in_place"), checkpoints_of(tmp_path, "background")
     assert sorted(in_place) == sorted(background) and "E3" in background and len(background) >= 4
     for name in in_place:
+        # The ranking in the callback's state names each run's own files: compared by name within the run folder.
+        for checkpoints, experiment in ((in_place, "in_place"), (background, "background")):
+            prefix = f"model_{os.path.basename(only_run_folder(tmp_path, experiment))}"
+            for entry in checkpoints[name]["callbacks"]["ModelCheckpoint:0"]["checkpoints"]:
+                assert os.path.basename(entry[1]).startswith(prefix)
+                entry[1] = os.path.basename(entry[1])[len(prefix):]
         assert_same_checkpoint(in_place[name], background[name], name)
 
 

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -13,6 +15,7 @@ from aitoolbox.torchtrain.callbacks.stopping import (AllPredictionsSame, EarlySt
 from aitoolbox.torchtrain.model import TTBasicModel
 from aitoolbox.torchtrain.precision import LossScaler, Precision
 from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.conftest import TinyRegressor
 from tests.helpers import distinct_records
 
 
@@ -148,6 +151,60 @@ def test_terminate_on_nan_rejects_bad_monitor(monitor):
         TerminateOnNaN(monitor)
 
 
+def keras_early_stopping(values, patience, mode, min_delta=0.0):
+    """Keras's rule, the reference: the best starts at +-inf and a NaN never improves on it. Returns (the epoch
+    training stops at or None, the best epoch or None, the best value or None)."""
+    best, best_epoch, wait = (math.inf if mode == "min" else -math.inf), None, 0
+    for epoch, value in enumerate(values):
+        improved = value + min_delta < best if mode == "min" else value - min_delta > best
+        if improved and not math.isnan(value):
+            best, best_epoch, wait = value, epoch, 0
+            continue
+        wait += 1
+        if wait > patience:
+            return epoch, best_epoch, (None if best_epoch is None else best)
+    return None, best_epoch, (None if best_epoch is None else best)
+
+
+def tiny_loop():
+    torch.manual_seed(0)
+    model = TinyRegressor()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=8)
+    return make_loop(model, loader)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=st.lists(st.one_of(st.just(math.nan), st.floats(-2, 2, allow_nan=False, allow_infinity=False)),
+                       min_size=1, max_size=6),
+       patience=st.integers(0, 2), mode=st.sampled_from(["min", "max"]))
+def test_early_stopping_follows_keras_and_a_nan_is_never_the_best(values, patience, mode):
+    """Review of issue 35, D3: a NaN first value became the best for good (and restore_best_weights restored it)."""
+    tl = tiny_loop()
+    early_stopping = EarlyStopping("val_score", patience=patience, mode=mode)
+    tl.fit(num_epochs=len(values), callbacks=[early_stopping, scripted_metric("val_score", dict(enumerate(values)))])
+    stop_epoch, best_epoch, best = keras_early_stopping(values, patience, mode)
+    assert tl.epochs_completed == (len(values) if stop_epoch is None else stop_epoch + 1)
+    assert early_stopping.best_performance == best
+    if best_epoch is not None:
+        assert early_stopping.best_epoch == best_epoch
+
+
+def test_early_stopping_stopping_with_no_finite_value_says_so(make_model, make_loader, caplog):
+    tl = make_loop(make_model(), make_loader(num_samples=8))
+    package_logger = logging.getLogger("aitoolbox")  # it need not propagate to the root logger caplog watches
+    package_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="aitoolbox"):
+            tl.fit(num_epochs=4, callbacks=[EarlyStopping("val_loss", patience=1),
+                                            scripted_metric("val_loss", {0: math.nan, 1: math.nan, 2: 1.0})])
+    finally:
+        package_logger.removeHandler(caplog.handler)
+    assert tl.epochs_completed == 2
+    (stop,) = [record.getMessage() for record in caplog.records if "Stopping training" in record.getMessage()]
+    assert stop.endswith("stopped at epoch 2, no epoch had a finite val_loss")
+
+
 # --- ThresholdEarlyStopping ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("monitor, values, patience, stop_epoch, counts", [
     # lower is better: above the threshold misses it
@@ -165,6 +222,14 @@ def test_threshold_early_stopping(make_model, make_loader, monitor, values, pati
     tl.fit(num_epochs=len(values), callbacks=[stopper, scripted_metric(monitor, dict(enumerate(values))), recorder])
     assert seen == counts
     assert tl.epochs_completed == (len(values) if stop_epoch is None else stop_epoch + 1)
+
+
+@pytest.mark.parametrize("monitor", ["val_loss", "val_Accuracy"])
+def test_threshold_early_stopping_counts_a_nan_as_missing_the_threshold(make_model, make_loader, monitor):
+    tl = make_loop(make_model(), make_loader(num_samples=8))
+    tl.fit(num_epochs=3, callbacks=[ThresholdEarlyStopping(monitor, threshold=0.7, patience=0),
+                                    scripted_metric(monitor, {0: math.nan, 1: 0.7, 2: 0.7})])
+    assert tl.epochs_completed == 1
 
 
 def test_threshold_early_stopping_mode_and_arguments():

@@ -142,3 +142,6 @@ def test_continuing_after_an_interruption_names_the_epoch_as_its_line_does():
     with logged() as messages:
         tl.fit(num_epochs=3)
     assert messages.epoch_line_after(r"Continuing epoch (\d+) where the last fit stopped") == [(2, 2)]
+    # Review of issue 35, friction 4: the batch is a count of batches done, not a 0-based index: say so.
+    (line,) = [line for line in messages.lines if line.startswith("Continuing epoch")]
+    assert line == "Continuing epoch 2 where the last fit stopped, after 1 batch of it", line
