@@ -315,18 +315,29 @@ def apply_learning_rate(tl: "TrainLoop", lr: float) -> None:
         raise ValueError(f"the first parameter group's learning rate is {reference}: the other groups' ratio to it "
                          "is undefined")
     for optimizer, optimizer_references in zip(tl.optimizers, references):
-        factors = [lr * (value / reference) / value if value > 0 else 1.0 for value in optimizer_references]
+        # The new reference rate per group, computed as a fit given it would: lr itself for the first group (not
+        # old * (lr / old), an ulp off), lr times the group's ratio for the others.
+        targets = [lr * (value / reference) for value in optimizer_references]
         driving = [scheduler for scheduler in schedulers if scheduler.optimizer is optimizer]
-        for group_idx, (group, factor) in enumerate(zip(optimizer.param_groups, factors)):
-            _assign_lr(group, _lr_value(group["lr"]) * factor)
+        for group_idx, (group, value, target) in enumerate(zip(optimizer.param_groups, optimizer_references,
+                                                               targets)):
+            _assign_lr(group, _moved(_lr_value(group["lr"]), value, target))
             for key in ("initial_lr", "max_lr", "min_lr"):  # where torch schedulers start from, peak and end
                 if key in group:
-                    group[key] = group[key] * factor
+                    group[key] = _moved(group[key], value, target)
             for scheduler in driving:
                 for name in ("base_lrs", "max_lrs"):
                     values = getattr(scheduler, name, None)
                     if isinstance(values, list) and len(values) == len(optimizer.param_groups):
-                        values[group_idx] = values[group_idx] * factor
+                        values[group_idx] = _moved(values[group_idx], value, target)
+
+
+def _moved(rate: float, reference: float, target: float) -> float:
+    """``rate`` moved with its group's reference rate from ``reference`` to ``target``: exactly ``target`` where it
+    is the reference (the peak or base rate the suggestion stands for), else scaled by the same factor."""
+    if rate == reference:
+        return target
+    return rate * (target / reference) if reference > 0 else rate
 
 
 def _registered_torch_schedulers(tl: "TrainLoop") -> List[Any]:
@@ -336,8 +347,23 @@ def _registered_torch_schedulers(tl: "TrainLoop") -> List[Any]:
             driven = getattr(callback, "schedulers", None)
             if driven is None:
                 driven = [callback.scheduler] if callback.scheduler is not None else []
-            schedulers.extend(s for s in driven if hasattr(s, "base_lrs") and hasattr(s, "optimizer"))
+            schedulers.extend(s for s in _leaf_schedulers(driven)
+                              if hasattr(s, "base_lrs") and hasattr(s, "optimizer"))
     return schedulers
+
+
+def _leaf_schedulers(schedulers: List[Any]) -> List[Any]:
+    """``SequentialLR`` and ``ChainedScheduler`` have no base rates of their own: the schedulers they run do, and
+    those are what the suggestion must move (else it replaced a warm-up's current rate and the schedule multiplied
+    up from there)."""
+    leaves = []
+    for scheduler in schedulers:
+        inner = getattr(scheduler, "_schedulers", None)
+        if isinstance(inner, (list, tuple)) and not hasattr(scheduler, "base_lrs"):
+            leaves.extend(_leaf_schedulers(list(inner)))
+        else:
+            leaves.append(scheduler)
+    return leaves
 
 
 def _reference_lrs(optimizer: torch.optim.Optimizer, schedulers: List[Any]) -> List[float]:

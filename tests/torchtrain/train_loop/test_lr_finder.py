@@ -536,15 +536,118 @@ def test_apply_makes_the_suggestion_the_peak_of_a_one_cycle_or_cyclic_schedule_f
 
     peaks = Peaks()
     tl.fit(num_epochs=2, callbacks=[peaks])  # 14 optimizer steps: one-cycle peaks at the 5th, cyclic at the 4th
-    assert peaks.seen[0] == pytest.approx(suggestion, rel=1e-9)
-    assert peaks.seen[1] == pytest.approx(suggestion / 10, rel=1e-9)
+    # Exactly the suggestion (and the second group's rate as a fit given max_lr=[s, s * ratio] computes it), not
+    # within an ulp: the peak is set, not scaled (review of issue 34, C3).
+    second = suggestion * (0.01 / 0.1)
+    assert peaks.seen == [suggestion, second]
     torch_scheduler = scheduler.scheduler
     if schedule == "one-cycle":
-        assert [group["max_lr"] for group in optimizer.param_groups] == pytest.approx([suggestion, suggestion / 10])
+        assert [group["max_lr"] for group in optimizer.param_groups] == [suggestion, second]
         assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(suggestion / 25)  # div_factor kept
     else:
-        assert torch_scheduler.max_lrs == pytest.approx([suggestion, suggestion / 10])
+        assert torch_scheduler.max_lrs == [suggestion, second]
         assert torch_scheduler.base_lrs == pytest.approx([suggestion / 10, suggestion / 100])  # the ratio kept
+
+
+def _one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[0.05, 0.005], total_steps=20)
+
+
+def _cyclic(optimizer):
+    return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=[0.005, 0.0005], max_lr=[0.05, 0.005],
+                                             step_size_up=3)
+
+
+def _lambda(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
+
+
+@pytest.mark.parametrize("make", [None, _one_cycle, _cyclic, _lambda], ids=["none", "OneCycleLR", "CyclicLR",
+                                                                            "LambdaLR"])
+def test_the_applied_rate_is_exactly_the_suggestion(make):
+    """Review of issue 34, C3: the peak (or base) rate was the old one times ``suggestion / old``, an ulp off the
+    suggestion (0.05736152510448681 for ...682). Both groups' rates are those a schedule built with the suggestion
+    computes: ``s`` and ``s * (0.005 / 0.05)``."""
+    from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+    from aitoolbox.torchtrain.train_loop.lr_finder import apply_learning_rate
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD([{"params": model.fc1.parameters()}, {"params": model.fc2.parameters(), "lr": 0.005}],
+                                lr=0.05)
+    tl = TrainLoop(model, seeded_loader(classification_data(12), batch_size=6), None, None, optimizer,
+                   nn.CrossEntropyLoss(), show_progress=False)
+    scheduler = None
+    if make is not None:
+        scheduler = GeneralLRSchedulerCallback(make, step_per_optimizer_step=True)
+        tl.callbacks_handler.register_callbacks([scheduler])
+    suggestion = 0.05736152510448682
+    assert 0.05 * (suggestion / 0.05) != suggestion  # scaling would miss it by an ulp
+    apply_learning_rate(tl, suggestion)
+    expected = [suggestion, suggestion * (0.005 / 0.05)]
+    if make is None:
+        assert [group["lr"] for group in optimizer.param_groups] == expected
+    elif make is _one_cycle:
+        assert [group["max_lr"] for group in optimizer.param_groups] == expected
+    elif make is _cyclic:
+        assert scheduler.scheduler.max_lrs == expected
+    else:
+        assert scheduler.scheduler.base_lrs == expected
+        assert [group["initial_lr"] for group in optimizer.param_groups] == expected
+
+
+def _warmup_then_cosine(optimizer):
+    return torch.optim.lr_scheduler.SequentialLR(
+        optimizer, [torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5),
+                    torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=30)], milestones=[5])
+
+
+def _chained_warmup(optimizer):
+    return torch.optim.lr_scheduler.ChainedScheduler(
+        [torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5),
+         torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)])
+
+
+@pytest.mark.parametrize("make", [_warmup_then_cosine, _chained_warmup], ids=["SequentialLR", "ChainedScheduler"])
+def test_apply_with_a_composite_schedule_makes_the_suggestion_its_base_rate(make):
+    """Review of issue 34, D3: SequentialLR and ChainedScheduler have no base rates of their own; the suggestion
+    replaced the warm-up's current rate (a tenth of the base) and the schedule multiplied up from there, peaking at
+    ten times the suggestion. The fit must follow the LR sequence of the same fit built with the suggestion as its
+    rate (a warm-up from a tenth of it to the suggestion itself), for both groups."""
+    from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+
+    class Rates(AbstractCallback):
+        def __init__(self):
+            super().__init__("rates")
+            self.seen = []
+
+        def on_after_gradient_update(self, optimizer_idx):
+            self.seen.append([group["lr"] for group in self.train_loop_obj.optimizer.param_groups])
+
+    def build(lr):
+        torch.manual_seed(0)
+        model = MLP()
+        groups = [{"params": model.fc1.parameters()}, {"params": model.fc2.parameters(), "lr": lr / 10}]
+        tl = TrainLoop(model, seeded_loader(classification_data(40), batch_size=6), None, None,
+                       torch.optim.SGD(groups, lr=lr, momentum=0.9), nn.CrossEntropyLoss(), show_progress=False)
+        return tl, GeneralLRSchedulerCallback(make, step_per_optimizer_step=True)
+
+    tl, scheduler = build(0.1)
+    suggestion = search(tl, callbacks=[scheduler], apply=True, end_lr=10.0, num_iterations=30).suggestion
+    assert suggestion is not None and suggestion != 0.1
+    rates = Rates()
+    tl.fit(num_epochs=2, callbacks=[rates])
+    alone, alone_scheduler = build(suggestion)
+    alone_rates = Rates()
+    alone.fit(num_epochs=2, callbacks=[alone_scheduler, alone_rates])
+    assert len(rates.seen) == 14
+    assert rates.seen[0] == pytest.approx(alone_rates.seen[0], rel=1e-12)  # the warm-up starts at a tenth
+    for ours, theirs in zip(rates.seen, alone_rates.seen):
+        assert ours == pytest.approx(theirs, rel=1e-12)
+    peak = max(rate for rate, _ in rates.seen)
+    if make is _warmup_then_cosine:
+        assert peak == pytest.approx(suggestion, rel=1e-12)  # the warm-up ends at the suggestion
+    else:
+        assert peak <= suggestion * (1 + 1e-12)  # the chained decay runs during the warm-up: never above it
 
 
 class GaussianRegression(TTModel):
