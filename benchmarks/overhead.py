@@ -13,7 +13,8 @@ Three scenarios, each timed per epoch:
   ``--tiny-epoch-repeat 1`` shows that per-epoch cost. Target: at most +20 us per batch (the step point's copy of
   the model's buffers included). A third runner, ``TrainLoop+ThroughputMonitor``, is the same TrainLoop with a
   ``ThroughputMonitor(peak_flops=1e12)`` (FLOPs counted on the first batch, MFU, the window's rates in the bar),
-  interleaved with the other two; its row also gives its extra time over the plain TrainLoop (the monitor's cost). Target: at most +5 us per batch.
+  interleaved with the other two; its row also gives its extra time over the plain TrainLoop (the monitor's cost).
+  Target: at most +5 us per batch.
   Under the table, the cost of the monitor's per-batch hooks alone (the loop's four batch-hook calls and the
   monitor's work in them, 200,000 times, best of 5): on a shared machine a difference of a few microseconds
   between two epochs' medians is within their noise, this direct reading is not. ``--no-monitor`` leaves both
