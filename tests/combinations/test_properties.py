@@ -48,15 +48,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from tests.combinations.properties_support import (
     BATCH_SIZE, FAULT_POINTS, PRECISIONS, RandomStates, Run, Setup, differences, observe)
 
-# Issue 32's items being fixed in other slices while this test was written, and what keeps each out of the search.
+# Defects not fixed yet, and what keeps each out of the search (issue 32's items 1-4, 10 and 13 are fixed: searched).
 KNOWN_DEFECTS = {
-    1: "O2 + dynamic loss scaling + two optimizers + accumulation + a non-finite loss: no poisoned sample there",
-    2: "a checkpoint taken before training resumes one epoch late: no save before the first fit",
-    3: "an exception in the epoch's end repeats it: no fault in on_epoch_train_end / on_epoch_end",
-    4: "batches trained again count BatchNorm statistics twice: with BatchNorm, faults only where no batch is to "
-       "be trained again (no forward since the last step)",
-    10: "load_checkpoint(dict) then fit changes the dict: each load gets a copy",
-    13: "an exception between two optimizers' steps: with two optimizers no fault in the gradient / step hooks",
     14: "SpikeRollback beside a stopping callback, and the checkpoints of an undone interval: not drawn together, "
         "no resume from a checkpoint older than a rollback",
     # Found by this test (see test_property_regressions.py):
