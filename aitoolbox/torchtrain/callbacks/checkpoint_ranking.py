@@ -53,14 +53,29 @@ def _tag_text(callback: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", metric).strip("-.") or "metric"
 
 
+def _settings(callback: Any) -> tuple:
+    """What decides which files a saver writes and keeps: two savers alike (the same callback passed to every ``fit``
+    call, as aitoolbox 1.x scripts do) write the same files, as in 1.x, rather than a tagged copy each."""
+    return (type(callback), _tag_text(callback), getattr(callback, "mode", None),
+            getattr(callback, "num_best_checkpoints_kept", None))
+
+
 def epoch_file_tag(callback: Any, savers: Sequence[Any]) -> Optional[str]:
     """The tag of ``callback``'s epoch checkpoint names and ranking record: None for the first of ``savers`` (the
     callbacks that save epoch checkpoints into its folder, in registration order), else its metric's name,
-    numbered when an earlier callback took it (``val_loss``, ``val_loss_2``)."""
-    position = next(index for index, saver in enumerate(savers) if saver is callback)
+    numbered when an earlier callback took it (``val_loss``, ``val_loss_2``). A saver with the settings of an earlier
+    one shares its tag (they write the same files)."""
+    distinct: List[Any] = []
+    for saver in savers:
+        if not any(_settings(saver) == _settings(earlier) for earlier in distinct):
+            distinct.append(saver)
+        if saver is callback:
+            break
+    same = next((saver for saver in distinct if _settings(saver) == _settings(callback)), callback)
+    position = next(index for index, saver in enumerate(distinct) if saver is same)
     if position == 0:
         return None
-    texts = [_tag_text(saver) for saver in savers[1:position + 1]]
+    texts = [_tag_text(saver) for saver in distinct[1:position + 1]]
     text, earlier = texts[-1], texts[:-1].count(texts[-1])
     return text if earlier == 0 else f"{text}_{earlier + 1}"
 

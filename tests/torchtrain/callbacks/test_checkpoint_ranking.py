@@ -117,15 +117,19 @@ def test_two_ranking_checkpoints_keep_their_own_files_and_rankings(tmp_path, mon
 
 def test_tags_name_a_metric_once():
     class Stub:
-        def __init__(self, ranked):
+        def __init__(self, ranked, kept=1):
             self.rm_subopt_local_models = ranked
+            self.num_best_checkpoints_kept = kept
 
         def monitored_metric(self):
             return "val_loss"
 
-    savers = [Stub("val_loss"), Stub(True), Stub("val/F1 score"), Stub(False), Stub("val_loss")]
+    savers = [Stub("val_loss"), Stub(True, 2), Stub("val/F1 score"), Stub(False), Stub("val_loss", 3)]
     assert [epoch_file_tag(saver, savers) for saver in savers] == [
         None, "val_loss", "val-F1-score", "every_epoch", "val_loss_2"]
+    # Savers alike (one passed to every fit call, as 1.x scripts do) write the same files: they share a tag.
+    alike = [Stub(False), Stub("val_loss"), Stub(False), Stub("val_loss"), Stub("val_loss", 2)]
+    assert [epoch_file_tag(saver, alike) for saver in alike] == [None, "val_loss", None, "val_loss", "val_loss_2"]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
