@@ -19,7 +19,7 @@ from aitoolbox.experiment.local_save.checkpoint_contents import check_checkpoint
 from aitoolbox.experiment.local_save.safe_load import (  # noqa: F401
     CheckpointLoadError, CheckpointMismatchError, CorruptCheckpointError, UntrustedCheckpointError, load_torch_file)
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
-    is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
+    is_sharded_checkpoint, read_sharded_checkpoint_state_and_identity, remove_sharded_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ SCHEDULERS_KEY = "schedulers_state_dict"
 # A sharded checkpoint loaded by :func:`load_checkpoint_file`: its folder. The dict then holds the training state
 # but not the weights, which the TrainLoop reads into its (sharded) model and optimizers once they are set up.
 SHARDED_CHECKPOINT_KEY = "sharded_checkpoint"
+# Beside it, the identity (device, inode) of the folder whose training state was read: the weights, read later,
+# must come from that same folder, not from one swapped into its place (a link to another run's checkpoint).
+SHARDED_IDENTITY_KEY = "sharded_checkpoint_identity"
 
 
 def upgrade_checkpoint_format(checkpoint: dict) -> dict:
@@ -183,8 +186,9 @@ def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = 
     """
     file_path = _confined(find_checkpoint(path))
     if os.path.isdir(file_path):
-        state = check_checkpoint_contents(read_sharded_checkpoint_state(file_path), file_path, sharded=True)
-        return dict(state, **{SHARDED_CHECKPOINT_KEY: file_path})
+        state, identity = read_sharded_checkpoint_state_and_identity(file_path)
+        state = check_checkpoint_contents(state, file_path, sharded=True)
+        return dict(state, **{SHARDED_CHECKPOINT_KEY: file_path, SHARDED_IDENTITY_KEY: identity})
     checkpoint = load_torch_file(file_path, map_location=map_location, weights_only=weights_only,
                                  follow_symlinks=checkpoint_path_position(file_path) is None)
     if isinstance(checkpoint, dict):

@@ -21,7 +21,7 @@ import torch
 
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, SHARDED_IDENTITY_KEY, upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.data_position import (
     ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
@@ -288,8 +288,9 @@ def load_pending_sharded_weights(tl: "TrainLoop") -> None:
     if checkpoint is None or SHARDED_CHECKPOINT_KEY not in checkpoint:
         return
     path = checkpoint.pop(SHARDED_CHECKPOINT_KEY)
+    identity = checkpoint.pop(SHARDED_IDENTITY_KEY, None)  # None: a dict the caller made names the folder itself
     logger.debug("loading the weights of the sharded checkpoint %s", path)
-    load_sharded_checkpoint(path, tl.loop_model, tl.optimizers)
+    load_sharded_checkpoint(path, tl.loop_model, tl.optimizers, expected_identity=identity)
 
 
 def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
