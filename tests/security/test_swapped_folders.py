@@ -75,3 +75,35 @@ def test_an_unswapped_sharded_folder_loads(run_and_other):
     tl = _loop()
     tl.load_checkpoint(run)
     assert all(torch.equal(tl.model.state_dict()[key], value) for key, value in read_full_model_state_dict(own).items())
+
+
+@pytest.fixture
+def linked_checkpoint_model(tmp_path):
+    """A run folder whose checkpoint_model/ is a link to another run's checkpoints (a .pth and a sharded one)."""
+    other = tmp_path / "private" / "checkpoint_model"
+    other.mkdir(parents=True)
+    hostile.sharded_checkpoint(str(other / "model_secret_2020-01-01_00-00-00_E1"))
+    torch.save(hostile.small_checkpoint(), str(other / "model_secret_2020-01-01_00-00-00_E2.pth"))
+    run = tmp_path / "shared" / RUN
+    run.mkdir(parents=True)
+    os.symlink(other, run / "checkpoint_model")
+    return run, other
+
+
+@pytest.mark.parametrize("named", ["run folder", "file through the link", "sharded folder through the link"])
+def test_a_link_inside_the_run_folder_is_refused(linked_checkpoint_model, named):
+    run, _ = linked_checkpoint_model
+    linked = run / "checkpoint_model"
+    path = {"run folder": run, "file through the link": linked / "model_secret_2020-01-01_00-00-00_E2.pth",
+            "sharded folder through the link": linked / "model_secret_2020-01-01_00-00-00_E1"}[named]
+    with pytest.raises(CorruptCheckpointError) as refused:
+        checkpoints.load_checkpoint_file(str(path))
+    assert "checkpoint_model on its path is a symbolic link" in str(refused.value) and "name the checkpoint" in str(refused.value)
+
+
+def test_the_run_folder_itself_may_be_reached_through_the_users_links(linked_checkpoint_model, tmp_path):
+    _, other = linked_checkpoint_model
+    os.symlink(other.parent, tmp_path / "my_link_to_the_run")  # the user's own link, to the run folder they name
+    assert checkpoints.load_checkpoint_file(str(tmp_path / "my_link_to_the_run"))["epoch"] is not None
+    named = tmp_path / "my_link_to_the_run" / "checkpoint_model" / "model_secret_2020-01-01_00-00-00_E2.pth"
+    assert checkpoints.load_checkpoint_file(str(named))["epoch"] is not None

@@ -139,14 +139,37 @@ def upgrade_checkpoint_format(checkpoint: dict) -> dict:
     return upgraded
 
 
-def _confined(file_path: str) -> str:
+def _run_folder(file_path: str, named: str) -> str:
+    """The run folder of checkpoint ``file_path``, found from ``named`` (what the user passed): the folder itself
+    when the user named a folder, else the folder holding the checkpoint (its run folder for one in
+    ``checkpoint_model/``)."""
+    named, file_path = os.path.abspath(named), os.path.abspath(file_path)
+    if file_path != named and os.path.isdir(named) and os.path.commonpath([named, file_path]) == named:
+        return named
+    parent = os.path.dirname(file_path)
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoint_model" else parent
+
+
+def _confined(file_path: str, named: str) -> str:
     """``file_path``, or for a symbolic link named as a checkpoint, its target when that is inside the link's folder.
 
     A checkpoint of an experiment folder (``model_*.pth``, or a sharded checkpoint's folder) found there or named
     by its parts must not lead outside that folder: a link planted in a shared folder would load another run's
-    files.
+    files. So no folder between the run folder and the checkpoint (``checkpoint_model/``) may be a link either;
+    the run folder ``named`` leads to may itself be reached through links (the user's own: they named it).
     """
-    if checkpoint_path_position(file_path) is None or not os.path.islink(file_path):
+    if checkpoint_path_position(file_path) is None:
+        return file_path
+    current = _run_folder(file_path, named)
+    for part in os.path.relpath(os.path.abspath(file_path), current).split(os.sep)[:-1]:
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            raise CorruptCheckpointError(file_path, f"the folder {current} on its path is a symbolic link (to "
+                                                    f"{os.path.realpath(current)}): a checkpoint of a run folder "
+                                                    "reads nothing through a link inside it, which could lead to "
+                                                    "another run's files. If you made this link yourself, name the "
+                                                    "checkpoint by the path it leads to")
+    if not os.path.islink(file_path):
         return file_path
     folder = os.path.realpath(os.path.dirname(os.path.abspath(file_path)))
     target = os.path.realpath(file_path)
@@ -184,7 +207,7 @@ def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = 
         CheckpointLoadError: the file's tensors were saved on a device this machine lacks.
         FileNotFoundError: there is no checkpoint at ``path``.
     """
-    file_path = _confined(find_checkpoint(path))
+    file_path = _confined(find_checkpoint(path), os.path.expanduser(path))
     if os.path.isdir(file_path):
         state, identity = read_sharded_checkpoint_state_and_identity(file_path)
         state = check_checkpoint_contents(state, file_path, sharded=True)
