@@ -354,7 +354,8 @@ def read_checkpoint_ranking(folder: str, metric: str, tag: Optional[str] = None)
         entries = [(float(score), os.path.join(folder, name)) for score, name in record["checkpoints"]
                    if isinstance(name, str) and _is_checkpoint_name(name)]
         recorded_metric = record["metric"]
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except (OSError, ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as error:
+        # A planted or damaged record (a score beyond a float, JSON nested deeper than the parser goes) ranks nothing.
         logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,
                        ranking_file_name(tag), error)
         return []
