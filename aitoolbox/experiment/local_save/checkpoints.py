@@ -224,10 +224,10 @@ def failures_named(path: Optional[str]) -> Iterator[None]:
     """Name ``path`` in what putting a checkpoint read from it into a model, optimizers or loop raises.
 
     A ``RuntimeError`` or ``ValueError`` (torch's ``load_state_dict`` of another model, another number of
-    optimizers) becomes :class:`CheckpointMismatchError`, still both; a ``TypeError``, ``KeyError``, ``IndexError``
-    or ``AttributeError`` (content no checkpoint holds) becomes :class:`CorruptCheckpointError`. The original is
-    chained. aitoolbox's own loading errors, and everything with ``path`` None (a checkpoint dict the caller
-    made), pass unchanged.
+    optimizers) becomes :class:`CheckpointMismatchError`, still both; a ``TypeError``, ``KeyError``, ``IndexError``,
+    ``AttributeError`` or ``ArithmeticError`` (content no checkpoint holds, e.g. an infinite count) becomes
+    :class:`CorruptCheckpointError`. The original is chained. aitoolbox's own loading errors, and everything with
+    ``path`` None (a checkpoint dict the caller made), pass unchanged.
     """
     if path is None:
         yield
@@ -238,7 +238,7 @@ def failures_named(path: Optional[str]) -> Iterator[None]:
         raise
     except (RuntimeError, ValueError) as error:
         raise CheckpointMismatchError(path, f"{type(error).__name__}: {error}") from error
-    except (TypeError, KeyError, IndexError, AttributeError) as error:
+    except (TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as error:
         raise CorruptCheckpointError(path, f"its content is not what a checkpoint holds ({type(error).__name__}: "
                                            f"{error})") from error
 
