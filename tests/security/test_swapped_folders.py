@@ -98,7 +98,8 @@ def test_a_link_inside_the_run_folder_is_refused(linked_checkpoint_model, named)
             "sharded folder through the link": linked / "model_secret_2020-01-01_00-00-00_E1"}[named]
     with pytest.raises(CorruptCheckpointError) as refused:
         checkpoints.load_checkpoint_file(str(path))
-    assert "checkpoint_model on its path is a symbolic link" in str(refused.value) and "name the checkpoint" in str(refused.value)
+    message = str(refused.value)
+    assert "checkpoint_model on its path is a symbolic link" in message and "name the checkpoint" in message
 
 
 def test_the_run_folder_itself_may_be_reached_through_the_users_links(linked_checkpoint_model, tmp_path):
