@@ -198,10 +198,13 @@ def parse_folder_marker(data: bytes, where: str) -> Dict[str, int]:
     """
     try:
         manifest = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{where} is not a folder marker written by aitoolbox: {error}") from error
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:  # RecursionError: nested too deep
+        raise ValueError(f"{where} is not a folder marker written by aitoolbox: {type(error).__name__}: "
+                         f"{str(error)[:200]}") from None
+    version = manifest.get("version", 0) if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("format") != FOLDER_MARKER_FORMAT \
-            or manifest.get("version", 0) > FOLDER_MARKER_VERSION or not isinstance(manifest.get("files"), dict):
+            or type(version) is not int or version > FOLDER_MARKER_VERSION \
+            or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"{where} is not a {FOLDER_MARKER_FORMAT} marker of version <= {FOLDER_MARKER_VERSION}")
     sizes = {}
     for path, size in manifest["files"].items():

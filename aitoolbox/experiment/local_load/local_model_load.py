@@ -23,7 +23,8 @@ from typing import Any, List, Optional
 import torch
 
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, failures_named, load_checkpoint_file)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, SHARDED_IDENTITY_KEY, failures_named,
+    load_checkpoint_file)
 from aitoolbox.experiment.local_save.folder_create import ExperimentFolder
 from aitoolbox.experiment.local_save.local_model_save import model_file_name
 
@@ -152,7 +153,8 @@ class PyTorchLocalModelLoader(AbstractLocalModelLoader):
             # A sharded (FSDP) run's checkpoint: its weights are gathered into this process only now.
             from aitoolbox.experiment.local_save.sharded_checkpoints import read_full_model_state_dict
             self.model_representation[MODEL_KEY] = read_full_model_state_dict(
-                self.model_representation[SHARDED_CHECKPOINT_KEY])
+                self.model_representation[SHARDED_CHECKPOINT_KEY],
+                expected_identity=self.model_representation.get(SHARDED_IDENTITY_KEY))
         state_dict = self.model_representation[MODEL_KEY]
         if used_data_parallel:
             state_dict = {key[len(DATA_PARALLEL_PREFIX):] if key.startswith(DATA_PARALLEL_PREFIX) else key: value

@@ -7,7 +7,7 @@ file checked is the file read.
 """
 import os
 import re
-from typing import Any, BinaryIO, Dict, Optional
+from typing import Any, BinaryIO, Dict, Optional, Tuple
 
 from aitoolbox.experiment.local_save.restricted_pickle import short
 from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError, open_regular_file
@@ -18,15 +18,26 @@ _NAME = re.compile(r"[^/\\\x00]+")
 class CheckpointFolder:
     """A sharded checkpoint's folder, opened once; its files are opened by name inside it, each at most once.
 
+    Args:
+        path: the folder.
+        expected_identity: the :attr:`identity` the folder had when it was opened before (a checkpoint whose
+            training state was read at ``load_checkpoint`` and whose weights are read later, at ``fit``): the
+            folder opened now must be that same folder, not one swapped into its place (e.g. by a symbolic link
+            to another run's checkpoint) in between.
+
+    Attributes:
+        identity: ``(st_dev, st_ino)`` of the folder as opened (None where folders cannot be opened, on Windows).
+
     Raises (from the constructor):
         FileNotFoundError: there is no such folder.
-        CorruptCheckpointError: ``path`` is not a folder.
+        CorruptCheckpointError: ``path`` is not a folder, or not the folder of ``expected_identity``.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, expected_identity: Optional[Tuple[int, int]] = None):
         self.path = path
         self._files: Dict[str, BinaryIO] = {}
         self._descriptor: Optional[int] = None
+        self.identity: Optional[Tuple[int, int]] = None
         if os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY"):
             try:
                 self._descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
@@ -34,8 +45,18 @@ class CheckpointFolder:
                 raise FileNotFoundError(f"there is no checkpoint folder {path}") from None
             except NotADirectoryError:
                 raise CorruptCheckpointError(path, "it is not a folder") from None
+            opened = os.fstat(self._descriptor)
+            self.identity = (opened.st_dev, opened.st_ino)  # of the open folder: what is read, not what the path names
         elif not os.path.isdir(path):
             raise FileNotFoundError(f"there is no checkpoint folder {path}")
+        else:  # pragma: no cover - systems without dir_fd (Windows): the path, checked as close to the reads as can be
+            named = os.stat(path)
+            self.identity = (named.st_dev, named.st_ino)
+        if expected_identity is not None and tuple(expected_identity) != self.identity:
+            self.close()
+            raise CorruptCheckpointError(path, "it is no longer the folder whose training state was read (it was "
+                                               "replaced, e.g. by a symbolic link to another checkpoint, after it "
+                                               "was checked): its weights are not loaded. Load the checkpoint again")
 
     def where(self, name: str) -> str:
         return os.path.join(self.path, name)

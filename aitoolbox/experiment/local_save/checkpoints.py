@@ -19,7 +19,7 @@ from aitoolbox.experiment.local_save.checkpoint_contents import check_checkpoint
 from aitoolbox.experiment.local_save.safe_load import (  # noqa: F401
     CheckpointLoadError, CheckpointMismatchError, CorruptCheckpointError, UntrustedCheckpointError, load_torch_file)
 from aitoolbox.experiment.local_save.sharded_checkpoints import (
-    is_sharded_checkpoint, read_sharded_checkpoint_state, remove_sharded_checkpoint)
+    is_sharded_checkpoint, read_sharded_checkpoint_state_and_identity, remove_sharded_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ SCHEDULERS_KEY = "schedulers_state_dict"
 # A sharded checkpoint loaded by :func:`load_checkpoint_file`: its folder. The dict then holds the training state
 # but not the weights, which the TrainLoop reads into its (sharded) model and optimizers once they are set up.
 SHARDED_CHECKPOINT_KEY = "sharded_checkpoint"
+# Beside it, the identity (device, inode) of the folder whose training state was read: the weights, read later,
+# must come from that same folder, not from one swapped into its place (a link to another run's checkpoint).
+SHARDED_IDENTITY_KEY = "sharded_checkpoint_identity"
 
 
 def upgrade_checkpoint_format(checkpoint: dict) -> dict:
@@ -136,14 +139,37 @@ def upgrade_checkpoint_format(checkpoint: dict) -> dict:
     return upgraded
 
 
-def _confined(file_path: str) -> str:
+def _run_folder(file_path: str, named: str) -> str:
+    """The run folder of checkpoint ``file_path``, found from ``named`` (what the user passed): the folder itself
+    when the user named a folder, else the folder holding the checkpoint (its run folder for one in
+    ``checkpoint_model/``)."""
+    named, file_path = os.path.abspath(named), os.path.abspath(file_path)
+    if file_path != named and os.path.isdir(named) and os.path.commonpath([named, file_path]) == named:
+        return named
+    parent = os.path.dirname(file_path)
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoint_model" else parent
+
+
+def _confined(file_path: str, named: str) -> str:
     """``file_path``, or for a symbolic link named as a checkpoint, its target when that is inside the link's folder.
 
     A checkpoint of an experiment folder (``model_*.pth``, or a sharded checkpoint's folder) found there or named
     by its parts must not lead outside that folder: a link planted in a shared folder would load another run's
-    files.
+    files. So no folder between the run folder and the checkpoint (``checkpoint_model/``) may be a link either;
+    the run folder ``named`` leads to may itself be reached through links (the user's own: they named it).
     """
-    if checkpoint_path_position(file_path) is None or not os.path.islink(file_path):
+    if checkpoint_path_position(file_path) is None:
+        return file_path
+    current = _run_folder(file_path, named)
+    for part in os.path.relpath(os.path.abspath(file_path), current).split(os.sep)[:-1]:
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            raise CorruptCheckpointError(file_path, f"the folder {current} on its path is a symbolic link (to "
+                                                    f"{os.path.realpath(current)}): a checkpoint of a run folder "
+                                                    "reads nothing through a link inside it, which could lead to "
+                                                    "another run's files. If you made this link yourself, name the "
+                                                    "checkpoint by the path it leads to")
+    if not os.path.islink(file_path):
         return file_path
     folder = os.path.realpath(os.path.dirname(os.path.abspath(file_path)))
     target = os.path.realpath(file_path)
@@ -181,10 +207,11 @@ def load_checkpoint_file(path: str, map_location="cpu", *, weights_only: bool = 
         CheckpointLoadError: the file's tensors were saved on a device this machine lacks.
         FileNotFoundError: there is no checkpoint at ``path``.
     """
-    file_path = _confined(find_checkpoint(path))
+    file_path = _confined(find_checkpoint(path), os.path.expanduser(path))
     if os.path.isdir(file_path):
-        state = check_checkpoint_contents(read_sharded_checkpoint_state(file_path), file_path, sharded=True)
-        return dict(state, **{SHARDED_CHECKPOINT_KEY: file_path})
+        state, identity = read_sharded_checkpoint_state_and_identity(file_path)
+        state = check_checkpoint_contents(state, file_path, sharded=True)
+        return dict(state, **{SHARDED_CHECKPOINT_KEY: file_path, SHARDED_IDENTITY_KEY: identity})
     checkpoint = load_torch_file(file_path, map_location=map_location, weights_only=weights_only,
                                  follow_symlinks=checkpoint_path_position(file_path) is None)
     if isinstance(checkpoint, dict):
@@ -197,10 +224,10 @@ def failures_named(path: Optional[str]) -> Iterator[None]:
     """Name ``path`` in what putting a checkpoint read from it into a model, optimizers or loop raises.
 
     A ``RuntimeError`` or ``ValueError`` (torch's ``load_state_dict`` of another model, another number of
-    optimizers) becomes :class:`CheckpointMismatchError`, still both; a ``TypeError``, ``KeyError``, ``IndexError``
-    or ``AttributeError`` (content no checkpoint holds) becomes :class:`CorruptCheckpointError`. The original is
-    chained. aitoolbox's own loading errors, and everything with ``path`` None (a checkpoint dict the caller
-    made), pass unchanged.
+    optimizers) becomes :class:`CheckpointMismatchError`, still both; a ``TypeError``, ``KeyError``, ``IndexError``,
+    ``AttributeError`` or ``ArithmeticError`` (content no checkpoint holds, e.g. an infinite count) becomes
+    :class:`CorruptCheckpointError`. The original is chained. aitoolbox's own loading errors, and everything with
+    ``path`` None (a checkpoint dict the caller made), pass unchanged.
     """
     if path is None:
         yield
@@ -211,7 +238,7 @@ def failures_named(path: Optional[str]) -> Iterator[None]:
         raise
     except (RuntimeError, ValueError) as error:
         raise CheckpointMismatchError(path, f"{type(error).__name__}: {error}") from error
-    except (TypeError, KeyError, IndexError, AttributeError) as error:
+    except (TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as error:
         raise CorruptCheckpointError(path, f"its content is not what a checkpoint holds ({type(error).__name__}: "
                                            f"{error})") from error
 
@@ -327,7 +354,8 @@ def read_checkpoint_ranking(folder: str, metric: str, tag: Optional[str] = None)
         entries = [(float(score), os.path.join(folder, name)) for score, name in record["checkpoints"]
                    if isinstance(name, str) and _is_checkpoint_name(name)]
         recorded_metric = record["metric"]
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except (OSError, ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as error:
+        # A planted or damaged record (a score beyond a float, JSON nested deeper than the parser goes) ranks nothing.
         logger.warning("Not pruning the checkpoints saved before in %s: %s cannot be read (%s)", folder,
                        ranking_file_name(tag), error)
         return []

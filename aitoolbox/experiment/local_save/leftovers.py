@@ -15,7 +15,9 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
+from typing import Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ OWNER_FILE = ".owner.json"
 #: A temporary nobody can tell the owner of (another host, an older aitoolbox) is stale once nothing in it has
 #: changed for this long: a save in flight keeps writing into it.
 STALE_AFTER_S = 3600.0
+# An owner record holds a host name, two numbers and a job id: anything longer was not written by us.
+_MAX_OWNER_RECORD_BYTES = 4096
 
 
 def _job_id() -> str:
@@ -101,11 +105,7 @@ def _is_stale(path: str) -> bool:
         return True  # a replaced or removed checkpoint moved aside: its deletion was all that was left to do
     owner = None
     if os.path.isdir(path):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as handle:
-                record = json.load(handle)
-            owner = (str(record["host"]), int(record["pid"]), record.get("token"),
-                     _job_tag(str(record.get("job", ""))))
+        owner = _read_owner_record(os.path.join(path, OWNER_FILE))
     else:
         match = _OWNED_TEMP_FILE.match(name)
         if match:  # a file without a job in its name: no job id, or an older aitoolbox (None: unknown)
@@ -122,6 +122,42 @@ def _is_stale(path: str) -> bool:
         # Process ids are per host and container: another job on a host of the same name might own it.
         return same_job or job is None or _quiet_for(path, STALE_AFTER_S)
     return (same_job and job != "") or _quiet_for(path, STALE_AFTER_S)
+
+
+def _read_owner_record(path: str) -> Optional[Tuple[str, int, Optional[str], str]]:
+    """``(host, pid, token, job tag)`` of the owner record ``path``, or None when it is missing or not one that
+    :func:`mark_temporary_folder` writes.
+
+    The folder is shared, so the record may be planted: it is opened without waiting and without following a
+    link (a named pipe would block ``open`` forever, a link could lead anywhere), must be a regular file, and only
+    its first few KiB are read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        data = os.read(descriptor, _MAX_OWNER_RECORD_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+    if len(data) > _MAX_OWNER_RECORD_BYTES:
+        return None
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested deeper than the parser goes
+        return None
+    if not isinstance(record, dict):
+        return None
+    host, pid, token, job = record.get("host"), record.get("pid"), record.get("token"), record.get("job", "")
+    if not (isinstance(host, str) and type(pid) is int and 0 < pid < 2 ** 31 and isinstance(job, str)
+            and (token is None or isinstance(token, str))):
+        return None  # e.g. a pid os.kill cannot take, or 0 and -1, which name process groups
+    return host, pid, token, _job_tag(job)
 
 
 def remove_stale_temporaries(folder: str) -> list:
@@ -149,7 +185,7 @@ def remove_stale_temporaries(folder: str) -> list:
                 os.unlink(path)
         except FileNotFoundError:
             continue  # removed meanwhile (by its writer, or another cleaner)
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - a leftover is only wasted space: a save must not fail for it
             logger.warning("could not remove %s, left by an interrupted save: %s", path, error)
             continue
         logger.info("removed %s, left by an interrupted save", path)

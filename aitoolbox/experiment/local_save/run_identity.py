@@ -30,6 +30,8 @@ from aitoolbox.experiment.redaction import redact_hyperparams
 logger = logging.getLogger(__name__)
 
 RUN_IDENTITY_FILE = "aitoolbox_run.json"
+#: The most a run's record may hold (64 KiB, as the bucket loaders bound it); a larger one is not a record.
+MAX_RUN_IDENTITY_CHARS = 64 * 1024
 # Where the job id comes from, in order of precedence.
 JOB_ID_VARIABLES = ("AITOOLBOX_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # torchrun's value of TORCHELASTIC_RUN_ID when no --rdzv-id is given: every invocation has it, so it names none.
@@ -119,10 +121,16 @@ def read_run_identity(run_folder: str) -> Optional[RunIdentity]:
         return None
     try:
         with open(path, encoding="utf-8") as handle:
-            return parse_run_identity(handle.read(), path)
-    except OSError as error:
+            # A record is a few hundred bytes; a planted larger one is not read into memory whole.
+            text = handle.read(MAX_RUN_IDENTITY_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as error:
         logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", path, error)
         return None
+    if len(text) > MAX_RUN_IDENTITY_CHARS:
+        logger.warning("auto_resume: %s is larger than the %d characters a run's record takes; the run is treated as "
+                       "one without a record", path, MAX_RUN_IDENTITY_CHARS)
+        return None
+    return parse_run_identity(text, path)
 
 
 def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
@@ -134,7 +142,8 @@ def parse_run_identity(text: str, where: str) -> Optional[RunIdentity]:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"fingerprint_version is {version!r}, not a whole number")
         return RunIdentity(record["job_id"], record["job_id_source"], str(record["fingerprint"]), version)
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+        # RecursionError: JSON nested deeper than the parser goes (a planted file), not a record either.
         logger.warning("auto_resume: %s cannot be read (%s); the run is treated as one without a record", where, error)
         return None
 

@@ -60,7 +60,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -439,7 +439,7 @@ def save_sharded_checkpoint(folder_path: str, model: nn.Module,
 
 def load_sharded_checkpoint(folder_path: str, model: nn.Module,
                             optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None],
-                            process_group: Any = None) -> dict:
+                            process_group: Any = None, *, expected_identity: Optional[tuple] = None) -> dict:
     """Load a sharded checkpoint into ``model`` and ``optimizers``; return this process's extra state.
 
     A collective in a process group (every process calls it); a single process needs none. The model and
@@ -451,6 +451,8 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
         model: the model, sharded or plain, with the saved parameter names.
         optimizers: the optimizers, as many as were saved, over ``model``'s parameters.
         process_group: the group that loads (None: the default group, or none at all).
+        expected_identity: the folder's identity when its training state was read
+            (:func:`read_sharded_checkpoint_state_and_identity`): the folder read now must be the same one.
 
     Returns:
         The extra state of saved process ``rank % saved_world_size``.
@@ -460,7 +462,8 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
         UntrustedCheckpointError: DCP's index ``.metadata`` or an entry holds objects only full unpickling can
             build (a planted file); nothing from it was run.
         CorruptCheckpointError: a file of the folder is damaged or not what it should be, DCP's index names a
-            file outside the folder or bytes beyond a file, or a file is a symbolic link or not a regular file.
+            file outside the folder or bytes beyond a file, or a file is a symbolic link or not a regular file, or
+            the folder is not the one of ``expected_identity``.
         ValueError: the number of optimizers differs from the saved one.
         CheckpointLoadError: DCP's load failed otherwise, e.g. a parameter is missing or has another shape in the
             checkpoint (a ``RuntimeError``); in a process group, another process could not read the checkpoint.
@@ -470,7 +473,7 @@ def load_sharded_checkpoint(folder_path: str, model: nn.Module,
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     _check_complete(path)
-    with CheckpointFolder(path) as folder:
+    with CheckpointFolder(path, expected_identity) as folder:
         return _load_sharded(folder, model, _as_list(optimizers), process_group)
 
 
@@ -552,6 +555,14 @@ def read_sharded_checkpoint_state(folder_path: str, rank: int = 0, check_index: 
         UntrustedCheckpointError / CorruptCheckpointError: as for a checkpoint file (see
             :mod:`~aitoolbox.experiment.local_save.safe_load`).
     """
+    return read_sharded_checkpoint_state_and_identity(folder_path, rank, check_index)[0]
+
+
+def read_sharded_checkpoint_state_and_identity(folder_path: str, rank: int = 0,
+                                               check_index: bool = True) -> Tuple[dict, Optional[tuple]]:
+    """:func:`read_sharded_checkpoint_state` and the identity of the folder it was read from, which
+    :func:`load_sharded_checkpoint` (``expected_identity``) checks when it reads the weights later: a folder
+    swapped in between (for a link to another run's checkpoint) is refused rather than read."""
     from aitoolbox.experiment.local_save.checkpoint_folder import CheckpointFolder
     from aitoolbox.experiment.local_save.dcp_index import read_dcp_metadata
 
@@ -560,7 +571,7 @@ def read_sharded_checkpoint_state(folder_path: str, rank: int = 0, check_index: 
         info = _read_marker(folder)
         if check_index:
             read_dcp_metadata(folder)
-        return _extra_state(folder, info, rank)
+        return _extra_state(folder, info, rank), folder.identity
 
 
 def _extra_state(folder: Any, info: Dict[str, Any], rank: int) -> dict:
@@ -591,9 +602,14 @@ def consolidate_sharded_checkpoint(folder_path: str, output_pth: str, key: Optio
     return output_pth
 
 
-def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
+def read_full_model_state_dict(folder_path: str, *, expected_identity: Optional[tuple] = None
+                               ) -> Dict[str, torch.Tensor]:
     """The full model state dict of a sharded checkpoint, read into this process's memory (no process group
     needed): what :func:`consolidate_sharded_checkpoint` writes, for ``model.load_state_dict`` on the plain model.
+
+    Args:
+        folder_path: the checkpoint folder.
+        expected_identity: as for :func:`load_sharded_checkpoint`.
 
     Raises:
         FileNotFoundError: not a complete checkpoint.
@@ -607,7 +623,7 @@ def read_full_model_state_dict(folder_path: str) -> Dict[str, torch.Tensor]:
 
     path = os.path.abspath(os.path.expanduser(folder_path))
     _check_complete(path)
-    with CheckpointFolder(path) as folder:
+    with CheckpointFolder(path, expected_identity) as folder:
         _read_marker(folder)
         metadata = read_dcp_metadata(folder)  # sizes bounded by what is stored: the allocations below are too
         prefix = f"{_MODEL}."

@@ -114,7 +114,7 @@ class ModelLoadContinueTraining(AbstractCallback):
                 checkpoint[MODEL_KEY] = strip_data_parallel_prefix(checkpoint[MODEL_KEY], self.train_loop_obj.model)
             if self.ignore_saved_schedulers:
                 checkpoint.pop(SCHEDULERS_KEY, None)
-            self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint)
+            self.checkpoint = self.train_loop_obj.load_checkpoint(checkpoint, source=self._loaded_from)
 
     def on_train_begin(self) -> None:
         # The scheduler callbacks are registered by now (fit's callbacks too); their states are restored next.

@@ -181,7 +181,8 @@ class TrainLoopView(Protocol):
                          include_weights: bool = True) -> dict:
         """Everything needed to continue the run exactly (call it in every process)."""
 
-    def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True) -> dict:
+    def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
+                        source: Optional[str] = None) -> dict:
         """Continue from a checkpoint at the start of the next ``fit``."""
 
     def evaluate_loss_on_train_set(self, force_prediction: bool = False, float_dict_format: bool = False) -> Any:

@@ -123,18 +123,19 @@ def _set_rng_state(rng: Any, state: Any) -> None:
         (rng.bit_generator if isinstance(rng, np.random.Generator) else rng).state = state
 
 
-def _own_rngs(sampler: Any, known: List[torch.Generator]) -> Dict[str, Any]:
+def _own_rngs(sampler: Any, known: List[torch.Generator], warn: bool = True) -> Dict[str, Any]:
     """The sampler's attributes holding a random number generator it owns (not one of ``known``, the loader's
-    torch generators, saved with them); warns about those that cannot be saved."""
+    torch generators, saved with them); warns (``warn``) about those that cannot be saved."""
     saveable: Dict[str, Any] = {}
     for name, value in vars(sampler).items() if hasattr(sampler, "__dict__") else ():
         if isinstance(value, random.SystemRandom):
-            _warn_unsaved(sampler, f"attribute {name!r} is a random.SystemRandom, which draws from the operating "
-                                   "system and has no state to save")
+            if warn:
+                _warn_unsaved(sampler, f"attribute {name!r} is a random.SystemRandom, which draws from the operating "
+                                       "system and has no state to save")
         elif isinstance(value, _SAVEABLE):
             if not any(value is generator for generator in known):
                 saveable[name] = value
-        elif isinstance(value, (list, tuple, dict)):
+        elif isinstance(value, (list, tuple, dict)) and warn:
             # The first few items only: a sampler's list of indices may hold millions.
             items = itertools.islice(value.values() if isinstance(value, dict) else value, _ITEMS_LOOKED_AT)
             if any(isinstance(item, _SAVEABLE) for item in items):
@@ -187,11 +188,39 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
                                "loader does not have: build the loader as in the saved run for the same data order",
                                key)
             continue
+        _check_saved_kind(key, sampler, saved)
         if "random_state" in saved:
             sampler.load_random_state_dict(saved["random_state"])
             continue
         if "state_dict" in saved:
             sampler.load_state_dict(saved["state_dict"])
             continue
+        # Only the attributes a capture of this sampler saves now: the names come from the checkpoint, and
+        # getattr of any other name ('__class__', 'data_source') would let the file write into a class every
+        # sampler shares or into the user's dataset.
+        rngs = _own_rngs(sampler, loader_generators(loader), warn=False)
+        unknown = sorted(str(name) for name in saved["attributes"] if name not in rngs)
+        if unknown:
+            raise ValueError(f"the random state saved for the training sampler {key} names attribute(s) {unknown}, "
+                             f"which are not random number generators of {type(sampler).__name__} (those are "
+                             f"{sorted(rngs)}): a checkpoint restores only the generators a sampler owns. Build the "
+                             "loader as in the saved run, or resume from another checkpoint")
         for name, state in saved["attributes"].items():
-            _set_rng_state(getattr(sampler, name), state)
+            _set_rng_state(rngs[name], state)
+
+
+def _check_saved_kind(key: str, sampler: Any, saved: Any) -> None:
+    """``saved`` is of the kind :func:`capture_sampler_states` writes for ``sampler`` (else a ``ValueError`` naming
+    ``key``): a sampler is restored only through the methods or attributes its capture uses."""
+    if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+        expected = "random_state"
+    elif _has_methods(sampler, "state_dict", "load_state_dict"):
+        expected = "state_dict"
+    else:
+        expected = "attributes"
+    if not isinstance(saved, dict) or list(saved) != [expected] or (
+            expected == "attributes" and not isinstance(saved[expected], dict)):
+        shown = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"the random state saved for the training sampler {key} is {shown}, where a "
+                         f"{type(sampler).__name__} saves {{{expected!r}: ...}}: build the loader as in the saved "
+                         "run, or resume from another checkpoint")

@@ -46,6 +46,8 @@ class RunState:
         epoch_start_rng: the RNG state the current epoch's data order was drawn from.
         pending_checkpoint: a loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it
             starts (``tl.pending_restore``).
+        pending_source: the file ``pending_checkpoint`` was read from (None: a dict the caller made), named in the
+            errors of applying it.
         rollbacks: the batches rollbacks left out (each epoch leaves them out as if its loader never yielded them)
             and the record of each rollback (:mod:`.rollback`).
     """
@@ -57,6 +59,7 @@ class RunState:
         self.num_batches: Optional[int] = None  # the current epoch's (see epoch_length)
         self.epoch_start_rng: Optional[dict] = None
         self.pending_checkpoint: Optional[dict] = None
+        self.pending_source: Optional[str] = None
         # The current epoch's last completed batch (a tuple, see mark_batch_done), or a MidEpochResume once the
         # epoch's batches are all trained; None before the epoch's first step.
         self._step_point: Any = None
@@ -90,9 +93,11 @@ class RunState:
             _take_pending_states(checkpoint, self.pending_checkpoint)
         return checkpoint
 
-    def load(self, tl: "TrainLoop", checkpoint: dict) -> None:
-        """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts."""
+    def load(self, tl: "TrainLoop", checkpoint: dict, source: Optional[str] = None) -> None:
+        """Load a checkpoint before ``fit``: weights and counters now, the rest when ``fit`` starts; ``source`` (the
+        file it was read from) is named in the errors of applying the rest."""
         restore_train_state(tl, checkpoint)
+        self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
 
     def start_training(self, model: torch.nn.Module) -> None:
@@ -123,11 +128,13 @@ class RunState:
     def progress_beyond_checkpoint(self) -> dict:
         """What the run's progress holds besides a checkpoint's content: a loaded checkpoint waiting for ``fit``
         (kept as it is: it is the caller's) and the point a ``fit`` stopped by an exception continues from."""
-        return {"pending_checkpoint": self.pending_checkpoint, "interrupted_at": copy.deepcopy(self._interrupted_at)}
+        return {"pending_checkpoint": self.pending_checkpoint, "pending_source": self.pending_source,
+                "interrupted_at": copy.deepcopy(self._interrupted_at)}
 
     def restore_progress_beyond_checkpoint(self, progress: dict) -> None:
         """Put back what :meth:`progress_beyond_checkpoint` returned (it stays usable for another restore)."""
         self.pending_checkpoint = progress["pending_checkpoint"]
+        self.pending_source = progress.get("pending_source")
         self._interrupted_at = copy.deepcopy(progress["interrupted_at"])
 
     # --- the current epoch ---------------------------------------------------------------------------------

@@ -309,6 +309,7 @@ class TrainLoop:
     @pending_restore.setter
     def pending_restore(self, checkpoint: Optional[dict]) -> None:
         self.run_state.pending_checkpoint = checkpoint
+        self.run_state.pending_source = None  # a file's name comes with run_state.load, after this
 
     @property
     def epoch_start_rng_state(self) -> Optional[dict]:
@@ -599,7 +600,8 @@ class TrainLoop:
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
 
-    def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True) -> dict:
+    def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
+                        source: Optional[str] = None) -> dict:
         """Continue from a checkpoint (a dict, a ``.pth`` file, a sharded checkpoint's folder, or an experiment
         folder: its newest checkpoint).
 
@@ -611,13 +613,20 @@ class TrainLoop:
             weights_only: True (the default) reads only tensors and plain data: a file holding anything else is
                 refused with an error naming it. False unpickles the file in full, which runs whatever code it
                 names: only for files you trust (see the Security page of the docs).
+            source: for a dict read from a file, that file: named in the errors of loading it, now and when ``fit``
+                applies its callback, precision and random states.
+
+        Raises:
+            CheckpointLoadError: see the Security page; what does not fit this loop is a CheckpointMismatchError,
+                content no checkpoint holds a CorruptCheckpointError, each naming the file (also when found at
+                ``fit``).
         """
         from aitoolbox.experiment.local_save.checkpoints import failures_named, load_checkpoint_file
-        path = None if isinstance(checkpoint, dict) else checkpoint
-        if path is not None:
+        path = source if isinstance(checkpoint, dict) else checkpoint
+        if not isinstance(checkpoint, dict):
             checkpoint = load_checkpoint_file(path, weights_only=weights_only)
         with failures_named(path):  # what does not fit names the file (CheckpointMismatchError)
-            self.run_state.load(self, checkpoint)
+            self.run_state.load(self, checkpoint, source=path)
             if self._step_runner is not None:  # the checkpoint says where to continue, not an interrupted fit
                 self._step_runner.discard_interrupted_step()
             self._interrupted_batch = None

@@ -21,7 +21,8 @@ import torch
 
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
-    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, upgrade_checkpoint_format)
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, SHARDED_IDENTITY_KEY, failures_named,
+    upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.data_position import (
     ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
@@ -288,8 +289,10 @@ def load_pending_sharded_weights(tl: "TrainLoop") -> None:
     if checkpoint is None or SHARDED_CHECKPOINT_KEY not in checkpoint:
         return
     path = checkpoint.pop(SHARDED_CHECKPOINT_KEY)
+    identity = checkpoint.pop(SHARDED_IDENTITY_KEY, None)  # None: a dict the caller made names the folder itself
     logger.debug("loading the weights of the sharded checkpoint %s", path)
-    load_sharded_checkpoint(path, tl.loop_model, tl.optimizers)
+    with failures_named(path):
+        load_sharded_checkpoint(path, tl.loop_model, tl.optimizers, expected_identity=identity)
 
 
 def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
@@ -301,7 +304,15 @@ def apply_pending_states(tl: "TrainLoop") -> Optional[MidEpochResume]:
     checkpoint = tl.pending_restore
     if checkpoint is None:
         return None
+    source = tl.run_state.pending_source
     tl.pending_restore = None
+    # The entries applied now were checked only by kind when the file was read: what does not fit, or holds what
+    # no checkpoint holds, names the file (as load_checkpoint's own errors do), not a bare TypeError at fit.
+    with failures_named(source):
+        return _apply_pending_states(tl, checkpoint)
+
+
+def _apply_pending_states(tl: "TrainLoop", checkpoint: dict) -> Optional[MidEpochResume]:
     if "precision" in checkpoint:
         tl.precision.load_state_dict(checkpoint["precision"])
     elif checkpoint.get("amp"):

@@ -142,3 +142,21 @@ def test_the_states_load_with_weights_only():
         first = list(each.batch_sampler)
         restore_sampler_states(each, saved)
         assert list(each.batch_sampler) == first
+
+
+@pytest.mark.parametrize("planted", [
+    lambda rng: {"attributes": {"__class__": "planted", "data_source": [1, 2, 3]}},  # a shared class, the dataset
+    lambda rng: {"attributes": {"rng": rng, "num_samples": 5}},  # the real generator and another attribute
+    lambda rng: {"state_dict": {}},  # a kind this sampler's capture never writes
+    lambda rng: {"attributes": ["rng"]},
+], ids=["dunder_and_dataset", "other_attribute", "other_kind", "not_a_dict"])
+def test_a_saved_state_restores_only_the_generators_the_sampler_owns(planted):
+    sampler = NumpySampler(NUM_SAMPLES)
+    loader = DataLoader(IndexedSamples(NUM_SAMPLES), sampler=sampler, batch_size=BATCH_SIZE)
+    (key, captured), = capture_sampler_states(loader).items()
+    rng_state = dict(sampler.rng.bit_generator.state)
+    with pytest.raises(ValueError, match=key):
+        restore_sampler_states(loader, {key: planted(captured["attributes"]["rng"])})
+    assert sampler.num_samples == NUM_SAMPLES and sampler.rng.bit_generator.state == rng_state
+    assert not hasattr(type(sampler), "state") and not hasattr(torch.utils.data.SequentialSampler, "state")
+    assert not hasattr(loader.dataset, "state")
