@@ -43,6 +43,7 @@ class ReadLimits:
 
     max_expansion: float = 100.0
     max_nesting: int = 100
+    max_tensor_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if isinstance(self.max_expansion, bool) or not isinstance(self.max_expansion, (int, float)) \
@@ -50,6 +51,20 @@ class ReadLimits:
             raise ValueError(f"max_expansion must be a number >= 1, got {self.max_expansion!r}")
         if isinstance(self.max_nesting, bool) or not isinstance(self.max_nesting, int) or self.max_nesting < 1:
             raise ValueError(f"max_nesting must be an int >= 1, got {self.max_nesting!r}")
+        if isinstance(self.max_tensor_bytes, bool) or not isinstance(self.max_tensor_bytes, int) \
+                or self.max_tensor_bytes < 0:
+            raise ValueError(f"max_tensor_bytes must be an int >= 0, got {self.max_tensor_bytes!r}")
+
+    def tensor_budget(self, stored: int) -> int:
+        """How many bytes the tensors built from ``stored`` bytes of a file may hold in all: views of one storage
+        cost nothing to build, but any copy of them (an optimizer casting its state) costs their full size."""
+        return max(self.max_tensor_bytes, int(self.max_expansion * stored))
+
+    def tensor_budget_text(self, stored: int) -> str:
+        """The bound of :meth:`tensor_budget`, in words, with what to do when the file is trusted."""
+        return (f"more than max(max_tensor_bytes={self.max_tensor_bytes}, max_expansion={self.max_expansion:g} "
+                f"times its {stored} bytes) in all (views repeating the same bytes: a memory bomb?). If you trust "
+                "the file, raise the bound with aitoolbox's checkpoint_limits(max_tensor_bytes=...)")
 
     def max_visits(self, pickle_size: int) -> int:
         """How many objects a walk over what a pickle of ``pickle_size`` bytes built may meet."""
@@ -84,6 +99,7 @@ class TorchZip:
     def __init__(self, source: BinaryIO, limits: ReadLimits):
         self._source = source
         self._size = _size_of(source)
+        self.file_size = self._size
         try:
             archive = zipfile.ZipFile(source)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error,
@@ -288,7 +304,8 @@ def read_torch_file(source: BinaryIO, map_location: Any = "cpu", limits: Optiona
     archive = TorchZip(source, limits)
     storages = _Storages(archive, map_location)
     numpy_builder = NumpyBuilder()
-    table = torch_table(TensorBuilder(storages.is_ours, limits.max_expansion))
+    table = torch_table(TensorBuilder(storages.is_ours, limits.tensor_budget(archive.file_size),
+                                      limits.tensor_budget_text(archive.file_size)))
     table.update(python_table())
     table.update(numpy_table(numpy_builder))
     pickled = archive.read("data.pkl")

@@ -1,0 +1,80 @@
+"""Issue 31, items 4-7 as a reviewer found them again: bounds on what a hostile file may cost in all, not only per
+tensor, per record or per opcode.
+
+Each refusal happens before the memory it would cost is allocated, so these run in the test process.
+"""
+import io
+import os
+
+import pytest
+import torch
+
+from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError, checkpoint_limits, load_torch_file
+from aitoolbox.experiment.local_save.sharded_checkpoints import read_full_model_state_dict
+from tests.security import hostile
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to (save|load) in a single process")
+
+
+# --- 1: the tensors of a file are bounded in all ------------------------------------------------------------------
+def _save(tmp_path, obj, name="file.pth"):
+    path = str(tmp_path / name)
+    torch.save(obj, path)
+    return path
+
+
+def test_many_views_of_one_storage_are_refused_in_all(tmp_path):
+    base = torch.zeros(1 << 19, dtype=torch.float16)  # 1 MiB stored
+    views = {f"v{i}": base.expand(100, 1 << 19) for i in range(12)}  # 100 MiB each, 1.2 GiB in all
+    path = _save(tmp_path, {"model_state_dict": views})
+    with pytest.raises(CorruptCheckpointError, match=r"max_tensor_bytes=1073741824.*checkpoint_limits") as error:
+        load_torch_file(path)
+    assert path in str(error.value)
+    with checkpoint_limits(max_tensor_bytes=2 << 30):  # a file the user trusts
+        assert load_torch_file(path)["model_state_dict"]["v11"].shape == (100, 1 << 19)
+
+
+def test_an_expanded_buffer_of_a_small_storage_loads(tmp_path):
+    mask = torch.ones(1).expand(512, 512)  # a constant buffer, as some models keep one
+    path = _save(tmp_path, {"model_state_dict": {"mask": mask, "w": torch.randn(3)}})
+    loaded = load_torch_file(path)["model_state_dict"]["mask"]
+    assert torch.equal(loaded, mask) and loaded.stride() == (0, 0)
+
+
+def test_the_bound_on_tensor_bytes_is_checked_when_set():
+    with pytest.raises(ValueError, match="max_tensor_bytes must be an int >= 0, got -1"):
+        with checkpoint_limits(max_tensor_bytes=-1):
+            pass
+
+
+def test_dcp_entries_sharing_bytes_count_them_once(tmp_path):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    folder = str(tmp_path / "model_exp_2024-01-01_00-00-00_E1")
+    hostile.sharded_checkpoint(folder)
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(1 << 19, dtype=torch.float16).expand(100, 1 << 19), buffer)  # 1 MiB on disk
+    with open(os.path.join(folder, "evil.distcp"), "wb") as handle:
+        handle.write(buffer.getvalue())
+    size = torch.Size((100, 1 << 19))
+
+    def change(metadata):
+        for i in range(12):  # 100 MiB each from the same bytes
+            fqn = f"model.evil{i}"
+            metadata.state_dict_metadata[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=torch.float16), size, [ChunkStorageMetadata(torch.Size((0, 0)), size)])
+            metadata.storage_data[MetadataIndex(fqn, torch.Size((0, 0)))] = _StorageInfo(
+                "evil.distcp", i % 3, len(buffer.getvalue()) - 3)  # overlapping ranges count once too
+
+    hostile.rewrite_metadata(folder, change)
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata.*max_tensor_bytes=1073741824"):
+        read_full_model_state_dict(folder)
+
+
+def test_covered_counts_overlapping_ranges_once():
+    from aitoolbox.experiment.local_save.dcp_index import _covered
+
+    assert _covered([(0, 10), (0, 10), (5, 15), (20, 30), (22, 25)]) == 25
+    assert _covered([]) == 0
