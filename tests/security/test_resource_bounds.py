@@ -78,3 +78,39 @@ def test_covered_counts_overlapping_ranges_once():
 
     assert _covered([(0, 10), (0, 10), (5, 15), (20, 30), (22, 25)]) == 25
     assert _covered([]) == 0
+
+
+# --- 2: a sharded checkpoint's index and entries are bounded before they are read -------------------------------
+def test_a_sparse_index_is_refused_before_it_is_read(tmp_path):
+    from aitoolbox.experiment.local_save.checkpoints import load_checkpoint_file
+
+    folder = hostile.sharded_checkpoint(str(tmp_path / "model_exp_ts_E1"))
+    os.truncate(os.path.join(folder, ".metadata"), 300 << 20)  # free to create: no disk is used
+    for load in (load_checkpoint_file, read_full_model_state_dict):
+        with pytest.raises(CorruptCheckpointError, match=r"\.metadata.*max_index_bytes=268435456.*checkpoint_limits"):
+            load(folder)
+
+
+def test_a_storage_entry_over_a_sparse_file_is_refused_before_it_is_read(tmp_path):
+    folder = hostile.sharded_checkpoint(str(tmp_path / "model_exp_ts_E1"))
+    name = hostile.distcp_files(folder)[0]
+    os.truncate(os.path.join(folder, name), 3 << 30)  # sparse: 3 GiB stated, nothing on disk
+
+    def change(metadata):
+        index = next(index for index, info in hostile.storage_entries(metadata) if info.relative_path == name)
+        hostile.set_storage_entry(metadata, index, length=(3 << 30) - 8)
+
+    hostile.rewrite_metadata(folder, change)
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata.*more than the \d+ it can need"):
+        read_full_model_state_dict(folder)
+
+
+def test_the_bound_on_the_index_is_settable(tmp_path):
+    folder = hostile.sharded_checkpoint(str(tmp_path / "model_exp_ts_E1"))
+    with checkpoint_limits(max_index_bytes=64):
+        with pytest.raises(CorruptCheckpointError, match="max_index_bytes=64"):
+            read_full_model_state_dict(folder)
+    assert read_full_model_state_dict(folder)
+    with pytest.raises(ValueError, match="max_index_bytes must be an int >= 1, got 0"):
+        with checkpoint_limits(max_index_bytes=0):
+            pass

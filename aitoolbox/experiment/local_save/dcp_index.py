@@ -186,6 +186,7 @@ def _check_entries(folder: CheckpointFolder, metadata: Any) -> None:
             raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its entry for {short(index.fqn)} asks for bytes "
                                          f"{info.offset} to {info.offset + info.length} of {info.relative_path}, "
                                          f"which holds {size}")
+    _check_entry_lengths(folder, metadata)
     # The bound is on the total: many entries may point at the same bytes (each passing a bound of its own), so
     # what is stored counts each byte of each file once, whatever number of entries read it.
     ranges: Dict[str, list] = collections.defaultdict(list)
@@ -204,6 +205,32 @@ def _check_entries(folder: CheckpointFolder, metadata: Any) -> None:
     if wanted > limits.tensor_budget(stored):
         raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its tensors state {wanted} bytes, "
                                      f"{limits.tensor_budget_text(stored)}")
+
+
+# What torch.save adds to a tensor's bytes in an entry (its pickle, zip headers and the alignment of its records).
+_ENTRY_OVERHEAD = 1 << 20
+
+
+def _check_entry_lengths(folder: CheckpointFolder, metadata: Any) -> None:
+    """Every storage entry no longer than what it holds needs: an entry is read whole into memory, and a sparse
+    file can state any length for free. DCP writes a tensor's piece as one contiguous tensor, so its entry holds
+    the piece's bytes and a small overhead; any other value is bounded as the index is (``max_index_bytes``)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    limits = LIMITS.get()
+    needed: Dict[Any, int] = {}
+    for name, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            element = torch._utils._element_size(item.properties.dtype)
+            for chunk in item.chunks:
+                needed[MetadataIndex(name, chunk.offsets)] = math.prod(chunk.sizes) * element + _ENTRY_OVERHEAD
+    for index, info in metadata.storage_data.items():
+        bound = needed.get(index, limits.max_index_bytes)
+        if info.length > bound:
+            raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its entry for {short(index.fqn)} is "
+                                         f"{info.length} bytes of {info.relative_path}, more than the {bound} it can "
+                                         "need (a sparse file?). If you trust the checkpoint and the entry is not a "
+                                         "tensor, raise the bound with aitoolbox's checkpoint_limits(max_index_bytes=...)")
 
 
 def _covered(spans: list) -> int:
@@ -225,8 +252,14 @@ def read_dcp_metadata(folder: CheckpointFolder) -> Any:
         FileNotFoundError: there is no index.
     """
     where = folder.where(METADATA_FILE)
-    data = folder.read(METADATA_FILE)
     limits = LIMITS.get()
+    size = folder.size(METADATA_FILE)
+    if size > limits.max_index_bytes:  # read whole into memory: checked first (a sparse file costs no disk)
+        raise CorruptCheckpointError(where, f"it holds {size} bytes, more than max_index_bytes="
+                                            f"{limits.max_index_bytes} (DCP's index of a checkpoint is far smaller). "
+                                            "If you trust the file, raise the bound with aitoolbox's "
+                                            "checkpoint_limits(max_index_bytes=...)")
+    data = folder.read(METADATA_FILE)
     try:
         built = RestrictedUnpickler(data, _index_table(), build=_build).load()
         check_shape(built, limits.max_nesting, limits.max_visits(len(data)))

@@ -118,7 +118,8 @@ class UntrustedCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
 
 @contextlib.contextmanager
 def checkpoint_limits(max_expansion: Optional[float] = None, max_nesting: Optional[int] = None,
-                      max_tensor_bytes: Optional[int] = None) -> Iterator[None]:
+                      max_tensor_bytes: Optional[int] = None,
+                      max_index_bytes: Optional[int] = None) -> Iterator[None]:
     """Change what reading a checkpoint may cost, for the loads inside the ``with`` block (of this thread).
 
     Args:
@@ -130,14 +131,17 @@ def checkpoint_limits(max_expansion: Optional[float] = None, max_nesting: Option
         max_tensor_bytes: the tensors of a file (or of a sharded checkpoint) may hold, in all, the larger of this
             many bytes and ``max_expansion`` times the bytes stored for them (default 1 GiB). A tensor may be a
             view repeating a small storage (an expanded buffer), which costs nothing until it is copied.
+        max_index_bytes: a sharded checkpoint's index (``.metadata``), and each of its non-tensor entries, may be at
+            most this large (default 256 MiB); it is read whole into memory, so it is checked before reading.
 
     Raises:
-        ValueError: a bound that is not a number >= 1 (``max_tensor_bytes``: an int >= 0).
+        ValueError: a bound that is not a number >= 1 (``max_tensor_bytes``: an int >= 0; the byte counts ints).
     """
     current = LIMITS.get()
     limits = ReadLimits(current.max_expansion if max_expansion is None else max_expansion,
                         current.max_nesting if max_nesting is None else max_nesting,
-                        current.max_tensor_bytes if max_tensor_bytes is None else max_tensor_bytes)
+                        current.max_tensor_bytes if max_tensor_bytes is None else max_tensor_bytes,
+                        current.max_index_bytes if max_index_bytes is None else max_index_bytes)
     token = LIMITS.set(limits)
     try:
         yield

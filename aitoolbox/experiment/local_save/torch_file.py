@@ -44,6 +44,7 @@ class ReadLimits:
     max_expansion: float = 100.0
     max_nesting: int = 100
     max_tensor_bytes: int = 1 << 30
+    max_index_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if isinstance(self.max_expansion, bool) or not isinstance(self.max_expansion, (int, float)) \
@@ -54,6 +55,9 @@ class ReadLimits:
         if isinstance(self.max_tensor_bytes, bool) or not isinstance(self.max_tensor_bytes, int) \
                 or self.max_tensor_bytes < 0:
             raise ValueError(f"max_tensor_bytes must be an int >= 0, got {self.max_tensor_bytes!r}")
+        if isinstance(self.max_index_bytes, bool) or not isinstance(self.max_index_bytes, int) \
+                or self.max_index_bytes < 1:
+            raise ValueError(f"max_index_bytes must be an int >= 1, got {self.max_index_bytes!r}")
 
     def tensor_budget(self, stored: int) -> int:
         """How many bytes the tensors built from ``stored`` bytes of a file may hold in all: views of one storage
