@@ -114,3 +114,55 @@ def test_the_bound_on_the_index_is_settable(tmp_path):
     with pytest.raises(ValueError, match="max_index_bytes must be an int >= 1, got 0"):
         with checkpoint_limits(max_index_bytes=0):
             pass
+
+
+# --- 3: what a pickle memoizes, and how far a compressed pickle expands, are bounded -----------------------------
+def _memoizing_pickle(count):
+    return b"\x80\x04N" + b"\x94" * count + b"."  # each MEMOIZE: one byte of pickle, a memo entry of ~100 bytes
+
+
+def _write_zip(tmp_path, pickled, deflate_in_pieces=False):
+    """A torch-like zip of ``pickled``: stored, or deflated with full flushes every 900 bytes, which keep the ratio
+    near 90, under the records' bound (max_expansion=100)."""
+    import zipfile
+    import zlib
+
+    compressed = b""
+    if deflate_in_pieces:
+        compressor, pieces = zlib.compressobj(9, zlib.DEFLATED, -15), []
+        for start in range(0, len(pickled), 900):
+            pieces += [compressor.compress(pickled[start:start + 900]), compressor.flush(zlib.Z_FULL_FLUSH)]
+        compressed = b"".join(pieces) + compressor.flush()
+
+    class Precompressed:  # hands zipfile the bytes made above instead of compressing them itself
+        def compress(self, data):
+            return b""
+
+        def flush(self):
+            return compressed
+
+    path, original = str(tmp_path / "memo.pth"), zipfile._get_compressor
+    try:
+        zipfile._get_compressor = lambda kind, *args, **kwargs: (
+            Precompressed() if kind == zipfile.ZIP_DEFLATED else original(kind, *args, **kwargs))
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("archive/byteorder", b"little")
+            archive.writestr("archive/version", b"3\n")
+            archive.writestr("archive/data.pkl", pickled,
+                             compress_type=zipfile.ZIP_DEFLATED if deflate_in_pieces else zipfile.ZIP_STORED)
+    finally:
+        zipfile._get_compressor = original
+    return path
+
+
+def test_a_memo_bomb_is_refused(tmp_path):
+    path = _write_zip(tmp_path, _memoizing_pickle(1_500_000))  # 1.5 MiB stored: about 150 MiB of memo unbounded
+    with pytest.raises(CorruptCheckpointError, match="memoizes more objects than 1375001"):
+        load_torch_file(path)
+
+
+def test_a_compressed_pickle_expanding_far_is_refused_before_it_is_run(tmp_path):
+    path = _write_zip(tmp_path, _memoizing_pickle(2_000_000), deflate_in_pieces=True)
+    with pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*max_expansion/10=10 .*checkpoint_limits") as error:
+        load_torch_file(path)
+    assert path in str(error.value)

@@ -124,11 +124,13 @@ class RestrictedUnpickler:
         build: given ``(instance, state)`` for ``BUILD``, sets the state and returns None, or returns the object
             that replaces the instance; raises :class:`Malformed` for types it does not know. None: no BUILD.
         encoding: how Python 2 ``str`` values (protocol 0-2 ``STRING`` opcodes) are decoded.
+        stored_size: how many bytes the pickle takes in its file (less than ``len(data)`` when it was compressed);
+            what it may build is bounded by this (default: ``len(data)``).
     """
 
     def __init__(self, data: bytes, table: Mapping[Tuple[str, str], Any],
                  persistent_load: Optional[Callable[[Any], Any]] = None, build: Optional[BuildFunction] = None,
-                 encoding: str = "utf-8"):
+                 encoding: str = "utf-8", stored_size: Optional[int] = None):
         self._data = bytes(data)
         self._table = table
         self._persistent_load = persistent_load
@@ -136,10 +138,15 @@ class RestrictedUnpickler:
         self._encoding = encoding
         self._pos = 0
         self._proto = 0
+        stored = len(self._data) if stored_size is None else min(stored_size, len(self._data))
         # A container costs 50 to 200 bytes of memory and can cost one byte of pickle: their number is bounded by
-        # the pickle's size (a checkpoint has one in about every 20 bytes of it, a list of pairs one in 12), so the
-        # memory a pickle can take is a bounded multiple of its size.
-        self._containers_left = 100_000 + len(data) // 8
+        # the pickle's size in its file (a checkpoint has one in about every 20 bytes of it, a list of pairs one in
+        # 12), so the memory a pickle can take is a bounded multiple of what the file holds, compressed or not.
+        self._max_containers = 100_000 + stored // 8
+        self._containers_left = self._max_containers
+        # A memo entry costs about 100 bytes and one byte of pickle (MEMOIZE): bounded the same way. A real pickle
+        # memoizes one object in every 4 bytes at most (a string or a tuple takes more than a byte to build).
+        self._max_memo = 1_000_000 + stored // 4
         self._stack: List[Any] = []
         self._marks: List[int] = []
         self._memo: Dict[int, Any] = {}
@@ -242,7 +249,7 @@ class RestrictedUnpickler:
     def _counted(self, container: Any) -> Any:
         self._containers_left -= 1
         if self._containers_left < 0:
-            raise Malformed(f"it builds more containers than {100_000 + len(self._data) // 8} (its size allows): a "
+            raise Malformed(f"it builds more containers than {self._max_containers} (its size allows): a "
                             "memory bomb?")
         return container
 
@@ -338,6 +345,8 @@ class RestrictedUnpickler:
     def _put(self, index: int) -> None:
         if index < 0:
             raise Malformed("negative memo index")
+        if index not in self._memo and len(self._memo) >= self._max_memo:
+            raise Malformed(f"it memoizes more objects than {self._max_memo} (its size allows): a memory bomb?")
         self._memo[index] = self._stack[-1]
 
     def _protocol(self) -> None:

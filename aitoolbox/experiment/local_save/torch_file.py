@@ -131,6 +131,15 @@ class TorchZip:
             raise Malformed("it is a TorchScript archive (torch.jit.save), not a checkpoint")
         if f"{self.prefix}/data.pkl" not in self.records:
             raise Malformed(f"its zip has no {self.prefix}/data.pkl record: not a torch.save file")
+        pickle_record = self.records[f"{self.prefix}/data.pkl"]
+        # Every byte of a pickle is an opcode the reader runs (a microsecond each): a compressed pickle may expand
+        # less than the storages (torch never compresses it; opcodes repeating nothing compress a thousandfold).
+        pickle_expansion = max(1.0, limits.max_expansion / 10)
+        if pickle_record.file_size > max(_CHUNK, pickle_expansion * pickle_record.compress_size):
+            raise Malformed(f"its pickle {pickle_record.filename!r} states {pickle_record.file_size} bytes from "
+                            f"{pickle_record.compress_size} compressed, more than max_expansion/10="
+                            f"{pickle_expansion:g} times (a pickle bomb?). If you trust the file, raise the bound with "
+                            "aitoolbox's checkpoint_limits(max_expansion=...)")
 
     def _check(self, info: zipfile.ZipInfo, limits: ReadLimits) -> None:
         if info.flag_bits & 0x1:
@@ -156,6 +165,10 @@ class TorchZip:
 
     def size(self, name: str) -> int:
         return self.records[f"{self.prefix}/{name}"].file_size
+
+    def stored_size(self, name: str) -> int:
+        """The bytes record ``name`` takes in the file (compressed or not)."""
+        return self.records[f"{self.prefix}/{name}"].compress_size
 
     def _data_start(self, info: zipfile.ZipInfo) -> int:
         self._source.seek(info.header_offset)
@@ -314,8 +327,8 @@ def read_torch_file(source: BinaryIO, map_location: Any = "cpu", limits: Optiona
     table.update(numpy_table(numpy_builder))
     pickled = archive.read("data.pkl")
     try:
-        loaded = RestrictedUnpickler(pickled, table, persistent_load=storages.load,
-                                     build=build_state(numpy_builder)).load()
+        loaded = RestrictedUnpickler(pickled, table, persistent_load=storages.load, build=build_state(numpy_builder),
+                                     stored_size=archive.stored_size("data.pkl")).load()
     except CallerError as error:
         raise error.error from None
     except Refused as refused:  # list every global the file names that the table lacks, not only the first
