@@ -166,3 +166,27 @@ def test_a_compressed_pickle_expanding_far_is_refused_before_it_is_run(tmp_path)
     with pytest.raises(CorruptCheckpointError, match=r"data\.pkl.*max_expansion/10=10 .*checkpoint_limits") as error:
         load_torch_file(path)
     assert path in str(error.value)
+
+
+# --- 4: keys whose hash the file chooses ----------------------------------------------------------------------------
+_COLLIDING = [3.0 * 2 ** (61 * t) for t in range(17)]  # all hash to 3: floats are hashed modulo 2**61 - 1
+
+
+@pytest.mark.parametrize("keys", [
+    _COLLIDING * 1 + [(a, b) for a in _COLLIDING for b in _COLLIDING],  # pairs of them share one hash too
+    [frozenset([a, 1.5]) for a in _COLLIDING] * 3 + [(a, b) for a in _COLLIDING for b in _COLLIDING[:3]],
+], ids=["floats-and-pairs", "frozensets-and-pairs"])
+def test_dict_keys_sharing_a_hash_are_refused(tmp_path, keys):
+    path = _save(tmp_path, {"model_state_dict": {}, "hyperparams": {key: 0 for key in keys}})
+    with pytest.raises(CorruptCheckpointError, match="more than 32 distinct dict or set keys share one hash"):
+        load_torch_file(path)
+    path = _save(tmp_path, {"model_state_dict": {}, "hyperparams": {"sets": [set(keys)]}}, "set.pth")
+    with pytest.raises(CorruptCheckpointError, match="share one hash"):
+        load_torch_file(path)
+
+
+def test_float_and_tuple_keys_of_a_real_file_load(tmp_path):
+    grid = {lr: {(beta, 0.999): lr * beta for beta in (0.8, 0.9, 0.95)} for lr in (1e-4, 3e-4, 1e-3, 0.1)}
+    repeated = [{0.5: i, (1, 2.0): i} for i in range(100)]  # the same keys in many dicts: one key each
+    path = _save(tmp_path, {"model_state_dict": {}, "hyperparams": {"grid": grid, "repeated": repeated}})
+    assert load_torch_file(path)["hyperparams"] == {"grid": grid, "repeated": repeated}
