@@ -6,6 +6,7 @@ Each refusal happens before the memory it would cost is allocated, so these run 
 import io
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,3 +191,50 @@ def test_float_and_tuple_keys_of_a_real_file_load(tmp_path):
     repeated = [{0.5: i, (1, 2.0): i} for i in range(100)]  # the same keys in many dicts: one key each
     path = _save(tmp_path, {"model_state_dict": {}, "hyperparams": {"grid": grid, "repeated": repeated}})
     assert load_torch_file(path)["hyperparams"] == {"grid": grid, "repeated": repeated}
+
+
+# --- 5: protocol 5's numpy arrays, and a refusal names only what the file asks for -------------------------------
+@pytest.mark.parametrize("array", [
+    np.arange(6.0).reshape(2, 3), np.arange(6, dtype=">i4").reshape(2, 3).T, np.array(["ab", "c"]),
+    np.zeros((0, 3), dtype=np.float32), np.asfortranarray(np.arange(12).reshape(3, 4))[:, ::2],
+], ids=["float", "transposed-big-endian", "text", "empty", "strided"])
+def test_numpy_arrays_of_protocol_5_load_as_saved(tmp_path, array):
+    path = str(tmp_path / "p5.pth")
+    torch.save(hostile.small_checkpoint(hyperparams={"array": array}), path, pickle_protocol=5)
+    loaded = load_torch_file(path)["hyperparams"]["array"]
+    assert loaded.dtype == array.dtype and np.array_equal(loaded, array) and loaded.flags.writeable
+
+
+@pytest.mark.parametrize("value", [np.arange(3.0), np.array([object()], dtype=object)], ids=["lying", "objects"])
+def test_a_protocol_5_array_is_checked_as_protocol_2_ones_are(tmp_path, value):
+    import pickle
+
+    path = str(tmp_path / "p5.pth")
+    torch.save(hostile.small_checkpoint(hyperparams={"array": value}), path, pickle_protocol=5)
+    if value.dtype != object:  # a buffer of other than the bytes its shape needs
+        records = hostile.zip_records(open(path, "rb").read())
+        name = next(name for name in records if name.endswith("data.pkl"))
+        records[name] = records[name].replace(b"K\x03\x85", b"K\x04\x85")  # shape (3,) -> (4,)
+        with open(path, "wb") as handle:
+            handle.write(hostile.make_zip(records))
+    with pytest.raises((CorruptCheckpointError, pickle.UnpicklingError)):
+        load_torch_file(path)
+
+
+class _Planted:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_a_refusal_names_only_the_globals_the_file_asks_for(tmp_path):
+    from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
+
+    # Strings the pickle memoizes (dict keys) and names the global with again: a guess pairing the last two strings
+    # seen names globals the file never asks for.
+    checkpoint = hostile.small_checkpoint(hyperparams={os.system.__module__: 1, "system": 2, "when": _Planted(),
+                                                       "later": _Planted()})
+    path = str(tmp_path / "planted.pth")
+    torch.save(checkpoint, path, pickle_protocol=4)
+    with pytest.raises(UntrustedCheckpointError) as refused:
+        load_torch_file(path)
+    assert refused.value.refused == [f"{os.system.__module__}.system"]

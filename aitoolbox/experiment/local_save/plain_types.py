@@ -352,6 +352,26 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
     return _numpy().frombuffer(data, dtype=dtype, count=1)[0]
 
 
+def _numpy_frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any, axis_order: Any = None) -> Any:
+    """An array as numpy pickles it under protocol 5 (``numpy._core.numeric._frombuffer``), checked as the
+    arrays of protocol 2 are: a plain dtype, a shape, and exactly as many bytes as they need."""
+    numpy = _numpy()
+    dtype = plain_dtype(dtype, "a numpy array")
+    shape = _ints(shape, "a numpy array's shape")
+    if type(buffer) not in (bytes, bytearray):
+        raise Refused([f"numpy arrays of dtype {dtype} stored as {type(buffer).__name__}"])
+    if order not in ("C", "F", "K") or (axis_order is not None and (
+            order != "K" or type(axis_order) not in (tuple, list)
+            or sorted(axis_order) != list(range(len(shape))))):
+        raise Malformed(f"a numpy array of order {short(order)} and axis order {short(axis_order)}")
+    if len(buffer) != math.prod(shape) * dtype.itemsize or dtype.itemsize == 0:
+        raise Malformed(f"a numpy array of shape {short(shape)} and dtype {dtype} from {len(buffer)} bytes")
+    array = numpy.frombuffer(bytearray(buffer), dtype=dtype)  # a copy of its own, writable as numpy's
+    if order == "K" and axis_order is not None:
+        return array.reshape(shape, order="C").transpose(axis_order)
+    return array.reshape(shape, order=order)
+
+
 class NumpyBuilder:
     """Arrays start empty (numpy's ``_reconstruct``); their one ``BUILD`` gives shape, dtype and bytes."""
 
@@ -404,6 +424,8 @@ def numpy_table(numpy_builder: NumpyBuilder) -> Table:
         table[(module, "scalar")] = Allowed("numpy.core.multiarray.scalar", call=_numpy_scalar)
         table[(module, "_reconstruct")] = Allowed("numpy.core.multiarray._reconstruct",
                                                   call=numpy_builder.reconstruct)
+    for module in ("numpy.core.numeric", "numpy._core.numeric"):  # protocol 5's arrays
+        table[(module, "_frombuffer")] = Allowed(f"{module}._frombuffer", call=_numpy_frombuffer)
     return table
 
 
