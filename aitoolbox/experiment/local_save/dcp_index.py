@@ -2,8 +2,9 @@
 
 The reader may build DCP's metadata classes only (as records, from the state the pickle gives them), which are
 then rebuilt from plain data, each field checked. Every storage entry must name a file of the folder, lie within
-that file's size and carry no transform (compression, encryption) of the file's choosing; no tensor may be larger
-than ``max_expansion`` times its stored pieces. The index returned is what DCP is handed
+that file's size and carry no transform (compression, encryption) of the file's choosing; the tensors together may
+not hold more than the larger of ``max_tensor_bytes`` and ``max_expansion`` times the bytes stored for them (each
+byte counted once, however many entries point at it). The index returned is what DCP is handed
 (:class:`~aitoolbox.experiment.local_save.dcp_reader.FolderStorageReader`): DCP reads no index itself.
 """
 import collections
@@ -175,7 +176,8 @@ def _metadata(value: Any) -> Any:
 
 
 def _check_entries(folder: CheckpointFolder, metadata: Any) -> None:
-    """Every storage entry inside its file, and no tensor larger than its stored pieces (``max_expansion``)."""
+    """Every storage entry inside its file, and the tensors together no larger than the bytes stored for them allow
+    (:meth:`~aitoolbox.experiment.local_save.torch_file.ReadLimits.tensor_budget`)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     for index, info in metadata.storage_data.items():
@@ -184,20 +186,61 @@ def _check_entries(folder: CheckpointFolder, metadata: Any) -> None:
             raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its entry for {short(index.fqn)} asks for bytes "
                                          f"{info.offset} to {info.offset + info.length} of {info.relative_path}, "
                                          f"which holds {size}")
-    max_expansion = LIMITS.get().max_expansion
+    _check_entry_lengths(folder, metadata)
+    # The bound is on the total: many entries may point at the same bytes (each passing a bound of its own), so
+    # what is stored counts each byte of each file once, whatever number of entries read it.
+    ranges: Dict[str, list] = collections.defaultdict(list)
+    wanted = 0
     for name, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             continue
-        stored = 0
         for chunk in item.chunks:
             info = metadata.storage_data.get(MetadataIndex(name, chunk.offsets))
             if info is None:
                 raise CorruptCheckpointError(folder.where(METADATA_FILE), f"a piece of {short(name)} has no storage entry")
-            stored += info.length
-        wanted = math.prod(item.size) * torch._utils._element_size(item.properties.dtype)
-        if wanted > max_expansion * stored + 4096:
-            raise CorruptCheckpointError(folder.where(METADATA_FILE), f"it says {short(name)} has size "
-                                         f"{tuple(item.size)} ({wanted} bytes) and stores {stored} bytes of it")
+            ranges[info.relative_path].append((info.offset, info.offset + info.length))
+        wanted += math.prod(item.size) * torch._utils._element_size(item.properties.dtype)
+    stored = sum(_covered(spans) for spans in ranges.values())
+    limits = LIMITS.get()
+    if wanted > limits.tensor_budget(stored):
+        raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its tensors state {wanted} bytes, "
+                                     f"{limits.tensor_budget_text(stored)}")
+
+
+# What torch.save adds to a tensor's bytes in an entry (its pickle, zip headers and the alignment of its records).
+_ENTRY_OVERHEAD = 1 << 20
+
+
+def _check_entry_lengths(folder: CheckpointFolder, metadata: Any) -> None:
+    """Every storage entry no longer than what it holds needs: an entry is read whole into memory, and a sparse
+    file can state any length for free. DCP writes a tensor's piece as one contiguous tensor, so its entry holds
+    the piece's bytes and a small overhead; any other value is bounded as the index is (``max_index_bytes``)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    limits = LIMITS.get()
+    needed: Dict[Any, int] = {}
+    for name, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            element = torch._utils._element_size(item.properties.dtype)
+            for chunk in item.chunks:
+                needed[MetadataIndex(name, chunk.offsets)] = math.prod(chunk.sizes) * element + _ENTRY_OVERHEAD
+    for index, info in metadata.storage_data.items():
+        bound = needed.get(index, limits.max_index_bytes)
+        if info.length > bound:
+            raise CorruptCheckpointError(folder.where(METADATA_FILE), f"its entry for {short(index.fqn)} is "
+                                         f"{info.length} bytes of {info.relative_path}, more than the {bound} it can "
+                                         "need (a sparse file?). If you trust the checkpoint and the entry is not a "
+                                         "tensor, raise the bound with aitoolbox's checkpoint_limits(max_index_bytes=...)")
+
+
+def _covered(spans: list) -> int:
+    """How many bytes the ``(start, end)`` ranges cover together (overlaps counted once)."""
+    covered, reached = 0, 0
+    for start, end in sorted(spans):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered
 
 
 def read_dcp_metadata(folder: CheckpointFolder) -> Any:
@@ -209,8 +252,14 @@ def read_dcp_metadata(folder: CheckpointFolder) -> Any:
         FileNotFoundError: there is no index.
     """
     where = folder.where(METADATA_FILE)
-    data = folder.read(METADATA_FILE)
     limits = LIMITS.get()
+    size = folder.size(METADATA_FILE)
+    if size > limits.max_index_bytes:  # read whole into memory: checked first (a sparse file costs no disk)
+        raise CorruptCheckpointError(where, f"it holds {size} bytes, more than max_index_bytes="
+                                            f"{limits.max_index_bytes} (DCP's index of a checkpoint is far smaller). "
+                                            "If you trust the file, raise the bound with aitoolbox's "
+                                            "checkpoint_limits(max_index_bytes=...)")
+    data = folder.read(METADATA_FILE)
     try:
         built = RestrictedUnpickler(data, _index_table(), build=_build).load()
         check_shape(built, limits.max_nesting, limits.max_visits(len(data)))

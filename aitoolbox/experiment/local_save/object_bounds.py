@@ -68,24 +68,50 @@ def check_shape(value: Any, max_depth: int, max_visits: int) -> None:
                     stack.append((child, False))
 
 
+_MARK = object()
+_UNKNOWN = object()
+
+
 def refused_names(data: bytes) -> List[str]:
-    """Every global a pickle names (best effort, without building anything): what a refusal lists."""
+    """Every global a pickle names (best effort, without building anything): what a refusal lists.
+
+    The pickle's stack is followed with placeholders, keeping only strings and the memo, so that a
+    ``STACK_GLOBAL`` names exactly the two strings it takes (which may come from the memo), never a guess.
+    """
     import pickletools
 
     names: List[str] = []
-    strings: List[str] = []
+    stack: list = []
+    memo: Dict[Any, Any] = {}
     try:
         for opcode, argument, _ in pickletools.genops(bytes(data)):
-            if opcode.name in ("GLOBAL", "INST"):
-                module, _, name = str(argument).partition(" ")
-                if (module, name) in NAME_MAPPING:  # Python 2's names, as the reader maps them
-                    module, name = NAME_MAPPING[(module, name)]
-                names.append(f"{IMPORT_MAPPING.get(module, module)}.{name}")
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(argument, str):
-                strings.append(argument)
+            name = opcode.name
+            if name in ("GLOBAL", "INST"):
+                module, _, attribute = str(argument).partition(" ")
+                if (module, attribute) in NAME_MAPPING:  # Python 2's names, as the reader maps them
+                    module, attribute = NAME_MAPPING[(module, attribute)]
+                names.append(f"{IMPORT_MAPPING.get(module, module)}.{attribute}")
+            elif name == "STACK_GLOBAL" and len(stack) >= 2 and all(type(item) is str for item in stack[-2:]):
+                names.append(f"{stack[-2]}.{stack[-1]}")
+            if name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if name == "MEMOIZE" else argument] = stack[-1]
+                continue
+            if name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(argument, _UNKNOWN))
+                continue
+            before = opcode.stack_before
+            if pickletools.markobject in before:  # pops down to the mark, then what lies below it
+                while stack.pop() is not _MARK:
+                    pass
+                del stack[len(stack) - before.index(pickletools.markobject):]
+            elif before:
+                del stack[len(stack) - len(before):]
+            for kind in opcode.stack_after:
+                if kind is pickletools.markobject:
+                    stack.append(_MARK)
+                else:
+                    stack.append(argument if isinstance(argument, str) and kind is pickletools.pyunicode
+                                 else _UNKNOWN)
     except Exception:  # noqa: BLE001 - a damaged tail: what was found before it is the answer
         pass
     return list(dict.fromkeys(names))
-

@@ -65,11 +65,20 @@ def _storage_kinds() -> Table:
 
 
 class TensorBuilder:
-    """Builds tensors over the storages one file's persistent ids gave (``is_ours``), inside their bounds."""
+    """Builds tensors over the storages one file's persistent ids gave (``is_ours``), inside their bounds.
 
-    def __init__(self, is_ours: Callable[[Any], bool], max_expansion: float = 1.0):
+    Args:
+        is_ours: whether a storage is one of the file's.
+        budget: how many bytes (``numel * itemsize``) all tensors built may hold together. A view repeating its
+            storage (stride 0, e.g. a model's ``torch.ones(1).expand(512, 512)`` buffer) costs nothing to build,
+            but any copy of it costs its full size, and a file can hold many views of one storage.
+        budget_text: the bound in words, for the error.
+    """
+
+    def __init__(self, is_ours: Callable[[Any], bool], budget: int = 1 << 30, budget_text: str = ""):
         self._is_ours = is_ours
-        self._max_expansion = max_expansion
+        self._budget_left = budget
+        self._budget_text = budget_text or f"more than {budget} bytes in all"
 
     def _storage(self, storage: Any) -> Any:
         if not self._is_ours(storage):
@@ -98,12 +107,11 @@ class TensorBuilder:
         last = offset + sum((length - 1) * step for length, step in zip(size, stride)) if all(size) else -1
         if last >= elements:
             raise Malformed(f"a tensor reaches element {last} of a storage of {elements}")
-        # A view may repeat its storage (stride 0), but not into a tensor whose first copy would cost many times the
-        # file: the same bound as for decompression.
-        if math.prod(size) * element > self._max_expansion * max(nbytes, 1) + 64:
-            raise Malformed(f"a tensor of size {size} repeats a storage of {nbytes} bytes more than max_expansion="
-                            f"{self._max_expansion:g} times. If you trust the file, raise the bound with aitoolbox's "
-                            "checkpoint_limits(max_expansion=...)")
+        # A view may repeat its storage (stride 0) as much as it likes; what is bounded is the total of what the
+        # file's tensors hold, which is what copying them all (loading them into a model, casting them) costs.
+        self._budget_left -= math.prod(size) * element
+        if self._budget_left < 0:
+            raise Malformed(f"its tensors hold {self._budget_text}")
         tensor = torch.empty((0,), dtype=dtype, device=storage._untyped_storage.device)
         tensor.set_(storage._untyped_storage, offset, size, stride)
         if requires_grad:
@@ -344,6 +352,26 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
     return _numpy().frombuffer(data, dtype=dtype, count=1)[0]
 
 
+def _numpy_frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any, axis_order: Any = None) -> Any:
+    """An array as numpy pickles it under protocol 5 (``numpy._core.numeric._frombuffer``), checked as the
+    arrays of protocol 2 are: a plain dtype, a shape, and exactly as many bytes as they need."""
+    numpy = _numpy()
+    dtype = plain_dtype(dtype, "a numpy array")
+    shape = _ints(shape, "a numpy array's shape")
+    if type(buffer) not in (bytes, bytearray):
+        raise Refused([f"numpy arrays of dtype {dtype} stored as {type(buffer).__name__}"])
+    if order not in ("C", "F", "K") or (axis_order is not None and (
+            order != "K" or type(axis_order) not in (tuple, list)
+            or sorted(axis_order) != list(range(len(shape))))):
+        raise Malformed(f"a numpy array of order {short(order)} and axis order {short(axis_order)}")
+    if len(buffer) != math.prod(shape) * dtype.itemsize or dtype.itemsize == 0:
+        raise Malformed(f"a numpy array of shape {short(shape)} and dtype {dtype} from {len(buffer)} bytes")
+    array = numpy.frombuffer(bytearray(buffer), dtype=dtype)  # a copy of its own, writable as numpy's
+    if order == "K" and axis_order is not None:
+        return array.reshape(shape, order="C").transpose(axis_order)
+    return array.reshape(shape, order=order)
+
+
 class NumpyBuilder:
     """Arrays start empty (numpy's ``_reconstruct``); their one ``BUILD`` gives shape, dtype and bytes."""
 
@@ -396,6 +424,8 @@ def numpy_table(numpy_builder: NumpyBuilder) -> Table:
         table[(module, "scalar")] = Allowed("numpy.core.multiarray.scalar", call=_numpy_scalar)
         table[(module, "_reconstruct")] = Allowed("numpy.core.multiarray._reconstruct",
                                                   call=numpy_builder.reconstruct)
+    for module in ("numpy.core.numeric", "numpy._core.numeric"):  # protocol 5's arrays
+        table[(module, "_frombuffer")] = Allowed(f"{module}._frombuffer", call=_numpy_frombuffer)
     return table
 
 

@@ -20,6 +20,7 @@ Every other failure (truncated data, an unknown opcode, a wrong argument) is :cl
 """
 import codecs
 import collections
+import contextvars
 import reprlib
 import struct
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -48,14 +49,24 @@ def short(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+# Keys whose hash a file can choose (floats, tuples, frozensets), by hash, for the load under way: see check_key.
+_KEYS_BY_HASH: "contextvars.ContextVar[Optional[Dict[int, set]]]" = contextvars.ContextVar(
+    "aitoolbox_pickle_keys_by_hash", default=None)
+# How many distinct such keys of one file may share a hash: real keys almost never share one.
+MAX_SHARED_HASH = 32
+
+
 def check_key(key: Any) -> Any:
     """``key`` for a dict or set built from a file: not an int of more than 60 bits nor a complex number (nor a
-    tuple holding one).
+    tuple holding one), and, during a load, not one of more than :data:`MAX_SHARED_HASH` distinct float, tuple or
+    frozenset keys of the file sharing one hash.
 
     Python hashes such ints modulo 2**61 - 1, so a file can hold thousands of distinct ones with one hash (complex
     numbers combine two hashes the file chooses), and building a dict of them takes time quadratic in their number
-    (minutes for a file of a megabyte). Strings and bytes are hashed with a secret seed; checkpoints use those,
-    and small ints, as keys.
+    (minutes for a file of a megabyte). Floats are hashed the same way (``3.0`` and ``3.0 * 2**61`` share a hash),
+    and tuples combine their items' hashes, so those are counted by hash instead of refused: a hyperparameter dict
+    may have float keys. Strings and bytes are hashed with a secret seed; checkpoints use those, and small ints, as
+    keys.
     """
     if (type(key) is int and key.bit_length() > 60) or isinstance(key, complex):
         raise Malformed("a dict or set key is an integer of more than 60 bits or a complex number (a "
@@ -63,6 +74,14 @@ def check_key(key: Any) -> Any:
     if type(key) in (tuple, frozenset):
         for item in key:
             check_key(item)
+    if type(key) in (float, tuple, frozenset):
+        by_hash = _KEYS_BY_HASH.get()
+        if by_hash is not None:
+            sharing = by_hash.setdefault(hash(key), set())
+            sharing.add(key)  # at most MAX_SHARED_HASH + 1 keys compared: bounded
+            if len(sharing) > MAX_SHARED_HASH:
+                raise Malformed(f"more than {MAX_SHARED_HASH} distinct dict or set keys share one hash ("
+                                f"{short(key)} among them): a hash-collision attack?")
     return key
 
 
@@ -124,11 +143,13 @@ class RestrictedUnpickler:
         build: given ``(instance, state)`` for ``BUILD``, sets the state and returns None, or returns the object
             that replaces the instance; raises :class:`Malformed` for types it does not know. None: no BUILD.
         encoding: how Python 2 ``str`` values (protocol 0-2 ``STRING`` opcodes) are decoded.
+        stored_size: how many bytes the pickle takes in its file (less than ``len(data)`` when it was compressed);
+            what it may build is bounded by this (default: ``len(data)``).
     """
 
     def __init__(self, data: bytes, table: Mapping[Tuple[str, str], Any],
                  persistent_load: Optional[Callable[[Any], Any]] = None, build: Optional[BuildFunction] = None,
-                 encoding: str = "utf-8"):
+                 encoding: str = "utf-8", stored_size: Optional[int] = None):
         self._data = bytes(data)
         self._table = table
         self._persistent_load = persistent_load
@@ -136,10 +157,15 @@ class RestrictedUnpickler:
         self._encoding = encoding
         self._pos = 0
         self._proto = 0
+        stored = len(self._data) if stored_size is None else min(stored_size, len(self._data))
         # A container costs 50 to 200 bytes of memory and can cost one byte of pickle: their number is bounded by
-        # the pickle's size (a checkpoint has one in about every 20 bytes of it, a list of pairs one in 12), so the
-        # memory a pickle can take is a bounded multiple of its size.
-        self._containers_left = 100_000 + len(data) // 8
+        # the pickle's size in its file (a checkpoint has one in about every 20 bytes of it, a list of pairs one in
+        # 12), so the memory a pickle can take is a bounded multiple of what the file holds, compressed or not.
+        self._max_containers = 100_000 + stored // 8
+        self._containers_left = self._max_containers
+        # A memo entry costs about 100 bytes and one byte of pickle (MEMOIZE): bounded the same way. A real pickle
+        # memoizes one object in every 4 bytes at most (a string or a tuple takes more than a byte to build).
+        self._max_memo = 1_000_000 + stored // 4
         self._stack: List[Any] = []
         self._marks: List[int] = []
         self._memo: Dict[int, Any] = {}
@@ -174,6 +200,7 @@ class RestrictedUnpickler:
     def load(self) -> Any:
         """The object the pickle describes. Raises :class:`Refused` or :class:`Malformed`."""
         dispatch = self._dispatch()
+        token = _KEYS_BY_HASH.set({})
         try:
             while True:
                 opcode = self._byte()
@@ -191,6 +218,8 @@ class RestrictedUnpickler:
             raise Malformed("nested too deeply to build") from None
         except Exception as error:  # a wrong argument to an allowed function, a bad memo index, an empty stack...
             raise Malformed(f"{type(error).__name__} at byte {self._pos}: {error}") from error
+        finally:
+            _KEYS_BY_HASH.reset(token)
 
     # --- the machine ------------------------------------------------------------------------------------------
     def _dispatch(self) -> Dict[int, Callable[[], Optional[bool]]]:
@@ -242,7 +271,7 @@ class RestrictedUnpickler:
     def _counted(self, container: Any) -> Any:
         self._containers_left -= 1
         if self._containers_left < 0:
-            raise Malformed(f"it builds more containers than {100_000 + len(self._data) // 8} (its size allows): a "
+            raise Malformed(f"it builds more containers than {self._max_containers} (its size allows): a "
                             "memory bomb?")
         return container
 
@@ -338,6 +367,8 @@ class RestrictedUnpickler:
     def _put(self, index: int) -> None:
         if index < 0:
             raise Malformed("negative memo index")
+        if index not in self._memo and len(self._memo) >= self._max_memo:
+            raise Malformed(f"it memoizes more objects than {self._max_memo} (its size allows): a memory bomb?")
         self._memo[index] = self._stack[-1]
 
     def _protocol(self) -> None:

@@ -11,7 +11,8 @@ another thread is as strict as torch makes it, whatever aitoolbox loads meanwhil
 
 A file is opened once, must be a regular file (not a pipe or a device), and is read once: the object it gives is
 what every later step uses. What a file may cost is bounded (:func:`checkpoint_limits`): its records may not
-state more than ``max_expansion`` times its size (a decompression bomb), nor nest containers deeper than
+state more than ``max_expansion`` times its size (a decompression bomb), its tensors hold more than
+``max_tensor_bytes`` (or ``max_expansion`` times its size) in all, nor nest containers deeper than
 ``max_nesting``.
 
 Errors (all ``Exception`` subclasses naming the file):
@@ -116,7 +117,9 @@ class UntrustedCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
 
 
 @contextlib.contextmanager
-def checkpoint_limits(max_expansion: Optional[float] = None, max_nesting: Optional[int] = None) -> Iterator[None]:
+def checkpoint_limits(max_expansion: Optional[float] = None, max_nesting: Optional[int] = None,
+                      max_tensor_bytes: Optional[int] = None,
+                      max_index_bytes: Optional[int] = None) -> Iterator[None]:
     """Change what reading a checkpoint may cost, for the loads inside the ``with`` block (of this thread).
 
     Args:
@@ -125,13 +128,20 @@ def checkpoint_limits(max_expansion: Optional[float] = None, max_nesting: Option
             records uncompressed, so a real checkpoint is about 1). Raise it only for a file you trust that was
             compressed, e.g. mostly zeros.
         max_nesting: containers in a file may nest at most this deep (default 100).
+        max_tensor_bytes: the tensors of a file (or of a sharded checkpoint) may hold, in all, the larger of this
+            many bytes and ``max_expansion`` times the bytes stored for them (default 1 GiB). A tensor may be a
+            view repeating a small storage (an expanded buffer), which costs nothing until it is copied.
+        max_index_bytes: a sharded checkpoint's index (``.metadata``), and each of its non-tensor entries, may be at
+            most this large (default 256 MiB); it is read whole into memory, so it is checked before reading.
 
     Raises:
-        ValueError: a bound that is not a number >= 1.
+        ValueError: a bound that is not a number >= 1 (``max_tensor_bytes``: an int >= 0; the byte counts ints).
     """
     current = LIMITS.get()
     limits = ReadLimits(current.max_expansion if max_expansion is None else max_expansion,
-                        current.max_nesting if max_nesting is None else max_nesting)
+                        current.max_nesting if max_nesting is None else max_nesting,
+                        current.max_tensor_bytes if max_tensor_bytes is None else max_tensor_bytes,
+                        current.max_index_bytes if max_index_bytes is None else max_index_bytes)
     token = LIMITS.set(limits)
     try:
         yield

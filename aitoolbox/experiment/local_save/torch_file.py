@@ -43,6 +43,8 @@ class ReadLimits:
 
     max_expansion: float = 100.0
     max_nesting: int = 100
+    max_tensor_bytes: int = 1 << 30
+    max_index_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if isinstance(self.max_expansion, bool) or not isinstance(self.max_expansion, (int, float)) \
@@ -50,6 +52,23 @@ class ReadLimits:
             raise ValueError(f"max_expansion must be a number >= 1, got {self.max_expansion!r}")
         if isinstance(self.max_nesting, bool) or not isinstance(self.max_nesting, int) or self.max_nesting < 1:
             raise ValueError(f"max_nesting must be an int >= 1, got {self.max_nesting!r}")
+        if isinstance(self.max_tensor_bytes, bool) or not isinstance(self.max_tensor_bytes, int) \
+                or self.max_tensor_bytes < 0:
+            raise ValueError(f"max_tensor_bytes must be an int >= 0, got {self.max_tensor_bytes!r}")
+        if isinstance(self.max_index_bytes, bool) or not isinstance(self.max_index_bytes, int) \
+                or self.max_index_bytes < 1:
+            raise ValueError(f"max_index_bytes must be an int >= 1, got {self.max_index_bytes!r}")
+
+    def tensor_budget(self, stored: int) -> int:
+        """How many bytes the tensors built from ``stored`` bytes of a file may hold in all: views of one storage
+        cost nothing to build, but any copy of them (an optimizer casting its state) costs their full size."""
+        return max(self.max_tensor_bytes, int(self.max_expansion * stored))
+
+    def tensor_budget_text(self, stored: int) -> str:
+        """The bound of :meth:`tensor_budget`, in words, with what to do when the file is trusted."""
+        return (f"more than max(max_tensor_bytes={self.max_tensor_bytes}, max_expansion={self.max_expansion:g} "
+                f"times its {stored} bytes) in all (views repeating the same bytes: a memory bomb?). If you trust "
+                "the file, raise the bound with aitoolbox's checkpoint_limits(max_tensor_bytes=...)")
 
     def max_visits(self, pickle_size: int) -> int:
         """How many objects a walk over what a pickle of ``pickle_size`` bytes built may meet."""
@@ -84,6 +103,7 @@ class TorchZip:
     def __init__(self, source: BinaryIO, limits: ReadLimits):
         self._source = source
         self._size = _size_of(source)
+        self.file_size = self._size
         try:
             archive = zipfile.ZipFile(source)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error,
@@ -111,6 +131,15 @@ class TorchZip:
             raise Malformed("it is a TorchScript archive (torch.jit.save), not a checkpoint")
         if f"{self.prefix}/data.pkl" not in self.records:
             raise Malformed(f"its zip has no {self.prefix}/data.pkl record: not a torch.save file")
+        pickle_record = self.records[f"{self.prefix}/data.pkl"]
+        # Every byte of a pickle is an opcode the reader runs (a microsecond each): a compressed pickle may expand
+        # less than the storages (torch never compresses it; opcodes repeating nothing compress a thousandfold).
+        pickle_expansion = max(1.0, limits.max_expansion / 10)
+        if pickle_record.file_size > max(_CHUNK, pickle_expansion * pickle_record.compress_size):
+            raise Malformed(f"its pickle {pickle_record.filename!r} states {pickle_record.file_size} bytes from "
+                            f"{pickle_record.compress_size} compressed, more than max_expansion/10="
+                            f"{pickle_expansion:g} times (a pickle bomb?). If you trust the file, raise the bound with "
+                            "aitoolbox's checkpoint_limits(max_expansion=...)")
 
     def _check(self, info: zipfile.ZipInfo, limits: ReadLimits) -> None:
         if info.flag_bits & 0x1:
@@ -136,6 +165,10 @@ class TorchZip:
 
     def size(self, name: str) -> int:
         return self.records[f"{self.prefix}/{name}"].file_size
+
+    def stored_size(self, name: str) -> int:
+        """The bytes record ``name`` takes in the file (compressed or not)."""
+        return self.records[f"{self.prefix}/{name}"].compress_size
 
     def _data_start(self, info: zipfile.ZipInfo) -> int:
         self._source.seek(info.header_offset)
@@ -288,13 +321,14 @@ def read_torch_file(source: BinaryIO, map_location: Any = "cpu", limits: Optiona
     archive = TorchZip(source, limits)
     storages = _Storages(archive, map_location)
     numpy_builder = NumpyBuilder()
-    table = torch_table(TensorBuilder(storages.is_ours, limits.max_expansion))
+    table = torch_table(TensorBuilder(storages.is_ours, limits.tensor_budget(archive.file_size),
+                                      limits.tensor_budget_text(archive.file_size)))
     table.update(python_table())
     table.update(numpy_table(numpy_builder))
     pickled = archive.read("data.pkl")
     try:
-        loaded = RestrictedUnpickler(pickled, table, persistent_load=storages.load,
-                                     build=build_state(numpy_builder)).load()
+        loaded = RestrictedUnpickler(pickled, table, persistent_load=storages.load, build=build_state(numpy_builder),
+                                     stored_size=archive.stored_size("data.pkl")).load()
     except CallerError as error:
         raise error.error from None
     except Refused as refused:  # list every global the file names that the table lacks, not only the first
