@@ -46,9 +46,13 @@ class ContiguousDistributedSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def _loader_options(loader: DataLoader) -> dict:
+def _loader_options(loader: DataLoader, plain: bool = False) -> dict:
+    """The options to rebuild ``loader`` with; ``plain``: only those torch's DataLoader takes (an evaluation loader
+    is a plain DataLoader whatever the user's class: it has no position to save, so torchdata's
+    ``snapshot_every_n_steps`` has no use there and DataLoader would refuse it)."""
     options = {}
-    for name in _LOADER_OPTIONS + ("snapshot_every_n_steps",):  # (the last: torchdata's StatefulDataLoader)
+    names = _LOADER_OPTIONS if plain else _LOADER_OPTIONS + ("snapshot_every_n_steps",)  # (torchdata's option)
+    for name in names:
         if hasattr(loader, name):
             options[name] = getattr(loader, name)
     if options.get("num_workers", 0) == 0:
@@ -244,7 +248,7 @@ def _batch_sampler_eval_loader(loader: DataLoader, rank: int, world_size: int) -
         batch_sampler = batch_sampler.sampler
     batches = [[int(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
     block = batches[len(batches) * rank // world_size:len(batches) * (rank + 1) // world_size]
-    options = _loader_options(loader)
+    options = _loader_options(loader, plain=True)
     for name in ("batch_size", "drop_last"):  # given by the batch sampler
         options.pop(name, None)
     return DataLoader(loader.dataset, batch_sampler=block, **options)
@@ -314,7 +318,7 @@ def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size:
         return loader
     sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader),
                                            full_batches_of=loader.batch_size if loader.drop_last else None)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plain=True)
     options["drop_last"] = False  # the sampler kept the full batches' samples only
     return DataLoader(loader.dataset, sampler=sampler, **options)
 

@@ -114,3 +114,20 @@ def test_ddp_evaluation_uses_rank0s_buffers_and_gives_each_rank_its_own_back():
     assert not torch.equal(results[0]["running_mean"], results[1]["running_mean"])  # the case this is about
     for result in results:
         assert result["kept"] and result["cached"]
+
+
+@pytest.mark.parametrize("as_training_loader", [False, True])
+def test_a_stateful_loader_is_evaluated_as_a_plain_dataloader(as_training_loader):
+    """Issue 33 (review D8): a torchdata StatefulDataLoader, as validation loader or as the training loader
+    evaluated at the epoch's end, was rebuilt as a DataLoader with ``snapshot_every_n_steps``, which DataLoader
+    refuses (TypeError in every rank)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(_indexed(11), batch_size=3, shuffle=as_training_loader,
+                                         generator=torch.Generator().manual_seed(0))
+    world_size = 2
+    if as_training_loader:
+        ranks = [distributed_eval_loader(distributed_train_loader(loader, rank, world_size), rank, world_size)
+                 for rank in range(world_size)]
+    else:
+        ranks = [distributed_eval_loader(loader, rank, world_size) for rank in range(world_size)]
+    assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == list(range(11))
