@@ -307,10 +307,47 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update((text if " at 0x" not in text else type(value).__name__).encode())  # no memory addresses
 
 
+def check_eval_loader(loader: Any, which: str) -> None:
+    """Refuse an evaluation loader that ``fit_distributed`` cannot split across the processes without changing what
+    it yields: a subclass of ``DataLoader`` (other than torchdata's ``StatefulDataLoader``) whose sampler does not
+    shard by itself. Each process evaluates a ``DataLoader`` rebuilt around its share of the samples, and the
+    subclass's own behaviour (its ``__iter__``, its own arguments) would be lost silently.
+
+    Args:
+        loader: the evaluation loader (anything; only a DataLoader subclass over a map-style dataset is checked).
+        which: what the loader is, for the message (e.g. "validation").
+
+    Raises:
+        ValueError: naming the loader's class and what to do instead.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) \
+            or type(loader) in _rebuildable_loader_classes():
+        return
+    if _rank_aware_part(*_user_sampler(loader)) is not None:
+        return  # it shards by itself: evaluated as it is
+    name = type(loader).__name__
+    raise ValueError(f"the {which} loader is a {name}, a DataLoader subclass: fit_distributed evaluates with a "
+                     f"DataLoader rebuilt around each process's share of the samples, which would drop what {name} "
+                     "does itself (and give another loss than one process). Pass a torch DataLoader (move the "
+                     "subclass's work into the dataset or a collate_fn), or build the loader in each process "
+                     "(in_process_data_load=InMultiProcessDataLoad(...)) with a sampler that shards by itself "
+                     "(DistributedSampler(dataset, shuffle=False)), which is evaluated as it is")
+
+
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
     """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
     no sample repeated (see :func:`evaluation_indices`); with ``drop_last`` only the samples of the full batches, as
-    one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes."""
+    one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes. A
+    ``DataLoader`` subclass whose sampler shards by itself is used as it is; one whose sampler does not is refused
+    (:func:`check_eval_loader`).
+
+    Raises:
+        ValueError: a ``DataLoader`` subclass that cannot be split (see :func:`check_eval_loader`).
+    """
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+            and type(loader) not in _rebuildable_loader_classes():
+        check_eval_loader(loader, "evaluation")
+        return loader  # a subclass whose sampler shards by itself: its behaviour kept
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
         return _batch_sampler_eval_loader(loader, rank, world_size)
