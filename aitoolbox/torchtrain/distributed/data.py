@@ -334,20 +334,44 @@ def check_eval_loader(loader: Any, which: str) -> None:
                      "(DistributedSampler(dataset, shuffle=False)), which is evaluated as it is")
 
 
+def _shards_a_choice_of_its_own(loader: Any) -> bool:
+    """Whether ``loader``'s sampler shards by itself (``num_replicas`` and ``rank``) and is not torch's
+    ``DistributedSampler``, whose shards together are the whole data set (evaluated split exactly instead, without
+    its padding): the union of such a sampler's shards is its own choice (a subset), so it is evaluated as it shards."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+        and loader.batch_size is not None and _rank_aware(loader.sampler) \
+        and not isinstance(loader.sampler, (DistributedSampler, ShardedSampler))
+
+
+def _check_eval_rank_aware(sampler: Any, rank: int, world_size: int) -> None:
+    name = type(sampler).__name__
+    if sampler.num_replicas != world_size or sampler.rank != rank:
+        raise ValueError(f"an evaluation loader's {name} shards by itself for rank {sampler.rank} of "
+                         f"{sampler.num_replicas}, and is used in the process of rank {rank} of {world_size}: the "
+                         "processes would evaluate the wrong parts. Build it in each process (in_process_data_load="
+                         "InMultiProcessDataLoad(...)) with the process's rank and the job's world size, or give the "
+                         "loader a plain sampler, which fit_distributed splits itself")
+
+
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
     """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
     no sample repeated (see :func:`evaluation_indices`); with ``drop_last`` only the samples of the full batches, as
     one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes. A
     ``DataLoader`` subclass whose sampler shards by itself is used as it is; one whose sampler does not is refused
-    (:func:`check_eval_loader`).
+    (:func:`check_eval_loader`). A sampler that shards by itself (``num_replicas`` and ``rank``; not torch's
+    ``DistributedSampler``, whose shards are the whole data set) is evaluated as it shards: each process its part.
 
     Raises:
-        ValueError: a ``DataLoader`` subclass that cannot be split (see :func:`check_eval_loader`).
+        ValueError: a ``DataLoader`` subclass that cannot be split (see :func:`check_eval_loader`); a sampler that
+            shards by itself for another rank or number of processes.
     """
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and type(loader) not in _rebuildable_loader_classes():
         check_eval_loader(loader, "evaluation")
         return loader  # a subclass whose sampler shards by itself: its behaviour kept
+    if _shards_a_choice_of_its_own(loader):
+        _check_eval_rank_aware(loader.sampler, rank, world_size)
+        return loader  # each process evaluates its own part, the sums of all combined
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
         return _batch_sampler_eval_loader(loader, rank, world_size)

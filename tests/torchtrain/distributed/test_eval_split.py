@@ -131,3 +131,29 @@ def test_a_stateful_loader_is_evaluated_as_a_plain_dataloader(as_training_loader
     else:
         ranks = [distributed_eval_loader(loader, rank, world_size) for rank in range(world_size)]
     assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == list(range(11))
+
+
+class ShardedSubset(torch.utils.data.Sampler):
+    """A validation sampler that shards a subset of its own choice by itself (num_replicas, rank)."""
+
+    def __init__(self, indices, num_replicas, rank):
+        self.indices, self.num_replicas, self.rank = indices, num_replicas, rank
+
+    def __len__(self):
+        return len(self.indices[self.rank::self.num_replicas])
+
+    def __iter__(self):
+        return iter(self.indices[self.rank::self.num_replicas])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_sampler_that_shards_itself_is_evaluated_as_it_shards(world_size):
+    """Issue 33 (review D6): a validation sampler sharding a subset (20-29) by itself was evaluated as the whole
+    data set. Each rank evaluates its own part: together, the samples one process evaluates over the subset."""
+    subset = list(range(20, 30))
+    ranks = [distributed_eval_loader(DataLoader(_indexed(30), batch_size=4,
+                                                sampler=ShardedSubset(subset, world_size, rank)), rank, world_size)
+             for rank in range(world_size)]
+    assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == subset
+    with pytest.raises(ValueError, match=r"ShardedSubset.*rank 0 of 2.*rank 1 of 2.*in_process_data_load"):
+        distributed_eval_loader(DataLoader(_indexed(30), sampler=ShardedSubset(subset, 2, 0)), 1, 2)
