@@ -229,8 +229,18 @@ def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
     if _rank_aware(sampler) or isinstance(sampler, SequentialSampler) or _plain_random(sampler):
         return None
     if isinstance(sampler, SubsetRandomSampler):
-        return [int(index) for index in sampler.indices]
-    return [int(index) for index in _drawn_alike(loader, sampler)]
+        return [_plain_key(index) for index in sampler.indices]
+    return [_plain_key(index) for index in _drawn_alike(loader, sampler)]
+
+
+def _plain_key(key: Any) -> Any:
+    """``key`` as the dataset receives it, a one-element tensor or numpy number made a Python number (a list of
+    them is cheaper to split and pickle); any other key (a string, an ``(index, scale)`` pair) kept as it is."""
+    if isinstance(key, torch.Tensor) and key.numel() == 1:
+        return key.item()
+    if isinstance(key, np.generic):
+        return key.item()
+    return key
 
 
 def _drawn_alike(loader: DataLoader, sampler: Any) -> List[Any]:
@@ -246,12 +256,28 @@ def _batch_sampler_eval_loader(loader: DataLoader, rank: int, world_size: int) -
     batch_sampler = loader.batch_sampler
     if isinstance(batch_sampler, ShardedBatchSampler):
         batch_sampler = batch_sampler.sampler
-    batches = [[int(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
+    batches = [[_plain_key(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
     block = batches[len(batches) * rank // world_size:len(batches) * (rank + 1) // world_size]
     options = _loader_options(loader, plain=True)
     for name in ("batch_size", "drop_last"):  # given by the batch sampler
         options.pop(name, None)
     return DataLoader(loader.dataset, batch_sampler=block, **options)
+
+
+def _unbatched_eval_loader(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
+    """An evaluation loader without automatic batching (``batch_size=None``: each item the sampler draws is one
+    batch, e.g. a dataset whose items are whole batches): this rank's contiguous block of the items, each loaded as
+    the user's loader loads it. A sampler that shards by itself (not a DistributedSampler: split exactly) is used
+    as it is."""
+    if _rank_aware(loader.sampler) and not isinstance(loader.sampler, (DistributedSampler, ShardedSampler)):
+        _check_eval_rank_aware(loader.sampler, rank, world_size)
+        return loader
+    indices = evaluation_indices(loader)
+    block = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, indices)
+    options = _loader_options(loader, plain=True)
+    for name in ("batch_size", "drop_last"):  # no automatic batching: one item is one batch
+        options.pop(name, None)
+    return DataLoader(loader.dataset, sampler=block, batch_size=None, **options)
 
 
 def peek_seed() -> int:
@@ -372,6 +398,9 @@ def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size:
     if _shards_a_choice_of_its_own(loader):
         _check_eval_rank_aware(loader.sampler, rank, world_size)
         return loader  # each process evaluates its own part, the sums of all combined
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+            and loader.batch_size is None and loader.batch_sampler is None:
+        return _unbatched_eval_loader(loader, rank, world_size)
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
         return _batch_sampler_eval_loader(loader, rank, world_size)

@@ -157,3 +157,56 @@ def test_a_sampler_that_shards_itself_is_evaluated_as_it_shards(world_size):
     assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == subset
     with pytest.raises(ValueError, match=r"ShardedSubset.*rank 0 of 2.*rank 1 of 2.*in_process_data_load"):
         distributed_eval_loader(DataLoader(_indexed(30), sampler=ShardedSubset(subset, 2, 0)), 1, 2)
+
+
+class KeyedSamples(torch.utils.data.Dataset):
+    """Samples keyed by strings (``"k3"``) or by ``(index, scale)`` pairs; each returns its index."""
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, scale = key
+            return torch.tensor(index * scale)
+        return torch.tensor(int(key[1:]))
+
+
+class ScaledBatches(torch.utils.data.Sampler):
+    """A batch sampler yielding ``(index, scale)`` pairs (multi-scale training)."""
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        for batch in range(5):
+            yield [(index, 1 + batch % 2) for index in range(6 * batch, 6 * batch + 6)]
+
+
+def _flat(loader) -> list:
+    return [int(index) for batch in loader for index in batch.reshape(-1)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_samplers_of_keys_that_are_not_indices_are_split_as_they_are(world_size):
+    """Issue 33 (review D9): a sampler yielding string keys, or a batch sampler yielding (index, scale) pairs,
+    crashed in the evaluation split (int(key))."""
+    keys = DataLoader(KeyedSamples(), batch_size=4, sampler=[f"k{i}" for i in range(20, 30)])
+    pairs = DataLoader(KeyedSamples(), batch_sampler=ScaledBatches())
+    for loader in (keys, pairs):
+        joined = [value for rank in range(world_size)
+                  for value in _flat(distributed_eval_loader(loader, rank, world_size))]
+        assert joined == _flat(loader)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_loader_without_automatic_batching_is_split_by_items(world_size):
+    """Issue 33 (review D10): ``batch_size=None`` (each item a whole batch) crashed in the evaluation split. Each
+    rank gets a contiguous block of the items, each loaded as one batch."""
+    batches = TensorDataset(torch.arange(28).reshape(7, 4))
+    loader = DataLoader(batches, batch_size=None)
+    ranks = [distributed_eval_loader(loader, rank, world_size) for rank in range(world_size)]
+    joined = [batch[0].tolist() for rank_loader in ranks for batch in rank_loader]
+    assert joined == [batch[0].tolist() for batch in loader]
+    sizes = [len(rank_loader.sampler) for rank_loader in ranks]
+    assert max(sizes) - min(sizes) <= 1
