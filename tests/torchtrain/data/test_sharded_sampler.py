@@ -157,3 +157,22 @@ def test_a_user_s_distributed_sampler_and_a_sharded_loader_are_used_as_given():
     assert distributed_train_loader(user, 1, 2) is user
     sharded = distributed_train_loader(DataLoader(list(range(10)), batch_size=2), 1, 2)
     assert distributed_train_loader(sharded, 1, 2) is sharded
+
+
+def test_writing_the_user_s_sampler_s_attributes_through_the_wrapper_changes_what_is_drawn():
+    """Issue 33 (review D2): a callback setting tl.train_loader.sampler.weights / .indices (hard-example mining, a
+    curriculum) set them on the sharding wrapper under DDP, where they were ignored silently."""
+    weighted = WeightedRandomSampler([1.0] * 30, 12, generator=torch.Generator().manual_seed(2))
+    subset = SubsetRandomSampler(list(range(30)), generator=torch.Generator().manual_seed(2))
+    for user, name, value in ((weighted, "weights", torch.tensor([1.0] * 6 + [0.0] * 24, dtype=torch.double)),
+                              (subset, "indices", list(range(6)))):
+        ranks = [ShardedSampler(user, rank, 2) for rank in range(2)]
+        setattr(ranks[0], name, value)
+        assert getattr(user, name) is value and getattr(ranks[1], name) is value
+        assert set(index for sharded in ranks for index in sharded) <= set(range(6))
+        assert "sampler" not in vars(user)  # the wrapper's own attributes stay its own
+    sharded = ShardedSampler(subset, 0, 2)
+    sharded.epoch = 3
+    assert sharded.epoch == 3 and not hasattr(subset, "epoch")
+    assert not hasattr(sharded, "state_dict")  # methods do not read through (torchdata would take it for a position)
+    copy.deepcopy(sharded)
