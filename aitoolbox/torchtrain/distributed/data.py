@@ -80,8 +80,9 @@ def _rank_aware(sampler: Any) -> bool:
 
 def _user_sampler(loader: DataLoader) -> Tuple[Any, bool]:
     """The sampler that decides the loader's order and whether it is a batch sampler (the loader's own
-    ``batch_sampler``, given instead of ``batch_size`` and ``sampler``)."""
-    if loader.batch_size is None:
+    ``batch_sampler``, given instead of ``batch_size`` and ``sampler``). A loader without automatic batching
+    (``batch_size=None`` and no batch sampler: each item is a batch) has its ``sampler``, sharded item by item."""
+    if loader.batch_size is None and loader.batch_sampler is not None:
         return loader.batch_sampler, True
     return loader.sampler, False
 

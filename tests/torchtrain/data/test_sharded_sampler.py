@@ -176,3 +176,17 @@ def test_writing_the_user_s_sampler_s_attributes_through_the_wrapper_changes_wha
     assert sharded.epoch == 3 and not hasattr(subset, "epoch")
     assert not hasattr(sharded, "state_dict")  # methods do not read through (torchdata would take it for a position)
     copy.deepcopy(sharded)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_loader_without_automatic_batching_is_sharded_item_by_item(world_size):
+    """Issue 33 (review D12): batch_size=None (each item a whole batch) was refused with "batch sampler NoneType
+    has no __len__". Its sampler is sharded as any other: every item (batch) of the epoch's order once, padded."""
+    batches = torch.utils.data.TensorDataset(torch.arange(28).reshape(7, 4))
+    user = DataLoader(batches, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0))
+    # (Each process holds its own copy of the loader and its generator.)
+    ranks = [distributed_train_loader(copy.deepcopy(user), rank, world_size) for rank in range(world_size)]
+    trained = [tuple(batch[0].tolist()) for loader in ranks for batch in loader]
+    assert all(loader.batch_size is None for loader in ranks)
+    assert len(trained) == -(-7 // world_size) * world_size
+    assert set(trained) == {tuple(range(4 * item, 4 * item + 4)) for item in range(7)}
