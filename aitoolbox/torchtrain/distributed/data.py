@@ -46,9 +46,13 @@ class ContiguousDistributedSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def _loader_options(loader: DataLoader) -> dict:
+def _loader_options(loader: DataLoader, plain: bool = False) -> dict:
+    """The options to rebuild ``loader`` with; ``plain``: only those torch's DataLoader takes (an evaluation loader
+    is a plain DataLoader whatever the user's class: it has no position to save, so torchdata's
+    ``snapshot_every_n_steps`` has no use there and DataLoader would refuse it)."""
     options = {}
-    for name in _LOADER_OPTIONS + ("snapshot_every_n_steps",):  # (the last: torchdata's StatefulDataLoader)
+    names = _LOADER_OPTIONS if plain else _LOADER_OPTIONS + ("snapshot_every_n_steps",)  # (torchdata's option)
+    for name in names:
         if hasattr(loader, name):
             options[name] = getattr(loader, name)
     if options.get("num_workers", 0) == 0:
@@ -76,8 +80,9 @@ def _rank_aware(sampler: Any) -> bool:
 
 def _user_sampler(loader: DataLoader) -> Tuple[Any, bool]:
     """The sampler that decides the loader's order and whether it is a batch sampler (the loader's own
-    ``batch_sampler``, given instead of ``batch_size`` and ``sampler``)."""
-    if loader.batch_size is None:
+    ``batch_sampler``, given instead of ``batch_size`` and ``sampler``). A loader without automatic batching
+    (``batch_size=None`` and no batch sampler: each item is a batch) has its ``sampler``, sharded item by item."""
+    if loader.batch_size is None and loader.batch_sampler is not None:
         return loader.batch_sampler, True
     return loader.sampler, False
 
@@ -225,8 +230,18 @@ def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
     if _rank_aware(sampler) or isinstance(sampler, SequentialSampler) or _plain_random(sampler):
         return None
     if isinstance(sampler, SubsetRandomSampler):
-        return [int(index) for index in sampler.indices]
-    return [int(index) for index in _drawn_alike(loader, sampler)]
+        return [_plain_key(index) for index in sampler.indices]
+    return [_plain_key(index) for index in _drawn_alike(loader, sampler)]
+
+
+def _plain_key(key: Any) -> Any:
+    """``key`` as the dataset receives it, a one-element tensor or numpy number made a Python number (a list of
+    them is cheaper to split and pickle); any other key (a string, an ``(index, scale)`` pair) kept as it is."""
+    if isinstance(key, torch.Tensor) and key.numel() == 1:
+        return key.item()
+    if isinstance(key, np.generic):
+        return key.item()
+    return key
 
 
 def _drawn_alike(loader: DataLoader, sampler: Any) -> List[Any]:
@@ -242,12 +257,28 @@ def _batch_sampler_eval_loader(loader: DataLoader, rank: int, world_size: int) -
     batch_sampler = loader.batch_sampler
     if isinstance(batch_sampler, ShardedBatchSampler):
         batch_sampler = batch_sampler.sampler
-    batches = [[int(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
+    batches = [[_plain_key(index) for index in batch] for batch in _drawn_alike(loader, batch_sampler)]
     block = batches[len(batches) * rank // world_size:len(batches) * (rank + 1) // world_size]
-    options = _loader_options(loader)
+    options = _loader_options(loader, plain=True)
     for name in ("batch_size", "drop_last"):  # given by the batch sampler
         options.pop(name, None)
     return DataLoader(loader.dataset, batch_sampler=block, **options)
+
+
+def _unbatched_eval_loader(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
+    """An evaluation loader without automatic batching (``batch_size=None``: each item the sampler draws is one
+    batch, e.g. a dataset whose items are whole batches): this rank's contiguous block of the items, each loaded as
+    the user's loader loads it. A sampler that shards by itself (not a DistributedSampler: split exactly) is used
+    as it is."""
+    if _rank_aware(loader.sampler) and not isinstance(loader.sampler, (DistributedSampler, ShardedSampler)):
+        _check_eval_rank_aware(loader.sampler, rank, world_size)
+        return loader
+    indices = evaluation_indices(loader)
+    block = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, indices)
+    options = _loader_options(loader, plain=True)
+    for name in ("batch_size", "drop_last"):  # no automatic batching: one item is one batch
+        options.pop(name, None)
+    return DataLoader(loader.dataset, sampler=block, batch_size=None, **options)
 
 
 def peek_seed() -> int:
@@ -303,10 +334,74 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update((text if " at 0x" not in text else type(value).__name__).encode())  # no memory addresses
 
 
+def check_eval_loader(loader: Any, which: str) -> None:
+    """Refuse an evaluation loader that ``fit_distributed`` cannot split across the processes without changing what
+    it yields: a subclass of ``DataLoader`` (other than torchdata's ``StatefulDataLoader``) whose sampler does not
+    shard by itself. Each process evaluates a ``DataLoader`` rebuilt around its share of the samples, and the
+    subclass's own behaviour (its ``__iter__``, its own arguments) would be lost silently.
+
+    Args:
+        loader: the evaluation loader (anything; only a DataLoader subclass over a map-style dataset is checked).
+        which: what the loader is, for the message (e.g. "validation").
+
+    Raises:
+        ValueError: naming the loader's class and what to do instead.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) \
+            or type(loader) in _rebuildable_loader_classes():
+        return
+    if _rank_aware_part(*_user_sampler(loader)) is not None:
+        return  # it shards by itself: evaluated as it is
+    name = type(loader).__name__
+    raise ValueError(f"the {which} loader is a {name}, a DataLoader subclass: fit_distributed evaluates with a "
+                     f"DataLoader rebuilt around each process's share of the samples, which would drop what {name} "
+                     "does itself (and give another loss than one process). Pass a torch DataLoader (move the "
+                     "subclass's work into the dataset or a collate_fn), or build the loader in each process "
+                     "(in_process_data_load=InMultiProcessDataLoad(...)) with a sampler that shards by itself "
+                     "(DistributedSampler(dataset, shuffle=False)), which is evaluated as it is")
+
+
+def _shards_a_choice_of_its_own(loader: Any) -> bool:
+    """Whether ``loader``'s sampler shards by itself (``num_replicas`` and ``rank``) and is not torch's
+    ``DistributedSampler``, whose shards together are the whole data set (evaluated split exactly instead, without
+    its padding): the union of such a sampler's shards is its own choice (a subset), so it is evaluated as it shards."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+        and loader.batch_size is not None and _rank_aware(loader.sampler) \
+        and not isinstance(loader.sampler, (DistributedSampler, ShardedSampler))
+
+
+def _check_eval_rank_aware(sampler: Any, rank: int, world_size: int) -> None:
+    name = type(sampler).__name__
+    if sampler.num_replicas != world_size or sampler.rank != rank:
+        raise ValueError(f"an evaluation loader's {name} shards by itself for rank {sampler.rank} of "
+                         f"{sampler.num_replicas}, and is used in the process of rank {rank} of {world_size}: the "
+                         "processes would evaluate the wrong parts. Build it in each process (in_process_data_load="
+                         "InMultiProcessDataLoad(...)) with the process's rank and the job's world size, or give the "
+                         "loader a plain sampler, which fit_distributed splits itself")
+
+
 def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size: int) -> Optional[DataLoader]:
     """An evaluation loader of one rank: a contiguous block of the samples the loader's sampler covers, in order,
     no sample repeated (see :func:`evaluation_indices`); with ``drop_last`` only the samples of the full batches, as
-    one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes."""
+    one process evaluates them; with a batch sampler of its own, a contiguous block of the batches it makes. A
+    ``DataLoader`` subclass whose sampler shards by itself is used as it is; one whose sampler does not is refused
+    (:func:`check_eval_loader`). A sampler that shards by itself (``num_replicas`` and ``rank``; not torch's
+    ``DistributedSampler``, whose shards are the whole data set) is evaluated as it shards: each process its part.
+
+    Raises:
+        ValueError: a ``DataLoader`` subclass that cannot be split (see :func:`check_eval_loader`); a sampler that
+            shards by itself for another rank or number of processes.
+    """
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+            and type(loader) not in _rebuildable_loader_classes():
+        check_eval_loader(loader, "evaluation")
+        return loader  # a subclass whose sampler shards by itself: its behaviour kept
+    if _shards_a_choice_of_its_own(loader):
+        _check_eval_rank_aware(loader.sampler, rank, world_size)
+        return loader  # each process evaluates its own part, the sums of all combined
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+            and loader.batch_size is None and loader.batch_sampler is None:
+        return _unbatched_eval_loader(loader, rank, world_size)
     if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
             and loader.batch_size is None and _rank_aware_part(loader.batch_sampler, True) is None:
         return _batch_sampler_eval_loader(loader, rank, world_size)
@@ -314,7 +409,7 @@ def distributed_eval_loader(loader: Optional[DataLoader], rank: int, world_size:
         return loader
     sampler = ContiguousDistributedSampler(len(loader.dataset), rank, world_size, evaluation_indices(loader),
                                            full_batches_of=loader.batch_size if loader.drop_last else None)
-    options = _loader_options(loader)
+    options = _loader_options(loader, plain=True)
     options["drop_last"] = False  # the sampler kept the full batches' samples only
     return DataLoader(loader.dataset, sampler=sampler, **options)
 

@@ -53,6 +53,10 @@ def padded(order: List[Any], world_size: int) -> List[Any]:
 class ShardedSampler(Sampler):
     """Process ``rank``'s share of the order ``sampler`` draws (see the module's description).
 
+    Setting an attribute the user's sampler has (other than this wrapper's own ``sampler``, ``rank``,
+    ``world_size``, ``seed`` and ``epoch``) sets it on the user's sampler, and its instance attributes read
+    through: ``tl.train_loader.sampler.weights = ...`` changes what is drawn, as in one process.
+
     Args:
         sampler: the user's sampler (or batch sampler: then the shares are whole batches); it must have ``__len__``.
         rank: this process's rank.
@@ -66,6 +70,28 @@ class ShardedSampler(Sampler):
         self.world_size = world_size
         self.seed = int(seed)
         self.epoch = 0
+
+    # The wrapper's own attributes; any other the user's sampler has is the user's (see __setattr__).
+    _OWN_ATTRIBUTES = ("sampler", "rank", "world_size", "seed", "epoch")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Code written for one process changes the training sampler through tl.train_loader.sampler (hard-example
+        # weights, a curriculum's indices); under fit_distributed that is this wrapper, and the value must reach
+        # the sampler that draws, or it would be ignored silently.
+        wrapped = self.__dict__.get("sampler")
+        if name not in self._OWN_ATTRIBUTES and not name.startswith("__") and wrapped is not None \
+                and hasattr(wrapped, name):
+            setattr(wrapped, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names the wrapper lacks: the user's sampler's own data attributes (its instance
+        # attributes; not its methods, such as a state_dict torchdata would take for a position) read through.
+        wrapped = self.__dict__.get("sampler")
+        if wrapped is not None and not name.startswith("_") and name in getattr(wrapped, "__dict__", {}):
+            return getattr(wrapped, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sampler!r}, rank={self.rank}, world_size={self.world_size})"

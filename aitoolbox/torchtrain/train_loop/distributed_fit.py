@@ -11,7 +11,7 @@ import torch
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.ddp import InMultiProcessDataLoad
-from aitoolbox.torchtrain.distributed.data import check_train_loader
+from aitoolbox.torchtrain.distributed.data import check_eval_loader, check_train_loader
 from aitoolbox.torchtrain.distributed.environment import (
     PortReservation, current_external_placement, job_master_port)
 from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher, choose_start_method, main_script_path
@@ -405,6 +405,10 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
     if not _train_loader_built_in_process(options):  # refused before any process starts (each checks it again)
         check_train_loader(tl.train_loader, options.num_nodes * per_node, _shuffle(options.train_data_shuffle))
+    if not options.data_load_callbacks():  # (else each process may build its own: each checks them)
+        for which, loaders in (("validation", tl.validation_loader), ("test", tl.test_loader)):
+            for loader in (loaders.values() if isinstance(loaders, dict) else [loaders]):
+                check_eval_loader(loader, which)
     addr, port, reservation = rendezvous(options.num_nodes, options.node_rank, options.master_addr,
                                          options.master_port)
     method = choose_start_method(options.start_method)

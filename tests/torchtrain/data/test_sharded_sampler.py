@@ -157,3 +157,36 @@ def test_a_user_s_distributed_sampler_and_a_sharded_loader_are_used_as_given():
     assert distributed_train_loader(user, 1, 2) is user
     sharded = distributed_train_loader(DataLoader(list(range(10)), batch_size=2), 1, 2)
     assert distributed_train_loader(sharded, 1, 2) is sharded
+
+
+def test_writing_the_user_s_sampler_s_attributes_through_the_wrapper_changes_what_is_drawn():
+    """Issue 33 (review D2): a callback setting tl.train_loader.sampler.weights / .indices (hard-example mining, a
+    curriculum) set them on the sharding wrapper under DDP, where they were ignored silently."""
+    weighted = WeightedRandomSampler([1.0] * 30, 12, generator=torch.Generator().manual_seed(2))
+    subset = SubsetRandomSampler(list(range(30)), generator=torch.Generator().manual_seed(2))
+    for user, name, value in ((weighted, "weights", torch.tensor([1.0] * 6 + [0.0] * 24, dtype=torch.double)),
+                              (subset, "indices", list(range(6)))):
+        ranks = [ShardedSampler(user, rank, 2) for rank in range(2)]
+        setattr(ranks[0], name, value)
+        assert getattr(user, name) is value and getattr(ranks[1], name) is value
+        assert set(index for sharded in ranks for index in sharded) <= set(range(6))
+        assert "sampler" not in vars(user)  # the wrapper's own attributes stay its own
+    sharded = ShardedSampler(subset, 0, 2)
+    sharded.epoch = 3
+    assert sharded.epoch == 3 and not hasattr(subset, "epoch")
+    assert not hasattr(sharded, "state_dict")  # methods do not read through (torchdata would take it for a position)
+    copy.deepcopy(sharded)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_loader_without_automatic_batching_is_sharded_item_by_item(world_size):
+    """Issue 33 (review D12): batch_size=None (each item a whole batch) was refused with "batch sampler NoneType
+    has no __len__". Its sampler is sharded as any other: every item (batch) of the epoch's order once, padded."""
+    batches = torch.utils.data.TensorDataset(torch.arange(28).reshape(7, 4))
+    user = DataLoader(batches, batch_size=None, shuffle=True, generator=torch.Generator().manual_seed(0))
+    # (Each process holds its own copy of the loader and its generator.)
+    ranks = [distributed_train_loader(copy.deepcopy(user), rank, world_size) for rank in range(world_size)]
+    trained = [tuple(batch[0].tolist()) for loader in ranks for batch in loader]
+    assert all(loader.batch_size is None for loader in ranks)
+    assert len(trained) == -(-7 // world_size) * world_size
+    assert set(trained) == {tuple(range(4 * item, 4 * item + 4)) for item in range(7)}

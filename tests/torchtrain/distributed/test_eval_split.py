@@ -114,3 +114,99 @@ def test_ddp_evaluation_uses_rank0s_buffers_and_gives_each_rank_its_own_back():
     assert not torch.equal(results[0]["running_mean"], results[1]["running_mean"])  # the case this is about
     for result in results:
         assert result["kept"] and result["cached"]
+
+
+@pytest.mark.parametrize("as_training_loader", [False, True])
+def test_a_stateful_loader_is_evaluated_as_a_plain_dataloader(as_training_loader):
+    """Issue 33 (review D8): a torchdata StatefulDataLoader, as validation loader or as the training loader
+    evaluated at the epoch's end, was rebuilt as a DataLoader with ``snapshot_every_n_steps``, which DataLoader
+    refuses (TypeError in every rank)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(_indexed(11), batch_size=3, shuffle=as_training_loader,
+                                         generator=torch.Generator().manual_seed(0))
+    world_size = 2
+    if as_training_loader:
+        ranks = [distributed_eval_loader(distributed_train_loader(loader, rank, world_size), rank, world_size)
+                 for rank in range(world_size)]
+    else:
+        ranks = [distributed_eval_loader(loader, rank, world_size) for rank in range(world_size)]
+    assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == list(range(11))
+
+
+class ShardedSubset(torch.utils.data.Sampler):
+    """A validation sampler that shards a subset of its own choice by itself (num_replicas, rank)."""
+
+    def __init__(self, indices, num_replicas, rank):
+        self.indices, self.num_replicas, self.rank = indices, num_replicas, rank
+
+    def __len__(self):
+        return len(self.indices[self.rank::self.num_replicas])
+
+    def __iter__(self):
+        return iter(self.indices[self.rank::self.num_replicas])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_sampler_that_shards_itself_is_evaluated_as_it_shards(world_size):
+    """Issue 33 (review D6): a validation sampler sharding a subset (20-29) by itself was evaluated as the whole
+    data set. Each rank evaluates its own part: together, the samples one process evaluates over the subset."""
+    subset = list(range(20, 30))
+    ranks = [distributed_eval_loader(DataLoader(_indexed(30), batch_size=4,
+                                                sampler=ShardedSubset(subset, world_size, rank)), rank, world_size)
+             for rank in range(world_size)]
+    assert sorted(index for rank_loader in ranks for index in _samples(rank_loader)) == subset
+    with pytest.raises(ValueError, match=r"ShardedSubset.*rank 0 of 2.*rank 1 of 2.*in_process_data_load"):
+        distributed_eval_loader(DataLoader(_indexed(30), sampler=ShardedSubset(subset, 2, 0)), 1, 2)
+
+
+class KeyedSamples(torch.utils.data.Dataset):
+    """Samples keyed by strings (``"k3"``) or by ``(index, scale)`` pairs; each returns its index."""
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, scale = key
+            return torch.tensor(index * scale)
+        return torch.tensor(int(key[1:]))
+
+
+class ScaledBatches(torch.utils.data.Sampler):
+    """A batch sampler yielding ``(index, scale)`` pairs (multi-scale training)."""
+
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        for batch in range(5):
+            yield [(index, 1 + batch % 2) for index in range(6 * batch, 6 * batch + 6)]
+
+
+def _flat(loader) -> list:
+    return [int(index) for batch in loader for index in batch.reshape(-1)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_samplers_of_keys_that_are_not_indices_are_split_as_they_are(world_size):
+    """Issue 33 (review D9): a sampler yielding string keys, or a batch sampler yielding (index, scale) pairs,
+    crashed in the evaluation split (int(key))."""
+    keys = DataLoader(KeyedSamples(), batch_size=4, sampler=[f"k{i}" for i in range(20, 30)])
+    pairs = DataLoader(KeyedSamples(), batch_sampler=ScaledBatches())
+    for loader in (keys, pairs):
+        joined = [value for rank in range(world_size)
+                  for value in _flat(distributed_eval_loader(loader, rank, world_size))]
+        assert joined == _flat(loader)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_loader_without_automatic_batching_is_split_by_items(world_size):
+    """Issue 33 (review D10): ``batch_size=None`` (each item a whole batch) crashed in the evaluation split. Each
+    rank gets a contiguous block of the items, each loaded as one batch."""
+    batches = TensorDataset(torch.arange(28).reshape(7, 4))
+    loader = DataLoader(batches, batch_size=None)
+    ranks = [distributed_eval_loader(loader, rank, world_size) for rank in range(world_size)]
+    joined = [batch[0].tolist() for rank_loader in ranks for batch in rank_loader]
+    assert joined == [batch[0].tolist() for batch in loader]
+    sizes = [len(rank_loader.sampler) for rank_loader in ranks]
+    assert max(sizes) - min(sizes) <= 1

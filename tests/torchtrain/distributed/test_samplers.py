@@ -238,6 +238,37 @@ def test_a_loader_that_cannot_be_sharded_is_refused_before_any_process_starts(lo
         tl.fit_distributed(num_epochs=1, num_gpus=2, start_method="fork")
 
 
+class DoublingLoader(DataLoader):
+    """A DataLoader subclass with behaviour of its own, which a rebuilt DataLoader would lose."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield 2 * batch
+
+
+@pytest.mark.parametrize("which", ["validation", "test"])
+def test_an_evaluation_loader_subclass_is_refused_before_any_process_starts(which):
+    """Issue 33 (review D5): a DataLoader subclass as validation loader was rebuilt as a plain DataLoader under DDP,
+    its behaviour lost (another loss than in one process), silently."""
+    loaders = {"validation": None, "test": None}
+    loaders[which] = DoublingLoader(range(8), batch_size=2)
+    model = make_model()
+    tl = TrainLoop(model, DataLoader(range(8), batch_size=2), loaders["validation"], loaders["test"],
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False)
+    with pytest.raises(ValueError, match=rf"the {which} loader is a DoublingLoader.*DataLoader subclass"):
+        tl.fit_distributed(num_epochs=1, num_gpus=2, start_method="fork")
+
+
+def test_an_evaluation_loader_subclass_in_a_process_is_refused_unless_it_shards_itself():
+    from aitoolbox.torchtrain.distributed.data import distributed_eval_loader
+    with pytest.raises(ValueError, match=r"DoublingLoader.*in_process_data_load"):
+        distributed_eval_loader(DoublingLoader(range(8), batch_size=2), 0, 2)
+    sharding_itself = DoublingLoader(range(8), batch_size=2, sampler=DistributedSampler(range(8), 2, 1, shuffle=False))
+    assert distributed_eval_loader(sharding_itself, 1, 2) is sharding_itself  # its behaviour kept
+    assert [batch.tolist() for batch in sharding_itself] == [[2, 6], [10, 14]]
+
+
 def test_train_data_shuffle_false_cannot_unshuffle_another_sampler():
     loader = DataLoader(range(8), batch_size=2, sampler=SubsetRandomSampler(range(4)))
     tl = TrainLoop(make_model(), loader, None, None, torch.optim.SGD(make_model().parameters(), lr=0.01),

@@ -7,13 +7,15 @@ loading worker's id and seed (and are perturbed by noise drawn from that seed), 
 same worker with the same seed loaded them. torchdata's StatefulDataLoader continues from its own saved state.
 """
 import io
+import random
 from pathlib import Path
 from typing import List
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, DistributedSampler, IterableDataset, get_worker_info
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.train_loop import TrainLoop
@@ -263,3 +265,69 @@ def test_a_stateful_data_loader_continues_from_its_saved_state(tmp_path, num_wor
     assert_same_run(straight, resumed)
     assert resumed.model.trained == straight.model.trained[9:]
     assert sorted(fetched(tmp_path / "resumed.txt")) == samples_of(straight.model.trained[9:])
+
+
+class OwnRandomBuckets:
+    """A bucketing batch sampler shuffling with its own ``random.Random`` in ``__iter__`` (no state_dict)."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES, batch_size: int = BATCH_SIZE):
+        self.num_samples, self.batch_size, self.rng = num_samples, batch_size, random.Random(0)
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def __iter__(self):
+        order = list(range(self.num_samples))
+        self.rng.shuffle(order)
+        return iter([order[start:start + self.batch_size] for start in range(0, self.num_samples, self.batch_size)])
+
+
+class NumpyShuffled:
+    """A sampler drawing from a numpy Generator of its own, lazily (a generator function)."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES):
+        self.num_samples, self.rng = num_samples, np.random.default_rng(3)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self):
+        yield from (int(index) for index in self.rng.permutation(self.num_samples))
+
+
+def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int):
+    dataset = LoggedSamples(log)
+    if kind == "batch_sampler":
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(5))
+        return loader_class(dataset, batch_sampler=BatchSampler(sampler, BATCH_SIZE, False), num_workers=num_workers)
+    if kind == "buckets":
+        return loader_class(dataset, batch_sampler=OwnRandomBuckets(), num_workers=num_workers)
+    return loader_class(dataset, sampler=NumpyShuffled(), batch_size=BATCH_SIZE, num_workers=num_workers)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy"])
+def test_a_stateful_data_loader_with_a_sampler_of_its_users_resumes_bitwise(tmp_path, kind, num_workers):
+    """Issue 33 (review D1): a StatefulDataLoader fast-forwards a sampler without a state of its own by iterating
+    it again, which drew the rest of the epoch from another shuffle (the iterator had iterated it once already,
+    and a lazy sampler drew only after the saved random state was put back)."""
+    if num_workers and kind != "buckets":
+        pytest.skip("one multi-process case is enough for the quick tier")
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loop(log):
+        torch.manual_seed(0)
+        model = RecordingMLP()
+        loader = _foreign_sampler_loader(stateful_dataloader.StatefulDataLoader, log, kind, num_workers)
+        return TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
+                         nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False)
+
+    saver = SaveAt(9)  # 3 batches into epoch 1
+    straight = loop(tmp_path / "straight.txt")
+    straight.fit(num_epochs=3, callbacks=[saver])
+    resumed = loop(tmp_path / "resumed.txt")
+    resumed.load_checkpoint(torch.load(io.BytesIO(saver.saved), weights_only=True))
+    resumed.fit(num_epochs=3)
+    assert resumed.model.trained == straight.model.trained[9:]
+    assert_same_run(straight, resumed)
