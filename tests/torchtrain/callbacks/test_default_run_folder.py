@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from aitoolbox.experiment.local_save.experiment_folder import DEFAULT_EXPERIMENT_NAME, DEFAULT_RUNS_FOLDER
 from aitoolbox.torchtrain.callbacks import (
     CSVLogger, ModelCheckpoint, ModelTrainHistoryPlot, TensorboardFullTracking)
-from aitoolbox.torchtrain.callbacks.abstract import AbstractExperimentCallback, MissingExperimentDetailsError
+from aitoolbox.torchtrain.callbacks.abstract import (
+    AbstractCallback, AbstractExperimentCallback, MissingExperimentDetailsError)
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import MLP, classification_data
 
@@ -92,6 +93,25 @@ def test_lr_find_then_fit_writes_into_the_default_folder(tmp_path):
     tl.fit(num_epochs=1, callbacks=[TensorboardFullTracking(), ModelTrainHistoryPlot(epoch_end=False, train_end=True)])
     (run,) = runs(tmp_path)
     assert sorted(os.listdir(tmp_path / DEFAULT_RUNS_FOLDER / run)) == ["results", "tensorboard"]
+
+
+class InterruptFirstBatch(AbstractCallback):
+    def __init__(self):
+        super().__init__("interrupt the first batch")
+
+    def on_batch_end(self):
+        raise KeyboardInterrupt
+
+
+def test_a_fit_interrupted_before_any_file_leaves_the_logged_folder_and_no_claim(tmp_path):
+    """Review of issue 35, D9: the folder logged at train start exists, and no hidden claim marker is left alone."""
+    tl = make_loop()
+    with logged() as lines, pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[ModelCheckpoint(), InterruptFirstBatch()])
+    (announced,) = [line for line in lines if line.startswith("Run folder: ")]
+    run_path = announced[len("Run folder: "):]
+    assert os.path.isdir(run_path)
+    assert os.listdir(tmp_path / DEFAULT_RUNS_FOLDER) == [os.path.basename(run_path)]
 
 
 def test_a_plain_loop_writing_nothing_creates_and_announces_nothing(tmp_path):
