@@ -32,6 +32,7 @@ class CountingBar(tqdm):
 def bars(monkeypatch):
     CountingBar.made = []
     monkeypatch.setattr(progress, "tqdm", CountingBar)
+    monkeypatch.setattr(progress, "writes_to_terminal", lambda: True)  # the bars of a terminal
     return CountingBar.made
 
 
