@@ -170,3 +170,17 @@ def test_a_preset_announces_its_folder_when_training_starts_and_creates_no_empty
     assert [line for line in lines if line.startswith("Run folder: ")] == [f"Run folder: {tl.experiment_folder.path}"]
     assert sorted(name for name in os.listdir(tl.experiment_folder.path)
                   if os.path.isdir(os.path.join(tl.experiment_folder.path, name))) == ["checkpoint_model"]
+
+
+def test_a_working_directory_that_cannot_hold_the_runs_folder_is_named_with_the_arguments(tmp_path):
+    """Review of issue 35, friction 9: the error names the working directory and the three arguments that choose
+    another folder, not local_model_result_folder_path, which the user never passed."""
+    (tmp_path / DEFAULT_RUNS_FOLDER).write_text("a file where the runs folder goes")
+    tl = make_loop()
+    with pytest.raises(NotADirectoryError) as raised:
+        tl.fit(num_epochs=1, callbacks=[ModelCheckpoint()])
+    message = str(raised.value)
+    assert f"the working directory {str(tmp_path)!r} cannot hold {DEFAULT_RUNS_FOLDER}/" in message
+    assert "project_name, experiment_name and local_model_result_folder_path" in message
+    assert "local_model_result_folder_path=" not in message
+    assert tl.iterations_done == 0
