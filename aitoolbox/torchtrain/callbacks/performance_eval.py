@@ -185,6 +185,11 @@ class ModelPerformanceEvaluation(AbstractCallback):
                                  f"{loader_name}: pass a {loader_name} to TrainLoop or set {flag}=False")
         self._add_validation_set_packages()
 
+    def skips_this_epoch(self) -> bool:
+        """True in an epoch whose end ``eval_frequency`` skips: callbacks ranking or stopping by this callback's
+        metrics then wait for its next evaluation rather than report the metric missing."""
+        return self.on_each_epoch and not _epoch_due(self.train_loop_obj.epoch, self.eval_frequency)
+
     def on_epoch_end(self) -> None:
         if self.on_each_epoch and _epoch_due(self.train_loop_obj.epoch, self.eval_frequency):
             self.evaluate_model_performance()

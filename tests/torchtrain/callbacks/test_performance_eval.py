@@ -9,7 +9,9 @@ from torch import nn
 
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage, GeneralResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.callbacks.performance_eval import ModelPerformanceEvaluation, ModelPerformancePrintReport
+from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
@@ -204,6 +206,20 @@ def test_eval_frequency_evaluates_in_the_epochs_of_end_auto_eval():
     tl.fit(num_epochs=4, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
                                     EpochProbe("probe", execution_order=1)])
     assert recorded == [(0, 0), (1, 1), (1, 1), (2, 2)]
+
+
+def test_ranking_and_stopping_by_a_metric_evaluated_every_few_epochs_wait_for_its_first_evaluation(tmp_path):
+    """The first epoch no longer evaluates with eval_frequency=2: ModelCheckpoint and EarlyStopping on val_Accuracy
+    wait for it instead of reporting the metric missing."""
+    tl = make_train_loop(end_auto_eval=2)
+    checkpoint = ModelCheckpoint("proj", "exp", str(tmp_path), rm_subopt_local_models="val_Accuracy",
+                                 num_best_checkpoints_kept=1)
+    stopping = EarlyStopping(monitor="val_Accuracy", patience=5)
+    tl.fit(num_epochs=4, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
+                                    checkpoint, stopping])
+    assert len(tl.train_history["val_Accuracy"]) == 2
+    assert checkpoint.best_model_score == max(tl.train_history["val_Accuracy"])
+    assert stopping.best_epoch in (1, 3)  # 0-based: an epoch that was evaluated
 
 
 def test_evaluation_at_train_end_is_recorded_with_the_train_end_prefix():
