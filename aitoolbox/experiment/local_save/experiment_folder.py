@@ -31,13 +31,20 @@ DEFAULT_RUNS_FOLDER = "aitoolbox_runs"
 DEFAULT_EXPERIMENT_NAME = "run"
 
 
-def _unusable_folder(error_number: int, root: str, reason: str) -> OSError:
+def _unusable_folder(error_number: int, root: str, reason: str, in_working_dir: bool = False) -> OSError:
     # OSError(errno, ...) becomes the matching subclass: PermissionError, NotADirectoryError, ...
+    if in_working_dir:
+        # The default run folder: the user passed no folder argument, so the message names the working directory
+        # and the arguments that choose another place.
+        return OSError(error_number, f"the working directory {root!r} cannot hold {DEFAULT_RUNS_FOLDER}/, where "
+                                     f"callbacks given no experiment details write: {reason}. Run from a folder "
+                                     "you can write to, or give the callback project_name, experiment_name and "
+                                     f"{ROOT_ARGUMENT} (a folder you can write to)")
     return OSError(error_number, f"{ROOT_ARGUMENT}={root!r} cannot hold the experiment folders: {reason}. Pass a "
                                  f"folder you can write to as {ROOT_ARGUMENT}")
 
 
-def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
+def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir: bool = False) -> None:
     """Raise now if the folder ``path`` could not be created or written; creates nothing.
 
     Looks at the nearest existing folder on the way to ``path``: it must be a folder the process may write
@@ -46,6 +53,8 @@ def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
     Args:
         path: the folder to be created later, e.g. an experiment's run folder.
         root: the ``local_model_result_folder_path`` it lies in, named in the error; ``path`` when None.
+        in_working_dir: ``root`` is the working directory of the default run folder (:func:`default_run_folder`):
+            the error names it and the arguments that choose another folder.
 
     Raises:
         NotADirectoryError: a regular file stands where a folder on the way must be.
@@ -57,16 +66,18 @@ def check_folder_creatable(path: str, root: Optional[str] = None) -> None:
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder")
+        raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder", in_working_dir)
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable")
+        raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable", in_working_dir)
 
 
 def default_run_folder(timestamp: Optional[str] = None) -> "ExperimentFolder":
     """The run folder of a plain TrainLoop's callbacks that were given no experiment details:
     ``<working directory>/aitoolbox_runs/run_<timestamp>/`` (:data:`DEFAULT_RUNS_FOLDER`,
     :data:`DEFAULT_EXPERIMENT_NAME`). Nothing is created on disk before the first file is written into it."""
-    return ExperimentFolder(os.getcwd(), DEFAULT_RUNS_FOLDER, DEFAULT_EXPERIMENT_NAME, timestamp=timestamp)
+    folder = ExperimentFolder(os.getcwd(), DEFAULT_RUNS_FOLDER, DEFAULT_EXPERIMENT_NAME, timestamp=timestamp)
+    folder.in_working_dir = True
+    return folder
 
 
 def timestamp_now() -> str:
@@ -176,6 +187,8 @@ class ExperimentFolder:
         self.identity = identity
         self._created = False
         self._reserved = False  # the name is this run's: creating the folder never changes it
+        # The default run folder under the working directory (default_run_folder): errors name that, not root.
+        self.in_working_dir = False
 
     def __repr__(self) -> str:
         return f"ExperimentFolder({self.path!r})"
@@ -229,8 +242,8 @@ class ExperimentFolder:
         except OSError as error:
             if error.errno is None:
                 raise  # the never-overwrite limit: already says what is wrong
-            raise _unusable_folder(error.errno, self.root, f"cannot create {self.path} "
-                                                           f"({error.strerror or error})") from error
+            raise _unusable_folder(error.errno, self.root, f"cannot create {self.path} ({error.strerror or error})",
+                                   self.in_working_dir) from error
         self._created = True
         self._release_claim()  # the folder itself holds the name from now on
         if self.identity is not None:
@@ -288,7 +301,7 @@ class ExperimentFolder:
         Raises:
             NotADirectoryError / PermissionError: the message names ``local_model_result_folder_path``.
         """
-        check_folder_creatable(self.path, self.root)
+        check_folder_creatable(self.path, self.root, self.in_working_dir)
 
     def adopt(self, timestamp: str, created: bool) -> None:
         """Take the run folder another process decided on (its timestamp) as this run's: rank 0 of a distributed

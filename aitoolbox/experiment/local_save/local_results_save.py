@@ -113,10 +113,10 @@ def plot_training_history(training_history: Any, results_path: str,
         figure = Figure(figsize=(10, 8))
         FigureCanvasAgg(figure)
         axes = figure.subplots()
-        axes.plot(range(len(values)), values, marker="o")
+        # The axis and the title count from 1, as the epoch's summary line counts (the values are 1.8's).
+        axes.plot(range(1, len(values) + 1), values, marker="o")
         finite = [value for value in values if math.isfinite(value)] or values
         best_high, best_low = max(finite), min(finite)
-        # Counted from 1, as the epoch's summary line counts.
         axes.set_title(f"{name}\nmax {best_high} (epoch {values.index(best_high) + 1}), "
                        f"min {best_low} (epoch {values.index(best_low) + 1})")
         axes.set_xlabel("Epoch")

@@ -39,8 +39,13 @@ class ClassificationResultPackage(AbstractResultPackage):
     F1_score, Precision and Recall have aitoolbox 1.8's metric names. With ``average='auto'`` they are those of
     the positive class (label 1) for a binary problem, as :class:`BinaryClassificationResultPackage` reports
     them, and the unweighted mean over the classes (``'macro'``) otherwise. A problem counts as binary when the
-    scores or the one-hot targets have two columns or, for labels, when every label is 0 or 1. A class that is
-    never predicted (or never present) has a precision (recall) of 0, without a warning.
+    scores or the one-hot targets have two columns or, for labels, when every label is 0 or 1. The package decides
+    this once, at its first evaluation, and keeps the decision for every later one (also for its copies made after
+    it), so a metric means the same thing at every epoch: a binary package counts a later label other than 0 or 1
+    as a negative (a wrong prediction of class 0), it never switches to macro averaging because one epoch predicted
+    a class the set does not hold. Pass ``average='macro'`` (or give scores with a column per class) where a set of
+    a multi-class problem may hold only the labels 0 and 1. A class that is never predicted (or never present) has
+    a precision (recall) of 0, without a warning.
 
     Args:
         strict_content_check: raise ``ValueError`` on a non-finite metric instead of logging a warning.
@@ -61,6 +66,8 @@ class ClassificationResultPackage(AbstractResultPackage):
             raise ValueError(f"average must be one of {CLASSIFICATION_AVERAGES}, got {average!r}")
         super().__init__(pkg_name, strict_content_check=strict_content_check, np_array=True, **kwargs)
         self.average = average
+        # average='auto' resolved at the first evaluation and kept (see the class docstring).
+        self.resolved_average: Optional[str] = None
 
     def predicted_labels(self) -> np.ndarray:
         """The predicted class labels: ``y_predicted``, or its argmax over dimension 1 when it holds scores."""
@@ -72,11 +79,16 @@ class ClassificationResultPackage(AbstractResultPackage):
     def _resolved_average(self, y_true: np.ndarray, labels: np.ndarray) -> str:
         if self.average != "auto":
             return self.average
-        # The number of classes, where a score or one-hot column per class gives it; else the labels seen.
-        columns = {array.shape[1] for array in (self.y_predicted, self.y_true) if array.ndim == 2 and array.shape[1] > 1}
-        if columns:
-            return "binary" if columns == {2} else "macro"
-        return "binary" if set(np.unique(np.concatenate([y_true, labels])).tolist()) <= {0, 1} else "macro"
+        if self.resolved_average is None:
+            # The number of classes, where a score or one-hot column per class gives it; else the labels seen.
+            columns = {array.shape[1] for array in (self.y_predicted, self.y_true)
+                       if array.ndim == 2 and array.shape[1] > 1}
+            if columns:
+                self.resolved_average = "binary" if columns == {2} else "macro"
+            else:
+                seen = set(np.unique(np.concatenate([y_true, labels])).tolist())
+                self.resolved_average = "binary" if seen <= {0, 1} else "macro"
+        return self.resolved_average
 
     def prepare_results_dict(self) -> Dict[str, float]:
         y_true = self.y_true
@@ -84,7 +96,12 @@ class ClassificationResultPackage(AbstractResultPackage):
             y_true = y_true.argmax(axis=1)
         y_true = _flatten_column(y_true, "y_true")
         labels = self.predicted_labels()
-        options = {"average": self._resolved_average(y_true, labels), "zero_division": 0}
+        average = self._resolved_average(y_true, labels)
+        options = {"average": average, "zero_division": 0}
+        if average == "binary" and self.average == "auto":
+            # Class 1's scores over every label, equal to scikit-learn's binary ones while the labels are 0 and 1,
+            # where 'binary' would refuse a later evaluation that holds another label.
+            options = {"average": "micro", "labels": [1], "zero_division": 0}
         return {"Accuracy": float(metrics.accuracy_score(y_true, labels)),
                 "F1_score": float(metrics.f1_score(y_true, labels, **options)),
                 "Precision": float(metrics.precision_score(y_true, labels, **options)),

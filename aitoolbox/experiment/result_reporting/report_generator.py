@@ -173,6 +173,9 @@ class TrainingHistoryPlotter(_FigureReport):
     def plot_performance_curve(metric_name: Any, result_history: Sequence[float]) -> Any:
         """Draw one metric's values per epoch, titled with its best and worst value.
 
+        The n-th value is drawn at epoch n (counted from 1, as the epoch's summary line counts) and the title names
+        the same number: for a metric recorded every k epochs that is the n-th recording, epoch ``n * k``.
+
         Args:
             metric_name: the metric's name.
             result_history: the metric's value at each epoch.
@@ -183,13 +186,13 @@ class TrainingHistoryPlotter(_FigureReport):
         values = np.asarray(result_history, dtype=float)
         figure = _new_figure()
         axes = figure.subplots()
-        axes.plot(range(len(values)), values, marker="o")
+        # The axis and the title count from 1, as the epoch's summary line counts (the values are 1.8's).
+        axes.plot(range(1, len(values) + 1), values, marker="o")
         axes.set_xlabel("Epoch", size=10)
         axes.set_ylabel(str(metric_name), size=10)
         subtitles = []
         if np.isfinite(values).any():  # NaN epochs (e.g. a diverged loss) are ignored for the extremes
             finite = np.where(np.isfinite(values), values, np.nan)
-            # Epochs counted from 1, as the epoch's summary line counts.
             subtitles = [f"Max result: {np.nanmax(finite)} {metric_name} (at epoch {int(np.nanargmax(finite)) + 1})",
                          f"Min result: {np.nanmin(finite)} {metric_name} (at epoch {int(np.nanargmin(finite)) + 1})"]
         _add_titles(axes, str(metric_name), *subtitles)

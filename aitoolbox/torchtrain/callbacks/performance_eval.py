@@ -39,8 +39,10 @@ def _check_frequency(value: Optional[int], name: str) -> None:
 
 
 def _epoch_due(epoch: int, frequency: Optional[int]) -> bool:
-    """Every epoch, or every ``frequency`` epochs starting with the first (epochs 0, N, 2N, ... as in 1.x)."""
-    return frequency is None or epoch % frequency == 0
+    """Every epoch, or every ``frequency`` epochs: the N-th, 2N-th, ... counted from 1 (0-based index N-1, 2N-1, ...),
+    the epochs ``end_auto_eval=N`` records the losses in, so metrics and losses are recorded together. aitoolbox 1.x
+    counted from the first epoch (indices 0, N, 2N, ...)."""
+    return frequency is None or (epoch + 1) % frequency == 0
 
 
 def _is_streaming_package(package: AbstractResultPackage) -> bool:
@@ -51,7 +53,8 @@ def _is_streaming_package(package: AbstractResultPackage) -> bool:
 class ModelPerformanceEvaluation(AbstractCallback):
     """Evaluate a result package on the model's predictions and record its metrics in the training history.
 
-    At the end of each epoch (or every ``eval_frequency`` epochs: 0, N, 2N...) the callback asks the TrainLoop
+    At the end of each epoch (or every ``eval_frequency`` epochs: the N-th, 2N-th, ... counted from 1, as
+    ``end_auto_eval=N``) the callback asks the TrainLoop
     for its predictions on the chosen data sets, prepares the result packages and appends every metric to
     ``train_history`` as ``train_<metric>``, ``val_<metric>`` or ``test_<metric>`` (e.g. ``val_Accuracy``).
     At the end of training it evaluates once more and records ``train_end_val_<metric>`` etc. The TrainLoop
@@ -182,6 +185,11 @@ class ModelPerformanceEvaluation(AbstractCallback):
                                  f"{loader_name}: pass a {loader_name} to TrainLoop or set {flag}=False")
         self._add_validation_set_packages()
 
+    def skips_this_epoch(self) -> bool:
+        """True in an epoch whose end ``eval_frequency`` skips: callbacks ranking or stopping by this callback's
+        metrics then wait for its next evaluation rather than report the metric missing."""
+        return self.on_each_epoch and not _epoch_due(self.train_loop_obj.epoch, self.eval_frequency)
+
     def on_epoch_end(self) -> None:
         if self.on_each_epoch and _epoch_due(self.train_loop_obj.epoch, self.eval_frequency):
             self.evaluate_model_performance()
@@ -243,7 +251,8 @@ class ModelPerformancePrintReport(AbstractCallback):
     Args:
         metrics: names of tracked metrics, e.g. ``['val_loss', 'val_Accuracy']``.
         on_each_epoch: report at epoch ends (and at the end of training), or only at the end of training.
-        report_frequency: with ``on_each_epoch``, report every this many epochs (epochs 0, N, 2N...).
+        report_frequency: with ``on_each_epoch``, report every this many epochs (the N-th, 2N-th, ... counted from
+            1, the epochs of ``eval_frequency=N`` and ``end_auto_eval=N``).
         strict_metric_reporting: raise an error when a metric is not in the history (otherwise log a
             warning and report the others).
         list_tracked_metrics: also log the names of all metrics in the history.

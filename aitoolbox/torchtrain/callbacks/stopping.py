@@ -27,10 +27,17 @@ def _validation_set_names(train_loop) -> List[str]:
 
 def not_evaluated_yet(train_loop, metric_name: str) -> bool:
     """True for the losses the loop evaluates itself ('loss', 'val_loss', 'val_<set name>_loss') in an epoch where
-    ``end_auto_eval=N`` skipped the evaluation."""
+    ``end_auto_eval=N`` skipped the evaluation, and for a data set's metric ('train_', 'val_', 'test_') in an epoch
+    where a metric callback evaluating every few epochs (``eval_frequency=N``) skipped its evaluation."""
     end_auto_eval = getattr(train_loop, "end_auto_eval", True)
     loop_losses = ("loss", "val_loss") + tuple(f"val_{name}_loss" for name in _validation_set_names(train_loop))
-    return metric_name in loop_losses and end_auto_eval is not False and not train_loop.auto_eval_due
+    if metric_name in loop_losses:
+        return end_auto_eval is not False and not train_loop.auto_eval_due
+    # The metric's name is known only once its callback has evaluated: until then any data set's metric may be one
+    # of a callback that skipped this epoch (a misspelt name is then reported at that callback's first evaluation).
+    return metric_name.startswith(("train_", "val_", "test_")) and any(
+        callable(getattr(callback, "skips_this_epoch", None)) and callback.skips_this_epoch()
+        for callback in getattr(train_loop, "callbacks", ()))
 
 
 def missing_metric_message(metric_name: str, history: Any, hint: str, set_names: Sequence[str] = ()) -> str:

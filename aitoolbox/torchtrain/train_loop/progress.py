@@ -10,6 +10,10 @@ evaluation pass reuses one transient bar, whose description names the pass runni
 closes; in a notebook tqdm only hides the widget, and the saved ``.ipynb`` would keep its output (a stale
 "0%" bar) and its widget models. There the bar is shown under a display id instead: at close its output is
 emptied and all its widgets are closed, so the saved notebook holds nothing of it.
+
+Where the output is neither a terminal nor a notebook (stderr redirected to a file or a pipe: a batch job's log),
+every redraw would stay in the file as a line of its own. There the transient bars are not drawn at all (a
+terminal would wipe them anyway) and the epoch's bar is redrawn at most every ``LOG_FILE_INTERVAL_S`` seconds.
 """
 import contextlib
 import sys
@@ -22,6 +26,16 @@ POSTFIX_INTERVAL_S = 0.5
 # Steps are handed to tqdm at most this often: tqdm's own update costs microseconds, which a tiny model's
 # batch notices, and it redraws no more often than every 0.1 s anyway.
 DRAW_INTERVAL_S = 0.05
+# A bar written to a file or pipe (not a terminal) redraws at most this often: a line in a job's log each time.
+LOG_FILE_INTERVAL_S = 30.0
+
+
+def writes_to_terminal() -> bool:
+    """True when stderr, where tqdm draws, is a terminal (False for a file, a pipe or a closed stream)."""
+    try:
+        return bool(sys.stderr is not None and sys.stderr.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def draws_widgets(bar_class: type = tqdm) -> bool:
@@ -65,7 +79,13 @@ class ProgressBar:
         self._next_draw_time = 0.0
         if not enabled:
             return
-        if leave or not draws_widgets():
+        widgets = draws_widgets()
+        if not widgets and not writes_to_terminal():
+            if leave:
+                self._bar = tqdm(total=total, desc=description, leave=True, dynamic_ncols=True,
+                                 mininterval=LOG_FILE_INTERVAL_S, maxinterval=LOG_FILE_INTERVAL_S)
+            return  # a transient bar in a log file is only noise (its last state would stay there)
+        if leave or not widgets:
             self._bar = tqdm(total=total, desc=description, leave=leave, dynamic_ncols=True)
             return
         from IPython.display import display  # present wherever tqdm draws widgets

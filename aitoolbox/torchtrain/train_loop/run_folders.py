@@ -2,8 +2,9 @@
 and a plain TrainLoop's default run folder (``./aitoolbox_runs/run_<timestamp>/``) alike.
 
 A run folder is in use when the loop is a preset (its experiment folder) or a registered callback resolved one
-(checkpoints, TensorBoard, CSV logs, history files and plots, ...). A plain TrainLoop whose callbacks write no files
-names none, and nothing is created for it.
+(checkpoints, TensorBoard, CSV logs, history files and plots, ...); it is created when training starts (with
+``lazy_experiment_save`` at its first file). A plain TrainLoop whose callbacks write no files names none, and nothing
+is created for it.
 """
 import logging
 from typing import TYPE_CHECKING, Any, List, Set
@@ -57,14 +58,30 @@ def run_folders_in_use(tl: "TrainLoop") -> List[Any]:
 
 
 class RunFolderAnnouncement:
-    """Logs each run folder's path once per TrainLoop, when the first ``fit`` that writes into it starts."""
+    """Logs each run folder's path once per TrainLoop, when the first ``fit`` that writes into it starts, and creates
+    the folder then, so the folder logged exists (also when that fit ends before its first file)."""
 
     def __init__(self):
         self._announced: Set[str] = set()
 
     def announce(self, tl: "TrainLoop") -> None:
-        """Log the folders not logged yet (main process)."""
+        """Create and log the folders not logged yet (main process). With ``lazy_experiment_save`` a folder is
+        created at its first file, as promised, and the message says so.
+
+        Raises:
+            OSError: a run folder cannot be created; the message names the folder and what to change.
+        """
+        lazy = getattr(tl, "lazy_experiment_save", False)
         for folder in run_folders_in_use(tl):
-            if folder.path not in self._announced:
-                self._announced.add(folder.path)
+            if folder.path in self._announced:
+                continue
+            if not folder.created and not lazy:
+                # Created now rather than at the first file: an interruption before any file would otherwise leave
+                # the name's hidden claim marker alone in the project folder and a logged path that never existed.
+                folder.create()
+            self._announced.add(folder.path)
+            if folder.created:
                 logger.info("Run folder: %s", folder.path)
+            else:
+                logger.info("Run folder: %s (lazy_experiment_save: created when the first file is written)",
+                            folder.path)

@@ -61,6 +61,12 @@ def use_amp_meaning(use_amp: Union[bool, dict, None]) -> str:
     return "amp_initialize" if amp_keys else "default"
 
 
+def _quiet(use_amp: dict) -> dict:
+    """``use_amp`` for ``amp.initialize`` without its own summary line (``verbosity=0``) unless the dict asks for it:
+    the loop says which precision it chose in one message of its own."""
+    return {"verbosity": 0, **use_amp}
+
+
 def falls_back_to_float32(meaning: str, device: torch.device) -> bool:
     """Whether a ``use_amp`` that names no precision (True, or a GradScaler dict) trains in float32 on ``device``
     because mixed precision would slow it down (a CPU without native bfloat16); warns once when so. An explicit
@@ -138,10 +144,10 @@ def create_precision(use_amp: Union[bool, dict, None], model: nn.Module, optimiz
         return autocast_precision(device.type, loss_scaler=LossScaler.from_grad_scaler_args(**scaler_args))
     if meaning == "amp_initialize" and not optimizers:
         # A TrainLoop built for prediction only: the opt level's casts apply, nothing is ever stepped.
-        amp.initialize(model, **use_amp)
+        amp.initialize(model, **_quiet(use_amp))
         return amp.state_of(model).precision()
     if meaning == "amp_initialize":
-        state_optimizers = amp.initialize(model, optimizers, **use_amp)[1]
+        state_optimizers = amp.initialize(model, optimizers, **_quiet(use_amp))[1]
         if isinstance(model, FeedDefinitionModel):
             # Checkpoints save the user's wrapped module: it must return float32 weights too.
             register_upcast_state_dict(model.model)
@@ -215,7 +221,7 @@ def create_sharded_precision(use_amp: Union[bool, dict, None], model: nn.Module,
     if props.opt_level == "O0":
         return full_precision(device.type), None
     if props.opt_level == "O3":
-        amp.initialize(model, optimizers, **use_amp)
+        amp.initialize(model, optimizers, **_quiet(use_amp))
         return amp.state_of(model).precision(), None
     if props.opt_level == "O2":
         return (Precision(device.type, loss_scaler=loss_scaler),

@@ -4,7 +4,7 @@ from typing import Any, List, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from aitoolbox.torchtrain.model import FeedDefinitionModel, ModelWrap, TTModel
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
@@ -34,9 +34,20 @@ def _is_list_of_loaders(loader: Any) -> bool:
                                                                         for item in loader)
 
 
+def is_batch_iterable(loader: Any) -> bool:
+    """Whether ``for batch in loader`` works: an iterable, or a loader with Python's sequence protocol
+    (``__len__`` and ``__getitem__`` raising ``IndexError`` at the end, as a Keras ``Sequence``) that is not a torch
+    ``Dataset``. A ``Dataset`` iterates too, but over samples, not batches: that is the mistake to catch."""
+    if isinstance(loader, Iterable):
+        return True
+    return hasattr(loader, "__getitem__") and hasattr(loader, "__len__") and not isinstance(loader, Dataset)
+
+
 def check_loader(loader: Any, name: str) -> None:
     """A loader is None or an iterable of batches (not a dict or a list of loaders) that, when its length is known,
-    is not empty. None is accepted for every loader: a TrainLoop without a training loader predicts only.
+    is not empty. None is accepted for every loader: a TrainLoop without a training loader predicts only. A
+    sequence of batches (``__len__`` + ``__getitem__``, no ``__iter__``) is an iterable of batches too, unless it is a
+    torch ``Dataset`` (see :func:`is_batch_iterable`).
 
     Raises:
         TypeError: not iterable (e.g. a Dataset), a dict of loaders, or a list of DataLoaders; the message says
@@ -57,7 +68,7 @@ def check_loader(loader: Any, name: str) -> None:
         else:
             fix = f"pass one DataLoader as {name}"
         raise TypeError(f"{name} is a {type(loader).__name__} of {len(loader)} DataLoader{plural}: {fix}")
-    if not isinstance(loader, Iterable):
+    if not is_batch_iterable(loader):
         hint = (" It looks like a Dataset: wrap it as DataLoader(dataset, batch_size=...)."
                 if hasattr(loader, "__getitem__") else "")
         raise TypeError(f"{name} must be an iterable of batches such as a DataLoader, got "
@@ -83,11 +94,13 @@ def _class_name(cls: type) -> str:
 
 def check_criterion(criterion: Any) -> None:
     """The criterion is handed to ``get_loss`` as it is (a loss function, a dict or list of them, anything the model
-    reads); a class where an instance belongs (``nn.CrossEntropyLoss`` without ``()``) is refused now rather
-    than failing inside the first batch with torch's message.
+    reads); a loss class where an instance belongs (``nn.CrossEntropyLoss`` without ``()``) is refused now rather
+    than failing inside the first batch with torch's message. Other classes pass: a class can be what the model
+    reads (a namespace of loss functions ``get_loss`` picks from); only an ``nn.Module`` class (every torch loss is
+    one) is surely a missing ``()``.
 
     Raises:
-        TypeError: the criterion, or an entry of a dict / list / tuple of criteria, is a class.
+        TypeError: the criterion, or an entry of a dict / list / tuple of criteria, is an ``nn.Module`` class.
     """
     if isinstance(criterion, Mapping):
         entries = [(f"criterion[{key!r}]", value) for key, value in criterion.items()]
@@ -96,7 +109,7 @@ def check_criterion(criterion: Any) -> None:
     else:
         entries = [("criterion", criterion)]
     for where, value in entries:
-        if isinstance(value, type):
+        if isinstance(value, type) and issubclass(value, nn.Module):
             raise TypeError(f"{where} is the class {_class_name(value)}, not a loss function: pass an instance, "
                             f"e.g. {_class_name(value)}()")
 

@@ -10,14 +10,14 @@ set, or for the set their ``name=`` keyword picks.
 A single loader stays what it was: no name, the plain ``val_`` names only.
 """
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional, Tuple
 
 import torch
 
 from aitoolbox.torchtrain.data.validation_names import (  # noqa: F401 (importable from here as before)
     history_prefix, history_prefixes, validation_set_names)
-from aitoolbox.torchtrain.train_loop.validation import check_loader
+from aitoolbox.torchtrain.train_loop.validation import check_loader, is_batch_iterable
 
 # Letters, digits, '_' and '-': such names are safe in file names (history plots), CSV columns and the keys of
 # every tracker (MLflow, W&B, TensorBoard), and they cannot split a history key in unexpected places.
@@ -68,7 +68,7 @@ def check_validation_loader(loader: Any) -> None:
         where = f"validation_loader[{name!r}]"
         if value is None:
             raise TypeError(f"{where} is None: leave a set without a loader out of the dict")
-        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        if isinstance(value, (str, bytes, Mapping)) or not is_batch_iterable(value):
             hint = (" It looks like a Dataset: wrap it as DataLoader(dataset, batch_size=...)."
                     if hasattr(value, "__getitem__") and not isinstance(value, (str, bytes, Mapping)) else "")
             nested = " Nested dicts are not supported: give every set its own name at the top level." \

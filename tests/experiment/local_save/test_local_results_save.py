@@ -161,6 +161,18 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(tmp_path, log, monk
     assert any("pip install matplotlib" in message for message in warnings_of(log))
 
 
+def test_plot_axis_counts_epochs_as_its_title(tmp_path, monkeypatch):
+    """Review of issue 35, D11: the title's epoch is where the point sits on the Epoch axis (both from 1)."""
+    from matplotlib.figure import Figure
+    drawn, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (drawn.append(figure),
+                                                                             savefig(figure, *args, **kwargs)))
+    plot_training_history({"val_loss": [0.9, 0.4, 0.6]}, str(tmp_path))
+    (axes,) = drawn[0].axes
+    assert list(axes.lines[0].get_xdata()) == [1, 2, 3]
+    assert axes.get_title() == "val_loss\nmax 0.9 (epoch 1), min 0.4 (epoch 2)"
+
+
 def test_metric_names_with_path_separators_become_safe_file_names(tmp_path):
     plots = plot_training_history({"val/loss": [1.0, float("nan"), 0.5]}, str(tmp_path))
     assert plots == [[os.path.join("plots", "val_loss.png"), str(tmp_path / "plots" / "val_loss.png")]]

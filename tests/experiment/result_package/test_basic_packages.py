@@ -1,4 +1,5 @@
 """The basic result packages: every metric equals scikit-learn's own, with aitoolbox 1.x's definitions."""
+import copy
 import json
 import logging
 
@@ -357,3 +358,21 @@ def test_constructor_arguments_follow_aitoolbox_1x():
                                                     "RegressionResult"]
     with pytest.raises(TypeError):
         ClassificationResultPackage(False, "name")  # pkg_name cannot be given by position
+
+
+def test_classification_auto_average_is_decided_once():
+    """Review of issue 35, D7: average='auto' decided at the first evaluation, never flipping to macro because a
+    later epoch predicts a class the set does not hold (a better epoch must not score lower)."""
+    y_true = np.array([0] * 10 + [1] * 10)
+    worse = np.array([0] * 8 + [1] * 2 + [1] * 8 + [0] * 2)   # 16/20 right
+    better = np.array([0] * 9 + [2] + [1] * 9 + [0])          # 18/20 right, one '2' predicted
+    package = ClassificationResultPackage()
+    first = package.prepare_result_package(y_true, worse).get_results()
+    second = package.prepare_result_package(y_true, better).get_results()
+    assert package.resolved_average == "binary"
+    assert first["F1_score"] == metrics.f1_score(y_true, worse, zero_division=0)
+    # Class 1's F1 with the '2' counted as a wrong prediction: 9 true positives, 0 false positives, 1 miss.
+    assert second["F1_score"] == pytest.approx(metrics.f1_score(y_true, better, labels=[1], average="micro"))
+    assert second["F1_score"] > first["F1_score"]
+    # A copy made after the decision (a further validation set's package) keeps it.
+    assert copy.deepcopy(package).resolved_average == "binary"

@@ -46,6 +46,14 @@ def test_performance_curve_subtitles_name_the_extremes_ignoring_nan():
     assert texts == ["loss", "Max result: 1.0 loss (at epoch 1)", "Min result: 0.25 loss (at epoch 3)"]
 
 
+def test_performance_curve_axis_counts_epochs_as_its_title():
+    """Review of issue 35, D11: the title's epoch is where the point sits on the Epoch axis (both from 1)."""
+    figure = TrainingHistoryPlotter.plot_performance_curve("val_Accuracy", [0.5, 0.9, 0.7])
+    (line,) = figure.axes[0].lines
+    assert list(line.get_xdata()) == [1, 2, 3] and list(line.get_ydata()) == [0.5, 0.9, 0.7]
+    assert "Max result: 0.9 val_Accuracy (at epoch 2)" in [text.get_text() for text in figure.axes[0].texts]
+
+
 # --- TrainingHistoryWriter --------------------------------------------------------------------------------
 def _read(path):
     with open(path) as f:

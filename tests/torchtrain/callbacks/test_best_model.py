@@ -175,7 +175,7 @@ def test_a_metric_recorded_every_other_epoch_is_ranked_at_its_own_epochs(tmp_pat
 
         def on_epoch_end(self):
             tl = self.train_loop_obj
-            if tl.epoch % 2 == 0:  # as ModelPerformanceEvaluation(eval_frequency=2) records: epochs 0, 2, 4
+            if tl.epoch % 2 == 0:  # a metric recorded at epochs 0, 2, 4 (0-based)
                 tl.insert_metric_result_into_history("val_score", [0.7, 0.1, 0.2, 0.3, 0.5][tl.epoch])
 
     checkpoint = ModelCheckpoint(**folder(tmp_path), rm_subopt_local_models="val_score", num_best_checkpoints_kept=2)

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from aitoolbox.experiment.local_save.experiment_folder import DEFAULT_EXPERIMENT_NAME, DEFAULT_RUNS_FOLDER
 from aitoolbox.torchtrain.callbacks import (
     CSVLogger, ModelCheckpoint, ModelTrainHistoryPlot, TensorboardFullTracking)
-from aitoolbox.torchtrain.callbacks.abstract import AbstractExperimentCallback, MissingExperimentDetailsError
+from aitoolbox.torchtrain.callbacks.abstract import (
+    AbstractCallback, AbstractExperimentCallback, MissingExperimentDetailsError)
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import MLP, classification_data
 
@@ -94,6 +95,25 @@ def test_lr_find_then_fit_writes_into_the_default_folder(tmp_path):
     assert sorted(os.listdir(tmp_path / DEFAULT_RUNS_FOLDER / run)) == ["results", "tensorboard"]
 
 
+class InterruptFirstBatch(AbstractCallback):
+    def __init__(self):
+        super().__init__("interrupt the first batch")
+
+    def on_batch_end(self):
+        raise KeyboardInterrupt
+
+
+def test_a_fit_interrupted_before_any_file_leaves_the_logged_folder_and_no_claim(tmp_path):
+    """Review of issue 35, D9: the folder logged at train start exists, and no hidden claim marker is left alone."""
+    tl = make_loop()
+    with logged() as lines, pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[ModelCheckpoint(), InterruptFirstBatch()])
+    (announced,) = [line for line in lines if line.startswith("Run folder: ")]
+    run_path = announced[len("Run folder: "):]
+    assert os.path.isdir(run_path)
+    assert os.listdir(tmp_path / DEFAULT_RUNS_FOLDER) == [os.path.basename(run_path)]
+
+
 def test_a_plain_loop_writing_nothing_creates_and_announces_nothing(tmp_path):
     with logged() as lines:
         make_loop().fit(num_epochs=1)
@@ -150,3 +170,17 @@ def test_a_preset_announces_its_folder_when_training_starts_and_creates_no_empty
     assert [line for line in lines if line.startswith("Run folder: ")] == [f"Run folder: {tl.experiment_folder.path}"]
     assert sorted(name for name in os.listdir(tl.experiment_folder.path)
                   if os.path.isdir(os.path.join(tl.experiment_folder.path, name))) == ["checkpoint_model"]
+
+
+def test_a_working_directory_that_cannot_hold_the_runs_folder_is_named_with_the_arguments(tmp_path):
+    """Review of issue 35, friction 9: the error names the working directory and the three arguments that choose
+    another folder, not local_model_result_folder_path, which the user never passed."""
+    (tmp_path / DEFAULT_RUNS_FOLDER).write_text("a file where the runs folder goes")
+    tl = make_loop()
+    with pytest.raises(NotADirectoryError) as raised:
+        tl.fit(num_epochs=1, callbacks=[ModelCheckpoint()])
+    message = str(raised.value)
+    assert f"the working directory {str(tmp_path)!r} cannot hold {DEFAULT_RUNS_FOLDER}/" in message
+    assert "project_name, experiment_name and local_model_result_folder_path" in message
+    assert "local_model_result_folder_path=" not in message
+    assert tl.iterations_done == 0

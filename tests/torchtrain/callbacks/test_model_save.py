@@ -440,9 +440,14 @@ def test_a_folder_that_becomes_unwritable_fails_clearly_and_the_train_loop_keeps
         callbacks = [snapshot]
     else:
         tl = make_loop()
-        callbacks = [snapshot, ModelCheckpoint(**folder_arguments(root))]
-    with pytest.raises(NotADirectoryError, match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth: "
-                                                  r"local_model_result_folder_path=.*still holds"):
+        checkpoint = ModelCheckpoint(**folder_arguments(root))
+        # The run folder exists from the start of training: its checkpoint folder is blocked.
+        snapshot = BlockTheFolderBeforeCheckpoint(lambda tl: Path(checkpoint.experiment_folder.checkpoint_dir))
+        callbacks = [snapshot, checkpoint]
+    # A file where the run folder goes (lazy) names the folder argument; one where its checkpoint folder goes does not.
+    expected = (NotADirectoryError, r"local_model_result_folder_path=.*") if lazy_preset else (FileExistsError, "")
+    with pytest.raises(expected[0], match=r"could not save .*blocker/results/proj/exp_.*_E0\.pth: "
+                                          + expected[1] + r".*still holds"):
         tl.fit(num_epochs=3, callbacks=callbacks)
     assert snapshot.blocker.read_text() == "a regular file where the results folder should be"
     assert_same_weights(tl.model.state_dict(), snapshot.weights)  # the failure changed nothing

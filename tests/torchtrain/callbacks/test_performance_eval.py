@@ -9,7 +9,9 @@ from torch import nn
 
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage, GeneralResultPackage
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
 from aitoolbox.torchtrain.callbacks.performance_eval import ModelPerformanceEvaluation, ModelPerformancePrintReport
+from aitoolbox.torchtrain.callbacks.stopping import EarlyStopping
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import (
@@ -47,7 +49,7 @@ class LogitsClassifier(TTModel):
         return self(x.to(device)).cpu(), y.cpu(), None
 
 
-def make_train_loop(model=None, validation=True, test=False) -> TrainLoop:
+def make_train_loop(model=None, validation=True, test=False, **kwargs) -> TrainLoop:
     if model is None:
         torch.manual_seed(0)
         model = LogitsClassifier()
@@ -55,7 +57,8 @@ def make_train_loop(model=None, validation=True, test=False) -> TrainLoop:
     return TrainLoop(model, seeded_loader(classification_data(40), batch_size=BATCH_SIZE),
                      seeded_loader(val_data, batch_size=BATCH_SIZE, shuffle=False) if validation else None,
                      seeded_loader(test_data, batch_size=BATCH_SIZE, shuffle=False) if test else None,
-                     torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(), show_progress=False)
+                     torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(), show_progress=False,
+                     **kwargs)
 
 
 class HandWrittenValAccuracy(AbstractCallback):
@@ -186,7 +189,37 @@ def test_eval_frequency():
 
     tl.fit(num_epochs=5, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
                                     EpochProbe("probe", execution_order=1)])
-    assert probe_epochs == [1, 1, 2, 2, 3]  # evaluated at epochs 0, 2 and 4 (aitoolbox 1.x's rule)
+    assert probe_epochs == [0, 1, 1, 2, 2]  # evaluated at epochs 2 and 4 (counted from 1), as end_auto_eval=2
+
+
+def test_eval_frequency_evaluates_in_the_epochs_of_end_auto_eval():
+    """Review of issue 35, friction 10: eval_frequency=2 and end_auto_eval=2 record in the same epochs (2, 4, 6
+    counted from 1; the metric used to come at 1, 3, 5), so a report shows each epoch's loss with its metrics."""
+    tl = make_train_loop(end_auto_eval=2)
+    recorded = []
+
+    class EpochProbe(AbstractCallback):
+        def on_epoch_end(self):
+            history = self.train_loop_obj.train_history
+            recorded.append((len(history.get("val_loss", [])), len(history.get("val_Accuracy", []))))
+
+    tl.fit(num_epochs=4, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
+                                    EpochProbe("probe", execution_order=1)])
+    assert recorded == [(0, 0), (1, 1), (1, 1), (2, 2)]
+
+
+def test_ranking_and_stopping_by_a_metric_evaluated_every_few_epochs_wait_for_its_first_evaluation(tmp_path):
+    """The first epoch no longer evaluates with eval_frequency=2: ModelCheckpoint and EarlyStopping on val_Accuracy
+    wait for it instead of reporting the metric missing."""
+    tl = make_train_loop(end_auto_eval=2)
+    checkpoint = ModelCheckpoint("proj", "exp", str(tmp_path), rm_subopt_local_models="val_Accuracy",
+                                 num_best_checkpoints_kept=1)
+    stopping = EarlyStopping(monitor="val_Accuracy", patience=5)
+    tl.fit(num_epochs=4, callbacks=[ModelPerformanceEvaluation(ClassificationResultPackage(), {}, eval_frequency=2),
+                                    checkpoint, stopping])
+    assert len(tl.train_history["val_Accuracy"]) == 2
+    assert checkpoint.best_model_score == max(tl.train_history["val_Accuracy"])
+    assert stopping.best_epoch in (1, 3)  # 0-based: an epoch that was evaluated
 
 
 def test_evaluation_at_train_end_is_recorded_with_the_train_end_prefix():
@@ -385,7 +418,7 @@ def test_print_report_frequency_train_end_and_tracked_list(report_log):
     tl = make_train_loop()
     tl.fit(num_epochs=4, callbacks=[ModelPerformancePrintReport(["loss"], report_frequency=2)])
     assert [message.splitlines()[0] for message in report_log()] == [
-        "Epoch 1 performance report", "Epoch 3 performance report", "End of training performance report"]
+        "Epoch 2 performance report", "Epoch 4 performance report", "End of training performance report"]
     tl = make_train_loop()
     tl.fit(num_epochs=2, callbacks=[ModelPerformancePrintReport(["loss"], on_each_epoch=False,
                                                                 list_tracked_metrics=True)])

@@ -32,6 +32,7 @@ class CountingBar(tqdm):
 def bars(monkeypatch):
     CountingBar.made = []
     monkeypatch.setattr(progress, "tqdm", CountingBar)
+    monkeypatch.setattr(progress, "writes_to_terminal", lambda: True)  # the bars of a terminal
     return CountingBar.made
 
 
@@ -117,6 +118,8 @@ def test_use_amp_says_once_which_precision_it_chose(use_amp, expected):
         tl.fit(num_epochs=1)
         tl.fit(num_epochs=2)
     assert [line for line in lines if line.startswith("Mixed precision")] == [expected]
+    # One message: amp.initialize's own summary ('amp: O2 on cpu, ...') is not said too (review 35, friction 8).
+    assert not [line for line in lines if line.startswith("amp: ")]
 
 
 def test_without_use_amp_nothing_is_said():

@@ -8,13 +8,15 @@ import textwrap
 
 import pytest
 
+from aitoolbox.torchtrain.train_loop import progress
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar, draws_widgets, iterate_with_progress
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-def test_terminal_bars_are_not_widgets_and_transient_ones_clear_their_line(capsys):
+def test_terminal_bars_are_not_widgets_and_transient_ones_clear_their_line(capsys, monkeypatch):
     assert not draws_widgets()  # pytest is no notebook
+    monkeypatch.setattr(progress, "writes_to_terminal", lambda: True)
     assert list(iterate_with_progress(range(3), 3, "Loss validation", enabled=True)) == [0, 1, 2]
     kept = ProgressBar(2, "Epoch 0", enabled=True)
     kept.update(lambda: {"loss": 0.5})
@@ -25,6 +27,22 @@ def test_terminal_bars_are_not_widgets_and_transient_ones_clear_their_line(capsy
     lines = capsys.readouterr().err.split("\r")
     assert lines[-1].startswith("Epoch 0: 100%") and "loss=0.25" in lines[-1]  # the kept bar, finished
     assert not any(line.startswith("Loss validation") for line in lines[-3:])  # the transient one was wiped
+
+
+def test_output_to_a_file_shows_no_transient_bars_and_few_redraws(capsys, monkeypatch):
+    """Review of issue 35, friction 6: stderr to a file or pipe (pytest's capture is one) gets no evaluation bars
+    (each redraw would stay in the log) and the epoch's bar at most every LOG_FILE_INTERVAL_S."""
+    assert not progress.writes_to_terminal()
+    monkeypatch.setattr(progress, "DRAW_INTERVAL_S", 0.0)  # every step reaches tqdm
+    assert list(iterate_with_progress(range(50), 50, "Loss validation", enabled=True)) == list(range(50))
+    kept = ProgressBar(50, "Epoch 1/1", enabled=True)
+    for _ in range(50):
+        kept.update(lambda: {"loss": 0.5})
+    kept.close()
+    err = capsys.readouterr().err
+    assert "Loss validation" not in err
+    redraws = [line for line in re.split(r"[\r\n]", err) if line.startswith("Epoch 1/1")]
+    assert len(redraws) == 2 and redraws[-1].startswith("Epoch 1/1: 100%"), redraws  # the start and the end
 
 
 def test_a_disabled_bar_does_nothing(capsys):

@@ -79,6 +79,27 @@ def test_dataset_passed_instead_of_a_loader(argument):
         build(**{argument: classification_data(10)})
 
 
+class SequenceLoader:
+    """A Keras-Sequence-style loader: batches by index (Python's sequence protocol), no __iter__."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]  # a list's IndexError ends the iteration
+
+
+@pytest.mark.parametrize("argument", ["train_loader", "validation_loader"])
+def test_a_sequence_of_batches_is_a_loader(argument):
+    """Review of issue 35, D8: Python iterates a __len__ + __getitem__ loader, so it is not refused as a Dataset."""
+    tl = build(**{argument: SequenceLoader(list(loader()))})
+    tl.fit(num_epochs=1)
+    assert tl.epochs_completed == 1
+
+
 def test_loader_that_is_not_iterable():
     with pytest.raises(TypeError, match="validation_loader must be an iterable of batches such as a DataLoader, "
                                         "got int"):
@@ -166,6 +187,23 @@ def test_a_criterion_class_is_refused_at_construction(criterion, shown):
     with pytest.raises(TypeError, match=r"is the class .*(CrossEntropyLoss|L1Loss), not a loss function: pass an "
                                         r"instance, e\.g\. nn\.(CrossEntropyLoss|L1Loss)\(\)"):
         build(criterion=criterion)
+
+
+def test_a_class_that_is_not_a_loss_is_a_valid_criterion():
+    """Review of issue 35, D8: the criterion is anything get_loss reads, e.g. a namespace class of loss functions;
+    only an nn.Module class (a torch loss without its ()) is a mistake."""
+
+    class Losses:
+        cross_entropy = staticmethod(nn.functional.cross_entropy)
+
+    class NamespaceCriterionModel(MLP):
+        def get_loss(self, batch, criterion, device):
+            inputs, targets = (item.to(device) for item in batch)
+            return criterion.cross_entropy(self(inputs), targets)
+
+    tl = build(model=NamespaceCriterionModel(), criterion=Losses)
+    tl.fit(num_epochs=1)
+    assert tl.epochs_completed == 1
 
 
 def test_list_with_a_non_optimizer():
