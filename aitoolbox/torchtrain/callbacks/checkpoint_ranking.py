@@ -12,6 +12,7 @@ remembers across processes.
   process) still knows the best checkpoint of the earlier folder. Only checkpoints of its current folder are ever
   deleted: the earlier folder's files stay as they are.
 """
+import math
 import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -115,3 +116,17 @@ def elsewhere(ranking: Ranking, folder: str) -> List[str]:
     """The paths of ``ranking`` outside ``folder``: an earlier run folder's checkpoints, which are never deleted."""
     folder = os.path.abspath(folder)
     return [path for _, path in ranking if os.path.dirname(os.path.abspath(path)) != folder]
+
+
+def after_pending_saves(ranking: Ranking, pending: Ranking, keep_best: int, folder: str,
+                        higher_is_better: bool) -> Ranking:
+    """The ranking as it stands once the saves of ``pending`` (in order) are complete and each has pruned: what a
+    callback's state says whether its background saves have finished or not (a checkpoint written meanwhile must
+    not depend on a writer thread's timing)."""
+    for score, path in pending:
+        ranking = merged(ranking, [(score, path)])
+        ranked = sorted((entry for entry in ranking if not math.isnan(entry[0])), key=lambda entry: entry[0],
+                        reverse=higher_is_better)
+        keep = {entry_path for _, entry_path in ranked[:keep_best]} | {path} | set(elsewhere(ranking, folder))
+        ranking = [entry for entry in ranking if entry[1] in keep]
+    return ranking

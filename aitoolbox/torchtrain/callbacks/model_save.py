@@ -163,12 +163,13 @@ class ModelCheckpoint(CheckpointCallback):
 
     def state_dict(self) -> dict:
         """The ranking: the metric, ``mode`` and the ``(score, path)`` of the checkpoints ranked so far (those being
-        written included), so that a run continued from a checkpoint knows its best checkpoint, also one in the
+        written included, and what their completion prunes left out), so that a run continued from a checkpoint knows its best checkpoint, also one in the
         earlier run folder. Empty without ranking (``rm_subopt_local_models=False``)."""
         if self.rm_subopt_local_models is False or self.train_loop_obj is None:
             return {}
-        return ranking.ranking_state(self.monitored_metric(), self.mode,
-                                     ranking.merged(self.saved_checkpoints, self._being_saved))
+        return ranking.ranking_state(self.monitored_metric(), self.mode, ranking.after_pending_saves(
+            self.saved_checkpoints, self._being_saved, self.num_best_checkpoints_kept,
+            self.experiment_folder.checkpoint_dir, self._higher_is_better()))
 
     def load_state_dict(self, state: dict) -> None:
         """Take over the ranking :meth:`state_dict` returned (the checkpoints that still exist count); a state of
