@@ -21,7 +21,7 @@ from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, remove_checkpoints_after, unpin)
-from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number
+from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,7 +51,7 @@ class SpikeRollback(AbstractCallback):
     not finite, or, once ``warmup`` losses were seen, its rise above the median of the ``window`` clean losses before
     it exceeds all of ``threshold`` robust standard deviations of those losses (1.4826 x their median absolute
     deviation), ``tail_factor`` times the second largest such rise among the last ``memory`` clean losses, and
-    ``min_rise`` (default: 5 % of the median absolute loss when the warm-up ended). Rises are differences, so negative
+    ``min_rise`` (default: 5 % of the run's scale, the median absolute loss of the window at the last check). Rises are differences, so negative
     losses are judged like positive ones, and the run's own healthy outliers set the bar: on a small-batch run whose
     healthy batches reach hundreds of times the median, only a loss well beyond them counts. Passing ``factor`` selects the
     rule of aitoolbox before issue 34 instead (:class:`~aitoolbox.torchtrain.callbacks.spike_rules.FactorRule`: a
@@ -99,8 +99,9 @@ class SpikeRollback(AbstractCallback):
         threshold: robust standard deviations a rise must exceed (default 10).
         tail_factor: how many times the second largest recent clean rise a rise must exceed (default 5).
         memory: how many recent clean losses' rises ``tail_factor`` looks back over (default 1000).
-        min_rise: the smallest rise that can be a spike, in the loss's units (default None: 5 % of the median absolute
-            loss of the window when the warm-up ended).
+        min_rise: the smallest rise that can be a spike, in the loss's units (default None: 5 % of the run's scale,
+            the median absolute loss of the window refreshed at each check; where the loss sits at exactly 0,
+            ``tail_factor`` times the last scale that was not 0).
     """
 
     def __init__(self, factor: Optional[float] = None, window: int = 100, warmup: int = 50,
@@ -231,7 +232,8 @@ class SpikeRollback(AbstractCallback):
         history = self._history
         pending = torch.stack([value.float() for value in self._pending]).cpu() if self._pending else torch.zeros(0)
         return {"window": history.window.cpu(), "seen": history.seen, "rises": history.rises.cpu(),
-                "reference": history.reference, "pending": pending, "pending_at": [list(at) for at in self._pending_at],
+                "rise_scales": history.scales_of_rises().cpu(),
+                "reference": None if history.reference is None else float(history.reference), "pending": pending, "pending_at": [list(at) for at in self._pending_at],
                 "pending_stepped": list(self._pending_stepped),
                 "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left}
 
@@ -239,10 +241,13 @@ class SpikeRollback(AbstractCallback):
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
         device = self.train_loop_obj.device if self.train_loop_obj is not None else torch.device("cpu")
         rises = state.get("rises")
+        rise_scales = state.get("rise_scales")  # None in a checkpoint from before: those rises count unscaled only
         reference = state.get("reference")
         self._history = LossHistory(state["window"].float().to(device),
                                     rises.float().to(device) if rises is not None else torch.zeros(0, device=device),
-                                    int(state["seen"]), None if reference is None else float(reference))
+                                    int(state["seen"]),
+                                    None if reference is None else torch.tensor(float(reference), device=device),
+                                    None if rise_scales is None else rise_scales.float().to(device))
         self._pending = list(state["pending"].to(device).unbind()) if state["pending"].numel() else []
         self._pending_at = [(int(epoch), int(iteration)) for epoch, iteration in state["pending_at"]]
         # A checkpoint from before the steps were recorded: each batch counts as its own step.
@@ -263,7 +268,8 @@ class SpikeRollback(AbstractCallback):
         history = self._history
         if history.window.device != losses.device:  # e.g. a state loaded before the loop knew its device
             self._history = history = LossHistory(history.window.to(losses.device), history.rises.to(losses.device),
-                                                  history.seen, history.reference)
+                                                  history.seen, history.reference,
+                                                  history.scales_of_rises().to(losses.device))
         judgement = self.rule.judge(history, losses, self.window, self.warmup)
         # A batch can have a finite loss and non-finite gradients (a sqrt or norm of an exact 0, a custom backward):
         # its step ruins the weights while its loss looks clean. Checked here, with the flags, at no extra sync.
@@ -323,23 +329,12 @@ class SpikeRollback(AbstractCallback):
         if first is not None:
             raise self._rollback_request(tl, first, judgement, last)
         if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
-            self._accept(torch.stack([value.float() for value in self._pending]), judgement.rises)
+            self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
+                                     judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
             self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
             first_epoch = tl.epoch
             self._epoch_rngs = {epoch: rng for epoch, rng in self._epoch_rngs.items() if epoch >= first_epoch}
         self._keep(tl)
-
-    def _accept(self, losses: torch.Tensor, rises: torch.Tensor) -> None:
-        """Clean losses join the window, their rises the memory; the scale is fixed once the warm-up is over."""
-        history = self._history
-        window = torch.cat([history.window.to(losses.device), losses])[-self.window:].clone()
-        memory = getattr(self.rule, "memory", 0)
-        kept_rises = torch.cat([history.rises.to(rises.device), rises])[-memory:].clone() if memory else rises[:0]
-        seen = history.seen + len(losses)
-        reference = history.reference
-        if reference is None and seen >= self.warmup:
-            reference = float(window.abs().nanmedian())  # once per run: a host copy at a check
-        self._history = LossHistory(window, kept_rises, seen, reference)
 
     def _keep(self, tl: "TrainLoop") -> None:
         """Keep the run as it is now (right after an optimizer step, every callback done with the batch)."""
