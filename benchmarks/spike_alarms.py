@@ -45,7 +45,7 @@ from quickstart import DigitsCNN, digits_loaders  # noqa: E402
 
 from aitoolbox.torchtrain.callbacks import SpikeRollback  # noqa: E402
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback  # noqa: E402
-from aitoolbox.torchtrain.callbacks.spike_rules import FactorRule, LossHistory, RobustRule  # noqa: E402
+from aitoolbox.torchtrain.callbacks.spike_rules import FactorRule, LossHistory, RobustRule, remember  # noqa: E402
 from aitoolbox.torchtrain.model import TTModel  # noqa: E402
 from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback, StepLRScheduler  # noqa: E402
 from aitoolbox.torchtrain.schedulers.warmup import CosineWithWarmupScheduler, LinearWithWarmupScheduler  # noqa: E402
@@ -331,12 +331,9 @@ def offline_alarms(rule, losses: List[float], window: int = 100, warmup: int = 5
         judged = torch.isfinite(margins) & (margins > 0)
         if judged.any():
             worst = max(worst, float((judgement.rises[:end][judged] / margins[judged]).max()))
-        memory = getattr(rule, "memory", 0)
-        history = LossHistory(torch.cat([history.window, chunk[:end]])[-window:],
-                              torch.cat([history.rises, judgement.rises[:end]])[-memory:] if memory else values[:0],
-                              history.seen + end, history.reference)
-        if history.reference is None and history.seen >= warmup:
-            history.reference = float(history.window.abs().median())
+        clean = dataclasses.replace(judgement, rises=judgement.rises[:end],
+                                    scales=None if judgement.scales is None else judgement.scales[:end])
+        history = remember(history, chunk[:end], clean, window, warmup, getattr(rule, "memory", 0))
         alarms += 1 if flagged.numel() else 0
         start += end + (1 if flagged.numel() else 0)
     return alarms, worst

@@ -234,17 +234,30 @@ class CSVLogger(TrackingCallback):
         """The rows logged after the point the run returned to go (the replay logs those batches and epochs again);
         the next row written gets the column ``event`` describing the rollback."""
         tl = self.train_loop_obj
-        self._keep_rows_up_to(tl.total_iteration_idx, tl.epochs_completed)
-        self._event = describe_rollback(record) if self._event is None else f"{self._event}; {describe_rollback(record)}"
+        events: List[str] = []  # an earlier rollback to this point marked a row that goes now: its mark moves on
+        self._keep_rows_up_to(tl.total_iteration_idx, tl.epochs_completed, events)
+        marks = list(dict.fromkeys(events + ([self._event] if self._event is not None else [])))
+        self._event = "; ".join(marks + [describe_rollback(record)])
 
-    def _keep_rows_up_to(self, last_batch: int, epochs_done: int) -> int:
+    def _keep_rows_up_to(self, last_batch: int, epochs_done: int, events: Optional[List[str]] = None) -> int:
         """Open the files keeping the rows of batches up to ``last_batch`` and of epochs before ``epochs_done``;
-        how many rows were dropped."""
+        how many rows were dropped. The ``event`` cells of the dropped rows are appended to ``events``."""
 
+        def noting_events(keep: Callable[[Dict[str, str]], bool]) -> Callable[[Dict[str, str]], bool]:
+            def kept(row: Dict[str, str]) -> bool:
+                if keep(row):
+                    return True
+                if events is not None and row.get("event"):
+                    events.append(row["event"])
+                return False
+            return kept
+
+        @noting_events
         def is_trained_batch(row: Dict[str, str]) -> bool:
             step = _as_int(row.get("total_iteration"))
             return step is not None and step <= last_batch
 
+        @noting_events
         def is_done_epoch(row: Dict[str, str]) -> bool:
             epoch = _as_int(row.get("epoch"))
             return epoch is not None and epoch < epochs_done

@@ -21,7 +21,7 @@ from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, remove_checkpoints_after, unpin)
-from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number
+from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,7 +51,7 @@ class SpikeRollback(AbstractCallback):
     not finite, or, once ``warmup`` losses were seen, its rise above the median of the ``window`` clean losses before
     it exceeds all of ``threshold`` robust standard deviations of those losses (1.4826 x their median absolute
     deviation), ``tail_factor`` times the second largest such rise among the last ``memory`` clean losses, and
-    ``min_rise`` (default: 5 % of the median absolute loss when the warm-up ended). Rises are differences, so negative
+    ``min_rise`` (default: 5 % of the run's scale, the median absolute loss of the window at the last check). Rises are differences, so negative
     losses are judged like positive ones, and the run's own healthy outliers set the bar: on a small-batch run whose
     healthy batches reach hundreds of times the median, only a loss well beyond them counts. Passing ``factor`` selects the
     rule of aitoolbox before issue 34 instead (:class:`~aitoolbox.torchtrain.callbacks.spike_rules.FactorRule`: a
@@ -99,8 +99,9 @@ class SpikeRollback(AbstractCallback):
         threshold: robust standard deviations a rise must exceed (default 10).
         tail_factor: how many times the second largest recent clean rise a rise must exceed (default 5).
         memory: how many recent clean losses' rises ``tail_factor`` looks back over (default 1000).
-        min_rise: the smallest rise that can be a spike, in the loss's units (default None: 5 % of the median absolute
-            loss of the window when the warm-up ended).
+        min_rise: the smallest rise that can be a spike, in the loss's units (default None: 5 % of the run's scale,
+            the median absolute loss of the window refreshed at each check; where the loss sits at exactly 0,
+            ``tail_factor`` times the last scale that was not 0).
     """
 
     def __init__(self, factor: Optional[float] = None, window: int = 100, warmup: int = 50,
@@ -131,6 +132,7 @@ class SpikeRollback(AbstractCallback):
         self._history = LossHistory(torch.zeros(0), torch.zeros(0))
         self._pending: List[torch.Tensor] = []  # losses since the last check, on the device
         self._pending_at: List[Tuple[int, int]] = []  # their (epoch, iteration)
+        self._pending_stepped: List[bool] = []  # whether an optimizer step ended each (gradient accumulation)
         self._steps_since_check = 0
         self._cooldown_left = 0
         # Per process, rebuilt: the kept point, a step's lowered learning rates, the epochs' starting RNG states.
@@ -139,6 +141,9 @@ class SpikeRollback(AbstractCallback):
         self._stepped = False
         self._epoch_rngs: Dict[int, dict] = {}
         self._checkpoint_callback: Any = None
+        # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
+        # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
+        self._state_suspects: set = set()
 
     # --- hooks -------------------------------------------------------------------------------------------------
     def on_train_begin(self) -> None:
@@ -176,6 +181,7 @@ class SpikeRollback(AbstractCallback):
         loss = tl.last_batch_loss
         self._pending.append(loss if loss.dim() == 0 else loss.sum())  # a MultiLoss: the sum of its parts
         self._pending_at.append((tl.epoch, tl.iteration))
+        self._pending_stepped.append(self._stepped)
         if tl.epoch not in self._epoch_rngs:
             self._epoch_rngs[tl.epoch] = tl.epoch_start_rng_state
         if not self._stepped:
@@ -201,9 +207,9 @@ class SpikeRollback(AbstractCallback):
         # did not judge (a loader without len, a stop mid-epoch or mid-window). A rollback from here is raised out
         # of the epoch's end, which the loop redoes after returning to the kept point.
         if self._pending and self._snapshot is not None:
-            judgement, first = self._judge(tl)
+            judgement, first, last = self._judge(tl)
             if first is not None:
-                raise self._rollback_request(tl, first, judgement)
+                raise self._rollback_request(tl, first, judgement, last)
         tl.insert_metric_result_into_history("rollbacks", sum(record["epoch"] == tl.epoch for record in tl.rollbacks))
 
     def on_train_end(self) -> None:
@@ -226,59 +232,109 @@ class SpikeRollback(AbstractCallback):
         history = self._history
         pending = torch.stack([value.float() for value in self._pending]).cpu() if self._pending else torch.zeros(0)
         return {"window": history.window.cpu(), "seen": history.seen, "rises": history.rises.cpu(),
-                "reference": history.reference, "pending": pending, "pending_at": [list(at) for at in self._pending_at],
+                "rise_scales": history.scales_of_rises().cpu(),
+                "reference": None if history.reference is None else float(history.reference), "pending": pending, "pending_at": [list(at) for at in self._pending_at],
+                "pending_stepped": list(self._pending_stepped),
                 "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
         device = self.train_loop_obj.device if self.train_loop_obj is not None else torch.device("cpu")
         rises = state.get("rises")
+        rise_scales = state.get("rise_scales")  # None in a checkpoint from before: those rises count unscaled only
         reference = state.get("reference")
         self._history = LossHistory(state["window"].float().to(device),
                                     rises.float().to(device) if rises is not None else torch.zeros(0, device=device),
-                                    int(state["seen"]), None if reference is None else float(reference))
+                                    int(state["seen"]),
+                                    None if reference is None else torch.tensor(float(reference), device=device),
+                                    None if rise_scales is None else rise_scales.float().to(device))
         self._pending = list(state["pending"].to(device).unbind()) if state["pending"].numel() else []
         self._pending_at = [(int(epoch), int(iteration)) for epoch, iteration in state["pending_at"]]
+        # A checkpoint from before the steps were recorded: each batch counts as its own step.
+        self._pending_stepped = [bool(stepped) for stepped in
+                                 state.get("pending_stepped", [True] * len(self._pending_at))]
         self._steps_since_check = int(state["steps_since_check"])
         self._cooldown_left = int(state["cooldown_left"])
 
     # --- the check at the end of a step ------------------------------------------------------------------------
-    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int]]:
-        """Judge the losses since the last check; the judgement and the first spiking index all processes agree on
-        (None: clean). One host copy, after one all-reduce in a distributed run."""
+    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
+        """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
+
+        Returns the judgement, the first index to blame all processes agree on (None: clean) and, when the run's
+        state is not finite, the last index to leave out with it (else None). One host copy, after one all-reduce
+        in a distributed run.
+        """
         losses = torch.stack([value.float() for value in self._pending])
         history = self._history
         if history.window.device != losses.device:  # e.g. a state loaded before the loop knew its device
             self._history = history = LossHistory(history.window.to(losses.device), history.rises.to(losses.device),
-                                                  history.seen, history.reference)
+                                                  history.seen, history.reference,
+                                                  history.scales_of_rises().to(losses.device))
         judgement = self.rule.judge(history, losses, self.window, self.warmup)
-        agreed = tl.all_reduce_sum(judgement.flags.float()).cpu()  # the interval's only host synchronisation
-        spiking = agreed.nonzero()
-        return judgement, (int(spiking[0]) if spiking.numel() else None)
+        # A batch can have a finite loss and non-finite gradients (a sqrt or norm of an exact 0, a custom backward):
+        # its step ruins the weights while its loss looks clean. Checked here, with the flags, at no extra sync.
+        state_bad = (~_state_finite(tl, losses.device)).float()[None]
+        flags = torch.cat([judgement.flags.float(), (~torch.isfinite(losses)).float(), state_bad])
+        agreed = tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
+        count = len(losses)
+        spiking = agreed[:count].nonzero()
+        first = int(spiking[0]) if spiking.numel() else None
+        if agreed[-1] == 0:
+            return judgement, first, None
+        non_finite = agreed[count:2 * count].nonzero()
+        cause, last = self._blame_state(tl, int(non_finite[0]) if non_finite.numel() else count)
+        if first is not None and first < cause:  # an earlier spike: the rollback undoes the later steps anyway
+            return judgement, first, None
+        return judgement, cause, last
+
+    def _blame_state(self, tl: "TrainLoop", non_finite: int) -> Tuple[int, int]:
+        """The pending batches ``(first, last)`` to leave out when the weights or optimizer states are not finite
+        at a check. ``non_finite``: the first pending batch whose loss was not finite (the count when none was).
+
+        With every loss finite, the interval's last step ruined the state: its accumulation window is left out.
+        Else the cause is that batch (its loss was not finite by itself, the common case) or the step before it (a
+        finite loss with non-finite gradients, after which every loss is NaN): the two look alike at a check. The
+        batch is left out first; if the replay ruins the state again right before the batch that was left out, the
+        step before is the cause and its window is left out (one more rollback, no healthy batch lost to a guess).
+        """
+        count = len(self._pending)
+        stepped = [index for index in range(count) if self._pending_stepped[index]]
+        if non_finite < count:
+            before = [index for index in stepped if index < non_finite]
+            if not before or not self._left_out_after(tl, before[-1]):
+                self._state_suspects.add(self._position(tl, non_finite))
+                return non_finite, non_finite
+        else:
+            before = stepped
+        if not before:  # cannot be: a check follows a step
+            return count - 1, count - 1
+        earlier = [index for index in stepped if index < before[-1]]
+        return (earlier[-1] + 1 if earlier else 0), before[-1]
+
+    def _position(self, tl: "TrainLoop", index: int) -> Tuple[int, int]:
+        """The (epoch, loader position) of pending batch ``index``."""
+        epoch, iteration = self._pending_at[index]
+        return epoch, tl.run_state.rollbacks.loader_position(epoch, iteration)
+
+    def _left_out_after(self, tl: "TrainLoop", index: int) -> bool:
+        """Whether the batch the loader yielded right after pending batch ``index`` was left out of this run for a
+        non-finite state (see :meth:`_blame_state`)."""
+        epoch, position = self._position(tl, index)
+        # Within the epoch: a step at an epoch's end is judged there, before the next epoch's losses.
+        return (epoch, position + 1) in self._state_suspects
 
     def _check(self, tl: "TrainLoop") -> None:
         """Judge the losses since the last check; keep the run if they are clean, else roll back."""
-        judgement, first = self._judge(tl)
+        judgement, first, last = self._judge(tl)
         if first is not None:
-            raise self._rollback_request(tl, first, judgement)
+            raise self._rollback_request(tl, first, judgement, last)
         if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
-            self._accept(torch.stack([value.float() for value in self._pending]), judgement.rises)
-            self._pending, self._pending_at, self._steps_since_check = [], [], 0
+            self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
+                                     judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
+            self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
             first_epoch = tl.epoch
             self._epoch_rngs = {epoch: rng for epoch, rng in self._epoch_rngs.items() if epoch >= first_epoch}
         self._keep(tl)
-
-    def _accept(self, losses: torch.Tensor, rises: torch.Tensor) -> None:
-        """Clean losses join the window, their rises the memory; the scale is fixed once the warm-up is over."""
-        history = self._history
-        window = torch.cat([history.window.to(losses.device), losses])[-self.window:].clone()
-        memory = getattr(self.rule, "memory", 0)
-        kept_rises = torch.cat([history.rises.to(rises.device), rises])[-memory:].clone() if memory else rises[:0]
-        seen = history.seen + len(losses)
-        reference = history.reference
-        if reference is None and seen >= self.warmup:
-            reference = float(window.abs().nanmedian())  # once per run: a host copy at a check
-        self._history = LossHistory(window, kept_rises, seen, reference)
 
     def _keep(self, tl: "TrainLoop") -> None:
         """Keep the run as it is now (right after an optimizer step, every callback done with the batch)."""
@@ -301,24 +357,31 @@ class SpikeRollback(AbstractCallback):
         if previous is not None and tl.is_main_process:
             previous.discard(keep=[path, pin])
 
-    def _rollback_request(self, tl: "TrainLoop", first: int, judgement: Judgement) -> RollBack:
-        """The RollBack for the first spiking batch ``first`` of the interval (or the error that ends training)."""
+    def _rollback_request(self, tl: "TrainLoop", first: int, judgement: Judgement,
+                          last: Optional[int] = None) -> RollBack:
+        """The RollBack for the first spiking batch ``first`` of the interval (or the error that ends training).
+        ``last``: when the weights or optimizer states were not finite, the last pending batch left out with it
+        (the batches from ``first`` to ``last``, see :meth:`_blame_state`)."""
         epoch, iteration = self._pending_at[first]
         kept = self._snapshot
         history = tl.run_state.rollbacks
         low = kept.batches_done if kept is not None and kept.epoch == epoch else 0
         wanted = iteration - self.skip_batches + 1
         iterations = range(max(wanted, low), iteration + 1)
-        positions = [history.loader_position(epoch, skipped) for skipped in iterations]
+        skipped = [(epoch, history.loader_position(epoch, at)) for at in iterations]
+        skipped += [(at_epoch, history.loader_position(at_epoch, at)) for at_epoch, at in
+                    self._pending_at[first + 1:(first if last is None else last) + 1]]
         loss = self._pending[first]
-        own = (bool(judgement.flags[first]), float(loss), float(judgement.centres[first]),
-               float(judgement.limits[first]), tl.batch_indices(epoch, self._epoch_rngs.get(epoch), positions))
+        own = (last is not None or bool(judgement.flags[first]), float(loss), float(judgement.centres[first]),
+               float(judgement.limits[first]), self._batch_indices(tl, skipped))
         per_rank = tl.all_gather_objects(own)  # a rollback is rare: the spiking rank's numbers for all
         spiked = next(values for values in per_rank if values[0])
         samples = None if any(values[4] is None for values in per_rank) else \
             [index for values in per_rank for index in values[4]]
         spike = {"epoch": epoch, "iteration": iteration, "loss": spiked[1], "median": spiked[2], "limit": spiked[3],
                  "skipped_samples": samples}
+        if last is not None:
+            spike["non_finite_state"] = True  # the weights or optimizer states, after this batch's step
         if kept is None:
             raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
                                      f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to",
@@ -332,12 +395,23 @@ class SpikeRollback(AbstractCallback):
         if wanted < low:
             logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (epoch %d, iteration %d): "
                            "leaving out %d batch(es) only", self.skip_batches, kept.epoch + 1, kept.iteration,
-                           len(positions))
+                           len(iterations))
         record = dict(spike, restored={"epoch": kept.epoch, "iteration": kept.iteration})
         if tl.is_main_process:
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
-        return RollBack(self._restore, [(epoch, position) for position in positions], record)
+        return RollBack(self._restore, skipped, record)
+
+    def _batch_indices(self, tl: "TrainLoop", skipped: List[Tuple[int, int]]) -> Optional[List[int]]:
+        """The dataset indices of the ``(epoch, position)`` batches left out (None where the sampler cannot say)."""
+        indices: List[int] = []
+        for epoch in dict.fromkeys(at_epoch for at_epoch, _ in skipped):
+            found = tl.batch_indices(epoch, self._epoch_rngs.get(epoch),
+                                     [position for at_epoch, position in skipped if at_epoch == epoch])
+            if found is None:
+                return None
+            indices += found
+        return indices
 
     def _restore(self, tl: "TrainLoop") -> Optional["MidEpochResume"]:
         point = self._snapshot
@@ -357,6 +431,18 @@ class SpikeRollback(AbstractCallback):
             return
         path = os.path.join(folder.ensure(folder.path), ROLLBACKS_FILE)
         atomic_write_text(path, json.dumps([_json_record(record) for record in records], indent=2))
+
+
+def _state_finite(tl: "TrainLoop", device: torch.device) -> torch.Tensor:
+    """Whether every parameter and floating optimizer state of the run is finite (a 0-d bool on ``device``; no
+    host synchronisation). A sharded parameter is judged on this process's shards (the flags are all-reduced)."""
+    tensors = list(tl.model.parameters())
+    for optimizer in tl.optimizers:
+        for state in optimizer.state.values():
+            tensors += [value for value in state.values() if torch.is_tensor(value) and value.is_floating_point()]
+    flags = [(tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().isfinite().all().to(device)
+             for tensor in tensors]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
 def _checkpoint_callbacks(tl: "TrainLoop") -> List[Any]:
@@ -393,6 +479,8 @@ def _describe(record: dict) -> str:
             f"median {record['median']:.6g}")
     if record.get("limit") is not None:
         text += f", limit {record['limit']:.6g}"
+    if record.get("non_finite_state"):
+        text += " (the weights or optimizer states were not finite after its step)"
     if "restored" in record:
         text += f"; back to epoch {record['restored']['epoch'] + 1}, iteration {record['restored']['iteration']}"
     return text

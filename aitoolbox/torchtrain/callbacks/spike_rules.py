@@ -31,26 +31,64 @@ class LossHistory:
         rises: each of the last clean losses' rise above the centre of the window before it (at most ``memory``;
             -inf where there was no window yet).
         seen: clean losses that entered the window so far (the warm-up counts them).
-        reference: the median absolute loss of the window once the warm-up was over (None before): the scale of the
-            default ``min_rise``.
+        reference: the run's loss scale (None before the warm-up's end; a 0-d tensor after): the median absolute
+            loss of the window, refreshed at each check; where that is 0 (a loss sitting at exactly 0), the last
+            scale that was not (the window's mean absolute loss if there was none). The unit of the remembered
+            rises and of the default ``min_rise``.
     """
 
     window: torch.Tensor
     rises: torch.Tensor
     seen: int = 0
-    reference: Optional[float] = None
+    reference: Optional[torch.Tensor] = None
+    #: the run's scale when each remembered rise was judged (NaN where unknown: a state from before it was kept).
+    rise_scales: Optional[torch.Tensor] = None
+
+    def scales_of_rises(self) -> torch.Tensor:
+        """``rise_scales``, NaN-padded at the front to the length of ``rises``."""
+        scales = self.rise_scales if self.rise_scales is not None else self.rises[:0]
+        scales = scales[-len(self.rises):] if len(self.rises) else scales[:0]
+        padding = self.rises.new_full((len(self.rises) - len(scales),), float("nan"))
+        return torch.cat([padding, scales.to(self.rises)])
 
 
 @dataclasses.dataclass
 class Judgement:
     """Per loss of an interval: ``flags`` (a spike), ``centres`` (the median of the window before it), ``limits``
     (the loss above which it counted as a spike; NaN where not judged yet), ``rises`` (the loss minus its centre;
-    -inf where that is not a finite number)."""
+    -inf where that is not a finite number), ``scales`` (the run's scale each was judged in, remembered with the
+    rises; None for a rule without memory)."""
 
     flags: torch.Tensor
     centres: torch.Tensor
     limits: torch.Tensor
     rises: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+
+
+def remember(history: LossHistory, losses: torch.Tensor, judgement: Judgement, window: int, warmup: int,
+             memory: int) -> LossHistory:
+    """The history after the clean ``losses`` (judged as ``judgement``) join it: the window moves on, their rises
+    and scales join the memory (the last ``memory``), and the scale is refreshed once the warm-up is over. All on
+    the losses' device, no host copy."""
+    device = losses.device
+    window_values = torch.cat([history.window.to(device), losses])[-window:].clone()
+    if memory and judgement.scales is not None:
+        kept_rises = torch.cat([history.rises.to(device), judgement.rises])[-memory:].clone()
+        kept_scales = torch.cat([history.scales_of_rises().to(device), judgement.scales])[-memory:].clone()
+    else:
+        kept_rises = kept_scales = losses[:0]
+    seen = history.seen + len(losses)
+    reference = history.reference
+    if seen >= warmup:
+        # The scale follows the loss as it falls (a bar fixed at the start would let a x100 spike through once the
+        # loss fell by orders of magnitude), but never to 0: a loss sitting at exactly 0 keeps the last scale it
+        # had, else every positive batch of a healthy hinge loss would be a spike.
+        magnitudes = window_values.abs()
+        median = magnitudes.nanmedian()
+        previous = magnitudes.nanmean() if reference is None else reference.to(device)
+        reference = torch.where(median > 0, median, previous)
+    return LossHistory(window_values, kept_rises, seen, reference, kept_scales)
 
 
 def trailing_rows(earlier: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
@@ -87,10 +125,12 @@ class RobustRule:
 
     * ``threshold`` robust standard deviations of that window (1.4826 times its median absolute deviation),
     * ``tail_factor`` times the second largest rise of the last ``memory`` clean losses (each above the centre of its
-      own window): what this run's healthy batches have shown they do (the second largest, so that one spike that
-      slipped under the bar cannot raise it alone), and
-    * ``min_rise``: by default 5 % of the run's loss scale (the median absolute loss of the window when the warm-up
-      ended), a floor for losses that sit exactly still (e.g. a hinge loss at 0).
+      own window, remembered in units of the run's scale then and counted in today's scale), or of the last
+      ``window`` of them in the loss's units, if larger: what this run's healthy batches have shown they do (the
+      second largest, so that one spike that slipped under the bar cannot raise it alone), and
+    * ``min_rise``: by default 5 % of the run's loss scale (the median absolute loss of the window, refreshed at
+      each check; where that is 0, the last scale that was not), and ``tail_factor`` times that scale where the
+      window sits at exactly 0 (e.g. a hinge loss at 0: no spread, and soon no remembered rise, to judge by).
 
     Rises are differences, so a negative loss is judged like any other, and the run's own outliers set the bar: on a
     small-batch run whose healthy batches reach hundreds of times the median, only a loss well beyond them counts.
@@ -113,22 +153,45 @@ class RobustRule:
         # A non-finite loss is a spike by itself; it must not lift the bar for the losses after it. -inf: no rise
         # (also a first loss, which has nothing before it).
         finite_rises = torch.where(torch.isfinite(rises), rises, -math.inf)
-        earlier_rises = torch.nan_to_num(trailing_rows(history.rises, finite_rises, self.memory), nan=-math.inf)
+        # Remembered rises count twice: in units of the run's scale when they were judged, times today's scale (the
+        # rises of a fast early descent would otherwise hold the bar at the loss's early size for ``memory`` batches
+        # after it fell by orders of magnitude), and the last ``window`` of them as they were, in the loss's units
+        # (where healthy outliers keep their size while the median falls, one misclassified sample of a small
+        # batch, they outgrow the scaled memory). The larger counts.
+        scales = self._scales(history, rows)
+        remembered = history.rises.to(losses.dtype)
+        scaled_memory = remembered / history.scales_of_rises().to(losses.dtype)
+        scaled_now = torch.where(scales > 0, finite_rises / scales, -math.inf)
+        scaled_rows = torch.nan_to_num(trailing_rows(scaled_memory, scaled_now, self.memory), nan=-math.inf,
+                                       posinf=-math.inf)
+        recent_rows = torch.nan_to_num(trailing_rows(remembered, finite_rises, min(window, self.memory)),
+                                       nan=-math.inf)
         # The second largest: one spike that slipped under the bar (and so into the memory) does not raise it alone.
-        second = earlier_rises.topk(min(2, self.memory), dim=1).values[:, -1].clamp(min=0.0)
+        second = torch.maximum(self._second(scaled_rows) * scales, self._second(recent_rows))
         margin = torch.maximum(self.threshold * torch.nan_to_num(sigmas, nan=0.0), self.tail_factor * second)
-        margin = torch.maximum(margin, self._floor(history, rows))
-        limits = centres + margin
+        if self.min_rise is not None:
+            floor = scales.new_full((len(rows),), self.min_rise)
+        else:
+            # A window sitting at exactly 0 (a hinge loss) has no spread and soon no remembered rises: a batch
+            # counts only well beyond the size the loss had when it last moved.
+            still = torch.nan_to_num(rows.abs().nanmedian(dim=1).values, nan=1.0) == 0
+            floor = torch.where(still, self.tail_factor * scales, 0.05 * scales)
+        limits = centres + torch.maximum(margin, floor)
         checked = history.seen + torch.arange(len(losses), device=losses.device) >= max(warmup, 1)
         flags = ~torch.isfinite(losses) | (checked & (losses > limits))
-        return Judgement(flags, centres, torch.where(checked, limits, torch.nan), finite_rises)
+        return Judgement(flags, centres, torch.where(checked, limits, torch.nan), finite_rises, scales)
 
-    def _floor(self, history: LossHistory, rows: torch.Tensor) -> torch.Tensor:
-        if self.min_rise is not None:
-            return rows.new_full((len(rows),), self.min_rise)
+    @staticmethod
+    def _second(rows: torch.Tensor) -> torch.Tensor:
+        """Per row, the second largest value (the largest where a row has one value), at least 0."""
+        return rows.topk(min(2, rows.shape[1]), dim=1).values[:, -1].clamp(min=0.0)
+
+    @staticmethod
+    def _scales(history: LossHistory, rows: torch.Tensor) -> torch.Tensor:
+        """Per loss, the run's scale: the reference, or in the warm-up the median absolute loss of its window."""
         if history.reference is not None:
-            return rows.new_full((len(rows),), 0.05 * history.reference)
-        return 0.05 * torch.nan_to_num(rows.abs().nanmedian(dim=1).values, nan=0.0)  # still in the warm-up's reach
+            return history.reference.to(rows).expand(len(rows))
+        return torch.nan_to_num(rows.abs().nanmedian(dim=1).values, nan=0.0)
 
 
 def make_rule(factor: Any, threshold: Any, tail_factor: Any, memory: Any, min_rise: Any) -> Any:

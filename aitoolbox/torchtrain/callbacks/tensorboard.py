@@ -31,7 +31,7 @@ Tags (the same as aitoolbox 1.x, so existing dashboards keep working):
 import inspect
 import logging
 import os
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -135,6 +135,10 @@ class TensorboardReporterBaseCB(TrackingCallback):
         self.summary_writer_kwargs = summary_writer_kwargs
         self.log_dir_path: Optional[str] = None  # the resolved absolute folder, known after registration
         self.tb_writer = None
+        # The epoch steps logged per tag (an epoch end replayed after a rollback is logged once), and the rollback
+        # texts by step (a later rollback to the same point purges them: they are written again).
+        self._epoch_steps_logged: Dict[str, set] = {}
+        self._rollback_texts: List[Tuple[int, str]] = []
         self.global_step = 0  # aitoolbox 1.x's batch counter, for subclasses that keep their own step
         self._writer_class: Optional[type] = None
 
@@ -222,14 +226,22 @@ class TensorboardReporterBaseCB(TrackingCallback):
         if self.tb_writer is None or not self.log_history:
             return
         for name, value in metrics.items():
-            self.tb_writer.add_scalar(history_tag(name), value, epoch)
+            tag = history_tag(name)
+            logged = self._epoch_steps_logged.setdefault(tag, set())
+            if epoch in logged:  # an epoch end replayed after a rollback: its first values stay, one per step
+                continue
+            logged.add(epoch)
+            self.tb_writer.add_scalar(tag, value, epoch)
 
     def write_rollback(self, record: dict) -> None:
         """SpikeRollback returned the run to an earlier point: a new event file purges the batch steps after it
         (TensorBoard's ``purge_step``, which hides from its readers every event of a step at or after it written
         before), and the rollback is logged there as ``rollbacks/count`` (the rollbacks so far) and a text
         ``rollbacks`` describing it. Epoch steps (history metrics) are numbered by epoch; an epoch end the replay
-        logs again (a rollback across an epoch's end) is the same epoch end, with the same values."""
+        logs again (a rollback across an epoch's end) is the same epoch end: it is logged once per tag, its first
+        values staying (the history's are the same, bitwise; a timing of the replay is not logged). The texts of
+        earlier rollbacks the purge hides (another rollback to the same point or a later one) are written again,
+        with this one's, at this step."""
         if self.tb_writer is None:
             return
         tl = self.train_loop_obj
@@ -237,8 +249,12 @@ class TensorboardReporterBaseCB(TrackingCallback):
         self.close_writer()
         self.tb_writer = self._writer_class(log_dir=self.log_dir_path,
                                             **dict(self.summary_writer_kwargs, purge_step=step))
+        purged = [text for at, text in self._rollback_texts if at >= step]
+        self._rollback_texts = [(at, text) for at, text in self._rollback_texts if at < step]
+        text = "; ".join(purged + [describe_rollback(record)])
+        self._rollback_texts.append((step, text))
         self.tb_writer.add_scalar("rollbacks/count", len(tl.rollbacks), step)
-        self.tb_writer.add_text("rollbacks", describe_rollback(record), step)
+        self.tb_writer.add_text("rollbacks", text, step)
 
 
     # --- aitoolbox 1.x's methods, for subclasses written against it ----------------------------------------

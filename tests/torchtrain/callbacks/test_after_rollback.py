@@ -83,3 +83,57 @@ def test_tensorboard_shows_the_final_trajectory_once_and_the_rollback_as_an_even
     marks = events.Scalars("rollbacks/count")
     assert [(mark.step, mark.value) for mark in marks] == [(15, 1.0)]
     assert "rollbacks" in "".join(events.Tags()["tensors"])  # the text describing it
+
+
+def two_rollbacks_to_one_point(tmp_path, *trackers):
+    """NaN losses at positions 5 and 7 of epoch 1, one check interval: the first rollback returns to batch 14 and
+    leaves out position 5; the replay spikes at position 7 and returns to batch 14 again."""
+    order = poisoned_at(1, 5)[1] + poisoned_at(1, 7)[1]
+    model, _ = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned({1: order}, scale=float("nan")))),
+               callbacks=[SpikeRollback(**SETTINGS)] + list(trackers))
+    assert [record["restored"] for record in tl.rollbacks] == [{"epoch": 1, "iteration": 2}] * 2
+    return tl
+
+
+def test_two_rollbacks_to_the_same_point_are_both_marked_in_the_csv_logs(tmp_path):
+    two_rollbacks_to_one_point(tmp_path, CSVLogger(log_dir=str(tmp_path), is_project=False))
+    rows = read_csv(tmp_path / "batch_log.csv")
+    events = [(int(row["total_iteration"]), row["event"]) for row in rows if row.get("event")]
+    assert len(events) == 1 and events[0][0] == 15
+    assert events[0][1].count("rollback") == 2 and "epoch 2, iteration 5" in events[0][1]
+
+
+def test_tensorboard_keeps_both_texts_of_two_rollbacks_to_the_same_point(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking
+    tracker = TensorboardFullTracking(log_dir=str(tmp_path / "tb"), is_project=False)
+    two_rollbacks_to_one_point(tmp_path, tracker)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    texts = [event for tag in events.Tags()["tensors"] if "rollbacks" in tag for event in events.Tensors(tag)]
+    text = texts[-1]  # the newest at the step is the one shown (whether the reader hides the purged one or not)
+    assert text.step == 15 and text.tensor_proto.string_val[0].decode().count("rollback") == 2
+
+
+
+def test_tensorboard_logs_a_replayed_epoch_end_once_per_tag(tmp_path):
+    """A rollback across an epoch's end (the point in epoch 0, the NaN at epoch 1, position 1): the replayed epoch
+    end is logged once per tag, though its timings differ."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from aitoolbox.torchtrain.callbacks import ThroughputMonitor
+    from aitoolbox.torchtrain.callbacks.tensorboard import TensorboardFullTracking
+    model, _ = model_pair(MLP)
+    again = TensorboardFullTracking(log_dir=str(tmp_path / "across"), is_project=False)
+    tl = train(make_loop(model, loader(Poisoned(poisoned_at(1, 1), scale=float("nan")))),
+               callbacks=[SpikeRollback(**SETTINGS), ThroughputMonitor(), again])
+    assert tl.rollbacks[0]["restored"]["epoch"] == 0
+    events = EventAccumulator(str(tmp_path / "across"), size_guidance={"scalars": 0})
+    events.Reload()
+    epoch_tags = [tag for tag in events.Tags()["scalars"] if "samples_per_sec" in tag or tag.startswith("loss/")]
+    assert any("samples_per_sec" in tag for tag in epoch_tags)
+    for tag in epoch_tags:
+        steps = [event.step for event in events.Scalars(tag)]
+        assert steps == sorted(set(steps)), tag

@@ -151,6 +151,54 @@ def test_a_spike_inside_an_accumulation_window_redoes_the_window_from_the_remain
     assert len(tl.rollbacks) == 1
 
 
+class NanGradientMLP(MLP):
+    """An MLP whose loss stays finite on the batches holding the samples ``bad[epoch]`` while its gradients are NaN
+    (0 x the derivative of sqrt at an exact 0, as a norm of an exact 0 does): their step makes the weights NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad, self.epoch = {}, 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        rows = self.bad.get(self.epoch)
+        if self.training and rows is not None and (x[:, None, :] == rows[None]).all(dim=-1).any():
+            out = out + 0.0 * torch.sqrt(((out - out.detach()) ** 2).sum())
+        return out
+
+
+class TellModelEpoch(AbstractCallback):
+    def __init__(self):
+        super().__init__("tell the model the epoch", execution_order=-1000)
+
+    def on_epoch_begin(self):
+        self.train_loop_obj.model.epoch = self.train_loop_obj.epoch
+
+
+@pytest.mark.parametrize("position, blamed", [
+    # The next batch's loss is NaN: as if by itself, so it is left out first; the replay ruins the weights again
+    # right before it, so this batch is left out too (two rollbacks).
+    (4, [{5}, {4}]),
+    (7, [{7}]),  # the step ends at a check: every loss finite, the weights NaN
+    (11, [{11}]),  # the epoch's last batch: judged at the epoch's end
+])
+def test_a_batch_with_a_finite_loss_and_nan_gradients_is_left_out_and_no_point_with_nan_weights_is_kept(
+        position, blamed):
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    samples = batch_order(4)[1][position]
+    model.bad = {1: torch.stack([Poisoned().base[index][0] for index in samples])}
+    tl = train(make_loop(model, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS), TellModelEpoch()])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: set().union(*blamed)})))
+    assert len(tl.rollbacks) == len(blamed)
+    for record, left_out in zip(tl.rollbacks, blamed):
+        assert record["epoch"] == 1 and record["non_finite_state"] is True
+        assert sorted(record["skipped_samples"]) == sorted(i for p in left_out for i in batch_order(4)[1][p])
+    assert all(torch.isfinite(parameter).all() for parameter in tl.model.parameters())
+    assert_params_equal(tl.model, reference.model)
+
+
 def test_skip_batches_leaves_out_the_batches_ending_at_the_spiking_one():
     poison = poisoned_at(1, 7)
     model, twin = model_pair(MLP)

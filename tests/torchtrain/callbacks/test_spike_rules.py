@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from aitoolbox.torchtrain.callbacks import SpikeRollback
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollbackError
-from aitoolbox.torchtrain.callbacks.spike_rules import FactorRule, LossHistory, RobustRule
+from aitoolbox.torchtrain.callbacks.spike_rules import FactorRule, LossHistory, RobustRule, remember
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import single_torch_thread
@@ -183,7 +183,11 @@ def test_bad_rule_settings_are_refused_naming_them(arguments):
 def judge(rule, values, earlier=(), rises=(), window=20, warmup=0, seen=None, reference=None):
     history = LossHistory(torch.tensor(list(earlier), dtype=torch.float64),
                           torch.tensor(list(rises), dtype=torch.float64),
-                          len(earlier) if seen is None else seen, reference)
+                          len(earlier) if seen is None else seen,
+                          None if reference is None else torch.tensor(float(reference), dtype=torch.float64),
+                          # with a reference: the rises were judged in that same scale
+                          None if reference is None else torch.full((len(rises),), float(reference),
+                                                                    dtype=torch.float64))
     return rule.judge(history, torch.tensor(list(values), dtype=torch.float64), window, warmup)
 
 
@@ -221,7 +225,7 @@ def test_a_non_finite_loss_is_a_spike_from_the_first_batch_and_nothing_finite_be
 def test_a_rise_no_larger_than_two_remembered_ones_is_never_a_spike(values, largest, tail_factor):
     rule = RobustRule(threshold=0.1, tail_factor=tail_factor, min_rise=0.0)
     rises = [0.1, largest, 0.3, largest]
-    judgement = judge(rule, values, earlier=values[:20], rises=rises)
+    judgement = judge(rule, values, earlier=values[:20], rises=rises, reference=1.0)  # remembered in units of 1
     assert not bool((judgement.flags & (judgement.rises <= largest)).any())
 
 
@@ -244,13 +248,29 @@ def test_rare_large_healthy_batches_set_the_bar_and_a_loss_far_beyond_them_is_a_
 
 
 def test_a_loss_that_sat_still_needs_the_floor_to_count():
-    """A hinge-like loss at exactly 0 for the whole window: a small rise is not a spike (5 % of the run's scale), a
-    large one is."""
+    """A hinge-like loss at exactly 0 for the whole window: no spread, no remembered rise; a loss counts only beyond
+    tail_factor times the size the loss had when it last moved."""
     rule = RobustRule()
     zeros = [0.0] * 100
-    assert judge(rule, [0.04], earlier=zeros, window=100, reference=1.0).flags.tolist() == [False]
-    assert judge(rule, [0.06], earlier=zeros, window=100, reference=1.0).flags.tolist() == [True]
-    assert judge(RobustRule(min_rise=0.1), [0.06], earlier=zeros, window=100, reference=1.0).flags.tolist() == [False]
+    assert judge(rule, [4.9], earlier=zeros, window=100, reference=1.0).flags.tolist() == [False]
+    assert judge(rule, [5.1], earlier=zeros, window=100, reference=1.0).flags.tolist() == [True]
+    assert judge(RobustRule(min_rise=0.1), [0.2], earlier=zeros, window=100, reference=1.0).flags.tolist() == [True]
+
+
+def test_the_scale_follows_a_falling_loss_and_never_falls_to_0():
+    """The floor's scale is refreshed at each check (a bar fixed when the loss was 20 let a x100 batch through at
+    1e-6) and keeps its last value where the loss sits at exactly 0 (a healthy hinge loss was stopped)."""
+    history = LossHistory(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64))
+    rule = RobustRule()
+    for level in (20.0, 1e-3, 1e-6):
+        losses = torch.full((100,), level, dtype=torch.float64)
+        history = remember(history, losses, rule.judge(history, losses, 100, 50), 100, 50, rule.memory)
+        assert float(history.reference) == pytest.approx(level)
+    assert judge(rule, [1e-4], earlier=history.window.tolist(), rises=history.rises.tolist(), window=100,
+                 reference=float(history.reference)).flags.tolist() == [True]  # x100 at 1e-6
+    zeros = torch.zeros(100, dtype=torch.float64)
+    history = remember(history, zeros, rule.judge(history, zeros, 100, 50), 100, 50, rule.memory)
+    assert float(history.reference) == pytest.approx(1e-6)
 
 
 def test_the_detection_state_is_saved_and_an_older_state_without_the_rises_loads():
