@@ -64,11 +64,14 @@ REBUILT = {"_logged_history_lengths", "_epoch_base_lengths", "_last_logged_epoch
            "_stepped", "_batch_steps",  # set at an optimizer step, cleared when the batch is logged or saved
            "_grads",  # the gradients of the last optimizer step
            "result_package",  # the metrics of the last evaluation, computed again at every one
-           "_epoch_rngs"}  # SpikeRollback: the epochs' starting RNG states, taken from the loop at their first batch
+           "_epoch_rngs",  # SpikeRollback: the epochs' starting RNG states, taken from the loop at their first batch
+           # SpikeRollback: a fit's pin not yet settled (its first batch), batches left out for a non-finite state
+           "_pins_unsettled", "_state_suspects"}
 # Attributes naming files of the run folder (checkpoints written, open CSV files), which a resumed run finds on
 # disk: they hold paths, which differ between the two runs' folders, so they are not compared.
 RUN_FOLDER_FILES = {"saved_checkpoints", "_ranking_restored", "_written", "_earlier_listed",
-                    "batch_table", "epoch_table", "trace_files"}
+                    "batch_table", "epoch_table", "trace_files",
+                    "_epoch_steps_logged", "_rollback_texts"}  # TensorBoard: what this process's event files hold
 # The connection to a service (MLflow, SES): its background sender and queue, and the service's own id of the run,
 # which belongs to the service (each run of the test is another MLflow run; a resumed job continues one by
 # passing run_id). Not training state, so neither saved nor compared.
