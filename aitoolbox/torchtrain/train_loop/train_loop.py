@@ -191,6 +191,7 @@ class TrainLoop:
     grad_accumulation = LoopStateField()
     optimizer_step_due = LoopStateField()
     optimizer_step_skipped = LoopStateField()
+    stepped_optimizers = LoopStateField()
     early_stop = LoopStateField()
 
     # --- the documented surface callbacks use -------------------------------------------------------------
