@@ -681,7 +681,8 @@ class TrainLoop:
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending:
+        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
+                and not self.run_state.interrupted_at_iteration_target(num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -860,9 +861,12 @@ class TrainLoop:
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
+        # Asked before resume_point takes the interruption: an epoch interrupted at the last batch of
+        # fit(num_iterations) is still finished (its interrupted step, its end), though no batch is left to train.
+        close_interrupted = self.run_state.interrupted_at_iteration_target(num_iterations)
         resume = self.run_state.resume_point(self)
         # An epoch's end an exception interrupted is finished first, also when it had asked to stop.
-        while (resume is not None and resume.batches_trained) or \
+        while (resume is not None and (resume.batches_trained or close_interrupted)) or \
                 (not state.early_stop and not self._target_reached(num_epochs, num_iterations)):
             state.epoch = state.epochs_completed
             try:
@@ -962,7 +966,10 @@ class TrainLoop:
         batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         with contextlib.closing(bar):
-            if not (resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)):
+            finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)
+            # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.
+            at_target = num_iterations > 0 and state.iterations_done >= num_iterations
+            if not finished and not at_target:
                 self._train_loader_batches(batches, num_batches, num_iterations, bar)
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")

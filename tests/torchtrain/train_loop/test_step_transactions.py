@@ -190,6 +190,61 @@ def test_an_interrupted_epoch_end_is_finished_by_the_next_fit_even_when_training
     assert_runs_equal(continued, straight)
 
 
+class FailOnceAtBatchEnd(AbstractCallback):
+    """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run, after its optimizer step), once."""
+
+    def __init__(self, at):
+        super().__init__("fail at batch end")
+        self.at, self.failed = at, False
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a failure after the last batch's step")
+
+
+@pytest.mark.parametrize("where,loss,grad_accumulation", [("batch_end", "plain", 1), ("batch_end", "multi2", 2),
+                                                          ("second_optimizer_step", "multi2", 1)])
+def test_an_exception_in_the_last_batch_of_fit_num_iterations_is_finished_by_the_same_fit_again(
+        where, loss, grad_accumulation):
+    """fit(num_iterations=N) raised in its last batch after the batch's step (in on_batch_end; or in the second
+    optimizer's step, the first had stepped): fit(num_iterations=N) again said "Nothing to train" and never finished
+    the step or closed the shortened epoch (accumulated_loss, epochs_completed, the epoch-stepping scheduler)."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    num_iterations = 8  # 5 batches an epoch: the third batch of the second epoch
+
+    def run(fail):
+        tl = build_loop(Cell(loss=loss))
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5)]
+        if fail and where == "batch_end":
+            callbacks.append(FailOnceAtBatchEnd(num_iterations - 1))
+        elif fail:
+            calls = []
+
+            def fail_at_last(optimizer, args, kwargs):
+                calls.append(None)
+                if len(calls) == num_iterations:
+                    raise RuntimeError("the second optimizer's step failed")
+            tl.optimizers[1].register_step_pre_hook(fail_at_last)
+        if fail:
+            with pytest.raises(RuntimeError):
+                tl.fit(num_iterations=num_iterations, callbacks=callbacks, grad_accumulation=grad_accumulation)
+            callbacks = None
+        tl.fit(num_iterations=num_iterations, callbacks=callbacks, grad_accumulation=grad_accumulation)
+        at_target = (tl.epochs_completed, tl.iterations_done, [o.param_groups[0]["lr"] for o in tl.optimizers])
+        return tl, at_target
+
+    straight, straight_at_target = run(False)
+    continued, at_target = run(True)
+    assert at_target == straight_at_target and at_target[:2] == (2, num_iterations)
+    assert_runs_equal(continued, straight)
+    for tl in (straight, continued):
+        torch.manual_seed(1)  # the same RNG state for both (the other loop's fit drew from the global one)
+        tl.fit(num_iterations=num_iterations + 5, grad_accumulation=grad_accumulation)
+    assert continued.epochs_completed == straight.epochs_completed == 3
+    assert_runs_equal(continued, straight)
+
+
 # --- item 4: the step point holds the buffers -------------------------------------------------------------------
 class FailOnceAtBatch(AbstractCallback):
     """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run), once."""
