@@ -597,9 +597,37 @@ class TrainLoop:
 
         ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
         with DCP and stores this dict beside them). The dict's weight and optimizer tensors are the live run's (no
-        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on."""
+        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on.
+
+        A mid-epoch checkpoint (``mid_epoch=True``) records a step point: taken after ``fit`` raised inside an
+        epoch, it records the last optimizer step, where the next ``fit`` continues.
+
+        Raises:
+            RuntimeError: ``mid_epoch=True`` away from a step point: inside an accumulation window (gradients of
+                batches not stepped yet, which a checkpoint does not hold), or with an optimizer step an exception
+                interrupted between two optimizers (``fit`` finishes it first).
+        """
+        if mid_epoch:
+            self._check_at_step_point()
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
+
+    def _check_at_step_point(self) -> None:
+        """Refuse a mid-epoch checkpoint where the run is not at a step point: resuming it would skip batches."""
+        runner = self._step_runner
+        if runner is not None and runner.pending_batches > 0:
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called inside an accumulation window (batch {self.iteration} "
+                f"of epoch {self.epoch}, {runner.pending_batches} batch(es) since the last optimizer step with "
+                f"grad_accumulation={self.grad_accumulation}): their gradients are not in a checkpoint, so resuming "
+                "it would skip them. Take it where the optimizer steps: in on_batch_end when "
+                "optimizer_step_due was True for the batch (as ModelCheckpoint does), or after fit")
+        if (runner is not None and runner.has_interrupted_step) or \
+                (self.run_state.interrupted_step_point is not None and self.run_state.interrupted_step_point.finish_step):
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called while the optimizer step of batch {self.iteration} of "
+                f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped): a "
+                "checkpoint cannot hold that step. Call fit to finish it, then take the checkpoint")
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
                         source: Optional[str] = None) -> dict:
