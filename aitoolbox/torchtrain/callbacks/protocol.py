@@ -5,7 +5,7 @@ callbacks: the attributes to read, the few to write, and the methods to call. :c
 train_loop.train_loop.TrainLoop` satisfies it (a test checks), and the package's own callbacks use nothing
 else (a test checks that too). Anything else on the loop is an implementation detail that may change.
 """
-from typing import Any, Dict, List, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ class TrainLoopView(Protocol):
       background uploads of the files a callback writes, for one with a bucket).
     - ``state`` and its views ``epoch``, ``epochs_completed``, ``iteration``, ``total_iteration_idx``,
       ``num_epochs``, ``num_iterations``, ``grad_accumulation``, ``optimizer_step_due``,
-      ``optimizer_step_skipped``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
+      ``optimizer_step_skipped``, ``stepped_optimizers``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
       ``last_batch_loss_names`` (a MultiLoss's names) and ``epoch_loss_sum`` (the epoch's losses so far).
     - ``current_batch``: the batch being trained, from ``on_batch_begin`` to ``on_batch_end`` (None outside one).
     - ``callbacks``: the registered callbacks, in execution order.
@@ -68,6 +68,7 @@ class TrainLoopView(Protocol):
     grad_accumulation: int
     optimizer_step_due: bool
     optimizer_step_skipped: bool
+    stepped_optimizers: Tuple[int, ...]
     early_stop: bool
     last_batch_loss: Optional[torch.Tensor]
     callbacks: List[Any]

@@ -64,9 +64,10 @@ class GeneralLRSchedulerCallback(AbstractScheduler, AbstractCallback):
     effect from the first batch. With several optimizers and ``optimizer_idx=None`` one scheduler is built
     per optimizer (see :attr:`schedulers`); ``scheduler`` is the single one otherwise.
 
-    By default the schedulers step at every epoch end. With ``step_per_optimizer_step=True`` they step after
-    every optimizer step instead (once per ``grad_accumulation`` batches), except after a step that was
-    skipped because fp16 gradients overflowed: a skipped update must not advance the schedule.
+    By default the schedulers step at every epoch end. With ``step_per_optimizer_step=True`` each scheduler
+    steps after every step of its own optimizer instead (once per ``grad_accumulation`` batches, also when a
+    MultiLoss steps several optimizers one after another), except after a step that was skipped because fp16
+    gradients overflowed: a skipped update must not advance the schedule.
 
     Args:
         scheduler_class: a ``torch.optim.lr_scheduler`` class (or any ``fn(optimizer, **kwargs)``).
@@ -134,8 +135,12 @@ class GeneralLRSchedulerCallback(AbstractScheduler, AbstractCallback):
         (as aitoolbox 1.x allowed) find them.
         """
         self.train_loop_obj = train_loop_obj
-        self.schedulers = [self.scheduler_class(optimizer, **self.scheduler_args)
-                           for optimizer in self._paired_optimizers()]
+        paired = self._paired_optimizers()
+        self.schedulers = [self.scheduler_class(optimizer, **self.scheduler_args) for optimizer in paired]
+        # Each scheduler's optimizer as an index into the loop's optimizers, matched against the loop's
+        # ``stepped_optimizers``; None for an optimizer the loop does not step (stepped with every update).
+        self._scheduler_optimizer_idx = [next((idx for idx, loop_optimizer in enumerate(train_loop_obj.optimizers)
+                                               if loop_optimizer is optimizer), None) for optimizer in paired]
         return super().register_train_loop_object(train_loop_obj)
 
     def on_epoch_end(self) -> None:
@@ -143,8 +148,20 @@ class GeneralLRSchedulerCallback(AbstractScheduler, AbstractCallback):
             self.step()
 
     def on_after_optimizer_step(self) -> None:
-        if self.step_after_optimizer_step and not self.train_loop_obj.optimizer_step_skipped:
+        if not self.step_after_optimizer_step or self.train_loop_obj.optimizer_step_skipped:
+            return
+        # With optimizers stepped one after another the hook runs once per optimizer: only the schedulers of
+        # the optimizer that just stepped advance, so each steps once per step of its own optimizer.
+        stepped = getattr(self.train_loop_obj, "stepped_optimizers", ())
+        paired = getattr(self, "_scheduler_optimizer_idx", [])
+        if not stepped or len(paired) != len(self.schedulers):
+            # Not told which optimizer stepped, or schedulers a 1.x subclass assigned itself: one step per call.
             self.step()
+            return
+        last = len(self.train_loop_obj.optimizers) - 1
+        for scheduler, optimizer_idx in zip(self.schedulers, paired):
+            if optimizer_idx in stepped or (optimizer_idx is None and last in stepped):
+                scheduler.step()
 
     def step(self) -> None:
         """Advance every scheduler by one step."""

@@ -6,7 +6,7 @@ distributed launcher and the resume code save and restore the counters through :
 :meth:`LoopState.load_state_dict`, so that there is a single place that knows which counters a continuation needs.
 """
 import dataclasses
-from typing import Dict, Union
+from typing import Dict, Tuple, Union
 
 
 @dataclasses.dataclass
@@ -23,6 +23,9 @@ class LoopState:
         grad_accumulation: batches per optimizer step in the current ``fit``.
         optimizer_step_due: the current batch ends with an optimizer step.
         optimizer_step_skipped: the last optimizer step was skipped (loss-scale overflow).
+        stepped_optimizers: indices (into the loop's ``optimizers``) of the optimizers whose step the current
+            ``on_after_optimizer_step`` follows: all of them, or, with a MultiLoss stepping its optimizers one
+            after another, the one that just stepped (the hook then runs once per optimizer).
         early_stop: training was asked to stop (``TrainLoop.stop_training``: early stopping, a NaN loss...). The
             run is then finished: the request stays after ``fit`` and is saved in epoch-end checkpoints, so that a
             later ``fit``, also one resuming the run from a checkpoint, trains nothing (``tl.early_stop = False``
@@ -38,6 +41,7 @@ class LoopState:
     grad_accumulation: int = 1
     optimizer_step_due: bool = False
     optimizer_step_skipped: bool = False
+    stepped_optimizers: Tuple[int, ...] = ()
     early_stop: bool = False
 
     # The position in the run; the other fields describe the current fit call and are set again by it.

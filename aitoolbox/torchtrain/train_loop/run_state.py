@@ -274,6 +274,22 @@ class RunState:
         point = self._interrupted_at
         return point is not None and point.batches_trained
 
+    def interrupted_at_iteration_target(self, num_iterations: int) -> bool:
+        """An exception interrupted an epoch's batches exactly where ``fit(num_iterations=num_iterations)`` ends
+        (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step): that ``fit`` still has
+        to finish the step and close the shortened epoch, as the uninterrupted run did, though no batch is left."""
+        point = self._interrupted_at
+        return (point is not None and not point.batches_trained and point.batches_done > 0 and num_iterations > 0
+                and self.counters.iterations_done == num_iterations)
+
+    @property
+    def interrupted_step_point(self) -> Optional[MidEpochResume]:
+        """The step point an exception left inside an epoch's batches, that the next ``fit`` continues from (None:
+        none, or the interruption is in the epoch's end). A mid-epoch checkpoint taken before that ``fit`` records
+        this position, not the batch the exception came in."""
+        point = self._interrupted_at
+        return point if point is not None and not point.batches_trained else None
+
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""
         self._step_point = None

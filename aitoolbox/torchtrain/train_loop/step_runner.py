@@ -159,6 +159,8 @@ class StepRunner:
         """Step ``optimizers`` (skipped on a loss-scale overflow), then ``on_after_optimizer_step`` and
         ``zero_grad``; ``batch_done`` marks the batch done (the other optimizers of the batch stepped too)."""
         self.counters.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
+        self.counters.stepped_optimizers = tuple(idx for idx, optimizer in enumerate(self.optimizers)
+                                                 if any(optimizer is stepped for stepped in optimizers))
         if batch_done:
             self.pending_batches = 0
             self.batch_done()
@@ -269,6 +271,8 @@ class StepRunner:
 
     def _do_after_step(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
         self.counters.optimizer_step_skipped = work.skipped[-1]
+        # The hook runs once per optimizer here: per-step callbacks (a scheduler per optimizer) act on this one.
+        self.counters.stepped_optimizers = (optimizer_idx,)
         if self.hooks.has_batch_hooks:
             self.hooks.on_after_optimizer_step()
 

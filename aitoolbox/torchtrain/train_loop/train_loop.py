@@ -191,6 +191,7 @@ class TrainLoop:
     grad_accumulation = LoopStateField()
     optimizer_step_due = LoopStateField()
     optimizer_step_skipped = LoopStateField()
+    stepped_optimizers = LoopStateField()
     early_stop = LoopStateField()
 
     # --- the documented surface callbacks use -------------------------------------------------------------
@@ -596,9 +597,37 @@ class TrainLoop:
 
         ``include_weights=False`` leaves out the model and optimizer states (a sharded checkpoint writes those
         with DCP and stores this dict beside them). The dict's weight and optimizer tensors are the live run's (no
-        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on."""
+        copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on.
+
+        A mid-epoch checkpoint (``mid_epoch=True``) records a step point: taken after ``fit`` raised inside an
+        epoch, it records the last optimizer step, where the next ``fit`` continues.
+
+        Raises:
+            RuntimeError: ``mid_epoch=True`` away from a step point: inside an accumulation window (gradients of
+                batches not stepped yet, which a checkpoint does not hold), or with an optimizer step an exception
+                interrupted between two optimizers (``fit`` finishes it first).
+        """
+        if mid_epoch:
+            self._check_at_step_point()
         self.set_up()
         return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
+
+    def _check_at_step_point(self) -> None:
+        """Refuse a mid-epoch checkpoint where the run is not at a step point: resuming it would skip batches."""
+        runner = self._step_runner
+        if runner is not None and runner.pending_batches > 0:
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called inside an accumulation window (batch {self.iteration} "
+                f"of epoch {self.epoch}, {runner.pending_batches} batch(es) since the last optimizer step with "
+                f"grad_accumulation={self.grad_accumulation}): their gradients are not in a checkpoint, so resuming "
+                "it would skip them. Take it where the optimizer steps: in on_batch_end when "
+                "optimizer_step_due was True for the batch (as ModelCheckpoint does), or after fit")
+        if (runner is not None and runner.has_interrupted_step) or \
+                (self.run_state.interrupted_step_point is not None and self.run_state.interrupted_step_point.finish_step):
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called while the optimizer step of batch {self.iteration} of "
+                f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped): a "
+                "checkpoint cannot hold that step. Call fit to finish it, then take the checkpoint")
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
                         source: Optional[str] = None) -> dict:
@@ -680,7 +709,8 @@ class TrainLoop:
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
-        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending:
+        if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
+                and not self.run_state.interrupted_at_iteration_target(num_iterations):
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -859,9 +889,12 @@ class TrainLoop:
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
+        # Asked before resume_point takes the interruption: an epoch interrupted at the last batch of
+        # fit(num_iterations) is still finished (its interrupted step, its end), though no batch is left to train.
+        close_interrupted = self.run_state.interrupted_at_iteration_target(num_iterations)
         resume = self.run_state.resume_point(self)
         # An epoch's end an exception interrupted is finished first, also when it had asked to stop.
-        while (resume is not None and resume.batches_trained) or \
+        while (resume is not None and (resume.batches_trained or close_interrupted)) or \
                 (not state.early_stop and not self._target_reached(num_epochs, num_iterations)):
             state.epoch = state.epochs_completed
             try:
@@ -961,7 +994,10 @@ class TrainLoop:
         batches = run_state.epoch_batches(self.train_loader, resume, self.device)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         with contextlib.closing(bar):
-            if not (resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)):
+            finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)
+            # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.
+            at_target = num_iterations > 0 and state.iterations_done >= num_iterations
+            if not finished and not at_target:
                 self._train_loader_batches(batches, num_batches, num_iterations, bar)
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")

@@ -25,6 +25,7 @@ from aitoolbox.experiment.local_save.checkpoints import (
     upgrade_checkpoint_format)
 from aitoolbox.torchtrain.train_loop.data_position import (
     ITERATOR_KEY, continue_persistent_iterator, has_own_state, persistent_iterator_state)
+from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
     capture_draw_state, restore_draw_state, weights_only_safe)
 
@@ -186,7 +187,11 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         include_weights: False leaves out the model state and the optimizers' states (only their parameter
             groups' hyperparameters are kept): the state a sharded checkpoint stores beside its DCP files.
     """
-    rng_per_rank = tl.strategy.all_gather_objects(capture_rng_state(tl.train_loader))
+    # After an exception inside an epoch's batches the run is at its last step point, not at the batch that raised:
+    # the position, the RNG state and the loss sum are that point's (the weights and buffers are already its).
+    interrupted = tl.run_state.interrupted_step_point if mid_epoch else None
+    rng = interrupted.rng if interrupted is not None else capture_rng_state(tl.train_loader)
+    rng_per_rank = tl.strategy.all_gather_objects(rng)
     # Not get_train_history_dict(): it warns (or raises, strict) on an empty history, which a run captured before
     # its first epoch ends rightly has. weights_only_safe copies every list.
     history = weights_only_safe(dict(tl.train_history.items()))
@@ -204,7 +209,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "callbacks": {key: weights_only_safe(cb.state_dict())
                       for key, cb in stateful_callbacks(tl, include_schedulers=False).items()},
         "epochs_completed": tl.run_state.epochs_completed_at_checkpoint(mid_epoch),
-        "iteration": tl.iteration + 1 if mid_epoch else 0,
+        "iteration": (interrupted.batches_done if interrupted is not None else tl.iteration + 1) if mid_epoch else 0,
         # A stop request (early stopping) ends the run after this epoch: a fit resuming from here trains nothing
         # (a requeued job must not train on and overwrite the final model). Agreed by all ranks, as the loop
         # agrees after the epoch's end. A mid-epoch checkpoint does not record it: its epoch still has to end.
@@ -226,12 +231,13 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         checkpoint["train_history_per_rank"] = tl.strategy.all_gather_objects(history)
         checkpoint["train_history"] = checkpoint["train_history_per_rank"][0]
     if mid_epoch:
-        checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(tl.epoch_start_rng_state)
+        epoch_loss = tl.run_state.epoch_loss if interrupted is None else EpochLossSum(interrupted.loss_sum)
+        checkpoint["epoch_start_rng"] = tl.strategy.all_gather_objects(
+            tl.epoch_start_rng_state if interrupted is None else interrupted.epoch_start_rng)
         # Per rank: under DDP each rank sums the losses of its own batches (its accumulated_loss). The sum, and what
         # continues it bit for bit (the sum of its complete blocks, the open block's values: losses.EpochLossSum).
-        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(tl.epoch_loss_sum.tolist())
-        checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(
-            tl.run_state.epoch_loss.state(include_pending=True))
+        checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(epoch_loss.total().tolist())
+        checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(epoch_loss.state(include_pending=True))
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
             checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
                 weights_only_safe(tl.train_loader.state_dict()))

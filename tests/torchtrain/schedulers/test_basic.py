@@ -302,6 +302,61 @@ def test_optimizer_idx_selects_one_optimizer(make_model, make_loader):
         tl.fit(num_epochs=1, callbacks=[StepLRScheduler(1, optimizer_idx=2)])
 
 
+class TwoHeadModel(TTModel):
+    """Two heads, each trained by its own optimizer through its own loss of a MultiLoss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head_a, self.head_b = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head_a(x)
+
+    def get_loss(self, batch_data, criterion, device):
+        x, y = batch_data
+        return MultiLoss({"a": nn.functional.mse_loss(self.head_a(x), y),
+                          "b": nn.functional.mse_loss(self.head_b(x), y)})
+
+    def get_predictions(self, batch_data, device):
+        x, y = batch_data
+        return self(x), y, None
+
+
+def head_optimizers(model):
+    return [torch.optim.SGD(model.head_a.parameters(), lr=0.1), torch.optim.SGD(model.head_b.parameters(), lr=0.2)]
+
+
+def test_per_step_schedulers_of_optimizers_stepped_one_after_another_match_a_hand_loop(make_loader):
+    """A MultiLoss steps its optimizers one after another, so ``on_after_optimizer_step`` runs once per optimizer:
+    each scheduler steps once per step of its own optimizer (not once per optimizer of the batch)."""
+    loader, grad_accumulation = make_loader(num_samples=22), 2  # 6 batches, 3 update iterations
+    model = TwoHeadModel()
+    tl = TrainLoop(model, loader, None, None, head_optimizers(model), None, end_auto_eval=False,
+                   show_progress=False)
+    callback = GeneralLRSchedulerCallback(lr_scheduler.StepLR, step_per_optimizer_step=True, step_size=1, gamma=0.5)
+    tl.fit(num_epochs=2, grad_accumulation=grad_accumulation, callbacks=[callback])
+
+    hand = TwoHeadModel()
+    optimizers = head_optimizers(hand)
+    schedulers = [lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5) for optimizer in optimizers]
+    for _ in range(2):
+        for idx, batch in enumerate(loader):
+            losses = hand.get_loss(batch, None, None)
+            update = (idx + 1) % grad_accumulation == 0 or idx == len(loader) - 1
+            for name, optimizer, scheduler in zip("ab", optimizers, schedulers):
+                (losses[name] / grad_accumulation).backward()
+                if update:
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+
+    assert [scheduler.last_epoch for scheduler in callback.schedulers] == [6, 6]
+    assert [opt.param_groups[0]["lr"] for opt in tl.optimizers] == [opt.param_groups[0]["lr"] for opt in optimizers]
+    for (name, trained), expected in zip(model.state_dict().items(), hand.state_dict().values()):
+        assert torch.equal(trained, expected), name
+
+
 # --- AbstractScheduler ---------------------------------------------------------------------------------------
 def test_scheduler_callbacks_are_listed_by_the_train_loop(make_model, make_loader):
     tl, _ = fit_trainloop(make_model(), make_loader(), StepLRScheduler(1), num_epochs=1)

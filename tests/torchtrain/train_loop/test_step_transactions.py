@@ -190,6 +190,120 @@ def test_an_interrupted_epoch_end_is_finished_by_the_next_fit_even_when_training
     assert_runs_equal(continued, straight)
 
 
+class FailOnceAtBatchEnd(AbstractCallback):
+    """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run, after its optimizer step), once."""
+
+    def __init__(self, at):
+        super().__init__("fail at batch end")
+        self.at, self.failed = at, False
+
+    def on_batch_end(self):
+        if self.train_loop_obj.total_iteration_idx == self.at and not self.failed:
+            self.failed = True
+            raise RuntimeError("a failure after the last batch's step")
+
+
+@pytest.mark.parametrize("where,loss,grad_accumulation", [("batch_end", "plain", 1), ("batch_end", "multi2", 2),
+                                                          ("second_optimizer_step", "multi2", 1)])
+def test_an_exception_in_the_last_batch_of_fit_num_iterations_is_finished_by_the_same_fit_again(
+        where, loss, grad_accumulation):
+    """fit(num_iterations=N) raised in its last batch after the batch's step (in on_batch_end; or in the second
+    optimizer's step, the first had stepped): fit(num_iterations=N) again said "Nothing to train" and never finished
+    the step or closed the shortened epoch (accumulated_loss, epochs_completed, the epoch-stepping scheduler)."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    num_iterations = 8  # 5 batches an epoch: the third batch of the second epoch
+
+    def run(fail):
+        tl = build_loop(Cell(loss=loss))
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5)]
+        if fail and where == "batch_end":
+            callbacks.append(FailOnceAtBatchEnd(num_iterations - 1))
+        elif fail:
+            calls = []
+
+            def fail_at_last(optimizer, args, kwargs):
+                calls.append(None)
+                if len(calls) == num_iterations:
+                    raise RuntimeError("the second optimizer's step failed")
+            tl.optimizers[1].register_step_pre_hook(fail_at_last)
+        if fail:
+            with pytest.raises(RuntimeError):
+                tl.fit(num_iterations=num_iterations, callbacks=callbacks, grad_accumulation=grad_accumulation)
+            callbacks = None
+        tl.fit(num_iterations=num_iterations, callbacks=callbacks, grad_accumulation=grad_accumulation)
+        at_target = (tl.epochs_completed, tl.iterations_done, [o.param_groups[0]["lr"] for o in tl.optimizers])
+        return tl, at_target
+
+    straight, straight_at_target = run(False)
+    continued, at_target = run(True)
+    assert at_target == straight_at_target and at_target[:2] == (2, num_iterations)
+    assert_runs_equal(continued, straight)
+    for tl in (straight, continued):
+        torch.manual_seed(1)  # the same RNG state for both (the other loop's fit drew from the global one)
+        tl.fit(num_iterations=num_iterations + 5, grad_accumulation=grad_accumulation)
+    assert continued.epochs_completed == straight.epochs_completed == 3
+    assert_runs_equal(continued, straight)
+
+
+class FailOnceInGetLoss(ComboNet):
+    """ComboNet whose ``get_loss`` raises once, at the ``at``-th call (before the batch's forward)."""
+
+    def __init__(self, at):
+        torch.manual_seed(0)
+        super().__init__("plain")
+        self.at, self.calls = at, 0
+
+    def get_loss(self, batch_data, criterion, device):
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise RuntimeError("get_loss failed")
+        return super().get_loss(batch_data, criterion, device)
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_mid_epoch_checkpoint_taken_after_an_exception_records_the_last_step_point(grad_accumulation):
+    """checkpoint_state(mid_epoch=True) after fit raised in batch 3 recorded the batch that raised (iteration 4,
+    its RNG): a resume from it skipped the batches since the last step."""
+    straight = build_loop(Cell())
+    straight.fit(num_epochs=2, grad_accumulation=grad_accumulation)
+
+    interrupted = build_loop(Cell(), model=FailOnceInGetLoss(at=3))
+    with pytest.raises(RuntimeError, match="get_loss failed"):
+        interrupted.fit(num_epochs=2, grad_accumulation=grad_accumulation)
+    checkpoint = copy.deepcopy(interrupted.checkpoint_state(mid_epoch=True))
+    assert checkpoint["iteration"] == 3 - (3 % grad_accumulation)  # the batches up to the last step
+
+    resumed = build_loop(Cell())
+    torch.manual_seed(999)  # the checkpoint's RNG state, not the process's, continues the run
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=2, grad_accumulation=grad_accumulation)
+    assert_runs_equal(resumed, straight)
+
+
+def test_a_mid_epoch_checkpoint_inside_an_accumulation_window_is_refused():
+    """Inside a window the gradients of the batches since the last step are not in a checkpoint: a resume from it
+    skipped them. Refused, naming where; at the window's step it is taken."""
+    taken, refused = [], []
+
+    class CheckpointEveryBatch(AbstractCallback):
+        def __init__(self):
+            super().__init__("checkpoint every batch")
+
+        def on_batch_end(self):
+            try:
+                taken.append(self.train_loop_obj.checkpoint_state(mid_epoch=True)["iteration"])
+            except RuntimeError as error:
+                refused.append(str(error))
+
+    tl = build_loop(Cell())
+    tl.fit(num_iterations=4, grad_accumulation=3, callbacks=[CheckpointEveryBatch()])
+    assert taken == [3, 4]  # the window's step (batch 2) and num_iterations' step (batch 3)
+    assert len(refused) == 2
+    assert "inside an accumulation window (batch 0 of epoch 0, 1 batch(es) since the last optimizer step with " \
+           "grad_accumulation=3)" in refused[0]
+    assert "optimizer_step_due" in refused[0]
+
+
 # --- item 4: the step point holds the buffers -------------------------------------------------------------------
 class FailOnceAtBatch(AbstractCallback):
     """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run), once."""
