@@ -6,6 +6,7 @@ too), and a checkpoint file made immutable (``chattr +i``: not even root may del
 Each rank records the exception that stopped its ``fit``."""
 import glob
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -44,8 +45,8 @@ def outcomes(folder) -> list:
 
 
 class BlockTheRunFolder(AbstractCallback):
-    """Rank 0, when training begins (after the folder was checked at registration): a regular file takes the
-    place of the run folder that the first checkpoint creates."""
+    """Rank 0, when training begins (after the folder was checked at registration and created): a regular file takes
+    the place of the run folder the first checkpoint writes into."""
 
     def __init__(self):
         super().__init__("a file where the run folder goes")
@@ -55,6 +56,8 @@ class BlockTheRunFolder(AbstractCallback):
         if tl.strategy.rank == 0:
             (checkpoint,) = [callback for callback in tl.callbacks if isinstance(callback, ModelCheckpoint)]
             os.makedirs(os.path.dirname(checkpoint.experiment_folder.path), exist_ok=True)
+            if os.path.isdir(checkpoint.experiment_folder.path):  # created when training starts: still empty
+                shutil.rmtree(checkpoint.experiment_folder.path)
             with open(checkpoint.experiment_folder.path, "w") as handle:
                 handle.write("a regular file, not a folder")
 
