@@ -365,6 +365,25 @@ def test_a_damaged_file_is_reported_as_corrupt_naming_it(tmp_path, data):
         assert "model_state_dict" in loaded  # a byte of the weights, or of a name, changed
 
 
+def test_every_damaged_byte_of_the_zip_directory_is_reported_as_corrupt(tmp_path):
+    """Exhaustive over the zip's central directory and end record, where one flipped byte reaches zipfile's parser
+    (a version field it does not know once raised NotImplementedError through our reader)."""
+    import io
+    import zipfile
+    start = zipfile.ZipFile(io.BytesIO(_VALID)).start_dir
+    path = str(tmp_path / "model_exp_ts_E1.pth")
+    for position in range(start, len(_VALID)):
+        for value in {0x00, 0xff, 0x40, _VALID[position] ^ 0x40, (_VALID[position] + 1) & 0xff} - {_VALID[position]}:
+            with open(path, "wb") as handle:
+                handle.write(_VALID[:position] + bytes([value]) + _VALID[position + 1:])
+            try:
+                load_checkpoint_file(path)
+            except CorruptCheckpointError as error:
+                assert error.path == path, (position, value)
+            except UntrustedCheckpointError as error:
+                assert error.refused and path in str(error), (position, value)
+
+
 @pytest.mark.parametrize("damage", ["truncated_shards", "garbage_shards", "truncated_index", "missing_shards"])
 @pytest.mark.parametrize("load", SHARDED_LOADS.values(), ids=SHARDED_LOADS.keys())
 def test_a_failed_sharded_load_is_a_documented_exception_naming_the_checkpoint(tmp_path, damage, load):

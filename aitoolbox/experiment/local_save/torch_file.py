@@ -106,8 +106,10 @@ class TorchZip:
         self.file_size = self._size
         try:
             archive = zipfile.ZipFile(source)
+        # zipfile raises NotImplementedError for a version field it does not know, KeyError or RuntimeError for
+        # some damaged directory entries: a flipped byte in the directory may produce any of them.
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error,
-                UnicodeDecodeError, IndexError) as error:
+                UnicodeDecodeError, IndexError, NotImplementedError, KeyError, RuntimeError, TypeError) as error:
             raise Malformed(_not_a_zip(source) if isinstance(error, zipfile.BadZipFile) else
                             f"its zip directory is damaged ({type(error).__name__}: {error})") from None
         infos = archive.infolist()
