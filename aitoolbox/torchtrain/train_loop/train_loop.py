@@ -178,6 +178,7 @@ class TrainLoop:
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
         self._evaluator = Evaluator(self)
         self._epoch_report = EpochReport()
+        self._stop_reasons: Optional[List[str]] = None  # while an epoch runs: its stop messages, logged after its line
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
         # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
         self.frozen_modules = FrozenModules()
@@ -485,7 +486,15 @@ class TrainLoop:
         """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
         self.early_stop = True
         if reason and self.strategy.is_main_process:
+            if self._stop_reasons is not None:  # after the epoch's line, as Keras prints it
+                self._stop_reasons.append(reason)
+            else:
+                logger.info("Stopping training: %s", reason)
+
+    def _log_stop_reasons(self) -> None:
+        for reason in self._stop_reasons or ():
             logger.info("Stopping training: %s", reason)
+        self._stop_reasons = None
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer``'s gradients true values (undo loss scaling); idempotent within a step."""
@@ -942,6 +951,13 @@ class TrainLoop:
         ``resume`` continues an epoch that a mid-epoch checkpoint or an exception interrupted; after an exception in
         the epoch's end, the steps it did not finish.
         """
+        self._stop_reasons = []
+        try:
+            self._train_and_end_epoch(num_iterations, resume)
+        finally:
+            self._log_stop_reasons()
+
+    def _train_and_end_epoch(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
         state, run_state = self.state, self.run_state
         if resume is not None and resume.batches_trained:  # stopped in the epoch's end: the steps left
             truncate_history(self.train_history, resume.finished_history_lengths)

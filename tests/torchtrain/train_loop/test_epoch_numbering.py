@@ -44,6 +44,16 @@ class Messages(logging.Handler):
                 pairs.append((int(match.group(1)), number))
         return pairs
 
+    def epoch_line_before(self, pattern):
+        """``(the number a message matching pattern shows, the number of the epoch line before it)``, each match."""
+        pairs = []
+        for position, line in enumerate(self.lines):
+            match = re.search(pattern, line)
+            if match:
+                preceding = [EPOCH_LINE.match(earlier) for earlier in reversed(self.lines[:position])]
+                pairs.append((int(match.group(1)), next(int(found.group(1)) for found in preceding if found)))
+        return pairs
+
 
 @contextlib.contextmanager
 def logged():
@@ -79,7 +89,9 @@ def test_reports_stop_messages_and_file_names(tmp_path):
     assert reports == [(1, 1), (2, 2), (3, 3)]
     (stop,) = [line for line in messages.lines if line.startswith("Stopping training: EarlyStopping")]
     assert "stopped at epoch 3, best epoch 1 " in stop
-    assert messages.epoch_line_after(r"stopped at epoch (\d+)") == [(3, 3)]
+    # The reason follows its epoch's line, as Keras prints it (friction 3 of issue 35's review).
+    assert messages.lines.index(stop) == messages.lines.index(next(
+        line for line in messages.lines if line.startswith("Epoch 3/10 - "))) + 1
     # File names keep 1.8's index: the end of "Epoch 3/10" is _E2.pth.
     checkpoints = sorted(os.listdir(os.path.join(tl.callbacks[-1].experiment_folder.checkpoint_dir)))
     assert [re.search(r"_E(\d+)\.pth$", name).group(1) for name in checkpoints] == ["0", "1", "2"]
@@ -108,7 +120,7 @@ def test_other_stops_count_as_the_epoch_line(stopper, pattern, stopped_at):
     with logged() as messages:
         tl.fit(num_epochs=5, callbacks=[InsertNaN(at_epoch=1), stopper])
     assert messages.epoch_lines() == list(range(1, stopped_at + 1))
-    assert messages.epoch_line_after(pattern) == [(stopped_at, stopped_at)]
+    assert messages.epoch_line_before(pattern) == [(stopped_at, stopped_at)]  # a stop's reason follows its line
 
 
 class ConstantPredictions(MLP):
