@@ -6,11 +6,14 @@ the first set's values show once, under their set's names (``val_in_domain_loss`
 them (``val_loss``, ``val_<metric>``) stay in the history and the trackers. It is logged at INFO on the
 ``aitoolbox.epochs`` logger, so it shows wherever the package's messages show: by default (an application
 that has not configured logging) printed above the progress bars; silence it alone with
-``logging.getLogger('aitoolbox.epochs').setLevel(logging.WARNING)``.
+``logging.getLogger('aitoolbox.epochs').setLevel(logging.WARNING)``. ``TrainLoop(epoch_line_metrics=[...])``
+trims it to the entries whose names match the given names or ``fnmatch`` patterns.
 """
+import fnmatch
 import logging
 import numbers
 import time
+import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -33,6 +36,19 @@ class EpochReport:
     def __init__(self):
         self._start_time = 0.0
         self._history_lengths: Dict[str, int] = {}
+        self.shown: Optional[List[str]] = None  # patterns of the entries the line shows; None: all
+        self._warned: set = set()
+
+    def show_only(self, patterns: Optional[Sequence[str]]) -> None:
+        """Show only the entries whose names match one of ``patterns`` (names or ``fnmatch`` patterns; None: all)."""
+        if patterns is None:
+            self.shown = None
+            return
+        if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence) \
+                or not all(isinstance(pattern, str) and pattern for pattern in patterns):
+            raise TypeError("epoch_line_metrics must be None (show every entry) or a list of history names or "
+                            f"fnmatch patterns, e.g. ['accumulated_loss', 'val_*loss']; got {patterns!r}")
+        self.shown = list(patterns)
 
     def start(self, history: Mapping[str, list], lengths_before: Optional[Mapping[str, int]] = None) -> None:
         """At the start of an epoch: note the time and what the history holds already (or held before the epoch:
@@ -49,10 +65,26 @@ class EpochReport:
         seconds = time.monotonic() - self._start_time
         parts = [f"Epoch {epoch + 1}/{num_epochs}" if num_epochs > 0 else f"Epoch {epoch + 1}", f"{seconds:.1f}s"]
         recorded = [name for name, values in history.items() if len(values) > self._history_lengths.get(name, 0)]
-        recorded = _without_first_set_aliases(recorded, validation_set_names)
+        without_aliases = _without_first_set_aliases(recorded, validation_set_names)
+        if self.shown is None:
+            recorded = without_aliases
+        else:  # a plain alias shows when asked for by its exact name
+            recorded = [name for name in recorded if name in self.shown or (
+                name in without_aliases and any(fnmatch.fnmatchcase(name, pattern) for pattern in self.shown))]
         recorded.sort(key=lambda name: not name.startswith("accumulated_loss"))  # the training loss first, as Keras
         parts.extend(f"{name} {format_value(history[name][-1])}" for name in recorded)
         return " - ".join(parts)
+
+    def warn_unmatched(self, history: Mapping[str, list]) -> None:
+        """At the end of a fit: name the patterns that matched no entry of the history (a typo?), once each."""
+        if self.shown is None:
+            return
+        unmatched = [pattern for pattern in self.shown if pattern not in self._warned
+                     and not any(fnmatch.fnmatchcase(name, pattern) for name in history)]
+        if unmatched:
+            self._warned.update(unmatched)
+            warnings.warn(f"epoch_line_metrics: {unmatched} matched no entry of the training history, so the epoch "
+                          f"line never showed them; the history holds {sorted(history)}", UserWarning, stacklevel=2)
 
     def log(self, epoch: int, num_epochs: int, history: Mapping[str, list],
             validation_set_names: Optional[Sequence[str]] = None) -> None:

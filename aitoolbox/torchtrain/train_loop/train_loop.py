@@ -97,6 +97,9 @@ class TrainLoop:
         activation_checkpointing: ``nn.Module`` classes (e.g. ``[nn.TransformerEncoderLayer]``) whose instances in
             the model recompute their activations in backward instead of keeping them (less memory, about one
             more forward of them); see :mod:`aitoolbox.torchtrain.activation_checkpointing`.
+        epoch_line_metrics: the history entries the epoch's summary line shows, as names or ``fnmatch`` patterns
+            (``["accumulated_loss", "val_*loss", "val_*F1"]``); None (the default) shows every entry the epoch
+            recorded. Settable later as ``tl.epoch_line_metrics``. The history and the trackers keep everything.
     """
 
     def __init__(self, model: Union[TTModel, ModelWrap], train_loader: DataLoader,
@@ -109,7 +112,8 @@ class TrainLoop:
                  print_callbacks: bool = False, gpu_mode: str = "single", cuda_device_idx: Optional[int] = None,
                  use_amp: Union[bool, dict] = False, show_progress: bool = True,
                  torch_compile: Union[bool, dict] = False,
-                 activation_checkpointing: Optional[Sequence[type]] = None):
+                 activation_checkpointing: Optional[Sequence[type]] = None,
+                 epoch_line_metrics: Optional[Sequence[str]] = None):
         # The TTModel the loop calls (an adapter for a ModelWrap); ``model`` is the user's own module, as in 1.x.
         self.loop_model = validation.resolve_model(model)
         self.model: nn.Module = model.model if isinstance(model, ModelWrap) else model
@@ -178,6 +182,7 @@ class TrainLoop:
         self._loss_names: Optional[List[str]] = None  # the names of the last batch's MultiLoss, if it was one
         self._evaluator = Evaluator(self)
         self._epoch_report = EpochReport()
+        self.epoch_line_metrics = epoch_line_metrics
         self._stop_reasons: Optional[List[str]] = None  # while an epoch runs: its stop messages, logged after its line
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
         # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
@@ -481,6 +486,15 @@ class TrainLoop:
         if not self._precision_chosen_by_user:
             self._precision = None
         self._evaluator.clear_cache()
+
+    @property
+    def epoch_line_metrics(self) -> Optional[List[str]]:
+        """The names or ``fnmatch`` patterns of the history entries the epoch's summary line shows (None: all)."""
+        return self._epoch_report.shown
+
+    @epoch_line_metrics.setter
+    def epoch_line_metrics(self, patterns: Optional[Sequence[str]]) -> None:
+        self._epoch_report.show_only(patterns)
 
     def stop_training(self, reason: str = "") -> None:
         """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
@@ -919,6 +933,8 @@ class TrainLoop:
         self.callbacks_handler.on_before_train_end()  # e.g. the best epoch's weights back, before they are evaluated
         self._evaluator.at_train_end()
         self.callbacks_handler.on_train_end()
+        if self.strategy.is_main_process:
+            self._epoch_report.warn_unmatched(self.train_history)
 
     def _roll_back(self, request: RollBack) -> Optional[MidEpochResume]:
         """Return the run to the point ``request`` names (see :mod:`.rollback`); where its epoch continues."""
