@@ -88,6 +88,11 @@ def timestamp_now() -> str:
 _TIMESTAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}(?:_(\d+))?"
 
 
+def run_folder_name_pattern() -> "re.Pattern":
+    """Matches a run folder's name, ``<experiment>_<timestamp>`` (groups ``name`` and ``timestamp``)."""
+    return re.compile(rf"^(?P<name>.+?)_(?P<timestamp>{_TIMESTAMP})$")
+
+
 def run_timestamps(root: str, project_name: str, experiment_name: str) -> List[str]:
     """Timestamps of the run folders ``<root>/<project>/<experiment>_<timestamp>`` of an experiment, newest first
     (``<timestamp>`` as :func:`timestamp_now` makes it, with the ``_<n>`` of same-second runs)."""
@@ -201,6 +206,11 @@ class ExperimentFolder:
     def created(self) -> bool:
         """The run folder exists as this run's (created by this object, or by another process of the run)."""
         return self._created
+
+    @property
+    def reserved(self) -> bool:
+        """The folder's name is decided for good (claimed, adopted or created)."""
+        return self._reserved or self._created
 
     @property
     def checkpoint_dir(self) -> str:

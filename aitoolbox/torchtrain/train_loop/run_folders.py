@@ -7,9 +7,11 @@ A run folder is in use when the loop is a preset (its experiment folder) or a re
 is created for it.
 """
 import logging
+import os
 from typing import TYPE_CHECKING, Any, List, Set
 
-from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder
+from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, run_folder_name_pattern
 from aitoolbox.torchtrain.distributed.environment import current_external_placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +48,46 @@ def claim_default_run_folder(folder: ExperimentFolder, reserve: bool) -> None:
         folder.reserve()
 
 
+def continued_run_folder(checkpoint_path: str) -> ExperimentFolder:
+    """The run folder that holds ``checkpoint_path`` (a checkpoint file or folder, the run's ``checkpoint_model/``, or
+    the run folder itself: its newest checkpoint), for a plain TrainLoop that continues writing into it
+    (``load_checkpoint(..., continue_run_folder=True)``).
+
+    Raises:
+        ValueError: the path lies in no run folder, or continuing there would overwrite what the run wrote after the
+            checkpoint (later checkpoints, or the final model of a finished run); the message says what to do.
+    """
+    path = os.path.abspath(os.path.expanduser(checkpoint_path))
+    candidate = path
+    while True:
+        match = run_folder_name_pattern().match(os.path.basename(candidate))
+        if match and os.path.isdir(os.path.join(candidate, "checkpoint_model")):
+            break
+        parent = os.path.dirname(candidate)
+        if parent == candidate:
+            raise ValueError(f"continue_run_folder=True: {checkpoint_path} lies in no run folder (a folder "
+                             "<experiment>_<timestamp>/ holding checkpoint_model/, as ./aitoolbox_runs/run_<timestamp>/); "
+                             "load it without continue_run_folder to write into a new run folder")
+        candidate = parent
+    loaded = checkpoint_path_position(path)  # None for a folder: its newest checkpoint was loaded
+    later = [os.path.basename(found) for found in list_checkpoints(os.path.join(candidate, "checkpoint_model"))
+             if loaded is not None and checkpoint_path_position(found) > loaded]
+    if later:
+        raise ValueError(f"continue_run_folder=True: {candidate} holds checkpoints written after the one loaded "
+                         f"({', '.join(later)}), which the continued run would overwrite; continue from the newest "
+                         "checkpoint, or load without continue_run_folder to write into a new run folder")
+    final_models = os.path.join(candidate, "model")
+    if os.path.isdir(final_models) and os.listdir(final_models):
+        raise ValueError(f"continue_run_folder=True: {candidate} holds the final model of a finished run "
+                         f"({final_models}), which the continued run would replace; load without "
+                         "continue_run_folder to write into a new run folder")
+    project_folder = os.path.dirname(candidate)
+    folder = ExperimentFolder(os.path.dirname(project_folder), os.path.basename(project_folder), match.group("name"),
+                              timestamp=match.group("timestamp"))
+    folder.adopt(match.group("timestamp"), created=True)
+    return folder
+
+
 def run_folders_in_use(tl: "TrainLoop") -> List[Any]:
     """The experiment folders the loop and its callbacks write into, each once, the loop's first."""
     candidates = [tl.experiment_folder] + [callback.experiment_folder for callback in tl.callbacks
@@ -63,6 +105,10 @@ class RunFolderAnnouncement:
 
     def __init__(self):
         self._announced: Set[str] = set()
+
+    def announced(self, folder: ExperimentFolder) -> bool:
+        """The folder's path was logged (a fit wrote into it, or was about to)."""
+        return folder.path in self._announced
 
     def announce(self, tl: "TrainLoop") -> None:
         """Create and log the folders not logged yet (main process). With ``lazy_experiment_save`` a folder is

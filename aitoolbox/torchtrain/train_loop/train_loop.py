@@ -43,7 +43,8 @@ from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions,
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
 from aitoolbox.torchtrain.train_loop.batch_indices import batch_indices
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
-from aitoolbox.torchtrain.train_loop.run_folders import RunFolderAnnouncement, claim_default_run_folder
+from aitoolbox.torchtrain.train_loop.run_folders import (
+    RunFolderAnnouncement, claim_default_run_folder, continued_run_folder)
 from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
 from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
@@ -653,7 +654,7 @@ class TrainLoop:
                 "checkpoint cannot hold that step. Call fit to finish it, then take the checkpoint")
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
-                        source: Optional[str] = None) -> dict:
+                        source: Optional[str] = None, continue_run_folder: bool = False) -> dict:
         """Continue from a checkpoint (a dict, a ``.pth`` file, a sharded checkpoint's folder, or an experiment
         folder: its newest checkpoint).
 
@@ -667,6 +668,11 @@ class TrainLoop:
                 names: only for files you trust (see the Security page of the docs).
             source: for a dict read from a file, that file: named in the errors of loading it, now and when ``fit``
                 applies its callback, precision and random states.
+            continue_run_folder: a plain TrainLoop's callbacks given no experiment details write into the run folder
+                that holds the checkpoint (``./aitoolbox_runs/run_<timestamp>/``) instead of a new one. Refused
+                (ValueError) when that folder holds later checkpoints or a finished run's final model, which the
+                continued run would overwrite, for a preset (``auto_resume=True`` continues a preset's folder),
+                and once this loop's default run folder is in use.
 
         Raises:
             CheckpointLoadError: see the Security page; what does not fit this loop is a CheckpointMismatchError,
@@ -675,6 +681,7 @@ class TrainLoop:
         """
         from aitoolbox.experiment.local_save.checkpoints import failures_named, load_checkpoint_file
         path = source if isinstance(checkpoint, dict) else checkpoint
+        folder = self._run_folder_to_continue(path) if continue_run_folder else None
         if not isinstance(checkpoint, dict):
             checkpoint = load_checkpoint_file(path, weights_only=weights_only)
         with failures_named(path):  # what does not fit names the file (CheckpointMismatchError)
@@ -686,7 +693,21 @@ class TrainLoop:
                 # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then
                 # each process reads its own shards when fit sets it up.
                 load_pending_sharded_weights(self)
+        if folder is not None:
+            self._default_run_folder = folder
         return checkpoint
+
+    def _run_folder_to_continue(self, path: Optional[str]) -> ExperimentFolder:
+        if self.experiment_folder is not None:
+            raise ValueError("continue_run_folder=True is for a plain TrainLoop: a preset continues in its run folder "
+                             "with auto_resume=True (see the checkpointing docs)")
+        if not isinstance(path, str):
+            raise ValueError("continue_run_folder=True needs the checkpoint's path (a dict: pass source=<its file>)")
+        current = self._default_run_folder
+        if current.reserved or self._run_folders.announced(current):
+            raise ValueError(f"continue_run_folder=True: this TrainLoop already writes into {current.path}; "
+                             "continue in another run's folder with a new TrainLoop")
+        return continued_run_folder(path)
 
     # --- training ---------------------------------------------------------------------------------------
     def __call__(self, num_epochs: int = 0, num_iterations: int = 0, callbacks: Optional[List[AbstractCallback]] = None,
