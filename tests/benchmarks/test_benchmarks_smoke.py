@@ -31,6 +31,7 @@ def table_rows(output: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_overhead_quick_prints_a_row_per_scenario_with_identical_weights():
     output = run_benchmark("overhead.py", "--no-lightning")
     rows = table_rows(output)
@@ -66,6 +67,7 @@ def test_amp_modes_quick_prints_a_row_per_mode(model):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_spike_rollback_benchmarks_quick_run_without_a_false_alarm():
     alarms = run_benchmark("spike_alarms.py")
     assert "false alarms in 2 healthy runs: 0" in alarms and "NaN losses caught: 2 of 2 (100%)" in alarms

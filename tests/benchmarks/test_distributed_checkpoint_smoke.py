@@ -52,6 +52,7 @@ def test_distributed_quick_prints_both_runners_with_identical_weights():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_checkpoint_quick_prints_a_row_per_variant_and_the_stall():
     output = run_benchmark("checkpoint.py")
     rows = table(output, "variant")

@@ -141,7 +141,7 @@ def test_a_noisy_small_batch_run_raises_no_alarm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch_size", [32, 8])
+@pytest.mark.parametrize("batch_size", [32, pytest.param(8, marks=pytest.mark.extended)])
 def test_the_quickstart_trains_its_15_epochs_without_an_alarm(batch_size):
     tl, poison = quickstart_run(batch_size, 15, SpikeRollback())
     assert tl.rollbacks == []

@@ -167,6 +167,7 @@ def run_job(folder, **environment) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_requeued_job_resumes_to_the_same_stop_and_then_keeps_its_final_model(tmp_path):
     straight = runpy.run_path(SCRIPT)["main"](str(tmp_path / "straight"))
     assert straight["trained_epochs"] == [0, 1, 2, 3]

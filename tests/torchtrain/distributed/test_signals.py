@@ -148,6 +148,7 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_workers_that_do_not_stop_within_the_grace_period_are_killed(tmp_path):
     """A batch that outlasts signal_grace_s: no checkpoint can be written; the processes are killed."""
     returncode, stderr, saved = signal_in_epoch_1(tmp_path, signal.SIGTERM, grace_s=2.0, hang=True)

@@ -159,6 +159,7 @@ def start_two_jobs_in_one_second(tmp_path: Path, root: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_lazy_jobs_started_in_the_same_second_write_into_their_own_folders(tmp_path):
     """Both jobs build their preset in the same second (lazy_experiment_save, 2 processes each):
     each writes every checkpoint into its own run folder, named after that folder, with its own hyperparameters,
@@ -178,7 +179,8 @@ def test_two_lazy_jobs_started_in_the_same_second_write_into_their_own_folders(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, pytest.param(3, marks=pytest.mark.extended)])
+@pytest.mark.extended  # (item 33.4-12 review: the suite within 15 minutes; CI runs the extended tier)
+@pytest.mark.parametrize("processes", [1, 3])
 def test_a_mid_epoch_checkpoint_of_two_processes_resumed_by_another_number_falls_back_to_the_epoch_end(
         tmp_path, processes):
     """Saved by 2 processes with the newest checkpoint in the middle of epoch 1, resumed by 1 or 3: the run
