@@ -67,7 +67,7 @@ def assert_trained_one_epoch(output: str, folder: Path) -> dict:
     # dynamic scale (bfloat16 is not scaled unless asked): starts at 2**16 and may have moved
     ("O2", ["--loss-scale", "dynamic"], None, "14 bfloat16, 24 float32"),
     pytest.param("O3", [], 1.0, "38 bfloat16", marks=pytest.mark.extended),
-    ("O3", ["--keep-batchnorm-fp32", "True"], 1.0, "14 bfloat16, 24 float32"),
+    pytest.param("O3", ["--keep-batchnorm-fp32", "True"], 1.0, "14 bfloat16, 24 float32", marks=pytest.mark.extended),
 ])
 def test_summary_commands(tiny_imagefolder, tmp_path, opt_level, options, loss_scale, dtypes):
     output = train(tiny_imagefolder, tmp_path, "--opt-level", opt_level, *options)

@@ -38,7 +38,7 @@ def check_report(output: str, config: str, launcher: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("config", ["config_fp32.py", "config_AMP_apex.py"])
+@pytest.mark.parametrize("config", [pytest.param("config_fp32.py", marks=pytest.mark.extended), "config_AMP_apex.py"])
 def test_plain_python_single_process(config):
     output = run(train_command(config), cwd=FOLDER).stdout
     # 10 classes: chance is 0.1; the prototypes are easy to tell apart even for a tiny ViT.
