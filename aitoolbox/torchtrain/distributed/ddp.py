@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.distributed.data import (
-    distributed_eval_loader, distributed_train_loader, peek_seed, sampler_random_state_digest)
+    distributed_eval_loader, distributed_train_loader, peek_seed, sampler_random_state_digest, sharded_order_digest)
 from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.rendezvous import init_job_process_group
@@ -158,19 +158,31 @@ class DistributedStrategy(SingleDeviceStrategy):
         seed = self.broadcast_object(peek_seed())
         try:
             prepared = distributed_train_loader(loader, self.rank, self.world_size, shuffle, seed)
-            outcome = ("ok", sampler_random_state_digest(prepared))
+            outcome = ("ok", sampler_random_state_digest(prepared), sharded_order_digest(prepared))
         except ValueError as error:  # raised in every process below, so that none waits for the others
             outcome = ("error", str(error))
         outcomes = self.all_gather_objects(outcome)
-        for rank, (status, detail) in enumerate(outcomes):
+        for rank, (status, detail, *_) in enumerate(outcomes):
             if status == "error":
                 raise ValueError(detail if rank == self.rank else f"rank {rank} refused its training loader: {detail}")
-        if len({detail for _, detail in outcomes}) > 1:
-            differing = [rank for rank, (_, detail) in enumerate(outcomes) if detail != outcomes[0][1]]
+        if len({detail for _, detail, _ in outcomes}) > 1:
+            differing = [rank for rank, (_, detail, _) in enumerate(outcomes) if detail != outcomes[0][1]]
             raise ValueError(f"the training sampler's own random state differs between the processes (ranks "
                              f"{differing} differ from rank 0): each would draw another order, training some samples "
                              "twice and others never. Build the sampler and its generator with the same seed in every "
                              "process")
+        if len({order for _, _, order in outcomes}) > 1:
+            # The sampler draws per process (it shards by itself unannounced): sharding it again would train a
+            # fraction of the data set silently.
+            lengths = {rank: order[1] for rank, (_, _, order) in enumerate(outcomes)}
+            name = outcomes[0][2][0]
+            raise ValueError(f"the training loader's sampler {name} draws another order in each process (lengths "
+                             f"by rank: {lengths}; the same seed and state in every process): it seems to shard by "
+                             "itself, e.g. by torch.distributed.get_rank() or through a DistributedSampler it builds, "
+                             "and fit_distributed would shard its part again, training a fraction of the data set. "
+                             f"Give {name} the attributes num_replicas and rank (a sampler with them is used as "
+                             "given), or let it draw the whole data set alike in every process, which "
+                             "fit_distributed shards")
         return prepared
 
     def setup_eval_loader(self, loader: Optional[DataLoader]) -> Optional[DataLoader]:

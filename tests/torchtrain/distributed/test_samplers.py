@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import (
     DataLoader, DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -424,3 +425,56 @@ def seeded_by_rank(rank: int, world_size: int) -> str:
 def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process():
     for message in run_distributed(seeded_by_rank, world_size=2):
         assert "random state differs between the processes (ranks [1] differ from rank 0)" in message
+
+
+class ShardsByRank(torch.utils.data.Sampler):
+    """Shards itself by torch.distributed's rank in ``__iter__``, with no num_replicas and rank attributes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size // 2
+
+    def __iter__(self):
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return iter(range(rank, self.size, world_size))
+
+
+class WrapsItsOwnDistributedSampler(torch.utils.data.Sampler):
+    """Builds a DistributedSampler itself, at the first draw, and hides it (no ``sampler`` attribute)."""
+
+    def __init__(self, data):
+        self.data, self.inner = data, None
+
+    def _inner(self):
+        if self.inner is None:
+            self.inner = DistributedSampler(self.data, shuffle=False)
+        return self.inner
+
+    def __len__(self):
+        return len(self._inner()) if dist.is_initialized() else len(self.data)
+
+    def __iter__(self):
+        return iter(self._inner())
+
+
+def self_sharding_in_rank(rank: int, world_size: int, kind: str) -> str:
+    join_as_torchrun(rank, world_size)
+    model = make_model(IndexRecordingRegressor)
+    data = regression_data(NUM_SAMPLES)
+    sampler = ShardsByRank(NUM_SAMPLES) if kind == "by rank" else WrapsItsOwnDistributedSampler(data)
+    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    with pytest.raises(ValueError) as error:
+        tl.fit(num_epochs=1)
+    assert model.trained_indices == []
+    return str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["by rank", "hidden DistributedSampler"])
+def test_a_sampler_that_shards_by_itself_unannounced_is_refused_not_sharded_again(kind):
+    """Sharding its per-process part again would train a fraction of the data set silently (review of issue 33, D4)."""
+    for message in run_distributed(self_sharding_in_rank, world_size=2, args=(kind,)):
+        assert "draws another order in each process" in message and "num_replicas and rank" in message
