@@ -7,6 +7,7 @@ DistributedSampler is used as given; a batch sampler is sharded by whole batches
 refused before training.
 """
 import os
+import types
 
 import pytest
 import torch
@@ -407,11 +408,27 @@ def test_a_validation_split_is_evaluated_on_its_own_samples():
         assert indices == list(range(32)) and loss == pytest.approx(expected, rel=1e-5)
 
 
-def seeded_by_rank(rank: int, world_size: int) -> str:
+class SeededOneObjectDown(torch.utils.data.Sampler):
+    """Its generator one object down (``self.cfg.generator``), where the comparison looks too."""
+
+    def __init__(self, data, seed: int):
+        self.cfg = types.SimpleNamespace(generator=torch.Generator().manual_seed(seed))
+        self.size = len(data)
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=self.cfg.generator).tolist())
+
+
+def seeded_by_rank(rank: int, world_size: int, nested: bool = False) -> str:
     join_as_torchrun(rank, world_size)
     model = make_model(IndexRecordingRegressor)
     data = regression_data(NUM_SAMPLES)
-    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(rank))  # a per-rank seed: a mistake here
+    # A per-rank seed: a mistake here.
+    sampler = SeededOneObjectDown(data, rank) if nested else RandomSampler(
+        data, generator=torch.Generator().manual_seed(rank))
     tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
                    torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
                    end_auto_eval=False, gpu_mode="ddp")
@@ -422,8 +439,9 @@ def seeded_by_rank(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.slow
-def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process():
-    for message in run_distributed(seeded_by_rank, world_size=2):
+@pytest.mark.parametrize("nested", [False, True], ids=["sampler.generator", "sampler.cfg.generator"])
+def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process(nested):
+    for message in run_distributed(seeded_by_rank, world_size=2, args=(nested,)):
         assert "random state differs between the processes (ranks [1] differ from rank 0)" in message
 
 
