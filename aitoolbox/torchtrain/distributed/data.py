@@ -217,6 +217,18 @@ def distributed_train_loader(loader: Optional[DataLoader], rank: int, world_size
     return type(loader)(loader.dataset, sampler=ShardedSampler(sampler, rank, world_size, seed), **options)
 
 
+def equal_batch_counts_by_construction(loader: Any) -> bool:
+    """Whether every process's ``loader`` yields as many batches by construction: its sampler (batch sampler) is
+    the sharding wrapper, which pads the order to a multiple of the processes, or torch's ``DistributedSampler``,
+    which pads or drops to an equal share. Any other loader (an ``IterableDataset`` the user shards, a sampler of
+    the user's with ``num_replicas`` and ``rank``, an iterable that is no DataLoader) may give uneven counts."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return False
+    sampler, _ = _user_sampler(loader)
+    return isinstance(sampler, (ShardedSampler, DistributedSampler)) or (
+        isinstance(sampler, BatchSampler) and isinstance(sampler.sampler, (ShardedSampler, DistributedSampler)))
+
+
 def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
     """The samples an evaluation loader's sampler covers, in its order; None: the whole data set in order.
 

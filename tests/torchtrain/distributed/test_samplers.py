@@ -17,6 +17,8 @@ from torch.utils.data import (
     DataLoader, DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.distributed.data import equal_batch_counts_by_construction
+from aitoolbox.torchtrain.distributed.sharding import ShardedSampler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.combinations.support import join_as_torchrun
 from tests.distributed_helpers import run_distributed
@@ -496,3 +498,46 @@ def test_a_sampler_that_shards_by_itself_unannounced_is_refused_not_sharded_agai
     """Sharding its per-process part again would train a fraction of the data set silently (review of issue 33, D4)."""
     for message in run_distributed(self_sharding_in_rank, world_size=2, args=(kind,)):
         assert "draws another order in each process" in message and "num_replicas and rank" in message
+
+
+class RankShardedStream(torch.utils.data.IterableDataset):
+    """Shards itself by rank (as the docs suggest for an IterableDataset); 33 samples: rank 0 gets one more."""
+
+    def __init__(self, size: int):
+        self.data = regression_data(size)
+
+    def __iter__(self):
+        for index in range(dist.get_rank(), len(self.data), dist.get_world_size()):
+            yield self.data[index]
+
+
+def uneven_stream_in_rank(rank: int, world_size: int, size: int):
+    join_as_torchrun(rank, world_size)
+    model = make_model(IndexRecordingRegressor)
+    tl = TrainLoop(model, DataLoader(RankShardedStream(size), batch_size=BATCH), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    try:
+        tl.fit(num_epochs=1)
+    except ValueError as error:
+        return str(error)
+    return len(model.trained_indices)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the training loader iterates an IterableDataset")
+def test_an_iterable_dataset_sharded_unevenly_stops_every_process_with_the_counts_not_a_collective_abort():
+    """33 samples in batches of 4: 5 batches in rank 0, 4 in rank 1 (review of issue 33, D11); 32 train evenly."""
+    for message in run_distributed(uneven_stream_in_rank, world_size=2, args=(33,), timeout=60):
+        assert "different numbers of batches this epoch (rank 0: more than 4, rank 1: 4)" in message
+    assert run_distributed(uneven_stream_in_rank, world_size=2, args=(32,), timeout=60) == [4, 4]
+
+
+def test_loaders_sharded_into_equal_parts_need_no_agreement_per_batch():
+    data = regression_data(NUM_SAMPLES)
+    sharded = ShardedSampler(RandomSampler(data), rank=0, world_size=2)
+    assert equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH, sampler=sharded))
+    assert equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(
+        data, num_replicas=2, rank=0)))
+    assert not equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH))
+    assert not equal_batch_counts_by_construction([data[0]])
