@@ -325,8 +325,9 @@ def sampler_random_state_digest(loader: Any) -> str:
 
 
 def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
-    """The class name, the length and a digest of the whole order the user's sampler inside ``loader``'s sharding wrapper draws in
-    this process, drawn as the wrapper draws it (from the shared seed); ``("", 0, "")`` for a loader used as given.
+    """The class name, the length and a digest of the whole order the user's sampler inside ``loader``'s sharding
+    wrapper draws in this process, drawn as the wrapper draws it (from the shared seed); ``("", 0, "")`` for a
+    loader used as given.
 
     Sharding positions ``r, r + W, ...`` of that order is right only when every process draws the same order. A
     sampler that shards by itself without saying so (it reads ``torch.distributed.get_rank()`` in ``__iter__``, or
