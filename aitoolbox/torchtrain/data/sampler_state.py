@@ -12,7 +12,9 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
 * else a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a
   sampler whose random state is out of reach can still expose it);
 * otherwise its attributes that hold a ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator,
-  or a torch ``Generator`` are saved and restored by value;
+  or a torch ``Generator`` are saved and restored by value, keyed by attribute path: looked for up to ``_DEPTH``
+  attributes down through the plain objects the sampler holds (``cfg.rng``, a wrapper's ``base.rng``), since a
+  random state one object down drives the order just the same;
 * a random state that cannot be saved (``random.SystemRandom``, which draws from the operating system; generators
   inside a list or dict attribute) is named in a warning: a resumed run will not draw that sampler's order again.
 
@@ -23,12 +25,13 @@ import contextlib
 import itertools
 import logging
 import random
+import types
 import warnings
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ logger = logging.getLogger(__name__)
 # of processes lacks (or has) them, which is not a change of the user's loader.
 _WORLD_SIZE_SPECIFIC = ("ShardedSampler", "ShardedBatchSampler")
 _ITEMS_LOOKED_AT = 8
+# How many attributes down a sampler's random state is looked for (``self.cfg.rng``, ``self.base.cfg.rng``).
+_DEPTH = 3
 _SAVEABLE = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator, torch.Generator)
 
 
@@ -123,25 +128,50 @@ def _set_rng_state(rng: Any, state: Any) -> None:
         (rng.bit_generator if isinstance(rng, np.random.Generator) else rng).state = state
 
 
-def _own_rngs(sampler: Any, known: List[torch.Generator], warn: bool = True) -> Dict[str, Any]:
-    """The sampler's attributes holding a random number generator it owns (not one of ``known``, the loader's
-    torch generators, saved with them); warns (``warn``) about those that cannot be saved."""
+def _own_rngs(sampler: Any, known: List[torch.Generator], warn: bool = True, others: Iterable[Any] = ()
+              ) -> Dict[str, Any]:
+    """The random number generators the sampler owns (not one of ``known``, the loader's torch generators, saved
+    with them), keyed by attribute path: its attributes and, down to ``_DEPTH`` attributes, those of the plain
+    objects it holds (``cfg.rng``, a wrapper's ``base.rng``, a mixer's ``first.generator``). Warns (``warn``)
+    about those that cannot be saved, naming their path. ``others``: the loader's other samplers, not looked
+    into (their states are saved under their own keys)."""
     saveable: Dict[str, Any] = {}
-    for name, value in vars(sampler).items() if hasattr(sampler, "__dict__") else ():
-        if isinstance(value, random.SystemRandom):
-            if warn:
-                _warn_unsaved(sampler, f"attribute {name!r} is a random.SystemRandom, which draws from the operating "
-                                       "system and has no state to save")
-        elif isinstance(value, _SAVEABLE):
-            if not any(value is generator for generator in known):
-                saveable[name] = value
-        elif isinstance(value, (list, tuple, dict)) and warn:
-            # The first few items only: a sampler's list of indices may hold millions.
-            items = itertools.islice(value.values() if isinstance(value, dict) else value, _ITEMS_LOOKED_AT)
-            if any(isinstance(item, _SAVEABLE) for item in items):
-                _warn_unsaved(sampler, f"attribute {name!r} holds random number generators inside a "
-                                       f"{type(value).__name__}, which are not saved")
+    # Objects looked into already (cycles, and an object reached twice) and the loader's other samplers, whose
+    # states are saved under their own keys.
+    seen = {id(sampler)} | {id(other) for other in others}
+    pending = [("", sampler, 1)]
+    while pending:
+        prefix, owner, depth = pending.pop(0)
+        for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+            path = f"{prefix}{name}"
+            if isinstance(value, random.SystemRandom):
+                if warn:
+                    _warn_unsaved(sampler, f"attribute {path!r} is a random.SystemRandom, which draws from the "
+                                           "operating system and has no state to save")
+            elif isinstance(value, _SAVEABLE):
+                if not any(value is generator for generator in known) and id(value) not in seen:
+                    seen.add(id(value))
+                    saveable[path] = value
+            elif isinstance(value, (list, tuple, dict)) and warn:
+                # The first few items only: a sampler's list of indices may hold millions.
+                items = itertools.islice(value.values() if isinstance(value, dict) else value, _ITEMS_LOOKED_AT)
+                if any(isinstance(item, _SAVEABLE) for item in items):
+                    _warn_unsaved(sampler, f"attribute {path!r} holds random number generators inside a "
+                                           f"{type(value).__name__}, which are not saved")
+            elif depth < _DEPTH and _looked_into(value) and id(value) not in seen:
+                seen.add(id(value))
+                pending.append((f"{path}.", value, depth + 1))
     return saveable
+
+
+def _looked_into(value: Any) -> bool:
+    """Whether a sampler's attribute is a plain object whose own attributes may hold its random state: not a
+    class, module or function (a module's attributes are its globals: ``random`` holds the global generator), not
+    a dataset (its random states are augmentation, not the order, and may differ by rank on purpose), a tensor,
+    an array or a torch module."""
+    return hasattr(value, "__dict__") and not isinstance(value, (
+        type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, Dataset,
+        torch.Tensor, np.ndarray, torch.nn.Module))
 
 
 def _warn_unsaved(sampler: Any, why: str) -> None:
@@ -163,14 +193,15 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
         known_generators = loader_generators(loader)
     known = list(known_generators)
     states: Dict[str, Any] = {}
-    for key, sampler in keyed_samplers(loader).items():
+    samplers = keyed_samplers(loader)
+    for key, sampler in samplers.items():
         if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
             states[key] = {"random_state": sampler.random_state_dict()}
             continue
         if _has_methods(sampler, "state_dict", "load_state_dict"):
             states[key] = {"state_dict": sampler.state_dict()}
             continue
-        rngs = _own_rngs(sampler, known)
+        rngs = _own_rngs(sampler, known, others=samplers.values())
         if rngs:
             states[key] = {"attributes": {name: _rng_state(rng) for name, rng in rngs.items()}}
     return states
@@ -198,7 +229,7 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
         # Only the attributes a capture of this sampler saves now: the names come from the checkpoint, and
         # getattr of any other name ('__class__', 'data_source') would let the file write into a class every
         # sampler shares or into the user's dataset.
-        rngs = _own_rngs(sampler, loader_generators(loader), warn=False)
+        rngs = _own_rngs(sampler, loader_generators(loader), warn=False, others=current.values())
         unknown = sorted(str(name) for name in saved["attributes"] if name not in rngs)
         if unknown:
             raise ValueError(f"the random state saved for the training sampler {key} names attribute(s) {unknown}, "

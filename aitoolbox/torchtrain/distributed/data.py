@@ -1,4 +1,5 @@
 """Data loaders for distributed training: every DataLoader option kept, the user's sampler sharded across ranks."""
+import copy
 import hashlib
 import logging
 from typing import Any, Iterator, List, Optional, Tuple
@@ -216,6 +217,18 @@ def distributed_train_loader(loader: Optional[DataLoader], rank: int, world_size
     return type(loader)(loader.dataset, sampler=ShardedSampler(sampler, rank, world_size, seed), **options)
 
 
+def equal_batch_counts_by_construction(loader: Any) -> bool:
+    """Whether every process's ``loader`` yields as many batches by construction: its sampler (batch sampler) is
+    the sharding wrapper, which pads the order to a multiple of the processes, or torch's ``DistributedSampler``,
+    which pads or drops to an equal share. Any other loader (an ``IterableDataset`` the user shards, a sampler of
+    the user's with ``num_replicas`` and ``rank``, an iterable that is no DataLoader) may give uneven counts."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return False
+    sampler, _ = _user_sampler(loader)
+    return isinstance(sampler, (ShardedSampler, DistributedSampler)) or (
+        isinstance(sampler, BatchSampler) and isinstance(sampler.sampler, (ShardedSampler, DistributedSampler)))
+
+
 def evaluation_indices(loader: DataLoader) -> Optional[List[int]]:
     """The samples an evaluation loader's sampler covers, in its order; None: the whole data set in order.
 
@@ -309,6 +322,35 @@ def sampler_random_state_digest(loader: Any) -> str:
     states = capture_sampler_states(loader)
     _feed(digest, {key: state for key, state in states.items() if key not in rank_aware})
     return digest.hexdigest()
+
+
+def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
+    """The class name, the length and a digest of the whole order the user's sampler inside ``loader``'s sharding
+    wrapper draws in this process, drawn as the wrapper draws it (from the shared seed); ``("", 0, "")`` for a
+    loader used as given.
+
+    Sharding positions ``r, r + W, ...`` of that order is right only when every process draws the same order. A
+    sampler that shards by itself without saying so (it reads ``torch.distributed.get_rank()`` in ``__iter__``, or
+    wraps a ``DistributedSampler`` it builds itself, with no ``num_replicas`` and ``rank``) draws its own part in
+    each process, and sharding that again would train a fraction of it silently: the processes' digests tell.
+    The draw is made on a shallow copy of the sampler, its random states put back afterwards, so that the check
+    changes nothing the epochs draw.
+    """
+    wrappers = [sampler for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+                if isinstance(sampler, ShardedSampler)]
+    if not wrappers:
+        return "", 0, ""
+    wrapper = wrappers[0]
+    try:
+        user_sampler = copy.copy(wrapper.sampler)  # a counter it advances in __iter__ stays the user's own
+    except Exception:  # a sampler that cannot be copied is drawn from itself: its random states are put back
+        user_sampler = wrapper.sampler
+    with preserved_random_states(loader), shared_global_random_state(wrapper.seed % 2 ** 63):
+        order = [_plain_key(key) if not isinstance(key, (list, tuple)) else [_plain_key(item) for item in key]
+                 for key in user_sampler]
+    digest = hashlib.sha256()
+    _feed(digest, order)
+    return type(wrapper.sampler).__name__, len(order), digest.hexdigest()
 
 
 def _feed(digest: Any, value: Any) -> None:

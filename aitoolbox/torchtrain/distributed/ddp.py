@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.distributed.data import (
-    distributed_eval_loader, distributed_train_loader, peek_seed, sampler_random_state_digest)
+    distributed_eval_loader, distributed_train_loader, equal_batch_counts_by_construction, peek_seed,
+    sampler_random_state_digest, sharded_order_digest)
 from aitoolbox.torchtrain.distributed.dispatch import MethodDispatcher, ParallelModelRunner
 from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.rendezvous import init_job_process_group
@@ -21,6 +22,9 @@ from aitoolbox.torchtrain.distributed.strategy import SingleDeviceStrategy
 from aitoolbox.torchtrain.data.sampler_state import loader_samplers
 
 logger = logging.getLogger(__name__)
+
+
+_EXHAUSTED = object()  # what next() gives for a loader that ran out (see DistributedStrategy.agreed_batches)
 
 
 class DistributedStrategy(SingleDeviceStrategy):
@@ -158,23 +162,72 @@ class DistributedStrategy(SingleDeviceStrategy):
         seed = self.broadcast_object(peek_seed())
         try:
             prepared = distributed_train_loader(loader, self.rank, self.world_size, shuffle, seed)
-            outcome = ("ok", sampler_random_state_digest(prepared))
+            outcome = ("ok", sampler_random_state_digest(prepared), sharded_order_digest(prepared))
         except ValueError as error:  # raised in every process below, so that none waits for the others
             outcome = ("error", str(error))
         outcomes = self.all_gather_objects(outcome)
-        for rank, (status, detail) in enumerate(outcomes):
+        for rank, (status, detail, *_) in enumerate(outcomes):
             if status == "error":
                 raise ValueError(detail if rank == self.rank else f"rank {rank} refused its training loader: {detail}")
-        if len({detail for _, detail in outcomes}) > 1:
-            differing = [rank for rank, (_, detail) in enumerate(outcomes) if detail != outcomes[0][1]]
+        if len({detail for _, detail, _ in outcomes}) > 1:
+            differing = [rank for rank, (_, detail, _) in enumerate(outcomes) if detail != outcomes[0][1]]
             raise ValueError(f"the training sampler's own random state differs between the processes (ranks "
                              f"{differing} differ from rank 0): each would draw another order, training some samples "
                              "twice and others never. Build the sampler and its generator with the same seed in every "
                              "process")
+        if len({order for _, _, order in outcomes}) > 1:
+            # The sampler draws per process (it shards by itself unannounced): sharding it again would train a
+            # fraction of the data set silently.
+            lengths = {rank: order[1] for rank, (_, _, order) in enumerate(outcomes)}
+            name = outcomes[0][2][0]
+            raise ValueError(f"the training loader's sampler {name} draws another order in each process (lengths "
+                             f"by rank: {lengths}; the same seed and state in every process): it seems to shard by "
+                             "itself, e.g. by torch.distributed.get_rank() or through a DistributedSampler it builds, "
+                             "and fit_distributed would shard its part again, training a fraction of the data set. "
+                             f"Give {name} the attributes num_replicas and rank (a sampler with them is used as "
+                             "given), or let it draw the whole data set alike in every process, which "
+                             "fit_distributed shards")
         return prepared
 
     def setup_eval_loader(self, loader: Optional[DataLoader]) -> Optional[DataLoader]:
         return distributed_eval_loader(loader, self.rank, self.world_size)
+
+    def agreed_batches(self, batches: Iterator[Any], loader: Any) -> Iterator[Any]:
+        """``batches``, where the loader may give the processes uneven counts (an ``IterableDataset`` sharded by the
+        user; see :func:`~.data.equal_batch_counts_by_construction`), with the processes agreeing before each batch
+        that all of them have one: a process whose loader ran out while another's had a batch would leave the
+        others waiting in a collective it never joins (gloo aborts, NCCL hangs). A collective per batch.
+
+        Raises:
+            ValueError: in every process, at the first batch some processes have and others do not, naming each
+                process's count.
+        """
+        if equal_batch_counts_by_construction(loader):
+            return batches
+        return self._agreed(batches)
+
+    def _agreed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        iterator, count = iter(batches), 0
+        while True:
+            item = next(iterator, _EXHAUSTED)
+            has = 0.0 if item is _EXHAUSTED else 1.0
+            flags = torch.tensor([has, -has], device=self.device)  # (min of has, -max of has) in one reduction
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            every, some = flags[0].item() == 1.0, -flags[1].item() == 1.0
+            if every:
+                count += 1
+                yield item
+                continue
+            if not some:
+                return
+            counts = self.all_gather_objects((count, item is _EXHAUSTED))
+            shown = ", ".join(f"rank {rank}: {done if exhausted else f'more than {done}'}"
+                              for rank, (done, exhausted) in enumerate(counts))
+            raise ValueError(f"the training loader gives the processes different numbers of batches this epoch "
+                             f"({shown}): DDP's processes step together, so each must train as "
+                             "many. Shard the data evenly (e.g. an IterableDataset giving every rank as many "
+                             "samples, the remainder dropped or repeated), or use a map-style dataset, whose sampler "
+                             "fit_distributed shards into equal parts")
 
     def on_epoch_begin(self, epoch: int, loader: Optional[DataLoader] = None) -> None:
         # Every sampler the loader draws from (a user's DistributedSampler, also inside a batch sampler; the

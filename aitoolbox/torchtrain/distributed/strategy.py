@@ -9,7 +9,7 @@ has prepared it), to prepare the data loaders
 """
 import contextlib
 import warnings
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -118,6 +118,11 @@ class SingleDeviceStrategy:
 
     def on_epoch_begin(self, epoch: int, loader: Optional[DataLoader] = None) -> None:
         """Hook for per-epoch state such as a distributed sampler's epoch."""
+
+    def agreed_batches(self, batches: Iterator[Any], loader: Any) -> Iterator[Any]:
+        """The epoch's ``batches`` of the training ``loader``, checked (where several processes train) to be as many
+        in every process; a single process has nothing to agree on."""
+        return batches
 
     def any_process(self, flag: bool) -> bool:
         """True if ``flag`` is True in any process (so that all processes decide alike)."""

@@ -22,9 +22,10 @@ from aitoolbox.torchtrain.distributed.environment import ProcessPlacement
 from aitoolbox.torchtrain.distributed.worker import DistributedJob, FitArguments
 from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.interrupts import DEFAULT_SIGNAL_GRACE_S
-from aitoolbox.experiment.local_save.checkpoints import MODEL_KEY, OPTIMIZER_KEY
+from aitoolbox.experiment.local_save.checkpoints import MODEL_KEY, OPTIMIZER_KEY, failures_named
 from aitoolbox.torchtrain.train_loop.train_state import (
-    capture_rng_state, restore_callback_states, restore_rng_state, restore_train_state, saved_optimizer_states)
+    capture_rng_state, check_resumable_by, restore_callback_states, restore_rng_state, restore_train_state,
+    saved_optimizer_states)
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -405,6 +406,9 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
     per_node = processes_per_node(options.num_gpus, options.num_cpu_processes, use_cuda=backend != "gloo")
     if not _train_loader_built_in_process(options):  # refused before any process starts (each checks it again)
         check_train_loader(tl.train_loader, options.num_nodes * per_node, _shuffle(options.train_data_shuffle))
+    if tl.pending_restore is not None:  # a loaded mid-epoch checkpoint of another world size: refused here too
+        with failures_named(tl.run_state.pending_source):
+            check_resumable_by(tl.pending_restore, options.num_nodes * per_node)
     if not options.data_load_callbacks():  # (else each process may build its own: each checks them)
         for which, loaders in (("validation", tl.validation_loader), ("test", tl.test_loader)):
             for loader in (loaders.values() if isinstance(loaders, dict) else [loaders]):

@@ -1044,7 +1044,8 @@ class TrainLoop:
         exception interrupted, if ``resume`` says so)."""
         state, run_state = self.state, self.run_state
         num_batches = run_state.epoch_length(self.train_loader)  # without the batches a rollback left out
-        batches = run_state.epoch_batches(self.train_loader, resume, self.device)
+        batches = self.strategy.agreed_batches(run_state.epoch_batches(self.train_loader, resume, self.device),
+                                               self.train_loader)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
         with contextlib.closing(bar):
             finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)

@@ -347,6 +347,25 @@ def _apply_pending_states(tl: "TrainLoop", checkpoint: dict) -> Optional[MidEpoc
     return None
 
 
+def check_resumable_by(checkpoint: dict, world_size: int) -> None:
+    """Refuse a mid-epoch checkpoint that ``world_size`` processes cannot continue: one saved by another number of
+    processes. ``fit_distributed`` checks it before starting any process, and each process again at the start of
+    fit (a checkpoint loaded there, or a torchrun job's).
+
+    Raises:
+        ValueError: the saved and the current number of processes, and what to do instead.
+    """
+    rng_states = checkpoint.get("rng")
+    if rng_states is None or len(rng_states) == world_size or not checkpoint["iteration"] > 0:
+        return
+    saved_world_size = len(rng_states)
+    raise ValueError(f"the checkpoint was saved by {saved_world_size} process(es) in the middle of an epoch and "
+                     f"is resumed by {world_size}: a mid-epoch checkpoint continues only with the same number of "
+                     f"processes (the epoch's batches were split among them). Resume with {saved_world_size} "
+                     "process(es), or from an epoch-end checkpoint (auto_resume takes the run's newest epoch-end "
+                     "checkpoint by itself in this case)")
+
+
 def continue_with_another_world_size(tl: "TrainLoop", checkpoint: dict, saved_world_size: int) -> None:
     """An epoch-end checkpoint resumed by a different number of processes: the weights, optimizer and training
     state carry over, but each process now sees another share of the data, so the run goes on from the next
@@ -356,12 +375,7 @@ def continue_with_another_world_size(tl: "TrainLoop", checkpoint: dict, saved_wo
         ValueError: a mid-epoch checkpoint: the batches done so far were another split of the data.
     """
     world_size = tl.strategy.world_size
-    if checkpoint["iteration"] > 0:
-        raise ValueError(f"the checkpoint was saved by {saved_world_size} process(es) in the middle of an epoch and "
-                         f"is resumed by {world_size}: a mid-epoch checkpoint continues only with the same number of "
-                         "processes (the epoch's batches were split among them). Resume with "
-                         f"{saved_world_size} process(es), or from an epoch-end checkpoint (auto_resume takes the run's newest "
-                         "epoch-end checkpoint by itself in this case)")
+    check_resumable_by(checkpoint, world_size)
     if tl.strategy.is_main_process:
         logger.warning("the checkpoint was saved by %d process(es) and is resumed by %d: training continues from "
                        "epoch %d with the saved weights and optimizer state, but not bitwise as the saved run would "

@@ -3,13 +3,14 @@ resumed run draws the epoch's order again from the state the sampler had at the 
 ``state_dict()`` / ``load_state_dict()`` when it has them, else through its random-number-generator attributes; a
 state that cannot be saved is named in a warning (issue 33, item 3)."""
 import random
+import types
 import warnings
 from typing import Iterator, List
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, RandomSampler, Sampler
 
 from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
 from tests.helpers import single_torch_thread
@@ -87,12 +88,60 @@ class ListOfGenerators(SystemRandomSampler):
         self.rng = [random.Random(0)]  # (draws from none of them: only the warning matters here)
 
 
+class NestedRandomSampler(Sampler[int]):
+    """Its ``random.Random`` one object down (``self.cfg.rng``), the config holding a cycle back to the sampler."""
+
+    def __init__(self, num_samples: int, rng: random.Random = None):
+        self.num_samples = num_samples
+        self.cfg = types.SimpleNamespace(rng=rng if rng is not None else random.Random(0), owner=self, module=random)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.cfg.rng.sample(range(self.num_samples), self.num_samples))
+
+
+class WrappedAsBase(Sampler[int]):
+    """A wrapper holding its inner sampler as ``.base`` (not ``.sampler``: the loader's chain does not reach it)."""
+
+    def __init__(self, base: Sampler):
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.base)
+
+
+class TwoSources(Sampler[int]):
+    """A mixer over two RandomSamplers drawing from generators of their own."""
+
+    def __init__(self, num_samples: int):
+        half = num_samples // 2
+        self.first = RandomSampler(range(half), generator=torch.Generator().manual_seed(1))
+        self.second = RandomSampler(range(num_samples - half), generator=torch.Generator().manual_seed(2))
+        self.half = half
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.first) + [self.half + index for index in self.second])
+
+
 SAMPLERS = {
     "bucketing batch sampler with random.Random": lambda: dict(batch_sampler=BucketBatchSampler(NUM_SAMPLES, BATCH_SIZE)),
     "numpy Generator, lazy, 2 workers": lambda: dict(sampler=NumpySampler(NUM_SAMPLES), batch_size=BATCH_SIZE,
                                                      num_workers=2),
     "numpy RandomState": lambda: dict(sampler=LegacyNumpySampler(NUM_SAMPLES), batch_size=BATCH_SIZE),
     "state_dict of its own": lambda: dict(sampler=HiddenStateSampler(NUM_SAMPLES), batch_size=BATCH_SIZE),
+    # Random states one object down (review of issue 33, D3): found through the sampler's attributes.
+    "random.Random at cfg.rng": lambda: dict(sampler=NestedRandomSampler(NUM_SAMPLES), batch_size=BATCH_SIZE),
+    "wrapper's base.rng (numpy)": lambda: dict(sampler=WrappedAsBase(NumpySampler(NUM_SAMPLES)),
+                                                     batch_size=BATCH_SIZE),
+    "two torch generators, first/second": lambda: dict(sampler=TwoSources(NUM_SAMPLES), batch_size=BATCH_SIZE),
 }
 
 
@@ -160,3 +209,21 @@ def test_a_saved_state_restores_only_the_generators_the_sampler_owns(planted):
     assert sampler.num_samples == NUM_SAMPLES and sampler.rng.bit_generator.state == rng_state
     assert not hasattr(type(sampler), "state") and not hasattr(torch.utils.data.SequentialSampler, "state")
     assert not hasattr(loader.dataset, "state")
+
+
+def test_random_states_one_object_down_are_keyed_by_their_path_and_cycles_end():
+    """The loop never looks into a module (``random``'s attributes hold the global generator)."""
+    loader = DataLoader(range(8), sampler=WrappedAsBase(NestedRandomSampler(8)), batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = capture_sampler_states(loader)
+    assert list(saved["WrappedAsBase:0"]["attributes"]) == ["base.cfg.rng"]
+    first = list(loader.sampler)
+    restore_sampler_states(loader, saved)
+    assert list(loader.sampler) == first
+
+
+def test_an_unsaveable_random_state_one_object_down_is_named_by_its_path():
+    loader = DataLoader(range(8), sampler=NestedRandomSampler(8, rng=random.SystemRandom()), batch_size=2)
+    with pytest.warns(UserWarning, match="NestedRandomSampler.*'cfg.rng' is a random.SystemRandom"):
+        capture_sampler_states(loader)

@@ -7,14 +7,18 @@ DistributedSampler is used as given; a batch sampler is sharded by whole batches
 refused before training.
 """
 import os
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import (
     DataLoader, DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.distributed.data import equal_batch_counts_by_construction
+from aitoolbox.torchtrain.distributed.sharding import ShardedSampler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.combinations.support import join_as_torchrun
 from tests.distributed_helpers import run_distributed
@@ -406,11 +410,27 @@ def test_a_validation_split_is_evaluated_on_its_own_samples():
         assert indices == list(range(32)) and loss == pytest.approx(expected, rel=1e-5)
 
 
-def seeded_by_rank(rank: int, world_size: int) -> str:
+class SeededOneObjectDown(torch.utils.data.Sampler):
+    """Its generator one object down (``self.cfg.generator``), where the comparison looks too."""
+
+    def __init__(self, data, seed: int):
+        self.cfg = types.SimpleNamespace(generator=torch.Generator().manual_seed(seed))
+        self.size = len(data)
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=self.cfg.generator).tolist())
+
+
+def seeded_by_rank(rank: int, world_size: int, nested: bool = False) -> str:
     join_as_torchrun(rank, world_size)
     model = make_model(IndexRecordingRegressor)
     data = regression_data(NUM_SAMPLES)
-    sampler = RandomSampler(data, generator=torch.Generator().manual_seed(rank))  # a per-rank seed: a mistake here
+    # A per-rank seed: a mistake here.
+    sampler = SeededOneObjectDown(data, rank) if nested else RandomSampler(
+        data, generator=torch.Generator().manual_seed(rank))
     tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
                    torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
                    end_auto_eval=False, gpu_mode="ddp")
@@ -421,6 +441,103 @@ def seeded_by_rank(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.slow
-def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process():
-    for message in run_distributed(seeded_by_rank, world_size=2):
+@pytest.mark.parametrize("nested", [False, True], ids=["sampler.generator", "sampler.cfg.generator"])
+def test_samplers_whose_random_states_differ_between_the_processes_are_refused_in_every_process(nested):
+    for message in run_distributed(seeded_by_rank, world_size=2, args=(nested,)):
         assert "random state differs between the processes (ranks [1] differ from rank 0)" in message
+
+
+class ShardsByRank(torch.utils.data.Sampler):
+    """Shards itself by torch.distributed's rank in ``__iter__``, with no num_replicas and rank attributes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self):
+        return self.size // 2
+
+    def __iter__(self):
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return iter(range(rank, self.size, world_size))
+
+
+class WrapsItsOwnDistributedSampler(torch.utils.data.Sampler):
+    """Builds a DistributedSampler itself, at the first draw, and hides it (no ``sampler`` attribute)."""
+
+    def __init__(self, data):
+        self.data, self.inner = data, None
+
+    def _inner(self):
+        if self.inner is None:
+            self.inner = DistributedSampler(self.data, shuffle=False)
+        return self.inner
+
+    def __len__(self):
+        return len(self._inner()) if dist.is_initialized() else len(self.data)
+
+    def __iter__(self):
+        return iter(self._inner())
+
+
+def self_sharding_in_rank(rank: int, world_size: int, kind: str) -> str:
+    join_as_torchrun(rank, world_size)
+    model = make_model(IndexRecordingRegressor)
+    data = regression_data(NUM_SAMPLES)
+    sampler = ShardsByRank(NUM_SAMPLES) if kind == "by rank" else WrapsItsOwnDistributedSampler(data)
+    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    with pytest.raises(ValueError) as error:
+        tl.fit(num_epochs=1)
+    assert model.trained_indices == []
+    return str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["by rank", "hidden DistributedSampler"])
+def test_a_sampler_that_shards_by_itself_unannounced_is_refused_not_sharded_again(kind):
+    """Sharding its per-process part again would train a fraction of the data set silently (review of issue 33, D4)."""
+    for message in run_distributed(self_sharding_in_rank, world_size=2, args=(kind,)):
+        assert "draws another order in each process" in message and "num_replicas and rank" in message
+
+
+class RankShardedStream(torch.utils.data.IterableDataset):
+    """Shards itself by rank (as the docs suggest for an IterableDataset); 33 samples: rank 0 gets one more."""
+
+    def __init__(self, size: int):
+        self.data = regression_data(size)
+
+    def __iter__(self):
+        for index in range(dist.get_rank(), len(self.data), dist.get_world_size()):
+            yield self.data[index]
+
+
+def uneven_stream_in_rank(rank: int, world_size: int, size: int):
+    join_as_torchrun(rank, world_size)
+    model = make_model(IndexRecordingRegressor)
+    tl = TrainLoop(model, DataLoader(RankShardedStream(size), batch_size=BATCH), None, None,
+                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
+                   end_auto_eval=False, gpu_mode="ddp")
+    try:
+        tl.fit(num_epochs=1)
+    except ValueError as error:
+        return str(error)
+    return len(model.trained_indices)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the training loader iterates an IterableDataset")
+def test_an_iterable_dataset_sharded_unevenly_stops_every_process_with_the_counts_not_a_collective_abort():
+    """33 samples in batches of 4: 5 batches in rank 0, 4 in rank 1 (review of issue 33, D11); 32 train evenly."""
+    for message in run_distributed(uneven_stream_in_rank, world_size=2, args=(33,), timeout=60):
+        assert "different numbers of batches this epoch (rank 0: more than 4, rank 1: 4)" in message
+    assert run_distributed(uneven_stream_in_rank, world_size=2, args=(32,), timeout=60) == [4, 4]
+
+
+def test_loaders_sharded_into_equal_parts_need_no_agreement_per_batch():
+    data = regression_data(NUM_SAMPLES)
+    sharded = ShardedSampler(RandomSampler(data), rank=0, world_size=2)
+    assert equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH, sampler=sharded))
+    assert equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(
+        data, num_replicas=2, rank=0)))
+    assert not equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH))
+    assert not equal_batch_counts_by_construction([data[0]])

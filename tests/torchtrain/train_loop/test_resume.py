@@ -28,7 +28,9 @@ from aitoolbox.torchtrain.callbacks.model_load import ModelLoadContinueTraining
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint
 from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint, TrainLoopEndSave
+from aitoolbox.torchtrain.distributed.launcher import ProcessLauncher
 from tests.helpers import MLP, classification_data, single_torch_thread
+from tests.torchtrain.data.support import SaveAt
 from tests.torchtrain.train_loop import resume_workflow as workflow
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -244,6 +246,25 @@ def small_loop(seeded_loader: bool = True, **options) -> TrainLoop:
     validation = DataLoader(classification_data(12, seed=3), batch_size=5)
     return TrainLoop(model, train, validation, None, torch.optim.Adam(model.parameters(), lr=1e-2),
                      nn.CrossEntropyLoss(), show_progress=False, **options)
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_mid_epoch_checkpoint_of_another_world_size_is_refused_before_any_process_starts(tmp_path, monkeypatch):
+    """The same message, naming the file, as each process would give after the launch (review of issue 33, D13)."""
+    saver = SaveAt(2)  # 2 batches into epoch 0 of a one-process run
+    small_loop().fit(num_epochs=1, callbacks=[saver])
+    path = tmp_path / "mid.pt"
+    path.write_bytes(saver.saved)
+    resumed = small_loop()
+    resumed.load_checkpoint(str(path))
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(ProcessLauncher, "run", no_launch)
+    with pytest.raises(ValueError, match="mid.pt.*saved by 1 process\\(es\\) in the middle of an epoch and is "
+                                         "resumed by 2.*Resume with 1 process"):
+        resumed.fit_distributed(num_epochs=2, num_cpu_processes=2, backend="gloo", start_method="fork")
+    assert resumed.pending_restore is not None  # nothing of the loaded checkpoint was lost: fit can still use it
 
 
 def straight_run(num_epochs: int = 3, grad_accumulation: int = 1, **options) -> TrainLoop:
