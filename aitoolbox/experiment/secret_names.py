@@ -48,7 +48,7 @@ CREDENTIAL_QUALIFIERS = frozenset({
     "access", "account", "admin", "api", "app", "auth", "aws", "azure", "bearer", "bot", "client", "consumer",
     "csrf", "database", "db", "deploy", "dev", "developer", "discord", "encryption", "gcp", "gcs", "gh", "github",
     "gitlab", "gpg", "hf", "hmac", "hub", "id", "jwt", "licence", "license", "live", "login", "master", "mlflow",
-    "my", "oauth", "openai", "pass", "personal", "pgp", "private", "prod", "product", "refresh", "root", "s3",
+    "my", "oauth", "openai", "pass", "personal", "pgp", "pin", "private", "prod", "product", "refresh", "root", "s3",
     "secret", "service", "session", "sign", "signing", "slack", "ssh", "staging", "storage", "subscription",
     "telegram", "upload", "user", "wandb", "webhook", "write", "xsrf"})
 
