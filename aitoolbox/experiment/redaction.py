@@ -17,15 +17,22 @@ Which values are secret:
 - Inside any text, wherever it is (also a dict's key, or the ``repr`` of an object): the user name and password
   of a URL (``postgresql://user:pw@host/db`` becomes ``postgresql://<redacted>@host/db``), the value of an
   assignment to a secret-looking name (``password=...``, ``api_key: ...``, ``?token=...``, ``Password=...;``)
-  and the token after ``Bearer``. See :func:`redact_text`.
+  or of such a command-line option (``--password ...``, ``--api-key=...``), whatever is attached to a short
+  ``-p`` (mysql's ``-pPASSWORD``), a PEM private key block, and the token after ``Bearer``. See
+  :func:`redact_text`. Bytes are searched as text and redacted whole.
+- A name-value record (``{"name": "DB_PASSWORD", "value": ...}``, also with ``key``: Kubernetes' environment
+  lists) whose name looks secret: its value, judged as if under that name. In a list (``sys.argv``), the item
+  after a secret-looking option (``["--password", ...]``). A dict's key that is not text (a tuple) is searched
+  as any value.
 - Any value wrapped in :class:`Secret` (or pydantic's ``SecretStr``/``SecretBytes``: any object with a
   ``get_secret_value`` method), whatever its key. This is how to add what the rules miss.
 
-What is kept under a secret-looking key: None, booleans and empty strings (they hide nothing), and, under
-``token``, ``key``, ``pass`` and ``sig`` only, values made of numbers alone (a dict only when its keys are numbers
-too: the names in a dict under ``api_keys`` may be the keys themselves). Those words also name parts of models
-and training, so ``max_tokens=512``, ``pad_token_id=0`` and ``num_key_value_heads=8`` stay readable in the logs; a
-password of digits (``password: 123456`` read from YAML) is still redacted.
+What is kept under a secret-looking key: None, booleans and empty strings (they hide nothing), and values made of
+numbers alone under a key that names a part of a model or training
+(:func:`~aitoolbox.experiment.secret_names.names_a_model_part`: ``max_tokens=512``, ``pad_token_id=0``,
+``num_key_value_heads=8``; a dict only when its keys are numbers too: the names in a dict under ``api_keys`` may
+be the keys themselves). A number under a credential's name (``api_key``, ``access_token``, ``pass`` alone) or
+a password of digits (``password: 123456`` read from YAML) is redacted.
 
 Nested dicts (any mapping), lists, tuples (namedtuples by their field names), sets, ``argparse.Namespace`` and
 ``types.SimpleNamespace`` objects and dataclass instances are searched and copied. Other objects are written by
@@ -41,7 +48,7 @@ import types
 from typing import Any, Generic, List, Mapping, Optional, Tuple, TypeVar
 
 from aitoolbox.experiment.secret_names import (
-    MODEL_VOCABULARY_WORDS, SECRET_WORDS, is_credentials_file, is_secret_key, key_words, secret_words_in)
+    SECRET_WORDS, is_credentials_file, is_secret_key, key_words, names_a_model_part, secret_words_in)
 
 __all__ = ["REDACTED", "SECRET_WORDS", "Secret", "is_credentials_file", "is_secret_key", "key_words",
            "redact_hyperparams", "redact_message", "redact_text", "redact_value"]
@@ -103,13 +110,24 @@ _ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_.\-])(?P<name>(?:[A-Za-z][A-Za-z0-9_.\
 _ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?[^\s\"',;&)}\]]+")
 _BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)[A-Za-z0-9\-._~+/]+=*")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+# A command-line option and its value, in a string ("--password S", "--api-key=S", "-token S"): the option starts
+# the string or follows a space, a quote or a bracket. Its value is the next word when that is no option itself.
+_OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?:=|[ \t]+(?=[^\s\-]))")
+# mysql's and its clients' password option, attached to its value ("-pS"): "-p" alone asks for it instead.
+# Whatever follows is taken for the password, also "-path" or "-p8080" elsewhere: better a lost word than a leak.
+_SHORT_PASSWORD = re.compile(r"(?<![^\s\"'(\[,])-p(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|[^\s\"',)\]}]+)")
+# A PEM private key block (PKCS#1, PKCS#8, encrypted, OpenSSH, PGP), the whole block; one cut short runs to the
+# end of the text.
+_PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY[A-Z ]*-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY[A-Z ]*"
+                          r"-----|\Z)", re.DOTALL)
 
 
 def redact_text(text: str) -> str:
     """``text`` with the secrets it shows replaced by :data:`REDACTED`: the user information of URLs
     (``scheme://user:password@`` -> ``scheme://<redacted>@``), the values assigned to secret-looking names
-    (``password=...``, ``"api_key": "..."``, ``?token=...``, ``Authorization: Bearer ...``) and ``Bearer``
-    tokens. Used for every string of the hyperparameters."""
+    (``password=...``, ``"api_key": "..."``, ``?token=...``, ``Authorization: Bearer ...``) or given to
+    secret-looking command-line options (``--password ...``, ``--api-key=...``, mysql's ``-pPASSWORD``), PEM
+    private key blocks and ``Bearer`` tokens. Used for every string of the hyperparameters."""
     return _redact_text(text, frozenset())
 
 
@@ -121,20 +139,29 @@ def redact_message(text: str) -> str:
 
 
 def _redact_text(text: str, spared_names: frozenset) -> str:
+    text = _PRIVATE_KEY.sub(REDACTED, text)  # first: a key's body may look like anything below
     text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+    text = _redact_assigned(text, _OPTION, spared_names)
+    text = _redact_assigned(text, _ASSIGNMENT, spared_names)
+    text = _SHORT_PASSWORD.sub(f"-p{REDACTED}", text)
+    return _BEARER.sub(rf"\g<scheme>{REDACTED}", text)
+
+
+def _redact_assigned(text: str, pattern: "re.Pattern", spared_names: frozenset) -> str:
+    """``text`` with the value after each match of ``pattern`` (an assignment or an option, whose group ``name``
+    is the name assigned to) redacted when that name looks secret."""
     pieces, done = [], 0
-    for match in _ASSIGNMENT.finditer(text):
-        if match.start() < done or match.group("name").lower() in spared_names:
+    for match in pattern.finditer(text):
+        name = match.group("name")
+        if match.start() < done or name.lower() in spared_names:
             continue
-        words = secret_words_in(match.group("name"))
-        value = _ASSIGNED_VALUE.match(text, match.end()) if words else None
+        value = _ASSIGNED_VALUE.match(text, match.end()) if is_secret_key(name) else None
         if value is None or value.group() == REDACTED or \
-                (words <= MODEL_VOCABULARY_WORDS and _NUMBER.fullmatch(value.group())):
+                (names_a_model_part(name) and _NUMBER.fullmatch(value.group())):
             continue
         pieces += [text[done:match.end()], REDACTED]
         done = value.end()
-    text = "".join(pieces) + text[done:]
-    return _BEARER.sub(rf"\g<scheme>{REDACTED}", text)
+    return "".join(pieces) + text[done:]
 
 
 # --- values -------------------------------------------------------------------------------------------------
@@ -152,19 +179,37 @@ def _numbers_only(value: Any) -> bool:
     return False
 
 
-def _keep_under_secret_key(words: frozenset, value: Any) -> bool:
+def _keep_under_secret_key(name: Any, value: Any) -> bool:
     if value is None or isinstance(value, bool) or (isinstance(value, (str, bytes)) and len(value) == 0):
         return True
-    return words <= MODEL_VOCABULARY_WORDS and _numbers_only(value) and not _holds_secret(value)
+    return names_a_model_part(name) and _numbers_only(value) and not _holds_secret(value)
 
 
 def _shows_secret(name: str, value: Any) -> bool:
     """Whether an attribute of an arbitrary object holds a secret, judged without searching inside its value (an
     object's attributes may reach far: a dataset, a model)."""
-    words = secret_words_in(name)
-    if words and not _keep_under_secret_key(words, value):
+    if is_secret_key(name) and not _keep_under_secret_key(name, value):
         return True
     return _holds_secret(value) or (isinstance(value, str) and redact_text(value) != value)
+
+
+# An argv item that is an option whose value is the next item: "--password", "-api-key" (not "--password=S").
+_ARGV_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9_.\-]*")
+# The keys that name a name-value record's entry ("name", "key"), as Kubernetes and most config formats spell them.
+_RECORD_NAME_KEYS = ("name", "key")
+
+
+def _record_name(record: Mapping) -> Optional[str]:
+    """The secret-looking name a name-value record gives its ``value`` (``{"name": "DB_PASSWORD", "value": S}``),
+    or None when ``record`` is none or its name does not look secret."""
+    keys = {key.lower(): key for key in record if isinstance(key, str)}
+    if "value" not in keys:
+        return None
+    for name_key in _RECORD_NAME_KEYS:
+        name = record[keys[name_key]] if name_key in keys else None
+        if isinstance(name, str) and is_secret_key(name):
+            return name
+    return None
 
 
 class _Redactor:
@@ -176,8 +221,7 @@ class _Redactor:
 
     def entry(self, key: Any, value: Any) -> Tuple[Any, bool]:
         """``value`` found under the name ``key``."""
-        words = secret_words_in(key)
-        if words and not _keep_under_secret_key(words, value):
+        if is_secret_key(key) and not _keep_under_secret_key(key, value):
             return REDACTED, True
         return self.redact(value)
 
@@ -185,7 +229,10 @@ class _Redactor:
         if isinstance(value, str):
             text = redact_text(value)
             return text, text != value
-        if value is None or isinstance(value, (numbers.Number, bytes, bytearray, type)):
+        if isinstance(value, (bytes, bytearray)):  # written as their repr: a secret in them shows
+            text = bytes(value).decode("latin-1")
+            return (REDACTED, True) if redact_text(text) != text else (value, False)
+        if value is None or isinstance(value, (numbers.Number, type)):
             return value, False
         if _holds_secret(value):
             return REDACTED, True
@@ -199,12 +246,7 @@ class _Redactor:
 
     def _redact_object(self, value: Any) -> Tuple[Any, bool]:
         if isinstance(value, Mapping):
-            changed, result = False, {}
-            for key, item in value.items():
-                new_key, key_changed = self.redact(key) if isinstance(key, str) else (key, False)
-                result[new_key], item_changed = self.entry(key, item)
-                changed = changed or key_changed or item_changed
-            return result, changed
+            return self._redact_mapping(value)
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: its field names are keys
             pairs = [self.entry(name, item) for name, item in zip(value._fields, value)]
             return type(value)(*(item for item, _ in pairs)), any(changed for _, changed in pairs)
@@ -213,15 +255,62 @@ class _Redactor:
             name, name_changed = self.redact(value[0])
             item, changed = self.entry(value[0], value[1])
             return type(value)([name, item]), changed or name_changed
-        if isinstance(value, (list, tuple, set, frozenset)):
-            pairs = [self.redact(item) for item in value]
+        if isinstance(value, (list, tuple)):
+            pairs = self._redact_arguments(value)
             items = [item for item, _ in pairs]
             return (items if isinstance(value, list) else type(value)(items)), any(changed for _, changed in pairs)
+        if isinstance(value, (set, frozenset)):
+            pairs = [self.redact(item) for item in value]
+            return type(value)(item for item, _ in pairs), any(changed for _, changed in pairs)
         if isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
             return self._redact_attributes(value, list(vars(value)))
         if dataclasses.is_dataclass(value):
             return self._redact_attributes(value, [field.name for field in dataclasses.fields(value)])
         return self._redact_other(value)
+
+    def _redact_mapping(self, value: Mapping) -> Tuple[dict, bool]:
+        # A name-value record, as Kubernetes lists environment variables ({"name": "DB_PASSWORD", "value": ...}):
+        # its "value" is judged by the name the record gives, and that name (a variable's, not a secret) is kept.
+        named_by = _record_name(value)
+        changed, result = False, {}
+        for key, item in value.items():
+            if named_by is not None and isinstance(key, str) and key.lower() == "value":
+                result[key], item_changed = self.entry(named_by, item)
+                changed = changed or item_changed
+                continue
+            if named_by is not None and item is named_by:  # the name itself: only its text is searched
+                result[key], item_changed = self.redact(item)
+                changed = changed or item_changed
+                continue
+            new_key, key_changed = self._redact_key(key)
+            result[new_key], item_changed = self.entry(key, item)
+            changed = changed or key_changed or item_changed
+        return result, changed
+
+    def _redact_key(self, key: Any) -> Tuple[Any, bool]:
+        """A dict's key, redacted as any value (a tuple ``("token", S)`` too); one that can no longer be a key (a
+        copied object that is not hashable) becomes :data:`REDACTED`."""
+        new_key, changed = self.redact(key)
+        try:
+            hash(new_key)
+        except TypeError:
+            return REDACTED, True
+        return new_key, changed
+
+    def _redact_arguments(self, items: Any) -> List[Tuple[Any, bool]]:
+        """The items of a list or tuple redacted, each after an option that looks secret and has no value of its
+        own (``["--password", S]``, as ``sys.argv`` holds it) judged as that option's value."""
+        pairs, option = [], None
+        for item in items:
+            if option is not None and not (isinstance(item, str) and _NUMBER.fullmatch(item) and
+                                           names_a_model_part(option)):  # "--max-tokens 512" as in text
+                pairs.append(self.entry(option, item))
+            else:
+                pairs.append(self.redact(item))
+            option = None
+            if isinstance(item, str) and _ARGV_OPTION.fullmatch(item) and is_secret_key(item):
+                option = item.lstrip("-")
+        return pairs
 
     def _redact_attributes(self, obj: Any, names: List[str]) -> Tuple[Any, bool]:
         """A shallow copy of ``obj`` with its attributes ``names`` redacted; ``obj`` itself when none is."""

@@ -23,7 +23,7 @@ import re
 from typing import Any, FrozenSet, List, Optional
 
 __all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "is_credentials_file",
-           "is_secret_key", "key_words", "secret_words_in"]
+           "is_secret_key", "key_words", "names_a_model_part", "secret_words_in"]
 
 #: Words that make a key look secret (compared with the key's words, singular or plural).
 SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
@@ -48,7 +48,7 @@ CREDENTIAL_QUALIFIERS = frozenset({
     "access", "account", "admin", "api", "app", "auth", "aws", "azure", "bearer", "bot", "client", "consumer",
     "csrf", "database", "db", "deploy", "dev", "developer", "discord", "encryption", "gcp", "gcs", "gh", "github",
     "gitlab", "gpg", "hf", "hmac", "hub", "id", "jwt", "licence", "license", "live", "login", "master", "mlflow",
-    "my", "oauth", "openai", "pass", "personal", "pgp", "private", "prod", "product", "refresh", "root", "s3",
+    "my", "oauth", "openai", "pass", "personal", "pgp", "pin", "private", "prod", "product", "refresh", "root", "s3",
     "secret", "service", "session", "sign", "signing", "slack", "ssh", "staging", "storage", "subscription",
     "telegram", "upload", "user", "wandb", "webhook", "write", "xsrf"})
 
@@ -104,6 +104,26 @@ def is_secret_key(name: Any) -> bool:
     ``DB_PASSWORD``, ``credentials``, ``dbpassword``, ``accesstoken``; not ``monkey``, ``keyboard``,
     ``tokenizer``."""
     return bool(secret_words_in(name))
+
+
+def names_a_model_part(name: Any) -> bool:
+    """True when the secret-looking key ``name`` rather names a part of a model or of training, under which a number
+    is a size or an index, not a credential: ``max_tokens``, ``pad_token_id``, ``num_key_value_heads``,
+    ``key_dims``. That is when its secret words are all of :data:`MODEL_VOCABULARY_WORDS` (``token``, ``key``,
+    ``pass``, ``sig``), standing as words of their own next to at least one other word, none of them fused with a
+    qualifier nor following one (``api_key``, ``access_token``, ``hf_token``, ``accesstoken`` name credentials),
+    and the key is not one of those words alone (``pass``, ``key``: a numeric PIN or key is still a secret)."""
+    words = key_words(name)
+    found = [_secret_word_of(word) for word in words]
+    secret = [index for index, word in enumerate(found) if word is not None]
+    if not secret or len(secret) == len(words):
+        return False
+    for index in secret:
+        if found[index] not in MODEL_VOCABULARY_WORDS or found[index] not in _singulars(words[index]):
+            return False  # a long secret word, or one fused with a qualifier ("accesstoken")
+        if index > 0 and any(form in CREDENTIAL_QUALIFIERS for form in _singulars(words[index - 1])):
+            return False  # "api_key", "access_token"; "pad_token_id" has its qualifier after the word
+    return True
 
 
 # --- files ----------------------------------------------------------------------------------------------------

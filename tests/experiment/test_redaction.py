@@ -51,8 +51,8 @@ def test_model_sizes_named_token_or_key_are_kept():
                    "token": {4: 4}, "eos_token": "</s>", "api_key": 12345, "secret_seed": 7,
                    "use_password": True, "hf_token": None, "access_token": "", "num_tokens": np.int64(7)}
     assert redact_hyperparams(hyperparams) == {
-        "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": {4: 4},
-        "eos_token": REDACTED, "api_key": 12345, "secret_seed": REDACTED,
+        "max_tokens": 512, "pad_token_id": 0, "num_key_value_heads": 8, "key_dims": [64, 64], "token": REDACTED,
+        "eos_token": REDACTED, "api_key": REDACTED, "secret_seed": REDACTED,
         "use_password": True, "hf_token": None, "access_token": "", "num_tokens": 7}
 
 
@@ -218,3 +218,54 @@ def test_folders_above_the_uploaded_one_are_not_judged():
     # A project that lives below a folder named like one of credentials is uploaded as usual.
     assert not is_credentials_file("/home/me/.aws/tools/train.py", root="/home/me/.aws/tools")
     assert is_credentials_file("/home/me/project/.aws/config", root="/home/me/project")
+
+
+def test_name_value_records_are_redacted_by_the_name_they_give():
+    # Kubernetes' env lists and most config formats: the secret's name is a value, its value sits under "value".
+    redacted = redact_hyperparams({"env": [{"name": "DB_PASSWORD", "value": "pw-41"}, {"name": "LR", "value": "0.1"},
+                                           {"Key": "AWS_SECRET_ACCESS_KEY", "Value": 12345678}]})
+    assert redacted == {"env": [{"name": "DB_PASSWORD", "value": REDACTED}, {"name": "LR", "value": "0.1"},
+                                {"Key": "AWS_SECRET_ACCESS_KEY", "Value": REDACTED}]}
+
+
+def test_numbers_under_credential_names_are_redacted_and_model_sizes_kept():
+    redacted = redact_hyperparams({"api_key": 98765432101234, "access_token": 1234, "pass": 4321, "key": 7,
+                                   "hf_token": 5, "id_token": 6, "max_tokens": 512, "bos_token_id": 1,
+                                   "num_key_value_heads": 8, "key_dim": 64, "n_pass": 2})
+    assert redacted == {"api_key": REDACTED, "access_token": REDACTED, "pass": REDACTED, "key": REDACTED,
+                        "hf_token": REDACTED, "id_token": REDACTED, "max_tokens": 512, "bos_token_id": 1,
+                        "num_key_value_heads": 8, "key_dim": 64, "n_pass": 2}
+    assert redact_hyperparams({"cmd": "api_key=123456 max_tokens=512"}) == {
+        "cmd": f"api_key={REDACTED} max_tokens=512"}
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("python train.py --password pw-1 --lr 0.1", f"python train.py --password {REDACTED} --lr 0.1"),
+    ("python train.py --password=pw-1", f"python train.py --password={REDACTED}"),
+    ("run -api-key pw-1", f"run -api-key {REDACTED}"),
+    ("mysql -u root -ppw-1 db", f"mysql -u root -p{REDACTED} db"),
+    ("mysql -p'pw 1' db", f"mysql -p{REDACTED} db"),
+    ("python train.py --max-tokens 512", "python train.py --max-tokens 512"),
+])
+def test_command_line_options_in_text_are_redacted(value, expected):
+    assert redact_hyperparams({"cmd": value}) == {"cmd": expected}
+
+
+def test_argv_lists_are_redacted_option_by_option():
+    argv = ["train.py", "--password", "pw-1", "--max-tokens", "512", "--lr", "0.1", "--token=pw-2", "-ppw-3"]
+    assert redact_hyperparams({"argv": argv, "t": tuple(argv)})["argv"] == [
+        "train.py", "--password", REDACTED, "--max-tokens", "512", "--lr", "0.1", f"--token={REDACTED}",
+        f"-p{REDACTED}"]
+
+
+@pytest.mark.parametrize("kind", ["PRIVATE KEY", "RSA PRIVATE KEY", "ENCRYPTED PRIVATE KEY", "OPENSSH PRIVATE KEY"])
+def test_private_keys_are_redacted_under_any_name(kind):
+    pem = f"-----BEGIN {kind}-----\nMIIEvQIBADANBg\n-----END {kind}-----\n"
+    redacted = redact_hyperparams({"cert": pem, "raw": pem.encode(), "cut": pem[:40], "note": f"key: {pem}"})
+    assert "MIIEvQIBADANBg" not in repr(redacted)
+    assert redacted["cert"] == f"{REDACTED}\n" and redacted["raw"] == REDACTED
+
+
+def test_tuple_keys_of_dicts_are_redacted():
+    redacted = redact_hyperparams({"k": {("token", "tk-1"): 1, ("lr", 0.1): 2, (1, 2): 3}})
+    assert redacted["k"] == {("token", REDACTED): 1, ("lr", 0.1): 2, (1, 2): 3}

@@ -1,19 +1,24 @@
 """Redaction as an invariant: however a secret is placed in a hyperparameter structure (under a secret-looking key
-of any spelling, in a URL, an assignment in text, a header list, a dict's keys, wrapped in ``Secret``), and however
-deep in dicts, lists, tuples, namespaces and dataclasses, nothing a destination writes from the redacted copy
-(its ``json.dumps(..., default=repr)`` and ``str``) shows it; the given structure is not changed, and the plain
-values stay as they were."""
+of any spelling, in a URL, an assignment in text, a header list, a dict's keys, wrapped in ``Secret``, a number
+under a credential's name, a name-value record, a command line or argv list, a PEM private key, a tuple key), and
+however deep in dicts, lists, tuples, namespaces and dataclasses, nothing a destination writes from the redacted
+copy (its ``json.dumps(..., default=repr)`` and ``str``, and the run folder's hyperparameter files) shows it; the
+given structure is not changed, and the plain values stay as they were."""
 import argparse
 import copy
 import dataclasses
 import json
+import os
+import tempfile
 import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, json_keys
 from aitoolbox.experiment.redaction import REDACTED, Secret, redact_hyperparams, redact_text
+from aitoolbox.experiment.result_reporting.hyperparam_reporter import HyperParamSourceReporter
 from aitoolbox.experiment.secret_names import CREDENTIAL_QUALIFIERS, SECRET_WORDS, is_secret_key
 
 # The quick tier draws a few dozen structures; the extended tier thousands (a few minutes).
@@ -58,7 +63,7 @@ def placed_secrets(draw, secrets: list):
     """A value that holds one new secret, placed in one of the ways secrets reach hyperparameters."""
     secret = draw(SECRET_TEXT)
     secrets.append(secret)
-    way = draw(st.integers(0, 7))
+    way = draw(st.integers(0, 13))
     if way == 0:
         return {draw(secret_keys()): secret}
     if way == 1:
@@ -80,7 +85,33 @@ def placed_secrets(draw, secrets: list):
         return {draw(secret_keys()): {secret: draw(st.integers(0, 9))}}
     if way == 6:
         return f"curl -H 'Bearer {secret}' https://api.internal"
-    return {draw(secret_keys()): [secret, {"nested": secret}]}
+    if way == 7:
+        return {draw(secret_keys()): [secret, {"nested": secret}]}
+    if way == 8:  # a number under a credential's name: the digits are the secret
+        number = draw(st.integers(10**14, 10**15 - 1))
+        secrets[-1] = str(number)
+        name = draw(st.sampled_from(["api_key", "access_token", "pass", "key", "hf_token", "password", "pin_pass"]))
+        return {name: number}
+    if way == 9:  # a name-value record (Kubernetes' env list)
+        name_key, value_key = draw(st.sampled_from([("name", "value"), ("key", "value"), ("Name", "Value")]))
+        return [{name_key: draw(secret_keys()).upper(), value_key: secret}, {name_key: "LR", value_key: "0.1"}]
+    if way == 10:  # a command line, as text or as an argv list
+        option = "--" + draw(st.sampled_from(["password", "api-key", "hf_token", "db-pass", "client-secret"]))
+        shape = draw(st.integers(0, 3))
+        if shape == 0:
+            return f"python train.py {option} {secret} --lr 0.1"
+        if shape == 1:
+            return f"python train.py {option}={secret}"
+        if shape == 2:
+            return ["train.py", option, secret, "--lr", "0.1"]
+        return f"mysql -u root -p{secret} runs"
+    if way == 11:  # a private key under an innocent name
+        kind = draw(st.sampled_from(["", "RSA ", "EC ", "ENCRYPTED ", "OPENSSH "]))
+        pem = f"-----BEGIN {kind}PRIVATE KEY-----\n{secret}\n-----END {kind}PRIVATE KEY-----\n"
+        return {draw(PLAIN_KEYS): draw(st.sampled_from([pem, pem.encode(), pem[:-30]]))}
+    if way == 12:  # a tuple key
+        return {(draw(secret_keys()), secret): draw(PLAIN)}
+    return {draw(secret_keys()): draw(st.sampled_from([secret.encode(), bytearray(secret.encode())]))}
 
 
 @dataclasses.dataclass
@@ -106,7 +137,7 @@ def hyperparams_with_secrets(draw):
     tree = st.recursive(leaves, containers, max_leaves=8)
     hyperparams = draw(st.dictionaries(PLAIN_KEYS, tree, min_size=1, max_size=4))
     hyperparams["lr"] = 0.125
-    hyperparams["secret_holder"] = draw(placed_secrets(secrets))  # at least one secret in every example
+    hyperparams["placed"] = draw(placed_secrets(secrets))  # at least one secret in every example (an innocent key)
     return hyperparams, secrets
 
 
@@ -114,7 +145,7 @@ def check_nothing_written_shows_a_secret(drawn) -> None:
     hyperparams, secrets = drawn
     given_copy = copy.deepcopy(hyperparams)
     redacted = redact_hyperparams(hyperparams)
-    written = json.dumps(redacted, default=repr) + str(redacted) + repr(redacted)
+    written = json.dumps(json_keys(redacted), default=repr) + str(redacted) + repr(redacted)
     assert [secret for secret in secrets if secret in written] == []
     assert redacted["lr"] == 0.125
     assert hyperparams == given_copy  # the script's dict keeps its real values
@@ -124,6 +155,33 @@ def check_nothing_written_shows_a_secret(drawn) -> None:
 @given(hyperparams_with_secrets())
 def test_no_secret_survives_in_anything_written_from_the_redacted_copy(drawn):
     check_nothing_written_shows_a_secret(drawn)
+
+
+def check_no_written_file_shows_a_secret(drawn) -> None:
+    """The run folder's ``hyperparams_list.txt`` and ``hyperparams.json`` (both writers), searched byte by byte."""
+    hyperparams, secrets = drawn
+    with tempfile.TemporaryDirectory() as root:
+        ExperimentFolder(root, "proj", "exp", "ts").save_hyperparams(hyperparams, copy_script=False)
+        HyperParamSourceReporter("proj", "exp", "ts2", root).save_hyperparams_to_text_file(hyperparams)
+        written = b""
+        for folder, _, names in os.walk(root):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as handle:
+                    written += handle.read()
+    assert written and [secret for secret in secrets if secret.encode() in written] == []
+
+
+@PROPERTY_SETTINGS
+@given(hyperparams_with_secrets())
+def test_no_secret_survives_in_the_written_hyperparameter_files(drawn):
+    check_no_written_file_shows_a_secret(drawn)
+
+
+@pytest.mark.extended
+@EXTENDED_SETTINGS
+@given(hyperparams_with_secrets())
+def test_no_secret_survives_in_the_written_hyperparameter_files_extended(drawn):
+    check_no_written_file_shows_a_secret(drawn)
 
 
 @pytest.mark.extended

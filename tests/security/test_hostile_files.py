@@ -6,6 +6,7 @@ data (no object fields), nothing global changes while a file loads, a decompress
 is allocated, and a damaged file is reported as corrupt (never as untrusted, never with the advice to unpickle it
 fully), by a documented ``Exception`` naming it.
 """
+import datetime
 import json
 import os
 import pickle
@@ -234,6 +235,54 @@ def test_numpy_values_that_could_choose_memory_are_refused(tmp_path, value):
     assert path in str(refused.value)
 
 
+class _DatetimeState:
+    """Pickles as ``datetime`` class called with ``state``, the bytes CPython's unpickling constructor takes."""
+
+    def __init__(self, kind, state):
+        self.kind, self.state = kind, state
+
+    def __reduce__(self):
+        return self.kind, (self.state,)
+
+
+@pytest.mark.parametrize("value", [
+    _DatetimeState(datetime.datetime, b"\x07\xe4\x01\xff\xff\xff\xff\xff\xff\xff"),  # day, hour... 255
+    _DatetimeState(datetime.datetime, b"\x07\xe4\x02\x1e\x00\x00\x00\x00\x00\x00"),  # 30 February
+    _DatetimeState(datetime.date, b"\x07\xe4\x01\x00"),  # day 0
+    _DatetimeState(datetime.time, b"\x18\x00\x00\x00\x00\x00"),  # hour 24
+    hostile.NumpyArrayState((1,), np.dtype("<U1"), b"\xff\xff\xff\xff"),
+    hostile.NumpyArrayState((2,), np.dtype(">U1"), b"\x00\x00\x00\x41\x00\x11\x00\x00"),
+    hostile.NumpyScalarState(np.dtype("<U1"), b"\x00\x00\x11\x00"),
+], ids=["datetime-255", "february-30", "date-day-0", "time-hour-24", "U-0xffffffff", "U-big-endian", "U-scalar"])
+def test_plain_values_out_of_their_range_are_refused_as_corrupt_naming_the_file(tmp_path, value):
+    # CPython's datetime unpickling checks the month only; numpy stores any 32-bit code point. Each would load as
+    # a broken value (a later str() raises SystemError); both are refused when the file is read.
+    path = str(tmp_path / "hostile.pth")
+    torch.save(hostile.small_checkpoint(hyperparams={"value": value}), path)
+    with pytest.raises(CorruptCheckpointError) as refused:
+        load_checkpoint_file(path)
+    message = str(refused.value)
+    assert path in message and ("code point" in message or getattr(value, "kind", None).__name__ in message)
+
+
+def test_plain_values_in_their_range_load_as_saved(tmp_path):
+    values = {"when": datetime.datetime(2024, 2, 29, 23, 59, 59, 999999), "day": datetime.date(1, 1, 1),
+              "at": datetime.time(0, 0, 0, 1), "span": datetime.timedelta(days=-5, seconds=3),
+              "names": np.array(["a\U0010ffff", "\u00e9"]), "name": np.str_("\U0010ffff")}
+    path = str(tmp_path / "plain.pth")
+    torch.save(hostile.small_checkpoint(hyperparams=values), path)
+    loaded = load_checkpoint_file(path)["hyperparams"]
+    assert {key: loaded[key] for key in ("when", "day", "at", "span", "name")} == {
+        key: values[key] for key in ("when", "day", "at", "span", "name")}
+    assert loaded["names"].tolist() == values["names"].tolist()
+    # The fold, in the month's (or hour's) top bit as protocol 4 writes it, is kept.
+    torch.save({"when": _DatetimeState(datetime.datetime, b"\x07\xe8\x8b\x03\x01\x30\x00\x00\x00\x00"),
+                "at": _DatetimeState(datetime.time, b"\x81\x30\x00\x00\x00\x00")}, path)
+    loaded = load_torch_file(path)
+    assert (loaded["when"], loaded["when"].fold) == (datetime.datetime(2024, 11, 3, 1, 48), 1)
+    assert (loaded["at"], loaded["at"].fold) == (datetime.time(1, 48), 1)
+
+
 _NUMERIC_DTYPES = ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16", "U3", "S5"]
 
 
@@ -243,6 +292,8 @@ _NUMERIC_DTYPES = ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "
 def test_plain_numpy_values_load_exactly_as_saved(tmp_path, dtype, byteorder, shape, fortran, seed):
     dtype = np.dtype(dtype).newbyteorder(byteorder) if np.dtype(dtype).byteorder not in "|" else np.dtype(dtype)
     raw = np.random.default_rng(seed).integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype.kind == "U":  # code points of Unicode only (0 to 0x10FFFF): others are refused, see below
+        raw = raw.view(np.dtype("u4").newbyteorder(dtype.byteorder)) % 0x110000
     array = np.frombuffer(raw.tobytes(), dtype=dtype).reshape(shape)
     array = np.asfortranarray(array) if fortran else array
     scalar = array.reshape(-1)[0] if array.size else dtype.type(0) if dtype.kind not in "US" else dtype.type("")

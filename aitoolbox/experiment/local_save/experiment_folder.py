@@ -31,6 +31,18 @@ DEFAULT_RUNS_FOLDER = "aitoolbox_runs"
 DEFAULT_EXPERIMENT_NAME = "run"
 
 
+def json_keys(value: Any) -> Any:
+    """``value`` with every dict key JSON has no key for (a tuple, an object) written as its ``repr`` and the others
+    as the text JSON writes for them, so that ``json.dumps(..., sort_keys=True)`` takes any hyperparameters; the
+    values are left to ``default=repr``."""
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else json.dumps(key) if key is None or isinstance(key, (bool, int, float))
+                else repr(key): json_keys(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_keys(item) for item in value]
+    return value
+
+
 def _unusable_folder(error_number: int, root: str, reason: str, in_working_dir: bool = False) -> OSError:
     # OSError(errno, ...) becomes the matching subclass: PermissionError, NotADirectoryError, ...
     if in_working_dir:
@@ -350,7 +362,7 @@ class ExperimentFolder:
         lines = [f"{key}:\t{value}" for key, value in written.items()]
         atomic_write_text(os.path.join(self.path, "hyperparams_list.txt"), "\n".join(lines) + "\n")
         atomic_write_text(os.path.join(self.path, "hyperparams.json"),
-                          json.dumps(written, indent=2, sort_keys=True, default=repr))
+                          json.dumps(json_keys(written), indent=2, sort_keys=True, default=repr))
         script = hyperparams.get("experiment_file_path") or getattr(sys.modules.get("__main__"), "__file__", None)
         if copy_script and script and os.path.isfile(script):
             shutil.copy2(script, os.path.join(self.path, os.path.basename(script)))

@@ -10,13 +10,18 @@ a plain name: any text (spaces, dots, unicode included, as aitoolbox 1.x allowed
 - ``/`` and ``\\`` (the path separators of POSIX and Windows);
 - characters that no file system, bucket, log or e-mail header takes or shows faithfully
   (:func:`forbidden_character`): control characters, C0 and C1 (newlines, tabs, NUL, U+0085 NEXT LINE, ...),
-  the line and paragraph separators U+2028 and U+2029, lone surrogates (text that cannot be encoded as UTF-8),
-  Unicode's non-characters (U+FFFE, U+FDD0, ...) and the bidirectional formatting controls (U+202E
-  RIGHT-TO-LEFT OVERRIDE and its kin, which make a name display as another);
+  format characters (Unicode category Cf: the invisible U+200B ZERO WIDTH SPACE and U+FEFF, the bidirectional
+  controls such as U+202E RIGHT-TO-LEFT OVERRIDE, which make a name display as another), the line and paragraph
+  separators U+2028 and U+2029, private-use characters, lone surrogates (text that cannot be encoded as UTF-8)
+  and Unicode's non-characters (U+FFFE, U+FDD0, ...);
+- text that Unicode's NFKC normalization changes (:func:`nfkc_change`): the full-width solidus U+FF0F, which
+  becomes ``/``, ligatures, full-width letters, an ``e`` followed by a combining accent. Such a name looks like
+  another, and a file system or bucket that normalizes names (macOS's, some sync tools) stores it as that other
+  one;
 - more than 255 bytes in UTF-8 (the longest file name file systems take).
 
 ``cloud_dir_prefix`` is a folder inside the bucket and may have several ``/``-separated components; none may be
-``.`` or ``..`` or hold those characters.
+``.`` or ``..`` or hold those characters, and it must be NFKC-stable as well.
 
 Names read from storage (a folder's marker, a bucket listing) go through :func:`check_relative_path` before they
 are joined onto a local folder, see :mod:`aitoolbox.cloud.folders`.
@@ -27,19 +32,23 @@ from typing import Any, Optional
 
 #: The longest name, in bytes of UTF-8, that a file system takes for one folder.
 MAX_NAME_BYTES = 255
-_ALLOWED = ("a plain name: any text except '/', '\\', control characters (newlines, tabs, U+0085, ...), line "
-            "separators, lone surrogates, non-characters and bidirectional overrides, '.' and '..', at most 255 bytes "
-            "in UTF-8 (spaces, dots, '-', '_' and unicode letters are fine)")
-# The bidirectional formatting controls: embeddings, overrides and isolates, and the marks.
-_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_ALLOWED = ("a plain name: any text except '/', '\\', control and format characters (newlines, tabs, U+0085, "
+            "zero-width spaces, bidirectional overrides, ...), line separators, private-use characters, lone "
+            "surrogates and non-characters, text that NFKC normalization changes (full-width or look-alike "
+            "characters, ligatures), '.' and '..', at most 255 bytes in UTF-8 (spaces, dots, '-', '_' and unicode "
+            "letters are fine)")
+# Unicode's categories of characters a name never holds: control, format (invisible: zero-width, bidirectional
+# controls, the byte order mark), line and paragraph separators, private use, surrogates.
+_FORBIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cs"})
+_UNNAMED = {"Cc": "a control character", "Co": "a private-use character", "Cs": "a lone surrogate"}
 
 
 def _describe(char: str) -> str:
     code = f"U+{ord(char):04X}"
-    if unicodedata.category(char) == "Cs":
+    category = unicodedata.category(char)
+    if category == "Cs":
         return f"{code} (a lone surrogate)"
-    unnamed = "a control character" if unicodedata.category(char) == "Cc" else "a non-character"
-    return f"{code} ({unicodedata.name(char, unnamed)})"
+    return f"{code} ({unicodedata.name(char, _UNNAMED.get(category, 'a non-character'))})"
 
 
 def forbidden_character(value: str) -> Optional[str]:
@@ -47,10 +56,32 @@ def forbidden_character(value: str) -> Optional[str]:
     SEPARATOR) at position 3'``); None when there is none. See the module for the characters."""
     for position, char in enumerate(value):
         code = ord(char)
-        if unicodedata.category(char) in ("Cc", "Cs", "Zl", "Zp") or char in _BIDI_CONTROLS \
-                or 0xFDD0 <= code <= 0xFDEF or (code & 0xFFFE) == 0xFFFE:
+        if unicodedata.category(char) in _FORBIDDEN_CATEGORIES or 0xFDD0 <= code <= 0xFDEF \
+                or (code & 0xFFFE) == 0xFFFE:
             return f"{_describe(char)} at position {position}"
     return None
+
+
+def nfkc_change(value: str) -> Optional[str]:
+    """Where NFKC normalization changes ``value``, described (``"U+FF0F (FULLWIDTH SOLIDUS) at position 3, which
+    NFKC normalization writes as '/'"``); None when ``value`` is NFKC-stable. ``value`` must hold no lone
+    surrogate (:func:`forbidden_character` first)."""
+    normalized = unicodedata.normalize("NFKC", value)
+    if normalized == value:
+        return None
+    for position, char in enumerate(value):
+        if unicodedata.normalize("NFKC", char) != char:  # a look-alike, a ligature, a full-width letter
+            return f"{_describe(char)} at position {position}, which NFKC normalization writes as " \
+                   f"{unicodedata.normalize('NFKC', char)!r}"
+    # Each character is stable alone: a sequence composes (an "e" then U+0301 COMBINING ACUTE ACCENT is "é").
+    differences = [position for position, (given, stable) in enumerate(zip(value, normalized)) if given != stable]
+    start = differences[0] if differences else min(len(value), len(normalized)) - 1
+    end = start + 1
+    while end < len(value) and unicodedata.combining(value[end]):
+        end += 1
+    codes = " ".join(_describe(char) for char in value[start:end])
+    return f"{codes} at position {start}, which NFKC normalization writes as " \
+           f"{unicodedata.normalize('NFKC', value[start:end])!r}"
 
 
 def check_name(value: Any, what: str) -> str:
@@ -62,12 +93,15 @@ def check_name(value: Any, what: str) -> str:
 
     Raises:
         ValueError: ``value`` is not a string, is empty, ``.`` or ``..``, holds ``/``, ``\\`` or a character of
-            :func:`forbidden_character`, or is longer than 255 bytes in UTF-8; the message names the value, the
-            offending character and what is allowed.
+            :func:`forbidden_character`, is changed by NFKC normalization (:func:`nfkc_change`), or is longer than
+            255 bytes in UTF-8; the message names the value, the offending character (its code point and name)
+            and what is allowed.
     """
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}: it names a folder and a bucket key")
     problem = forbidden_character(value)
+    if problem is None:
+        problem = nfkc_change(value)
     if problem is None and value in (".", ".."):
         problem = "it is a path's own folder or its parent"
     if problem is None and ("/" in value or "\\" in value):
@@ -85,19 +119,21 @@ def check_key_prefix(value: Any, what: str = "cloud_dir_prefix") -> str:
     """Return the bucket folder ``value`` (``''`` or ``None``: the bucket's top) when its components are safe.
 
     Raises:
-        ValueError: a ``/``-separated component is ``.`` or ``..``, or the prefix holds a character of
-            :func:`forbidden_character`.
+        ValueError: a ``/``-separated component is ``.`` or ``..``, the prefix holds a character of
+            :func:`forbidden_character`, or NFKC normalization changes it (:func:`nfkc_change`).
     """
     if value is None or value == "":
         return ""
     if not isinstance(value, str):
         raise ValueError(f"{what} must be a string (a folder inside the bucket), got {value!r}")
-    problem = forbidden_character(value)
+    problem = forbidden_character(value) or nfkc_change(value)
     if problem is not None or any(part in (".", "..") for part in value.split("/")):
         detail = f" (it holds {problem})" if problem else ""
         raise ValueError(f"{what}={value!r} cannot be a folder inside the bucket{detail}: its '/'-separated parts "
-                         "must not be '.' or '..' nor hold control characters, line separators, lone surrogates, "
-                         "non-characters or bidirectional overrides")
+                         "must not be '.' or '..' nor hold control or format characters (zero-width spaces, "
+                         "bidirectional overrides), line separators, private-use characters, lone surrogates or "
+                         "non-characters, and it must read the same after NFKC normalization (no full-width or "
+                         "look-alike characters)")
     return value
 
 

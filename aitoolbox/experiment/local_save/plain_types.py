@@ -275,14 +275,33 @@ def _datetime_value(kind: type) -> Callable[..., Any]:
         if kind is datetime.timedelta:
             if len(args) > 3 or not all(type(arg) is int for arg in args):
                 raise Malformed("timedelta of other than days, seconds, microseconds")
-            return kind(*args)
+            try:
+                return kind(*args)
+            except OverflowError as error:
+                raise Malformed(f"timedelta{short(args)} out of range: {error}") from None
         if not args or len(args) > 2 or (len(args) == 2 and args[1] is not None):
             raise Malformed(f"{kind.__name__} with a time zone or without its state")
         state = args[0].encode("latin-1") if isinstance(args[0], str) else args[0]
         if type(state) is not bytes:
             raise Malformed(f"{kind.__name__} of {type(state).__name__}")
-        return kind(state)
+        try:
+            value = kind(state)
+            # CPython's unpickling constructor checks the month alone and copies the other fields unchecked (day
+            # 255, hour 255): rebuilt from its fields by the checking constructor, such a value is refused.
+            return _checked_datetime(value)
+        except (TypeError, ValueError) as error:
+            raise Malformed(f"{kind.__name__} from the bytes {state[:16].hex()}: {error}") from None
     return build
+
+
+def _checked_datetime(value: Any) -> Any:
+    """``value`` (a date, datetime or time) rebuilt from its fields by the constructor that checks their ranges."""
+    if isinstance(value, datetime.datetime):
+        return datetime.datetime(value.year, value.month, value.day, value.hour, value.minute, value.second,
+                                 value.microsecond, fold=value.fold)
+    if isinstance(value, datetime.date):
+        return datetime.date(value.year, value.month, value.day)
+    return datetime.time(value.hour, value.minute, value.second, value.microsecond, fold=value.fold)
 
 
 def _path(kind: type) -> Callable[..., Any]:
@@ -337,6 +356,18 @@ def plain_dtype(dtype: Any, what: str = "a numpy value") -> Any:
     return dtype
 
 
+def _check_text(dtype: Any, raw: Any, what: str) -> None:
+    """Refuse fixed-width text (dtype ``U``) holding a code point beyond Unicode's last, 0x10FFFF: numpy stores it,
+    but every later ``str()`` or ``repr()`` of the value fails (a SystemError), far from the file."""
+    if dtype.kind != "U" or not raw:
+        return
+    numpy = _numpy()
+    points = numpy.frombuffer(bytes(raw), dtype=numpy.dtype("u4").newbyteorder(dtype.byteorder))
+    if points.size and int(points.max()) > 0x10FFFF:
+        raise Malformed(f"{what} of dtype {dtype} holding the code point {int(points.max()):#x}, beyond Unicode's "
+                        f"last (0x10ffff)")
+
+
 def _numpy_dtype(name: Any, align: Any = False, copy: Any = False) -> Any:
     if not isinstance(name, str) or not _DTYPE_NAME.fullmatch(name) or type(align) is not bool:
         raise Refused([f"numpy.dtype({short(name)}), not a dtype of numbers, booleans or fixed-width text"])
@@ -349,6 +380,7 @@ def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
         return dtype.type()
     if type(data) is not bytes or len(data) != dtype.itemsize:
         raise Malformed(f"a numpy scalar of {dtype} from {type(data).__name__} of other than {dtype.itemsize} bytes")
+    _check_text(dtype, data, "a numpy scalar")
     return _numpy().frombuffer(data, dtype=dtype, count=1)[0]
 
 
@@ -366,6 +398,7 @@ def _numpy_frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any, axis_orde
         raise Malformed(f"a numpy array of order {short(order)} and axis order {short(axis_order)}")
     if len(buffer) != math.prod(shape) * dtype.itemsize or dtype.itemsize == 0:
         raise Malformed(f"a numpy array of shape {short(shape)} and dtype {dtype} from {len(buffer)} bytes")
+    _check_text(dtype, buffer, "a numpy array")
     array = numpy.frombuffer(bytearray(buffer), dtype=dtype)  # a copy of its own, writable as numpy's
     if order == "K" and axis_order is not None:
         return array.reshape(shape, order="C").transpose(axis_order)
@@ -397,6 +430,7 @@ class NumpyBuilder:
             raise Refused([f"numpy arrays of dtype {dtype} stored as {type(raw).__name__}"])
         if len(raw) != math.prod(shape) * dtype.itemsize or (dtype.itemsize == 0 and math.prod(shape) > 1 << 20):
             raise Malformed(f"a numpy array of shape {short(shape)} and dtype {dtype} from {len(raw)} bytes")
+        _check_text(dtype, raw, "a numpy array")
         array.__setstate__((1, shape, dtype, fortran, bytes(raw)))
 
     @staticmethod

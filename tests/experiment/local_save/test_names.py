@@ -22,7 +22,10 @@ BAD_NAMES = ["a/b", "../escape", "..", ".", "a\\b", "line\nbreak", "nul\x00", ""
              # issue 31 item 10: the C1 controls (NEL among them), line and paragraph separators, a lone surrogate,
              # non-characters, bidi overrides, and a name longer than a file system takes
              "next\x85line", "csi\x9b", "line\u2028sep", "para\u2029sep", "lone\ud800", "non\ufffe", "non\U0001ffff",
-             "non\ufdd0", "evil\u202egnp.exe", "iso\u2066late", "x" * 256, "é" * 128]
+             "non\ufdd0", "evil\u202egnp.exe", "iso\u2066late", "x" * 256, "é" * 128,
+             # issue 31 review: invisible and look-alike characters (format, private use, not NFKC-stable)
+             "zero\u200bwidth", "\ufeffbom", "soft\u00adhyphen", "joined\u200d", "private\ue000",
+             "team\uff0fexp", "\uff45xp", "\ufb01le", "re\u0301sume\u0301", "x\u00b2"]
 GOOD_NAMES = ["my project", "exp.v2", "résumé-run_1", "2024-01-02_03-04-05", " padded ", "a..b"]
 
 
@@ -125,7 +128,8 @@ def test_a_name_that_passes_works_everywhere_a_name_goes(tmp_path_factory, name)
         return
     encoded = name.encode("utf-8")  # a key, a header, a log line: never a UnicodeEncodeError
     assert 0 < len(encoded) <= 255
-    assert not any(unicodedata.category(char) in ("Cc", "Cs", "Zl", "Zp") for char in name)
+    assert not any(unicodedata.category(char) in ("Cc", "Cf", "Co", "Cs", "Zl", "Zp") for char in name)
+    assert unicodedata.normalize("NFKC", name) == name
     assert name.splitlines() == [name] and name not in (".", "..")
     folder = tmp_path_factory.mktemp("names")
     os.mkdir(os.path.join(str(folder), name))  # one folder, inside the root
@@ -133,7 +137,23 @@ def test_a_name_that_passes_works_everywhere_a_name_goes(tmp_path_factory, name)
     assert check_relative_path(name, "a marker") == name and check_key_prefix(f"team/{name}") == f"team/{name}"
 
 
-@pytest.mark.parametrize("bad", ["team/\x85", "team/\u2028x", "\ud800", "a/\u202e"])
+@pytest.mark.parametrize("name, described", [
+    ("a\u200bb", "U+200B (ZERO WIDTH SPACE) at position 1"),
+    ("\ufeffrun", "U+FEFF (ZERO WIDTH NO-BREAK SPACE) at position 0"),
+    ("run\ue000", "U+E000 (a private-use character) at position 3"),
+    ("team\uff0fexp", "U+FF0F (FULLWIDTH SOLIDUS) at position 4, which NFKC normalization writes as '/'"),
+    ("re\u0301", "U+0065 (LATIN SMALL LETTER E) U+0301 (COMBINING ACUTE ACCENT) at position 1, which NFKC "
+                 "normalization writes as 'é'"),
+])
+def test_invisible_and_look_alike_characters_are_refused_naming_the_code_point(name, described):
+    with pytest.raises(ValueError) as refused:
+        check_name(name, "experiment_name")
+    assert f"it holds {described}" in str(refused.value) and repr(name) in str(refused.value)
+    with pytest.raises(ValueError, match=re.escape(described.split(" at position")[0])):
+        check_key_prefix(f"team/{name}")
+
+
+@pytest.mark.parametrize("bad", ["team/\x85", "team/\u2028x", "\ud800", "a/\u202e", "a/\u200b", "a/\ue000"])
 def test_prefixes_and_paths_read_from_storage_refuse_the_same_characters(bad):
     with pytest.raises(ValueError):
         check_key_prefix(bad)
