@@ -371,5 +371,6 @@ class ExperimentFolder:
         """Write JSON atomically under the run folder and return its path."""
         path = os.path.join(self.path, relative_path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_write_text(path, json.dumps(content, indent=2, sort_keys=True, default=repr))
+        # json_keys: a result keyed by tuples (per-class pairs) or mixed key types is written, not a crash at the end
+        atomic_write_text(path, json.dumps(json_keys(content), indent=2, sort_keys=True, default=repr))
         return path

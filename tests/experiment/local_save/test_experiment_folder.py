@@ -134,3 +134,13 @@ def test_save_json_writes_json_atomically(tmp_path):
     with open(path) as handle:
         assert json.load(handle) == {"results": {"Accuracy": 0.75}, "loss": [1, 2]}
     assert [name for name in os.listdir(folder.results_dir) if name.startswith(".tmp-")] == []
+
+
+def test_save_json_takes_tuple_and_mixed_type_keys(tmp_path):
+    """A result keyed by tuples (confusion pairs) or by keys of several types is written, as hyperparams.json is."""
+    folder = ExperimentFolder(str(tmp_path), "p", "e", timestamp="t")
+    path = folder.save_json("results.json", {"pairs": {(0, 1): 3, (1, 0): 2}, "mixed": {1: "a", "b": 2, None: 3}})
+    with open(path) as handle:
+        written = json.load(handle)
+    assert written["pairs"] == {"(0, 1)": 3, "(1, 0)": 2}
+    assert written["mixed"] == {"1": "a", "b": 2, "null": 3}
