@@ -293,7 +293,8 @@ def test_plain_numpy_values_load_exactly_as_saved(tmp_path, dtype, byteorder, sh
     dtype = np.dtype(dtype).newbyteorder(byteorder) if np.dtype(dtype).byteorder not in "|" else np.dtype(dtype)
     raw = np.random.default_rng(seed).integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
     if dtype.kind == "U":  # code points of Unicode only (0 to 0x10FFFF): others are refused, see below
-        raw = raw.view(np.dtype("u4").newbyteorder(dtype.byteorder)) % 0x110000
+        order = np.dtype("u4").newbyteorder(dtype.byteorder)
+        raw = (raw.view(order) % 0x110000).astype(order)  # the remainder comes in native order
     array = np.frombuffer(raw.tobytes(), dtype=dtype).reshape(shape)
     array = np.asfortranarray(array) if fortran else array
     scalar = array.reshape(-1)[0] if array.size else dtype.type(0) if dtype.kind not in "US" else dtype.type("")

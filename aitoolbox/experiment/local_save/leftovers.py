@@ -68,11 +68,17 @@ _OWNED_TEMP_FILE = re.compile(r"^" + re.escape(TEMP_PREFIX)
                               + r".+\.(\d+)-([0-9a-f]+)(?:-j([0-9a-f]+))?@([^@/]+)\.[A-Za-z0-9_]+$")
 
 
-def mark_temporary_folder(path: str) -> None:
-    """Record in the temporary folder ``path`` that this process writes it (see :func:`remove_stale_temporaries`)."""
-    with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as handle:
+def create_temporary_folder(path: str) -> None:
+    """Create the temporary folder ``path`` holding the record of who writes it, never one without: it is made under
+    a name that says who writes it (``<path>.<owner_token()>.<random>``, as a temporary file's), the record written
+    into it, then renamed to ``path``. A process killed in between leaves a folder :func:`remove_stale_temporaries`
+    knows the owner of, removed at the next save rather than kept for :data:`STALE_AFTER_S`."""
+    staging = f"{path}.{owner_token()}.{os.urandom(4).hex()}"
+    os.makedirs(staging)
+    with open(os.path.join(staging, OWNER_FILE), "w", encoding="utf-8") as handle:
         json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": _ProcessIdentity.token(),
                    "job": _job_id()}, handle)
+    os.rename(staging, path)
 
 
 def _process_running(pid: int) -> bool:
@@ -106,7 +112,7 @@ def _is_stale(path: str) -> bool:
     owner = None
     if os.path.isdir(path):
         owner = _read_owner_record(os.path.join(path, OWNER_FILE))
-    else:
+    if owner is None:  # a file, or a folder killed while created (create_temporary_folder): its name says whose
         match = _OWNED_TEMP_FILE.match(name)
         if match:  # a file without a job in its name: no job id, or an older aitoolbox (None: unknown)
             owner = (match.group(4), int(match.group(1)), match.group(2), match.group(3))
@@ -126,7 +132,7 @@ def _is_stale(path: str) -> bool:
 
 def _read_owner_record(path: str) -> Optional[Tuple[str, int, Optional[str], str]]:
     """``(host, pid, token, job tag)`` of the owner record ``path``, or None when it is missing or not one that
-    :func:`mark_temporary_folder` writes.
+    :func:`create_temporary_folder` writes.
 
     The folder is shared, so the record may be planted: it is opened without waiting and without following a
     link (a named pipe would block ``open`` forever, a link could lead anywhere), must be a regular file, and only

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX, _fsync_directory, atomic_write_bytes, atomic_write_text
-from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, mark_temporary_folder, remove_stale_temporaries
+from aitoolbox.experiment.local_save.leftovers import OWNER_FILE, create_temporary_folder, remove_stale_temporaries
 from aitoolbox.experiment.local_save.restricted_pickle import short
 from aitoolbox.experiment.local_save.safe_load import CorruptCheckpointError, read_torch_source
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
@@ -294,10 +294,12 @@ def _finish(temp_path: str, path: str, world_size: int, num_optimizers: int, sta
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world_size,
               "num_optimizers": num_optimizers, "stateless_optimizers": stateless, "torch_version": torch.__version__}
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(temp_path, OWNER_FILE))  # complete: nobody is writing it any more
         atomic_write_text(os.path.join(temp_path, MARKER_FILE), json.dumps(marker, indent=1))  # fsyncs the folder
         _replace_folder(temp_path, path)
+        # Complete: nobody writes it any more. Removed only now: a temporary folder without its owner record, left by
+        # a process killed before the rename, would wait STALE_AFTER_S for its removal.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, OWNER_FILE))
     except OSError as error:
         shutil.rmtree(temp_path, ignore_errors=True)
         raise OSError(error.errno, f"cannot complete the checkpoint {path}: {error.strerror or error}") from error
@@ -342,8 +344,7 @@ def _start(path: str, temp_path: str, extra_state: dict, rank: int, world_size: 
             remove_stale_temporaries(os.path.dirname(path))
             for leftover in (temp_path, f"{temp_path}.old"):
                 shutil.rmtree(leftover, ignore_errors=True)
-            os.makedirs(temp_path)
-            mark_temporary_folder(temp_path)
+            create_temporary_folder(temp_path)
         except OSError as os_error:
             error = ("OSError", f"cannot create the checkpoint folder {temp_path}: {os_error}")
     gathered = _all_gather((path, error), process_group, world_size)

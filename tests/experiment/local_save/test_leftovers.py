@@ -71,3 +71,29 @@ def test_an_owner_record_of_a_live_process_still_keeps_its_folder(tmp_path):
                                              "job": ""}))
     _age(temporary)
     assert _clean_within(tmp_path) == [] and os.path.isdir(temporary)
+
+
+def _pid_of_a_finished_process() -> int:
+    import subprocess
+    import sys
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_temporary_folder_is_never_without_its_writer_s_name(tmp_path):
+    """A save killed while it creates its temporary folder (before the owner record is in it) or after it removed
+    the record (before the rename) left a folder kept for STALE_AFTER_S (an extended-tier test caught one): the
+    folder is made under a name that says whose it is and renamed with the record in it."""
+    import socket
+    from aitoolbox.experiment.local_save.leftovers import create_temporary_folder
+    folder = tmp_path / "checkpoint_model"
+    folder.mkdir()
+    dead = _pid_of_a_finished_process()
+    killed_while_created = folder / f".tmp-model_x_ts_E0.{dead}-0badc0de@{socket.gethostname()}.a1b2c3d4"
+    killed_while_created.mkdir()  # no record yet
+    create_temporary_folder(str(folder / ".tmp-model_x_ts_E1"))
+    assert json.loads((folder / ".tmp-model_x_ts_E1" / OWNER_FILE).read_text())["pid"] == os.getpid()
+    assert sorted(os.listdir(folder)) == sorted([killed_while_created.name, ".tmp-model_x_ts_E1"])
+    removed = remove_stale_temporaries(str(folder))
+    assert removed == [str(killed_while_created)]  # this process's own folder (a save in flight) is kept
