@@ -183,7 +183,7 @@ class TrainLoopView(Protocol):
         """Everything needed to continue the run exactly (call it in every process)."""
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
-                        source: Optional[str] = None) -> dict:
+                        source: Optional[str] = None, continue_run_folder: bool = False) -> dict:
         """Continue from a checkpoint at the start of the next ``fit``."""
 
     def evaluate_loss_on_train_set(self, force_prediction: bool = False, float_dict_format: bool = False) -> Any:

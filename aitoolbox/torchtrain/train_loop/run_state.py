@@ -17,6 +17,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
+from torch.utils.data import IterableDataset
 
 from aitoolbox.torchtrain.train_loop.data_position import epoch_without
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators, loader_length
@@ -183,6 +184,16 @@ class RunState:
         :attr:`num_batches` until the next epoch (or replay) starts."""
         self.num_batches = self.rollbacks.epoch_length(self.counters.epoch, loader_length(loader))
         return self.num_batches
+
+    def window_end_length(self, loader: Any) -> Optional[int]:
+        """The epoch's length (:attr:`num_batches`) where its last batch may close an accumulation window before the
+        loader is exhausted; None where ``len`` may be wrong: an ``IterableDataset``'s ``__len__`` is its author's
+        estimate, and a loader whose ``len`` proved wrong once is not trusted again. Stepping at a batch ``len``
+        called the last, with more to come, would add an optimizer step on a partial window (review of issue 32,
+        D6); the loader's end closes the window instead."""
+        if self._loader_length_warned or isinstance(getattr(loader, "dataset", None), IterableDataset):
+            return None
+        return self.num_batches if self.num_batches is not None else loader_length(loader)  # (outside an epoch)
 
     def check_loader_exhausted(self) -> None:
         """The epoch's loader is exhausted: warn (once) if it yielded another number of batches than its ``len``

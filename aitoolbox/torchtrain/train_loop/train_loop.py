@@ -525,7 +525,7 @@ class TrainLoop:
     def should_execute_optimizer_update(self) -> bool:
         """True when the current batch ends with an optimizer step: every ``grad_accumulation`` batches, at the
         epoch's last batch, and at the last batch of a ``num_iterations`` run."""
-        return optimizer_update_due(self.state, loader_length(self.train_loader))
+        return optimizer_update_due(self.state, self.run_state.window_end_length(self.train_loader))
 
     def get_schedulers(self) -> list:
         """The registered LR scheduler callbacks (instances of ``AbstractScheduler``), in execution order."""
@@ -1052,25 +1052,26 @@ class TrainLoop:
             # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.
             at_target = num_iterations > 0 and state.iterations_done >= num_iterations
             if not finished and not at_target:
-                self._train_loader_batches(batches, num_batches, num_iterations, bar)
+                self._train_loader_batches(batches, num_iterations, bar)
             if run_state.batches_done == 0:
                 raise ValueError("train_loader yielded no batches in this epoch: it must yield at least one batch")
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
             postfix = loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names)
             bar.set_postfix(self.callbacks_handler.progress_bar_postfix(postfix))
 
-    def _train_loader_batches(self, batches: Any, num_batches: Optional[int], num_iterations: int,
-                              bar: ProgressBar) -> None:
+    def _train_loader_batches(self, batches: Any, num_iterations: int, bar: ProgressBar) -> None:
         """The batches of the epoch's loader until it is exhausted, ``num_iterations`` is reached or a stop is
         requested. Every batch trained has its gradients stepped: a window ends every ``grad_accumulation``
-        batches, at the epoch's last batch (by ``len``), at ``num_iterations``, and also where the loader ends or
+        batches, at the epoch's last batch (by ``len``, where it is exact: see
+        :meth:`~.run_state.RunState.window_end_length`), at ``num_iterations``, and also where the loader ends or
         the stop comes inside a window."""
         state, strategy = self.state, self.strategy
         running_loss = self._running_loss_postfix
         accumulation = state.grad_accumulation
+        window_end = self.run_state.window_end_length(self.train_loader)  # None: the loader's end tells
         for state.iteration, batch_data in batches:
             iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
-            step_due = iteration_limit_hit or state.iteration + 1 == num_batches \
+            step_due = iteration_limit_hit or state.iteration + 1 == window_end \
                 or (state.iteration + 1) % accumulation == 0
             self._run_batch(batch_data, step_due)
             bar.update(running_loss)

@@ -91,11 +91,13 @@ class ApproximateLength(IterableDataset):
             yield self.dataset[index]
 
 
-@pytest.mark.parametrize("claimed_samples", [20, 11], ids=["overstated", "understated"])
+@pytest.mark.parametrize("claimed_samples", [20, 11, 9], ids=["overstated", "understated", "understated-mid-window"])
 def test_a_loader_whose_len_is_wrong_steps_every_window_and_warns_once(claimed_samples):
     """15 samples in batches of 2 (8 batches), len() saying 10 batches or 6, accumulation 3. Overstated: the epoch's
     last window never stepped (no batch was the len()-th) and its gradient leaked into the next epoch, then was
-    dropped at the end. Now the loop steps where the loader ends, as for a loader without len, and warns once."""
+    dropped at the end. Now the loop steps where the loader ends, as for a loader without len, and warns once.
+    Understated: batch 6, which len() calls the last, is not a window's end (an extra step on a partial window there
+    was review of issue 32's D6): an IterableDataset's windows end every 3 batches and where the data ends."""
     data = classification_data(15)
     model, reference = model_pair(MLP, dropout=0.0)
     tl = TrainLoop(model, DataLoader(ApproximateLength(data, claimed_samples), batch_size=2), None, None,
@@ -108,13 +110,13 @@ def test_a_loader_whose_len_is_wrong_steps_every_window_and_warns_once(claimed_s
     assert len(messages) == 1 and f"len() is {(claimed_samples + 1) // 2}" in messages[0]
     assert all(param.grad is None for param in model.parameters())
 
-    # The hand loop that steps every window, the last one where the data ends (len() = 6: also at batch 6).
+    # The hand loop that steps every window, the last one where the data ends, whatever len() says.
     optimizer, criterion = torch.optim.SGD(reference.parameters(), lr=0.1), nn.CrossEntropyLoss()
     for _ in range(2):
         batches = list(DataLoader(data, batch_size=2))
         for index, (x, y) in enumerate(batches):
             (criterion(reference(x), y) / 3).backward()
-            if (index + 1) % 3 == 0 or index + 1 == len(batches) or index + 1 == (claimed_samples + 1) // 2:
+            if (index + 1) % 3 == 0 or index + 1 == len(batches):
                 optimizer.step()
                 optimizer.zero_grad()
     assert_params_equal(model, reference)
