@@ -226,7 +226,11 @@ class Evaluator:
                 sample_count += num_samples
         totals = tl.strategy.all_reduce_sum(torch.cat([loss_sum.reshape(-1), sample_count.reshape(1)]))
         if totals[-1].item() == 0:
-            raise ValueError(f"cannot evaluate the loss on {dataset_type}: the data loader yielded no batches")
+            raise ValueError(f"cannot evaluate the loss on {dataset_type}: its data loader yielded no batches. An "
+                             "evaluation set must yield at least one; a sized loader is checked when the loop is "
+                             "built, one over an IterableDataset (length unknown) only here. Give the loop a loader "
+                             "that yields data (tl.validation_loader = ...); fit() again then continues this "
+                             "epoch's end")
         mean = (totals[:-1] / totals[-1]).cpu()
         result = as_loss_result(mean.reshape(()) if names is None else mean, names)
         if key is not None:

@@ -15,7 +15,7 @@ def make_loop(model=None, train=None, validation=None, test=None, **kwargs):
     model = model or MLP()
     train = train or DataLoader(classification_data(10), batch_size=4)
     return TrainLoop(model, train, validation, test, torch.optim.SGD(model.parameters(), lr=0.1),
-                     nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False, **kwargs)
+                     nn.CrossEntropyLoss(), **{"end_auto_eval": False, "show_progress": False, **kwargs})
 
 
 def exact_mean_loss(model, dataset):
@@ -134,6 +134,19 @@ def test_evaluating_an_empty_loader_is_a_clear_error():
     tl = make_loop(validation=DataLoader(EmptyIterableData(), batch_size=4))
     with pytest.raises(ValueError, match="yielded no batches"):
         tl.evaluate_loss_on_validation_set()
+
+
+def test_an_unsized_validation_set_found_empty_at_the_epoch_end_says_what_to_do_and_fit_continues():
+    """Review of issue 34, C4: a named validation set over an IterableDataset that yields nothing can only be
+    found empty at the first epoch's end; the error names the set and the way on, and the run continues."""
+    tl = make_loop(validation={"main": DataLoader(classification_data(8, seed=3), batch_size=4),
+                               "other": DataLoader(EmptyIterableData(), batch_size=4)}, end_auto_eval=True)
+    with pytest.raises(ValueError, match=r"validation:other: its data loader yielded no batches.*tl.validation_loader"):
+        tl.fit(num_epochs=2)
+    tl.validation_loader = {"main": DataLoader(classification_data(8, seed=3), batch_size=4),
+                            "other": DataLoader(classification_data(8, seed=4), batch_size=4)}
+    tl.fit(num_epochs=2)
+    assert tl.epochs_completed == 2 and len(tl.train_history["val_other_loss"]) == 2
 
 
 def test_evaluation_checks_the_loss_type():
