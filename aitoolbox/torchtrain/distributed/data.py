@@ -1,6 +1,7 @@
 """Data loaders for distributed training: every DataLoader option kept, the user's sampler sharded across ranks."""
 import copy
 import hashlib
+import itertools
 import logging
 from typing import Any, Iterator, List, Optional, Tuple
 
@@ -324,8 +325,11 @@ def sampler_random_state_digest(loader: Any) -> str:
     return digest.hexdigest()
 
 
+_ORDER_HEAD = 4096  # keys of the sampler's order compared between the processes (sharded_order_digest)
+
+
 def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
-    """The class name, the length and a digest of the whole order the user's sampler inside ``loader``'s sharding
+    """The class name, the length and a digest of the first keys of the order the user's sampler inside ``loader``'s sharding
     wrapper draws in this process, drawn as the wrapper draws it (from the shared seed); ``("", 0, "")`` for a
     loader used as given.
 
@@ -346,11 +350,17 @@ def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
     except Exception:  # a sampler that cannot be copied is drawn from itself: its random states are put back
         user_sampler = wrapper.sampler
     with preserved_random_states(loader), shared_global_random_state(wrapper.seed % 2 ** 63):
-        order = [_plain_key(key) if not isinstance(key, (list, tuple)) else [_plain_key(item) for item in key]
-                 for key in user_sampler]
+        # The order's head tells a sampler drawing per process; drawing all of it (and hashing each key in Python)
+        # would cost seconds to minutes at the start of every fit on a data set of millions of samples.
+        head = [_plain_key(key) if not isinstance(key, (list, tuple)) else [_plain_key(item) for item in key]
+                for key in itertools.islice(iter(user_sampler), _ORDER_HEAD)]
+    try:
+        length = len(user_sampler)
+    except TypeError:
+        length = len(head)
     digest = hashlib.sha256()
-    _feed(digest, order)
-    return type(wrapper.sampler).__name__, len(order), digest.hexdigest()
+    _feed(digest, head)
+    return type(wrapper.sampler).__name__, length, digest.hexdigest()
 
 
 def _feed(digest: Any, value: Any) -> None:
