@@ -390,6 +390,8 @@ def _torchrun_calls_worker(rank, world_size, calls):
     return state, tl.precision.state_dict(), tl.optimizers[0].param_groups[0]["lr"], scheduler in tl.callbacks
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # the spawned and FSDP variants run in the suite (README: within 15 minutes)
 def test_fit_distributed_twice_equals_one_longer_call_under_torchrun():
     from tests.combinations.support import assert_same_state
     from tests.distributed_helpers import run_distributed

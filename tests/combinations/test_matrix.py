@@ -82,8 +82,8 @@ def test_representative_cells(strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [strategy if strategy == "single" else pytest.param(
-    strategy, marks=pytest.mark.extended) for strategy in STRATEGIES])  # the distributed pairs: extended tier
+@pytest.mark.extended  # the suite runs test_representative_cells of every strategy (README: within 15 minutes)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_pair_of_features(strategy):
     check_cells(strategy, [cell for cell in PAIRWISE if cell not in QUICK])
 

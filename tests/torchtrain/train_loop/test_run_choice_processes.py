@@ -59,7 +59,8 @@ def run_folder(root: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("node1_has", [pytest.param("older checkpoint", marks=pytest.mark.extended), "nothing"])
+@pytest.mark.extended  # the suite runs the preset's provisional choice test below (README: within 15 minutes)
+@pytest.mark.parametrize("node1_has", ["older checkpoint", "nothing"])
 def test_node_local_disks_that_differ_resume_every_rank_from_rank_0s_checkpoint(tmp_path, node1_has):
     """Node 0's disk has the run's checkpoints of epochs 0 and 1, node 1's only epoch 0's (its copy lags) or
     nothing. Rank 0 decides (epoch 1) and rank 1 gets that state over the process group: both nodes end with
