@@ -12,11 +12,14 @@ When the run returns to a point, the checkpoints written after it (by any checkp
 process's run) hold the run that is being undone: :func:`remove_checkpoints_after` deletes them, so that a job killed
 right after the rollback never resumes from spiked weights.
 """
+import json
 import logging
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints, remove_checkpoint
 
@@ -29,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 #: The sub-folder of ``checkpoint_model/`` that holds the pinned point.
 PIN_FOLDER = "spike_rollback"
+#: The file in the pin folder naming the pinned point and where it lies in the run.
+POINT_FILE = "point.json"
 
 
 class KeptPoint:
@@ -74,13 +79,16 @@ class KeptPoint:
         return tl.apply_pending_restore()  # inside fit: the states are applied now, as fit's start would
 
 
-def pin_checkpoint(path: str) -> str:
+def pin_checkpoint(path: str, where: Optional[dict] = None) -> str:
     """Hard-link the checkpoint ``path`` (a file, or a sharded checkpoint's folder) into the pin folder beside it and
-    return the pin's path; copies where hard links are not possible (another file system, no link support)."""
+    return the pin's path; copies where hard links are not possible (another file system, no link support).
+    ``where``: the point's position and the checkpoints on disk then (:class:`KeptPoint`'s arguments), written
+    beside the pin (:data:`POINT_FILE`) for a resumed process (:func:`read_pinned_point`)."""
     folder = os.path.join(os.path.dirname(path), PIN_FOLDER)
     os.makedirs(folder, exist_ok=True)
     pin = os.path.join(folder, os.path.basename(path))
     _remove(pin)
+    _remove(os.path.join(folder, POINT_FILE))  # names the point being replaced
     try:
         if os.path.isdir(path):
             shutil.copytree(path, pin, copy_function=os.link)
@@ -93,7 +101,25 @@ def pin_checkpoint(path: str) -> str:
             shutil.copytree(path, pin)
         else:
             shutil.copy2(path, pin)
+    if where is not None:  # after the pin: a point file never names a pin that is not complete
+        atomic_write_text(os.path.join(folder, POINT_FILE),
+                          json.dumps({"pin": os.path.basename(pin), "where": where}))
     return pin
+
+
+def read_pinned_point(checkpoint_dir: str) -> Optional[Tuple[str, dict]]:
+    """The pinned point an earlier process left in ``checkpoint_dir``: ``(pin path, where)``, or None where there is
+    none (or it is incomplete or unreadable)."""
+    folder = os.path.join(checkpoint_dir, PIN_FOLDER)
+    try:
+        with open(os.path.join(folder, POINT_FILE), encoding="utf-8") as handle:
+            record = json.load(handle)
+        pin = os.path.join(folder, os.path.basename(record["pin"]))
+        where = {key: int(record["where"][key]) for key in ("epoch", "iteration", "batches_done", "total_iteration")}
+        where["on_disk"] = {str(path): int(modified) for path, modified in record["where"].get("on_disk", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (pin, where) if os.path.exists(pin) else None
 
 
 def unpin(point: KeptPoint) -> None:

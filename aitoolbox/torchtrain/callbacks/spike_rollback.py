@@ -20,7 +20,7 @@ import torch
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.spike_points import (
-    KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, remove_checkpoints_after, unpin)
+    KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
 
@@ -141,6 +141,7 @@ class SpikeRollback(AbstractCallback):
         self._stepped = False
         self._epoch_rngs: Dict[int, dict] = {}
         self._checkpoint_callback: Any = None
+        self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
         self._state_suspects: set = set()
@@ -152,12 +153,24 @@ class SpikeRollback(AbstractCallback):
             raise ValueError("SpikeRollback(snapshot='memory') cannot keep a sharded (FSDP) run in memory: each "
                              "process holds only its shards. Use snapshot='checkpoint' with a checkpoint callback "
                              "(e.g. ModelCheckpoint, or a TrainLoopCheckpoint preset)")
+        self._snapshot = None  # a new fit: a point is kept at its first step
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
-            if tl.is_main_process:  # an interrupted earlier fit's pinned point: this fit keeps its own
-                clear_pins(self._checkpoint_callback.experiment_folder.checkpoint_dir)
-        self._snapshot = None  # a new fit: a point is kept at its first step
+            # Decided at the first batch, once a resumed checkpoint's states are in place (see _settle_pins).
+            self._pins_unsettled = True
         self._saved_lrs, self._stepped = {}, False
+
+    def on_batch_begin(self) -> None:
+        if self._pins_unsettled:
+            self._pins_unsettled = False
+            self._settle_pins(self.train_loop_obj)
+
+    def _settle_pins(self, tl: "TrainLoop") -> None:
+        """A run resumed with losses not yet judged (killed or preempted after a spike, before the check) returns to
+        the point the interrupted process kept, if one is pinned; else an earlier process's pin goes."""
+        self._snapshot = self._adopt_pin(tl) if self._pending else None
+        if self._snapshot is None and tl.is_main_process:
+            clear_pins(self._checkpoint_callback.experiment_folder.checkpoint_dir)
 
     def on_after_gradient_update(self, optimizer_idx: int) -> None:
         tl = self.train_loop_obj
@@ -216,13 +229,31 @@ class SpikeRollback(AbstractCallback):
         self._release()
 
     def on_exception(self, exception: BaseException) -> None:
-        self._release()
+        # A pinned point outlives the process (a preempted or failed job resumes with the losses after it not yet
+        # judged, see _adopt_pin); the next fit clears it where it is not needed.
+        self._release(keep_pin=True)
 
-    def _release(self) -> None:
+    def _adopt_pin(self, tl: "TrainLoop") -> Optional[KeptPoint]:
+        """The pinned point an interrupted earlier process kept, when it lies at or before where this run resumes
+        (every process gets it from the main process); None where there is none."""
+        found = None
+        if tl.is_main_process:
+            found = read_pinned_point(self._checkpoint_callback.experiment_folder.checkpoint_dir)
+            if found is not None and found[1]["total_iteration"] > tl.total_iteration_idx:
+                found = None
+        found = tl.broadcast_object(found)
+        if found is None:
+            return None
+        pin, where = found
+        logger.info("SpikeRollback: the run resumes with %d loss(es) not yet judged; the clean point kept before it "
+                    "(%s) is the one to return to", len(self._pending), os.path.basename(pin))
+        return KeptPoint(pin=pin, checkpoint_callback=self._checkpoint_callback, **where)
+
+    def _release(self, keep_pin: bool = False) -> None:
         """The end of a fit: the host memory of the kept point is freed, its pin (not the checkpoint the callback
-        wrote, which stays resumable) deleted."""
+        wrote, which stays resumable) deleted unless ``keep_pin``."""
         point, self._snapshot = self._snapshot, None
-        if point is not None and point.pin is not None and self.train_loop_obj.is_main_process:
+        if point is not None and point.pin is not None and self.train_loop_obj.is_main_process and not keep_pin:
             clear_pins(os.path.dirname(os.path.dirname(point.pin)))  # <checkpoint_dir>/spike_rollback/<name>
 
     # --- state -------------------------------------------------------------------------------------------------
@@ -351,7 +382,7 @@ class SpikeRollback(AbstractCallback):
         path = callback.save_resume_checkpoint()
         callback.wait_for_pending_save()  # the pin links the complete file
         where["on_disk"] = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
-        pin = pin_checkpoint(path) if tl.is_main_process else None
+        pin = pin_checkpoint(path, where) if tl.is_main_process else None
         path, pin = tl.broadcast_object((path, pin))  # the main process knows them
         self._snapshot = KeptPoint(pin=pin, checkpoint_callback=callback, written=path if alone else None, **where)
         if previous is not None and tl.is_main_process:

@@ -604,3 +604,47 @@ def test_a_checkpoint_written_after_the_kept_point_is_deleted_whatever_time_its_
     deleted = remove_checkpoints_after(SimpleNamespace(is_main_process=True), point, [saver])
     assert sorted(deleted) == sorted(str(path) for path in undone)
     assert kept_step.exists() and older_timeline.exists() and not any(path.exists() for path in undone)
+
+
+class KilledAt(AbstractCallback):
+    """The job dies at the start of batch ``step`` (a total iteration index)."""
+
+    def __init__(self, step):
+        super().__init__("killed at a step")
+        self.step = step
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.step:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("keep_last", [None, 2])
+def test_a_job_killed_after_a_spike_before_its_check_resumes_and_returns_to_the_pinned_point(tmp_path, monkeypatch,
+                                                                                              keep_last):
+    """The spike is at batch 17, its check due at batch 19; the job dies at batch 18. The newest checkpoint holds the
+    spiked weights and the loss not yet judged; the point kept at batch 14 stays pinned across the processes, so the
+    resumed run (in the same run folder) judges the loss, returns to that point and ends as the run that never met
+    the batch (review of issue 34, D4)."""
+    from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    monkeypatch.chdir(tmp_path)  # the default run folder: ./aitoolbox_runs/run_<timestamp>/
+    poison = poisoned_at(1, 5)
+    model, twin = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tl, callbacks=[ModelIterationCheckpoint(1, keep_last=keep_last),
+                             SpikeRollback(**SETTINGS, snapshot="checkpoint"), KilledAt(18)])
+    assert tl.rollbacks == []
+    run_folder = tl.run_folder.path
+    assert os.path.isdir(os.path.join(run_folder, "checkpoint_model", "spike_rollback"))  # outlives the failed fit
+
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(find_checkpoint(run_folder), continue_run_folder=True)  # as the requeued job
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS, snapshot="checkpoint"),
+                                         ModelIterationCheckpoint(1, keep_last=keep_last)])
+    assert [(record["epoch"], record["iteration"]) for record in resumed.rollbacks] == [(1, 5)]
+    torch.manual_seed(0)
+    reference_model, _ = model_pair(MLP)
+    reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {5}})))
+    assert_params_equal(resumed.model, reference.model)
+    assert not os.path.exists(os.path.join(run_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
