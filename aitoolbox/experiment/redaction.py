@@ -111,8 +111,9 @@ _ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)
 _BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)[A-Za-z0-9\-._~+/]+=*")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 # A command-line option and its value, in a string ("--password S", "--api-key=S", "-token S"): the option starts
-# the string or follows a space, a quote or a bracket. Its value is the next word when that is no option itself.
-_OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?:=|[ \t]+(?=[^\s\-]))")
+# the string or follows a space, a quote or a bracket. Its value is the next word, also one starting with "-" (a
+# password may; after a secret-looking option a flag taken for its value is a lost word, not a leak).
+_OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?:=|[ \t]+(?=\S))")
 # mysql's and its clients' password option, attached to its value ("-pS"): "-p" alone asks for it instead.
 # Whatever follows is taken for the password, also "-path" or "-p8080" elsewhere: better a lost word than a leak.
 _SHORT_PASSWORD = re.compile(r"(?<![^\s\"'(\[,])-p(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|[^\s\"',)\]}]+)")

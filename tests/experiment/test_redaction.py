@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aitoolbox.experiment.redaction import (
-    REDACTED, Secret, is_credentials_file, is_secret_key, key_words, redact_hyperparams)
+    REDACTED, Secret, is_credentials_file, is_secret_key, key_words, redact_hyperparams, redact_text)
 
 
 @pytest.mark.parametrize("name", ["api_key", "apiKey", "APIKey", "API_KEY", "x-api-key", "apikey", "hfToken",
@@ -269,3 +269,12 @@ def test_private_keys_are_redacted_under_any_name(kind):
 def test_tuple_keys_of_dicts_are_redacted():
     redacted = redact_hyperparams({"k": {("token", "tk-1"): 1, ("lr", 0.1): 2, (1, 2): 3}})
     assert redacted["k"] == {("token", REDACTED): 1, ("lr", 0.1): 2, (1, 2): 3}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("train --password -x1!s3cret --lr 0.1", "train --password <redacted> --lr 0.1"),  # a value starting with "-"
+    ("--api-key -k3y", "--api-key <redacted>"),
+    ("--lr -0.5 --epochs 3", "--lr -0.5 --epochs 3"),  # a negative number after an ordinary option stays
+])
+def test_a_secret_option_s_value_starting_with_a_dash_is_redacted(text, expected):
+    assert redact_text(text) == expected
