@@ -21,8 +21,10 @@ Which values are secret:
   ``-p`` (mysql's ``-pPASSWORD``), a PEM private key block, and the token after ``Bearer``. See
   :func:`redact_text`. Bytes are searched as text and redacted whole.
 - A name-value record (``{"name": "DB_PASSWORD", "value": ...}``, also with ``key``: Kubernetes' environment
-  lists) whose name looks secret: its value, judged as if under that name. In a list (``sys.argv``), the item
-  after a secret-looking option (``["--password", ...]``). A dict's key that is not text (a tuple) is searched
+  lists; ``val``, and prefixed pairs such as ``ParameterKey``/``ParameterValue``) whose name looks secret: its
+  value, judged as if under that name. In a list (``sys.argv``), the item after a secret-looking option
+  (``["--password", ...]``) or a capitalised secret-looking name (``["PASSWORD", ...]``), and after an
+  authorization scheme the item that follows it (``("Authorization", "Bearer", ...)``). A dict's key that is not text (a tuple) is searched
   as any value.
 - Any value wrapped in :class:`Secret` (or pydantic's ``SecretStr``/``SecretBytes``: any object with a
   ``get_secret_value`` method), whatever its key. This is how to add what the rules miss.
@@ -101,13 +103,24 @@ class Secret(Generic[T]):
 # --- text ---------------------------------------------------------------------------------------------------
 # A URL's user information (user name, password, or a token standing for them): everything between "scheme://"
 # and the last "@" before the host's end. Greedy, so a password with an unencoded "@" is hidden whole.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/?#]*@")
+# A password may hold "/", "?" or "#" left unencoded ("redis://:ab#cd@host"): after "user:" everything up to the
+# "@" is taken ("https://host:8080/p?mail=a@b" loses its host and path: better a lost word than a leak).
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?:[^\s/?#]*|[^\s/?#@:]*:[^\s@]*)@")
+# Incoming-webhook URLs whose path is the credential (Slack, Discord, Microsoft Teams): the path is redacted.
+_WEBHOOK_URL = re.compile(r"(?P<base>\bhttps?://(?:hooks\.slack\.com/(?:services|workflows|triggers)|"
+                          r"(?:[A-Za-z0-9-]+\.)?discord(?:app)?\.com/api/webhooks|"
+                          r"[A-Za-z0-9.-]*\.office\.com/webhook[A-Za-z0-9]*)/)[^\s\"'<>]+")
 # "name" (or "two words", as in "API Key: ...") followed by "=" or ":" (quoted as in a dict's repr, or not): the
 # start of an assignment.
 _ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_.\-])(?P<name>(?:[A-Za-z][A-Za-z0-9_.\-]* )?[A-Za-z_][A-Za-z0-9_.\-]*)"
                          r"[\"']?[ \t]*[=:][ \t]*[\"']?")
-# The value assigned: an optional HTTP authorization scheme and its token, up to a separator or a closing quote.
-_ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?[^\s\"',;&)}\]]+")
+# The value assigned, unquoted: an optional HTTP authorization scheme and its token, up to a space, a quote, a "&"
+# or a closing bracket; a "," or ";" ends it only before a space or the end (a list's separator), not inside it
+# ("password=ab;cd" is one value: better a lost word than a leak).
+_ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?"
+                             r"(?:[^\s\"',;&)}\]]|[,;](?=[^\s,;]))+")
+# A quoted value: everything up to its closing quote (an escaped quote, \" or \', does not close it).
+_QUOTED_VALUE = {'"': re.compile(r'(?:[^"\\]|\\.)*'), "'": re.compile(r"(?:[^'\\]|\\.)*")}
 _BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)[A-Za-z0-9\-._~+/]+=*")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 # A command-line option and its value, in a string ("--password S", "--api-key=S", "-token S"): the option starts
@@ -117,6 +130,13 @@ _OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?
 # mysql's and its clients' password option, attached to its value ("-pS"): "-p" alone asks for it instead.
 # Whatever follows is taken for the password, also "-path" or "-p8080" elsewhere: better a lost word than a leak.
 _SHORT_PASSWORD = re.compile(r"(?<![^\s\"'(\[,])-p(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|[^\s\"',)\]}]+)")
+# Commands that take a password in options of their own: curl's and wget's "-u user:password" ("--user",
+# "--proxy-user"; not docker's "-u 1000:1000"), sshpass's "-p password", a .netrc line's "login u password S".
+_USER_PASSWORD_OPTION = re.compile(r"(?P<head>(?<![^\s\"'(\[,])(?:-u|-U|--user|--proxy-user|--http-user)(?:=|[ \t]+)[\"']?"
+                                   r"(?!\d+:\d+\b)[^\s:\"']*:)(?!<redacted>)[^\s\"']+")
+_SSHPASS = re.compile(r"(?P<head>\bsshpass[ \t]+-p[ \t]*)(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|\S+)")
+_NETRC_PASSWORD = re.compile(r"(?P<head>\b(?:machine|login|account)[ \t]+\S+(?:[ \t]+\S+){0,6}?[ \t]+password[ \t]+)"
+                             r"(?!<redacted>)\S+")
 # A PEM private key block (PKCS#1, PKCS#8, encrypted, OpenSSH, PGP), the whole block; one cut short runs to the
 # end of the text.
 _PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY[A-Z ]*-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY[A-Z ]*"
@@ -142,6 +162,9 @@ def redact_message(text: str) -> str:
 def _redact_text(text: str, spared_names: frozenset) -> str:
     text = _PRIVATE_KEY.sub(REDACTED, text)  # first: a key's body may look like anything below
     text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+    text = _WEBHOOK_URL.sub(rf"\g<base>{REDACTED}", text)
+    for command_option in (_USER_PASSWORD_OPTION, _SSHPASS, _NETRC_PASSWORD):
+        text = command_option.sub(rf"\g<head>{REDACTED}", text)
     text = _redact_assigned(text, _OPTION, spared_names)
     text = _redact_assigned(text, _ASSIGNMENT, spared_names)
     text = _SHORT_PASSWORD.sub(f"-p{REDACTED}", text)
@@ -156,13 +179,23 @@ def _redact_assigned(text: str, pattern: "re.Pattern", spared_names: frozenset) 
         name = match.group("name")
         if match.start() < done or name.lower() in spared_names:
             continue
-        value = _ASSIGNED_VALUE.match(text, match.end()) if is_secret_key(name) else None
-        if value is None or value.group() == REDACTED or \
+        value = _assigned_value(text, match) if is_secret_key(name) else None
+        if value is None or value.group() in ("", REDACTED) or \
                 (names_a_model_part(name) and _NUMBER.fullmatch(value.group())):
             continue
-        pieces += [text[done:match.end()], REDACTED]
+        pieces += [text[done:value.start()], REDACTED]
         done = value.end()
     return "".join(pieces) + text[done:]
+
+
+def _assigned_value(text: str, match: "re.Match") -> Optional["re.Match"]:
+    """The value after an assignment or option ``match``: a quoted one whole, to its closing quote (the pattern took
+    the opening quote, or it starts the value: ``--password "a b"``), else one word (:data:`_ASSIGNED_VALUE`)."""
+    start = match.end()
+    quote = match.group()[-1:] if match.group()[-1:] in ("'", '"') else None
+    if quote is None and text[start:start + 1] in ("'", '"'):
+        quote, start = text[start], start + 1
+    return (_QUOTED_VALUE[quote] if quote else _ASSIGNED_VALUE).match(text, start)
 
 
 # --- values -------------------------------------------------------------------------------------------------
@@ -196,21 +229,37 @@ def _shows_secret(name: str, value: Any) -> bool:
 
 # An argv item that is an option whose value is the next item: "--password", "-api-key" (not "--password=S").
 _ARGV_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9_.\-]*")
-# The keys that name a name-value record's entry ("name", "key"), as Kubernetes and most config formats spell them.
+# An argv or flat list item that names the next one: an environment variable's or a header's name, capitalised
+# ("PASSWORD", "DB_PASSWORD", "Authorization", "X-Api-Key"). Lower-case words in a list are more often a list of
+# names (columns, fields) than a name and its value.
+_LIST_NAME = re.compile(r"[A-Z][A-Za-z0-9_\-]*")
+# An item standing between an option and its value (["--password", "=", S]).
+_LIST_SEPARATORS = frozenset({"=", ":"})
+# An HTTP authorization scheme: the item after it is the credential (("Authorization", "Bearer", S)).
+_AUTH_SCHEMES = frozenset({"bearer", "basic", "token", "digest", "negotiate"})
+# The keys that name a name-value record's entry ("name", "key"), as Kubernetes and most config formats spell them,
+# and those of its value ("value", "val"); both may share a prefix (CloudFormation's "ParameterKey" and
+# "ParameterValue", "OptionName" and "OptionValue").
 _RECORD_NAME_KEYS = ("name", "key")
+_RECORD_VALUE_KEYS = ("value", "val")
 
 
-def _record_name(record: Mapping) -> Optional[str]:
-    """The secret-looking name a name-value record gives its ``value`` (``{"name": "DB_PASSWORD", "value": S}``),
-    or None when ``record`` is none or its name does not look secret."""
+def _record_names(record: Mapping) -> dict:
+    """The value keys of a name-value record whose name looks secret, each with that name:
+    ``{"name": "DB_PASSWORD", "value": S}`` -> ``{"value": "DB_PASSWORD"}``; empty for any other mapping."""
     keys = {key.lower(): key for key in record if isinstance(key, str)}
-    if "value" not in keys:
-        return None
-    for name_key in _RECORD_NAME_KEYS:
-        name = record[keys[name_key]] if name_key in keys else None
-        if isinstance(name, str) and is_secret_key(name):
-            return name
-    return None
+    named = {}
+    for lower, key in keys.items():
+        value_word = next((word for word in _RECORD_VALUE_KEYS if lower.endswith(word)), None)
+        if value_word is None:
+            continue
+        prefix = lower[:-len(value_word)]
+        for name_key in _RECORD_NAME_KEYS:
+            name = record[keys[prefix + name_key]] if prefix + name_key in keys else None
+            if isinstance(name, str) and is_secret_key(name):
+                named[key] = name
+                break
+    return named
 
 
 class _Redactor:
@@ -272,14 +321,15 @@ class _Redactor:
     def _redact_mapping(self, value: Mapping) -> Tuple[dict, bool]:
         # A name-value record, as Kubernetes lists environment variables ({"name": "DB_PASSWORD", "value": ...}):
         # its "value" is judged by the name the record gives, and that name (a variable's, not a secret) is kept.
-        named_by = _record_name(value)
+        named = _record_names(value)
+        names = {id(name) for name in named.values()}
         changed, result = False, {}
         for key, item in value.items():
-            if named_by is not None and isinstance(key, str) and key.lower() == "value":
-                result[key], item_changed = self.entry(named_by, item)
+            if key in named:
+                result[key], item_changed = self.entry(named[key], item)
                 changed = changed or item_changed
                 continue
-            if named_by is not None and item is named_by:  # the name itself: only its text is searched
+            if id(item) in names:  # the name itself: only its text is searched
                 result[key], item_changed = self.redact(item)
                 changed = changed or item_changed
                 continue
@@ -299,17 +349,24 @@ class _Redactor:
         return new_key, changed
 
     def _redact_arguments(self, items: Any) -> List[Tuple[Any, bool]]:
-        """The items of a list or tuple redacted, each after an option that looks secret and has no value of its
-        own (``["--password", S]``, as ``sys.argv`` holds it) judged as that option's value."""
+        """The items of a list or tuple redacted, each after a name that looks secret and has no value of its own
+        judged as that name's value: an option (``["--password", S]``, as ``sys.argv`` holds it, also with a
+        ``"="`` item between), a capitalised name (``["PASSWORD", S]``, an environment or header list), and after
+        an authorization scheme the item that follows it (``("Authorization", "Bearer", S)``)."""
         pairs, option = [], None
         for item in items:
+            if option is not None and isinstance(item, str) and \
+                    (item in _LIST_SEPARATORS or item.lower() in _AUTH_SCHEMES):
+                pairs.append((item, False))  # the value is the next item
+                continue
             if option is not None and not (isinstance(item, str) and _NUMBER.fullmatch(item) and
                                            names_a_model_part(option)):  # "--max-tokens 512" as in text
                 pairs.append(self.entry(option, item))
             else:
                 pairs.append(self.redact(item))
             option = None
-            if isinstance(item, str) and _ARGV_OPTION.fullmatch(item) and is_secret_key(item):
+            if isinstance(item, str) and is_secret_key(item) and (_ARGV_OPTION.fullmatch(item) or (
+                    _LIST_NAME.fullmatch(item) and not names_a_model_part(item))):
                 option = item.lstrip("-")
         return pairs
 

@@ -15,11 +15,16 @@ looks secret when one of its words, compared case-insensitively, singular or plu
 - is a compound of a qualifier and one of :data:`SECRET_WORDS` (``accesstoken``, ``apitoken``, ``privatekey``,
   ``masterkey``, ``dbpass``): the qualifiers are the words that make ``token``, ``key``, ``pass``... a credential
   (:data:`CREDENTIAL_QUALIFIERS`), so ``monkey``, ``turkey``, ``hotkey``, ``subtoken`` and ``bypass`` are not
-  secret names. Whole words otherwise: ``keyboard``, ``tokenizer`` and ``passage`` are not secret either.
+  secret names. Whole words otherwise: ``keyboard``, ``tokenizer`` and ``passage`` are not secret either;
+- is ``pat`` or ``sas`` after a qualifier (``GITHUB_PAT``, ``azure_sas``), or ``id`` after ``session``.
+
+Letters are read as a person reads them (accents dropped, full-width forms and Cyrillic or Greek look-alikes read
+as Latin letters): ``pässword`` and ``pаssword`` (Cyrillic ``а``) are ``password``.
 """
 import functools
 import os
 import re
+import unicodedata
 from typing import Any, FrozenSet, List, Optional
 
 __all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "is_credentials_file",
@@ -27,14 +32,21 @@ __all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "i
 
 #: Words that make a key look secret (compared with the key's words, singular or plural).
 SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
-                          "apikey", "auth", "oauth", "authorization", "cookie", "signature", "sig", "webhook"})
+                          "apikey", "auth", "oauth", "authorization", "cookie", "signature", "sig", "webhook",
+                          "jwt"})
 
 #: Secret words that also name parts of models or training (a text's tokens, attention keys, a forward pass, a
 #: significance level): under keys made only of these, values of numbers alone are kept.
 MODEL_VOCABULARY_WORDS = frozenset({"token", "key", "pass", "sig"})
 
 # Contained anywhere in a word, these make it secret (a word of its own or fused with others: "dbpassword").
-_INFIX_WORDS = ("password", "passwd", "passphrase", "credential", "secret", "authorization", "apikey")
+_INFIX_WORDS = ("password", "passwd", "passphrase", "passcode", "credential", "secret", "authorization", "apikey",
+                "sessionid", "sessid")
+# Short words that name a credential only after a qualifier: a personal access token (``GITHUB_PAT``, ``hf_pat``),
+# an Azure shared access signature (``azure_sas``, ``storage_sas``); alone they are abbreviations of anything.
+_QUALIFIED_WORDS = frozenset({"pat", "sas"})
+# Pairs of words that together name a credential: a session's identifier is its bearer's login (``SESSION_ID``).
+_SECRET_PAIRS = frozenset({("session", "id"), ("sess", "id")})
 # Words that contain "secret" and name no secret.
 _NOT_SECRET = frozenset({"secretary", "secretaries", "secretarial", "secretariat", "secretariats", "secrete",
                          "secreted", "secretes", "secreting", "secretion", "secretions", "secretory"})
@@ -48,8 +60,8 @@ CREDENTIAL_QUALIFIERS = frozenset({
     "access", "account", "admin", "api", "app", "auth", "aws", "azure", "bearer", "bot", "client", "consumer",
     "csrf", "database", "db", "deploy", "dev", "developer", "discord", "encryption", "gcp", "gcs", "gh", "github",
     "gitlab", "gpg", "hf", "hmac", "hub", "id", "jwt", "licence", "license", "live", "login", "master", "mlflow",
-    "my", "oauth", "openai", "pass", "personal", "pgp", "pin", "private", "prod", "product", "refresh", "root", "s3",
-    "secret", "service", "session", "sign", "signing", "slack", "ssh", "staging", "storage", "subscription",
+    "my", "oauth", "openai", "pass", "personal", "pg", "pgp", "pin", "private", "prod", "product", "refresh", "root",
+    "s3", "secret", "service", "session", "sign", "signing", "slack", "ssh", "staging", "storage", "subscription",
     "telegram", "upload", "user", "wandb", "webhook", "write", "xsrf"})
 
 # Split points of a key: runs of capitals (an acronym, ending before a capitalised word), capitalised or
@@ -57,10 +69,31 @@ CREDENTIAL_QUALIFIERS = frozenset({
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
+# Letters of other scripts drawn like Latin ones (Cyrillic and Greek), read as those: a key spelt "pаssword" with a
+# Cyrillic "а" is read by people, and by the program that reads it back, as "password".
+_LOOK_ALIKES = str.maketrans(
+    "\u0430\u0432\u0435\u043a\u043c\u043d\u043e\u0440\u0441\u0442\u0443\u0445\u0455\u0456\u0458\u0501\u051b\u051d"
+    "\u0410\u0412\u0415\u041a\u041c\u041d\u041e\u0420\u0421\u0422\u0423\u0425\u0405\u0406\u0408"
+    "\u03b1\u03b9\u03ba\u03bd\u03bf\u03c1\u03c5\u0391\u0392\u0395\u0396\u0397\u0399\u039a\u039c\u039d\u039f"
+    "\u03a1\u03a4\u03a5\u03a7\u0131\u0261",
+    "aBeKMHopcTyxsijdqwABEKMHOPCTYXSIJaikvopuABEZHIKMNOPTYXig")
+
+
+def _plain_letters(name: str) -> str:
+    """``name`` as its reader sees it in Latin letters: compatibility forms folded (full-width "ｐａｓｓ"), accents
+    dropped ("pässword"), look-alike Cyrillic and Greek letters read as Latin ones, "ß" as "ss"."""
+    if name.isascii():
+        return name
+    decomposed = unicodedata.normalize("NFKD", name)
+    kept = "".join(char for char in decomposed if not unicodedata.combining(char))
+    return kept.translate(_LOOK_ALIKES).replace("\u00df", "ss")
+
+
 def key_words(name: Any) -> List[str]:
     """The lower-case words of a key: ``'hfToken'`` -> ``['hf', 'token']``, ``'API-KEY2'`` -> ``['api', 'key',
-    '2']``."""
-    return [word.lower() for word in _WORD.findall(str(name))]
+    '2']``. Letters are read as a person reads them (:func:`_plain_letters`): ``'ｐａｓｓｗｏｒｄ'`` and
+    ``'pässword'`` -> ``['password']``."""
+    return [word.lower() for word in _WORD.findall(_plain_letters(str(name)))]
 
 
 def _singulars(word: str) -> List[str]:
@@ -96,7 +129,14 @@ def _secret_word_of(word: str) -> Optional[str]:
 def secret_words_in(name: Any) -> FrozenSet[str]:
     """The secret words (of :data:`SECRET_WORDS`, or fused into a word, see the module) the key ``name`` holds;
     empty when it does not look secret."""
-    return frozenset(found for found in map(_secret_word_of, key_words(name)) if found is not None)
+    words = key_words(name)
+    found = {word for word in map(_secret_word_of, words) if word is not None}
+    for before, word in zip(words, words[1:]):
+        if (before, word) in _SECRET_PAIRS:
+            found.add(before + word)
+        if word in _QUALIFIED_WORDS and any(form in CREDENTIAL_QUALIFIERS for form in _singulars(before)):
+            found.add(word)
+    return frozenset(found)
 
 
 def is_secret_key(name: Any) -> bool:

@@ -278,3 +278,57 @@ def test_tuple_keys_of_dicts_are_redacted():
 ])
 def test_a_secret_option_s_value_starting_with_a_dash_is_redacted(text, expected):
     assert redact_text(text) == expected
+
+
+SECRET = "Hunter2Zq9"
+
+
+@pytest.mark.parametrize("hyperparams", [
+    {"cmd": f'train.py --password "{SECRET} two" --lr 0.1'},  # a quoted value, whole
+    {"cmd": f"train.py --password '{SECRET}'"},
+    {"cfg": f'password = "correct {SECRET} staple"'},
+    {"cfg": json.dumps({"password": f"correct {SECRET} staple"})},
+    {"cfg": json.dumps({"password": f"ab,{SECRET}"})},
+    {"cfg": f"password=ab;{SECRET}"},  # a ";" inside a value does not end it
+    {"cfg": json.dumps({"api_key": f'ab"{SECRET}'})},  # an escaped quote does not end it
+    {"url": f"postgresql://user:ab/{SECRET}@host/db"},  # unencoded "/", "#", "?" in a URL's password
+    {"url": f"redis://:ab#{SECRET}@host:6379"},
+    {"url": f"mysql://u:ab?{SECRET}@host/db"},
+    {"notify": f"https://hooks.slack.com/services/T000/B000/{SECRET}"},
+    {"notify": f"https://discord.com/api/webhooks/123/{SECRET}"},
+    {"cmd": f"sshpass -p {SECRET} ssh host"},
+    {"cmd": f"curl -u admin:{SECRET} https://x"},
+    {"cmd": f'curl --user "admin:{SECRET}" https://x'},
+    {"netrc": f"machine example.com login u password {SECRET}\n"},
+    {"env": ["USER", "bob", "PASSWORD", SECRET]},  # a flat list of names and values
+    {"hdr": ("Authorization", "Bearer", SECRET)},
+    {"argv": ["--password", "=", SECRET]},
+    {"env": [{"name": "DB_PASSWORD", "val": SECRET}]},
+    {"env": [{"name": "PGPASS", "value": SECRET}]},
+    {"params": [{"ParameterKey": "DbPassword", "ParameterValue": SECRET}]},
+    {"GITHUB_PAT": SECRET}, {"azure_sas": SECRET}, {"passcode": SECRET}, {"CI_JOB_JWT": SECRET},
+    {"SESSIONID": SECRET}, {"session_id": SECRET},
+    {"pässword": SECRET}, {"ｐａｓｓｗｏｒｄ": SECRET}, {"p\u0430ssword": SECRET},  # accented, full-width, Cyrillic "а"
+], ids=lambda hyperparams: repr(hyperparams)[:40])
+def test_the_shapes_a_review_found_leaking_are_redacted(hyperparams):
+    """Issue 31, the second review's list of shapes that still showed a secret."""
+    redacted = redact_hyperparams(hyperparams)
+    assert SECRET not in repr(redacted) and SECRET not in json.dumps(redacted, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("hyperparams", [
+    {"cmd": "docker run -u 1000:1000 image"},  # a uid:gid, not a user and a password
+    {"url": "https://host/path?mail=a@b.com"},
+    {"columns": ["input_ids", "token_type_ids", "label"]},  # lower-case names in a list: not names and values
+    {"pad": ["PAD_TOKEN_ID", 0, "MAX_TOKENS", 512]},
+    {"pat": 3, "sas_path": "/data/x.sas7bdat", "pattern": "*.png", "Straße": "Main"},
+    {"session": "s1", "env": [{"name": "HOME", "value": "/root"}]},
+])
+def test_innocent_shapes_next_to_those_stay_as_they_are(hyperparams):
+    assert redact_hyperparams(hyperparams) == hyperparams
+
+
+@pytest.mark.parametrize("name", ["pässword", "ｐａｓｓｗｏｒｄ", "p\u0430ssword", "GITHUB_PAT", "hf_pat", "azure_sas",
+                                  "passcode", "CI_JOB_JWT", "SESSIONID", "session_id", "PGPASS"])
+def test_key_names_read_as_a_person_reads_them(name):
+    assert is_secret_key(name)
