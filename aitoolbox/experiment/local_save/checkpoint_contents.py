@@ -85,6 +85,8 @@ _ENTRIES: Dict[str, tuple] = {
     "rng": (_list_of(_is_dict), "a list of random states"),
     "epoch_start_rng": (_list_of(lambda item: item is None or isinstance(item, dict)), "a list of random states"),
     "epoch_loss_sum": (lambda value: isinstance(value, list), "a list of loss sums"),
+    "epoch_loss_names": (lambda value: value is None or _list_of(lambda item: isinstance(item, str))(value),
+                         "a list of loss names"),
     "train_loader_state": (lambda value: isinstance(value, list), "a list of loader states"),
     "precision": (_is_dict, "a precision state dict"),
     "callbacks": (lambda value: isinstance(value, dict) and all(isinstance(key, str) for key in value),

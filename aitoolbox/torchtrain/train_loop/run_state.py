@@ -345,7 +345,7 @@ class RunState:
 
 # What a loaded checkpoint waiting for fit holds of the run that the loop does not hold yet.
 _PENDING_KEYS = ("precision", "callbacks", SCHEDULERS_KEY, "amp", "rng", "epochs_completed", "iteration", "early_stop",
-                 "epoch_start_rng", "epoch_loss_sum", "epoch_loss_state", "train_loader_state",
+                 "epoch_start_rng", "epoch_loss_sum", "epoch_loss_state", "epoch_loss_names", "train_loader_state",
                  "train_history_per_rank", "rollbacks")
 
 

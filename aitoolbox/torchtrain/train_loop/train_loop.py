@@ -1047,6 +1047,11 @@ class TrainLoop:
         batches = self.strategy.agreed_batches(run_state.epoch_batches(self.train_loader, resume, self.device),
                                                self.train_loader)
         bar = ProgressBar(num_batches, f"Epoch {state.epoch + 1}/{state.num_epochs}", enabled=self.show_progress)
+        if resume is not None and run_state.batches_done > 0:
+            # As the run had them after its last batch done, also where none is left to train (an unsized loader's
+            # checkpoint after its last batch): the batch's index, the names of its losses.
+            state.iteration = run_state.batches_done - 1
+            self._loss_names = self._loss_names if resume.loss_names is None else list(resume.loss_names)
         with contextlib.closing(bar):
             finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)
             # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.

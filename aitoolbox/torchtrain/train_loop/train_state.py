@@ -75,6 +75,9 @@ class MidEpochResume:
             steps: what a step that did not finish recorded is dropped, so that it is not recorded twice.
         finish_step: the last of the ``batches_done`` batches has an optimizer step an exception interrupted after
             some optimizer had stepped: it is finished first (see :class:`~.step_runner.StepRunner`).
+        loss_names: the names of the losses of the last batch done, for a MultiLoss (a checkpoint's; None: a
+            plain loss, or the loop knows them): the epoch's accumulated loss is recorded under them also when no
+            batch is left to train (an unsized loader's checkpoint after its last batch).
         loader_state: the training loader's own state after the batches done (a loader with ``state_dict``, such
             as torchdata's ``StatefulDataLoader``), which it continues from; None: the batches done are skipped.
     """
@@ -89,6 +92,7 @@ class MidEpochResume:
     finished_steps: List[str] = dataclasses.field(default_factory=list)
     finished_history_lengths: Optional[Dict[str, int]] = None
     finish_step: bool = False
+    loss_names: Optional[List[str]] = None
 
 
 def history_lengths(history: Any) -> Dict[str, int]:
@@ -238,6 +242,7 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         # continues it bit for bit (the sum of its complete blocks, the open block's values: losses.EpochLossSum).
         checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(epoch_loss.total().tolist())
         checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(epoch_loss.state(include_pending=True))
+        checkpoint["epoch_loss_names"] = tl.last_batch_loss_names
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
             checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
                 weights_only_safe(tl.train_loader.state_dict()))
@@ -342,7 +347,8 @@ def _apply_pending_states(tl: "TrainLoop", checkpoint: dict) -> Optional[MidEpoc
         loss_sums = checkpoint.get("epoch_loss_state", checkpoint["epoch_loss_sum"])  # older checkpoints: the sum
         return MidEpochResume(batches_done=checkpoint["iteration"], loss_sum=loss_sums[rank],
                               epoch_start_rng=checkpoint["epoch_start_rng"][rank], rng=rng_states[rank],
-                              loader_state=private_copy(loader_states[rank]) if loader_states else None)
+                              loader_state=private_copy(loader_states[rank]) if loader_states else None,
+                              loss_names=checkpoint.get("epoch_loss_names"))
     restore_rng_state(rng_states[rank], tl.train_loader)
     return None
 

@@ -152,7 +152,8 @@ def test_iteration_save_freq_adds_mid_epoch_checkpoints(tmp_path):
     checkpoint = torch.load(os.path.join(tl.experiment_folder.checkpoint_dir, f"model_exp_{ts}_E1_ITER7.pth"),
                             weights_only=True)
     assert (checkpoint["epoch"], checkpoint["iteration"], checkpoint["iteration_idx"]) == (1, 3, 7)
-    assert set(checkpoint) == CHECKPOINT_KEYS | {"epoch_start_rng", "epoch_loss_sum", "epoch_loss_state"}
+    assert set(checkpoint) == CHECKPOINT_KEYS | {"epoch_start_rng", "epoch_loss_sum", "epoch_loss_state",
+                                                   "epoch_loss_names"}
 
 
 @pytest.mark.parametrize("use_amp, scaled, masters", [
