@@ -16,7 +16,8 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
   attributes down through the plain objects the sampler holds (``cfg.rng``, a wrapper's ``base.rng``), since a
   random state one object down drives the order just the same;
 * a random state that cannot be saved (``random.SystemRandom``, which draws from the operating system; generators
-  inside a list or dict attribute) is named in a warning: a resumed run will not draw that sampler's order again.
+  inside a list or dict attribute; a generator more than ``_DEPTH`` attributes down, looked for a few levels
+  further) is named in a warning: a resumed run will not draw that sampler's order again.
 
 ``DistributedSampler`` (and subclasses such as torchdata's ``StatefulDistributedSampler``, whose ``state_dict`` is
 an iteration position, not a random state) is left out: its order follows from its seed and epoch alone.
@@ -41,6 +42,8 @@ _WORLD_SIZE_SPECIFIC = ("ShardedSampler", "ShardedBatchSampler")
 _ITEMS_LOOKED_AT = 8
 # How many attributes down a sampler's random state is looked for (``self.cfg.rng``, ``self.base.cfg.rng``).
 _DEPTH = 3
+# How much further down a generator is still looked for, only to warn that its state is not saved.
+_BEYOND_DEPTH = 3
 _SAVEABLE = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator, torch.Generator)
 
 
@@ -161,7 +164,30 @@ def _own_rngs(sampler: Any, known: List[torch.Generator], warn: bool = True, oth
             elif depth < _DEPTH and _looked_into(value) and id(value) not in seen:
                 seen.add(id(value))
                 pending.append((f"{path}.", value, depth + 1))
+            elif warn and _looked_into(value) and id(value) not in seen:
+                deeper = _generator_below(value, f"{path}.", set(seen))
+                if deeper is not None:
+                    _warn_unsaved(sampler, f"attribute {deeper!r} is a random number generator more than {_DEPTH} "
+                                           "attributes down, where states are not looked for")
     return saveable
+
+
+def _generator_below(owner: Any, prefix: str, seen: set) -> Optional[str]:
+    """The path of a random number generator held below ``owner`` (beyond the depth states are saved from), or
+    None: a bounded search (:data:`_BEYOND_DEPTH` levels, :data:`_ITEMS_LOOKED_AT` objects per level), so that a
+    warning names what a resumed run will not draw again instead of passing it over in silence."""
+    level = [(prefix, owner)]
+    for _ in range(_BEYOND_DEPTH):
+        below = []
+        for prefix, obj in level:
+            for name, value in itertools.islice(vars(obj).items(), 4 * _ITEMS_LOOKED_AT):
+                if isinstance(value, _SAVEABLE):
+                    return f"{prefix}{name}"
+                if _looked_into(value) and id(value) not in seen:
+                    seen.add(id(value))
+                    below.append((f"{prefix}{name}.", value))
+        level = below[:_ITEMS_LOOKED_AT]
+    return None
 
 
 def _looked_into(value: Any) -> bool:

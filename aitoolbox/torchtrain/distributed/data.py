@@ -337,18 +337,16 @@ def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
     sampler that shards by itself without saying so (it reads ``torch.distributed.get_rank()`` in ``__iter__``, or
     wraps a ``DistributedSampler`` it builds itself, with no ``num_replicas`` and ``rank``) draws its own part in
     each process, and sharding that again would train a fraction of it silently: the processes' digests tell.
-    The draw is made on a shallow copy of the sampler, its random states put back afterwards, so that the check
-    changes nothing the epochs draw.
+    The draw is made on a deep copy of the sampler (sharing the data set and the loader, which it may hold), so
+    that the check advances nothing of the sampler's, however deep its random state or counters lie; one that
+    cannot be deep-copied is drawn from a shallow copy, with its random states put back afterwards.
     """
     wrappers = [sampler for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
                 if isinstance(sampler, ShardedSampler)]
     if not wrappers:
         return "", 0, ""
     wrapper = wrappers[0]
-    try:
-        user_sampler = copy.copy(wrapper.sampler)  # a counter it advances in __iter__ stays the user's own
-    except Exception:  # a sampler that cannot be copied is drawn from itself: its random states are put back
-        user_sampler = wrapper.sampler
+    user_sampler = _private_copy(wrapper.sampler, loader)
     with preserved_random_states(loader), shared_global_random_state(wrapper.seed % 2 ** 63):
         # The order's head tells a sampler drawing per process; drawing all of it (and hashing each key in Python)
         # would cost seconds to minutes at the start of every fit on a data set of millions of samples.
@@ -361,6 +359,22 @@ def sharded_order_digest(loader: Any) -> Tuple[str, int, str]:
     digest = hashlib.sha256()
     _feed(digest, head)
     return type(wrapper.sampler).__name__, length, digest.hexdigest()
+
+
+def _private_copy(sampler: Any, loader: Any) -> Any:
+    """A copy of ``sampler`` to draw from without changing it: deep (its generators and counters its own, at any
+    depth), sharing the loader and its data set; else shallow (a counter it advances in ``__iter__`` stays the
+    user's own); else the sampler itself (its random states are put back by the caller)."""
+    shared = {id(loader): loader}
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        shared[id(dataset)] = dataset
+    for make_copy in (lambda: copy.deepcopy(sampler, shared), lambda: copy.copy(sampler)):
+        try:
+            return make_copy()
+        except Exception:  # e.g. a lock or an open file inside: the next, shallower way
+            continue
+    return sampler
 
 
 def _feed(digest: Any, value: Any) -> None:

@@ -88,6 +88,15 @@ class ListOfGenerators(SystemRandomSampler):
         self.rng = [random.Random(0)]  # (draws from none of them: only the warning matters here)
 
 
+class FourDown(SystemRandomSampler):
+    """Its ``random.Random`` four attributes down (``self.a.b.c.rng``): beyond the depth states are saved from."""
+
+    def __init__(self, num_samples: int):
+        super().__init__(num_samples)
+        self.rng = None
+        self.a = types.SimpleNamespace(b=types.SimpleNamespace(c=types.SimpleNamespace(rng=random.Random(0))))
+
+
 class NestedRandomSampler(Sampler[int]):
     """Its ``random.Random`` one object down (``self.cfg.rng``), the config holding a cycle back to the sampler."""
 
@@ -164,7 +173,9 @@ def test_the_sampler_s_own_state_dict_is_used():
 
 
 @pytest.mark.parametrize("sampler, reason", [(SystemRandomSampler(8), "SystemRandom"),
-                                             (ListOfGenerators(8), "inside")], ids=["SystemRandom", "in a list"])
+                                             (ListOfGenerators(8), "inside"),
+                                             (FourDown(8), "'a.b.c.rng' is a random number generator more than 3")],
+                         ids=["SystemRandom", "in a list", "four attributes down"])
 def test_an_own_random_state_that_cannot_be_saved_is_named_in_a_warning(sampler, reason):
     loader = DataLoader(range(8), sampler=sampler, batch_size=2)
     with pytest.warns(UserWarning, match=f"{type(sampler).__name__}.*{reason}"):

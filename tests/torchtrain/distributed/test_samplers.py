@@ -7,7 +7,9 @@ DistributedSampler is used as given; a batch sampler is sharded by whole batches
 refused before training.
 """
 import os
+import random
 import types
+from typing import Any, Callable, Tuple
 
 import pytest
 import torch
@@ -424,20 +426,34 @@ class SeededOneObjectDown(torch.utils.data.Sampler):
         return iter(torch.randperm(self.size, generator=self.cfg.generator).tolist())
 
 
-def seeded_by_rank(rank: int, world_size: int, nested: bool = False) -> str:
+def fit_in_rank(rank: int, world_size: int, sampler_of: Callable[[Any], Any]) -> Tuple[TrainLoop, Any]:
+    """A one-epoch DDP fit in this process over the loader of ``sampler_of(data)``: the loop, and what fit raised
+    (None if nothing)."""
     join_as_torchrun(rank, world_size)
     model = make_model(IndexRecordingRegressor)
     data = regression_data(NUM_SAMPLES)
-    # A per-rank seed: a mistake here.
-    sampler = SeededOneObjectDown(data, rank) if nested else RandomSampler(
-        data, generator=torch.Generator().manual_seed(rank))
-    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
+    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler_of(data)), None, None,
                    torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
                    end_auto_eval=False, gpu_mode="ddp")
-    with pytest.raises(ValueError) as error:
+    try:
         tl.fit(num_epochs=1)
-    assert model.trained_indices == []
-    return str(error.value)
+    except ValueError as error:
+        return tl, error
+    return tl, None
+
+
+def refused_in_rank(rank: int, world_size: int, sampler_of: Callable[[Any], Any]) -> str:
+    """The message of the ValueError fit raised before training any batch."""
+    tl, error = fit_in_rank(rank, world_size, sampler_of)
+    assert error is not None and tl.model.trained_indices == []
+    return str(error)
+
+
+def seeded_by_rank(rank: int, world_size: int, nested: bool = False) -> str:
+    def sampler_of(data):  # a per-rank seed: a mistake here
+        return SeededOneObjectDown(data, rank) if nested else RandomSampler(
+            data, generator=torch.Generator().manual_seed(rank))
+    return refused_in_rank(rank, world_size, sampler_of)
 
 
 @pytest.mark.slow
@@ -480,17 +496,42 @@ class WrapsItsOwnDistributedSampler(torch.utils.data.Sampler):
 
 
 def self_sharding_in_rank(rank: int, world_size: int, kind: str) -> str:
-    join_as_torchrun(rank, world_size)
-    model = make_model(IndexRecordingRegressor)
-    data = regression_data(NUM_SAMPLES)
-    sampler = ShardsByRank(NUM_SAMPLES) if kind == "by rank" else WrapsItsOwnDistributedSampler(data)
-    tl = TrainLoop(model, DataLoader(data, batch_size=BATCH, sampler=sampler), None, None,
-                   torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), show_progress=False,
-                   end_auto_eval=False, gpu_mode="ddp")
-    with pytest.raises(ValueError) as error:
-        tl.fit(num_epochs=1)
-    assert model.trained_indices == []
-    return str(error.value)
+    return refused_in_rank(rank, world_size, lambda data: ShardsByRank(NUM_SAMPLES) if kind == "by rank"
+                           else WrapsItsOwnDistributedSampler(data))
+
+
+class ShufflesFourDown(torch.utils.data.Sampler):
+    """Shuffles with a ``random.Random`` four attributes down (``self.a.b.c.rng``), which the set-up check of the
+    order draws from too."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.a = types.SimpleNamespace(b=types.SimpleNamespace(c=types.SimpleNamespace(rng=random.Random(7))))
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        order = list(range(self.size))
+        self.a.b.c.rng.shuffle(order)
+        return iter(order)
+
+
+def first_epoch_in_rank(rank: int, world_size: int) -> list:
+    tl, error = fit_in_rank(rank, world_size, lambda data: ShufflesFourDown(NUM_SAMPLES))
+    assert error is None
+    return [index for batch in tl.model.trained_indices for index in batch]
+
+
+@pytest.mark.filterwarnings("ignore:the training sampler ShufflesFourDown keeps a random state")
+def test_the_order_check_at_set_up_leaves_the_sampler_s_state_as_it_was():
+    """The check that a sampler draws the same order in every process draws from a deep copy: a random state it
+    cannot put back (four attributes down) is not advanced, so epoch 0 trains the sampler's first order (second
+    review of issue 33, defect 2: it trained the second)."""
+    first_order = list(range(NUM_SAMPLES))
+    random.Random(7).shuffle(first_order)
+    for rank, trained in enumerate(run_distributed(first_epoch_in_rank, world_size=2)):
+        assert trained == first_order[rank::2]
 
 
 @pytest.mark.parametrize("kind", ["by rank", "hidden DistributedSampler"])
