@@ -27,8 +27,8 @@ import re
 import unicodedata
 from typing import Any, FrozenSet, List, Optional
 
-__all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "is_credentials_file",
-           "is_secret_key", "key_words", "names_a_model_part", "secret_words_in"]
+__all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "as_latin_letters",
+           "is_credentials_file", "is_secret_key", "key_words", "names_a_model_part", "secret_words_in"]
 
 #: Words that make a key look secret (compared with the key's words, singular or plural).
 SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
@@ -79,7 +79,7 @@ _LOOK_ALIKES = str.maketrans(
     "aBeKMHopcTyxsijdqwABEKMHOPCTYXSIJaikvopuABEZHIKMNOPTYXig")
 
 
-def _plain_letters(name: str) -> str:
+def as_latin_letters(name: str) -> str:
     """``name`` as its reader sees it in Latin letters: compatibility forms folded (full-width "ｐａｓｓ"), accents
     dropped ("pässword"), look-alike Cyrillic and Greek letters read as Latin ones, "ß" as "ss"."""
     if name.isascii():
@@ -91,9 +91,9 @@ def _plain_letters(name: str) -> str:
 
 def key_words(name: Any) -> List[str]:
     """The lower-case words of a key: ``'hfToken'`` -> ``['hf', 'token']``, ``'API-KEY2'`` -> ``['api', 'key',
-    '2']``. Letters are read as a person reads them (:func:`_plain_letters`): ``'ｐａｓｓｗｏｒｄ'`` and
+    '2']``. Letters are read as a person reads them (:func:`as_latin_letters`): ``'ｐａｓｓｗｏｒｄ'`` and
     ``'pässword'`` -> ``['password']``."""
-    return [word.lower() for word in _WORD.findall(_plain_letters(str(name)))]
+    return [word.lower() for word in _WORD.findall(as_latin_letters(str(name)))]
 
 
 def _singulars(word: str) -> List[str]:

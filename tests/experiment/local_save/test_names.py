@@ -128,7 +128,9 @@ def test_a_name_that_passes_works_everywhere_a_name_goes(tmp_path_factory, name)
         return
     encoded = name.encode("utf-8")  # a key, a header, a log line: never a UnicodeEncodeError
     assert 0 < len(encoded) <= 255
-    assert not any(unicodedata.category(char) in ("Cc", "Cf", "Co", "Cs", "Zl", "Zp") for char in name)
+    # (a zero-width joiner or non-joiner only between characters that join: see the next tests)
+    assert not any(unicodedata.category(char) in ("Cc", "Cf", "Co", "Cs", "Zl", "Zp") and char not in "\u200c\u200d"
+                   for char in name)
     assert unicodedata.normalize("NFKC", name) == name
     assert name.splitlines() == [name] and name not in (".", "..")
     folder = tmp_path_factory.mktemp("names")
@@ -159,3 +161,42 @@ def test_prefixes_and_paths_read_from_storage_refuse_the_same_characters(bad):
         check_key_prefix(bad)
     with pytest.raises(ValueError):
         check_relative_path(bad, "s3://bucket/marker")
+
+
+# --- second review of issue 31: invisible characters of other categories, look-alikes, words that join ------------
+@pytest.mark.parametrize("name, described", [
+    ("run\u034f1", "U+034F (COMBINING GRAPHEME JOINER) at position 3"),
+    ("run1\ufe00", "U+FE00 (VARIATION SELECTOR-1) at position 4"),
+    ("run\u115f1", "U+115F (HANGUL CHOSEONG FILLER) at position 3"),
+    ("run\u28001", "U+2800 (BRAILLE PATTERN BLANK) at position 3"),
+    ("team\u2215exp", "U+2215 (DIVISION SLASH) at position 4, which looks like a path separator"),
+    ("team\u2044exp", "U+2044 (FRACTION SLASH) at position 4, which looks like a path separator"),
+    ("r\u0430n", "U+0430 (CYRILLIC SMALL LETTER A) at position 1 in the Latin word 'r\u0430n'"),
+    ("ab\u200dc", "U+200D (ZERO WIDTH JOINER) at position 2"),  # no job between Latin letters
+])
+def test_other_invisible_and_look_alike_characters_are_refused(name, described):
+    with pytest.raises(ValueError) as refused:
+        check_name(name, "experiment_name")
+    assert described in str(refused.value)
+    with pytest.raises(ValueError, match=re.escape(described.split(" at position")[0])):
+        check_key_prefix(f"team/{name}")
+
+
+@pytest.mark.parametrize("name", ["\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",  # Persian, with ZWNJ
+                                  "\U0001f469\u200d\U0001f52c-runs",  # an emoji ZWJ sequence
+                                  "\u2764\ufe0f\u200d\U0001f525", "1\ufe0f\u20e3-run",  # emoji with selectors
+                                  "\u03b1_sweep", "\u03bcP_sweep", "\u03b2eta", "\u043e\u043f\u044b\u0442", "\u65e5\u672c\u8a9e", "\u00dcn\u00efc\u00f6d\u00e9"])
+def test_words_that_need_a_joiner_and_words_of_one_script_are_taken(name):
+    assert check_name(name, "experiment_name") == name
+
+
+@pytest.mark.parametrize("written, suggested", [
+    (unicodedata.normalize("NFD", "Caf\u00e9"), "Caf\u00e9"),  # as macOS's HFS+ lists it
+    (unicodedata.normalize("NFD", "\uc2e4\ud5d8"), "\uc2e4\ud5d8"),  # Hangul in jamo
+    ("\u00b5P_sweep", "\u03bcP_sweep"),  # MICRO SIGN, as a Mac keyboard types it
+])
+def test_a_name_nfkc_changes_is_refused_with_the_form_to_use(written, suggested):
+    with pytest.raises(ValueError) as refused:
+        check_name(written, "project_name")
+    assert f"(the whole name so written: {suggested!r}; use that)" in str(refused.value)
+    assert check_name(suggested, "project_name") == suggested
