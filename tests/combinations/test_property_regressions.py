@@ -295,3 +295,21 @@ def test_resumed_from_an_unsized_loader_s_checkpoint_after_its_last_batch_equals
     state.resume_from_newest_checkpoint()
     state.fit(detour=None, epochs=1, fault=None, iterations=1, unit="epochs", variant=0)  # compares with straight
     state.teardown()
+
+
+def test_resumed_from_a_checkpoint_at_the_iteration_target_closes_the_epoch_as_straight():
+    """Found by the property test (extended tier). fit(num_iterations=7) stops in epoch 3 after one batch; an
+    exception in that epoch's end (on_epoch_train_end); a new TrainLoop loads the mid-epoch checkpoint taken after
+    the 7th step and fit(num_iterations=7) again: it said "Nothing to train" and left the epoch unclosed (no
+    accumulated loss, no epoch end), where the straight run closed it."""
+    from tests.combinations.test_properties import TrainingInvariant
+    state = TrainingInvariant()  # driven by hand: the failing example's operations
+    state.build(setup=Setup(precision="O1", num_samples=9, sized=True, batchnorm=False), faults_first=False)
+    state.fit(detour=None, epochs=1, fault=None, iterations=1, unit="epochs", variant=0)
+    state.fit(detour=None, epochs=1, fault=(FAULT_POINTS.index("on_epoch_train_end"), 1), iterations=4,
+              unit="iterations", variant=0)
+    assert (state.test.keeper.newest["iteration_idx"], state.test.keeper.newest["iteration"]) == (6, 1)
+    state.resume_from_newest_checkpoint()
+    state.fit(detour=None, epochs=1, fault=None, iterations=1, unit="epochs", variant=0)  # compares with straight
+    state.test.tl.fit(num_iterations=7)  # and now there is nothing to train
+    state.teardown()

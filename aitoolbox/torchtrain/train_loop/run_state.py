@@ -287,11 +287,16 @@ class RunState:
 
     def interrupted_at_iteration_target(self, num_iterations: int) -> bool:
         """An exception interrupted an epoch's batches exactly where ``fit(num_iterations=num_iterations)`` ends
-        (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step): that ``fit`` still has
-        to finish the step and close the shortened epoch, as the uninterrupted run did, though no batch is left."""
+        (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step), or a loaded mid-epoch
+        checkpoint was taken there (before that epoch's end, which a mid-epoch checkpoint always precedes): that
+        ``fit`` still has to finish the step and close the shortened epoch, as the uninterrupted run did, though no
+        batch is left."""
+        if num_iterations <= 0 or self.counters.iterations_done != num_iterations:
+            return False
         point = self._interrupted_at
-        return (point is not None and not point.batches_trained and point.batches_done > 0 and num_iterations > 0
-                and self.counters.iterations_done == num_iterations)
+        if point is not None:
+            return not point.batches_trained and point.batches_done > 0
+        return self.pending_checkpoint is not None and self.pending_checkpoint.get("iteration", 0) > 0
 
     @property
     def interrupted_step_point(self) -> Optional[MidEpochResume]:
