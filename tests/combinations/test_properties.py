@@ -53,9 +53,6 @@ KNOWN_DEFECTS = {
     14: "SpikeRollback beside a stopping callback, and the checkpoints of an undone interval: not drawn together, "
         "no resume from a checkpoint older than a rollback",
     # Found by this test (see test_property_regressions.py):
-    "step hooks": "an exception after a batch's optimizer step, before every callback's on_batch_end ran for it: no "
-                  "fault in on_after_optimizer_step, nor in on_batch_end of a stepping batch by a callback that runs "
-                  "before others",
     "spike retrain": "SpikeRollback records the batches trained again twice: with it, faults only where no batch is "
                      "to be trained again",
     "spike clean point": "SpikeRollback drops its clean point at an exception: no faults with it and a poisoned "

@@ -1,6 +1,6 @@
 """Keeps the registered callbacks in execution order and calls those that override each hook."""
 import logging
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 
@@ -177,17 +177,39 @@ class CallbacksHandler:
         for callback in self._subscribers["on_batch_begin"]:
             callback.on_batch_begin()
 
-    def on_batch_end(self) -> None:
+    def on_batch_end(self, done: Optional[List[int]] = None) -> None:
+        """``on_batch_end`` of each callback; with ``done``, see :meth:`_call_each`."""
+        if done is not None:
+            self._call_each("on_batch_end", done)
+            return
         for callback in self._subscribers["on_batch_end"]:
             callback.on_batch_end()
 
-    def on_after_gradient_update(self, optimizer_idx: int) -> None:
+    def on_after_gradient_update(self, optimizer_idx: int, done: Optional[List[int]] = None) -> None:
+        """``on_after_gradient_update(optimizer_idx)`` of each callback; with ``done``, see :meth:`_call_each`."""
+        if done is not None:
+            self._call_each("on_after_gradient_update", done, optimizer_idx)
+            return
         for callback in self._subscribers["on_after_gradient_update"]:
             callback.on_after_gradient_update(optimizer_idx)
 
-    def on_after_optimizer_step(self) -> None:
+    def on_after_optimizer_step(self, done: Optional[List[int]] = None) -> None:
+        """``on_after_optimizer_step`` of each callback; with ``done``, see :meth:`_call_each`."""
+        if done is not None:
+            self._call_each("on_after_optimizer_step", done)
+            return
         for callback in self._subscribers["on_after_optimizer_step"]:
             callback.on_after_optimizer_step()
+
+    def _call_each(self, hook_name: str, done: List[int], *args: Any) -> None:
+        """``hook_name`` of each callback whose identity is not in ``done``, adding it to ``done`` once its hook
+        returned. A hook of a committed optimizer step that raised is so continued by the next ``fit`` with the
+        callbacks that had not finished: one that had (a per-step scheduler) does not act on the step twice."""
+        for callback in self._subscribers[hook_name]:
+            if id(callback) in done:
+                continue
+            getattr(callback, hook_name)(*args)
+            done.append(id(callback))
 
     def on_after_batch_prediction(self, y_pred_batch, y_test_batch, metadata_batch, dataset_info: dict) -> None:
         for callback in self._subscribers["on_after_batch_prediction"]:

@@ -198,7 +198,8 @@ class WeightAveraging(AbstractCallback):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
-        self._stepped = False
+        # _stepped is kept: a fit after an exception in a committed step's hooks finishes that step's batch end,
+        # which updates the average for it (a checkpoint or rollback clears it in load_state_dict).
         self._late_warned = False
 
     def on_epoch_begin(self) -> None:
@@ -278,6 +279,7 @@ class WeightAveraging(AbstractCallback):
             self._pending_state = state
             return
         self._clear_progress()
+        self._stepped = False  # the run continues from the state's step point, where the update was decided
         if state["averaged"] is not None:
             self._averaged.load_state_dict(state["averaged"])
         else:

@@ -88,11 +88,12 @@ class SearchHooks:
         self.clipping = [callback for callback in callbacks if isinstance(callback, GradientClipBase)]
         self.has_batch_hooks = bool(self.clipping)
 
-    def on_after_gradient_update(self, optimizer_idx: int) -> None:
+    def on_after_gradient_update(self, optimizer_idx: int, done: Optional[List[int]] = None) -> None:
+        # ``done``: the handler's record of the callbacks finished (the search is never continued: not needed).
         for callback in self.clipping:
             callback.on_after_gradient_update(optimizer_idx)
 
-    def on_after_optimizer_step(self) -> None:
+    def on_after_optimizer_step(self, done: Optional[List[int]] = None) -> None:
         """Nothing: what runs after a step (schedulers, loggers) must not see the search."""
 
 

@@ -7,9 +7,11 @@ and clips there; ``on_after_optimizer_step`` after it) and tells the run state w
 where a ``fit`` stopped by an exception continues.
 
 A step is a transaction: until an optimizer steps, an exception abandons it (the loop trains the window's batches
-again from the last step). Optimizers stepped one after another (a MultiLoss with one loss per optimizer) cannot be
-abandoned once the first has stepped: the step is then kept, with the gradients and precision state of the others,
-and the next ``fit`` finishes it (:meth:`StepRunner.finish_interrupted_step`) as the uninterrupted run would have.
+again from the last step). Once one has stepped it cannot be abandoned: optimizers stepped one after another (a
+MultiLoss with one loss per optimizer), or a callback's ``on_after_optimizer_step`` raising after the step. The step
+is then kept, with the gradients and precision state of what is left, and the next ``fit`` finishes it
+(:meth:`StepRunner.finish_interrupted_step`) as the uninterrupted run would have: each callback's hook that had
+returned is not called again for that step, the one that raised and those after it are.
 """
 import dataclasses
 from typing import Any, Callable, List, Optional, Tuple
@@ -23,7 +25,8 @@ from aitoolbox.torchtrain.train_loop.loop_state import LoopState
 @dataclasses.dataclass
 class _PerOptimizerStep:
     """A batch's work over several optimizers in turn, as named actions ``(kind, optimizer_idx)`` done in order;
-    ``position`` is the first action not done yet."""
+    ``position`` is the first action not done yet. (An ``optimizer_idx`` of -1: every optimizer, the rest of a step
+    that stepped them together.)"""
 
     loss: Optional[MultiLoss]
     step_due: bool
@@ -31,6 +34,9 @@ class _PerOptimizerStep:
     position: int = 0
     skipped: List[bool] = dataclasses.field(default_factory=list)  # per optimizer that stepped, in order
     stepped_any: bool = False
+    hooks_done: List[int] = dataclasses.field(default_factory=list)  # callbacks whose hook of the action returned
+    per_optimizer: bool = True  # the optimizers step one after another (_per_optimizer), not together
+    ends_batch: bool = True  # the batch's end (on_batch_end...) follows: not so for step_pending_gradients
 
 
 @dataclasses.dataclass
@@ -91,6 +97,12 @@ class StepRunner:
         """An exception interrupted a step after some optimizer had stepped: :meth:`finish_interrupted_step`."""
         return self._unfinished is not None
 
+    @property
+    def interrupted_step_ends_batch(self) -> bool:
+        """The interrupted step is a batch's (its ``on_batch_end`` follows), not one :meth:`step_pending_gradients`
+        took after the batches."""
+        return self._unfinished is not None and self._unfinished.work.ends_batch
+
     def abandon(self) -> bool:
         """The step in progress is not finished now (an exception). Until an optimizer has stepped, its precision
         state is forgotten: the window's batches are trained again. Once one has (optimizers stepped one after
@@ -117,7 +129,7 @@ class StepRunner:
         for tensor, grad in unfinished.gradients:  # anything since (zero_grad, lr_find) cleared or replaced them
             tensor.grad = grad
         self.precision.load_step_state(unfinished.precision_state)
-        self._per_optimizer_last = True
+        self._per_optimizer_last = unfinished.work.per_optimizer
         self._run(unfinished.work)
 
     def _held_gradients(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
@@ -154,18 +166,26 @@ class StepRunner:
         else:
             self.pending_batches += 1
 
-    def step(self, optimizers: List[torch.optim.Optimizer], update_scale: bool = True,
-             batch_done: bool = True) -> None:
-        """Step ``optimizers`` (skipped on a loss-scale overflow), then ``on_after_optimizer_step`` and
-        ``zero_grad``; ``batch_done`` marks the batch done (the other optimizers of the batch stepped too)."""
-        self.counters.optimizer_step_skipped = not self.precision.step(optimizers, update_scale)
-        self.counters.stepped_optimizers = tuple(idx for idx, optimizer in enumerate(self.optimizers)
-                                                 if any(optimizer is stepped for stepped in optimizers))
-        if batch_done:
-            self.pending_batches = 0
-            self.batch_done()
+    def step(self, optimizers: List[torch.optim.Optimizer], ends_batch: bool = True) -> None:
+        """Step every optimizer (``optimizers``; skipped on a loss-scale overflow) and mark the batch done, then
+        ``on_after_optimizer_step`` and ``zero_grad``. ``ends_batch``: the batch's end follows (see
+        :attr:`interrupted_step_ends_batch`)."""
+        skipped = not self.precision.step(optimizers, True)
+        self.counters.optimizer_step_skipped = skipped
+        self.counters.stepped_optimizers = tuple(range(len(self.optimizers)))
+        self.pending_batches = 0
+        self.batch_done()
         if self.hooks.has_batch_hooks:
-            self.hooks.on_after_optimizer_step()
+            done: List[int] = []
+            try:
+                self.hooks.on_after_optimizer_step(done)
+            except BaseException:
+                # The step is committed: what is left of it (the hooks from the one that raised, zero_grad) is
+                # kept for the next fit (see abandon), which must not drop it nor repeat the hooks that returned.
+                self._work = _PerOptimizerStep(None, True, [("after_step", -1), ("zero_grad", -1)],
+                                               skipped=[skipped], stepped_any=True, hooks_done=done,
+                                               per_optimizer=False, ends_batch=ends_batch)
+                raise
         self.precision.zero_grad(optimizers)
 
     def _batch_done(self) -> None:
@@ -184,12 +204,12 @@ class StepRunner:
         # A clipping callback clips these gradients now: its call for the batch saw optimizer_step_due False, as
         # the window's end was not known yet.
         if self._per_optimizer_last:
-            self._run(_PerOptimizerStep(None, True, self._step_actions(with_backward=False)))
+            self._run(_PerOptimizerStep(None, True, self._step_actions(with_backward=False), ends_batch=False))
         else:
             if self.hooks.has_batch_hooks:
                 for optimizer_idx in range(len(self.optimizers)):
                     self.hooks.on_after_gradient_update(optimizer_idx)
-            self.step(self.optimizers)
+            self.step(self.optimizers, ends_batch=False)
         counters.optimizer_step_due = False
         return True
 
@@ -232,6 +252,7 @@ class StepRunner:
             kind, idx = work.actions[work.position]
             getattr(self, f"_do_{kind}")(work, idx)
             work.position += 1
+            work.hooks_done.clear()  # the record is the current action's
         self._work = None
 
     def _own_step(self) -> bool:
@@ -257,8 +278,8 @@ class StepRunner:
         self.precision.backward(loss[name], accumulating=not work.step_due, retain_graph=retain)
 
     def _do_gradient_hooks(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
-        if self.hooks.has_batch_hooks:
-            self.hooks.on_after_gradient_update(optimizer_idx)
+        if self.hooks.has_batch_hooks:  # a clipping callback that returned must not clip again when continued
+            self.hooks.on_after_gradient_update(optimizer_idx, work.hooks_done)
 
     def _do_step(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
         if self._own_step():
@@ -272,12 +293,15 @@ class StepRunner:
     def _do_after_step(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
         self.counters.optimizer_step_skipped = work.skipped[-1]
         # The hook runs once per optimizer here: per-step callbacks (a scheduler per optimizer) act on this one.
-        self.counters.stepped_optimizers = (optimizer_idx,)
+        self.counters.stepped_optimizers = \
+            (optimizer_idx,) if optimizer_idx >= 0 else tuple(range(len(self.optimizers)))
         if self.hooks.has_batch_hooks:
-            self.hooks.on_after_optimizer_step()
+            self.hooks.on_after_optimizer_step(work.hooks_done)
 
     def _do_zero_grad(self, work: _PerOptimizerStep, optimizer_idx: int) -> None:
-        if self._own_step():
+        if optimizer_idx < 0:  # the rest of step(): every optimizer stepped together
+            self.precision.zero_grad(self.optimizers)
+        elif self._own_step():
             self.user_optimizer.zero_grad(optimizer_idx, self.counters.iteration)
         else:
             self.precision.zero_grad([self.optimizers[optimizer_idx]])

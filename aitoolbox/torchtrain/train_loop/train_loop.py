@@ -164,6 +164,7 @@ class TrainLoop:
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
         self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
+        self._batch_end_done: Optional[List[int]] = None  # a committed batch's on_batch_end in progress (_end_batch)
         self._plain_batches = False  # set per fit: neither the strategy nor the precision has a context for a batch
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
         self.train_history = TrainingHistory(has_validation=validation_loader is not None)
@@ -650,8 +651,9 @@ class TrainLoop:
                 (self.run_state.interrupted_step_point is not None and self.run_state.interrupted_step_point.finish_step):
             raise RuntimeError(
                 f"checkpoint_state(mid_epoch=True) was called while the optimizer step of batch {self.iteration} of "
-                f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped): a "
-                "checkpoint cannot hold that step. Call fit to finish it, then take the checkpoint")
+                f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped, or in a "
+                "callback's hook after the step): a checkpoint cannot hold that step. Call fit to finish it, then "
+                "take the checkpoint")
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
                         source: Optional[str] = None, continue_run_folder: bool = False) -> dict:
@@ -688,7 +690,7 @@ class TrainLoop:
             self.run_state.load(self, checkpoint, source=path)
             if self._step_runner is not None:  # the checkpoint says where to continue, not an interrupted fit
                 self._step_runner.discard_interrupted_step()
-            self._interrupted_batch = None
+            self._interrupted_batch = self._batch_end_done = None
             if self._model_runner is not None or self.gpu_mode != "fsdp":
                 # A sharded checkpoint's weights are read now, whole, unless the model is yet to be sharded: then
                 # each process reads its own shards when fit sets it up.
@@ -766,6 +768,7 @@ class TrainLoop:
             # The step in progress is abandoned (the next one starts clean), unless an optimizer had stepped in it:
             # then the next fit finishes it, on this batch.
             unfinished = self._step_runner is not None and self._step_runner.abandon()
+            unfinished = unfinished or self._batch_end_done is not None  # a committed batch's on_batch_end raised
             if unfinished and self._current_batch is not None:
                 self._interrupted_batch = self._current_batch
             self._current_batch = None
@@ -1090,22 +1093,32 @@ class TrainLoop:
 
     def _finish_interrupted_step(self, num_iterations: int) -> bool:
         """Finish the batch whose step an exception interrupted after an optimizer had stepped (see
-        :class:`~.step_runner.StepRunner`): its remaining optimizer steps, then its end (``on_batch_end``...).
-        Returns True where the epoch's batches end with it (``num_iterations`` reached, a stop requested)."""
+        :class:`~.step_runner.StepRunner`): its remaining optimizer steps and hooks, then its end (the
+        ``on_batch_end`` of each callback that had not returned...). Returns True where the epoch's batches end
+        with it (``num_iterations`` reached, a stop requested)."""
         state, runner = self.state, self._step_runner
         batch, self._interrupted_batch = self._interrupted_batch, None
+        batch_end_done, self._batch_end_done = self._batch_end_done, None
         state.iteration = self.run_state.batches_done - 1
-        if not runner.has_interrupted_step:  # e.g. fit_distributed after an interrupted fit: another step runner
+        if batch_end_done is None and not runner.has_interrupted_step:  # e.g. fit_distributed after an
+            # interrupted fit: another step runner
             logger.warning("the optimizer step of batch %d of epoch %d was interrupted after some optimizers had "
                            "stepped and cannot be finished here: the other optimizers skip that batch",
                            state.iteration, state.epoch)
             self.run_state.mark_batch_done()
             return False
+        ends_batch = batch_end_done is not None or runner.interrupted_step_ends_batch
         self._interrupts.in_batch = True
         state.optimizer_step_due = True
         self._current_batch = batch
-        runner.finish_interrupted_step()
-        self._end_batch(True)
+        if runner.has_interrupted_step:
+            runner.finish_interrupted_step()
+        if ends_batch:
+            self._end_batch(True, batch_end_done if batch_end_done is not None else [])
+        else:  # a step at the loader's end (step_pending_gradients): its batch had ended before it
+            state.optimizer_step_due = False
+            self._current_batch = None
+            self._interrupts.in_batch = False
         return (num_iterations > 0 and state.iterations_done >= num_iterations) or \
             (state.early_stop and self.strategy.stops_mid_epoch)
 
@@ -1140,13 +1153,21 @@ class TrainLoop:
         self.run_state.add_batch_loss(self.last_batch_loss)  # summed at the step (EpochLossSum.commit)
         self._step_runner.backward_and_step(loss, self._loss_names, optimizer_step)
 
-    def _end_batch(self, optimizer_step: bool) -> None:
+    def _end_batch(self, optimizer_step: bool, batch_end_done: Optional[List[int]] = None) -> None:
         """``on_batch_end``, a Ctrl-C held during the batch, the action asked for after the step (SpikeRollback's
-        check) and a stop on SIGTERM."""
+        check) and a stop on SIGTERM. ``batch_end_done``: the callbacks whose ``on_batch_end`` returned for this
+        batch before an exception (:meth:`_finish_interrupted_step`)."""
         hooks, interrupts = self.callbacks_handler, self._interrupts
         self.state.optimizer_step_due = False
         if hooks.has_batch_hooks:
-            hooks.on_batch_end()
+            if optimizer_step:
+                # The batch is committed: an exception in a hook is continued by the next fit with the hooks that
+                # had not returned (a batch inside a window is trained again, hooks and all).
+                self._batch_end_done = [] if batch_end_done is None else batch_end_done
+                hooks.on_batch_end(self._batch_end_done)
+                self._batch_end_done = None
+            else:
+                hooks.on_batch_end()
         self._current_batch = None
         interrupts.in_batch = False
         if interrupts.pending:  # a Ctrl-C held during the batch is raised now

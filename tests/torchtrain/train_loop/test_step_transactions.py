@@ -448,3 +448,115 @@ def test_load_checkpoint_of_a_dict_leaves_the_dict_as_it_was(mid_epoch):
             assert torch.equal(got[path], expected[path]), f"the caller's checkpoint changed at {path}"
         assert checkpoint.keys() == pristine.keys()
     assert_runs_equal(*runs)
+
+
+# --- an exception in a callback's hook after a committed step (review of issue 32, D4, D5) ---------------------
+class FailOnceInHook(AbstractCallback):
+    """Raises once, at the ``at``-th call (counted over the run) of ``hook``, after the callbacks ordered before it."""
+
+    def __init__(self, hook, at):
+        super().__init__("fail once in a hook", execution_order=500)
+        self.hook, self.at, self.calls = hook, at, 0
+
+    def _count(self, hook):
+        if hook == self.hook:
+            self.calls += 1
+            if self.calls == self.at:
+                raise RuntimeError(f"a failure in {hook}")
+
+    def on_after_optimizer_step(self):
+        self._count("on_after_optimizer_step")
+
+    def on_batch_end(self):
+        self._count("on_batch_end")
+
+
+class RecordsHooks(AbstractCallback):
+    """Records each call of the hooks that follow a step, with the batch and the optimizers that stepped."""
+
+    def __init__(self, execution_order):
+        super().__init__(f"records hooks {execution_order}", execution_order=execution_order)
+        self.calls = []
+
+    def on_after_optimizer_step(self):
+        tl = self.train_loop_obj
+        self.calls.append(("on_after_optimizer_step", tl.total_iteration_idx, tl.state.stepped_optimizers))
+
+    def on_batch_end(self):
+        self.calls.append(("on_batch_end", self.train_loop_obj.total_iteration_idx))
+
+
+@pytest.mark.parametrize("loss,hook,at", [
+    ("plain", "on_after_optimizer_step", 3), ("plain", "on_batch_end", 3),
+    ("multi2", "on_after_optimizer_step", 5),  # after optimizer 0's step of batch 2 (D4)
+    ("multi2", "on_after_optimizer_step", 6),  # after optimizer 1's
+    ("multi2", "on_batch_end", 3)])
+def test_an_exception_in_a_hook_after_the_step_runs_each_hook_of_that_step_once(loss, hook, at):
+    """A callback's hook raises after the batch's step (after one optimizer's step, with two). The step is kept;
+    the next fit finishes it: the hooks that had returned (a per-optimizer-step LR scheduler, a recorder before the
+    failing callback) are not called again, the failing one and those after it are; then the batch's end. It
+    re-ran the whole hook for the optimizer (the scheduler stepped twice, D4) or, with one optimizer, dropped the
+    rest of the step's hooks and the batch's end (D5)."""
+    from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback
+
+    def run(fail):
+        tl = build_loop(Cell(loss=loss))
+        scheduler = GeneralLRSchedulerCallback(torch.optim.lr_scheduler.StepLR, step_per_optimizer_step=True,
+                                               step_size=1, gamma=0.9)
+        recorders = [RecordsHooks(-10), RecordsHooks(600)]
+        callbacks = [scheduler, *recorders] + ([FailOnceInHook(hook, at)] if fail else [])
+        if fail:
+            with pytest.raises(RuntimeError, match="a failure in"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, callbacks=callbacks)
+        return tl, scheduler, recorders
+
+    straight, straight_scheduler, straight_recorders = run(False)
+    continued, scheduler, recorders = run(True)
+    assert [r.calls for r in recorders] == [r.calls for r in straight_recorders]
+    assert scheduler.state_dict() == straight_scheduler.state_dict()
+    assert [o.param_groups[0]["lr"] for o in continued.optimizers] == \
+        [o.param_groups[0]["lr"] for o in straight.optimizers]
+    assert_runs_equal(continued, straight)
+
+
+def test_a_mid_epoch_checkpoint_before_the_interrupted_hooks_are_finished_is_refused():
+    """After an exception in a hook of a committed step, a mid-epoch checkpoint would resume after the batch without
+    the hooks left: refused, naming the batch, until fit finishes them."""
+    tl = build_loop(Cell())
+    with pytest.raises(RuntimeError, match="a failure in"):
+        tl.fit(num_epochs=1, callbacks=[FailOnceInHook("on_batch_end", 2)])
+    with pytest.raises(RuntimeError, match="batch 1 of epoch 0 is half done"):
+        tl.checkpoint_state(mid_epoch=True)
+    tl.fit(num_epochs=1)
+    assert tl.checkpoint_state(mid_epoch=True)["epochs_completed"] == 1
+
+
+@pytest.mark.parametrize("loss", ["plain", "multi2"])
+def test_an_exception_in_a_hook_of_the_step_at_the_loaders_end_does_not_repeat_the_batch_end(loss):
+    """A loader without len, accumulation 2 over 5 batches: the last window is stepped once the loader is exhausted,
+    after its batch's on_batch_end. A hook of that step raises: the next fit finishes the step's hooks and does not
+    call on_batch_end for the batch again (its end had come before the step)."""
+    from tests.combinations.support import build_optimizers
+    from tests.helpers import IterableTensorData
+
+    def run(fail):
+        model = build_model(Cell(loss=loss))
+        tl = TrainLoop(model, DataLoader(IterableTensorData(dataset()), batch_size=8), None, None,
+                       build_optimizers(model, Cell(loss=loss)), nn.CrossEntropyLoss(), end_auto_eval=False,
+                       show_progress=False)
+        recorders = [RecordsHooks(-10), RecordsHooks(600)]
+        steps_an_epoch = 3 * (2 if loss == "multi2" else 1)  # calls of on_after_optimizer_step
+        callbacks = recorders + ([FailOnceInHook("on_after_optimizer_step", steps_an_epoch)] if fail else [])
+        if fail:
+            with pytest.raises(RuntimeError, match="a failure in"):
+                tl.fit(num_epochs=2, grad_accumulation=2, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, grad_accumulation=2, callbacks=callbacks)
+        return tl, recorders
+
+    straight, straight_recorders = run(False)
+    continued, recorders = run(True)
+    assert [r.calls for r in recorders] == [r.calls for r in straight_recorders]
+    assert_runs_equal(continued, straight)
