@@ -170,7 +170,7 @@ class StepRunner:
         """Step every optimizer (``optimizers``; skipped on a loss-scale overflow) and mark the batch done, then
         ``on_after_optimizer_step`` and ``zero_grad``. ``ends_batch``: the batch's end follows (see
         :attr:`interrupted_step_ends_batch`)."""
-        skipped = not self.precision.step(optimizers, True)
+        skipped = not self.precision.step(optimizers)
         self.counters.optimizer_step_skipped = skipped
         self.counters.stepped_optimizers = tuple(range(len(self.optimizers)))
         self.pending_batches = 0
