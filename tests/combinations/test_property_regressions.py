@@ -257,13 +257,12 @@ def test_a_checkpoint_loaded_after_an_exception_is_where_the_next_fit_continues(
     assert not differences(observe(run, {}), observe(straight, {}))
 
 
-@pytest.mark.xfail(strict=True, reason="monitors (SpikeRollback): every fit checks its first step, so a fit that "
-                                       "continues one an exception stopped checks where the straight run did not")
 def test_spike_rollback_checks_a_continued_fit_on_the_straight_run_s_schedule():
     """Found by the property test (extended tier). After fit(num_iterations=1), fit(num_epochs=2) stops at an
     exception in the first batch's on_batch_end (the fault callback runs last: every other hook ran); the same fit
-    again continues it, and SpikeRollback's first-step check of that fit judges a loss the uninterrupted run judges
-    one check later: its window and pending losses differ from the straight run's (the weights do not)."""
+    again continues it, and SpikeRollback's first-step check of that fit judged a loss the uninterrupted run judges
+    one check later: its window and pending losses differed from the straight run's (the weights did not). Fixed
+    with the committed step's hooks finished by the next fit (review of issue 32, D4, D5)."""
     setup = Setup(precision="O1", spike_rollback=True, num_samples=5, batchnorm=False)
     straight = Run(setup, under_test=False)
     straight.fit(num_iterations=1)
@@ -310,4 +309,20 @@ def test_resumed_from_a_checkpoint_at_the_iteration_target_closes_the_epoch_as_s
     state.resume_from_newest_checkpoint()
     state.fit(detour=None, epochs=1, fault=None, iterations=1, unit="epochs", variant=0)  # compares with straight
     state.test.tl.fit(num_iterations=7)  # and now there is nothing to train
+    state.teardown()
+
+
+def test_lr_find_between_a_step_s_hook_exception_and_the_next_fit_keeps_the_average_s_pending_update():
+    """Found by the property test (extended tier) once the step-hook faults were searched again. Two optimizers, an
+    EMA, an exception in on_after_optimizer_step of the second optimizer's step; lr_find before the next fit
+    restored the EMA's state from its snapshot with the step's update forgotten: the finished batch end did not
+    update the average (one update fewer than the straight run, and weights off)."""
+    from tests.combinations.test_properties import TrainingInvariant
+    state = TrainingInvariant()  # driven by hand: the failing example's operations
+    state.build(setup=Setup(precision="O1", loss="multi2", averaging="ema", num_samples=5, sized=False,
+                            batchnorm=False), faults_first=False)
+    state.fit(detour=None, epochs=1, fault=(FAULT_POINTS.index("on_after_optimizer_step"), 1), iterations=1,
+              unit="epochs", variant=0)
+    assert "on_after_optimizer_step" in state.steps[-1] and state.steps[-1].endswith("raised InjectedFault")
+    state.fit(detour="lr_find", epochs=1, fault=None, iterations=1, unit="epochs", variant=0)  # compares
     state.teardown()

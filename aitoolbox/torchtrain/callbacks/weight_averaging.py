@@ -267,6 +267,9 @@ class WeightAveraging(AbstractCallback):
             "bn_updated_at": self._bn_updated_at,
             "swapped_epoch": self._swapped_epoch,
             "training_weights": list(self._backup) if self._backup is not None else None,
+            # A step not judged yet: a snapshot taken between a committed step and its batch end (lr_find after an
+            # exception in that step's hooks) must give it back, so that the finished batch end still updates.
+            "stepped": self._stepped,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -279,7 +282,9 @@ class WeightAveraging(AbstractCallback):
             self._pending_state = state
             return
         self._clear_progress()
-        self._stepped = False  # the run continues from the state's step point, where the update was decided
+        # The run continues from the state's step point: where the update was decided, unless the state was taken
+        # between a step and its batch end (older states: decided).
+        self._stepped = bool(state.get("stepped", False))
         if state["averaged"] is not None:
             self._averaged.load_state_dict(state["averaged"])
         else:
