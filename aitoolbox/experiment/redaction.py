@@ -24,8 +24,8 @@ Which values are secret:
   lists; ``val``, and prefixed pairs such as ``ParameterKey``/``ParameterValue``) whose name looks secret: its
   value, judged as if under that name. In a list (``sys.argv``), the item after a secret-looking option
   (``["--password", ...]``) or a capitalised secret-looking name (``["PASSWORD", ...]``), and after an
-  authorization scheme the item that follows it (``("Authorization", "Bearer", ...)``). A dict's key that is not text (a tuple) is searched
-  as any value.
+  authorization scheme the item that follows it (``("Authorization", "Bearer", ...)``). A dict's key that is not
+  text (a tuple) is searched as any value.
 - Any value wrapped in :class:`Secret` (or pydantic's ``SecretStr``/``SecretBytes``: any object with a
   ``get_secret_value`` method), whatever its key. This is how to add what the rules miss.
 
@@ -132,8 +132,8 @@ _OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?
 _SHORT_PASSWORD = re.compile(r"(?<![^\s\"'(\[,])-p(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|[^\s\"',)\]}]+)")
 # Commands that take a password in options of their own: curl's and wget's "-u user:password" ("--user",
 # "--proxy-user"; not docker's "-u 1000:1000"), sshpass's "-p password", a .netrc line's "login u password S".
-_USER_PASSWORD_OPTION = re.compile(r"(?P<head>(?<![^\s\"'(\[,])(?:-u|-U|--user|--proxy-user|--http-user)(?:=|[ \t]+)[\"']?"
-                                   r"(?!\d+:\d+\b)[^\s:\"']*:)(?!<redacted>)[^\s\"']+")
+_USER_PASSWORD_OPTION = re.compile(r"(?P<head>(?<![^\s\"'(\[,])(?:-u|-U|--user|--proxy-user|--http-user)"
+                                   r"(?:=|[ \t]+)[\"']?(?!\d+:\d+\b)[^\s:\"']*:)(?!<redacted>)[^\s\"']+")
 _SSHPASS = re.compile(r"(?P<head>\bsshpass[ \t]+-p[ \t]*)(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|\S+)")
 _NETRC_PASSWORD = re.compile(r"(?P<head>\b(?:machine|login|account)[ \t]+\S+(?:[ \t]+\S+){0,6}?[ \t]+password[ \t]+)"
                              r"(?!<redacted>)\S+")

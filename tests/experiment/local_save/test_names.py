@@ -185,7 +185,8 @@ def test_other_invisible_and_look_alike_characters_are_refused(name, described):
 @pytest.mark.parametrize("name", ["\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645",  # Persian, with ZWNJ
                                   "\U0001f469\u200d\U0001f52c-runs",  # an emoji ZWJ sequence
                                   "\u2764\ufe0f\u200d\U0001f525", "1\ufe0f\u20e3-run",  # emoji with selectors
-                                  "\u03b1_sweep", "\u03bcP_sweep", "\u03b2eta", "\u043e\u043f\u044b\u0442", "\u65e5\u672c\u8a9e", "\u00dcn\u00efc\u00f6d\u00e9"])
+                                  "\u03b1_sweep", "\u03bcP_sweep", "\u03b2eta", "\u043e\u043f\u044b\u0442",
+                                  "\u65e5\u672c\u8a9e", "\u00dcn\u00efc\u00f6d\u00e9"])
 def test_words_that_need_a_joiner_and_words_of_one_script_are_taken(name):
     assert check_name(name, "experiment_name") == name
 
