@@ -18,7 +18,8 @@ Which values are secret:
   of a URL (``postgresql://user:pw@host/db`` becomes ``postgresql://<redacted>@host/db``), the value of an
   assignment to a secret-looking name (``password=...``, ``api_key: ...``, ``?token=...``, ``Password=...;``)
   or of such a command-line option (``--password ...``, ``--api-key=...``), whatever is attached to a short
-  ``-p`` (mysql's ``-pPASSWORD``), a PEM private key block, and the token after ``Bearer``. See
+  ``-p`` (mysql's ``-pPASSWORD``), a PEM private key block, tokens of known forms (``ghp_...``, ``xoxb-...``,
+  ``sk-...``, ``hf_...``, ``AKIA...``), and the token after ``Bearer``. See
   :func:`redact_text`. Bytes are searched as text and redacted whole.
 - A name-value record (``{"name": "DB_PASSWORD", "value": ...}``, also with ``key``: Kubernetes' environment
   lists; ``val``, and prefixed pairs such as ``ParameterKey``/``ParameterValue``) whose name looks secret: its
@@ -104,24 +105,28 @@ class Secret(Generic[T]):
 # A URL's user information (user name, password, or a token standing for them): everything between "scheme://"
 # and the last "@" before the host's end. Greedy, so a password with an unencoded "@" is hidden whole.
 # A password may hold "/", "?" or "#" left unencoded ("redis://:ab#cd@host"): after "user:" everything up to the
-# "@" is taken ("https://host:8080/p?mail=a@b" loses its host and path: better a lost word than a leak).
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?:[^\s/?#]*|[^\s/?#@:]*:[^\s@]*)@")
+# "@" is taken ("https://host:8080/p?mail=a@b" loses its host and path: better a lost word than a leak). At most
+# 256 characters each side of the ":", so that text of many URLs without an "@" is searched in linear time.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
+                           r"(?:[^\s/?#]*|[^\s/?#@:\"',<>]{0,256}:[^\s@\"',<>]{0,256})@")
 # Incoming-webhook URLs whose path is the credential (Slack, Discord, Microsoft Teams): the path is redacted.
-_WEBHOOK_URL = re.compile(r"(?P<base>\bhttps?://(?:hooks\.slack\.com/(?:services|workflows|triggers)|"
-                          r"(?:[A-Za-z0-9-]+\.)?discord(?:app)?\.com/api/webhooks|"
-                          r"[A-Za-z0-9.-]*\.office\.com/webhook[A-Za-z0-9]*)/)[^\s\"'<>]+")
+_WEBHOOK_URL = re.compile(r"(?P<base>(?:\bhttps?://)?\b(?:hooks\.slack\.com(?::\d+)?/(?:services|workflows|triggers)|"
+                          r"(?:[A-Za-z0-9-]+\.)?discord(?:app)?\.com(?::\d+)?/api(?:/v\d+)?/webhooks|"
+                          r"[A-Za-z0-9.-]*\.office\.com(?::\d+)?/webhook[A-Za-z0-9]*)/)[^\s\"'<>]+")
 # "name" (or "two words", as in "API Key: ...") followed by "=" or ":" (quoted as in a dict's repr, or not): the
 # start of an assignment.
-_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_.\-])(?P<name>(?:[A-Za-z][A-Za-z0-9_.\-]* )?[A-Za-z_][A-Za-z0-9_.\-]*)"
-                         r"[\"']?[ \t]*[=:][ \t]*[\"']?")
+_ASSIGNMENT = re.compile(r"(?<![\w.\-])(?P<name>(?:[^\W\d_][\w.\-]* )?[^\W\d][\w.\-]*)"
+                         r"[\"']?[ \t]*(?::=|\?=|=>|[=:])[ \t]*[\"']?")
 # The value assigned, unquoted: an optional HTTP authorization scheme and its token, up to a space, a quote, a "&"
 # or a closing bracket; a "," or ";" ends it only before a space or the end (a list's separator), not inside it
 # ("password=ab;cd" is one value: better a lost word than a leak).
-_ASSIGNED_VALUE = re.compile(r"(?:(?:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?"
-                             r"(?:[^\s\"',;&)}\]]|[,;](?=[^\s,;]))+")
+_ASSIGNED_VALUE = re.compile(r"(?:(?i:bearer|basic|token|digest|negotiate|bot)[ \t]+)?"
+                             r"(?:[^\s\"',;&)}\]]|[,;](?=[^\s,;])(?![A-Za-z_][A-Za-z0-9_.\-]*[=:]))+")
+# A quoted value's opening, with a Python literal's prefix (b'...', r"...", f'...').
+_OPENING_QUOTE = re.compile(r"(?:[bBrRuUfF]{1,2})?(?P<quote>[\"'])")
 # A quoted value: everything up to its closing quote (an escaped quote, \" or \', does not close it).
 _QUOTED_VALUE = {'"': re.compile(r'(?:[^"\\]|\\.)*'), "'": re.compile(r"(?:[^'\\]|\\.)*")}
-_BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)[A-Za-z0-9\-._~+/]+=*")
+_BEARER = re.compile(r"(?P<scheme>\b[Bb]earer[ \t]+)(?!<redacted>)[A-Za-z0-9\-._~+/]+=*")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 # A command-line option and its value, in a string ("--password S", "--api-key=S", "-token S"): the option starts
 # the string or follows a space, a quote or a bracket. Its value is the next word, also one starting with "-" (a
@@ -130,13 +135,24 @@ _OPTION = re.compile(r"(?<![^\s\"'(\[,=])--?(?P<name>[A-Za-z][A-Za-z0-9_.\-]*)(?
 # mysql's and its clients' password option, attached to its value ("-pS"): "-p" alone asks for it instead.
 # Whatever follows is taken for the password, also "-path" or "-p8080" elsewhere: better a lost word than a leak.
 _SHORT_PASSWORD = re.compile(r"(?<![^\s\"'(\[,])-p(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|[^\s\"',)\]}]+)")
-# Commands that take a password in options of their own: curl's and wget's "-u user:password" ("--user",
-# "--proxy-user"; not docker's "-u 1000:1000"), sshpass's "-p password", a .netrc line's "login u password S".
-_USER_PASSWORD_OPTION = re.compile(r"(?P<head>(?<![^\s\"'(\[,])(?:-u|-U|--user|--proxy-user|--http-user)"
-                                   r"(?:=|[ \t]+)[\"']?(?!\d+:\d+\b)[^\s:\"']*:)(?!<redacted>)[^\s\"']+")
-_SSHPASS = re.compile(r"(?P<head>\bsshpass[ \t]+-p[ \t]*)(?!<redacted>)(?:'[^']*'|\"[^\"]*\"|\S+)")
-_NETRC_PASSWORD = re.compile(r"(?P<head>\b(?:machine|login|account)[ \t]+\S+(?:[ \t]+\S+){0,6}?[ \t]+password[ \t]+)"
-                             r"(?!<redacted>)\S+")
+# Commands that take a password in options of their own: curl's and wget's "-u user:password" ("-ubob:S",
+# "-Lu bob:S", "--user", "--proxy-user"; after "curl" or "wget" only: docker's "-u ubuntu:ubuntu" is a user and a
+# group), sshpass's "-p password" (after other options too), docker login's "-p password".
+_USER_PASSWORD_OPTION = re.compile(
+    r"(?P<head>\b(?:curl|wget)\b[^\n;|&]{0,400}?[ \t](?:-[A-Za-z]*u[ \t]*|--(?:proxy-|http-)?user(?:=|[ \t]+))"
+    r"(?P<quote>[\"'])?[^\s:\"']*:)(?!<redacted>)(?(quote)[^\"']+|[^\s\"']+)")
+_SSHPASS = re.compile(r"(?P<head>\bsshpass(?:[ \t]+-[A-Za-z](?:[ \t]+[^-\s]\S*)?){0,4}?[ \t]+-p[ \t]*)(?!<redacted>)"
+                      r"(?:'[^']*'|\"[^\"]*\"|\S+)")
+_DOCKER_LOGIN_PASSWORD = re.compile(r"(?P<head>\bdocker[ \t]+login\b[^\n;|&]{0,400}?[ \t]-p[ \t]+)(?!<redacted>)\S+")
+# A .netrc entry (on one line or several): "machine h login u password S", "default login u password S".
+_NETRC_PASSWORD = re.compile(r"(?P<head>\b(?:machine[ \t]+\S+|default)(?:\s+(?:login|account|port)\s+\S+){0,3}"
+                             r"\s+password\s+)(?!<redacted>)\S+")
+# Credentials recognisable by their own form, wherever they stand: GitHub's tokens (ghp_..., github_pat_...), Slack's
+# (xoxb-...), OpenAI's and Anthropic's keys (sk-...), Hugging Face's (hf_...), GitLab's (glpat-...), AWS access key
+# ids (AKIA...), Google API keys (AIza...).
+_KNOWN_TOKEN = re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|"
+                          r"xox[abprs]-[A-Za-z0-9-]{10,}|sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{30,}|"
+                          r"glpat-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{35})(?![A-Za-z0-9])")
 # A PEM private key block (PKCS#1, PKCS#8, encrypted, OpenSSH, PGP), the whole block; one cut short runs to the
 # end of the text.
 _PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY[A-Z ]*-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY[A-Z ]*"
@@ -161,9 +177,10 @@ def redact_message(text: str) -> str:
 
 def _redact_text(text: str, spared_names: frozenset) -> str:
     text = _PRIVATE_KEY.sub(REDACTED, text)  # first: a key's body may look like anything below
+    text = _KNOWN_TOKEN.sub(REDACTED, text)
     text = _URL_USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
     text = _WEBHOOK_URL.sub(rf"\g<base>{REDACTED}", text)
-    for command_option in (_USER_PASSWORD_OPTION, _SSHPASS, _NETRC_PASSWORD):
+    for command_option in (_USER_PASSWORD_OPTION, _SSHPASS, _DOCKER_LOGIN_PASSWORD, _NETRC_PASSWORD):
         text = command_option.sub(rf"\g<head>{REDACTED}", text)
     text = _redact_assigned(text, _OPTION, spared_names)
     text = _redact_assigned(text, _ASSIGNMENT, spared_names)
@@ -193,8 +210,10 @@ def _assigned_value(text: str, match: "re.Match") -> Optional["re.Match"]:
     the opening quote, or it starts the value: ``--password "a b"``), else one word (:data:`_ASSIGNED_VALUE`)."""
     start = match.end()
     quote = match.group()[-1:] if match.group()[-1:] in ("'", '"') else None
-    if quote is None and text[start:start + 1] in ("'", '"'):
-        quote, start = text[start], start + 1
+    if quote is None:  # a quote after the value's start: "a b", or a Python literal's b'...' or r"..."
+        opening = _OPENING_QUOTE.match(text, start)
+        if opening is not None:
+            quote, start = opening.group("quote"), opening.end()
     return (_QUOTED_VALUE[quote] if quote else _ASSIGNED_VALUE).match(text, start)
 
 
@@ -232,7 +251,7 @@ _ARGV_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9_.\-]*")
 # An argv or flat list item that names the next one: an environment variable's or a header's name, capitalised
 # ("PASSWORD", "DB_PASSWORD", "Authorization", "X-Api-Key"). Lower-case words in a list are more often a list of
 # names (columns, fields) than a name and its value.
-_LIST_NAME = re.compile(r"[A-Z][A-Za-z0-9_\-]*")
+_LIST_NAME = re.compile(r"[A-Z][A-Za-z0-9_\-]*|(?i:authorization|proxy-authorization|x-api-key)")
 # An item standing between an option and its value (["--password", "=", S]).
 _LIST_SEPARATORS = frozenset({"=", ":"})
 # An HTTP authorization scheme: the item after it is the credential (("Authorization", "Bearer", S)).
@@ -286,8 +305,8 @@ class _Redactor:
             return value, False
         if _holds_secret(value):
             return REDACTED, True
-        if id(value) in self._active:
-            return value, False
+        if id(value) in self._active:  # a container holding itself: its copy must not show the original
+            return f"<cycle: {type(value).__name__}>", True
         self._active.add(id(value))
         try:
             return self._redact_object(value)

@@ -16,7 +16,8 @@ looks secret when one of its words, compared case-insensitively, singular or plu
   ``masterkey``, ``dbpass``): the qualifiers are the words that make ``token``, ``key``, ``pass``... a credential
   (:data:`CREDENTIAL_QUALIFIERS`), so ``monkey``, ``turkey``, ``hotkey``, ``subtoken`` and ``bypass`` are not
   secret names. Whole words otherwise: ``keyboard``, ``tokenizer`` and ``passage`` are not secret either;
-- is ``pat`` or ``sas`` after a qualifier (``GITHUB_PAT``, ``azure_sas``), or ``id`` after ``session``.
+- is ``pat`` or ``sas`` after a qualifier (``GITHUB_PAT``, ``azure_sas``), ``id`` after ``session``, or ``jwt`` as
+  the key's last word (``CI_JOB_JWT``; not ``jwt_algorithm``).
 
 Letters are read as a person reads them (accents dropped, full-width forms and Cyrillic or Greek look-alikes read
 as Latin letters): ``pässword`` and ``pаssword`` (Cyrillic ``а``) are ``password``.
@@ -32,8 +33,7 @@ __all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "a
 
 #: Words that make a key look secret (compared with the key's words, singular or plural).
 SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
-                          "apikey", "auth", "oauth", "authorization", "cookie", "signature", "sig", "webhook",
-                          "jwt"})
+                          "apikey", "auth", "oauth", "authorization", "cookie", "signature", "sig", "webhook"})
 
 #: Secret words that also name parts of models or training (a text's tokens, attention keys, a forward pass, a
 #: significance level): under keys made only of these, values of numbers alone are kept.
@@ -47,6 +47,10 @@ _INFIX_WORDS = ("password", "passwd", "passphrase", "passcode", "credential", "s
 _QUALIFIED_WORDS = frozenset({"pat", "sas"})
 # Pairs of words that together name a credential: a session's identifier is its bearer's login (``SESSION_ID``).
 _SECRET_PAIRS = frozenset({("session", "id"), ("sess", "id")})
+# Words that name a credential as a key's last word (``CI_JOB_JWT``, ``jwt``), not before another
+# (``jwt_algorithm``, ``jwt_issuer`` name its settings).
+_LAST_WORDS = frozenset({"jwt", "jwts"})
+_LAST_WORD_SUFFIXES = re.compile(r"v|v?[0-9]+")
 # Words that contain "secret" and name no secret.
 _NOT_SECRET = frozenset({"secretary", "secretaries", "secretarial", "secretariat", "secretariats", "secrete",
                          "secreted", "secretes", "secreting", "secretion", "secretions", "secretory"})
@@ -131,6 +135,11 @@ def secret_words_in(name: Any) -> FrozenSet[str]:
     empty when it does not look secret."""
     words = key_words(name)
     found = {word for word in map(_secret_word_of, words) if word is not None}
+    end = len(words)
+    while end > 0 and _LAST_WORD_SUFFIXES.fullmatch(words[end - 1]):  # a version after it: CI_JOB_JWT_V2
+        end -= 1
+    if end > 0 and words[end - 1] in _LAST_WORDS:
+        found.add("jwt")
     for before, word in zip(words, words[1:]):
         if (before, word) in _SECRET_PAIRS:
             found.add(before + word)

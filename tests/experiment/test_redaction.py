@@ -332,3 +332,45 @@ def test_innocent_shapes_next_to_those_stay_as_they_are(hyperparams):
                                   "passcode", "CI_JOB_JWT", "SESSIONID", "session_id", "PGPASS"])
 def test_key_names_read_as_a_person_reads_them(name):
     assert is_secret_key(name)
+
+
+@pytest.mark.parametrize("hyperparams", [
+    {"netrc": f"machine api.host\n  login bob\n  password {SECRET}\n"},  # .netrc, one token pair a line
+    {"cmd": f"curl -H 'Authorization: token {SECRET}' https://api.github.com"},
+    {"cmd": f"Authorization: Bot {SECRET}"},
+    {"headers": ["authorization", "Bearer", SECRET]}, {"headers": ("authorization", "token", SECRET)},
+    {"cmd": f"pässword={SECRET}"}, {"cmd": f"\u0440\u0430ssword={SECRET}"}, {"cfg": str({"pässword": SECRET})},
+    {"cfg": str({"password": SECRET.encode()})}, {"cmd": f"password=r'{SECRET}'"},  # Python literals' prefixes
+    {"cmd": f"curl -ubob:{SECRET} https://x"}, {"cmd": f"curl -Lu bob:{SECRET} https://x"},
+    {"cmd": f'curl -u "bob:a b {SECRET}" https://x'},
+    {"cmd": f"docker login -u bob -p {SECRET} registry"}, {"cmd": f"sshpass -v -p {SECRET} ssh host"},
+    {"make": f"PASSWORD := {SECRET}"}, {"make": f"PASSWORD ?= {SECRET}"}, {"cfg": f"password => '{SECRET}'"},
+    {"hook": f"https://discord.com/api/v10/webhooks/123/{SECRET}"},
+    {"hook": f"hooks.slack.com/services/T0/B0/{SECRET}"}, {"hook": f"https://hooks.slack.com:443/services/T0/{SECRET}"},
+    {"x": "ghp_" + "a" * 36}, {"x": "sk-" + "b" * 40}, {"x": "xoxb-123-456-" + SECRET}, {"x": "AKIA" + "C" * 16},
+    {"CI_JOB_JWT_V2": SECRET},
+], ids=lambda hyperparams: repr(hyperparams)[:40])
+def test_near_variants_of_those_shapes_are_redacted(hyperparams):
+    """Issue 31, the third review's near-variants of the shapes above."""
+    redacted = redact_hyperparams(hyperparams)
+    text = repr(redacted) + json.dumps(redacted, ensure_ascii=False)
+    assert SECRET not in text and "a" * 36 not in text and "b" * 40 not in text and "C" * 16 not in text
+
+
+def test_a_container_holding_itself_is_copied_without_its_original():
+    config = {"password": SECRET}
+    config["self"] = config
+    assert SECRET not in repr(redact_hyperparams({"cfg": config}))
+
+
+@pytest.mark.parametrize("hyperparams", [
+    {"gen_kwargs": "max_new_tokens=128,temperature=0.7,top_p=0.9"},  # a list of assignments after a size name
+    {"model_args": "num_key_value_heads=8;head_dim=128"},
+    {"cfg": '{"tracking":"http://localhost:5000/api","owner":"ml-team@corp.com"}'},  # compact JSON
+    {"urls": "http://localhost:8080/v1,git@github.com:org/repo.git"},
+    {"cmd": "docker run -u ubuntu:ubuntu image"}, {"jwt_algorithm": "HS256"},
+    {"note": "login with password reset enabled"},
+    {"shards": ",".join(f"http://minio:9000/ds/shard-{i:05d}.tar" for i in range(50))},
+])
+def test_readable_values_near_those_shapes_are_kept(hyperparams):
+    assert redact_hyperparams(hyperparams) == hyperparams

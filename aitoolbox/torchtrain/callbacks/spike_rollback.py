@@ -158,7 +158,9 @@ class SpikeRollback(AbstractCallback):
             self._checkpoint_callback = _checkpoint_callback(tl)
             # Decided at the first batch, once a resumed checkpoint's states are in place (see _settle_pins).
             self._pins_unsettled = True
-        self._saved_lrs, self._stepped = {}, False
+        if not tl.finishes_interrupted_step:  # else that step's hooks still run, with the state they left
+            self._put_back_lrs()  # lowered for a step an exception abandoned: the window is trained again
+            self._stepped = False
 
     def on_batch_begin(self) -> None:
         if self._pins_unsettled:
@@ -182,12 +184,14 @@ class SpikeRollback(AbstractCallback):
 
     def on_after_optimizer_step(self) -> None:
         self._stepped = True
-        if self._saved_lrs:  # exactly the values the step found, before any scheduler steps
-            optimizers = self.train_loop_obj.optimizers
-            for optimizer_idx, lrs in self._saved_lrs.items():
-                for group, lr in zip(optimizers[optimizer_idx].param_groups, lrs):
-                    group["lr"] = lr
-            self._saved_lrs = {}
+        self._put_back_lrs()  # exactly the values the step found, before any scheduler steps
+
+    def _put_back_lrs(self) -> None:
+        optimizers = self.train_loop_obj.optimizers
+        for optimizer_idx, lrs in self._saved_lrs.items():
+            for group, lr in zip(optimizers[optimizer_idx].param_groups, lrs):
+                group["lr"] = lr
+        self._saved_lrs = {}
 
     def on_batch_end(self) -> None:
         tl = self.train_loop_obj

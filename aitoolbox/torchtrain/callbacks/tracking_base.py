@@ -209,7 +209,8 @@ class TrackingCallback(AbstractExperimentCallback):
             # nothing yet, a value put into the history before training is logged at the first epoch end.
             trained = tl.total_iteration_idx >= 0 or tl.epochs_completed > 0
             self._logged_history_lengths = history_lengths(tl.train_history) if trained else {}
-        self.reset_epoch_loss()
+        if not self.train_loop_obj.finishes_interrupted_step:  # else that step's batch end still logs it
+            self.reset_epoch_loss()
         if self._rollbacks_seen is None:  # those a resumed checkpoint brought were handled by the run that made them
             self._rollbacks_seen = len(getattr(self.train_loop_obj, "rollbacks", None) or [])
         self.start_run()
@@ -217,7 +218,8 @@ class TrackingCallback(AbstractExperimentCallback):
         self.write_hyperparams(self.hyperparams)
 
     def on_epoch_begin(self) -> None:
-        self.reset_epoch_loss()
+        if not self.train_loop_obj.finishes_interrupted_step:  # else that step's batch end still logs it
+            self.reset_epoch_loss()
         self._handle_rollbacks()
 
     def _handle_rollbacks(self) -> None:

@@ -311,6 +311,14 @@ class TrainLoop:
         return self._current_batch
 
     @property
+    def finishes_interrupted_step(self) -> bool:
+        """True when the next ``fit`` starts by finishing an optimizer step an exception interrupted after it was
+        committed (in a callback's hook after the step, or between optimizers): the hooks that had not returned
+        for it run then. A callback keeps its per-step state for that step in ``on_train_begin`` while this holds."""
+        return self._batch_end_done is not None or (
+            self._step_runner is not None and self._step_runner.has_interrupted_step)
+
+    @property
     def pending_restore(self) -> Optional[dict]:
         """A loaded checkpoint whose precision, callback and RNG states ``fit`` applies when it starts."""
         return self.run_state.pending_checkpoint
@@ -740,7 +748,7 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.state.early_stop and not self.run_state.continuation_pending:
+        if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -938,7 +946,8 @@ class TrainLoop:
         self.callbacks_handler.on_train_begin()
         # Asked before resume_point takes the interruption: an epoch interrupted at the last batch of
         # fit(num_iterations) is still finished (its interrupted step, its end), though no batch is left to train.
-        close_interrupted = self.run_state.interrupted_at_iteration_target(num_iterations)
+        close_interrupted = self.run_state.interrupted_at_iteration_target(num_iterations) or \
+            self.finishes_interrupted_step  # also after a stop requested in that step's batch
         resume = self.run_state.resume_point(self)
         # An epoch's end an exception interrupted is finished first, also when it had asked to stop.
         while (resume is not None and (resume.batches_trained or close_interrupted)) or \
@@ -1055,6 +1064,8 @@ class TrainLoop:
             # checkpoint after its last batch): the batch's index, the names of its losses.
             state.iteration = run_state.batches_done - 1
             self._loss_names = self._loss_names if resume.loss_names is None else list(resume.loss_names)
+            if self._loss_names is None and self.epoch_loss_sum.numel() > 1:  # a MultiLoss's older checkpoint
+                self._loss_names = self._recorded_loss_names(self.epoch_loss_sum.numel())
         with contextlib.closing(bar):
             finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)
             # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.
@@ -1066,6 +1077,19 @@ class TrainLoop:
             # The last value the bar shows is the epoch's accumulated_loss, not a sample taken mid-epoch.
             postfix = loss_postfix(self.epoch_loss_sum / run_state.batches_done, self._loss_names)
             bar.set_postfix(self.callbacks_handler.progress_bar_postfix(postfix))
+
+    def _recorded_loss_names(self, count: int) -> List[str]:
+        """The names of a MultiLoss's ``count`` losses where a checkpoint older than ``epoch_loss_names`` resumes
+        with no batch left to train: those the history records (``accumulated_loss_<name>``, sorted as the loop
+        sorts them), else their positions."""
+        prefix = "accumulated_loss_"
+        recorded = sorted(name[len(prefix):] for name in self.train_history.keys() if name.startswith(prefix))
+        if len(recorded) == count:
+            return recorded
+        logger.warning("the checkpoint does not name the %d losses of its MultiLoss (written before checkpoints held "
+                       "them) and the history does not either: the epoch's accumulated losses are recorded as "
+                       "accumulated_loss_0 ... accumulated_loss_%d", count, count - 1)
+        return [str(position) for position in range(count)]
 
     def _train_loader_batches(self, batches: Any, num_iterations: int, bar: ProgressBar) -> None:
         """The batches of the epoch's loader until it is exhausted, ``num_iterations`` is reached or a stop is

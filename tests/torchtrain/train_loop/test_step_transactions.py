@@ -560,3 +560,93 @@ def test_an_exception_in_a_hook_of_the_step_at_the_loaders_end_does_not_repeat_t
     continued, recorders = run(True)
     assert [r.calls for r in recorders] == [r.calls for r in straight_recorders]
     assert_runs_equal(continued, straight)
+
+
+class StopsAtBatch(AbstractCallback):
+    """Asks the loop to stop at the batch with ``total_iteration_idx == at``, in ``hook`` (ordered first)."""
+
+    def __init__(self, at, hook):
+        super().__init__("stops at a batch", execution_order=-500)
+        self.at, self.hook = at, hook
+
+    def _stop(self, hook):
+        if hook == self.hook and self.train_loop_obj.total_iteration_idx == self.at:
+            self.train_loop_obj.stop_training("enough")
+
+    def on_after_optimizer_step(self):
+        self._stop("on_after_optimizer_step")
+
+    def on_batch_end(self):
+        self._stop("on_batch_end")
+
+
+@pytest.mark.parametrize("hook", ["on_after_optimizer_step", "on_batch_end"])
+def test_a_stop_requested_in_the_batch_whose_hook_raised_is_carried_out_by_the_next_fit(hook):
+    """Review of the step-hook fix, D1: a stop requested in a batch, then an exception in a later hook of that batch's
+    committed step; the next fit said "Nothing to train" and left the step, the epoch's end and on_train_end
+    undone. It finishes the step, then stops as the run that never raised."""
+    def run(fail):
+        tl = build_loop(Cell())
+        recorder = RecordsHooks(600)
+        callbacks = [StopsAtBatch(2, hook), recorder] + ([FailOnceInHook(hook, 3)] if fail else [])
+        if fail:
+            with pytest.raises(RuntimeError, match="a failure in"):
+                tl.fit(num_epochs=3, callbacks=callbacks)
+        tl.fit(num_epochs=3, callbacks=None if fail else callbacks)
+        return tl, recorder
+
+    straight, straight_recorder = run(False)
+    continued, recorder = run(True)
+    assert continued.epochs_completed == straight.epochs_completed == 1
+    assert recorder.calls == straight_recorder.calls
+    assert_runs_equal(continued, straight)
+
+
+def test_per_step_state_of_callbacks_is_kept_for_the_step_the_next_fit_finishes(tmp_path):
+    """Review of the step-hook fix, D2 and D3: an exception in on_after_optimizer_step after SpikeRollback's and a
+    step-logging tracker's hooks returned; their on_train_begin (and the tracker's on_epoch_begin) forgot that the
+    step had happened, so SpikeRollback's check schedule shifted and the tracker never logged the step."""
+    from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollback
+    from aitoolbox.torchtrain.callbacks.tracking_base import TrackingCallback
+
+    class ListTracking(TrackingCallback):
+        def __init__(self):
+            super().__init__("list tracking", batch_log_frequency="step", project_name="p", experiment_name="e",
+                             local_model_result_folder_path=str(tmp_path))
+            self.logged = []
+
+        def start_run(self):
+            pass
+
+        def write_hyperparams(self, hyperparams):
+            pass
+
+        def write_batch(self, record):
+            self.logged.append(self.train_loop_obj.total_iteration_idx)
+
+        def write_epoch_metrics(self, *args, **kwargs):
+            pass
+
+        def write_final_model_path(self, path):
+            pass
+
+        def end_run(self, exception):
+            pass
+
+    def run(fail):
+        tl = build_loop(Cell())
+        spike, tracking = SpikeRollback(), ListTracking()
+        callbacks = [spike, tracking] + ([FailOnceInHook("on_after_optimizer_step", 4)] if fail else [])
+        if fail:
+            with pytest.raises(RuntimeError, match="a failure in"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+        tl.fit(num_epochs=2, callbacks=None if fail else callbacks)
+        return tl, spike, tracking
+
+    straight, straight_spike, straight_tracking = run(False)
+    continued, spike, tracking = run(True)
+    assert tracking.logged == straight_tracking.logged
+    state, straight_state = spike.state_dict(), straight_spike.state_dict()
+    for key in ("seen", "steps_since_check", "pending_at", "pending_stepped"):
+        assert state[key] == straight_state[key], key
+    assert_runs_equal(continued, straight)
