@@ -51,7 +51,8 @@ import types
 from typing import Any, Generic, List, Mapping, Optional, Tuple, TypeVar
 
 from aitoolbox.experiment.secret_names import (
-    SECRET_WORDS, is_credentials_file, is_secret_key, key_words, names_a_model_part, secret_words_in)
+    SECRET_WORDS, is_credentials_file, is_secret_key, key_words, names_a_model_part, names_a_quantity,
+    secret_words_in)
 
 __all__ = ["REDACTED", "SECRET_WORDS", "Secret", "is_credentials_file", "is_secret_key", "key_words",
            "redact_hyperparams", "redact_message", "redact_text", "redact_value"]
@@ -151,7 +152,7 @@ _NETRC_PASSWORD = re.compile(r"(?P<head>\b(?:machine[ \t]+\S+|default)(?:\s+(?:l
 # (xoxb-...), OpenAI's and Anthropic's keys (sk-...), Hugging Face's (hf_...), GitLab's (glpat-...), AWS access key
 # ids (AKIA...), Google API keys (AIza...).
 _KNOWN_TOKEN = re.compile(r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|"
-                          r"xox[abprs]-[A-Za-z0-9-]{10,}|sk-[A-Za-z0-9_-]{20,}|hf_[A-Za-z0-9]{30,}|"
+                          r"xox[abprs]-[A-Za-z0-9-]{10,}|sk-(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{32,}|hf_[A-Za-z0-9]{30,}|"
                           r"glpat-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|AIza[0-9A-Za-z_-]{35})(?![A-Za-z0-9])")
 # A PEM private key block (PKCS#1, PKCS#8, encrypted, OpenSSH, PGP), the whole block; one cut short runs to the
 # end of the text.
@@ -235,7 +236,7 @@ def _numbers_only(value: Any) -> bool:
 def _keep_under_secret_key(name: Any, value: Any) -> bool:
     if value is None or isinstance(value, bool) or (isinstance(value, (str, bytes)) and len(value) == 0):
         return True
-    return names_a_model_part(name) and _numbers_only(value) and not _holds_secret(value)
+    return (names_a_model_part(name) or names_a_quantity(name)) and _numbers_only(value) and not _holds_secret(value)
 
 
 def _shows_secret(name: str, value: Any) -> bool:

@@ -28,8 +28,9 @@ import re
 import unicodedata
 from typing import Any, FrozenSet, List, Optional
 
-__all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "SECRET_WORDS", "as_latin_letters",
-           "is_credentials_file", "is_secret_key", "key_words", "names_a_model_part", "secret_words_in"]
+__all__ = ["CREDENTIAL_QUALIFIERS", "MODEL_VOCABULARY_WORDS", "QUANTITY_WORDS", "SECRET_WORDS", "as_latin_letters",
+           "is_credentials_file", "is_secret_key", "key_words", "names_a_model_part", "names_a_quantity",
+           "secret_words_in"]
 
 #: Words that make a key look secret (compared with the key's words, singular or plural).
 SECRET_WORDS = frozenset({"token", "key", "secret", "password", "passwd", "passphrase", "pass", "pwd", "credential",
@@ -153,6 +154,18 @@ def is_secret_key(name: Any) -> bool:
     ``DB_PASSWORD``, ``credentials``, ``dbpassword``, ``accesstoken``; not ``monkey``, ``keyboard``,
     ``tokenizer``."""
     return bool(secret_words_in(name))
+
+
+#: Words that make a key name a quantity (``signature_dim``, ``cookie_size``, ``password_len``,
+#: ``max_token_count``): under such a key a number is a size or a count, not a credential.
+QUANTITY_WORDS = frozenset({"dim", "dims", "size", "sizes", "len", "length", "lengths", "count", "counts", "num",
+                            "max", "min", "width", "height", "depth", "bits", "limit", "limits", "ratio", "n"})
+
+
+def names_a_quantity(name: Any) -> bool:
+    """True when the secret-looking key ``name`` has a word of :data:`QUANTITY_WORDS` besides its secret words: a
+    number under it is a size or a count (``signature_dim``, ``password_len``), kept by the redaction."""
+    return any(word in QUANTITY_WORDS for word in key_words(name))
 
 
 def names_a_model_part(name: Any) -> bool:

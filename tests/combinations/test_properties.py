@@ -65,8 +65,6 @@ KNOWN_DEFECTS = {
                          "sample",
     "spike checkpoint": "a mid-epoch checkpoint holds SpikeRollback's state before the check of its step: with it, "
                         "no resume from a mid-epoch checkpoint",
-    "spike refit": "every fit checks its first step, also one continuing a fit an exception stopped (the case of a "
-                   "committed step's hook is fixed): no faults with SpikeRollback",
 }
 
 
@@ -159,8 +157,6 @@ class TrainingInvariant(RuleBasedStateMachine):
         faults = self.test.faults
         faults.fired = False
         if "spike clean point" in KNOWN_DEFECTS and self.setup.spike_rollback and self.setup.poison is not None:
-            fault = None
-        if "spike refit" in KNOWN_DEFECTS and self.setup.spike_rollback:
             fault = None
         if fault is not None:
             points = fault_points(self.setup)

@@ -328,16 +328,13 @@ def test_lr_find_between_a_step_s_hook_exception_and_the_next_fit_keeps_the_aver
     state.teardown()
 
 
-@pytest.mark.xfail(strict=True, reason="monitors (SpikeRollback): every fit checks its first step, so a fit that "
-                                       "continues one an exception stopped checks where the straight run did not")
-def test_spike_rollback_checks_a_fit_continued_after_a_hook_exception_on_the_straight_run_s_schedule(monkeypatch):
+def test_spike_rollback_checks_a_fit_continued_after_a_hook_exception_on_the_straight_run_s_schedule():
     """Found by the derandomized extended tier: SpikeRollback's window and pending losses differ from the straight
     run's after an exception in get_loss, a fit, then one in on_after_optimizer_step and a fit (the weights do
-    not). The case of test_spike_rollback_checks_a_continued_fit_on_the_straight_run_s_schedule is fixed; this is
-    what is left of 'spike refit'."""
-    from tests.combinations import test_properties
-    monkeypatch.delitem(test_properties.KNOWN_DEFECTS, "spike refit")  # the faults it keeps out are the case
-    state = test_properties.TrainingInvariant()  # driven by hand: the failing example's operations
+    not). Fixed with SpikeRollback's per-step state kept for the step the next fit finishes (its on_train_begin had
+    forgotten that the step was taken)."""
+    from tests.combinations.test_properties import TrainingInvariant
+    state = TrainingInvariant()  # driven by hand: the failing example's operations
     state.build(setup=Setup(precision="O1", spike_rollback=True, num_samples=5, sized=False, batchnorm=False),
                 faults_first=False)
     state.fit(detour=None, epochs=1, fault=(FAULT_POINTS.index("get_loss"), 0), iterations=1, unit="epochs", variant=0)

@@ -347,14 +347,14 @@ def test_key_names_read_as_a_person_reads_them(name):
     {"make": f"PASSWORD := {SECRET}"}, {"make": f"PASSWORD ?= {SECRET}"}, {"cfg": f"password => '{SECRET}'"},
     {"hook": f"https://discord.com/api/v10/webhooks/123/{SECRET}"},
     {"hook": f"hooks.slack.com/services/T0/B0/{SECRET}"}, {"hook": f"https://hooks.slack.com:443/services/T0/{SECRET}"},
-    {"x": "ghp_" + "a" * 36}, {"x": "sk-" + "b" * 40}, {"x": "xoxb-123-456-" + SECRET}, {"x": "AKIA" + "C" * 16},
+    {"x": "ghp_" + "a" * 36}, {"x": "sk-proj-" + "b1" * 20}, {"x": "xoxb-123-456-" + SECRET}, {"x": "AKIA" + "C" * 16},
     {"CI_JOB_JWT_V2": SECRET},
 ], ids=lambda hyperparams: repr(hyperparams)[:40])
 def test_near_variants_of_those_shapes_are_redacted(hyperparams):
     """Issue 31, the third review's near-variants of the shapes above."""
     redacted = redact_hyperparams(hyperparams)
     text = repr(redacted) + json.dumps(redacted, ensure_ascii=False)
-    assert SECRET not in text and "a" * 36 not in text and "b" * 40 not in text and "C" * 16 not in text
+    assert SECRET not in text and "a" * 36 not in text and "b1" * 20 not in text and "C" * 16 not in text
 
 
 def test_a_container_holding_itself_is_copied_without_its_original():
@@ -374,3 +374,14 @@ def test_a_container_holding_itself_is_copied_without_its_original():
 ])
 def test_readable_values_near_those_shapes_are_kept(hyperparams):
     assert redact_hyperparams(hyperparams) == hyperparams
+
+
+def test_numbers_under_names_of_quantities_are_kept_so_sweeps_over_them_stay_apart():
+    """Review of issue 33's restart half, D2: a sweep over ``signature_dim`` in one allocation continued the other
+    step's run, as both redacted copies read '<redacted>'."""
+    from aitoolbox.experiment.local_save.run_identity import this_run_identity
+    kept = {"signature_dim": 8, "cookie_size": 3, "password_len": 12}
+    assert redact_hyperparams(kept) == kept
+    assert redact_hyperparams({"password": 1234, "api_key": 5}) == {"password": REDACTED, "api_key": REDACTED}
+    assert this_run_identity({"signature_dim": 4}) != this_run_identity({"signature_dim": 8})
+    assert redact_hyperparams({"data_dir": "/data/sk-learn-preprocessed-features-v2"})["data_dir"].startswith("/data/sk")

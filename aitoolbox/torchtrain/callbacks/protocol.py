@@ -31,6 +31,8 @@ class TrainLoopView(Protocol):
       ``optimizer_step_skipped``, ``stepped_optimizers``, ``early_stop``; ``last_batch_loss`` (the detached loss of the current batch),
       ``last_batch_loss_names`` (a MultiLoss's names) and ``epoch_loss_sum`` (the epoch's losses so far).
     - ``current_batch``: the batch being trained, from ``on_batch_begin`` to ``on_batch_end`` (None outside one).
+    - ``finishes_interrupted_step``: the ``fit`` starting now first finishes a step an exception interrupted after
+      it was committed (a callback keeps its per-step state for it in ``on_train_begin`` and ``on_epoch_begin``).
     - ``callbacks``: the registered callbacks, in execution order.
     - ``compile_stats``: with ``torch_compile``, the :class:`~aitoolbox.torchtrain.compiling.CompileStats` so far
       (compilations, recompilations, seconds); None without.
@@ -105,6 +107,11 @@ class TrainLoopView(Protocol):
     @property
     def current_batch(self) -> Any:
         """The batch being trained, as the training loader yielded it; None outside a training batch."""
+
+    @property
+    def finishes_interrupted_step(self) -> bool:
+        """The ``fit`` starting now first finishes an optimizer step an exception interrupted after it was
+        committed."""
 
     @property
     def rollbacks(self) -> List[dict]:

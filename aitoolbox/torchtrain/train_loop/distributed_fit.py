@@ -196,12 +196,22 @@ def _external_job_token(tl: "TrainLoop", options: "DistributedFitOptions",
     rendezvous of its job."""
     if placement.launcher == "torchrun":
         return None
-    return job_token(os.environ, job_shape(main_script_path(), placement.world_size, 0, _fit_shape(options),
+    return job_token(os.environ, job_shape(main_script_path(), placement.world_size, 0, _fit_shape(options, tl),
                                            tl.model_for_user, tl.optimizers))
 
 
-def _fit_shape(options: "DistributedFitOptions") -> list:
-    return [options.num_epochs, options.num_iterations, options.grad_accumulation]
+def _fit_shape(options: "DistributedFitOptions", tl: "TrainLoop") -> list:
+    """What the fit trains, as every node computes it alike: its targets and the training data's kind, size and batch
+    size (two jobs of one script over other data tell apart; hyperparameters are left out: a node may hold its own
+    paths in them)."""
+    loader = tl.train_loader
+    dataset = getattr(loader, "dataset", None)
+    try:
+        size = len(dataset)
+    except TypeError:  # (an IterableDataset without len)
+        size = None
+    return [options.num_epochs, options.num_iterations, options.grad_accumulation, type(dataset).__qualname__, size,
+            getattr(loader, "batch_size", None)]
 
 
 def _node_leaders_share(result: Any, job: DistributedJob, placement: ProcessPlacement) -> Any:
@@ -434,7 +444,7 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
         # The job's identity in its rendezvous: on one machine its own (no other process may join); across machines
         # what every node computes alike (job id, what the job trains).
         token = job_token({}) if options.num_nodes == 1 else job_token(os.environ, job_shape(
-            main_script_path(), world_size, options.num_nodes, _fit_shape(options), tl.model_for_user,
+            main_script_path(), world_size, options.num_nodes, _fit_shape(options, tl), tl.model_for_user,
             tl.optimizers))
         job = DistributedJob(processes_per_node=per_node, node_rank=options.node_rank, world_size=world_size,
                              master_addr=addr, master_port=port, result_path=result_path,
