@@ -204,3 +204,28 @@ def test_a_rank_of_another_job_given_the_same_master_port_never_joins_this_job(t
     for name in a0_weights:
         assert torch.equal(a0_weights[name], a1_weights[name])
     assert not (tmp_path / "b1.pt").exists()
+
+
+def test_the_multi_node_job_token_tells_jobs_over_other_data_apart():
+    """Review of issue 33's restart half, D1: two jobs of one script, model and optimizer over data of another
+    size computed the same token, so one's node joined the other's rendezvous and trained on mixed data."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from aitoolbox.torchtrain.distributed.rendezvous import job_shape, job_token
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+    from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, _fit_shape
+    from tests.conftest import TinyRegressor
+
+    def token(num_samples, batch_size=4):
+        torch.manual_seed(0)
+        model = TinyRegressor()
+        loader = DataLoader(TensorDataset(torch.randn(num_samples, 4), torch.randn(num_samples, 1)),
+                            batch_size=batch_size)
+        tl = TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+        shape = job_shape("train.py", 2, 2, _fit_shape(DistributedFitOptions(num_epochs=2), tl), model,
+                          tl.optimizers)
+        return job_token({}, shape)
+
+    assert token(32) == token(32)  # every node computes it alike
+    assert token(32) != token(40) and token(32) != token(32, batch_size=8)
