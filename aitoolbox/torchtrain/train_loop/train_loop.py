@@ -1064,8 +1064,9 @@ class TrainLoop:
             # checkpoint after its last batch): the batch's index, the names of its losses.
             state.iteration = run_state.batches_done - 1
             self._loss_names = self._loss_names if resume.loss_names is None else list(resume.loss_names)
-            if self._loss_names is None and self.epoch_loss_sum.numel() > 1:  # a MultiLoss's older checkpoint
-                self._loss_names = self._recorded_loss_names(self.epoch_loss_sum.numel())
+            num_losses = self.epoch_loss_sum.numel()  # (the sum is computed from its blocks: once)
+            if self._loss_names is None and num_losses > 1:  # a MultiLoss's older checkpoint
+                self._loss_names = self._recorded_loss_names(num_losses)
         with contextlib.closing(bar):
             finished = resume is not None and resume.finish_step and self._finish_interrupted_step(num_iterations)
             # Continued exactly at num_iterations (see interrupted_at_iteration_target): no batch is left.
