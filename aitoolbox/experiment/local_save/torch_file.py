@@ -6,7 +6,10 @@ more than ``max_expansion`` times its compressed size (the whole file's records 
 times the file). The pickle (``data.pkl``) is read by
 :class:`~aitoolbox.experiment.local_save.restricted_pickle.RestrictedUnpickler` with the table of
 :mod:`~aitoolbox.experiment.local_save.plain_types`; each storage it names is read once from its record into
-memory of exactly the size the pickle states, which must be the record's size. What was built is then bounded by
+memory of exactly the size the pickle states, which must be the record's size. Every record read (the pickle and
+each storage) must have the CRC-32 the zip directory states, computed as it is read: torch's own loader checks
+none, and a bit flipped on disk would load as another weight. Records the pickle does not name are not read, so
+not checked: nothing built comes from them. What was built is then bounded by
 :func:`~aitoolbox.experiment.local_save.object_bounds.check_shape`.
 
 Failures are :class:`~aitoolbox.experiment.local_save.restricted_pickle.Refused`,
@@ -184,19 +187,27 @@ class TorchZip:
         return start
 
     def read_into(self, name: str, target: memoryview) -> None:
-        """Fill ``target`` (exactly the record's size) with record ``name``."""
+        """Fill ``target`` (exactly the record's size) with record ``name``, checking its CRC-32 on the way.
+
+        Torch's own zip reader checks no CRC-32, so a bit flipped on disk or in a copy would load silently as
+        another weight: the checksum is computed over the bytes as they are read (a few percent of the read's time),
+        never by reading the file again.
+        """
         info = self.records[f"{self.prefix}/{name}"]
         if len(target) != info.file_size:
             raise Malformed(f"record {info.filename!r} holds {info.file_size} bytes, {len(target)} are expected")
         self._source.seek(self._data_start(info))
         if info.compress_type == zipfile.ZIP_STORED:
-            filled = 0
+            filled, checksum = 0, 0
             while filled < len(target):
                 count = self._source.readinto(target[filled:filled + 64 * _CHUNK])
                 if not count:
                     raise Malformed(f"record {info.filename!r} is cut off")
+                checksum = zlib.crc32(target[filled:filled + count], checksum)
                 filled += count
+            _check_crc(info, checksum)
             return
+        checksum = 0
         inflater, filled, remaining = zlib.decompressobj(-zlib.MAX_WBITS), 0, info.compress_size
         while not inflater.eof:
             if inflater.unconsumed_tail:
@@ -212,14 +223,28 @@ class TorchZip:
             if filled + len(out) > len(target):
                 raise Malformed(f"record {info.filename!r} inflates beyond the {info.file_size} bytes it states")
             target[filled:filled + len(out)] = out
+            checksum = zlib.crc32(out, checksum)
             filled += len(out)
         if filled != len(target) or not inflater.eof:
             raise Malformed(f"record {info.filename!r} inflates to {filled} bytes, not the {info.file_size} it states")
+        _check_crc(info, checksum)
 
     def read(self, name: str) -> bytes:
         data = bytearray(self.size(name))
         self.read_into(name, memoryview(data))
         return bytes(data)
+
+
+def _check_crc(info: zipfile.ZipInfo, checksum: int) -> None:
+    """Refuse a record whose bytes do not have the CRC-32 its zip directory states.
+
+    A stated CRC-32 of 0 is taken as "not computed": ``torch.serialization.set_crc32_options(False)`` makes
+    ``torch.save`` write 0 for every record (which torch's loader accepts). A record whose true checksum is 0 then
+    goes unchecked, one in 2**32.
+    """
+    if info.CRC != 0 and checksum != info.CRC:
+        raise Malformed(f"record {info.filename!r} does not hold the bytes it was written with: its CRC-32 is "
+                        f"{checksum:08x}, its zip directory states {info.CRC:08x} (a bit flipped on disk or in a copy)")
 
 
 class _Storages:

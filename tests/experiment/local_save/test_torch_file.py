@@ -199,3 +199,42 @@ def test_tensors_saved_on_a_gpu_load_where_map_location_says(tmp_path):
         with pytest.raises(CheckpointLoadError, match="map_location='cpu'") as error:
             load_torch_file(path, map_location=None)
         assert type(error.value) is CheckpointLoadError and path in str(error.value)
+
+
+def _flip_a_bit_of(path, record_suffix):
+    """Flip one bit of the bytes of the record of the zip at ``path`` whose name ends with ``record_suffix``,
+    leaving its zip container (sizes, offsets, directory) intact."""
+    with zipfile.ZipFile(path) as archive:
+        (record,) = [info for info in archive.infolist() if info.filename.endswith(record_suffix)]
+    with open(path, "r+b") as handle:
+        handle.seek(record.header_offset + 26)
+        name_length, extra_length = (int.from_bytes(handle.read(2), "little") for _ in range(2))
+        where = record.header_offset + 30 + name_length + extra_length + record.compress_size // 2
+        handle.seek(where)
+        byte = handle.read(1)[0]
+        handle.seek(where)
+        handle.write(bytes([byte ^ 0x08]))
+    return record.filename
+
+
+@pytest.mark.parametrize("record_suffix", ["/data/0", "/data.pkl"])
+def test_a_bit_flipped_in_a_record_is_found_and_named(tmp_path, record_suffix):
+    """Torch's zip reader checks no CRC-32: the flipped weight (or pickle byte) would load silently."""
+    path = str(tmp_path / "flipped.pth")
+    torch.save({"weight": torch.arange(64, dtype=torch.float32), "note": "x" * 64}, path)
+    name = _flip_a_bit_of(path, record_suffix)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32") as error:
+        load_torch_file(path)
+    assert path in str(error.value) and name in str(error.value)
+
+
+def test_a_file_saved_without_crc32s_still_loads(tmp_path):
+    """``torch.serialization.set_crc32_options(False)`` writes 0 as every record's CRC-32; torch loads such a file,
+    and so does aitoolbox (unchecked)."""
+    path = str(tmp_path / "no_crc.pth")
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"weight": torch.arange(8.0)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.equal(load_torch_file(path)["weight"], torch.arange(8.0))

@@ -427,11 +427,29 @@ def test_a_resumed_run_keeps_the_checkpoints_a_straight_run_keeps(tmp_path):
     assert len(straight_files) - len(epoch_checkpoints) == 2  # keep_last
 
 
+def _truncated(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _one_bit_flipped_in_a_storage(data: bytes) -> bytes:
+    """``data`` (a torch zip) with one bit of a tensor's bytes flipped, its zip container intact."""
+    import io
+    import zipfile
+    (record,) = [info for info in zipfile.ZipFile(io.BytesIO(data)).infolist() if info.filename.endswith("/data/0")]
+    name_length, extra_length = int.from_bytes(data[record.header_offset + 26:record.header_offset + 28], "little"), \
+        int.from_bytes(data[record.header_offset + 28:record.header_offset + 30], "little")
+    damaged = bytearray(data)
+    damaged[record.header_offset + 30 + name_length + extra_length + 4] ^= 0x40
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize("damage", [_truncated, _one_bit_flipped_in_a_storage])
 def test_auto_resume_passes_over_a_truncated_newest_checkpoint_naming_it_and_keeping_it(tmp_path, caplog,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, damage):
     """A save cut short on storage without atomic renames (or a copy that broke) left the newest checkpoint
-    truncated: the job continues from the newest readable one, every requeue alike, and ends bitwise as the run
-    that never stopped; the bad file is left as it was."""
+    truncated, or a bit of it flipped on disk (torch's loader would load that silently): the job continues from the
+    newest readable one, every requeue alike, and ends bitwise as the run that never stopped; the bad file is left
+    as it was."""
     monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
     straight = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path / "straight"), {},
                                    show_progress=False)
@@ -445,8 +463,9 @@ def test_auto_resume_passes_over_a_truncated_newest_checkpoint_naming_it_and_kee
                           f"model_exp_{first.experiment_timestamp}_E2.pth")
     with open(newest, "rb") as handle:
         data = handle.read()
+    damaged = damage(data)
     with open(newest, "wb") as handle:
-        handle.write(data[:len(data) // 2])
+        handle.write(damaged)
     for _ in range(2):  # every requeue alike: the bad file never blocks the job
         caplog.clear()
         with caplog.at_level(logging.WARNING):
@@ -457,7 +476,7 @@ def test_auto_resume_passes_over_a_truncated_newest_checkpoint_naming_it_and_kee
         assert f"cannot read the checkpoint {newest}" in caplog.text
         assert sorted(os.listdir(first.experiment_folder.checkpoint_dir)) == checkpoints
         with open(newest, "rb") as handle:
-            assert handle.read() == data[:len(data) // 2]
+            assert handle.read() == damaged
     again.fit(num_epochs=4)
     for key, value in straight.model.state_dict().items():
         assert torch.equal(again.model.state_dict()[key], value), key
