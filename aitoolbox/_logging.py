@@ -9,7 +9,12 @@ class TqdmLoggingHandler(logging.StreamHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            # One write of the message with its newline, as logging's own handler makes (tqdm.write makes two): the
+            # processes of a distributed run share one stderr, and two ranks' messages written at once would
+            # otherwise meet on one line. The bars are cleared first and redrawn below.
+            with tqdm.external_write_mode(file=self.stream):
+                self.stream.write(self.format(record) + self.terminator)
+                self.flush()
         except Exception:  # logging must never take the training run down
             self.handleError(record)
 

@@ -1,5 +1,6 @@
 """SIGTERM during a plain ``fit`` with gradient accumulation, in a real process: training finishes the accumulation
-window up to its optimizer step, and no further, before the resumable checkpoint is written.
+window up to its optimizer step, and no further, before the resumable checkpoint is written. Ctrl-C ends the script
+as Python ends one on an uncaught Ctrl-C: by SIGINT (the shell's 130), not with status 1.
 
 Every other signal, recipient, moment and strategy is a cell of the fault matrix
 (``tests/torchtrain/distributed/test_signal_matrix.py``)."""
@@ -44,6 +45,7 @@ SCRIPT = textwrap.dedent("""
         # The handling this test relies on, whatever was inherited (nohup ignores SIGHUP, a background job SIGINT).
         for name in ("SIGTERM", "SIGHUP"):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         folder, signum, grad_accumulation = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
         tl = make_train_loop(shuffle=True)
         checkpoint = ModelCheckpoint(project_name="proj", experiment_name="exp", local_model_result_folder_path=folder)
@@ -71,3 +73,12 @@ def test_with_gradient_accumulation_the_stop_waits_for_the_optimizer_step(tmp_pa
     assert len(saved) == 1 and saved[0].endswith("_E1_ITER11.pth")
     assert "trained batch 3 of epoch 1 after the signal" in result.stdout
     assert "trained batch 4" not in result.stdout
+
+
+def test_ctrl_c_ends_the_script_by_sigint_as_python_does(tmp_path):
+    """An uncaught KeyboardInterrupt ends a Python script by SIGINT, so that its shell sees 130 and a shell loop
+    stops; torch's exit handler (once an optimizer has stepped) made it exit with status 1, as a failure."""
+    result, saved = run_until_signal(tmp_path, signal.SIGINT)
+    assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-3000:])
+    assert "KeyboardInterrupt" in result.stderr and "finally ran" in result.stdout
+    assert saved == []  # Ctrl-C writes no resumable checkpoint
