@@ -7,7 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
-from typing import Any, Callable, ContextManager, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -186,6 +186,9 @@ class TrainLoop:
         self._epoch_report = EpochReport()
         self.epoch_line_metrics = epoch_line_metrics
         self._stop_reasons: Optional[List[str]] = None  # while an epoch runs: its stop messages, logged after its line
+        # In a process other than the main one: its stop requests' reasons, which the main process logs once the
+        # processes agree to stop (only the main process logs them).
+        self._stop_requests_here: List[str] = []
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
         # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
         self.frozen_modules = FrozenModules()
@@ -507,13 +510,24 @@ class TrainLoop:
         self._epoch_report.show_only(patterns)
 
     def stop_training(self, reason: str = "") -> None:
-        """Ask the loop to stop after the current batch (early stopping, NaN loss, ...)."""
+        """Ask the loop to stop after the current batch (early stopping, NaN loss, ...).
+
+        In distributed training the stop takes effect at the epoch's end, once the processes agree; a reason given
+        in a process other than the main one is logged by the main process then, naming the process's rank.
+        """
         self.early_stop = True
-        if reason and self.strategy.is_main_process:
-            if self._stop_reasons is not None:  # after the epoch's line, as Keras prints it
+        if not self.strategy.is_main_process:
+            if reason not in self._stop_requests_here:  # a callback may ask again at every batch until the stop
+                self._stop_requests_here.append(reason)
+        elif reason:
+            self._log_stop_reason(reason)
+
+    def _log_stop_reason(self, reason: str) -> None:
+        if self._stop_reasons is not None:  # after the epoch's line, as Keras prints it
+            if reason not in self._stop_reasons:  # asked again at each batch until the epoch's end (distributed)
                 self._stop_reasons.append(reason)
-            else:
-                logger.info("Stopping training: %s", reason)
+        else:
+            logger.info("Stopping training: %s", reason)
 
     def _log_stop_reasons(self) -> None:
         for reason in self._stop_reasons or ():
@@ -1049,7 +1063,32 @@ class TrainLoop:
             self.insert_metric_result_into_history(name, value)
 
     def _agree_on_stop(self) -> None:
-        self.state.early_stop = self.strategy.any_process(self.state.early_stop)  # all ranks stop together
+        requested_here = bool(self.state.early_stop)
+        self.state.early_stop = self.strategy.any_process(requested_here)  # all ranks stop together
+        if self.state.early_stop and self.strategy.is_distributed:  # only then: no cost in the epochs without a stop
+            self._report_stop_requests(requested_here)
+
+    def _report_stop_requests(self, requested_here: bool) -> None:
+        """In the main process: log the reasons of the stops other processes requested (each once, naming their
+        ranks), unless the main process requested the same itself. Called in every process (a collective)."""
+        requests = self.strategy.all_gather_objects((requested_here, self._stop_requests_here))
+        self._stop_requests_here = []
+        if not self.strategy.is_main_process:
+            return
+        own_reasons = set(self._stop_reasons or ())
+        ranks_by_reason: Dict[str, List[int]] = {}
+        for rank, (requested, reasons) in enumerate(requests):
+            if rank == self.strategy.rank or not requested:
+                continue
+            for reason in reasons or [""]:
+                if reason not in own_reasons:
+                    ranks_by_reason.setdefault(reason, []).append(rank)
+        for reason, ranks in ranks_by_reason.items():
+            if not reason and requested_here:
+                continue  # the main process stops on its own request: a request without a reason adds nothing
+            where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            self._log_stop_reason(f"{reason} (requested on {where})" if reason else
+                                  f"requested on {where}, without a reason")
 
     def _train_batches(self, num_iterations: int, resume: Optional[MidEpochResume]) -> None:
         """``_run_batch`` for each batch of the epoch (after those ``resume`` says were trained; first the step an

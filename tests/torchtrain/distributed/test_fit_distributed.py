@@ -261,3 +261,56 @@ def test_callbacks_registered_before_fit_distributed_run_only_in_their_rank(tmp_
                                             "rank0_only_rank0"]
     listed = {rank: (tmp_path / f"everywhere_rank{rank}").read_text() for rank in (0, 1)}
     assert listed == {0: "everywhere,rank0_only", 1: "everywhere,given_to_fit_rank1_only"}
+
+
+STOP_ON_SOME_RANKS_SCRIPT = textwrap.dedent("""
+    import json
+    import sys
+
+    import torch
+
+    from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+    from tests.torchtrain.distributed.support import make_train_loop
+
+
+    class StopOnRanks(AbstractCallback):
+        '''Asks to stop at batch 2 of the first epoch, in the given ranks, with the given reason.'''
+
+        def __init__(self, ranks, reason):
+            super().__init__("stop on some ranks")
+            self.ranks, self.reason = ranks, reason
+
+        def on_batch_end(self):
+            tl = self.train_loop_obj
+            rank = torch.distributed.get_rank()
+            if rank in self.ranks and (tl.epoch, tl.iteration) >= (0, 2):
+                tl.stop_training(self.reason)
+
+
+    if __name__ == "__main__":
+        ranks, reason = json.loads(sys.argv[1]), sys.argv[2]
+        tl = make_train_loop()
+        tl.fit_distributed(num_epochs=3, callbacks=[StopOnRanks(ranks, reason)], num_cpu_processes=2,
+                           start_method="fork")
+        print("epochs completed", tl.epochs_completed, flush=True)
+""")
+
+
+@pytest.mark.parametrize("ranks, reason, logged", [
+    ([1], "NaN loss", "Stopping training: NaN loss (requested on rank 1)"),
+    ([1], "", "Stopping training: requested on rank 1, without a reason"),
+    ([0, 1], "EarlyStopping: no improvement", "Stopping training: EarlyStopping: no improvement"),
+])
+def test_a_stop_requested_on_another_rank_is_logged_once_by_rank_0_naming_the_rank(tmp_path, ranks, reason, logged):
+    """All ranks stop at the epoch's end as agreed; only rank 0 logs, so a reason given on rank 1 alone was never
+    shown. A reason that rank 0 gave too (EarlyStopping on every rank) is logged once, as in one process."""
+    import json
+    script = tmp_path / "stop_on_some_ranks.py"
+    script.write_text(STOP_ON_SOME_RANKS_SCRIPT)
+    result = run_script(script, [json.dumps(ranks), reason], timeout=120)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "epochs completed 1" in result.stdout, result.stderr[-3000:]
+    stops = [line for line in result.stderr.splitlines() if "Stopping training" in line]
+    assert stops == [logged], result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert lines.index(logged) == lines.index(next(line for line in lines if line.startswith("Epoch 1/3"))) + 1
