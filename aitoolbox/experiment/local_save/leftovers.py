@@ -5,7 +5,9 @@ leaves it behind, full size. Each temporary says who writes it: a file in its na
 (``.tmp-<name>.<pid>-<token>[-j<job>]@<host>.<random>``, ``<job>`` a short hash of the job id), a sharded
 checkpoint's folder in an :data:`OWNER_FILE` inside.
 :func:`remove_stale_temporaries` removes those of writers that are gone, never one a live process may still
-write, so that it can run at the start of every save, even with another job writing into the same folder.
+write, so that it can run at the start of every save, even with another job writing into the same folder;
+:func:`remove_stale_temporaries_under` does so in a run folder and every folder in it (hyperparameters, results,
+plots and logs are written the same way as checkpoints).
 """
 import contextlib
 import hashlib
@@ -196,4 +198,18 @@ def remove_stale_temporaries(folder: str) -> list:
             continue
         logger.info("removed %s, left by an interrupted save", path)
         removed.append(path)
+    return removed
+
+
+def remove_stale_temporaries_under(folder: str) -> list:
+    """:func:`remove_stale_temporaries` in ``folder`` and every folder under it; return the paths removed.
+
+    A temporary folder (``.tmp-*``, a sharded checkpoint being written) is judged as a whole, never entered, and
+    symbolic links to folders are not followed (the run folder may be shared: a link could lead anywhere). One
+    listing per folder: a few milliseconds for a run folder of thousands of files.
+    """
+    removed = []
+    for current, folders, _ in os.walk(folder, followlinks=False):
+        removed.extend(remove_stale_temporaries(current))
+        folders[:] = [name for name in folders if not name.startswith(TEMP_PREFIX)]
     return removed

@@ -15,7 +15,7 @@ import threading
 from typing import Callable, List, Optional
 
 from aitoolbox.cloud.storage import CloudStorageError
-from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries
+from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries, remove_stale_temporaries_under
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
@@ -245,6 +245,7 @@ class CheckpointCallback(AbstractExperimentCallback):
             path = os.path.join(folder, sharded_checkpoint_name(file_name))
             try:
                 self.ensure_folder(folder)
+                self._remove_leftovers(folder)  # never this process's own temporaries: its saves may be in flight
             except OSError as os_error:
                 error = str(self._save_error(os_error, path))
         path, error = tl.broadcast_object((path, error))
@@ -283,7 +284,7 @@ class CheckpointCallback(AbstractExperimentCallback):
     def _write(self, checkpoint: dict, folder: str, file_name: str,
                after_save: Optional[Callable[[str], None]]) -> None:
         # This process's earlier saves are complete (one in flight at a time): what killed ones left can go.
-        remove_stale_temporaries(folder)
+        self._remove_leftovers(folder)
         try:
             path = save_checkpoint_file(checkpoint, folder, file_name, abandon=self._abandon)
         except OSError as error:
@@ -292,6 +293,17 @@ class CheckpointCallback(AbstractExperimentCallback):
         self.cloud_upload(path)  # queued: the file goes up as it is now, even if pruning removes it later
         if after_save is not None:
             after_save(path)  # e.g. delete older checkpoints: only once the new one is complete
+
+    def _remove_leftovers(self, folder: str) -> None:
+        """Remove the temporaries killed saves left in the checkpoint ``folder`` and, when it lies in the run folder,
+        in the whole run folder: a process killed while it wrote the hyperparameters, results or a plot leaves a
+        full-size ``.tmp-*`` file there too, judged by the same rules (see
+        :mod:`~aitoolbox.experiment.local_save.leftovers`). In the main process only (it writes those files)."""
+        run_folder = os.path.abspath(self.experiment_folder.path) if self.has_experiment_folder else None
+        if run_folder is not None and os.path.commonpath([run_folder, os.path.abspath(folder)]) == run_folder:
+            remove_stale_temporaries_under(run_folder)
+        else:
+            remove_stale_temporaries(folder)
 
     def _save_error(self, error: OSError, path: str) -> OSError:
         reason = str(error.strerror or error).rstrip(".")

@@ -97,3 +97,38 @@ def test_a_temporary_folder_is_never_without_its_writer_s_name(tmp_path):
     assert sorted(os.listdir(folder)) == sorted([killed_while_created.name, ".tmp-model_x_ts_E1"])
     removed = remove_stale_temporaries(str(folder))
     assert removed == [str(killed_while_created)]  # this process's own folder (a save in flight) is kept
+
+
+def test_the_run_folder_and_every_folder_in_it_are_cleaned_by_the_same_rules(tmp_path, monkeypatch):
+    """Hyperparameters, results, plots and logs are written through temporaries too: what a killed process left
+    in the run folder (or a folder in it) goes as a checkpoint folder's leftovers go; another job's recent ones on
+    another host stay; a temporary folder is judged whole, not entered; a link to a folder is not followed."""
+    from aitoolbox.experiment.local_save.leftovers import _job_tag, remove_stale_temporaries_under
+    monkeypatch.setenv("AITOOLBOX_RUN_ID", "requeued-job")
+    run = tmp_path / "run"
+    (run / "results" / "plots").mkdir(parents=True)
+    (run / "checkpoint_model").mkdir()
+    same_job, other_job = _job_tag("requeued-job"), _job_tag("another-job")
+    left = {  # what the killed processes of this job left on the host it ran on before
+        run / f".tmp-hyperparams.json.4242-deadbeef-j{same_job}@nodeB.abc127",
+        run / "results" / f".tmp-results.json.4242-deadbeef-j{same_job}@nodeB.abc128",
+        run / "results" / "plots" / f".tmp-loss.png.4242-deadbeef-j{same_job}@nodeB.abc129",
+        run / "checkpoint_model" / f".tmp-model_E1.pth.4242-deadbeef-j{same_job}@nodeB.abc130",
+    }
+    kept = {run / f".tmp-hyperparams.json.4242-deadbeef-j{other_job}@nodeB.abc131",  # another job, recent
+            run / "results" / ".tmp-results.json.4242-deadbeef@nodeB.abc132"}  # no job recorded, recent
+    for path in left | kept:
+        path.write_bytes(b"\0" * 1000)
+    writing = run / "checkpoint_model" / ".tmp-model_E2"  # a live process's sharded save: judged whole, not entered
+    writing.mkdir()
+    (writing / OWNER_FILE).write_text(json.dumps({"host": "nodeB", "pid": 1, "token": "ab", "job": "another-job"}))
+    inside = writing / f".tmp-part.4242-deadbeef-j{same_job}@nodeB.abc133"
+    inside.write_bytes(b"x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    outside = elsewhere / f".tmp-theirs.4242-deadbeef-j{same_job}@nodeB.abc134"
+    outside.write_bytes(b"x")
+    os.symlink(elsewhere, run / "linked")
+    removed = remove_stale_temporaries_under(str(run))
+    assert sorted(removed) == sorted(map(str, left))
+    assert all(path.exists() for path in kept | {inside, outside})

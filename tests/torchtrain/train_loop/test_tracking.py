@@ -507,3 +507,29 @@ def test_auto_resume_with_no_readable_checkpoint_starts_a_new_run_and_a_planted_
     torch.save({"model_state_dict": {}, "payload": PlantedObject()}, path)
     with pytest.raises(RuntimeError, match="refusing to load"):
         TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True, show_progress=False)
+
+
+def test_the_next_save_removes_what_a_killed_save_of_this_job_left_in_the_run_folder(tmp_path, monkeypatch):
+    """A requeued job (same AITOOLBOX_RUN_ID, another host) removes at its first checkpoint save the temporaries
+    its killed processes left beside the checkpoint folder (hyperparameters, results), as it removes those in the
+    checkpoint folder; another job's recent one stays (docs/checkpointing.rst, atomic writes)."""
+    from aitoolbox.experiment.local_save.leftovers import _job_tag
+    monkeypatch.setenv("AITOOLBOX_RUN_ID", "tmpjob")
+    first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, auto_resume=True,
+                                show_progress=False)
+    first.fit(num_epochs=1)
+    run = first.experiment_folder.path
+    same_job, other_job = _job_tag("tmpjob"), _job_tag("otherjob")
+    left = [os.path.join(run, f".tmp-hyperparams.json.4242-deadbeef-j{same_job}@nodeB.abc127"),
+            os.path.join(first.experiment_folder.checkpoint_dir,
+                         f".tmp-model_exp_{first.experiment_timestamp}_E0.pth.4242-deadbeef-j{same_job}@nodeB.abc1")]
+    other = os.path.join(run, f".tmp-hyperparams.json.4242-deadbeef-j{other_job}@nodeB.abc128")
+    for path in left + [other]:
+        with open(path, "wb") as handle:
+            handle.write(b"\0" * 100_000)
+    again = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", str(tmp_path), {}, auto_resume=True,
+                                show_progress=False)
+    assert again.experiment_folder.path == run
+    again.fit(num_epochs=2)
+    assert not [path for path in left if os.path.exists(path)]
+    assert os.path.exists(other)
