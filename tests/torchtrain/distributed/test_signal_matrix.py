@@ -8,9 +8,9 @@ a terminal's Ctrl-C, SLURM's ``scancel`` and a container stop reach them (the la
 rank's own group, DataLoader workers included); *torchrun's agent* signals each worker's process group itself.
 
 Each cell checks what the docs promise: the exit code (128 + signal for SIGTERM and SIGHUP, death by SIGINT for
-SIGINT as after any uncaught KeyboardInterrupt: the shell's 130, torchrun's own 1 when its agent was signalled), a resumable checkpoint at the step the stop landed
-on for SIGTERM and SIGHUP (none for SIGINT), no process of the job left, and a run resumed from the newest
-checkpoint ending bitwise as the run that was never signalled.
+SIGINT as after any uncaught KeyboardInterrupt: the shell's 130, torchrun's own 1 when its agent was signalled), a
+resumable checkpoint at the step the stop landed on for SIGTERM and SIGHUP (none for SIGINT), no process of the
+job left, and a run resumed from the newest checkpoint ending bitwise as the run that was never signalled.
 
 Tiers: the cells of a pairwise cover (every pair of values of any two dimensions meets in at least one cell, the
 cheaper cells chosen first) are in the slow tier; the rest of the product is in the extended tier.
