@@ -185,7 +185,7 @@ class TrainLoopView(Protocol):
     def get_num_training_steps(self) -> int:
         """Optimizer steps the current ``fit`` makes in all."""
 
-    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+    def checkpoint_state(self, mid_epoch: Optional[bool] = None, hyperparams: Optional[dict] = None,
                          include_weights: bool = True) -> dict:
         """Everything needed to continue the run exactly (call it in every process)."""
 

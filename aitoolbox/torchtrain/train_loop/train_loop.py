@@ -638,7 +638,7 @@ class TrainLoop:
         return self._evaluator.predict(data_loader, dataset_type, execute_callbacks=execute_callbacks, force=True,
                                        cache=False, dataset_info=dataset_info)
 
-    def checkpoint_state(self, mid_epoch: bool = False, hyperparams: Optional[dict] = None,
+    def checkpoint_state(self, mid_epoch: Optional[bool] = None, hyperparams: Optional[dict] = None,
                          include_weights: bool = True) -> dict:
         """Everything needed to continue this run exactly (see :mod:`.train_state`); call it in every process.
 
@@ -647,13 +647,30 @@ class TrainLoop:
         copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on.
 
         A mid-epoch checkpoint (``mid_epoch=True``) records a step point: taken after ``fit`` raised inside an
-        epoch, it records the last optimizer step, where the next ``fit`` continues.
+        epoch, it records the last optimizer step, where the next ``fit`` continues. An epoch-end checkpoint
+        (``mid_epoch=False``) records the run at the end of an epoch. The default (None) takes the run where it
+        stands: a mid-epoch checkpoint after a ``fit`` that an exception (or a stop signal) ended inside an epoch's
+        batches, an epoch-end one otherwise.
 
         Raises:
             RuntimeError: ``mid_epoch=True`` away from a step point: inside an accumulation window (gradients of
                 batches not stepped yet, which a checkpoint does not hold), or with an optimizer step an exception
-                interrupted between two optimizers (``fit`` finishes it first).
+                interrupted between two optimizers (``fit`` finishes it first). ``mid_epoch=False`` after a ``fit``
+                that stopped inside an epoch's batches: the checkpoint would start that epoch again on weights
+                already trained on some of its batches, which a resume would train again.
         """
+        inside_batches = self.run_state.interrupted_step_point
+        if inside_batches is not None and inside_batches.batches_done == 0:
+            inside_batches = None  # stopped before the epoch's first step: the epoch starts again either way
+        if mid_epoch is None:
+            mid_epoch = inside_batches is not None
+        elif not mid_epoch and inside_batches is not None:
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=False) was called after fit stopped inside epoch {self.epoch}, after "
+                f"{inside_batches.batches_done} of its batches: an epoch-end checkpoint would start that epoch again "
+                "on weights already trained on them, so a resume would train them twice. Call checkpoint_state() "
+                "(or mid_epoch=True) for a checkpoint that continues after them, or call fit to finish the epoch "
+                "first")
         if mid_epoch:
             self._check_at_step_point()
         self.set_up()

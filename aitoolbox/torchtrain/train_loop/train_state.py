@@ -193,8 +193,14 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     """
     # After an exception inside an epoch's batches the run is at its last step point, not at the batch that raised:
     # the position, the RNG state and the loss sum are that point's (the weights and buffers are already its).
-    interrupted = tl.run_state.interrupted_step_point if mid_epoch else None
-    rng = interrupted.rng if interrupted is not None else capture_rng_state(tl.train_loader)
+    point = tl.run_state.interrupted_step_point
+    interrupted = point if mid_epoch else None
+    if point is not None and point.batches_done == 0 and point.epoch_start_rng is not None:
+        # Stopped in the epoch's first batch: the checkpoint starts that epoch again, from the random state it
+        # started with (its data loader's iterator has drawn from the state since: a DataLoader draws its seed).
+        rng = point.epoch_start_rng
+    else:
+        rng = interrupted.rng if interrupted is not None else capture_rng_state(tl.train_loader)
     rng_per_rank = tl.strategy.all_gather_objects(rng)
     # Not get_train_history_dict(): it warns (or raises, strict) on an empty history, which a run captured before
     # its first epoch ends rightly has. weights_only_safe copies every list.

@@ -280,6 +280,37 @@ def test_a_mid_epoch_checkpoint_taken_after_an_exception_records_the_last_step_p
     assert_runs_equal(resumed, straight)
 
 
+@pytest.mark.parametrize("grad_accumulation, at", [(1, 8), (2, 8), (1, 5)])
+def test_checkpoint_state_after_an_exception_inside_an_epoch_continues_after_its_last_step(grad_accumulation, at):
+    """checkpoint_state() with its default (what docs/checkpointing.rst advises after a failed save) after fit raised
+    inside an epoch's batches wrote an epoch-end checkpoint: a resume started that epoch again on weights already
+    trained on its first batches, training them twice (review of issue 32). By default it is now the mid-epoch
+    checkpoint of the last step point, and an explicit epoch-end one is refused.
+
+    Raised in the epoch's first batch (at=5: 5 batches an epoch) nothing of the epoch is trained, and either kind of
+    checkpoint starts the epoch again; they held the random state after the epoch's DataLoader iterator had drawn its
+    seed, so the resumed epoch drew other dropout masks. They hold the epoch's starting state now."""
+    straight = build_loop(Cell())
+    straight.fit(num_epochs=3, grad_accumulation=grad_accumulation)
+
+    interrupted = build_loop(Cell(), model=FailOnceInGetLoss(at=at))
+    with pytest.raises(RuntimeError, match="get_loss failed"):
+        interrupted.fit(num_epochs=3, grad_accumulation=grad_accumulation)
+    batches_done = at % 5 - (at % 5) % grad_accumulation
+    if batches_done:
+        with pytest.raises(RuntimeError, match=f"fit stopped inside epoch 1, after {batches_done} of its batches"):
+            interrupted.checkpoint_state(mid_epoch=False)
+        checkpoints = [interrupted.checkpoint_state()]
+    else:
+        checkpoints = [interrupted.checkpoint_state(mid_epoch=mid_epoch) for mid_epoch in (None, False, True)]
+    for checkpoint in map(copy.deepcopy, checkpoints):
+        assert (checkpoint["epochs_completed"], checkpoint["iteration"]) == (1, batches_done)
+        resumed = build_loop(Cell())
+        resumed.load_checkpoint(checkpoint)
+        resumed.fit(num_epochs=3, grad_accumulation=grad_accumulation)
+        assert_runs_equal(resumed, straight)
+
+
 def test_a_mid_epoch_checkpoint_inside_an_accumulation_window_is_refused():
     """Inside a window the gradients of the batches since the last step are not in a checkpoint: a resume from it
     skipped them. Refused, naming where; at the window's step it is taken."""
