@@ -689,7 +689,8 @@ class TrainLoop:
         if (runner is not None and runner.has_interrupted_step) or \
                 (self.run_state.interrupted_step_point is not None and self.run_state.interrupted_step_point.finish_step):
             raise RuntimeError(
-                f"checkpoint_state(mid_epoch=True) was called while the optimizer step of batch {self.iteration} of "
+                "a mid-epoch checkpoint (checkpoint_state with mid_epoch=True, or its default after fit stopped inside "
+                f"an epoch) was asked for while the optimizer step of batch {self.iteration} of "
                 f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped, or in a "
                 "callback's hook after the step): a checkpoint cannot hold that step. Call fit to finish it, then "
                 "take the checkpoint")
