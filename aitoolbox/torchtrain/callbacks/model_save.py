@@ -139,17 +139,22 @@ class ModelCheckpoint(CheckpointCallback):
             self.saved_checkpoints = self._with_earlier_ranking(metric)
         entry = (score, os.path.join(folder.checkpoint_dir, file_name))
         if self.is_main_process:  # its own checkpoint's state ranks it (the main process's state is saved)
+            # The previous epoch's background save first: its completion changes the ranking in the writer thread.
+            self.wait_for_pending_save()
             self._being_saved = ranking.merged(self._being_saved, [entry])
 
         def keep_the_best(path: str) -> None:
+            # In the writer thread under background_save, while other callbacks' checkpoints may read the state
+            # (state_dict): the ranking changes in one assignment, before the entry leaves the saves in flight, so
+            # that state_dict (which reads them in the other order) sees the save done or in flight, never neither.
             # A checkpoint written again (the replay after a rollback) is ranked by its new score only.
-            self.saved_checkpoints = ranking.merged(self.saved_checkpoints, [(score, path)])
-            self._being_saved = [being for being in self._being_saved if being[1] != entry[1]]
+            ranked = ranking.merged(self.saved_checkpoints, [(score, path)])
             # Another run folder's checkpoints (a run continued from it) are ranked, never deleted.
-            keep = [path] + ranking.elsewhere(self.saved_checkpoints, folder.checkpoint_dir)
-            deleted = prune_checkpoints(self.saved_checkpoints, self.num_best_checkpoints_kept, keep_always=keep,
+            keep = [path] + ranking.elsewhere(ranked, folder.checkpoint_dir)
+            deleted = prune_checkpoints(ranked, self.num_best_checkpoints_kept, keep_always=keep,
                                         higher_is_better=self._higher_is_better())
-            self.saved_checkpoints = [(score_, p) for score_, p in self.saved_checkpoints if p not in deleted]
+            self.saved_checkpoints = [(score_, p) for score_, p in ranked if p not in deleted]
+            self._being_saved = [being for being in self._being_saved if being[1] != entry[1]]
             # Uploaded too, so that the bucket keeps mirroring the run folder.
             self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints,
                                                        tag=self.file_tag))
@@ -167,8 +172,9 @@ class ModelCheckpoint(CheckpointCallback):
         earlier run folder. Empty without ranking (``rm_subopt_local_models=False``)."""
         if self.rm_subopt_local_models is False or self.train_loop_obj is None:
             return {}
+        being_saved = self._being_saved  # before the ranking: see keep_the_best in on_epoch_end
         return ranking.ranking_state(self.monitored_metric(), self.mode, ranking.after_pending_saves(
-            self.saved_checkpoints, self._being_saved, self.num_best_checkpoints_kept,
+            self.saved_checkpoints, being_saved, self.num_best_checkpoints_kept,
             self.experiment_folder.checkpoint_dir, self._higher_is_better()))
 
     def load_state_dict(self, state: dict) -> None:
