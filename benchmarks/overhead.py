@@ -40,8 +40,15 @@ weights are not expected to match the hand loop's bitwise, "same weights" then s
 Run:  python benchmarks/overhead.py                      (about 1 minute on 2 idle cores)
       python benchmarks/overhead.py --quick              (smoke test, a few seconds)
       python benchmarks/overhead.py --profile 20         (cProfile of 20 TrainLoop epochs vs the hand loop)
+      python benchmarks/overhead.py --bytecode           (Python bytecode a batch, TrainLoop vs the hand loop)
+
+``--bytecode`` counts the Python bytecode instructions each loop executes in one tiny-model epoch (traced, after
+two untraced epochs), by function, and prints TrainLoop's excess per batch: unlike a time, the count does not
+depend on how busy the machine is, so a change to the loop's per-batch Python work shows in it exactly (but for
+the progress bar's lines: it redraws on a clock, and tracing slows the epoch down).
 """
 import argparse
+import collections
 import contextlib
 import cProfile
 import inspect
@@ -406,6 +413,46 @@ def profile(args, num_epochs: int) -> str:
     return report.getvalue()
 
 
+def bytecode_per_batch(runner, epochs_untraced: int = 2) -> Dict[str, float]:
+    """Python bytecode instructions per batch of one traced epoch of ``runner``, by ``file:function``."""
+    for _ in range(epochs_untraced):
+        runner.run_epoch()
+    counts: Dict[str, int] = collections.Counter()
+
+    def trace_calls(frame, event, arg):
+        frame.f_trace_opcodes = True
+        code = frame.f_code
+        key = f"{Path(code.co_filename).name}:{code.co_name}"
+
+        def trace_opcodes(frame, event, arg):
+            if event == "opcode":
+                counts[key] += 1
+            return trace_opcodes
+        return trace_opcodes
+
+    sys.settrace(trace_calls)
+    try:
+        runner.run_epoch()
+    finally:
+        sys.settrace(None)
+    batches = len(runner.train_loader)
+    return {key: count / batches for key, count in counts.items()}
+
+
+def bytecode_report(args) -> str:
+    """TrainLoop's excess Python bytecode a tiny-model batch over the hand loop's, by function."""
+    with _common.output_to_devnull():
+        hand = bytecode_per_batch(HandLoop(args, "tiny-model"))
+        loop = bytecode_per_batch(TrainLoopRunner(args, "tiny-model"))
+    excess = {key: loop.get(key, 0.0) - hand.get(key, 0.0) for key in set(hand) | set(loop)}
+    lines = [f"Python bytecode instructions per tiny-model batch: hand loop {sum(hand.values()):.0f}, TrainLoop "
+             f"{sum(loop.values()):.0f}, excess {sum(excess.values()):+.0f} (per-fit work spread over the epoch's "
+             f"{len(TrainLoopRunner(args, 'tiny-model').train_loader)} batches included)"]
+    lines += [f"  {count:+8.1f}  {key}" for key, count in sorted(excess.items(), key=lambda item: -abs(item[1]))
+              if abs(count) >= 0.5]
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[List[str]] = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=10, help="timed epochs per repeat and runner")
@@ -428,6 +475,8 @@ def parse_args(argv: Optional[List[str]] = None):
     parser.add_argument("--profile", type=int, default=0, metavar="EPOCHS",
                         help="also print a cProfile of this many bare epochs of each loop")
     parser.add_argument("--profile-top", type=int, default=25, help="functions listed per profile")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="only count the Python bytecode a tiny-model batch executes in each loop (deterministic)")
     parser.add_argument("--write-results", action="store_true",
                         help="replace the 'overhead' section of benchmarks/RESULTS.md with this run")
     args = parser.parse_args(argv)
@@ -447,6 +496,10 @@ def parse_args(argv: Optional[List[str]] = None):
 def main(argv: Optional[List[str]] = None) -> str:
     args = parse_args(argv)
     threads = _common.set_threads(args.threads)
+    if args.bytecode:
+        text = bytecode_report(args)
+        print(text)
+        return text
     lightning = None if args.no_lightning else import_lightning()
     info = _common.machine_info(torch.device("cpu"))
     if lightning is not None:

@@ -72,6 +72,7 @@ class StepRunner:
                  batch_done: Callable[[], None], amp_scaler: Any):
         self.precision = precision
         self.optimizers = optimizers
+        self._every_optimizer = tuple(range(len(optimizers)))  # stepped_optimizers of a step of all of them
         self.user_optimizer = user_optimizer
         self.hooks = hooks
         self.counters = counters
@@ -172,7 +173,7 @@ class StepRunner:
         :attr:`interrupted_step_ends_batch`)."""
         skipped = not self.precision.step(optimizers)
         self.counters.optimizer_step_skipped = skipped
-        self.counters.stepped_optimizers = tuple(range(len(self.optimizers)))
+        self.counters.stepped_optimizers = self._every_optimizer
         self.pending_batches = 0
         self.batch_done()
         if self.hooks.has_batch_hooks:

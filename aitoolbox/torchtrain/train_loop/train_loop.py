@@ -1158,10 +1158,11 @@ class TrainLoop:
         state, strategy = self.state, self.strategy
         running_loss = self._running_loss_postfix
         accumulation = state.grad_accumulation
+        every_batch_steps = accumulation == 1
         window_end = self.run_state.window_end_length(self.train_loader)  # None: the loader's end tells
         for state.iteration, batch_data in batches:
             iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
-            step_due = iteration_limit_hit or state.iteration + 1 == window_end \
+            step_due = every_batch_steps or iteration_limit_hit or state.iteration + 1 == window_end \
                 or (state.iteration + 1) % accumulation == 0
             self._run_batch(batch_data, step_due)
             bar.update(running_loss)
