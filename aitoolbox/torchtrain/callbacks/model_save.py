@@ -2,6 +2,7 @@
 import copy
 import logging
 import os
+import threading
 from typing import Any, ContextManager, List, Optional, Tuple, Union
 
 from torch import nn
@@ -85,9 +86,21 @@ class ModelCheckpoint(CheckpointCallback):
         self.mode = mode
         self.saved_checkpoints = []  # (score, path) of the checkpoints it ranked (NaN: unranked), oldest first
         self._being_saved = []  # (score, path) of checkpoints being written: in the state they are saved with
+        # The two lists change together in a background save's thread (keep_the_best) while the training thread
+        # adds to the saves in flight or reads the state for another checkpoint.
+        self._ranking_lock = threading.Lock()
         self._ranking_restored = False  # those an earlier process recorded in the run folder were read
         self._values_at_epoch_begin = 0  # of the ranked metric: a longer history at the epoch's end scores it
         self.file_tag: Optional[str] = None  # see checkpoint_ranking: decided when training begins
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_ranking_lock"] = None  # a lock cannot travel to spawned processes (nor needs to)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._ranking_lock = threading.Lock()
 
     def monitored_metric(self) -> str:
         """The metric the checkpoints are ranked by: ``rm_subopt_local_models``'s name, or for True ``val_loss``
@@ -139,22 +152,21 @@ class ModelCheckpoint(CheckpointCallback):
             self.saved_checkpoints = self._with_earlier_ranking(metric)
         entry = (score, os.path.join(folder.checkpoint_dir, file_name))
         if self.is_main_process:  # its own checkpoint's state ranks it (the main process's state is saved)
-            # The previous epoch's background save first: its completion changes the ranking in the writer thread.
-            self.wait_for_pending_save()
-            self._being_saved = ranking.merged(self._being_saved, [entry])
+            with self._ranking_lock:  # (the previous epoch's background save may be completing meanwhile)
+                self._being_saved = ranking.merged(self._being_saved, [entry])
 
         def keep_the_best(path: str) -> None:
             # In the writer thread under background_save, while other callbacks' checkpoints may read the state
-            # (state_dict): the ranking changes in one assignment, before the entry leaves the saves in flight, so
-            # that state_dict (which reads them in the other order) sees the save done or in flight, never neither.
-            # A checkpoint written again (the replay after a rollback) is ranked by its new score only.
+            # (state_dict): the save leaves the saves in flight and joins the ranking at once, never one without
+            # the other. A checkpoint written again (the replay after a rollback) is ranked by its new score only.
             ranked = ranking.merged(self.saved_checkpoints, [(score, path)])
             # Another run folder's checkpoints (a run continued from it) are ranked, never deleted.
             keep = [path] + ranking.elsewhere(ranked, folder.checkpoint_dir)
             deleted = prune_checkpoints(ranked, self.num_best_checkpoints_kept, keep_always=keep,
                                         higher_is_better=self._higher_is_better())
-            self.saved_checkpoints = [(score_, p) for score_, p in ranked if p not in deleted]
-            self._being_saved = [being for being in self._being_saved if being[1] != entry[1]]
+            with self._ranking_lock:
+                self.saved_checkpoints = [(score_, p) for score_, p in ranked if p not in deleted]
+                self._being_saved = [being for being in self._being_saved if being[1] != entry[1]]
             # Uploaded too, so that the bucket keeps mirroring the run folder.
             self.cloud_upload(write_checkpoint_ranking(folder.checkpoint_dir, metric, self.saved_checkpoints,
                                                        tag=self.file_tag))
@@ -172,10 +184,11 @@ class ModelCheckpoint(CheckpointCallback):
         earlier run folder. Empty without ranking (``rm_subopt_local_models=False``)."""
         if self.rm_subopt_local_models is False or self.train_loop_obj is None:
             return {}
-        being_saved = self._being_saved  # before the ranking: see keep_the_best in on_epoch_end
+        with self._ranking_lock:  # see keep_the_best in on_epoch_end
+            saved, being_saved = self.saved_checkpoints, self._being_saved
         return ranking.ranking_state(self.monitored_metric(), self.mode, ranking.after_pending_saves(
-            self.saved_checkpoints, being_saved, self.num_best_checkpoints_kept,
-            self.experiment_folder.checkpoint_dir, self._higher_is_better()))
+            saved, being_saved, self.num_best_checkpoints_kept, self.experiment_folder.checkpoint_dir,
+            self._higher_is_better()))
 
     def load_state_dict(self, state: dict) -> None:
         """Take over the ranking :meth:`state_dict` returned (the checkpoints that still exist count); a state of
