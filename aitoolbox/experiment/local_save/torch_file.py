@@ -219,7 +219,10 @@ class TorchZip:
                 compressed = b""
             if not compressed:
                 break
-            out = inflater.decompress(compressed, max(1, min(_CHUNK, len(target) - filled + 1)))
+            try:
+                out = inflater.decompress(compressed, max(1, min(_CHUNK, len(target) - filled + 1)))
+            except zlib.error as error:  # e.g. a stored record whose compression method a flipped bit changed
+                raise Malformed(f"record {info.filename!r} cannot be inflated ({error})") from error
             if filled + len(out) > len(target):
                 raise Malformed(f"record {info.filename!r} inflates beyond the {info.file_size} bytes it states")
             target[filled:filled + len(out)] = out

@@ -46,7 +46,9 @@ def _keep_ctrl_c_exit_status() -> None:
     whose named tuples are made by ``eval``: the flag is lost and the script exits with status 1, as though it had
     failed. Raising the interrupt again from source text sets the flag again (CPython sets it when such code ends
     on a ``KeyboardInterrupt``). This handler is registered when aitoolbox's training loop is imported, before torch's
-    (handlers run last-registered first), so it runs after it.
+    (handlers run last-registered first), so it runs after it. Where torch's came first (``torch._dynamo`` imported,
+    or ``torch.compile`` called, before aitoolbox), this one runs before it: it imports ``tabulate`` first, so that
+    torch's handler finds it imported and evaluates nothing.
 
     Only for the uncaught exception of a script (``python script.py``, ``-m``, ``-c``), not for an interactive
     session, where the same flag is never set (``python -i``, IPython and Jupyter keep their own last exception).
@@ -56,6 +58,10 @@ def _keep_ctrl_c_exit_status() -> None:
     traceback = getattr(sys, "last_traceback", None)
     if traceback is None or traceback.tb_frame.f_globals.get("__name__") not in ("__main__", "runpy"):
         return
+    try:
+        import tabulate  # noqa: F401 - see above (an optional dependency of torch's exit handler)
+    except ImportError:
+        pass
     try:
         exec("raise KeyboardInterrupt")  # noqa: S102 - constant source text: what CPython's flag is set from
     except KeyboardInterrupt:

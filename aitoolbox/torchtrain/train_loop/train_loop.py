@@ -976,6 +976,8 @@ class TrainLoop:
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
         self.callbacks_handler.on_train_begin()
+        if self.strategy.is_distributed:  # a stop one process asked for in on_train_begin: every process, now
+            self._agree_on_stop()
         # Asked before resume_point takes the interruption: an epoch interrupted at the last batch of
         # fit(num_iterations) is still finished (its interrupted step, its end), though no batch is left to train.
         close_interrupted = self.run_state.interrupted_at_iteration_target(num_iterations) or \

@@ -228,6 +228,28 @@ def test_a_bit_flipped_in_a_record_is_found_and_named(tmp_path, record_suffix):
     assert path in str(error.value) and name in str(error.value)
 
 
+def test_a_stored_record_marked_deflated_by_a_flipped_bit_is_named(tmp_path):
+    """A flipped bit in the zip directory's compression method of a stored record (here the small ``byteorder``
+    record) made the reader inflate raw bytes: a bare ``zlib.error`` naming no file (review of issue 33, stop 40)."""
+    path = str(tmp_path / "deflated.pth")
+    torch.save({"weight": torch.arange(64, dtype=torch.float32)}, path)
+    with zipfile.ZipFile(path) as archive:
+        (record,) = [info for info in archive.infolist() if info.filename.endswith("/byteorder")]
+        directory = archive.start_dir
+    with open(path, "r+b") as handle:
+        content = bytearray(handle.read())
+    entry = content.index(b"PK\x01\x02" + content[directory + 4:directory + 10], directory)
+    while content[entry + 46:entry + 46 + len(record.filename)] != record.filename.encode():
+        entry = content.index(b"PK\x01\x02", entry + 4)
+    assert content[entry + 10] == zipfile.ZIP_STORED
+    content[entry + 10] = zipfile.ZIP_DEFLATED
+    with open(path, "wb") as handle:
+        handle.write(content)
+    with pytest.raises(CorruptCheckpointError, match="cannot be inflated") as error:
+        load_torch_file(path)
+    assert path in str(error.value) and record.filename in str(error.value)
+
+
 def test_a_file_saved_without_crc32s_still_loads(tmp_path):
     """``torch.serialization.set_crc32_options(False)`` writes 0 as every record's CRC-32; torch loads such a file,
     and so does aitoolbox (unchecked)."""

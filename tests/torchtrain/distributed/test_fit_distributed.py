@@ -274,11 +274,16 @@ STOP_ON_SOME_RANKS_SCRIPT = textwrap.dedent("""
 
 
     class StopOnRanks(AbstractCallback):
-        '''Asks to stop at batch 2 of the first epoch, in the given ranks, with the given reason.'''
+        '''Asks to stop at batch 2 of the first epoch (or in on_train_begin), in the given ranks, with the given
+        reason.'''
 
-        def __init__(self, ranks, reason):
+        def __init__(self, ranks, reason, at_train_begin):
             super().__init__("stop on some ranks")
-            self.ranks, self.reason = ranks, reason
+            self.ranks, self.reason, self.at_train_begin = ranks, reason, at_train_begin
+
+        def on_train_begin(self):
+            if self.at_train_begin and torch.distributed.get_rank() in self.ranks:
+                self.train_loop_obj.stop_training(self.reason)
 
         def on_batch_end(self):
             tl = self.train_loop_obj
@@ -288,10 +293,10 @@ STOP_ON_SOME_RANKS_SCRIPT = textwrap.dedent("""
 
 
     if __name__ == "__main__":
-        ranks, reason = json.loads(sys.argv[1]), sys.argv[2]
+        ranks, reason, at_train_begin = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "train_begin"
         tl = make_train_loop()
-        tl.fit_distributed(num_epochs=3, callbacks=[StopOnRanks(ranks, reason)], num_cpu_processes=2,
-                           start_method="fork")
+        tl.fit_distributed(num_epochs=3, callbacks=[StopOnRanks(ranks, reason, at_train_begin)],
+                           num_cpu_processes=2, start_method="fork")
         print("epochs completed", tl.epochs_completed, flush=True)
 """)
 
@@ -307,10 +312,24 @@ def test_a_stop_requested_on_another_rank_is_logged_once_by_rank_0_naming_the_ra
     import json
     script = tmp_path / "stop_on_some_ranks.py"
     script.write_text(STOP_ON_SOME_RANKS_SCRIPT)
-    result = run_script(script, [json.dumps(ranks), reason], timeout=120)
+    result = run_script(script, [json.dumps(ranks), reason, "batch"], timeout=120)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "epochs completed 1" in result.stdout, result.stderr[-3000:]
     stops = [line for line in result.stderr.splitlines() if "Stopping training" in line]
     assert stops == [logged], result.stderr[-3000:]
     lines = result.stderr.splitlines()
     assert lines.index(logged) == lines.index(next(line for line in lines if line.startswith("Epoch 1/3"))) + 1
+
+
+def test_a_stop_requested_in_on_train_begin_on_another_rank_stops_every_rank_before_training(tmp_path):
+    """Rank 1 alone asked to stop in on_train_begin: it trained nothing while rank 0 trained, and gloo aborted on
+    the mismatched collectives (the launcher said "rank 1 was killed by signal SIGABRT"). The processes agree on a
+    stop right after on_train_begin; the reason is logged by rank 0 (review of issue 33, stop 40)."""
+    import json
+    script = tmp_path / "stop_on_some_ranks.py"
+    script.write_text(STOP_ON_SOME_RANKS_SCRIPT)
+    result = run_script(script, [json.dumps([1]), "at begin", "train_begin"], timeout=120)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "epochs completed 0" in result.stdout, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "Stopping training" in line] == \
+        ["Stopping training: at begin (requested on rank 1)"], result.stderr[-3000:]

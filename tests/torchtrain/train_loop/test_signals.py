@@ -19,6 +19,9 @@ SCRIPT = textwrap.dedent("""
     import signal
     import sys
 
+    if os.environ.get("IMPORT_DYNAMO_FIRST"):  # torch's exit handlers are then registered before aitoolbox's
+        import torch._dynamo  # noqa: F401
+
     from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
     from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
     from tests.torchtrain.distributed.support import make_train_loop
@@ -57,11 +60,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_until_signal(tmp_path, signum: int, grad_accumulation: int = 1):
+def run_until_signal(tmp_path, signum: int, grad_accumulation: int = 1, dynamo_first: bool = False):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
+    env = dict(script_env(), **({"IMPORT_DYNAMO_FIRST": "1"} if dynamo_first else {}))
     result = subprocess.run([sys.executable, str(script), str(tmp_path), str(signum), str(grad_accumulation)],
-                            env=script_env(), capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=120)
     return result, sorted(glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth")))
 
 
@@ -75,10 +79,12 @@ def test_with_gradient_accumulation_the_stop_waits_for_the_optimizer_step(tmp_pa
     assert "trained batch 4" not in result.stdout
 
 
-def test_ctrl_c_ends_the_script_by_sigint_as_python_does(tmp_path):
+@pytest.mark.parametrize("dynamo_first", [False, True])
+def test_ctrl_c_ends_the_script_by_sigint_as_python_does(tmp_path, dynamo_first):
     """An uncaught KeyboardInterrupt ends a Python script by SIGINT, so that its shell sees 130 and a shell loop
-    stops; torch's exit handler (once an optimizer has stepped) made it exit with status 1, as a failure."""
-    result, saved = run_until_signal(tmp_path, signal.SIGINT)
+    stops; torch's exit handler (once an optimizer has stepped) made it exit with status 1, as a failure. Also
+    where the script imports torch._dynamo (or calls torch.compile) before aitoolbox (review of issue 33, stop 40)."""
+    result, saved = run_until_signal(tmp_path, signal.SIGINT, dynamo_first=dynamo_first)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-3000:])
     assert "KeyboardInterrupt" in result.stderr and "finally ran" in result.stdout
     assert saved == []  # Ctrl-C writes no resumable checkpoint
