@@ -189,6 +189,7 @@ class TrainLoop:
         # In a process other than the main one: its stop requests' reasons, which the main process logs once the
         # processes agree to stop (only the main process logs them).
         self._stop_requests_here: List[str] = []
+        self._stop_reasons_logged: List[str] = []  # the main process's reasons logged outside an epoch, not agreed yet
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
         # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
         self.frozen_modules = FrozenModules()
@@ -528,6 +529,7 @@ class TrainLoop:
                 self._stop_reasons.append(reason)
         else:
             logger.info("Stopping training: %s", reason)
+            self._stop_reasons_logged.append(reason)  # outside an epoch (on_train_begin): agreed on right after
 
     def _log_stop_reasons(self) -> None:
         for reason in self._stop_reasons or ():
@@ -1095,7 +1097,8 @@ class TrainLoop:
         self._stop_requests_here = []
         if not self.strategy.is_main_process:
             return
-        own_reasons = set(self._stop_reasons or ())
+        own_reasons = set(self._stop_reasons or ()) | set(self._stop_reasons_logged)
+        self._stop_reasons_logged = []
         ranks_by_reason: Dict[str, List[int]] = {}
         for rank, (requested, reasons) in enumerate(requests):
             if rank == self.strategy.rank or not requested:
