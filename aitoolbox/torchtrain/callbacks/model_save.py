@@ -201,8 +201,10 @@ class ModelCheckpoint(CheckpointCallback):
                 logger.info("%s ranks by %s; the checkpoint's ranking was by %s: it is not taken over",
                             type(self).__name__, self.monitored_metric(), state.get("metric"))
             return
-        self.saved_checkpoints = ranking.merged([entry for entry in loaded if os.path.exists(entry[1])],
-                                                self.saved_checkpoints)
+        # Its own list too: the launcher of fit_distributed adopts rank 0's state after each call, and its list of the
+        # earlier call still names what the processes pruned since.
+        self.saved_checkpoints = [entry for entry in ranking.merged(loaded, self.saved_checkpoints)
+                                  if os.path.exists(entry[1])]
 
     # --- the best checkpoint ------------------------------------------------------------------------------------
     def _best(self) -> Optional[Tuple[float, str]]:

@@ -328,6 +328,26 @@ def test_the_ranking_read_while_a_save_prunes_is_the_ranking_after_it(tmp_path, 
     assert read_while_pruning == read_after
 
 
+def test_a_loaded_ranking_leaves_out_the_callbacks_own_entries_of_files_pruned_since(tmp_path):
+    """fit_distributed's launcher adopts rank 0's callback states after each call: after a second call its
+    ModelCheckpoint still ranked the checkpoints the processes had pruned meanwhile (E2, E3 beside the kept E4, E5)
+    and wrote them into its state (review of issue 33's follow-up fixes, stop 40). Only existing files count."""
+    callback = ModelCheckpoint(**folder_arguments(tmp_path), rm_subopt_local_models=True, num_best_checkpoints_kept=2)
+    make_loop().fit(num_epochs=4, callbacks=[callback])
+    state = copy.deepcopy(callback.state_dict())
+    kept = [tuple(entry) for entry in state["checkpoints"]]
+    assert 2 <= len(kept) < 4 and all(os.path.exists(path) for _, path in kept)
+    newest = kept[-1][1]
+    assert newest.endswith("_E3.pth")  # the newest checkpoint is always kept
+    pruned = [(0.0, path) for path in (newest.replace("_E3.pth", f"_E{epoch}.pth") for epoch in range(3))
+              if not os.path.exists(path)]
+    assert pruned  # what the processes removed
+    callback.saved_checkpoints = kept + pruned  # the launcher's list of an earlier call
+    callback.load_state_dict(state)
+    assert [tuple(entry) for entry in callback.saved_checkpoints] == kept
+    assert [tuple(entry) for entry in callback.state_dict()["checkpoints"]] == kept
+
+
 class ChangeWeightsAfterCheckpoint(AbstractCallback):
     """Right after the checkpoint callbacks, overwrite the model's weights (while a background save may run)."""
 
