@@ -11,16 +11,24 @@ Usage (from the repository root; one command, the test selection is :data:`TESTS
     python tests/mutation/mutate.py                     # every mutant of every target
     python tests/mutation/mutate.py --target step_runner --limit 20 --report mutants.json
     python tests/mutation/mutate.py --list              # the mutants, without running anything
+    python tests/mutation/mutate.py --target step_runner,run_state --jobs 2 --resume mutants.json
+                                                        # resumable: run again to go on where it stopped
 
 The package is copied to a temporary folder; the mutated file is written there only (the working tree is never
 changed). Mutants on lines the selected tests never execute (measured once, with coverage, in the test process)
 are reported as *not covered* without running. Each mutant's tests run in a process forked from one that imported
-torch and pytest already, stopping at the first failure.
+torch and pytest already, stopping at the first failure; ``--jobs N`` runs N at once, each in its own copy.
+
+The report is rewritten after every mutant. ``--resume REPORT`` skips the mutants it decided and reuses its
+unmutated run (time and coverage) while the package and the tests are unchanged; ``--retry survived`` runs a
+status again (after new tests). ``kill PID`` (SIGTERM) stops a run as Ctrl-C does: the mutants in flight stay
+pending, the report is kept.
 """
 import argparse
 import ast
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -55,7 +63,7 @@ TESTS = [
     "tests/combinations/test_defects.py::test_get_num_training_steps_counts_the_epoch_end_steps",
     "tests/combinations/test_defects.py::test_the_epoch_end_step_of_a_loader_without_len_is_clipped",
     "tests/combinations/test_defects.py::test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit",
-    "tests/combinations/test_defects.py::test_an_exception_between_two_optimizers_steps_trains_the_batch_again",
+    "tests/combinations/test_defects.py::test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/combinations/test_matrix.py::test_representative_cells[single]",
@@ -279,58 +287,74 @@ def _pytest_arguments() -> List[str]:
     return arguments + [f"--ignore={path}" for path in DESELECTED]
 
 
-def _run_tests(copy_root: str, log_path: str, timeout_s: float, coverage_of: Optional[List[str]] = None
-               ) -> Tuple[str, float, Optional[Dict[str, Set[int]]]]:
-    """Run the selection in a forked process inside ``copy_root``: ``(outcome, seconds, executed lines)``."""
-    coverage_file = os.path.join(copy_root, ".coverage-lines.json")
-    started = time.monotonic()
+def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]] = None,
+                 threads: Optional[int] = None) -> int:
+    """Start the selection in a process forked from this one, inside ``copy_root``; its pid.
+
+    With ``coverage_of``, the lines of those files the tests execute are written to ``copy_root``'s
+    ``.coverage-lines.json``. ``threads`` caps torch's threads (parallel workers must not oversubscribe the cores).
+    """
     pid = os.fork()
-    if pid == 0:  # the child: imports the package from the copy, runs pytest, exits with its code
-        code = 3
-        try:
-            os.setpgrp()  # its own process group: a timeout kills the processes its tests started too
-            os.chdir(copy_root)
-            sys.path.insert(0, copy_root)
-            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            import pytest
-            if coverage_of:
-                import coverage
-                measured = coverage.Coverage(include=[os.path.join(copy_root, path) for path in coverage_of],
-                                             data_file=None)
-                measured.start()
-            code = pytest.main(_pytest_arguments())
-            if coverage_of:
-                measured.stop()
-                data = measured.get_data()
-                lines = {os.path.relpath(path, copy_root): sorted(data.lines(path) or [])
-                         for path in data.measured_files()}
-                with open(coverage_file, "w") as handle:
-                    json.dump(lines, handle)
-        finally:
-            os._exit(int(code))
-    deadline = started + timeout_s
-    while True:
-        finished, status = os.waitpid(pid, os.WNOHANG)
-        if finished:
-            break
-        if time.monotonic() > deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "timeout", time.monotonic() - started, None
-        time.sleep(0.2)
+    if pid:
+        return pid
+    code = 3  # the child: imports the package from the copy, runs pytest, exits with its code
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler is for the parent
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setpgrp()  # its own process group: a timeout kills the processes its tests started too
+        os.chdir(copy_root)
+        sys.path.insert(0, copy_root)
+        os.environ["PYTHONPATH"] = copy_root + os.pathsep + os.environ.get("PYTHONPATH", "")  # tests' subprocesses
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+        import pytest
+        if coverage_of:
+            import coverage
+            measured = coverage.Coverage(include=[os.path.join(copy_root, path) for path in coverage_of],
+                                         data_file=None)
+            measured.start()
+        code = pytest.main(_pytest_arguments())
+        if coverage_of:
+            measured.stop()
+            data = measured.get_data()
+            lines = {os.path.relpath(path, copy_root): sorted(data.lines(path) or [])
+                     for path in data.measured_files()}
+            with open(os.path.join(copy_root, ".coverage-lines.json"), "w") as handle:
+                json.dump(lines, handle)
+    finally:
+        os._exit(int(code))
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _outcome(status: int) -> str:
+    return {0: "survived", 1: "killed"}.get(os.waitstatus_to_exitcode(status), "error")
+
+
+def _run_baseline(copy_root: str, log_path: str, coverage_of: Optional[List[str]]
+                  ) -> Tuple[str, float, Optional[Dict[str, List[int]]]]:
+    """The unmutated selection: ``(outcome, seconds, executed lines of coverage_of's files)``."""
+    started = time.monotonic()
+    pid = _start_tests(copy_root, log_path, coverage_of)
+    _, status = os.waitpid(pid, 0)
     seconds = time.monotonic() - started
-    code = os.waitstatus_to_exitcode(status)
+    coverage_file = os.path.join(copy_root, ".coverage-lines.json")
     lines = None
     if coverage_of and os.path.exists(coverage_file):
         with open(coverage_file) as handle:
-            lines = {path: set(numbers) for path, numbers in json.load(handle).items()}
-    outcome = {0: "survived", 1: "killed"}.get(code, "error")
-    return outcome, seconds, lines
+            lines = json.load(handle)
+        os.remove(coverage_file)
+    return _outcome(status), seconds, lines
 
 
 def _statement_lines(source: str, line: int) -> Set[int]:
@@ -344,32 +368,150 @@ def _statement_lines(source: str, line: int) -> Set[int]:
     return set(range(best.lineno, best.end_lineno + 1)) if best is not None else {line}
 
 
+class _Worker:
+    """One copy of the repository, running one mutant's tests at a time (a mutant is written into its copy only)."""
+
+    def __init__(self, copy_root: str, log_dir: str, timeout_s: float, threads: Optional[int]):
+        self.copy_root, self.log_dir, self.timeout_s, self.threads = copy_root, log_dir, timeout_s, threads
+        self.mutant: Optional[Mutant] = None
+        self.pid = 0
+        self._original = ""
+        self._started = 0.0
+
+    def start(self, mutant: Mutant, number: int, original: str, mutated: str) -> None:
+        self.mutant, self._original = mutant, original
+        with open(os.path.join(self.copy_root, mutant.path), "w") as handle:
+            handle.write(mutated)
+        self._started = time.monotonic()
+        self.pid = _start_tests(self.copy_root, os.path.join(self.log_dir, f"{number}.log"), threads=self.threads)
+
+    def poll(self) -> Optional[Mutant]:
+        """The mutant, with its outcome, once its tests ended (or were killed at the timeout); else None."""
+        finished, status = os.waitpid(self.pid, os.WNOHANG)
+        seconds = time.monotonic() - self._started
+        if finished:
+            outcome = _outcome(status)
+        elif seconds > self.timeout_s:
+            _kill(self.pid)
+            outcome = "timeout"
+        else:
+            return None
+        mutant, self.mutant, self.pid = self.mutant, None, 0
+        mutant.status, mutant.seconds = outcome, seconds
+        self._restore(mutant)
+        return mutant
+
+    def stop(self) -> None:
+        """Abandon the mutant in flight (it stays pending)."""
+        if self.pid:  # 0 before the fork: never killpg(0), this process's own group
+            _kill(self.pid)
+            self.pid = 0
+        if self.mutant is not None:
+            self._restore(self.mutant)
+            self.mutant = None
+
+    def _restore(self, mutant: Mutant) -> None:
+        with open(os.path.join(self.copy_root, mutant.path), "w") as handle:
+            handle.write(self._original)
+
+
+# --- the report: written after every mutant, read back by --resume ------------------------------------------------
+def _key(mutant: Mutant) -> Tuple:
+    return mutant.path, mutant.index, mutant.line, mutant.description
+
+
+def _fingerprint() -> str:
+    """What the baseline's outcome, time and coverage depend on: the package, the tests (this tool aside) and the
+    selection. A report's baseline is reused only under the same fingerprint."""
+    digest = hashlib.sha256(json.dumps([TESTS, DESELECTED]).encode())
+    paths = [os.path.join(REPOSITORY, "pytest.ini")]
+    for name in ("aitoolbox", "tests"):
+        paths += glob.glob(os.path.join(REPOSITORY, name, "**", "*.py"), recursive=True)
+    mutation_dir = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(path for path in paths if not path.startswith(mutation_dir + os.sep)):
+        digest.update(os.path.relpath(path, REPOSITORY).encode())
+        with open(path, "rb") as handle:
+            digest.update(handle.read())
+    return digest.hexdigest()
+
+
+def _write_report(path: str, mutants: List[Mutant], baseline: dict) -> None:
+    """Replace ``path`` atomically: an interrupted run leaves the previous report whole."""
+    report = {"summary": _summary(mutants), "tests": TESTS, "baseline": baseline,
+              "mutants": [dataclasses.asdict(mutant) for mutant in mutants]}
+    with open(path + ".tmp", "w") as handle:
+        json.dump(report, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _read_report(path: str) -> Tuple[Dict[Tuple, Mutant], dict]:
+    """The mutants a report recorded (by key) and its baseline (empty if it has none)."""
+    with open(path) as handle:
+        report = json.load(handle)
+    recorded = {}
+    for fields in report["mutants"]:
+        mutant = Mutant(**fields)
+        recorded[_key(mutant)] = mutant
+    return recorded, report.get("baseline") or {}
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+def _plan(targets: Optional[str], limit: Optional[int]) -> Tuple[List[str], List[Tuple[Mutant, Tuple]]]:
+    """The files and ``(mutant, site)`` pairs to run, target by target in the order ``targets`` names them."""
+    files: List[str] = []
+    for target in (targets.split(",") if targets else [None]):
+        files += [path for path in target_files(target) if path not in files]
+    plan: List[Tuple[Mutant, Tuple]] = []
+    for path in files:
+        mutants, sites = mutants_of(path)
+        pairs = list(zip(mutants, sites))
+        if limit and len(pairs) > limit:
+            step = len(pairs) / limit
+            pairs = [pairs[int(i * step)] for i in range(limit)]
+        plan += pairs
+    return files, plan
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="only the target files whose path contains this")
+    parser.add_argument("--target", help="only the target files whose path contains this; several, comma-separated, "
+                                         "run in the order given (step_runner,run_state)")
     parser.add_argument("--limit", type=int, help="at most this many mutants per file (spread over it)")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
-    parser.add_argument("--report", help="write every mutant's outcome to this JSON file")
+    parser.add_argument("--report", help="write every mutant's outcome to this JSON file (after each mutant)")
+    parser.add_argument("--resume", metavar="REPORT",
+                        help="skip the mutants this report decided (and reuse its baseline if nothing changed); "
+                             "the report is written back to it unless --report names another file")
+    parser.add_argument("--retry", default="", help="with --resume: statuses to run again, comma-separated "
+                                                    "(survived,not covered after new tests)")
+    parser.add_argument("--jobs", type=int, default=1, help="run this many mutants at once (one thread each)")
     parser.add_argument("--timeout-factor", type=float, default=3.0,
                         help="a mutant's tests may take this many times the unmutated run (then: killed, timeout)")
     parser.add_argument("--no-coverage", action="store_true", help="run every mutant, covered or not")
     parser.add_argument("--baseline-only", action="store_true", help="run the unmutated selection only")
     options = parser.parse_args()
+    report_path = options.report or options.resume
 
-    files = target_files(options.target)
-    plan: List[Tuple[Mutant, Tuple]] = []
-    for path in files:
-        mutants, sites = mutants_of(path)
-        pairs = list(zip(mutants, sites))
-        if options.limit and len(pairs) > options.limit:
-            step = len(pairs) / options.limit
-            pairs = [pairs[int(i * step)] for i in range(options.limit)]
-        plan += pairs
+    files, pairs = _plan(options.target, options.limit)
+    plan = [mutant for mutant, _ in pairs]
+    sites = {_key(mutant): site for mutant, site in pairs}
     if options.list:
-        for mutant, _ in plan:
+        for mutant in plan:
             print(mutant.name)
         print(f"{len(plan)} mutants in {len(files)} files")
         return 0
+
+    baseline: dict = {}
+    reported = plan  # what the report holds: the plan, and what an earlier report recorded outside it
+    if options.resume and os.path.exists(options.resume):
+        recorded, baseline = _read_report(options.resume)
+        planned = set(sites)
+        reported = plan + [mutant for key, mutant in recorded.items() if key not in planned]
+        retry = {status.strip() for status in options.retry.split(",") if status.strip()}
+        for mutant in plan:
+            earlier = recorded.get(_key(mutant))
+            if earlier is not None and earlier.status not in retry | {"pending"}:
+                mutant.status, mutant.seconds = earlier.status, earlier.seconds
 
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's module must never be read from a stale .pyc
     sys.dont_write_bytecode = True
@@ -377,59 +519,94 @@ def main() -> int:
     import pytest  # noqa: F401
     import hypothesis  # noqa: F401
 
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupted)  # kill PID stops the run as Ctrl-C does: report kept, copies removed
+
     workspace = tempfile.mkdtemp(prefix="aitoolbox_mutants_")
-    copy_root = os.path.join(workspace, "repository")
-    _copy_repository(copy_root)
-    os.environ["PYTHONPATH"] = copy_root + os.pathsep + os.environ.get("PYTHONPATH", "")  # tests' subprocesses
     log_dir = os.path.join(workspace, "logs")
     os.makedirs(log_dir)
+    workers: List[_Worker] = []
     try:
-        outcome, baseline_s, covered = _run_tests(copy_root, os.path.join(log_dir, "baseline.log"), 3600,
-                                                  None if options.no_coverage else files)
-        if outcome != "survived":
-            with open(os.path.join(log_dir, "baseline.log")) as log:
-                print(f"the unmutated tests do not pass ({outcome}); the end of their output:\n"
-                      + "".join(log.readlines()[-80:]))
-            return 2
+        roots = [os.path.join(workspace, f"repository{number}") for number in range(max(1, options.jobs))]
+        for root in roots:
+            _copy_repository(root)
+        fingerprint = _fingerprint()
+        all_targets = target_files(None)  # coverage of every target: a reused baseline serves any --target
+        if baseline.get("fingerprint") == fingerprint and (baseline.get("covered") is None) == options.no_coverage:
+            print(f"unmutated: the selection passed in {baseline['seconds']:.0f} s (reused from {options.resume})")
+        else:
+            outcome, seconds, covered = _run_baseline(roots[0], os.path.join(log_dir, "baseline.log"),
+                                                      None if options.no_coverage else all_targets)
+            if outcome != "survived":
+                with open(os.path.join(log_dir, "baseline.log")) as log:
+                    print(f"the unmutated tests do not pass ({outcome}); the end of their output:\n"
+                          + "".join(log.readlines()[-80:]))
+                return 2
+            baseline = {"fingerprint": fingerprint, "seconds": seconds, "covered": covered}
+            print(f"unmutated: the selection passes in {seconds:.0f} s")
         if options.baseline_only:
-            print(f"unmutated: the selection passes in {baseline_s:.0f} s")
             return 0
-        print(f"unmutated: the selection passes in {baseline_s:.0f} s; {len(plan)} mutants")
-        timeout_s = options.timeout_factor * baseline_s + 30
+        covered = baseline["covered"] and {path: set(lines) for path, lines in baseline["covered"].items()}
+        timeout_s = options.timeout_factor * baseline["seconds"] + 30
+        threads = 1 if options.jobs > 1 else None
+        workers = [_Worker(root, log_dir, timeout_s, threads) for root in roots]
         sources = {path: open(os.path.join(REPOSITORY, path)).read() for path in files}
-        for number, (mutant, site) in enumerate(plan, start=1):
-            original = sources[mutant.path]
-            if covered is not None and not (_statement_lines(original, mutant.line) & covered.get(mutant.path, set())):
-                mutant.status = "not covered"
-            else:
-                target = os.path.join(copy_root, mutant.path)
-                with open(target, "w") as handle:
-                    handle.write(mutated_source(original, site))
-                try:
-                    mutant.status, mutant.seconds, _ = _run_tests(
-                        copy_root, os.path.join(log_dir, f"{number}.log"), timeout_s)
-                finally:
-                    with open(target, "w") as handle:
-                        handle.write(original)
+        queue = [(number, mutant) for number, mutant in enumerate(plan, start=1) if mutant.status == "pending"]
+        print(f"{len(plan)} mutants, {len(plan) - len(queue)} decided already, {len(queue)} to run", flush=True)
+
+        def record(number: int, mutant: Mutant) -> None:
             print(f"[{number}/{len(plan)}] {mutant.status:11s} {mutant.seconds:5.0f} s  {mutant.name}", flush=True)
+            if report_path:
+                _write_report(report_path, reported, baseline)
+
+        numbers: Dict[int, int] = {}  # id(mutant) -> its number in the plan, for the progress line
+        while queue or any(worker.mutant is not None for worker in workers):
+            for worker in workers:
+                while worker.mutant is None and queue:
+                    number, mutant = queue.pop(0)
+                    original = sources[mutant.path]
+                    if covered is not None and not (_statement_lines(original, mutant.line)
+                                                    & covered.get(mutant.path, set())):
+                        mutant.status = "not covered"
+                        record(number, mutant)
+                        continue
+                    numbers[id(mutant)] = number
+                    worker.start(mutant, number, original, mutated_source(original, sites[_key(mutant)]))
+            time.sleep(0.2)
+            for worker in workers:
+                if worker.mutant is not None:
+                    done = worker.poll()
+                    if done is not None:
+                        record(numbers.pop(id(done)), done)
+    except KeyboardInterrupt:
+        print("interrupted: the mutants in flight stay pending", flush=True)
+        return 130
     finally:
-        summary = _summary([mutant for mutant, _ in plan])
-        print(summary)
-        if options.report:
-            with open(options.report, "w") as handle:
-                json.dump({"summary": summary, "tests": TESTS,
-                           "mutants": [dataclasses.asdict(mutant) for mutant, _ in plan]}, handle, indent=1)
+        for worker in workers:
+            worker.stop()
+        print(_summary(reported))
+        if report_path and baseline:
+            _write_report(report_path, reported, baseline)
         shutil.rmtree(workspace, ignore_errors=True)
     return 0
 
 
 def _summary(mutants: List[Mutant]) -> str:
-    counts: Dict[str, int] = {}
-    for mutant in mutants:
-        counts[mutant.status] = counts.get(mutant.status, 0) + 1
+    """The score, the counts of each file, the surviving and uncovered mutants (pending: not run yet)."""
+    def counts_of(group: List[Mutant]) -> Dict[str, int]:
+        counts: Dict[str, int] = {}
+        for mutant in group:
+            counts[mutant.status] = counts.get(mutant.status, 0) + 1
+        return counts
+
+    counts = counts_of(mutants)
     killed = counts.get("killed", 0) + counts.get("timeout", 0) + counts.get("error", 0)
     ran = sum(counts.values()) - counts.get("pending", 0)
     lines = [f"score: {killed} killed of {ran} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})"]
+    for path in dict.fromkeys(mutant.path for mutant in mutants):
+        file_counts = counts_of([mutant for mutant in mutants if mutant.path == path])
+        lines.append(f"  {path}: {', '.join(f'{k} {v}' for k, v in sorted(file_counts.items()))}")
     lines += [f"  survived: {mutant.name}" for mutant in mutants if mutant.status == "survived"]
     lines += [f"  not covered: {mutant.name}" for mutant in mutants if mutant.status == "not covered"]
     return "\n".join(lines)
