@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.gradient import GradNormClip
 from aitoolbox.torchtrain.train_loop import TrainLoop
+from aitoolbox.torchtrain.precision import Precision
 from tests.helpers import (
     MLP, IterableTensorData, StepCounter, assert_params_equal, classification_data, model_pair, seeded_loader)
 
@@ -210,6 +211,34 @@ def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(h
     assert _adam_steps(continued.optimizers[0]) == _adam_steps(straight.optimizers[0]) == 10
     assert_params_equal(continued.model, straight.model)
     assert continued.precision.loss_scaler.state_dict() == straight.precision.loss_scaler.state_dict()
+    assert dict(continued.train_history) == dict(straight.train_history)
+
+
+def test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_master_weights():
+    """O2 (bfloat16 model, float32 masters): optimizer 1's gradients are still in the model's bfloat16 ``.grad``
+    when the exception comes (its step unscales them into its masters), and the next fit starts by clearing every
+    gradient. The interrupted step keeps the model parameters' gradients too, so optimizer 1 steps on them when the
+    next fit finishes the step: bitwise the straight run (before the masters' gradients were the only ones kept,
+    optimizer 1 would have stepped on none)."""
+    from tests.combinations.support import Cell, build_loop
+    cell = Cell(loss="multi2", precision="O2")
+
+    def run(fail_at):
+        tl = build_loop(cell)
+        callbacks = [FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1, "gradient")]
+        if fail_at is not None:
+            with pytest.raises(RuntimeError, match="between two optimizers"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, callbacks=callbacks)
+        return tl
+
+    straight, continued = run(None), run(fail_at=6)
+    assert_params_equal(continued.model, straight.model)
+    for continued_optimizer, straight_optimizer in zip(continued.optimizers, straight.optimizers):
+        for continued_param, straight_param in zip(Precision.stepped_parameters(continued_optimizer),
+                                                   Precision.stepped_parameters(straight_optimizer)):
+            assert torch.equal(continued_param, straight_param)  # the float32 masters
     assert dict(continued.train_history) == dict(straight.train_history)
 
 

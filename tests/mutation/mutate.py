@@ -67,6 +67,8 @@ TESTS = [
     "tests/combinations/test_defects.py::test_the_epoch_end_step_of_a_loader_without_len_is_clipped",
     "tests/combinations/test_defects.py::test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit",
     "tests/combinations/test_defects.py::test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit",
+    "tests/combinations/test_defects.py::"
+    "test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_master_weights",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/combinations/test_matrix.py::test_representative_cells[single]",
