@@ -588,6 +588,35 @@ def test_a_multi_optimizer_subclass_is_called_as_in_1x():
                                 for name in ("step", "zero_grad")]
 
 
+class RecordingMultiLoss(MultiLoss):
+    """1.x lets a MultiLoss subclass decide how each optimizer's loss is back-propagated."""
+
+    calls = []  # (optimizer_idx, iteration), over every batch's MultiLoss
+
+    def backward(self, optimizer_idx, iteration, amp_grad_scaler):
+        RecordingMultiLoss.calls.append((optimizer_idx, iteration))
+        super().backward(optimizer_idx, iteration, amp_grad_scaler)
+
+
+class RecordingTwoLossMLP(TwoLossMLP):
+    def get_loss(self, batch_data, criterion, device):
+        return RecordingMultiLoss(dict(super().get_loss(batch_data, criterion, device)))
+
+
+def test_a_multi_loss_subclass_backward_is_called_as_in_1x():
+    """The subclass's own ``backward`` is what back-propagates each optimizer's loss, with the iteration: the
+    weights are those of 1.x's order (the subclass here does what the base class does)."""
+    model, reference = two_loss_pair()
+    model.__class__ = RecordingTwoLossMLP
+    RecordingMultiLoss.calls.clear()
+    tl = make_loop(model, MultiOptimizer(two_optimizers(model)))
+    torch.manual_seed(TRAIN_SEED)
+    tl.fit(num_epochs=1)
+    reference_multi_loss_fit(reference, two_optimizers(reference), 1)
+    assert RecordingMultiLoss.calls == [(idx, i) for i in range(BATCHES_PER_EPOCH) for idx in (0, 1)]
+    assert_params_equal(model, reference)
+
+
 def test_multi_optimizer_under_grad_scaler_arguments_updates_the_scale_once_per_iteration():
     model, reference = two_loss_pair()
     tl = make_loop(model, MultiOptimizer(two_optimizers(model)), use_amp=dict(SCALER_ARGS))
