@@ -73,6 +73,8 @@ TESTS = [
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_optimizer_subclass_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_loss_subclass_backward_is_called_as_in_1x",
+    "tests/torchtrain/train_loop/test_compat_1x.py::"
+    "test_a_multi_loss_without_a_loss_for_an_optimizer_is_refused_naming_it",
     "tests/combinations/test_matrix.py::test_representative_cells[single]",
     "tests/combinations/test_properties.py",
 ]

@@ -617,6 +617,27 @@ def test_a_multi_loss_subclass_backward_is_called_as_in_1x():
     assert_params_equal(model, reference)
 
 
+class BadMultiLossMLP(TwoLossMLP):
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def get_loss(self, batch_data, criterion, device):
+        losses = dict(super().get_loss(batch_data, criterion, device))
+        if self.mistake == "unmapped":  # both losses mapped to optimizer 0: none for optimizer 1
+            return MultiLoss(losses, {"loss_1": 0, "loss_2": 0})
+        return MultiLoss({"loss_1": losses["loss_1"], "loss_2": losses["loss_2"].detach()})
+
+
+@pytest.mark.parametrize("mistake, message", [("unmapped", "maps no loss to optimizer 1"),
+                                              ("detached", "'loss_2'.*does not require grad")])
+def test_a_multi_loss_without_a_loss_for_an_optimizer_is_refused_naming_it(mistake, message):
+    model = BadMultiLossMLP(mistake)
+    tl = make_loop(model, MultiOptimizer(two_optimizers(model)))
+    with pytest.raises(ValueError, match=message):
+        tl.fit(num_epochs=1)
+
+
 def test_multi_optimizer_under_grad_scaler_arguments_updates_the_scale_once_per_iteration():
     model, reference = two_loss_pair()
     tl = make_loop(model, MultiOptimizer(two_optimizers(model)), use_amp=dict(SCALER_ARGS))
