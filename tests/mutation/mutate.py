@@ -53,6 +53,7 @@ TESTS = [
     "tests/torchtrain/precision/test_cast_floating.py",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/torchtrain/train_loop/test_loader_own_state.py",
+    "tests/torchtrain/data/test_persistent_workers.py",
     "tests/torchtrain/train_loop/test_step_conditions.py",
     "tests/torchtrain/train_loop/test_step_transactions.py",
     "tests/torchtrain/train_loop/test_epoch_loss_sum.py",
