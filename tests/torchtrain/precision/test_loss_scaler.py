@@ -84,6 +84,12 @@ def test_bad_static_scale_is_rejected(value):
         LossScaler(value)
 
 
+@pytest.mark.parametrize("growth_interval", [0, -1, 2.0, True])
+def test_bad_growth_interval_is_rejected(growth_interval):
+    with pytest.raises(ValueError, match="growth_interval must be a positive int"):
+        LossScaler("dynamic", growth_interval=growth_interval)
+
+
 def test_state_dict_round_trip():
     scaler = LossScaler()
     scaler.update(True)

@@ -233,6 +233,34 @@ def test_grad_scaler_state_dict_loads_into_torch_grad_scaler():
     assert scaler.get_growth_interval() == 2
 
 
+@pytest.mark.parametrize("saved", [
+    {"scale": 2.0 ** 9, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 2, "_growth_tracker": 1},
+    {"scale": 2.0 ** 9}], ids=["GradScaler state", "scale only"])
+def test_a_grad_scaler_state_loaded_before_fit_is_where_the_scaling_goes_on(saved):
+    """1.x's ``tl.amp_scaler.load_state_dict(GradScaler state)`` before fit: the fit's scaling goes on from that scale,
+    those factors, interval and growth tracker (a key the state lacks keeps the loop's value; the tracker starts at 0),
+    as GradScaler's rule: after 4 steps without overflow the state is the one computed here by hand."""
+    tl = make_loop(MLP(), use_amp=dict(SCALER_ARGS))
+    tl.amp_scaler.load_state_dict(dict(saved))
+    tl.fit(num_epochs=1)  # 4 steps, none skipped
+    expected = {"scale": saved["scale"], "growth_factor": saved.get("growth_factor", 2.0),
+                "backoff_factor": saved.get("backoff_factor", 0.5),
+                "growth_interval": saved.get("growth_interval", SCALER_ARGS["growth_interval"]),
+                "_growth_tracker": saved.get("_growth_tracker", 0)}
+    for _ in range(BATCHES_PER_EPOCH):
+        expected["_growth_tracker"] += 1
+        if expected["_growth_tracker"] == expected["growth_interval"]:
+            expected["scale"] *= expected["growth_factor"]
+            expected["_growth_tracker"] = 0
+    assert tl.amp_scaler.state_dict() == expected
+
+
+def test_a_state_without_a_scale_is_refused():
+    tl = make_loop(MLP(), use_amp=dict(SCALER_ARGS))
+    with pytest.raises(ValueError, match="no 'scale' key"):
+        tl.amp_scaler.load_state_dict({"loss_scale": 2.0 ** 9})
+
+
 def test_grad_scaler_and_amp_initialize_keys_together_are_refused():
     with pytest.raises(ValueError, match="opt_level"):
         make_loop(MLP(), use_amp={"init_scale": 2.0 ** 10, "opt_level": "O1"})
