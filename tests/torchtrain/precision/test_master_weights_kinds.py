@@ -69,3 +69,43 @@ def test_loading_the_masters_keeps_a_model_weight_written_since_the_last_step():
     assert torch.equal(masters.state_dict()[0][0], saved[0][0])
     _step(param, optimizer, masters)  # the next step takes the write as the weights, as after any write
     assert torch.equal(masters.state_dict()[0][0], torch.full((5,), 0.25) - 0.01 * torch.full((5,), 0.337))
+
+
+# --- accumulated master gradients averaged over processes (DDP), the overflow verdict read from the average ----------
+def _accumulated_step(other_process_grad: torch.Tensor):
+    """Two micro-batches of one bfloat16 parameter (gradient 1 each) under float32 masters and a dynamic scale of 4,
+    beside an optimizer whose parameter gets no gradient (nothing of it is averaged). The average over processes is a stand-in for DDP's: a second process whose accumulating micro-batch left
+    ``other_process_grad`` in its masters. Returns (stepped, the parameter, the scale after the step, the calls)."""
+    from aitoolbox.torchtrain.precision import Precision
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    unused = torch.optim.SGD([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], lr=1.0)  # no gradient
+    precision = Precision(loss_scaler=LossScaler("dynamic", init_scale=4.0),
+                          master_weights=MasterWeights([optimizer, unused]))
+    calls = []
+
+    def average(tensors):
+        calls.append(len(tensors))
+        for tensor in tensors:
+            tensor.add_(other_process_grad).div_(2)
+
+    precision.average_across_processes = average
+    precision.backward(param.float().sum(), accumulating=True)  # into the masters, unscaled: 1 each
+    precision.backward(param.float().sum())  # the window's last: the model's scaled .grad (DDP synchronised it)
+    stepped = precision.step([optimizer])
+    return stepped, param.detach().float(), precision.loss_scaler.loss_scale, calls
+
+
+def test_the_accumulated_master_gradients_are_averaged_once_and_stepped_on():
+    stepped, param, scale, calls = _accumulated_step(torch.full((4,), 3.0))
+    assert stepped and calls == [1]
+    # (1 + 3) / 2 from the accumulating micro-batches, + 1 from the last: SGD with lr 1 from 1.
+    assert torch.equal(param, torch.full((4,), -2.0)) and scale == 4.0
+
+
+def test_an_overflow_in_another_process_accumulated_gradients_skips_the_step_here_too():
+    """The verdict is read from the averaged gradients (an inf of any process survives the average), so every process
+    skips, also the one whose own gradients were finite."""
+    stepped, param, scale, _ = _accumulated_step(torch.tensor([0.0, float("inf"), 0.0, 0.0]))
+    assert not stepped
+    assert torch.equal(param, torch.ones(4)) and scale == 2.0
