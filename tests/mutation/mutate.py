@@ -51,6 +51,7 @@ TESTS = [
     "tests/torchtrain/precision/test_loss_scaler_defaults.py",
     "tests/torchtrain/precision/test_master_weights_kinds.py",
     "tests/torchtrain/precision/test_cast_floating.py",
+    "tests/torchtrain/precision/test_sparse_gradients.py",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/torchtrain/train_loop/test_loader_own_state.py",
     "tests/torchtrain/data/test_persistent_workers.py",

@@ -109,3 +109,13 @@ def test_an_overflow_in_another_process_accumulated_gradients_skips_the_step_her
     stepped, param, scale, _ = _accumulated_step(torch.tensor([0.0, float("inf"), 0.0, 0.0]))
     assert not stepped
     assert torch.equal(param, torch.ones(4)) and scale == 2.0
+
+
+def test_a_checkpoint_of_other_master_weights_is_refused():
+    """A checkpoint saved from another model or opt_level: zip would load part of it silently."""
+    _, optimizer, masters = _bfloat16_sgd()
+    saved = masters.state_dict()
+    with pytest.raises(ValueError, match="holds master weights for 2 optimizer"):
+        masters.load_state_dict(saved + saved)
+    with pytest.raises(ValueError, match="holds 2 master weights for an optimizer that has 1"):
+        masters.load_state_dict([saved[0] + saved[0]])
