@@ -99,6 +99,7 @@ class Mutant:
     index: int  # which mutation of the file's mutation list
     status: str = "pending"  # killed, survived, timeout, not covered, error
     seconds: float = 0.0
+    killed_by: str = ""  # the first failing test
 
     @property
     def name(self) -> str:
@@ -324,6 +325,9 @@ def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]]
         os.dup2(log, 1)
         os.dup2(log, 2)
         if threads:
+            # The tests' own subprocesses (a resume in a fresh process, compared bitwise with this one) must compute
+            # with the same number of threads: another reduction order is another result.
+            os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
             import torch
             torch.set_num_threads(threads)
         import pytest
@@ -383,6 +387,15 @@ def _statement_lines(source: str, line: int) -> Set[int]:
     return set(range(best.lineno, best.end_lineno + 1)) if best is not None else {line}
 
 
+def _first_failure(log_path: str) -> str:
+    """The node id of the first test pytest reported failed (or in error) in ``log_path``."""
+    with open(log_path, errors="replace") as log:
+        for line in log:
+            if line.startswith(("FAILED ", "ERROR ")):
+                return line.split()[1]
+    return ""
+
+
 class _Worker:
     """One copy of the repository, running one mutant's tests at a time (a mutant is written into its copy only)."""
 
@@ -392,13 +405,15 @@ class _Worker:
         self.pid = 0
         self._original = ""
         self._started = 0.0
+        self._log_path = ""
 
     def start(self, mutant: Mutant, number: int, original: str, mutated: str) -> None:
         self.mutant, self._original = mutant, original
         with open(os.path.join(self.copy_root, mutant.path), "w") as handle:
             handle.write(mutated)
         self._started = time.monotonic()
-        self.pid = _start_tests(self.copy_root, os.path.join(self.log_dir, f"{number}.log"), threads=self.threads)
+        self._log_path = os.path.join(self.log_dir, f"{number}.log")
+        self.pid = _start_tests(self.copy_root, self._log_path, threads=self.threads)
 
     def poll(self) -> Optional[Mutant]:
         """The mutant, with its outcome, once its tests ended (or were killed at the timeout); else None."""
@@ -413,6 +428,7 @@ class _Worker:
             return None
         mutant, self.mutant, self.pid = self.mutant, None, 0
         mutant.status, mutant.seconds = outcome, seconds
+        mutant.killed_by = _first_failure(self._log_path) if outcome == "killed" else ""
         self._restore(mutant)
         return mutant
 
@@ -526,7 +542,7 @@ def main() -> int:
         for mutant in plan:
             earlier = recorded.get(_key(mutant))
             if earlier is not None and earlier.status not in retry | {"pending"}:
-                mutant.status, mutant.seconds = earlier.status, earlier.seconds
+                mutant.status, mutant.seconds, mutant.killed_by = earlier.status, earlier.seconds, earlier.killed_by
 
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's module must never be read from a stale .pyc
     sys.dont_write_bytecode = True
