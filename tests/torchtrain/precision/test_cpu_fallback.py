@@ -58,6 +58,18 @@ def test_the_check_reads_the_cpu_unless_overridden(monkeypatch):
         assert default_mixed_precision_helps("cuda")  # GPUs always have fast float16
 
 
+@pytest.mark.parametrize("error", [AttributeError, RuntimeError])
+def test_a_torch_without_onednn_counts_as_without_native_bfloat16(monkeypatch, error):
+    """A build without oneDNN (the check's op missing or failing) has nothing fast to offer: the default trains in
+    float32 there."""
+    def missing():
+        raise error("no oneDNN")
+
+    monkeypatch.delenv(NATIVE_BFLOAT16_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", missing)
+    assert cpu_has_native_bfloat16() is False and not default_mixed_precision_helps("cpu")
+
+
 @pytest.mark.parametrize("use_amp", [True, {"init_scale": 2.0 ** 10}], ids=["true", "grad_scaler_dict"])
 def test_the_default_trains_in_float32_without_native_bfloat16_and_says_why(avx2_only, use_amp):
     tl, fallback_warnings = fit(use_amp)
