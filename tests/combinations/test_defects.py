@@ -107,6 +107,22 @@ def test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit()
     assert continued_tl.precision.loss_scaler.loss_scale == straight_tl.precision.loss_scaler.loss_scale
 
 
+def test_an_unscale_by_hand_between_two_fits_does_not_leak_into_the_next_fit():
+    """``tl.amp_scaler.unscale_(optimizer)`` by hand between two fits (a notebook inspecting gradient norms, none
+    there): the next fit's first step unscales its own gradients, bitwise as two fits without it."""
+    def run(unscale_between):
+        torch.manual_seed(0)
+        model = MLP(dropout=0.0)
+        tl = plain_loop(model, seeded_loader(classification_data(40)), use_amp={"init_scale": 1024.0})
+        tl.fit(num_epochs=1)
+        if unscale_between:
+            tl.amp_scaler.unscale_(tl.optimizer)
+        tl.fit(num_epochs=2)
+        return model
+
+    assert_params_equal(run(unscale_between=True), run(unscale_between=False))
+
+
 # --- replicas stay identical: O2 + DDP + accumulation, MultiLoss under DDP ---------------------------------------
 def _ranks_agree_worker(rank, world_size, cells):
     from tests.combinations.support import join_as_torchrun, train_cell

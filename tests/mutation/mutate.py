@@ -69,6 +69,7 @@ TESTS = [
     "tests/combinations/test_defects.py::test_get_num_training_steps_counts_the_epoch_end_steps",
     "tests/combinations/test_defects.py::test_the_epoch_end_step_of_a_loader_without_len_is_clipped",
     "tests/combinations/test_defects.py::test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit",
+    "tests/combinations/test_defects.py::test_an_unscale_by_hand_between_two_fits_does_not_leak_into_the_next_fit",
     "tests/combinations/test_defects.py::test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit",
     "tests/combinations/test_defects.py::"
     "test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_master_weights",

@@ -335,6 +335,14 @@ def test_a_mid_epoch_checkpoint_inside_an_accumulation_window_is_refused():
     assert "optimizer_step_due" in refused[0]
 
 
+def test_mid_epoch_checkpoints_before_any_fit_are_not_refused():
+    """Before the first fit nothing is accumulated: no mid-epoch checkpoint is inside a window, also not the second
+    one (the first set the loop up, with its step runner)."""
+    tl = build_loop(Cell())
+    for _ in range(2):
+        tl.checkpoint_state(mid_epoch=True)
+
+
 # --- item 4: the step point holds the buffers -------------------------------------------------------------------
 class FailOnceAtBatch(AbstractCallback):
     """Raises in ``on_batch_end`` of the batch ``at`` (counted over the run), once."""
