@@ -230,6 +230,42 @@ def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(h
     assert dict(continued.train_history) == dict(straight.train_history)
 
 
+class FailOnceBeforeBatch(AbstractCallback):
+    def __init__(self, at_iteration: int):
+        super().__init__("fail once before a batch")
+        self.at_iteration, self.failed = at_iteration, False
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx == self.at_iteration and not self.failed:
+            self.failed = True
+            raise RuntimeError(f"a failure before batch {self.at_iteration}")
+
+
+def test_a_checkpoint_loaded_after_an_interrupted_two_optimizer_step_is_where_the_run_goes_on():
+    """An exception between two optimizers' steps keeps the step for the next fit, unless a checkpoint is loaded in
+    between: the run goes on from the checkpoint, bitwise as a loop that loads it fresh (the kept step of another
+    point of the run is dropped, not finished on the loaded weights)."""
+    from tests.combinations.support import Cell, build_loop
+    cell = Cell(loss="multi2", precision="scaler")
+    source = build_loop(cell)
+    source.fit(num_epochs=1)
+    checkpoint = source.checkpoint_state()
+
+    interrupted = build_loop(cell)
+    with pytest.raises(RuntimeError, match="between two optimizers"):
+        interrupted.fit(num_epochs=2, callbacks=[FailBetweenOptimizerSteps(6)])
+    interrupted.load_checkpoint(copy.deepcopy(checkpoint))
+    # Another exception in the loaded run (before a batch) continues that run's own step point.
+    with pytest.raises(RuntimeError, match="before batch 7"):
+        interrupted.fit(num_epochs=2, callbacks=[FailOnceBeforeBatch(7)])
+    interrupted.fit(num_epochs=2)
+    fresh = build_loop(cell)
+    fresh.load_checkpoint(copy.deepcopy(checkpoint))
+    fresh.fit(num_epochs=2)
+    assert_params_equal(interrupted.model, fresh.model)
+    assert dict(interrupted.train_history) == dict(fresh.train_history)
+
+
 def test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_master_weights():
     """O2 (bfloat16 model, float32 masters): optimizer 1's gradients are still in the model's bfloat16 ``.grad``
     when the exception comes (its step unscales them into its masters), and the next fit starts by clearing every
