@@ -77,6 +77,8 @@ TESTS = [
     "test_a_checkpoint_loaded_after_an_interrupted_two_optimizer_step_is_where_the_run_goes_on",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
+    "tests/torchtrain/train_loop/test_compat_1x.py::"
+    "test_a_multi_loss_with_one_plain_optimizer_steps_on_the_sum_of_the_losses",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_optimizer_subclass_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_loss_subclass_backward_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::"

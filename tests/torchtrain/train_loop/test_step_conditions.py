@@ -204,3 +204,27 @@ def test_a_multiloss_whose_losses_share_a_graph_trains_as_the_hand_loop():
             reference_optimizers[1].step()
             reference_optimizers[1].zero_grad()
     assert_params_equal(model, reference)
+
+
+def test_optimizers_stepped_together_also_step_together_at_the_loaders_end():
+    """Two optimizers of one plain loss step together, also on the last window of a loader without len (found only
+    when it is exhausted): one ``on_after_optimizer_step`` for both, as at every other step, and the weights of the
+    hand loop."""
+    model, reference = model_pair(MLP, dropout=0.0)
+    loader, reference_loader = _loaders(3, sized=False)
+    seen = []
+
+    class StepRecorder(AbstractCallback):
+        def on_after_optimizer_step(self):
+            seen.append(self.train_loop_obj.stepped_optimizers)
+
+    def optimizers_for(m):
+        return [torch.optim.SGD(m.fc1.parameters(), lr=0.1), torch.optim.Adam(m.fc2.parameters(), lr=0.01)]
+
+    tl = TrainLoop(model, loader, None, None, optimizers_for(model), nn.CrossEntropyLoss(), end_auto_eval=False,
+                   show_progress=False)
+    tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[StepRecorder("steps")])
+    reference_fit(reference, reference_loader, optimizers_for(reference), nn.CrossEntropyLoss(), num_epochs=2,
+                  grad_accumulation=2)
+    assert seen == [(0, 1)] * 4  # batches 2 and 3 (the loader's end) of each epoch
+    assert_params_equal(model, reference)
