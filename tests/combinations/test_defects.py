@@ -230,6 +230,28 @@ def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(h
     assert dict(continued.train_history) == dict(straight.train_history)
 
 
+def test_an_exception_after_clipping_between_two_optimizers_does_not_unscale_twice():
+    """Optimizer 1's gradients were unscaled and clipped (loss scale 1024) when the exception came between the two
+    optimizers' steps: the next fit finishes the step with the precision state it had, so they are not divided by
+    the scale again. Bitwise the straight run."""
+    from tests.combinations.support import Cell, build_loop
+    cell = Cell(loss="multi2", precision="scaler")
+
+    def run(fail_at):
+        tl = build_loop(cell)
+        callbacks = [GradNormClip(1.0), FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1)]
+        if fail_at is not None:
+            with pytest.raises(RuntimeError, match="between two optimizers"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, callbacks=callbacks)
+        return tl
+
+    straight, continued = run(None), run(fail_at=6)
+    assert_params_equal(continued.model, straight.model)
+    assert continued.precision.loss_scaler.state_dict() == straight.precision.loss_scaler.state_dict()
+
+
 class FailOnceBeforeBatch(AbstractCallback):
     def __init__(self, at_iteration: int):
         super().__init__("fail once before a batch")
