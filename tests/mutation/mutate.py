@@ -75,7 +75,8 @@ TESTS = [
     "test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_master_weights",
     "tests/combinations/test_defects.py::"
     "test_a_checkpoint_loaded_after_an_interrupted_two_optimizer_step_is_where_the_run_goes_on",
-    "tests/combinations/test_defects.py::test_an_exception_after_clipping_between_two_optimizers_does_not_unscale_twice",
+    "tests/combinations/test_defects.py::"
+    "test_an_exception_after_clipping_between_two_optimizers_does_not_unscale_twice",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/torchtrain/train_loop/test_compat_1x.py::"
