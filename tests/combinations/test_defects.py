@@ -263,6 +263,74 @@ class FailOnceBeforeBatch(AbstractCallback):
             raise RuntimeError(f"a failure before batch {self.at_iteration}")
 
 
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_an_exception_between_batches_of_two_optimizers_stepped_in_turn_continues_after_the_last_step(
+        grad_accumulation):
+    """Each per-optimizer step moves the run's resume point (the batches, their losses and the random state at the
+    step): an exception before batch 3 continues there, bitwise the straight run (not from the epoch's start)."""
+    from tests.combinations.support import Cell, build_loop
+    cell = Cell(loss="multi2", precision="scaler")
+
+    def run(fail):
+        tl = build_loop(cell)
+        callbacks = [FailOnceBeforeBatch(3 if fail else -1)]
+        if fail:
+            with pytest.raises(RuntimeError, match="before batch 3"):
+                tl.fit(num_epochs=2, grad_accumulation=grad_accumulation, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, grad_accumulation=grad_accumulation, callbacks=callbacks)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert_params_equal(continued.model, straight.model)
+    assert dict(continued.train_history) == dict(straight.train_history)
+
+
+class FailOnceAfterStep(AbstractCallback):
+    def __init__(self, at_iteration: int):
+        super().__init__("fail once after a step")
+        self.at_iteration, self.failed = at_iteration, False
+
+    def on_after_optimizer_step(self):
+        if self.train_loop_obj.total_iteration_idx == self.at_iteration and not self.failed:
+            self.failed = True
+            raise RuntimeError("a failure after the step")
+
+
+class StepsSeen(AbstractCallback):
+    def __init__(self):
+        super().__init__("steps seen")
+        self.seen = []
+
+    def on_after_optimizer_step(self):
+        self.seen.append((self.train_loop_obj.total_iteration_idx, self.train_loop_obj.stepped_optimizers))
+
+
+def test_an_exception_after_a_step_of_two_optimizers_stepped_together_is_finished_for_both():
+    """Two optimizers of one plain loss step together; a callback's on_after_optimizer_step raises after the step of
+    batch 3. The next fit finishes that step for both optimizers (the later callbacks' hook sees both stepped, both
+    gradients are cleared): bitwise the straight run."""
+    from tests.combinations.support import Cell, build_loop
+
+    def run(fail):
+        tl = build_loop(Cell(precision="scaler"))
+        head = [param for name, param in tl.model.named_parameters() if name.startswith("fc1")]
+        rest = [param for name, param in tl.model.named_parameters() if not name.startswith("fc1")]
+        tl.optimizer = tl.optimizers = [torch.optim.SGD(head, lr=0.1), torch.optim.Adam(rest, lr=0.01)]
+        seen = StepsSeen()
+        callbacks = [FailOnceAfterStep(3 if fail else -1), seen]
+        if fail:
+            with pytest.raises(RuntimeError, match="after the step"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None
+        tl.fit(num_epochs=2, callbacks=callbacks)
+        return tl, seen.seen
+
+    (straight, straight_seen), (continued, continued_seen) = run(False), run(True)
+    assert continued_seen == straight_seen == [(index, (0, 1)) for index in range(10)]
+    assert_params_equal(continued.model, straight.model)
+
+
 def test_a_checkpoint_loaded_after_an_interrupted_two_optimizer_step_is_where_the_run_goes_on():
     """An exception between two optimizers' steps keeps the step for the next fit, unless a checkpoint is loaded in
     between: the run goes on from the checkpoint, bitwise as a loop that loads it fresh (the kept step of another

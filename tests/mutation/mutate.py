@@ -77,6 +77,10 @@ TESTS = [
     "test_a_checkpoint_loaded_after_an_interrupted_two_optimizer_step_is_where_the_run_goes_on",
     "tests/combinations/test_defects.py::"
     "test_an_exception_after_clipping_between_two_optimizers_does_not_unscale_twice",
+    "tests/combinations/test_defects.py::"
+    "test_an_exception_between_batches_of_two_optimizers_stepped_in_turn_continues_after_the_last_step",
+    "tests/combinations/test_defects.py::"
+    "test_an_exception_after_a_step_of_two_optimizers_stepped_together_is_finished_for_both",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/torchtrain/train_loop/test_compat_1x.py::"

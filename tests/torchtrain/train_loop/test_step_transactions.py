@@ -335,6 +335,27 @@ def test_a_mid_epoch_checkpoint_inside_an_accumulation_window_is_refused():
     assert "optimizer_step_due" in refused[0]
 
 
+def test_a_mid_epoch_checkpoint_at_every_step_of_two_optimizers_stepped_in_turn_is_taken():
+    """A MultiLoss with two optimizers and accumulation 2 (5 batches: windows ending at batches 2, 4 and 5): at each
+    window's step the run is at a step point, nothing accumulated."""
+    taken, refused = [], []
+
+    class CheckpointEveryBatch(AbstractCallback):
+        def __init__(self):
+            super().__init__("checkpoint every batch")
+
+        def on_batch_end(self):
+            try:
+                taken.append(self.train_loop_obj.checkpoint_state(mid_epoch=True)["iteration"])
+            except RuntimeError as error:
+                refused.append(str(error))
+
+    tl = build_loop(Cell(loss="multi2"))
+    tl.fit(num_epochs=1, grad_accumulation=2, callbacks=[CheckpointEveryBatch()])
+    assert taken == [2, 4, 5]
+    assert len(refused) == 2 and all("inside an accumulation window" in message for message in refused)
+
+
 def test_mid_epoch_checkpoints_before_any_fit_are_not_refused():
     """Before the first fit nothing is accumulated: no mid-epoch checkpoint is inside a window, also not the second
     one (the first set the loop up, with its step runner)."""
