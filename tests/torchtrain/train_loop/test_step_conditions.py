@@ -228,3 +228,20 @@ def test_optimizers_stepped_together_also_step_together_at_the_loaders_end():
                   grad_accumulation=2)
     assert seen == [(0, 1)] * 4  # batches 2 and 3 (the loader's end) of each epoch
     assert_params_equal(model, reference)
+
+
+def test_the_window_the_loaders_end_cuts_short_is_synchronised_before_its_step():
+    """A loader without len: the last window's batches were back-propagated without synchronising their gradients
+    (under DDP, no_sync: the loop did not know the window ended there). Its step first asks the strategy to
+    synchronise them, once per such step; the windows whose end was known need nothing."""
+    model, reference = model_pair(MLP, dropout=0.0)
+    loader, reference_loader = _loaders(3, sized=False)
+    tl = TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                   end_auto_eval=False, show_progress=False)
+    synchronised = []
+    tl.strategy.sync_skipped_gradients = lambda: synchronised.append(tl.iteration)  # the strategy of one process
+    tl.fit(num_epochs=2, grad_accumulation=2)
+    reference_fit(reference, reference_loader, [torch.optim.SGD(reference.parameters(), lr=0.1)],
+                  nn.CrossEntropyLoss(), num_epochs=2, grad_accumulation=2)
+    assert synchronised == [2, 2]  # each epoch's batch 3, its window cut short by the loader's end
+    assert_params_equal(model, reference)
