@@ -245,3 +245,25 @@ def test_the_window_the_loaders_end_cuts_short_is_synchronised_before_its_step()
                   nn.CrossEntropyLoss(), num_epochs=2, grad_accumulation=2)
     assert synchronised == [2, 2]  # each epoch's batch 3, its window cut short by the loader's end
     assert_params_equal(model, reference)
+
+
+def test_a_multiloss_window_cut_short_by_the_loaders_end_is_stepped_in_turn():
+    """Two optimizers stepped one after another, accumulation 2, 3 batches without len: the last window (batch 3)
+    is found only when the loader is exhausted and is stepped then, each optimizer in turn: bitwise the same run
+    over the loader with len, where that window's end is known."""
+    def run(sized):
+        torch.manual_seed(0)
+        model = SharedTrunk()
+        loader, _ = _loaders(3, sized)
+        optimizers = [torch.optim.SGD(model.first.parameters(), lr=0.1),
+                      torch.optim.SGD([*model.trunk.parameters(), *model.second.parameters()], lr=0.1)]
+        tl = TrainLoop(model, loader, None, None, optimizers, nn.CrossEntropyLoss(), end_auto_eval=False,
+                       show_progress=False)
+        counter = StepCounter()
+        tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[counter])
+        return model, counter.step_iterations
+
+    (unsized, unsized_steps), (sized, sized_steps) = run(False), run(True)
+    assert len(unsized_steps) == len(sized_steps) == 8  # 2 windows an epoch, 2 optimizers each
+    assert_params_equal(unsized, sized)
+    assert all(param.grad is None for param in unsized.parameters())
