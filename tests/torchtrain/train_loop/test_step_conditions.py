@@ -267,3 +267,20 @@ def test_a_multiloss_window_cut_short_by_the_loaders_end_is_stepped_in_turn():
     assert len(unsized_steps) == len(sized_steps) == 8  # 2 windows an epoch, 2 optimizers each
     assert_params_equal(unsized, sized)
     assert all(param.grad is None for param in unsized.parameters())
+
+
+def test_after_the_step_at_the_loaders_end_no_step_is_due():
+    """The step at an unsized loader's end is the batch's last event: the epoch's end sees ``optimizer_step_due``
+    False, as after every other batch."""
+    model, _ = model_pair(MLP, dropout=0.0)
+    loader, _ = _loaders(3, sized=False)
+    seen = []
+
+    class EpochEnd(AbstractCallback):
+        def on_epoch_end(self):
+            seen.append(self.train_loop_obj.optimizer_step_due)
+
+    tl = TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                   end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[EpochEnd("epoch end")])
+    assert seen == [False, False]
