@@ -85,6 +85,7 @@ TESTS = [
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
     "tests/torchtrain/train_loop/test_compat_1x.py::"
     "test_a_multi_loss_with_one_plain_optimizer_steps_on_the_sum_of_the_losses",
+    "tests/torchtrain/train_loop/test_compat_1x.py::test_multi_loss_with_multi_optimizer_trains_in_1x_order",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_optimizer_subclass_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_loss_subclass_backward_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::"

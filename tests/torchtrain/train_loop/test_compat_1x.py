@@ -544,7 +544,7 @@ def reference_multi_loss_fit(model, optimizers, num_epochs, grad_accumulation=1,
     return scaler
 
 
-@pytest.mark.parametrize("grad_accumulation", [1, 3])
+@pytest.mark.parametrize("grad_accumulation", [1, 2, 3])  # 2: where "> 1" and "> 2" differ
 def test_multi_loss_with_multi_optimizer_trains_in_1x_order(grad_accumulation):
     model, reference = two_loss_pair()
     tl = make_loop(model, MultiOptimizer(two_optimizers(model)), validation=True, end_auto_eval=True)
