@@ -308,6 +308,20 @@ def test_grad_accumulation_counts_optimizer_steps_and_averages_each_window():
                                                       for _ in range(a, b)]
 
 
+def test_a_window_an_unsized_loaders_end_cuts_short_is_a_step_of_the_search():
+    """The same seven batches from a loader without len: the window [6] is found only when the pass ends, and its
+    step counts and is recorded as the sized loader's is."""
+    from tests.helpers import IterableTensorData
+    x, y, _ = quadratic_problem()
+    x, y = torch.cat([x, x * 0.5])[:7], torch.cat([y, y * 0.5])[:7]
+    tl = regression_loop(x, y, [0.0, 0.0], batch_size=1)
+    tl.train_loader = DataLoader(IterableTensorData(TensorDataset(x, y)), batch_size=1)
+    result = tl.lr_find(start_lr=1e-4, end_lr=1e-3, num_iterations=5, grad_accumulation=3)
+    losses = tl.model.batch_losses
+    assert len(result.lrs) == 5 and len(losses) == 3 + 3 + 1 + 3 + 3
+    assert result.raw_losses[2] == losses[6].float().item()
+
+
 class InfiniteAt(Regression):
     def __init__(self, weights, at_batch):
         super().__init__(weights)
