@@ -87,6 +87,8 @@ TESTS = [
     "test_a_multi_loss_with_one_plain_optimizer_steps_on_the_sum_of_the_losses",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_multi_loss_with_multi_optimizer_trains_in_1x_order",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_optimizer_subclass_is_called_as_in_1x",
+    "tests/torchtrain/train_loop/test_compat_1x.py::"
+    "test_a_multi_optimizer_subclass_overriding_one_method_has_it_called",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_a_multi_loss_subclass_backward_is_called_as_in_1x",
     "tests/torchtrain/train_loop/test_compat_1x.py::"
     "test_a_multi_loss_without_a_loss_for_an_optimizer_is_refused_naming_it",

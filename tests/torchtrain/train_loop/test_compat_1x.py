@@ -616,6 +616,32 @@ def test_a_multi_optimizer_subclass_is_called_as_in_1x():
                                 for name in ("step", "zero_grad")]
 
 
+class StepOnlyMultiOptimizer(MultiOptimizer):
+    calls = []
+
+    def step(self, optimizer_idx, iteration, amp_grad_scaler):
+        self.calls.append(("step", optimizer_idx, iteration))
+        super().step(optimizer_idx, iteration, amp_grad_scaler)
+
+
+class ZeroGradOnlyMultiOptimizer(MultiOptimizer):
+    calls = []
+
+    def zero_grad(self, optimizer_idx, iteration):
+        self.calls.append(("zero_grad", optimizer_idx, iteration))
+        super().zero_grad(optimizer_idx, iteration)
+
+
+@pytest.mark.parametrize("subclass, name", [(StepOnlyMultiOptimizer, "step"),
+                                            (ZeroGradOnlyMultiOptimizer, "zero_grad")])
+def test_a_multi_optimizer_subclass_overriding_one_method_has_it_called(subclass, name):
+    model, _ = two_loss_pair()
+    subclass.calls.clear()
+    tl = make_loop(model, subclass(two_optimizers(model)))
+    tl.fit(num_epochs=1)
+    assert subclass.calls == [(name, idx, i) for i in range(BATCHES_PER_EPOCH) for idx in (0, 1)]
+
+
 class RecordingMultiLoss(MultiLoss):
     """1.x lets a MultiLoss subclass decide how each optimizer's loss is back-propagated."""
 

@@ -284,3 +284,26 @@ def test_after_the_step_at_the_loaders_end_no_step_is_due():
                    end_auto_eval=False, show_progress=False)
     tl.fit(num_epochs=2, grad_accumulation=2, callbacks=[EpochEnd("epoch end")])
     assert seen == [False, False]
+
+
+def test_each_optimizer_stepped_in_turn_gets_every_callbacks_hooks():
+    """Two optimizers stepped one after another: every callback's ``on_after_gradient_update`` runs for each
+    optimizer (a clipping callback clips both), and ``on_after_optimizer_step`` after each optimizer's step."""
+    torch.manual_seed(0)
+    model = SharedTrunk()
+    seen = []
+
+    class Hooks(AbstractCallback):
+        def on_after_gradient_update(self, optimizer_idx):
+            seen.append(("gradient", self.train_loop_obj.total_iteration_idx, optimizer_idx))
+
+        def on_after_optimizer_step(self):
+            seen.append(("step", self.train_loop_obj.total_iteration_idx, self.train_loop_obj.stepped_optimizers))
+
+    optimizers = [torch.optim.SGD(model.first.parameters(), lr=0.1),
+                  torch.optim.SGD([*model.trunk.parameters(), *model.second.parameters()], lr=0.1)]
+    tl = TrainLoop(model, DataLoader(classification_data(8), batch_size=4), None, None, optimizers,
+                   nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=1, callbacks=[Hooks("first"), Hooks("second")])
+    assert seen == [(kind, batch, which) for batch in range(2) for index in (0, 1)
+                    for kind, which in (("gradient", index), ("gradient", index), ("step", (index,)), ("step", (index,)))]
