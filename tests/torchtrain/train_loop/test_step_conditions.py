@@ -306,4 +306,4 @@ def test_each_optimizer_stepped_in_turn_gets_every_callbacks_hooks():
                    nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
     tl.fit(num_epochs=1, callbacks=[Hooks("first"), Hooks("second")])
     assert seen == [(kind, batch, which) for batch in range(2) for index in (0, 1)
-                    for kind, which in (("gradient", index), ("gradient", index), ("step", (index,)), ("step", (index,)))]
+                    for kind, which in (("gradient", index),) * 2 + (("step", (index,)),) * 2]
