@@ -311,23 +311,27 @@ def test_checkpoint_state_after_an_exception_inside_an_epoch_continues_after_its
         assert_runs_equal(resumed, straight)
 
 
+class CheckpointEveryBatch(AbstractCallback):
+    """Takes a mid-epoch checkpoint at every batch end: its iteration into ``taken``, a refusal's message into
+    ``refused``."""
+
+    def __init__(self, taken, refused):
+        super().__init__("checkpoint every batch")
+        self.taken, self.refused = taken, refused
+
+    def on_batch_end(self):
+        try:
+            self.taken.append(self.train_loop_obj.checkpoint_state(mid_epoch=True)["iteration"])
+        except RuntimeError as error:
+            self.refused.append(str(error))
+
+
 def test_a_mid_epoch_checkpoint_inside_an_accumulation_window_is_refused():
     """Inside a window the gradients of the batches since the last step are not in a checkpoint: a resume from it
     skipped them. Refused, naming where; at the window's step it is taken."""
     taken, refused = [], []
-
-    class CheckpointEveryBatch(AbstractCallback):
-        def __init__(self):
-            super().__init__("checkpoint every batch")
-
-        def on_batch_end(self):
-            try:
-                taken.append(self.train_loop_obj.checkpoint_state(mid_epoch=True)["iteration"])
-            except RuntimeError as error:
-                refused.append(str(error))
-
     tl = build_loop(Cell())
-    tl.fit(num_iterations=4, grad_accumulation=3, callbacks=[CheckpointEveryBatch()])
+    tl.fit(num_iterations=4, grad_accumulation=3, callbacks=[CheckpointEveryBatch(taken, refused)])
     assert taken == [3, 4]  # the window's step (batch 2) and num_iterations' step (batch 3)
     assert len(refused) == 2
     assert "inside an accumulation window (batch 0 of epoch 0, 1 batch(es) since the last optimizer step with " \
@@ -339,19 +343,8 @@ def test_a_mid_epoch_checkpoint_at_every_step_of_two_optimizers_stepped_in_turn_
     """A MultiLoss with two optimizers and accumulation 2 (5 batches: windows ending at batches 2, 4 and 5): at each
     window's step the run is at a step point, nothing accumulated."""
     taken, refused = [], []
-
-    class CheckpointEveryBatch(AbstractCallback):
-        def __init__(self):
-            super().__init__("checkpoint every batch")
-
-        def on_batch_end(self):
-            try:
-                taken.append(self.train_loop_obj.checkpoint_state(mid_epoch=True)["iteration"])
-            except RuntimeError as error:
-                refused.append(str(error))
-
     tl = build_loop(Cell(loss="multi2"))
-    tl.fit(num_epochs=1, grad_accumulation=2, callbacks=[CheckpointEveryBatch()])
+    tl.fit(num_epochs=1, grad_accumulation=2, callbacks=[CheckpointEveryBatch(taken, refused)])
     assert taken == [2, 4, 5]
     assert len(refused) == 2 and all("1 batch(es) since the last optimizer step" in message for message in refused)
 
