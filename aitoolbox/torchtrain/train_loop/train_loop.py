@@ -529,7 +529,8 @@ class TrainLoop:
                 self._stop_reasons.append(reason)
         else:
             logger.info("Stopping training: %s", reason)
-            self._stop_reasons_logged.append(reason)  # outside an epoch (on_train_begin): agreed on right after
+            if self.strategy.is_distributed:  # outside an epoch (on_train_begin): agreed on right after
+                self._stop_reasons_logged.append(reason)
 
     def _log_stop_reasons(self) -> None:
         for reason in self._stop_reasons or ():
