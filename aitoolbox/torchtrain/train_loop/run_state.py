@@ -306,6 +306,35 @@ class RunState:
         point = self._interrupted_at
         return point if point is not None and not point.batches_trained else None
 
+    @property
+    def continuation_point(self) -> Optional[MidEpochResume]:
+        """The step point inside an epoch's batches that the run continues from and has not trained past: the
+        :attr:`interrupted_step_point`, or, once ``fit`` has taken it (or a loaded mid-epoch checkpoint's), that same
+        point until the epoch's batches start again (in ``on_epoch_begin``). A checkpoint taken now records this
+        position: the loop's own counters (``tl.iteration``) are still those of the batch the last ``fit`` stopped
+        in, or a new loop's."""
+        point = self._interrupted_at if self._interrupted_at is not None else self._step_point
+        return point if isinstance(point, MidEpochResume) and not point.batches_trained else None
+
+    @property
+    def inside_epoch_batches(self) -> bool:
+        """The run stands between two batches of an epoch: at a step point of the epoch being trained, or at a
+        :attr:`continuation_point`. False at an epoch boundary (before the first ``fit``, after one that ended with
+        an epoch, before an epoch's first batch) and in an epoch's end: there a checkpoint has no position inside an
+        epoch to record, and a mid-epoch one is the epoch-end one."""
+        if self._interrupted_at is not None:
+            return not self._interrupted_at.batches_trained
+        return isinstance(self._step_point, tuple) or self.continuation_point is not None
+
+    @property
+    def batches_committed(self) -> int:
+        """The batches of the current epoch whose optimizer step is done: the step point's count (:attr:`batches_done`
+        also counts a batch from its forward on, before its step)."""
+        point = self._step_point
+        if isinstance(point, tuple):  # (see mark_batch_done)
+            return point[0]
+        return point.batches_done if point is not None else 0
+
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""
         self._step_point = None

@@ -649,31 +649,38 @@ class TrainLoop:
         with DCP and stores this dict beside them). The dict's weight and optimizer tensors are the live run's (no
         copy is made): save it, or copy it (``copy.deepcopy``), to keep this moment while training goes on.
 
-        A mid-epoch checkpoint (``mid_epoch=True``) records a step point: taken after ``fit`` raised inside an
-        epoch, it records the last optimizer step, where the next ``fit`` continues. An epoch-end checkpoint
-        (``mid_epoch=False``) records the run at the end of an epoch. The default (None) takes the run where it
-        stands: a mid-epoch checkpoint after a ``fit`` that an exception (or a stop signal) ended inside an epoch's
-        batches, an epoch-end one otherwise.
+        A mid-epoch checkpoint (``mid_epoch=True``) records a step point: taken in ``on_batch_end`` of a batch whose
+        optimizer stepped, that step; taken after ``fit`` raised inside an epoch, the last optimizer step, where the
+        next ``fit`` continues. An epoch-end checkpoint (``mid_epoch=False``) records the run at the end of an
+        epoch. Where the run stands at an epoch boundary (before the first ``fit``, after a ``fit`` that ended with
+        an epoch, in ``on_epoch_begin`` before the epoch's first batch, in the epoch's end) there is no position
+        inside an epoch to record, and a mid-epoch checkpoint is the epoch-end one: it continues from the next
+        epoch's first batch. The default (None) takes the run where it stands: a mid-epoch checkpoint between an
+        epoch's batches (also after a ``fit`` that an exception or a stop signal ended there), an epoch-end one
+        otherwise.
 
         Raises:
-            RuntimeError: ``mid_epoch=True`` away from a step point: inside an accumulation window (gradients of
-                batches not stepped yet, which a checkpoint does not hold), or with an optimizer step an exception
-                interrupted between two optimizers (``fit`` finishes it first). ``mid_epoch=False`` after a ``fit``
-                that stopped inside an epoch's batches: the checkpoint would start that epoch again on weights
-                already trained on some of its batches, which a resume would train again.
+            RuntimeError: ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
+                (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
+                optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), or with an
+                optimizer step an exception interrupted between two optimizers (``fit`` finishes it first).
+                ``mid_epoch=False`` between an epoch's batches: the checkpoint would start that epoch again on
+                weights already trained on some of its batches, which a resume would train again.
         """
-        inside_batches = self.run_state.interrupted_step_point
-        if inside_batches is not None and inside_batches.batches_done == 0:
-            inside_batches = None  # stopped before the epoch's first step: the epoch starts again either way
+        run_state = self.run_state
+        point = run_state.continuation_point
+        # Stopped before the epoch's first step: the epoch starts again either way.
+        inside_batches = run_state.inside_epoch_batches and not (point is not None and point.batches_done == 0)
         if mid_epoch is None:
-            mid_epoch = inside_batches is not None
-        elif not mid_epoch and inside_batches is not None:
+            mid_epoch = inside_batches
+        elif not mid_epoch and inside_batches:
+            batches_done = point.batches_done if point is not None else run_state.batches_done
             raise RuntimeError(
-                f"checkpoint_state(mid_epoch=False) was called after fit stopped inside epoch {self.epoch}, after "
-                f"{inside_batches.batches_done} of its batches: an epoch-end checkpoint would start that epoch again "
-                "on weights already trained on them, so a resume would train them twice. Call checkpoint_state() "
-                "(or mid_epoch=True) for a checkpoint that continues after them, or call fit to finish the epoch "
-                "first")
+                f"checkpoint_state(mid_epoch=False) was called {'after fit stopped ' if point is not None else ''}"
+                f"inside epoch {self.epoch}, after {batches_done} of its batches: an epoch-end checkpoint would start "
+                "that epoch again on a run already past its start (weights trained on those batches, the data order "
+                "drawn), so a resume would train them twice. Call checkpoint_state() (or mid_epoch=True) at a step "
+                "point for a checkpoint that continues after them, or call fit to finish the epoch first")
         if mid_epoch:
             self._check_at_step_point()
         self.set_up()
@@ -689,14 +696,22 @@ class TrainLoop:
                 f"grad_accumulation={self.grad_accumulation}): their gradients are not in a checkpoint, so resuming "
                 "it would skip them. Take it where the optimizer steps: in on_batch_end when "
                 "optimizer_step_due was True for the batch (as ModelCheckpoint does), or after fit")
-        if (runner is not None and runner.has_interrupted_step) or \
-                (self.run_state.interrupted_step_point is not None and self.run_state.interrupted_step_point.finish_step):
+        point = self.run_state.continuation_point  # (also once a continuing fit has taken it, until it is finished)
+        if (runner is not None and runner.has_interrupted_step) or (point is not None and point.finish_step):
             raise RuntimeError(
                 "a mid-epoch checkpoint (checkpoint_state with mid_epoch=True, or its default after fit stopped inside "
                 f"an epoch) was asked for while the optimizer step of batch {self.iteration} of "
                 f"epoch {self.epoch} is half done (an exception came after some optimizers had stepped, or in a "
                 "callback's hook after the step): a checkpoint cannot hold that step. Call fit to finish it, then "
                 "take the checkpoint")
+        if self._current_batch is not None and self.run_state.batches_committed <= self.iteration:
+            # on_batch_begin, a gradient hook: the batch has begun, its step is not done (the batches before it were
+            # committed, but tl.iteration already names it).
+            raise RuntimeError(
+                f"a mid-epoch checkpoint (checkpoint_state with mid_epoch=True, or its default) was asked for inside "
+                f"batch {self.iteration} of epoch {self.epoch}, before its optimizer step: it would record the batch "
+                "as trained, and resuming it would skip the batch. Take it where the optimizer steps: in "
+                "on_batch_end when optimizer_step_due was True for the batch (as ModelCheckpoint does), or after fit")
 
     def load_checkpoint(self, checkpoint: Union[str, dict], *, weights_only: bool = True,
                         source: Optional[str] = None, continue_run_folder: bool = False) -> dict:

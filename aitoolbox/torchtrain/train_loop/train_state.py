@@ -186,14 +186,22 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
 
     Args:
         tl: the loop.
-        mid_epoch: True inside an epoch (after an optimizer step), False at the end of an epoch.
+        mid_epoch: True inside an epoch (after an optimizer step), False at the end of an epoch. Where the run
+            stands at an epoch boundary (see :attr:`~.run_state.RunState.inside_epoch_batches`: after a ``fit`` that
+            ended with an epoch, before an epoch's first batch, in an epoch's end) the checkpoint is the epoch-end
+            one either way: no batch of the next epoch is trained yet, and it continues with that epoch's first
+            batch.
         hyperparams: stored with the checkpoint.
         include_weights: False leaves out the model state and the optimizers' states (only their parameter
             groups' hyperparameters are kept): the state a sharded checkpoint stores beside its DCP files.
     """
+    # A mid-epoch checkpoint at an epoch boundary recorded the finished epoch's batch count (tl.iteration + 1) as a
+    # position inside the next epoch, whose first batches a resume then skipped.
+    mid_epoch = mid_epoch and tl.run_state.inside_epoch_batches
     # After an exception inside an epoch's batches the run is at its last step point, not at the batch that raised:
-    # the position, the RNG state and the loss sum are that point's (the weights and buffers are already its).
-    point = tl.run_state.interrupted_step_point
+    # the position, the RNG state and the loss sum are that point's (the weights and buffers are already its); so
+    # until the continuing fit trains past it.
+    point = tl.run_state.continuation_point
     interrupted = point if mid_epoch else None
     if point is not None and point.batches_done == 0 and point.epoch_start_rng is not None:
         # Stopped in the epoch's first batch: the checkpoint starts that epoch again, from the random state it
@@ -248,10 +256,13 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         # continues it bit for bit (the sum of its complete blocks, the open block's values: losses.EpochLossSum).
         checkpoint["epoch_loss_sum"] = tl.strategy.all_gather_objects(epoch_loss.total().tolist())
         checkpoint["epoch_loss_state"] = tl.strategy.all_gather_objects(epoch_loss.state(include_pending=True))
-        checkpoint["epoch_loss_names"] = tl.last_batch_loss_names
+        checkpoint["epoch_loss_names"] = interrupted.loss_names if interrupted is not None and \
+            interrupted.loss_names is not None else tl.last_batch_loss_names
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
+            # (a loaded checkpoint's point not trained past yet: the state it holds, not the loader's before the epoch)
+            loader_state = interrupted.loader_state if interrupted is not None else None
             checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
-                weights_only_safe(tl.train_loader.state_dict()))
+                weights_only_safe(loader_state if loader_state is not None else tl.train_loader.state_dict()))
     return checkpoint
 
 

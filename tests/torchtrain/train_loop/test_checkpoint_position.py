@@ -1,0 +1,246 @@
+"""Where a checkpoint records the run: ``checkpoint_state`` takes the position from the run state, whatever moment it
+is called at, and a resume from it equals the straight run (weights, optimizer state, history).
+
+At an epoch boundary (before the first fit, after a fit that ended with an epoch, in ``on_train_begin``,
+``on_epoch_begin`` before the first batch, in the epoch's end) a mid-epoch checkpoint is the epoch-end one: it recorded
+the finished epoch's batch count (``tl.iteration + 1``) as a position inside the next epoch, whose first batches a
+resume then skipped. Between an epoch's batches the default is the mid-epoch checkpoint, an epoch-end one is refused,
+and so is a mid-epoch one inside a batch before its optimizer step (review of mutation run 42, issue 32).
+"""
+import copy
+import io
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+from torch import nn
+from torch.utils.data import DataLoader
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.helpers import MLP, IterableTensorData, classification_data, single_torch_thread
+from tests.torchtrain.train_loop.test_step_transactions import assert_runs_equal
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+BATCH_SIZE = 4
+
+
+def make_loop(sized: bool = True, num_batches: int = 5) -> TrainLoop:
+    """An MLP with dropout and Adam over ``num_batches`` batches an epoch: shuffled by the loader's own generator, or
+    streamed from an IterableDataset without ``len``."""
+    torch.manual_seed(0)
+    model = MLP()
+    data = classification_data(num_batches * BATCH_SIZE)
+    if sized:
+        train = DataLoader(data, batch_size=BATCH_SIZE, shuffle=True, generator=torch.Generator().manual_seed(1))
+    else:
+        train = DataLoader(IterableTensorData(data), batch_size=BATCH_SIZE)
+    validation = DataLoader(classification_data(8, seed=3), batch_size=4)
+    return TrainLoop(model, train, validation, None, torch.optim.Adam(model.parameters(), lr=1e-2),
+                     nn.CrossEntropyLoss(), show_progress=False)
+
+
+def decaying_lr() -> LambdaLRScheduler:
+    """A stateful callback that steps every optimizer step: a resume that skips or repeats a step shows in the lr."""
+    return LambdaLRScheduler(lambda step: 0.95 ** step, execute_epoch_end=False, execute_batch_end=True)
+
+
+def as_from_a_file(checkpoint: dict) -> dict:
+    """The checkpoint written and read back (it holds the live run's tensors)."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def straight_run(num_epochs: int, grad_accumulation: int, sized: bool = True, num_batches: int = 5) -> TrainLoop:
+    tl = make_loop(sized, num_batches)
+    tl.fit(num_epochs=num_epochs, callbacks=[decaying_lr()], grad_accumulation=grad_accumulation)
+    return tl
+
+
+def resumed_run(checkpoint: dict, num_epochs: int, grad_accumulation: int, sized: bool = True,
+                num_batches: int = 5) -> TrainLoop:
+    """A new loop (in a new process: another random state) loads ``checkpoint`` and trains to ``num_epochs``."""
+    torch.manual_seed(1234)
+    tl = make_loop(sized, num_batches)
+    tl.load_checkpoint(checkpoint)
+    tl.fit(num_epochs=num_epochs, callbacks=[decaying_lr()], grad_accumulation=grad_accumulation)
+    return tl
+
+
+class CheckpointIn(AbstractCallback):
+    """Takes ``checkpoint_state(mid_epoch)`` once, in ``hook`` (after the other callbacks, as a checkpoint callback
+    does): of epoch ``epoch``; a batch hook at the run's ``at_batch``-th batch; ``on_train_begin`` of the first fit
+    that has it."""
+
+    def __init__(self, hook: str, mid_epoch: Optional[bool], epoch: int = 0, at_batch: int = 0):
+        super().__init__("checkpoint in a hook", execution_order=1000)
+        self.hook, self.mid_epoch, self.epoch, self.at_batch = hook, mid_epoch, epoch, at_batch
+        self.checkpoint: Optional[dict] = None
+
+    def _take(self, hook: str) -> None:
+        tl = self.train_loop_obj
+        if hook in ("on_batch_begin", "on_batch_end"):
+            at = tl.total_iteration_idx + 1 == self.at_batch
+        else:
+            at = hook == "on_train_begin" or tl.epoch == self.epoch
+        due = hook == self.hook and self.checkpoint is None and at
+        if due:
+            self.checkpoint = as_from_a_file(tl.checkpoint_state(mid_epoch=self.mid_epoch))
+
+    def on_train_begin(self):
+        self._take("on_train_begin")
+
+    def on_epoch_begin(self):
+        self._take("on_epoch_begin")
+
+    def on_batch_begin(self):
+        self._take("on_batch_begin")
+
+    def on_batch_end(self):
+        self._take("on_batch_end")
+
+    def on_epoch_end(self):
+        self._take("on_epoch_end")
+
+
+def checkpoint_at(moment: str, mid_epoch: Optional[bool], grad_accumulation: int, sized: bool = True,
+                  num_batches: int = 5, epochs_before: int = 1, num_epochs: int = 3) -> dict:
+    """The checkpoint ``checkpoint_state(mid_epoch)`` takes at an epoch boundary ``moment`` of a run trained for
+    ``epochs_before`` epochs (``fresh``: before any fit; ``after_fit``: after ``fit(epochs_before)``; a hook: in
+    that hook of a ``fit(num_epochs)``, at epoch ``epochs_before``, of the second fit for ``on_train_begin``)."""
+    tl = make_loop(sized, num_batches)
+    if moment == "fresh":
+        return as_from_a_file(tl.checkpoint_state(mid_epoch=mid_epoch))
+    if moment == "after_fit":
+        tl.fit(num_epochs=epochs_before, callbacks=[decaying_lr()], grad_accumulation=grad_accumulation)
+        return as_from_a_file(tl.checkpoint_state(mid_epoch=mid_epoch))
+    if moment == "on_train_begin":
+        tl.fit(num_epochs=epochs_before, callbacks=[decaying_lr()], grad_accumulation=grad_accumulation)
+        taker = CheckpointIn(moment, mid_epoch)
+        tl.fit(num_epochs=num_epochs, callbacks=[taker], grad_accumulation=grad_accumulation)
+        return taker.checkpoint
+    # An epoch's end counts the epoch: its checkpoint continues after epoch ``epochs_before - 1``'s end.
+    taker = CheckpointIn(moment, mid_epoch, epoch=epochs_before - (moment == "on_epoch_end"))
+    tl.fit(num_epochs=num_epochs, callbacks=[decaying_lr(), taker], grad_accumulation=grad_accumulation)
+    return taker.checkpoint
+
+
+# --- at an epoch boundary ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unsized"])
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+@pytest.mark.parametrize("mid_epoch", [True, None, False])
+def test_a_checkpoint_after_fit_resumes_as_the_straight_run(mid_epoch, grad_accumulation, sized):
+    """The repro of the review: fit(1), checkpoint_state(mid_epoch=True), a new loop loads it and fits to 2 epochs. It
+    trained 5 of the second epoch's 10 batches (here: none of 5, the recorded position being the whole epoch)."""
+    checkpoint = checkpoint_at("after_fit", mid_epoch, grad_accumulation, sized)
+    assert (checkpoint["epochs_completed"], checkpoint["iteration"]) == (1, 0)
+    assert "epoch_start_rng" not in checkpoint  # the epoch-end checkpoint's content
+    resumed = resumed_run(checkpoint, 2, grad_accumulation, sized)
+    assert_runs_equal(resumed, straight_run(2, grad_accumulation, sized))
+    assert resumed.iterations_done == 10
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+@pytest.mark.parametrize("moment", ["fresh", "on_train_begin", "on_epoch_begin", "on_epoch_end"])
+def test_a_mid_epoch_checkpoint_at_an_epoch_boundary_is_the_epoch_end_one(moment, grad_accumulation):
+    """Before any fit it failed (no epoch start state); in a hook between epochs it skipped the next epoch's first
+    batches, or (in the epoch's end) recorded the epoch's accumulated loss a second time."""
+    mid_epoch, epoch_end = (checkpoint_at(moment, choice, grad_accumulation) for choice in (True, False))
+    assert (mid_epoch["epochs_completed"], mid_epoch["iteration"]) == \
+        (epoch_end["epochs_completed"], epoch_end["iteration"])
+    assert mid_epoch.keys() == epoch_end.keys()
+    assert_runs_equal(resumed_run(mid_epoch, 3, grad_accumulation), straight_run(3, grad_accumulation))
+
+
+# --- between an epoch's batches ----------------------------------------------------------------------------------
+def test_the_default_between_an_epochs_batches_is_the_mid_epoch_checkpoint():
+    """In on_batch_end of a batch that stepped, checkpoint_state() ("the run where it stands") was an epoch-end
+    checkpoint, whose resume trained the epoch's first batches again."""
+    taker = CheckpointIn("on_batch_end", None, at_batch=7)
+    make_loop().fit(num_epochs=3, callbacks=[decaying_lr(), taker])
+    assert (taker.checkpoint["epochs_completed"], taker.checkpoint["iteration"]) == (1, 2)
+    assert_runs_equal(resumed_run(taker.checkpoint, 3, 1), straight_run(3, 1))
+
+
+def test_an_epoch_end_checkpoint_between_an_epochs_batches_is_refused():
+    tl = make_loop()
+    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called inside epoch 1, after 2 of its batches"):
+        tl.fit(num_epochs=3, callbacks=[CheckpointIn("on_batch_end", False, at_batch=7)])
+
+
+class CheckpointAfterGradients(AbstractCallback):
+    def on_after_gradient_update(self, optimizer_idx):
+        self.train_loop_obj.checkpoint_state(mid_epoch=True)
+
+
+@pytest.mark.parametrize("where", ["on_batch_begin", "on_after_gradient_update"])
+def test_a_mid_epoch_checkpoint_inside_a_batch_before_its_step_is_refused(where):
+    """It recorded the batch as trained (``tl.iteration + 1``), and the resume skipped it."""
+    callback = CheckpointIn("on_batch_begin", True, at_batch=7) if where == "on_batch_begin" else \
+        CheckpointAfterGradients("checkpoint after gradients")
+    with pytest.raises(RuntimeError, match="before its optimizer step: it would record the batch as trained"):
+        make_loop().fit(num_epochs=3, callbacks=[callback])
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashBefore(AbstractCallback):
+    """Raises in ``on_batch_begin`` of the run's ``at_batch``-th batch, once."""
+
+    def __init__(self, at_batch: int):
+        super().__init__("crash", execution_order=2000)
+        self.at_batch = at_batch
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.at_batch:
+            self.at_batch = -1
+            raise Crash()
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+@pytest.mark.parametrize("mid_epoch", [True, None])
+def test_a_checkpoint_before_a_continued_epochs_batches_records_where_it_continues(mid_epoch, grad_accumulation):
+    """In on_epoch_begin of the fit that continues after an exception, the loop's counters are still those of the
+    batch that raised: the checkpoint recorded that batch (or, by default, the epoch's start) as the position."""
+    tl = make_loop()
+    with pytest.raises(Crash):
+        tl.fit(num_epochs=3, callbacks=[decaying_lr(), CrashBefore(9)], grad_accumulation=grad_accumulation)
+    taker = CheckpointIn("on_epoch_begin", mid_epoch, epoch=1)
+    tl.fit(num_epochs=3, callbacks=[taker], grad_accumulation=grad_accumulation)
+    straight = straight_run(3, grad_accumulation)
+    assert_runs_equal(tl, straight)
+    # The 9th batch is the epoch's 4th: the batches before it whose window stepped are done.
+    assert (taker.checkpoint["epochs_completed"], taker.checkpoint["iteration"]) == (1, 3 - 3 % grad_accumulation)
+    assert_runs_equal(resumed_run(taker.checkpoint, 3, grad_accumulation), straight)
+
+
+def test_an_epoch_end_checkpoint_before_a_continued_epochs_batches_is_refused():
+    tl = make_loop()
+    with pytest.raises(Crash):
+        tl.fit(num_epochs=3, callbacks=[decaying_lr(), CrashBefore(9)])
+    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called after fit stopped inside epoch 1, after 3"):
+        tl.fit(num_epochs=3, callbacks=[CheckpointIn("on_epoch_begin", False, epoch=1)])
+
+
+# --- the invariant, drawn ----------------------------------------------------------------------------------------
+@settings(max_examples=15, deadline=None)
+@given(num_batches=st.integers(1, 6), grad_accumulation=st.integers(1, 3), sized=st.booleans(),
+       epochs_before=st.integers(1, 2), mid_epoch=st.sampled_from([True, None, False]),
+       moment=st.sampled_from(["after_fit", "on_train_begin", "on_epoch_begin", "on_epoch_end"]))
+@example(num_batches=5, grad_accumulation=1, sized=True, epochs_before=1, mid_epoch=True, moment="after_fit")
+@example(num_batches=5, grad_accumulation=2, sized=False, epochs_before=2, mid_epoch=True, moment="on_epoch_end")
+def test_a_checkpoint_at_an_epoch_boundary_resumes_as_the_straight_run(num_batches, grad_accumulation, sized,
+                                                                       epochs_before, mid_epoch, moment):
+    """Any epoch length (windows ending on and off the epoch's end), accumulation, sized or not, any choice of
+    mid_epoch, at any boundary after 1 or 2 epochs: the resume from it equals the straight run of 3 epochs."""
+    checkpoint = checkpoint_at(moment, mid_epoch, grad_accumulation, sized, num_batches, epochs_before)
+    assert checkpoint["iteration"] == 0
+    resumed = resumed_run(checkpoint, 3, grad_accumulation, sized, num_batches)
+    assert_runs_equal(resumed, straight_run(3, grad_accumulation, sized, num_batches))
