@@ -9,6 +9,7 @@ Both methods take the loop's gradient scaler: any object with ``scale(loss)`` an
 manner of ``torch.amp.GradScaler``. A disabled scaler returns the loss unchanged and simply calls
 ``optimizer.step()``, so the same code path serves training with and without mixed precision.
 """
+import copy
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Dict, List, Optional
 
@@ -18,7 +19,9 @@ class MultiLoss(MutableMapping):
 
     It behaves as a ``dict`` (indexing, iteration, ``len``, equality with a plain dict) and also mirrors the
     tensor methods the loop applies to a single loss (``item``, ``detach``, ``cpu``, ``to``, division by the
-    gradient-accumulation count), each returning a new :class:`MultiLoss` with the method applied to every loss.
+    gradient-accumulation count), each returning a new :class:`MultiLoss` with the method applied to every loss: a
+    copy of the same class, with the attributes the instance carries, so that a subclass's own ``backward`` is
+    called on the loss the loop divided.
 
     Args:
         loss_dict: the losses, keyed by name.
@@ -65,10 +68,14 @@ class MultiLoss(MutableMapping):
         self.loss_backward_remaining -= 1
 
     def _map(self, fn) -> 'MultiLoss':
-        """A new MultiLoss holding ``fn(loss)`` for every loss, with this one's settings and backward count."""
-        new_loss = MultiLoss({name: fn(loss) for name, loss in self.loss_dict.items()},
-                             self.loss_optimizer_map, self.retain_graph_until_last)
-        new_loss.loss_backward_remaining = self.loss_backward_remaining
+        """A copy of this MultiLoss holding ``fn(loss)`` for every loss: of its class, with every attribute it carries
+        (its settings, backward count, and a subclass's own; a shallow copy, so what they refer to is shared).
+
+        The loop divides the loss by ``grad_accumulation`` before the backward passes: a subclass's own ``backward``
+        must be what it then calls (1.8's division built a plain MultiLoss, and the override was silently lost).
+        """
+        new_loss = copy.copy(self)  # (no __init__: a subclass's may take other arguments)
+        new_loss.loss_dict = {name: fn(loss) for name, loss in self.loss_dict.items()}
         return new_loss
 
     def item(self) -> 'MultiLoss':

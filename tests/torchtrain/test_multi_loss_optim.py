@@ -61,6 +61,51 @@ def test_tensor_methods_apply_to_every_loss_and_keep_settings():
     assert multi_loss['x'].item() == 4.0  # the original is untouched
 
 
+class WeightedMultiLoss(MultiLoss):
+    """A subclass with its own constructor, attributes and backward (1.x lets a subclass decide how each loss is
+    back-propagated)."""
+
+    def __init__(self, loss_dict, weights):
+        super().__init__(loss_dict)
+        self.weights = weights
+        self.backward_calls = []
+
+    def backward(self, optimizer_idx, iteration, amp_grad_scaler):
+        self.backward_calls.append(optimizer_idx)
+        weighted = self.weights[optimizer_idx] * self.loss_dict[self.optimizer_loss_map[optimizer_idx]]
+        amp_grad_scaler.scale(weighted).backward(retain_graph=self.loss_backward_remaining > 1)
+        self.loss_backward_remaining -= 1
+
+
+@pytest.mark.parametrize('method', ['truediv', 'detach', 'item', 'cpu', 'to'])
+def test_a_subclass_stays_itself_through_the_tensor_methods(method):
+    """aitoolbox 1.7's division returned the MultiLoss itself (its losses divided); 1.8's, and this package's until
+    now, a plain MultiLoss: the subclass's backward was never called on the loss the loop divides by
+    grad_accumulation."""
+    weighted = WeightedMultiLoss({'x': torch.tensor(4., requires_grad=True), 'y': torch.tensor(8.)}, [0.5, 3.0])
+    weighted.loss_backward_remaining = 1
+    result = {'truediv': lambda: weighted / 2, 'detach': weighted.detach, 'item': weighted.item,
+              'cpu': weighted.cpu, 'to': lambda: weighted.to(torch.float64)}[method]()
+    assert type(result) is WeightedMultiLoss
+    assert result.weights == [0.5, 3.0] and result.backward_calls is weighted.backward_calls
+    assert result.loss_backward_remaining == 1 and result.optimizer_loss_map == {0: 'x', 1: 'y'}
+    assert result is not weighted and weighted.item() == {'x': 4.0, 'y': 8.0}  # the original is untouched
+
+
+def test_a_divided_subclass_back_propagates_with_its_own_backward():
+    model = TwoHeads()
+    loss_a, loss_b = model.losses(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)))
+    expected = torch.autograd.grad(0.5 * (loss_a / 4) + 3.0 * (loss_b / 4), list(model.parameters()),
+                                   retain_graph=True)
+    weighted = WeightedMultiLoss({'a': loss_a, 'b': loss_b}, [0.5, 3.0])
+    divided = weighted / 4
+    for optimizer_idx in (0, 1):
+        divided.backward(optimizer_idx, 0, disabled_scaler())
+    assert weighted.backward_calls == [0, 1]
+    for parameter, gradient in zip(model.parameters(), expected):
+        torch.testing.assert_close(parameter.grad, gradient, rtol=1e-6, atol=0)
+
+
 def test_shared_graph_backward_retains_until_last_and_matches_autograd():
     model = TwoHeads()
     x = torch.randn(5, 3)

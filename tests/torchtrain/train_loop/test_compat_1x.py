@@ -516,9 +516,12 @@ def two_loss_pair():
     return model, copy.deepcopy(model)
 
 
-def reference_multi_loss_fit(model, optimizers, num_epochs, grad_accumulation=1, scaler_args=None):
+def reference_multi_loss_fit(model, optimizers, num_epochs, grad_accumulation=1, scaler_args=None,
+                             loss_weights=None):
     """1.x's MultiLoss order: per optimizer i: backward(loss_i) (graph kept while more follow), step_i, zero_grad_i;
-    with a GradScaler, ``update`` once per iteration after all optimizers stepped."""
+    with a GradScaler, ``update`` once per iteration after all optimizers stepped. ``loss_weights``: loss i is
+    back-propagated times ``loss_weights[i]`` (after the division by ``grad_accumulation``, as a MultiLoss subclass's
+    backward weighs the loss the loop divided)."""
     device = default_device()
     model.to(device).train()
     scaler = torch.amp.GradScaler(device.type, **(scaler_args or {}), enabled=scaler_args is not None)
@@ -535,6 +538,8 @@ def reference_multi_loss_fit(model, optimizers, num_epochs, grad_accumulation=1,
             for k, (loss, optimizer) in enumerate(zip(losses, optimizers)):
                 if grad_accumulation > 1:
                     loss = loss / grad_accumulation
+                if loss_weights is not None:
+                    loss = loss_weights[k] * loss
                 scaler.scale(loss).backward(retain_graph=k < len(optimizers) - 1)
                 if update:
                     scaler.step(optimizer)
@@ -668,6 +673,47 @@ def test_a_multi_loss_subclass_backward_is_called_as_in_1x():
     tl.fit(num_epochs=1)
     reference_multi_loss_fit(reference, two_optimizers(reference), 1)
     assert RecordingMultiLoss.calls == [(idx, i) for i in range(BATCHES_PER_EPOCH) for idx in (0, 1)]
+    assert_params_equal(model, reference)
+
+
+class WeightedMultiLoss(MultiLoss):
+    """A subclass with its own constructor, attributes and backward, which weighs each optimizer's loss: were the
+    base class's backward called instead, the weights would differ from the hand-written loop's."""
+
+    def __init__(self, loss_dict, weights, calls):
+        super().__init__(loss_dict)
+        self.weights, self.calls = weights, calls
+
+    def backward(self, optimizer_idx, iteration, amp_grad_scaler):
+        self.calls.append((optimizer_idx, iteration))
+        loss = self.weights[optimizer_idx] * self.loss_dict[self.optimizer_loss_map[optimizer_idx]]
+        amp_grad_scaler.scale(loss).backward(retain_graph=self.loss_backward_remaining > 1)
+        self.loss_backward_remaining -= 1
+
+
+class WeightedTwoLossMLP(TwoLossMLP):
+    LOSS_WEIGHTS = (0.5, 3.0)
+
+    def get_loss(self, batch_data, criterion, device):
+        return WeightedMultiLoss(dict(super().get_loss(batch_data, criterion, device)), self.LOSS_WEIGHTS,
+                                 self.backward_calls)
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2, 3])
+def test_a_multi_loss_subclass_backward_is_called_under_grad_accumulation(grad_accumulation):
+    """1.8 documents overriding MultiLoss.backward. The loop divides the loss by grad_accumulation (> 1) before the
+    backward passes, and the division returned a plain MultiLoss: the subclass's backward was not called (1.8's own
+    division, made at every batch, lost it too; 1.7's returned the subclass itself). Once per optimizer per batch,
+    on the divided losses, as the hand-written loop does."""
+    model, reference = two_loss_pair()
+    model.__class__ = WeightedTwoLossMLP
+    model.backward_calls = []
+    tl = make_loop(model, MultiOptimizer(two_optimizers(model)))
+    torch.manual_seed(TRAIN_SEED)
+    tl.fit(num_epochs=2, grad_accumulation=grad_accumulation)
+    reference_multi_loss_fit(reference, two_optimizers(reference), 2, grad_accumulation,
+                             loss_weights=WeightedTwoLossMLP.LOSS_WEIGHTS)
+    assert model.backward_calls == [(idx, i) for _ in range(2) for i in range(BATCHES_PER_EPOCH) for idx in (0, 1)]
     assert_params_equal(model, reference)
 
 
