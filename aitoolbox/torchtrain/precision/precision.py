@@ -91,6 +91,18 @@ class Precision:
         if accumulating and self.master_weights is not None:
             self._move_low_precision_grads_to_masters()
 
+    def passes_through(self) -> bool:
+        """Whether :meth:`backward`, :meth:`step` and :meth:`zero_grad` come down to torch's own calls
+        (``loss.backward()``, each optimizer's ``step()`` and ``zero_grad()``): no loss scaling, no master weights,
+        the eager step, no step listener, this class's own methods, and no step in progress (nothing unscaled, the
+        last step not skipped). The step runner then makes those calls itself (see
+        :meth:`~aitoolbox.torchtrain.train_loop.step_runner.StepRunner.step_directly`)."""
+        own_methods = all(getattr(type(self), name) is getattr(Precision, name)
+                          for name in ("backward", "step", "zero_grad", "update_scale", "unscale_"))
+        return (own_methods and self.loss_scaler is None and self.master_weights is None
+                and self.step_optimizer is _eager_step and self.step_listener is None
+                and not self._unscaled_optimizers and not self._found_inf and not self.last_step_skipped)
+
     def _move_low_precision_grads_to_masters(self) -> None:
         """Add this backward's low-precision gradients, unscaled, to the float32 masters' ``.grad``.
 

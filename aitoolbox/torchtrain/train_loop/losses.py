@@ -92,9 +92,9 @@ def loss_postfix(values: torch.Tensor, names: Optional[List[str]]) -> Dict[str, 
 class EpochLossSum:
     """The sum of an epoch's batch losses, on the device (``accumulated_loss`` is its mean).
 
-    The losses of the batches since the last optimizer step wait in :attr:`pending` (the loop appends each batch's
-    detached value); the step commits them (:meth:`commit`): the sum up to the last step is where a ``fit`` stopped
-    by an exception continues. Committed values are summed in blocks of :attr:`BLOCK` batches, in order: one
+    Each batch's detached loss joins :attr:`values` (:meth:`add`); those of the batches since the last optimizer
+    step are pending until the step commits them (:meth:`commit`): the sum up to the last step is where a ``fit``
+    stopped by an exception continues. Committed values are summed in blocks of :attr:`BLOCK` batches, in order: one
     ``torch.stack(...).sum()`` a block, added to the blocks before, instead of a tensor addition for every batch
     (microseconds a batch on a small model). A block holds the batches of the same positions in the epoch however
     the epoch was run, so the sum of an epoch continued from any step (a checkpoint saves :meth:`state`) is the
@@ -111,23 +111,35 @@ class EpochLossSum:
     def __init__(self, state: Any = None, device: Optional[torch.device] = None):
         self.device = device
         self.folded: Optional[torch.Tensor] = None  # the sum of the complete blocks
-        self.values: List[torch.Tensor] = []  # the open block's committed values
-        self.pending: List[torch.Tensor] = []
+        # The open block's values, the committed ones first; the pending ones after them (one list: a batch's add
+        # and its step's commit are an append and a count, as they run for every batch).
+        self.values: List[torch.Tensor] = []
+        self.committed = 0  # how many of values are committed
         if isinstance(state, dict):
             if state.get("folded") is not None:
                 self.folded = torch.as_tensor(state["folded"]).to(device, copy=True)
             if state.get("values") is not None:
                 self.values = list(torch.as_tensor(state["values"]).to(device, copy=True).unbind())
+                self.committed = len(self.values)
         elif state is not None:
             self.folded = torch.tensor(state, device=device)
 
+    @property
+    def pending(self) -> Tuple[torch.Tensor, ...]:
+        """The values added since the last commit (read-only: :meth:`add` adds one)."""
+        return tuple(self.values[self.committed:])
+
+    def add(self, value: torch.Tensor) -> None:
+        """A batch's detached loss, pending until the next :meth:`commit`."""
+        self.values.append(value)
+
     def commit(self) -> None:
         """Commit the pending values (at an optimizer step)."""
-        values = self.values
-        values += self.pending
-        self.pending.clear()
-        if len(values) >= self.BLOCK:
+        committed = self.committed = len(self.values)
+        if committed >= self.BLOCK:
+            values = self.values
             block, self.values = values[:self.BLOCK], values[self.BLOCK:]
+            self.committed = committed - self.BLOCK
             self.folded = self._added(self.folded, block)
 
     @staticmethod
@@ -141,12 +153,12 @@ class EpochLossSum:
 
     def total(self, include_pending: bool = True) -> torch.Tensor:
         """The sum of the committed values and, with ``include_pending``, the pending ones (a new tensor)."""
-        total = self._added(self.folded, self.values + self.pending if include_pending else self.values)
+        total = self._added(self.folded, self.values if include_pending else self.values[:self.committed])
         return total if total is not None else torch.zeros((), device=self.device)
 
     def state(self, include_pending: bool = False) -> Dict[str, Optional[torch.Tensor]]:
         """What continues the sum bit for bit (:class:`EpochLossSum` takes it back): the complete blocks' sum and the
         open block's values (with ``include_pending``, the pending ones too, as committed), on the CPU."""
-        values = self.values + self.pending if include_pending else self.values
+        values = self.values if include_pending else self.values[:self.committed]
         return {"folded": None if self.folded is None else self.folded.detach().cpu().clone(),
                 "values": torch.stack(values).cpu() if values else None}

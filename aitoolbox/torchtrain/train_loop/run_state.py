@@ -67,7 +67,8 @@ class RunState:
         self._loader_generators: list = []  # the training loader's own generators (epoch_batches), see mark_batch_done
         self._interrupted_at: Optional[MidEpochResume] = None
         self.rollbacks = RollbackHistory()
-        self._after_step: Optional[Callable[["TrainLoop"], None]] = None
+        #: The action :meth:`call_after_step` asked for, until :meth:`run_after_step` runs it (None: none).
+        self.after_step_action: Optional[Callable[["TrainLoop"], None]] = None
         #: With :attr:`time_loader` (ThroughputMonitor sets it): seconds spent getting training batches from the
         #: loader (starting an epoch's iteration, and each ``next``), summed over the run.
         self.loader_wait_s = 0.0
@@ -212,17 +213,17 @@ class RunState:
         """Run ``action(tl)`` once the current batch is done: after its optimizer step and every callback's
         ``on_batch_end``, where a mid-epoch checkpoint holds the whole step (call it from a batch hook of a batch
         that steps). ``action`` may raise :class:`~.rollback.RollBack`. One action per step: a second replaces it."""
-        self._after_step = action
+        self.after_step_action = action
 
     def run_after_step(self, tl: "TrainLoop") -> None:
         """The loop, at the end of a batch that stepped: run the action :meth:`call_after_step` asked for."""
-        action, self._after_step = self._after_step, None
+        action, self.after_step_action = self.after_step_action, None
         if action is not None:
             action(tl)
 
     def add_batch_loss(self, loss: torch.Tensor) -> None:
         """A batch was trained: its loss joins the epoch's sum at the next optimizer step."""
-        self.epoch_loss.pending.append(loss)
+        self.epoch_loss.values.append(loss)  # EpochLossSum.add without its call (runs per batch)
         self.batches_done += 1
 
     def mark_batch_done(self) -> None:

@@ -1181,7 +1181,10 @@ class TrainLoop:
         accumulation = state.grad_accumulation
         every_batch_steps = accumulation == 1
         window_end = self.run_state.window_end_length(self.train_loader)  # None: the loader's end tells
-        for state.iteration, batch_data in batches:
+        batches = iter(batches)  # (one iterator: the general loop goes on where the direct one left off)
+        if every_batch_steps and self._direct_batches() and self._train_direct_batches(batches, num_iterations, bar):
+            return  # num_iterations reached or a stop requested
+        for state.iteration, batch_data in batches:  # all of them, or those after the direct ones
             iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
             step_due = every_batch_steps or iteration_limit_hit or state.iteration + 1 == window_end \
                 or (state.iteration + 1) % accumulation == 0
@@ -1251,6 +1254,56 @@ class TrainLoop:
                     loss = self._model_runner.get_loss(batch_data, self.criterion, self.strategy.device)
                 self._backward_and_step(loss, optimizer_step)
         self._end_batch(optimizer_step)
+
+    def _direct_batches(self) -> bool:
+        """Whether this epoch's batches may run as :meth:`_train_direct_batches`: every batch steps (checked by the
+        caller), no callback has a batch hook, no context is entered around a batch, no compiled-gradient check is
+        due and the step runner can take each step directly (a plain precision, nothing pending)."""
+        return (self._plain_batches and not self.callbacks_handler.has_batch_hooks
+                and (self._compiler is None or not self._compiler.verification_due)
+                and self._step_runner.can_step_directly())
+
+    def _train_direct_batches(self, batches: Iterator, num_iterations: int, bar: ProgressBar) -> bool:
+        """The batches of :meth:`_train_loader_batches` in the common case :meth:`_direct_batches` describes, in one
+        frame: the same state changes in the same order as :meth:`_run_batch` without hooks, each step taken by
+        :meth:`~.step_runner.StepRunner.step_directly` (the per-batch cost over a hand-written loop is mostly
+        calls). Returns True where the epoch's batches end here (``num_iterations`` reached, a stop requested),
+        False where the loader is exhausted or the case no longer holds (a callback with a batch hook registered,
+        a precision assigned inside the epoch): the general loop goes on with the batches left. A loss that is not
+        one tensor (a MultiLoss, one the checks refuse) takes the general step."""
+        state, strategy, interrupts, run_state = self.state, self.strategy, self._interrupts, self.run_state
+        hooks, runner, running_loss = self.callbacks_handler, self._step_runner, self._running_loss_postfix
+        get_loss, criterion, device = self._model_runner.get_loss, self.criterion, strategy.device
+        distributed = getattr(strategy, "is_distributed", False)  # (as Interrupts.stop_due reads it)
+        for state.iteration, batch_data in batches:
+            interrupts.in_batch = True
+            state.total_iteration_idx += 1
+            state.optimizer_step_due = True
+            self._current_batch = batch_data
+            loss = get_loss(batch_data, criterion, device)
+            if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # checked_batch_loss's usual
+                self.last_batch_loss = detached = loss.detach()
+                self._loss_names = None
+                run_state.add_batch_loss(detached)
+                runner.step_directly(loss)
+            else:
+                self._backward_and_step(loss, True)
+            state.optimizer_step_due = False  # as _end_batch without hooks
+            self._current_batch = None
+            interrupts.in_batch = False
+            if interrupts.pending:
+                interrupts.raise_pending()
+            if run_state.after_step_action is not None:
+                run_state.run_after_step(self)
+            if (distributed or interrupts.stop_signal is not None) and interrupts.stop_due(strategy):
+                interrupts.stop(self)  # (one process: stop_due is whether a stop signal came)
+            bar.update(running_loss)
+            if (num_iterations > 0 and state.total_iteration_idx + 1 >= num_iterations) or \
+                    (state.early_stop and strategy.stops_mid_epoch):
+                return True
+            if hooks.has_batch_hooks or not self._plain_batches:
+                return False
+        return False
 
     def _backward_and_step(self, loss: LossResult, optimizer_step: bool) -> None:
         self.last_batch_loss, self._loss_names = checked_batch_loss(loss)

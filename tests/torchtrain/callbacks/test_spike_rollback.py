@@ -367,7 +367,7 @@ class CountChecks(AbstractCallback):
         self.checks = 0
 
     def on_batch_end(self):
-        if self.train_loop_obj.run_state._after_step is not None:
+        if self.train_loop_obj.run_state.after_step_action is not None:
             self.checks += 1
 
 

@@ -22,7 +22,7 @@ def _fed(sums: EpochLossSum, values, windows):
     while position < len(values):
         length = windows[window % len(windows)]
         for value in values[position:position + length]:
-            sums.pending.append(value)
+            sums.add(value)
         sums.commit()
         position, window = position + length, window + 1
     return sums
@@ -52,7 +52,8 @@ def test_a_sum_continued_from_any_step_is_the_straight_sum(count, stop_window, w
 
 def test_the_state_holds_the_pending_values_when_asked_and_older_sums_load():
     sums = EpochLossSum()
-    sums.pending.extend([torch.tensor(1.0), torch.tensor(2.0)])
+    sums.add(torch.tensor(1.0))
+    sums.add(torch.tensor(2.0))
     assert sums.state()["values"] is None and torch.equal(sums.state(include_pending=True)["values"],
                                                           torch.tensor([1.0, 2.0]))
     assert torch.equal(EpochLossSum(3.5).total(), torch.tensor(3.5))  # a checkpoint of an older version: the sum

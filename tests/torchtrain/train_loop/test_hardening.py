@@ -337,16 +337,17 @@ def test_epoch_loss_sum_commits_at_the_step_with_float32_at_least():
     from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
     values = [torch.tensor(0.1, dtype=torch.bfloat16), torch.tensor(0.7), torch.tensor(1e-3)]
     epoch_loss = EpochLossSum()
-    epoch_loss.pending.extend(values[:2])
+    epoch_loss.add(values[0])
+    epoch_loss.add(values[1])
     epoch_loss.commit()
-    epoch_loss.pending.append(values[2])
+    epoch_loss.add(values[2])
     assert epoch_loss.total().dtype == torch.float32
     torch.testing.assert_close(epoch_loss.total(include_pending=False), values[0].float() + values[1])
     torch.testing.assert_close(epoch_loss.total(), values[0].float() + values[1] + values[2])
     assert torch.equal(epoch_loss.state()["values"], torch.stack([values[0].float(), values[1]]))  # not the pending
     epoch_loss.commit()
-    assert epoch_loss.pending == [] and torch.equal(epoch_loss.total(include_pending=False), epoch_loss.total())
+    assert epoch_loss.pending == () and torch.equal(epoch_loss.total(include_pending=False), epoch_loss.total())
     resumed = EpochLossSum([1.0, 2.0])
-    resumed.pending.append(torch.tensor([0.5, 0.25]))
+    resumed.add(torch.tensor([0.5, 0.25]))
     resumed.commit()
     assert resumed.total().tolist() == [1.5, 2.25]

@@ -1,0 +1,208 @@
+"""The direct batch path (``TrainLoop._train_direct_batches``: no callback with a batch hook, no context around a
+batch, a plain precision, every batch steps) against the general one, which a callback with an empty batch hook
+forces: the same weights, buffers, optimizer state, history, counters and random state, bit for bit, through the
+things that happen inside an epoch (an exception in ``get_loss`` or in the optimizer's step and the ``fit`` that
+continues, a stop, ``num_iterations``, a MultiLoss, a callback registered or a precision assigned mid-epoch, a
+loader without ``len``). The direct path exists for speed alone (benchmarks/overhead.py); nothing it trains may
+differ."""
+from typing import List, Optional
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.model import TTModel
+from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
+from aitoolbox.torchtrain.precision import Precision
+from aitoolbox.torchtrain.train_loop import TrainLoop
+from tests.helpers import IterableTensorData, single_torch_thread
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+BATCH_SIZE = 3
+
+
+class EmptyBatchHook(AbstractCallback):
+    """Does nothing, in a batch hook: the loop takes the general path for every batch."""
+
+    def __init__(self):
+        super().__init__("empty batch hook")
+
+    def on_batch_end(self):
+        pass
+
+
+class Plan:
+    """What happens at which training batch (counted over the whole test, from 0; the continuing fit counts on)."""
+
+    def __init__(self, fail_in_loss: Optional[int] = None, fail_in_step: Optional[int] = None,
+                 stop_at: Optional[int] = None, register_at: Optional[int] = None,
+                 precision_at: Optional[int] = None, multi_loss: bool = False):
+        self.fail_in_loss, self.fail_in_step, self.stop_at = fail_in_loss, fail_in_step, stop_at
+        self.register_at, self.precision_at, self.multi_loss = register_at, precision_at, multi_loss
+        self.batches = 0
+        self.steps = 0
+        self.train_loop: Optional[TrainLoop] = None
+
+
+class PlannedNet(TTModel):
+    """Dropout (random draws) and BatchNorm (buffers), with the plan's events in ``get_loss``."""
+
+    def __init__(self, plan: Plan):
+        super().__init__()
+        self.plan = plan
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+    def get_loss(self, batch_data, criterion, device):
+        plan, tl = self.plan, self.plan.train_loop
+        batch = plan.batches
+        plan.batches += 1
+        if batch == plan.register_at:
+            tl.callbacks_handler.register_callbacks([EmptyBatchHook()])
+        if batch == plan.precision_at:
+            tl.precision = Precision(device_type="cpu")
+        if batch == plan.stop_at:
+            tl.stop_training("planned stop")
+        x, y = batch_data
+        outputs = self(x.to(device))
+        loss = criterion(outputs, y.to(device))
+        if batch == plan.fail_in_loss:
+            raise RuntimeError("planned failure in get_loss")
+        if plan.multi_loss:
+            return MultiLoss({"main": loss, "small": 0.1 * outputs.pow(2).mean()})
+        return loss
+
+    def get_predictions(self, batch_data, device):
+        x, y = batch_data
+        return self(x.to(device)).argmax(dim=1), y, {}
+
+
+class PlannedSGD(torch.optim.SGD):
+    """Raises in the step the plan says (before changing anything)."""
+
+    def __init__(self, params, plan: Plan):
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.plan = plan
+
+    def step(self, closure=None):
+        step = self.plan.steps
+        self.plan.steps += 1
+        if step == self.plan.fail_in_step:
+            raise RuntimeError("planned failure in the optimizer's step")
+        return super().step(closure)
+
+
+def _train(plan: Plan, general: bool, num_samples: int, sized: bool, shuffle: bool, num_epochs: int,
+           num_iterations: int) -> dict:
+    torch.manual_seed(0)
+    model = PlannedNet(plan)
+    generator = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(num_samples, 4, generator=generator),
+                         torch.randint(0, 3, (num_samples,), generator=generator))
+    loader = DataLoader(data, batch_size=BATCH_SIZE, shuffle=shuffle, generator=torch.Generator().manual_seed(3)) \
+        if sized else DataLoader(IterableTensorData(data), batch_size=BATCH_SIZE)
+    tl = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
+                   end_auto_eval=False, show_progress=False)
+    plan.train_loop = tl
+    callbacks: List[AbstractCallback] = [EmptyBatchHook()] if general else []
+    targets = {"num_iterations": num_iterations} if num_iterations else {"num_epochs": num_epochs}
+    failures = 0
+    for attempt in range(3):
+        try:
+            tl.fit(callbacks=callbacks if attempt == 0 else None, **targets)
+            break
+        except RuntimeError as error:
+            assert "planned failure" in str(error)
+            failures += 1
+    return {"state": {name: value.clone() for name, value in model.state_dict().items()},
+            "optimizer": tl.optimizer.state_dict()["state"], "history": dict(tl.train_history),
+            "counters": (tl.epoch, tl.iteration, tl.total_iteration_idx, tl.early_stop, failures),
+            "rng": torch.get_rng_state(), "batches": plan.batches, "steps": plan.steps}
+
+
+def _assert_same(direct: dict, general: dict) -> None:
+    assert direct["counters"] == general["counters"]
+    assert (direct["batches"], direct["steps"]) == (general["batches"], general["steps"])
+    for name, value in general["state"].items():
+        assert torch.equal(direct["state"][name], value), name
+    for index, state in general["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(direct["optimizer"][index][key], value), (index, key)
+    assert direct["history"] == general["history"]
+    assert torch.equal(direct["rng"], general["rng"])
+
+
+def _both(plan_args: dict, **run) -> None:
+    direct = _train(Plan(**plan_args), general=False, **run)
+    general = _train(Plan(**plan_args), general=True, **run)
+    _assert_same(direct, general)
+
+
+events = st.none() | st.integers(0, 14)
+QUICK = settings(max_examples=15, deadline=None, derandomize=True, database=None)
+EXTENDED = settings(max_examples=250, deadline=None, database=None)
+
+
+@st.composite
+def runs(draw) -> dict:
+    """A loader of whole batches and maybe a tail of 2 (BatchNorm refuses a batch of one sample), how long to train,
+    and a plan of events."""
+    sized = draw(st.booleans())
+    run = dict(num_samples=BATCH_SIZE * draw(st.integers(1, 5)) + draw(st.sampled_from([0, 2])), sized=sized,
+               shuffle=sized and draw(st.booleans()), num_epochs=draw(st.integers(1, 3)),
+               num_iterations=draw(st.sampled_from([0, 0, 1, 4, 7])))
+    plan = dict(fail_in_loss=draw(events), fail_in_step=draw(events), stop_at=draw(events),
+                register_at=draw(events), precision_at=draw(events), multi_loss=draw(st.booleans()))
+    return {"plan_args": plan, **run}
+
+
+@QUICK
+@given(drawn=runs())
+def test_the_direct_path_trains_what_the_general_path_trains(drawn):
+    _both(**drawn)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@EXTENDED
+@given(drawn=runs())
+def test_the_direct_path_trains_what_the_general_path_trains_extended(drawn):
+    _both(**drawn)
+
+
+@pytest.mark.parametrize("plan_args", [
+    {},
+    {"fail_in_loss": 4},
+    {"fail_in_step": 2},
+    {"stop_at": 3},
+    {"register_at": 2, "fail_in_loss": 5},
+    {"precision_at": 1, "fail_in_step": 4},
+    {"multi_loss": True, "fail_in_loss": 3},
+], ids=["plain", "get_loss raises", "step raises", "stop", "callback registered", "precision assigned",
+        "MultiLoss"])
+def test_named_cases_of_the_direct_path(plan_args):
+    _both(plan_args, num_samples=20, sized=True, shuffle=True, num_epochs=2, num_iterations=0)
+
+
+def test_the_common_case_takes_the_direct_path_and_a_batch_hook_the_general_one():
+    """(What the test above compares is two paths: a loop that took the general one in both runs would pass it.)"""
+    taken = {}
+    for general in (False, True):
+        plan = Plan()
+        torch.manual_seed(0)
+        model = PlannedNet(plan)
+        loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 3, (9,))), batch_size=BATCH_SIZE)
+        tl = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
+                       end_auto_eval=False, show_progress=False)
+        plan.train_loop = tl
+        calls = []
+        tl._run_batch = lambda batch, step, run=tl._run_batch: (calls.append(1), run(batch, step))[1]
+        tl.fit(num_epochs=1, callbacks=[EmptyBatchHook()] if general else None)
+        taken[general] = len(calls)
+    assert taken == {False: 0, True: 3}
