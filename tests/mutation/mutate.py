@@ -58,6 +58,8 @@ TESTS = [
     "tests/torchtrain/data/test_persistent_workers.py",
     "tests/torchtrain/train_loop/test_step_conditions.py",
     "tests/torchtrain/train_loop/test_step_transactions.py",
+    "tests/torchtrain/train_loop/test_per_optimizer_accumulation.py",
+    "tests/torchtrain/train_loop/test_direct_batches.py",
     "tests/torchtrain/train_loop/test_epoch_loss_sum.py",
     "tests/combinations/test_property_regressions.py",
     "tests/torchtrain/precision/test_precision_parity.py",
