@@ -96,8 +96,10 @@ class Precision:
         (``loss.backward()``, each optimizer's ``step()`` and ``zero_grad()``): no loss scaling, no master weights,
         the eager step, no step listener, this class's own methods, and no step in progress (nothing unscaled, the
         last step not skipped). The step runner then makes those calls itself (see
-        :meth:`~aitoolbox.torchtrain.train_loop.step_runner.StepRunner.step_directly`)."""
-        own_methods = all(getattr(type(self), name) is getattr(Precision, name)
+        :meth:`~aitoolbox.torchtrain.train_loop.step_runner.StepRunner.step_directly`); the loop asks at the start of
+        each epoch's batches, so a change of these attributes takes effect from the next epoch, or at once through a
+        new precision (``tl.precision = ...``)."""
+        own_methods = all(getattr(type(self), name) is getattr(Precision, name) and name not in vars(self)
                           for name in ("backward", "step", "zero_grad", "update_scale", "unscale_"))
         return (own_methods and self.loss_scaler is None and self.master_weights is None
                 and self.step_optimizer is _eager_step and self.step_listener is None

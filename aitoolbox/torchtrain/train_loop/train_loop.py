@@ -1268,19 +1268,26 @@ class TrainLoop:
         frame: the same state changes in the same order as :meth:`_run_batch` without hooks, each step taken by
         :meth:`~.step_runner.StepRunner.step_directly` (the per-batch cost over a hand-written loop is mostly
         calls). Returns True where the epoch's batches end here (``num_iterations`` reached, a stop requested),
-        False where the loader is exhausted or the case no longer holds (a callback with a batch hook registered,
-        a precision assigned inside the epoch): the general loop goes on with the batches left. A loss that is not
-        one tensor (a MultiLoss, one the checks refuse) takes the general step."""
+        False where the loader is exhausted or the case no longer holds: the general loop goes on with the batches
+        left. A loss that is not one tensor (a MultiLoss, one the checks refuse) takes the general step; so does
+        the batch in whose ``get_loss`` a callback with a batch hook was registered or a precision assigned (as in
+        :meth:`_run_batch`, its hooks and the new precision apply from that batch's backward on)."""
         state, strategy, interrupts, run_state = self.state, self.strategy, self._interrupts, self.run_state
         hooks, runner, running_loss = self.callbacks_handler, self._step_runner, self._running_loss_postfix
-        get_loss, criterion, device = self._model_runner.get_loss, self.criterion, strategy.device
+        device = strategy.device
         distributed = getattr(strategy, "is_distributed", False)  # (as Interrupts.stop_due reads it)
         for state.iteration, batch_data in batches:
             interrupts.in_batch = True
             state.total_iteration_idx += 1
             state.optimizer_step_due = True
             self._current_batch = batch_data
-            loss = get_loss(batch_data, criterion, device)
+            loss = self._model_runner.get_loss(batch_data, self.criterion, device)
+            if hooks.has_batch_hooks or not self._plain_batches:  # changed inside get_loss
+                self._backward_and_step(loss, True)
+                self._end_batch(True)
+                bar.update(running_loss)
+                return (num_iterations > 0 and state.total_iteration_idx + 1 >= num_iterations) or \
+                    (state.early_stop and strategy.stops_mid_epoch)
             if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # checked_batch_loss's usual
                 self.last_batch_loss = detached = loss.detach()
                 self._loss_names = None
@@ -1301,7 +1308,7 @@ class TrainLoop:
             if (num_iterations > 0 and state.total_iteration_idx + 1 >= num_iterations) or \
                     (state.early_stop and strategy.stops_mid_epoch):
                 return True
-            if hooks.has_batch_hooks or not self._plain_batches:
+            if hooks.has_batch_hooks or not self._plain_batches:  # changed in the step (the user's optimizer)
                 return False
         return False
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.model import TTModel
 from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
-from aitoolbox.torchtrain.precision import Precision
+from aitoolbox.torchtrain.precision import LossScaler, Precision
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import IterableTensorData, single_torch_thread
 
@@ -35,14 +35,54 @@ class EmptyBatchHook(AbstractCallback):
         pass
 
 
+class ClipsAndCounts(AbstractCallback):
+    """Clips the gradients before each step (so a missed hook changes the weights) and counts its hooks."""
+
+    def __init__(self):
+        super().__init__("clips and counts")
+        self.calls: List[str] = []
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self.calls.append("gradient")
+        torch.nn.utils.clip_grad_norm_(self.train_loop_obj.model.parameters(), max_norm=0.05)
+
+    def on_after_optimizer_step(self):
+        self.calls.append("step")
+
+    def on_batch_end(self):
+        self.calls.append("batch_end")
+
+
+class HalvingPrecision(Precision):
+    """A user's precision whose own step halves the gradients first."""
+
+    def step(self, optimizers, update_scale=True):
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(0.5)
+        return super().step(optimizers, update_scale)
+
+
+PRECISIONS = {
+    "plain": lambda: Precision(device_type="cpu"),
+    "own step": lambda: HalvingPrecision(device_type="cpu"),
+    "dynamic scale": lambda: Precision(device_type="cpu", loss_scaler=LossScaler("dynamic", growth_interval=2)),
+}
+
+
 class Plan:
     """What happens at which training batch (counted over the whole test, from 0; the continuing fit counts on)."""
 
     def __init__(self, fail_in_loss: Optional[int] = None, fail_in_step: Optional[int] = None,
                  stop_at: Optional[int] = None, register_at: Optional[int] = None,
-                 precision_at: Optional[int] = None, multi_loss: bool = False):
+                 precision_at: Optional[int] = None, precision: str = "plain", criterion_at: Optional[int] = None,
+                 multi_loss: bool = False):
         self.fail_in_loss, self.fail_in_step, self.stop_at = fail_in_loss, fail_in_step, stop_at
-        self.register_at, self.precision_at, self.multi_loss = register_at, precision_at, multi_loss
+        self.register_at, self.precision_at, self.precision = register_at, precision_at, precision
+        self.criterion_at, self.multi_loss = criterion_at, multi_loss
+        self.registered = ClipsAndCounts()
         self.batches = 0
         self.steps = 0
         self.train_loop: Optional[TrainLoop] = None
@@ -64,9 +104,11 @@ class PlannedNet(TTModel):
         batch = plan.batches
         plan.batches += 1
         if batch == plan.register_at:
-            tl.callbacks_handler.register_callbacks([EmptyBatchHook()])
+            tl.callbacks_handler.register_callbacks([plan.registered])
         if batch == plan.precision_at:
-            tl.precision = Precision(device_type="cpu")
+            tl.precision = PRECISIONS[plan.precision]()
+        if batch == plan.criterion_at:
+            tl.criterion = criterion = nn.CrossEntropyLoss(label_smoothing=0.2)
         if batch == plan.stop_at:
             tl.stop_training("planned stop")
         x, y = batch_data
@@ -121,6 +163,7 @@ def _train(plan: Plan, general: bool, num_samples: int, sized: bool, shuffle: bo
             assert "planned failure" in str(error)
             failures += 1
     return {"state": {name: value.clone() for name, value in model.state_dict().items()},
+            "precision": tl.precision.state_dict(), "hooks": list(plan.registered.calls),
             "optimizer": tl.optimizer.state_dict()["state"], "history": dict(tl.train_history),
             "counters": (tl.epoch, tl.iteration, tl.total_iteration_idx, tl.early_stop, failures),
             "rng": torch.get_rng_state(), "batches": plan.batches, "steps": plan.steps}
@@ -135,6 +178,8 @@ def _assert_same(direct: dict, general: dict) -> None:
         for key, value in state.items():
             assert torch.equal(direct["optimizer"][index][key], value), (index, key)
     assert direct["history"] == general["history"]
+    assert direct["hooks"] == general["hooks"]
+    assert direct["precision"] == general["precision"]
     assert torch.equal(direct["rng"], general["rng"])
 
 
@@ -158,7 +203,8 @@ def runs(draw) -> dict:
                shuffle=sized and draw(st.booleans()), num_epochs=draw(st.integers(1, 3)),
                num_iterations=draw(st.sampled_from([0, 0, 1, 4, 7])))
     plan = dict(fail_in_loss=draw(events), fail_in_step=draw(events), stop_at=draw(events),
-                register_at=draw(events), precision_at=draw(events), multi_loss=draw(st.booleans()))
+                register_at=draw(events), precision_at=draw(events), precision=draw(st.sampled_from(sorted(PRECISIONS))),
+                criterion_at=draw(events), multi_loss=draw(st.booleans()))
     return {"plan_args": plan, **run}
 
 
@@ -183,9 +229,14 @@ def test_the_direct_path_trains_what_the_general_path_trains_extended(drawn):
     {"stop_at": 3},
     {"register_at": 2, "fail_in_loss": 5},
     {"precision_at": 1, "fail_in_step": 4},
+    {"precision_at": 3, "precision": "own step"},
+    {"precision_at": 2, "precision": "dynamic scale"},
+    {"register_at": 3},
+    {"criterion_at": 3},
     {"multi_loss": True, "fail_in_loss": 3},
 ], ids=["plain", "get_loss raises", "step raises", "stop", "callback registered", "precision assigned",
-        "MultiLoss"])
+        "own precision step from a batch", "loss scaling from a batch", "clipping callback from a batch",
+        "criterion replaced", "MultiLoss"])
 def test_named_cases_of_the_direct_path(plan_args):
     _both(plan_args, num_samples=20, sized=True, shuffle=True, num_epochs=2, num_iterations=0)
 
@@ -206,3 +257,32 @@ def test_the_common_case_takes_the_direct_path_and_a_batch_hook_the_general_one(
         tl.fit(num_epochs=1, callbacks=[EmptyBatchHook()] if general else None)
         taken[general] = len(calls)
     assert taken == {False: 0, True: 3}
+
+
+def test_a_precision_whose_instance_has_its_own_step_takes_the_general_path():
+    """``passes_through`` looks at the instance too: a step replaced on the object is the step that runs."""
+    results = []
+    for general in (False, True):
+        plan = Plan()
+        torch.manual_seed(0)
+        model = PlannedNet(plan)
+        loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 3, (9,))), batch_size=BATCH_SIZE)
+        tl = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
+                       end_auto_eval=False, show_progress=False)
+        plan.train_loop = tl
+        precision = Precision(device_type="cpu")
+        calls = []
+
+        def clamped_step(optimizers, update_scale=True, plain_step=precision.step):
+            calls.append(1)
+            for param in model.parameters():
+                param.grad.clamp_(-0.01, 0.01)
+            return plain_step(optimizers, update_scale)
+
+        precision.step = clamped_step
+        tl.precision = precision
+        tl.fit(num_epochs=1, callbacks=[EmptyBatchHook()] if general else None)
+        results.append((len(calls), [value.clone() for value in model.state_dict().values()]))
+    (calls_direct, direct), (calls_general, general) = results
+    assert calls_direct == calls_general == 3
+    assert all(torch.equal(a, b) for a, b in zip(direct, general))
