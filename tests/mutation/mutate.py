@@ -16,8 +16,10 @@ Usage (from the repository root; one command, the test selection is :data:`TESTS
 
 The package is copied to a temporary folder; the mutated file is written there only (the working tree is never
 changed). Mutants on lines the selected tests never execute (measured once, with coverage, in the test process)
-are reported as *not covered* without running. Each mutant's tests run in a process forked from one that imported
-torch and pytest already, stopping at the first failure; ``--jobs N`` runs N at once, each in its own copy.
+are reported as *not covered* without running. Each mutant runs the tests of the selection that execute its
+statement (recorded per test by the same measurement; the whole selection for a line executed at import, or with
+``--whole-selection``), in a process forked from one that imported torch and pytest already, stopping at the first
+failure; ``--jobs N`` runs N at once, each in its own copy.
 
 The report is rewritten after every mutant. ``--resume REPORT`` skips the mutants it decided and reuses its
 unmutated run (time and coverage) while the package and the tests are unchanged; ``--retry survived`` runs a
@@ -106,6 +108,10 @@ TESTS = [
 # Tests of the selection left out: slow for what they add here (test_cpu_fallback.py is, but for the one test named
 # in TESTS).
 DESELECTED: List[str] = []
+
+# The baseline's coverage: the lines executed, and the tests executing each (a baseline of another format is run
+# again rather than reused).
+COVERAGE_FORMAT = 2
 
 # Function names whose bodies are not mutated: what only describes an object.
 SKIPPED_FUNCTIONS = {"__repr__", "__str__"}
@@ -317,18 +323,37 @@ def _copy_repository(destination: str) -> None:
     shutil.copy(os.path.join(REPOSITORY, "pytest.ini"), destination)
 
 
-def _pytest_arguments() -> List[str]:
-    arguments = list(TESTS) + ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "--no-header",
-                               "-o", "addopts=--import-mode=importlib"]
+def _pytest_arguments(tests: Optional[List[str]] = None) -> List[str]:
+    """The selection (or ``tests``, node ids of it), stopping at the first failure."""
+    arguments = list(tests or TESTS) + ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "--no-header",
+                                        "-o", "addopts=--import-mode=importlib"]
     return arguments + [f"--ignore={path}" for path in DESELECTED]
 
 
+class _TestContexts:
+    """A pytest plugin naming coverage's context after the test that runs (its setup, call and teardown), so that
+    the baseline knows which tests execute each line; the lines executed outside any test (at import, at collection)
+    keep the empty context."""
+
+    def __init__(self, measured):
+        self.measured = measured
+        self.test_ids: List[str] = []  # in the order they ran
+
+    def pytest_runtest_setup(self, item):
+        self.test_ids.append(item.nodeid)
+        self.measured.switch_context(item.nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.measured.switch_context("")
+
+
 def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]] = None,
-                 threads: Optional[int] = None) -> int:
-    """Start the selection in a process forked from this one, inside ``copy_root``; its pid.
+                 threads: Optional[int] = None, tests: Optional[List[str]] = None) -> int:
+    """Start the selection (or ``tests``) in a process forked from this one, inside ``copy_root``; its pid.
 
     With ``coverage_of``, the lines of those files the tests execute are written to ``copy_root``'s
-    ``.coverage-lines.json``. ``threads`` caps torch's threads (parallel workers must not oversubscribe the cores).
+    ``.coverage-lines.json``, with the tests that execute each (see :func:`_covering_tests`). ``threads`` caps
+    torch's threads (parallel workers must not oversubscribe the cores).
     """
     pid = os.fork()
     if pid:
@@ -351,19 +376,28 @@ def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]]
             import torch
             torch.set_num_threads(threads)
         import pytest
+        plugins = []
         if coverage_of:
             import coverage
             measured = coverage.Coverage(include=[os.path.join(copy_root, path) for path in coverage_of],
                                          data_file=None)
+            plugins.append(_TestContexts(measured))
             measured.start()
-        code = pytest.main(_pytest_arguments())
+        code = pytest.main(_pytest_arguments(tests), plugins=plugins)
         if coverage_of:
             measured.stop()
             data = measured.get_data()
-            lines = {os.path.relpath(path, copy_root): sorted(data.lines(path) or [])
-                     for path in data.measured_files()}
+            test_ids = plugins[0].test_ids
+            position = {test_id: index for index, test_id in enumerate(test_ids)}
+            position[""] = -1  # executed outside any test (at import): every test may depend on it
+            lines, tests_by_line = {}, {}
+            for path in data.measured_files():
+                relative = os.path.relpath(path, copy_root)
+                lines[relative] = sorted(data.lines(path) or [])
+                tests_by_line[relative] = {line: sorted(position[context] for context in contexts)
+                                           for line, contexts in data.contexts_by_lineno(path).items()}
             with open(os.path.join(copy_root, ".coverage-lines.json"), "w") as handle:
-                json.dump(lines, handle)
+                json.dump({"lines": lines, "test_ids": test_ids, "tests_by_line": tests_by_line}, handle)
     finally:
         os._exit(int(code))
 
@@ -380,9 +414,10 @@ def _outcome(status: int) -> str:
     return {0: "survived", 1: "killed"}.get(os.waitstatus_to_exitcode(status), "error")
 
 
-def _run_baseline(copy_root: str, log_path: str, coverage_of: Optional[List[str]]
-                  ) -> Tuple[str, float, Optional[Dict[str, List[int]]]]:
-    """The unmutated selection: ``(outcome, seconds, executed lines of coverage_of's files)``."""
+def _run_baseline(copy_root: str, log_path: str, coverage_of: Optional[List[str]]) -> Tuple[str, float, Optional[dict]]:
+    """The unmutated selection: ``(outcome, seconds, coverage)``: the executed lines of coverage_of's files
+    (``lines``), the tests in the order they ran (``test_ids``) and which of them execute each line
+    (``tests_by_line``, positions in ``test_ids``; -1 for lines executed outside any test)."""
     started = time.monotonic()
     pid = _start_tests(copy_root, log_path, coverage_of)
     _, status = os.waitpid(pid, 0)
@@ -407,6 +442,22 @@ def _statement_lines(source: str, line: int) -> Set[int]:
     return set(range(best.lineno, best.end_lineno + 1)) if best is not None else {line}
 
 
+def _covering_tests(coverage: dict, path: str, lines: Set[int]) -> Optional[List[str]]:
+    """The tests of the selection that execute any of ``lines`` of ``path``, in the order they ran; None where a line
+    is executed outside any test (at import: a module constant, a class attribute) or the baseline recorded no
+    tests by line: then the whole selection runs."""
+    by_line = (coverage.get("tests_by_line") or {}).get(path)
+    if by_line is None:
+        return None
+    positions: Set[int] = set()
+    for line in lines:
+        positions.update(by_line.get(str(line), ()))
+    if -1 in positions:
+        return None
+    test_ids = coverage["test_ids"]
+    return [test_ids[position] for position in sorted(positions)]
+
+
 def _first_failure(log_path: str) -> str:
     """The node id of the first test pytest reported failed (or in error) in ``log_path``."""
     with open(log_path, errors="replace") as log:
@@ -427,13 +478,14 @@ class _Worker:
         self._started = 0.0
         self._log_path = ""
 
-    def start(self, mutant: Mutant, number: int, original: str, mutated: str) -> None:
+    def start(self, mutant: Mutant, number: int, original: str, mutated: str, tests: Optional[List[str]]) -> None:
+        """Run ``tests`` (node ids; None: the whole selection) against ``mutated``, ``mutant.path``'s mutated source."""
         self.mutant, self._original = mutant, original
         with open(os.path.join(self.copy_root, mutant.path), "w") as handle:
             handle.write(mutated)
         self._started = time.monotonic()
         self._log_path = os.path.join(self.log_dir, f"{number}.log")
-        self.pid = _start_tests(self.copy_root, self._log_path, threads=self.threads)
+        self.pid = _start_tests(self.copy_root, self._log_path, threads=self.threads, tests=tests)
 
     def poll(self) -> Optional[Mutant]:
         """The mutant, with its outcome, once its tests ended (or were killed at the timeout); else None."""
@@ -474,7 +526,7 @@ def _key(mutant: Mutant) -> Tuple:
 def _fingerprint() -> str:
     """What the baseline's outcome, time and coverage depend on: the package, the tests (this tool aside) and the
     selection. A report's baseline is reused only under the same fingerprint."""
-    digest = hashlib.sha256(json.dumps([TESTS, DESELECTED]).encode())
+    digest = hashlib.sha256(json.dumps([TESTS, DESELECTED, COVERAGE_FORMAT]).encode())
     paths = [os.path.join(REPOSITORY, "pytest.ini")]
     for name in ("aitoolbox", "tests"):
         paths += glob.glob(os.path.join(REPOSITORY, name, "**", "*.py"), recursive=True)
@@ -539,6 +591,9 @@ def main() -> int:
     parser.add_argument("--timeout-factor", type=float, default=3.0,
                         help="a mutant's tests may take this many times the unmutated run (then: killed, timeout)")
     parser.add_argument("--no-coverage", action="store_true", help="run every mutant, covered or not")
+    parser.add_argument("--whole-selection", action="store_true",
+                        help="run the whole selection against each mutant (default: the tests that execute the "
+                             "mutated statement, measured by the unmutated run)")
     parser.add_argument("--baseline-only", action="store_true", help="run the unmutated selection only")
     options = parser.parse_args()
     report_path = options.report or options.resume
@@ -598,7 +653,8 @@ def main() -> int:
             print(f"unmutated: the selection passes in {seconds:.0f} s")
         if options.baseline_only:
             return 0
-        covered = baseline["covered"] and {path: set(lines) for path, lines in baseline["covered"].items()}
+        coverage = baseline["covered"]
+        covered = coverage and {path: set(lines) for path, lines in coverage["lines"].items()}
         timeout_s = options.timeout_factor * baseline["seconds"] + 30
         threads = 1 if options.jobs > 1 else None
         workers = [_Worker(root, log_dir, timeout_s, threads) for root in roots]
@@ -623,7 +679,9 @@ def main() -> int:
                         record(number, mutant)
                         continue
                     numbers[id(mutant)] = number
-                    worker.start(mutant, number, original, mutated_source(original, sites[_key(mutant)]))
+                    tests = None if options.whole_selection or not coverage else \
+                        _covering_tests(coverage, mutant.path, _statement_lines(original, mutant.line))
+                    worker.start(mutant, number, original, mutated_source(original, sites[_key(mutant)]), tests)
             time.sleep(0.2)
             for worker in workers:
                 if worker.mutant is not None:
