@@ -14,6 +14,16 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any, Dict, List, Optional
 
 
+def _slot_names(cls: type) -> List[str]:
+    """The ``__slots__`` a class and its bases declare (a subclass of MultiLoss may add some)."""
+    names: List[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__",
+                                                                                               "__weakref__")]
+    return names
+
+
 class MultiLoss(MutableMapping):
     """A dict of named losses that the TrainLoop back-propagates one optimizer at a time.
 
@@ -74,8 +84,19 @@ class MultiLoss(MutableMapping):
         The loop divides the loss by ``grad_accumulation`` before the backward passes: a subclass's own ``backward``
         must be what it then calls (1.8's division built a plain MultiLoss, and the override was silently lost).
         """
-        new_loss = copy.copy(self)  # (no __init__: a subclass's may take other arguments)
-        new_loss.loss_dict = {name: fn(loss) for name, loss in self.loss_dict.items()}
+        # Built field by field, not with copy.copy (which probes the half-built object for __setstate__: a subclass
+        # whose __getattr__ reads self.loss_dict would recurse), and without __init__ (a subclass's may take other
+        # arguments).
+        cls = type(self)
+        new_loss = cls.__new__(cls)
+        fields = dict(vars(self))
+        fields["loss_dict"] = {name: fn(loss) for name, loss in self.loss_dict.items()}
+        object.__getattribute__(new_loss, "__dict__").update(fields)
+        for slot in _slot_names(cls):
+            try:
+                object.__setattr__(new_loss, slot, object.__getattribute__(self, slot))
+            except AttributeError:  # a slot this instance never set
+                pass
         return new_loss
 
     def item(self) -> 'MultiLoss':

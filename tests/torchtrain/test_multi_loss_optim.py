@@ -92,6 +92,28 @@ def test_a_subclass_stays_itself_through_the_tensor_methods(method):
     assert result is not weighted and weighted.item() == {'x': 4.0, 'y': 8.0}  # the original is untouched
 
 
+class NamedLosses(MultiLoss):
+    """Reaches its losses as attributes (``loss.main``), by a ``__getattr__`` that reads ``self.loss_dict``."""
+
+    __slots__ = ("tag",)
+
+    def __getattr__(self, name):
+        try:
+            return self.loss_dict[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def test_a_subclass_whose_getattr_reads_its_losses_is_divided_and_keeps_its_slots():
+    """The copy is built field by field: copy.copy probed the half-built object for ``__setstate__``, whose
+    ``__getattr__`` then read the missing ``loss_dict`` and recursed (grad_accumulation > 1 crashed)."""
+    named = NamedLosses({'main': torch.tensor(2., requires_grad=True), 'aux': torch.tensor(4.)})
+    named.tag = "run 7"
+    halved = named / 2
+    assert type(halved) is NamedLosses and halved.tag == "run 7"
+    assert halved.main.item() == 1.0 and halved.aux.item() == 2.0 and named.main.item() == 2.0
+
+
 def test_a_divided_subclass_back_propagates_with_its_own_backward():
     model = TwoHeads()
     loss_a, loss_b = model.losses(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)))
