@@ -9,7 +9,6 @@ Both methods take the loop's gradient scaler: any object with ``scale(loss)`` an
 manner of ``torch.amp.GradScaler``. A disabled scaler returns the loss unchanged and simply calls
 ``optimizer.step()``, so the same code path serves training with and without mixed precision.
 """
-import copy
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Dict, List, Optional
 
