@@ -818,6 +818,11 @@ class TrainLoop:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
+            if self.pending_restore is not None and not self.pending_restore.get("iteration", 0) > 0:
+                # A loaded epoch-end checkpoint of a finished run (a requeued job's auto_resume): its states are the
+                # run's now (the schedulers registered here reset the learning rate), so a later fit continues it.
+                self.set_up()
+                self.apply_pending_restore()
             return self.model_for_user
         try:
             with self._interrupts.watching(self._data_loaders()), self._compile_recording:

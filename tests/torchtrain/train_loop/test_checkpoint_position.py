@@ -244,3 +244,24 @@ def test_a_checkpoint_at_an_epoch_boundary_resumes_as_the_straight_run(num_batch
     assert checkpoint["iteration"] == 0
     resumed = resumed_run(checkpoint, 3, grad_accumulation, sized, num_batches)
     assert_runs_equal(resumed, straight_run(3, grad_accumulation, sized, num_batches))
+
+
+def test_a_finished_runs_checkpoint_loaded_into_a_fit_with_nothing_to_train_is_the_run_as_it_ended():
+    """A requeued job's auto_resume loads the checkpoint of a run that had finished and calls fit to the same total:
+    nothing is trained, and the run stands as it ended (the scheduler registered by that fit had reset the learning
+    rate, and the random state was not restored: a later fit went on from other values; review 45b)."""
+    straight = make_loop()
+    straight.fit(num_epochs=2, callbacks=[decaying_lr()])
+    checkpoint = as_from_a_file(straight.checkpoint_state())
+    rng_at_end = torch.get_rng_state()
+    torch.manual_seed(1234)  # another random state in between
+    resumed = make_loop()
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=2, callbacks=[decaying_lr()])
+    assert resumed.optimizer.param_groups[0]["lr"] == straight.optimizer.param_groups[0]["lr"]
+    assert torch.equal(torch.get_rng_state(), rng_at_end)
+    assert_runs_equal(resumed, straight)
+    for tl in (straight, resumed):
+        torch.set_rng_state(rng_at_end)
+        tl.fit(num_epochs=3)
+    assert_runs_equal(resumed, straight)
