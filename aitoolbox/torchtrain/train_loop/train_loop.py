@@ -660,7 +660,8 @@ class TrainLoop:
         otherwise.
 
         Raises:
-            RuntimeError: ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
+            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end (``fit`` finishes it first).
+                ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
                 optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), or with an
                 optimizer step an exception interrupted between two optimizers (``fit`` finishes it first).
@@ -668,6 +669,12 @@ class TrainLoop:
                 weights already trained on some of its batches, which a resume would train again.
         """
         run_state = self.run_state
+        if run_state.continuation_pending:
+            raise RuntimeError(
+                f"checkpoint_state was called after fit stopped in the end of epoch {self.epoch} (an exception in "
+                "on_epoch_train_end, the evaluation or on_epoch_end): a checkpoint cannot hold the steps of that end "
+                "still to run (the epoch's evaluation, callbacks' on_epoch_end such as an epoch-stepping scheduler), "
+                "so a resume would skip them. Call fit to finish the epoch's end first, then take the checkpoint")
         point = run_state.continuation_point
         # Stopped before the epoch's first step: the epoch starts again either way.
         inside_batches = run_state.inside_epoch_batches and not (point is not None and point.batches_done == 0)

@@ -265,3 +265,33 @@ def test_a_finished_runs_checkpoint_loaded_into_a_fit_with_nothing_to_train_is_t
         torch.set_rng_state(rng_at_end)
         tl.fit(num_epochs=3)
     assert_runs_equal(resumed, straight)
+
+
+class FailsOnceInEpochTrainEnd(AbstractCallback):
+    def __init__(self):
+        super().__init__("fails once in on_epoch_train_end")
+        self.failed = False
+
+    def on_epoch_train_end(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("planned failure in the epoch's end")
+
+
+def test_a_checkpoint_after_fit_stopped_in_the_epochs_end_is_refused_until_fit_finishes_it():
+    """The checkpoint recorded the epoch as finished, and a resume skipped the rest of its end (the evaluation, an
+    epoch-stepping scheduler; review 45b): refused, and taken once the next fit finished the end, it resumes as the
+    straight run."""
+    straight = straight_run(2, 1)
+    tl = make_loop()
+    with pytest.raises(RuntimeError, match="planned failure"):
+        tl.fit(num_epochs=1, callbacks=[decaying_lr(), FailsOnceInEpochTrainEnd()])
+    for mid_epoch in (None, True, False):
+        with pytest.raises(RuntimeError, match="stopped in the end of epoch 0"):
+            tl.checkpoint_state(mid_epoch=mid_epoch)
+    tl.fit(num_epochs=1)
+    checkpoint = as_from_a_file(tl.checkpoint_state())
+    resumed = make_loop()
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=2, callbacks=[decaying_lr()])
+    assert_runs_equal(resumed, straight)
