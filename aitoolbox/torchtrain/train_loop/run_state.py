@@ -286,6 +286,13 @@ class RunState:
         point = self._interrupted_at
         return point is not None and point.batches_trained
 
+    @property
+    def interrupted_before_epoch_evaluation(self) -> bool:
+        """The last ``fit`` stopped on an exception in an epoch's end before its evaluation was done (the loss sum
+        into the history, ``on_epoch_train_end``, the evaluation itself)."""
+        point = self._interrupted_at
+        return point is not None and point.batches_trained and "auto_evaluation" not in point.finished_steps
+
     def interrupted_at_iteration_target(self, num_iterations: int) -> bool:
         """An exception interrupted an epoch's batches exactly where ``fit(num_iterations=num_iterations)`` ends
         (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step), or a loaded mid-epoch

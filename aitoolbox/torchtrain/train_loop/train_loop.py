@@ -660,7 +660,8 @@ class TrainLoop:
         otherwise.
 
         Raises:
-            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end (``fit`` finishes it first).
+            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation (``fit``
+                finishes that end first).
                 ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
                 optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), or with an
@@ -669,12 +670,14 @@ class TrainLoop:
                 weights already trained on some of its batches, which a resume would train again.
         """
         run_state = self.run_state
-        if run_state.continuation_pending:
+        if run_state.interrupted_before_epoch_evaluation:
+            # (After the evaluation, in on_epoch_end, the checkpoint callbacks run last: what a failed save leaves
+            # for the user to take is the epoch's state, which its error message says to save elsewhere.)
             raise RuntimeError(
-                f"checkpoint_state was called after fit stopped in the end of epoch {self.epoch} (an exception in "
-                "on_epoch_train_end, the evaluation or on_epoch_end): a checkpoint cannot hold the steps of that end "
-                "still to run (the epoch's evaluation, callbacks' on_epoch_end such as an epoch-stepping scheduler), "
-                "so a resume would skip them. Call fit to finish the epoch's end first, then take the checkpoint")
+                f"checkpoint_state was called after fit stopped in the end of epoch {self.epoch} before the epoch was "
+                "evaluated (an exception in on_epoch_train_end or the evaluation): a checkpoint cannot hold the steps "
+                "of that end still to run (the evaluation, the callbacks' on_epoch_end), so a resume would skip them. "
+                "Call fit to finish the epoch's end first, then take the checkpoint")
         point = run_state.continuation_point
         # Stopped before the epoch's first step: the epoch starts again either way.
         inside_batches = run_state.inside_epoch_batches and not (point is not None and point.batches_done == 0)

@@ -279,15 +279,16 @@ class FailsOnceInEpochTrainEnd(AbstractCallback):
 
 
 def test_a_checkpoint_after_fit_stopped_in_the_epochs_end_is_refused_until_fit_finishes_it():
-    """The checkpoint recorded the epoch as finished, and a resume skipped the rest of its end (the evaluation, an
-    epoch-stepping scheduler; review 45b): refused, and taken once the next fit finished the end, it resumes as the
-    straight run."""
+    """Stopped before the epoch's evaluation, the checkpoint recorded the epoch as finished, and a resume skipped the
+    rest of its end (the evaluation, the callbacks' on_epoch_end; review 45b): refused, and taken once the next fit
+    finished the end, it resumes as the straight run. (Stopped in on_epoch_end, by a checkpoint callback's failed
+    save, it is the epoch's state its error message says to save elsewhere: test_model_save.py.)"""
     straight = straight_run(2, 1)
     tl = make_loop()
     with pytest.raises(RuntimeError, match="planned failure"):
         tl.fit(num_epochs=1, callbacks=[decaying_lr(), FailsOnceInEpochTrainEnd()])
     for mid_epoch in (None, True, False):
-        with pytest.raises(RuntimeError, match="stopped in the end of epoch 0"):
+        with pytest.raises(RuntimeError, match="stopped in the end of epoch 0 before the epoch was evaluated"):
             tl.checkpoint_state(mid_epoch=mid_epoch)
     tl.fit(num_epochs=1)
     checkpoint = as_from_a_file(tl.checkpoint_state())
