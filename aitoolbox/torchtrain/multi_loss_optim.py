@@ -9,17 +9,23 @@ Both methods take the loop's gradient scaler: any object with ``scale(loss)`` an
 manner of ``torch.amp.GradScaler``. A disabled scaler returns the loss unchanged and simply calls
 ``optimizer.step()``, so the same code path serves training with and without mixed precision.
 """
+import copy
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Dict, List, Optional
 
 
 def _slot_names(cls: type) -> List[str]:
-    """The ``__slots__`` a class and its bases declare (a subclass of MultiLoss may add some)."""
+    """The attribute names of the ``__slots__`` a class and its bases declare (a subclass of MultiLoss may add
+    some), private ones as Python stores them (``__secret`` of class ``Loss``: ``_Loss__secret``)."""
     names: List[str] = []
     for klass in cls.__mro__:
         slots = vars(klass).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else [name for name in slots if name not in ("__dict__",
-                                                                                               "__weakref__")]
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__") and klass.__name__.lstrip("_"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            names.append(name)
     return names
 
 
@@ -87,6 +93,10 @@ class MultiLoss(MutableMapping):
         # whose __getattr__ reads self.loss_dict would recurse), and without __init__ (a subclass's may take other
         # arguments).
         cls = type(self)
+        if getattr(cls, "__copy__", None) is not None:  # the subclass says how it is copied
+            new_loss = copy.copy(self)
+            new_loss.loss_dict = {name: fn(loss) for name, loss in self.loss_dict.items()}
+            return new_loss
         new_loss = cls.__new__(cls)
         fields = dict(vars(self))
         fields["loss_dict"] = {name: fn(loss) for name, loss in self.loss_dict.items()}

@@ -114,6 +114,37 @@ def test_a_subclass_whose_getattr_reads_its_losses_is_divided_and_keeps_its_slot
     assert halved.main.item() == 1.0 and halved.aux.item() == 2.0 and named.main.item() == 2.0
 
 
+class PrivateSlot(MultiLoss):
+    __slots__ = ("__weight",)
+
+    def set_weight(self, weight):
+        self.__weight = weight
+
+    def weight(self):
+        return self.__weight
+
+
+class OwnCopy(MultiLoss):
+    copies = 0
+
+    def __copy__(self):
+        OwnCopy.copies += 1
+        new = OwnCopy(dict(self.loss_dict))
+        new.__dict__.update({key: value for key, value in vars(self).items() if key != "loss_dict"})
+        return new
+
+
+def test_a_private_slot_is_copied_and_a_subclass_copy_is_used():
+    """A private slot is stored under its mangled name (review 46: the divided copy lost it); a subclass's own
+    ``__copy__`` says how it is copied."""
+    private = PrivateSlot({'x': torch.tensor(2.)})
+    private.set_weight(0.25)
+    assert (private / 2).weight() == 0.25
+    OwnCopy.copies = 0
+    copied = OwnCopy({'x': torch.tensor(2.)}) / 2
+    assert type(copied) is OwnCopy and OwnCopy.copies == 1 and copied['x'].item() == 1.0
+
+
 def test_a_divided_subclass_back_propagates_with_its_own_backward():
     model = TwoHeads()
     loss_a, loss_b = model.losses(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)))

@@ -174,14 +174,29 @@ class StepRunner:
         return (self.precision.passes_through() and self.pending_batches == 0 and self._work is None
                 and self._unfinished is None)
 
-    def step_directly(self, loss: torch.Tensor) -> None:
+    def step_directly(self, loss: torch.Tensor) -> bool:
         """:meth:`backward_and_step` of a batch that steps, for one loss tensor, where :meth:`can_step_directly`
         and no callback has a batch hook: the same calls in the same order (backward, every optimizer's step, the
-        batch done, ``zero_grad``) without the layers the other cases need (a few microseconds a batch)."""
+        batch done, ``zero_grad``) without the layers the other cases need (a few microseconds a batch).
+
+        Returns False where a callback with a batch hook was registered meanwhile (by a tensor hook in the backward,
+        by an optimizer's step): the step went on as :meth:`backward_and_step` takes it from there, with that
+        callback's hooks, and the batch's end must run them too (``TrainLoop._end_batch``). So also where a
+        precision was assigned in the backward: the step is the new precision's."""
+        precision = self.precision
         loss.backward()
+        hooks = self.hooks
+        if hooks.has_batch_hooks or self.precision is not precision:
+            for optimizer_idx in range(len(self.optimizers)):
+                hooks.on_after_gradient_update(optimizer_idx)
+            self.step(self.optimizers)
+            return False
         optimizers = self.optimizers
         for optimizer in optimizers:
             optimizer.step()
+        if hooks.has_batch_hooks:
+            self._commit_step(optimizers, skipped=False, ends_batch=True)
+            return False
         counters = self.counters
         counters.optimizer_step_skipped = False
         counters.stepped_optimizers = self._every_optimizer
@@ -189,12 +204,16 @@ class StepRunner:
         self.batch_done()
         for optimizer in optimizers:
             optimizer.zero_grad()
+        return True
 
     def step(self, optimizers: List[torch.optim.Optimizer], ends_batch: bool = True) -> None:
         """Step every optimizer (``optimizers``; skipped on a loss-scale overflow) and mark the batch done, then
         ``on_after_optimizer_step`` and ``zero_grad``. ``ends_batch``: the batch's end follows (see
         :attr:`interrupted_step_ends_batch`)."""
-        skipped = not self.precision.step(optimizers)
+        self._commit_step(optimizers, skipped=not self.precision.step(optimizers), ends_batch=ends_batch)
+
+    def _commit_step(self, optimizers: List[torch.optim.Optimizer], skipped: bool, ends_batch: bool) -> None:
+        """After the optimizers stepped (or skipped): the batch done, ``on_after_optimizer_step``, ``zero_grad``."""
         self.counters.optimizer_step_skipped = skipped
         self.counters.stepped_optimizers = self._every_optimizer
         self.pending_batches = 0

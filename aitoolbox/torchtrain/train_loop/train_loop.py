@@ -1299,17 +1299,17 @@ class TrainLoop:
             loss = self._model_runner.get_loss(batch_data, self.criterion, device)
             if hooks.has_batch_hooks or not self._plain_batches:  # changed inside get_loss
                 self._backward_and_step(loss, True)
-                self._end_batch(True)
-                bar.update(running_loss)
-                return (num_iterations > 0 and state.total_iteration_idx + 1 >= num_iterations) or \
-                    (state.early_stop and strategy.stops_mid_epoch)
+                return self._end_general_batch(num_iterations, bar)
             if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # checked_batch_loss's usual
                 self.last_batch_loss = detached = loss.detach()
                 self._loss_names = None
                 run_state.add_batch_loss(detached)
-                runner.step_directly(loss)
+                if not runner.step_directly(loss):  # a batch hook registered in the backward or the step
+                    return self._end_general_batch(num_iterations, bar)
             else:
                 self._backward_and_step(loss, True)
+                if hooks.has_batch_hooks:  # registered in the backward or a step
+                    return self._end_general_batch(num_iterations, bar)
             state.optimizer_step_due = False  # as _end_batch without hooks
             self._current_batch = None
             interrupts.in_batch = False
@@ -1326,6 +1326,16 @@ class TrainLoop:
             if hooks.has_batch_hooks or not self._plain_batches:  # changed in the step (the user's optimizer)
                 return False
         return False
+
+    def _end_general_batch(self, num_iterations: int, bar: ProgressBar) -> bool:
+        """The end of a batch :meth:`_train_direct_batches` handed to the general road (a callback with batch hooks
+        registered, a precision assigned inside it): :meth:`_end_batch` with the hooks, then whether the epoch's
+        batches end here (else the general loop goes on with the rest)."""
+        self._end_batch(True)
+        bar.update(self._running_loss_postfix)
+        state = self.state
+        return (num_iterations > 0 and state.total_iteration_idx + 1 >= num_iterations) or \
+            (state.early_stop and self.strategy.stops_mid_epoch)
 
     def _backward_and_step(self, loss: LossResult, optimizer_step: bool) -> None:
         self.last_batch_loss, self._loss_names = checked_batch_loss(loss)

@@ -78,10 +78,13 @@ class Plan:
     def __init__(self, fail_in_loss: Optional[int] = None, fail_in_step: Optional[int] = None,
                  stop_at: Optional[int] = None, register_at: Optional[int] = None,
                  precision_at: Optional[int] = None, precision: str = "plain", criterion_at: Optional[int] = None,
-                 multi_loss: bool = False):
+                 multi_loss: bool = False, register_in_backward_at: Optional[int] = None,
+                 register_in_step_at: Optional[int] = None, precision_in_backward_at: Optional[int] = None):
         self.fail_in_loss, self.fail_in_step, self.stop_at = fail_in_loss, fail_in_step, stop_at
         self.register_at, self.precision_at, self.precision = register_at, precision_at, precision
         self.criterion_at, self.multi_loss = criterion_at, multi_loss
+        self.register_in_backward_at, self.register_in_step_at = register_in_backward_at, register_in_step_at
+        self.precision_in_backward_at = precision_in_backward_at
         self.registered = ClipsAndCounts()
         self.batches = 0
         self.steps = 0
@@ -116,6 +119,13 @@ class PlannedNet(TTModel):
         loss = criterion(outputs, y.to(device))
         if batch == plan.fail_in_loss:
             raise RuntimeError("planned failure in get_loss")
+        if batch == plan.register_in_backward_at:  # from inside the batch's backward pass
+            loss.register_hook(lambda grad: tl.callbacks_handler.register_callbacks([plan.registered]))
+        if batch == plan.precision_in_backward_at:
+
+            def assign_precision(grad):
+                tl.precision = PRECISIONS[plan.precision]()
+            loss.register_hook(assign_precision)
         if plan.multi_loss:
             return MultiLoss({"main": loss, "small": 0.1 * outputs.pow(2).mean()})
         return loss
@@ -137,6 +147,8 @@ class PlannedSGD(torch.optim.SGD):
         self.plan.steps += 1
         if step == self.plan.fail_in_step:
             raise RuntimeError("planned failure in the optimizer's step")
+        if step == self.plan.register_in_step_at:
+            self.plan.train_loop.callbacks_handler.register_callbacks([self.plan.registered])
         return super().step(closure)
 
 
@@ -204,7 +216,8 @@ def runs(draw) -> dict:
                num_iterations=draw(st.sampled_from([0, 0, 1, 4, 7])))
     plan = dict(fail_in_loss=draw(events), fail_in_step=draw(events), stop_at=draw(events),
                 register_at=draw(events), precision_at=draw(events), precision=draw(st.sampled_from(sorted(PRECISIONS))),
-                criterion_at=draw(events), multi_loss=draw(st.booleans()))
+                criterion_at=draw(events), multi_loss=draw(st.booleans()), register_in_backward_at=draw(events),
+                register_in_step_at=draw(events), precision_in_backward_at=draw(events))
     return {"plan_args": plan, **run}
 
 
@@ -233,10 +246,14 @@ def test_the_direct_path_trains_what_the_general_path_trains_extended(drawn):
     {"precision_at": 2, "precision": "dynamic scale"},
     {"register_at": 3},
     {"criterion_at": 3},
+    {"register_in_backward_at": 3},
+    {"register_in_step_at": 2, "fail_in_loss": 6},
+    {"precision_in_backward_at": 2, "precision": "own step"},
     {"multi_loss": True, "fail_in_loss": 3},
 ], ids=["plain", "get_loss raises", "step raises", "stop", "callback registered", "precision assigned",
         "own precision step from a batch", "loss scaling from a batch", "clipping callback from a batch",
-        "criterion replaced", "MultiLoss"])
+        "criterion replaced", "callback registered in the backward", "callback registered in the step",
+        "precision assigned in the backward", "MultiLoss"])
 def test_named_cases_of_the_direct_path(plan_args):
     _both(plan_args, num_samples=20, sized=True, shuffle=True, num_epochs=2, num_iterations=0)
 
