@@ -74,3 +74,13 @@ def test_the_spike_rollback_benchmarks_quick_run_without_a_false_alarm():
     assert [row[0] for row in table_rows(alarms)][1:] == ["quickstart CNN b32", "quickstart CNN b8"]
     cost = run_benchmark("spike_rollback.py")
     assert "same weights at the end (nothing spiked, so nothing was rolled back): yes" in cost
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_batch_roads_quick_prints_the_excess_of_both_roads():
+    output = run_benchmark("batch_roads.py")
+    assert "2 epochs of 20 batches per runner" in output
+    for road in ("general road", "as it runs"):
+        assert re.search(rf"TrainLoop, {road}: median [0-9.]+ ms/epoch, [+-][0-9.]+ us a batch over the hand loop",
+                         output), output
