@@ -1285,8 +1285,9 @@ class TrainLoop:
         calls). Returns True where the epoch's batches end here (``num_iterations`` reached, a stop requested),
         False where the loader is exhausted or the case no longer holds: the general loop goes on with the batches
         left. A loss that is not one tensor (a MultiLoss, one the checks refuse) takes the general step; so does
-        the batch in whose ``get_loss`` a callback with a batch hook was registered or a precision assigned (as in
-        :meth:`_run_batch`, its hooks and the new precision apply from that batch's backward on)."""
+        the rest of a batch in which a callback with a batch hook was registered or a precision assigned (in
+        ``get_loss``, the backward, an optimizer's step: as in :meth:`_run_batch`, its hooks and the new precision
+        apply from there on)."""
         state, strategy, interrupts, run_state = self.state, self.strategy, self._interrupts, self.run_state
         hooks, runner, running_loss = self.callbacks_handler, self._step_runner, self._running_loss_postfix
         device = strategy.device
