@@ -137,16 +137,18 @@ def test_a_rollback_with_persistent_workers_equals_the_run_without_the_batch(epo
     assert reference.train_history["accumulated_loss"] == rolled.train_history["accumulated_loss"]
 
 
-def test_the_iterator_state_travels_with_the_rng_state():
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_the_iterator_state_travels_with_the_rng_state(num_workers):
     """What a checkpoint's RNG state says about the persistent iterator makes a fresh loader iterate as the loader
-    it was captured from: no base seed drawn, the same worker seed."""
-    straight = persistent_loader()
+    it was captured from: no base seed drawn, the same worker seed. One worker persists as several do (the mutation
+    run: a loader with one worker counted as one without persisting workers)."""
+    straight = persistent_loader(num_workers=num_workers)
     torch.manual_seed(3)
     list(straight)  # epoch 0 starts the workers
     state = capture_rng_state(straight)
     second_epoch = list(straight)
 
-    fresh = persistent_loader()
+    fresh = persistent_loader(num_workers=num_workers)
     restore_rng_state(state, fresh)
     got = list(resumed_epoch(fresh, 0))
     assert all(torch.equal(a, b) for one, other in zip(second_epoch, got) for a, b in zip(one, other))
