@@ -10,6 +10,7 @@
   to the uninterrupted two-process run.
 * In this process: the edge cases and errors of loading.
 """
+import copy
 import io
 import logging
 import os
@@ -22,7 +23,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from aitoolbox.experiment.local_save.checkpoints import list_checkpoints, load_checkpoint_file
+from aitoolbox.experiment.local_save.checkpoints import (
+    MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, list_checkpoints, load_checkpoint_file)
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.model_load import ModelLoadContinueTraining
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint, ModelIterationCheckpoint
@@ -325,6 +327,31 @@ def test_resume_from_a_checkpoint_dict_in_memory(seeded_loader):
     resumed.load_checkpoint(torch.load(io.BytesIO(saver.saved), weights_only=True))
     resumed.fit(num_epochs=3, callbacks=ddp_callbacks())
     assert_same_run(straight_run(seeded_loader=seeded_loader), resumed)
+
+
+def test_a_checkpoint_taken_between_loading_a_1x_checkpoint_and_fit_continues_as_that_checkpoint():
+    """A checkpoint taken after ``load_checkpoint`` and before ``fit`` is the loaded run: what the loaded checkpoint
+    lacks (an aitoolbox 1.x file: no random, precision or callback state) it lacks too, rather than holding the
+    loop's own, which is not the run's. Written for the mutation run: with the loop's random state kept, a run
+    resumed from that checkpoint drew another data order and dropout masks than one resumed from the 1.x file."""
+    first = small_loop(seeded_loader=False)
+    first.fit(num_epochs=1)
+    saved = first.checkpoint_state()
+    written_by_1x = {key: saved[key] for key in (MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, "epoch", "iteration_idx",
+                                                 "hyperparams")}
+    from_file = small_loop(seeded_loader=False)
+    from_file.load_checkpoint(copy.deepcopy(written_by_1x))
+    taken = small_loop(seeded_loader=False)
+    taken.load_checkpoint(copy.deepcopy(written_by_1x))
+    torch.manual_seed(7)  # the loop's random state when the checkpoint is taken: not the run's
+    again = taken.checkpoint_state()
+    assert not {"rng", "precision", "callbacks", "early_stop"} & set(again)
+    from_again = small_loop(seeded_loader=False)
+    from_again.load_checkpoint(again)
+    for tl in (from_file, from_again):
+        torch.manual_seed(3)  # a 1.x continuation draws from the process's random state
+        tl.fit(num_epochs=3)
+    assert_same_run(from_file, from_again)
 
 
 def test_model_load_continue_training_with_aitoolbox_arguments_and_the_final_model(tmp_path):
