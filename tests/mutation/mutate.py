@@ -55,6 +55,7 @@ TESTS = [
     "tests/torchtrain/precision/test_cast_floating.py",
     "tests/torchtrain/precision/test_sparse_gradients.py",
     "tests/torchtrain/precision/test_cpu_fallback.py::test_a_torch_without_onednn_counts_as_without_native_bfloat16",
+    "tests/torchtrain/precision/test_cpu_fallback.py::test_the_check_reads_the_cpu_unless_overridden",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/torchtrain/train_loop/test_loader_own_state.py",
     "tests/torchtrain/data/test_persistent_workers.py",
@@ -105,7 +106,7 @@ TESTS = [
     "tests/combinations/test_matrix.py::test_representative_cells[single]",
     "tests/combinations/test_properties.py",
 ]
-# Tests of the selection left out: slow for what they add here (test_cpu_fallback.py is, but for the one test named
+# Tests of the selection left out: slow for what they add here (test_cpu_fallback.py is, but for the two tests named
 # in TESTS).
 DESELECTED: List[str] = []
 
