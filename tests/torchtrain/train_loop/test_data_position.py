@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, D
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.train_loop import TrainLoop
-from aitoolbox.torchtrain.train_loop.data_position import resumed_epoch, skips_by_index
+from aitoolbox.torchtrain.train_loop.data_position import epoch_without, resumed_epoch, skips_by_index
 from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 from tests.helpers import MLP, classification_data, single_torch_thread
 
@@ -123,6 +123,24 @@ def test_the_rest_of_the_epoch_without_fetching_the_trained_batches(tmp_path, op
     if options.get("num_workers"):  # batch i of the epoch comes from worker i % num_workers, as in a straight run
         assert [set(batch[3][:, 0].tolist()) for batch in resumed] == \
             [{i % options["num_workers"]} for i in range(batches_done, batches_done + len(resumed))]
+
+
+@pytest.mark.parametrize("start", [0, 2], ids=["from the epoch's start", "from batch 2"])
+def test_a_batch_left_out_of_a_single_process_epoch_is_never_fetched(tmp_path, start):
+    """A batch a rollback left out (``epoch_without``) is passed over by its indices, as a loader that never yielded
+    it: nothing fetched (a ``__getitem__`` that augments from the global RNG would draw for it), also when the epoch
+    is replayed from its start. Written for the mutation run: from the start it was loaded and discarded."""
+    log = tmp_path / "fetched.txt"
+    loader = build_loader(LoggedSamples(log), num_workers=0)
+    torch.manual_seed(7)
+    epoch_start = capture_rng_state(loader)
+    whole = list(loader)
+    restore_rng_state(epoch_start, loader)
+    log.unlink()
+    kept = list(epoch_without(loader, start, [start + 1]))
+    expected = whole[start:start + 1] + whole[start + 2:]
+    assert batches_equal(expected, kept)
+    assert sorted(fetched(log)) == sorted(int(i) for batch in expected for i in batch[2])
 
 
 def test_persistent_workers_go_on_to_the_next_epoch_as_without_a_resume(tmp_path):
