@@ -71,6 +71,33 @@ def test_loading_the_masters_keeps_a_model_weight_written_since_the_last_step():
     assert torch.equal(masters.state_dict()[0][0], torch.full((5,), 0.25) - 0.01 * torch.full((5,), 0.337))
 
 
+
+def test_loading_the_masters_after_a_write_they_took_puts_the_model_at_the_loaded_values():
+    """A write the masters took (``grad_pairs`` adopts it: a step skipped on an overflow leaves it there) is no longer
+    a write: loading masters afterwards puts the model at their rounding, and the next step steps from them."""
+    param, optimizer, masters = _bfloat16_sgd()
+    _step(param, optimizer, masters)
+    saved = masters.state_dict()
+    with torch.no_grad():
+        param.fill_(0.25)
+    masters.grad_pairs(optimizer)  # adopts 0.25
+    masters.load_state_dict(saved)
+    assert torch.equal(param.detach(), saved[0][0].to(torch.bfloat16))
+    _step(param, optimizer, masters)
+    assert torch.equal(masters.state_dict()[0][0], saved[0][0] - 0.01 * torch.full((5,), 0.337))
+
+
+def test_masters_load_into_a_parameter_group_added_since_they_were_made():
+    """``optimizer.add_param_group`` after the masters were made (unfreezing layers as training goes on): loading a
+    state saved with that group fills its masters too, rather than refusing the state as another model's."""
+    param, optimizer, masters = _bfloat16_sgd()
+    added = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    optimizer.add_param_group({"params": [added]})
+    saved = [[torch.full((5,), 0.5 + 2.0 ** -12), torch.full((2,), 2.0 + 2.0 ** -10)]]  # finer than bfloat16
+    masters.load_state_dict(saved)
+    assert all(torch.equal(got, want) for got, want in zip(masters.state_dict()[0], saved[0]))
+    assert torch.equal(added.detach(), saved[0][1].to(torch.bfloat16))
+
 # --- accumulated master gradients averaged over processes (DDP), the overflow verdict read from the average ----------
 def _accumulated_step(other_process_grad: torch.Tensor):
     """Two micro-batches of one bfloat16 parameter (gradient 1 each) under float32 masters and a dynamic scale of 4,
@@ -119,3 +146,26 @@ def test_a_checkpoint_of_other_master_weights_is_refused():
         masters.load_state_dict(saved + saved)
     with pytest.raises(ValueError, match="holds 2 master weights for an optimizer that has 1"):
         masters.load_state_dict([saved[0] + saved[0]])
+
+
+def test_optimizers_stepped_together_average_the_accumulated_master_gradients_once():
+    """Two optimizers in one step (each unscaled in turn): the first ``unscale_`` averages every optimizer's
+    accumulated master gradients, the second averages nothing again (a second all-reduce of averaged gradients costs
+    a collective, and over three processes or more is not exact). Written for the mutation run."""
+    from aitoolbox.torchtrain.precision import Precision
+    params = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizers = [torch.optim.SGD([param], lr=1.0) for param in params]
+    precision = Precision(loss_scaler=LossScaler("dynamic", init_scale=4.0), master_weights=MasterWeights(optimizers))
+    calls = []
+
+    def average(tensors):  # a second process whose accumulating micro-batch left 3 in each master gradient
+        calls.append(len(tensors))
+        for tensor in tensors:
+            tensor.add_(3.0).div_(2)
+
+    precision.average_across_processes = average
+    precision.backward(sum(param.float().sum() for param in params), accumulating=True)
+    precision.backward(sum(param.float().sum() for param in params))
+    assert precision.step(optimizers)
+    assert calls == [2]
+    assert all(torch.equal(param.detach().float(), torch.full((4,), -2.0)) for param in params)
