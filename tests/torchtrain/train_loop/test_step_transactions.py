@@ -203,15 +203,18 @@ class FailOnceAtBatchEnd(AbstractCallback):
             raise RuntimeError("a failure after the last batch's step")
 
 
-@pytest.mark.parametrize("where,loss,grad_accumulation", [("batch_end", "plain", 1), ("batch_end", "multi2", 2),
-                                                          ("second_optimizer_step", "multi2", 1)])
+@pytest.mark.parametrize("where,loss,grad_accumulation,num_iterations", [
+    ("batch_end", "plain", 1, 8), ("batch_end", "multi2", 2, 8), ("second_optimizer_step", "multi2", 1, 8),
+    ("batch_end", "plain", 1, 1)])
 def test_an_exception_in_the_last_batch_of_fit_num_iterations_is_finished_by_the_same_fit_again(
-        where, loss, grad_accumulation):
+        where, loss, grad_accumulation, num_iterations):
     """fit(num_iterations=N) raised in its last batch after the batch's step (in on_batch_end; or in the second
     optimizer's step, the first had stepped): fit(num_iterations=N) again said "Nothing to train" and never finished
-    the step or closed the shortened epoch (accumulated_loss, epochs_completed, the epoch-stepping scheduler)."""
+    the step or closed the shortened epoch (accumulated_loss, epochs_completed, the epoch-stepping scheduler). With 5
+    batches an epoch, N = 8 is the third batch of the second epoch; N = 1 the first batch of the run (the mutation
+    run: a target of 1 counted as none)."""
     from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
-    num_iterations = 8  # 5 batches an epoch: the third batch of the second epoch
+    epochs_at_target = 1 + num_iterations // 5
 
     def run(fail):
         tl = build_loop(Cell(loss=loss))
@@ -236,12 +239,12 @@ def test_an_exception_in_the_last_batch_of_fit_num_iterations_is_finished_by_the
 
     straight, straight_at_target = run(False)
     continued, at_target = run(True)
-    assert at_target == straight_at_target and at_target[:2] == (2, num_iterations)
+    assert at_target == straight_at_target and at_target[:2] == (epochs_at_target, num_iterations)
     assert_runs_equal(continued, straight)
     for tl in (straight, continued):
         torch.manual_seed(1)  # the same RNG state for both (the other loop's fit drew from the global one)
         tl.fit(num_iterations=num_iterations + 5, grad_accumulation=grad_accumulation)
-    assert continued.epochs_completed == straight.epochs_completed == 3
+    assert continued.epochs_completed == straight.epochs_completed == epochs_at_target + 1
     assert_runs_equal(continued, straight)
 
 
