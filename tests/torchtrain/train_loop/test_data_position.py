@@ -235,10 +235,11 @@ def assert_same_run(expected: TrainLoop, got: TrainLoop):
     assert expected.train_history == got.train_history
 
 
-def resume_from_a_mid_epoch_checkpoint(tmp_path: Path, num_workers: int, loader_class=DataLoader):
-    """The straight run (saving after 9 batches: 3 into epoch 1) and the run resumed from that checkpoint in a new
-    TrainLoop; what each fetched in epoch 1."""
-    saver = SaveAt(9)
+def resume_from_a_mid_epoch_checkpoint(tmp_path: Path, num_workers: int, loader_class=DataLoader,
+                                       saved_after: int = 9):
+    """The straight run (saving after ``saved_after`` batches: 9 is 3 into epoch 1) and the run resumed from that
+    checkpoint in a new TrainLoop; what each fetched in epoch 1."""
+    saver = SaveAt(saved_after)
     straight = train_loop(tmp_path / "straight.txt", num_workers, loader_class)
     straight.fit(num_epochs=2, callbacks=[saver])
     checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
@@ -274,15 +275,17 @@ def test_fit_after_an_exception_fetches_only_the_rest_of_the_epoch(tmp_path, num
 
 # --- torchdata's StatefulDataLoader ------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on a newer torch
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_stateful_data_loader_continues_from_its_saved_state(tmp_path, num_workers):
+@pytest.mark.parametrize("num_workers, saved_after", [(0, 9), (2, 9), (0, 7)])
+def test_a_stateful_data_loader_continues_from_its_saved_state(tmp_path, num_workers, saved_after):
+    """Also one batch into the epoch (7), where its state is as much the position as later (the mutation run: a
+    resume after one batch loaded and discarded it)."""
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
     straight, resumed, checkpoint = resume_from_a_mid_epoch_checkpoint(
-        tmp_path, num_workers, stateful_dataloader.StatefulDataLoader)
+        tmp_path, num_workers, stateful_dataloader.StatefulDataLoader, saved_after)
     assert len(checkpoint["train_loader_state"]) == 1  # one process; it loaded with weights_only=True
     assert_same_run(straight, resumed)
-    assert resumed.model.trained == straight.model.trained[9:]
-    assert sorted(fetched(tmp_path / "resumed.txt")) == samples_of(straight.model.trained[9:])
+    assert resumed.model.trained == straight.model.trained[saved_after:]
+    assert sorted(fetched(tmp_path / "resumed.txt")) == samples_of(straight.model.trained[saved_after:])
 
 
 class OwnRandomBuckets:
