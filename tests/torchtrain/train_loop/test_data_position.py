@@ -316,6 +316,23 @@ class NumpyShuffled:
         yield from (int(index) for index in self.rng.permutation(self.num_samples))
 
 
+class GlobalShuffled:
+    """A sampler shuffling in ``__iter__`` with Python's global ``random`` (``module="python"``) or numpy's global
+    state (``"numpy"``)."""
+
+    def __init__(self, module: str, num_samples: int = NUM_SAMPLES):
+        self.shuffle = random.shuffle if module == "python" else np.random.shuffle
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self):
+        order = list(range(self.num_samples))
+        self.shuffle(order)
+        return iter(order)
+
+
 def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int):
     dataset = LoggedSamples(log)
     if kind == "batch_sampler":
@@ -323,16 +340,29 @@ def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int
         return loader_class(dataset, batch_sampler=BatchSampler(sampler, BATCH_SIZE, False), num_workers=num_workers)
     if kind == "buckets":
         return loader_class(dataset, batch_sampler=OwnRandomBuckets(), num_workers=num_workers)
+    if kind in ("python global", "numpy global"):
+        return loader_class(dataset, sampler=GlobalShuffled(kind.split()[0]), batch_size=BATCH_SIZE,
+                            num_workers=num_workers)
     return loader_class(dataset, sampler=NumpyShuffled(), batch_size=BATCH_SIZE, num_workers=num_workers)
+
+
+_GLOBAL_STATE_DEFECT = pytest.mark.xfail(strict=True, reason=(
+    "known defect (mut45): torchdata's stateful BatchSampler fast-forwards a sampler that shuffles with Python's or "
+    "numpy's global state by iterating it again from the state its first iteration left; the replay is disarmed for "
+    "it and does not put the epoch's starting global state back"))
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy"])
+@pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy",
+                                  pytest.param("python global", marks=_GLOBAL_STATE_DEFECT),
+                                  pytest.param("numpy global", marks=_GLOBAL_STATE_DEFECT)])
 def test_a_stateful_data_loader_with_a_sampler_of_its_users_resumes_bitwise(tmp_path, kind, num_workers):
     """Issue 33 (review D1): a StatefulDataLoader fast-forwards a sampler without a state of its own by iterating
     it again, which drew the rest of the epoch from another shuffle (the iterator had iterated it once already,
-    and a lazy sampler drew only after the saved random state was put back)."""
+    and a lazy sampler drew only after the saved random state was put back). A sampler shuffling with Python's or
+    numpy's global state must be fast-forwarded from the state its epoch began with too (found by the mutation run;
+    a plain DataLoader does it: not yet a StatefulDataLoader)."""
     if num_workers and kind != "buckets":
         pytest.skip("one multi-process case is enough for the quick tier")
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
