@@ -125,13 +125,26 @@ def test_the_rest_of_the_epoch_without_fetching_the_trained_batches(tmp_path, op
             [{i % options["num_workers"]} for i in range(batches_done, batches_done + len(resumed))]
 
 
+class LoaderWithOwnState(DataLoader):
+    """Iterates as DataLoader does, with a state of its own (saved by a mid-epoch checkpoint, if any)."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("loader_class", [DataLoader, LoaderWithOwnState])
 @pytest.mark.parametrize("start", [0, 2], ids=["from the epoch's start", "from batch 2"])
-def test_a_batch_left_out_of_a_single_process_epoch_is_never_fetched(tmp_path, start):
+def test_a_batch_left_out_of_a_single_process_epoch_is_never_fetched(tmp_path, start, loader_class):
     """A batch a rollback left out (``epoch_without``) is passed over by its indices, as a loader that never yielded
     it: nothing fetched (a ``__getitem__`` that augments from the global RNG would draw for it), also when the epoch
-    is replayed from its start. Written for the mutation run: from the start it was loaded and discarded."""
+    is replayed from its start, and for a loader with a state of its own when no state of it was saved. Written for
+    the mutation run: from the start it was loaded and discarded."""
     log = tmp_path / "fetched.txt"
-    loader = build_loader(LoggedSamples(log), num_workers=0)
+    loader = loader_class(LoggedSamples(log), batch_size=BATCH_SIZE, shuffle=True,
+                          generator=torch.Generator().manual_seed(1))
     torch.manual_seed(7)
     epoch_start = capture_rng_state(loader)
     whole = list(loader)
