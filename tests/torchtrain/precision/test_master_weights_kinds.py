@@ -72,6 +72,17 @@ def test_loading_the_masters_keeps_a_model_weight_written_since_the_last_step():
 
 
 
+def test_a_write_of_the_model_before_the_first_step_is_the_weights_the_first_step_steps_from():
+    """The masters are made (amp set up), then the model's weights are written (``model.load_state_dict`` of
+    pre-trained weights) before any step: the first step takes the write, as after any later write. Written for the
+    mutation run: the versions of the first group's parameters were never recorded, so no write before the first
+    step was seen and the step went on from the masters' stale values."""
+    param, optimizer, masters = _bfloat16_sgd()
+    with torch.no_grad():
+        param.fill_(0.25)
+    _step(param, optimizer, masters)
+    assert torch.equal(masters.state_dict()[0][0], torch.full((5,), 0.25) - 0.01 * torch.full((5,), 0.337))
+
 def test_loading_the_masters_after_a_write_they_took_puts_the_model_at_the_loaded_values():
     """A write the masters took (``grad_pairs`` adopts it: a step skipped on an overflow leaves it there) is no longer
     a write: loading masters afterwards puts the model at their rounding, and the next step steps from them."""
