@@ -346,6 +346,17 @@ class GlobalShuffled:
         return iter(order)
 
 
+class GlobalShuffledBatches(GlobalShuffled):
+    """A batch sampler of :class:`GlobalShuffled`'s order (Python's or numpy's global state)."""
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // BATCH_SIZE)
+
+    def __iter__(self):
+        order = list(super().__iter__())
+        return iter([order[start:start + BATCH_SIZE] for start in range(0, self.num_samples, BATCH_SIZE)])
+
+
 def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int):
     dataset = LoggedSamples(log)
     if kind == "batch_sampler":
@@ -353,6 +364,8 @@ def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int
         return loader_class(dataset, batch_sampler=BatchSampler(sampler, BATCH_SIZE, False), num_workers=num_workers)
     if kind == "buckets":
         return loader_class(dataset, batch_sampler=OwnRandomBuckets(), num_workers=num_workers)
+    if kind in ("python global batches", "numpy global batches"):
+        return loader_class(dataset, batch_sampler=GlobalShuffledBatches(kind.split()[0]), num_workers=num_workers)
     if kind in ("python global", "numpy global"):
         return loader_class(dataset, sampler=GlobalShuffled(kind.split()[0]), batch_size=BATCH_SIZE,
                             num_workers=num_workers)
@@ -367,7 +380,7 @@ _GLOBAL_STATE_DEFECT = pytest.mark.xfail(strict=True, reason=(
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy",
+@pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy", "python global batches", "numpy global batches",
                                   pytest.param("python global", marks=_GLOBAL_STATE_DEFECT),
                                   pytest.param("numpy global", marks=_GLOBAL_STATE_DEFECT)])
 def test_a_stateful_data_loader_with_a_sampler_of_its_users_resumes_bitwise(tmp_path, kind, num_workers):
