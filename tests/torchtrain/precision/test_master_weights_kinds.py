@@ -83,6 +83,19 @@ def test_a_write_of_the_model_before_the_first_step_is_the_weights_the_first_ste
     _step(param, optimizer, masters)
     assert torch.equal(masters.state_dict()[0][0], torch.full((5,), 0.25) - 0.01 * torch.full((5,), 0.337))
 
+def test_the_second_of_two_loads_of_the_masters_before_a_step_is_what_the_step_steps_from():
+    """Loading the masters writes the model (their rounding): that write is the load's own, not a user's, so a second
+    load before any step (a rollback, then a checkpoint loaded) puts the model at its values too, and the step
+    steps from them. Written for the mutation run: the load did not record its own writes."""
+    param, optimizer, masters = _bfloat16_sgd()
+    first = [[torch.full((5,), 0.5)]]
+    second = [[torch.full((5,), 0.75 + 2.0 ** -12)]]
+    masters.load_state_dict(first)
+    masters.load_state_dict(second)
+    assert torch.equal(param.detach(), second[0][0].to(torch.bfloat16))
+    _step(param, optimizer, masters)
+    assert torch.equal(masters.state_dict()[0][0], second[0][0] - 0.01 * torch.full((5,), 0.337))
+
 def test_loading_the_masters_after_a_write_they_took_puts_the_model_at_the_loaded_values():
     """A write the masters took (``grad_pairs`` adopts it: a step skipped on an overflow leaves it there) is no longer
     a write: loading masters afterwards puts the model at their rounding, and the next step steps from them."""
