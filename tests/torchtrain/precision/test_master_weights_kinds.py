@@ -193,3 +193,15 @@ def test_optimizers_stepped_together_average_the_accumulated_master_gradients_on
     assert precision.step(optimizers)
     assert calls == [2]
     assert all(torch.equal(param.detach().float(), torch.full((4,), -2.0)) for param in params)
+
+
+def test_a_precision_state_with_masters_loads_into_a_precision_without_them_and_back():
+    """An O2 checkpoint continued in float32 (or O1), and a float32 one continued under O2: the masters a side lacks
+    are left out, not loaded into nothing (written for the mutation run: either way the load raised)."""
+    from aitoolbox.torchtrain.precision import Precision
+    _, optimizer, masters = _bfloat16_sgd()
+    with_masters = Precision(master_weights=masters)
+    saved = with_masters.state_dict()
+    Precision().load_state_dict(saved)
+    with_masters.load_state_dict(Precision().state_dict())
+    assert torch.equal(masters.state_dict()[0][0], saved["master_weights"][0][0])
