@@ -205,3 +205,25 @@ def test_a_precision_state_with_masters_loads_into_a_precision_without_them_and_
     Precision().load_state_dict(saved)
     with_masters.load_state_dict(Precision().state_dict())
     assert torch.equal(masters.state_dict()[0][0], saved["master_weights"][0][0])
+
+
+def test_a_step_finished_later_keeps_the_overflow_verdict_of_the_optimizers_left():
+    """Two optimizers stepped in turn under float32 masters and a dynamic scale; an early micro-batch of the window
+    overflowed in optimizer 1's gradients (its masters hold the inf), optimizer 0 stepped, then an exception: the
+    step is finished later (``step_state`` kept, ``reset`` at the next fit's start, ``load_step_state``), and
+    optimizer 1 still skips on its verdict instead of stepping on the inf. Written for the mutation run: the
+    verdicts were not put back."""
+    from aitoolbox.torchtrain.precision import Precision
+    params = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizers = [torch.optim.SGD([param], lr=1.0) for param in params]
+    precision = Precision(loss_scaler=LossScaler("dynamic", init_scale=4.0), master_weights=MasterWeights(optimizers))
+    overflowing = params[1].float() * torch.tensor([float("inf"), 1.0, 1.0, 1.0])
+    precision.backward(params[0].float().sum() + overflowing.sum(), accumulating=True)
+    precision.backward(sum(param.float().sum() for param in params))  # the window's last micro-batch: finite
+    assert precision.step([optimizers[0]], update_scale=False)
+    kept = precision.step_state()  # the exception: the step is kept for the next fit
+    precision.reset()  # the next fit starts
+    precision.load_step_state(kept)
+    assert not precision.step([optimizers[1]])
+    assert torch.equal(params[1].detach(), torch.ones(4, dtype=torch.bfloat16))
+    assert torch.equal(params[0].detach().float(), torch.full((4,), -1.0))
