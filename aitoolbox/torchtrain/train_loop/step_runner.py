@@ -184,11 +184,13 @@ class StepRunner:
         callback's hooks, and the batch's end must run them too (``TrainLoop._end_batch``). So also where a
         precision was assigned in the backward: the step is the new precision's."""
         precision = self.precision
+        self._per_optimizer_last = False
         loss.backward()
         hooks = self.hooks
         if hooks.has_batch_hooks or self.precision is not precision:
-            for optimizer_idx in range(len(self.optimizers)):
-                hooks.on_after_gradient_update(optimizer_idx)
+            if hooks.has_batch_hooks:
+                for optimizer_idx in range(len(self.optimizers)):
+                    hooks.on_after_gradient_update(optimizer_idx)
             self.step(self.optimizers)
             return False
         optimizers = self.optimizers
@@ -200,7 +202,6 @@ class StepRunner:
         counters = self.counters
         counters.optimizer_step_skipped = False
         counters.stepped_optimizers = self._every_optimizer
-        self._per_optimizer_last = False
         self.batch_done()
         for optimizer in optimizers:
             optimizer.zero_grad()
