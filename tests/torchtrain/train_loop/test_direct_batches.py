@@ -258,17 +258,22 @@ def test_named_cases_of_the_direct_path(plan_args):
     _both(plan_args, num_samples=20, sized=True, shuffle=True, num_epochs=2, num_iterations=0)
 
 
+def _three_batch_loop() -> TrainLoop:
+    """A PlannedNet with nothing planned, over 3 batches an epoch."""
+    plan = Plan()
+    torch.manual_seed(0)
+    model = PlannedNet(plan)
+    loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 3, (9,))), batch_size=BATCH_SIZE)
+    plan.train_loop = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
+                                end_auto_eval=False, show_progress=False)
+    return plan.train_loop
+
+
 def test_the_common_case_takes_the_direct_path_and_a_batch_hook_the_general_one():
     """(What the test above compares is two paths: a loop that took the general one in both runs would pass it.)"""
     taken = {}
     for general in (False, True):
-        plan = Plan()
-        torch.manual_seed(0)
-        model = PlannedNet(plan)
-        loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 3, (9,))), batch_size=BATCH_SIZE)
-        tl = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
-                       end_auto_eval=False, show_progress=False)
-        plan.train_loop = tl
+        tl = _three_batch_loop()
         calls = []
         tl._run_batch = lambda batch, step, run=tl._run_batch: (calls.append(1), run(batch, step))[1]
         tl.fit(num_epochs=1, callbacks=[EmptyBatchHook()] if general else None)
@@ -280,13 +285,8 @@ def test_a_precision_whose_instance_has_its_own_step_takes_the_general_path():
     """``passes_through`` looks at the instance too: a step replaced on the object is the step that runs."""
     results = []
     for general in (False, True):
-        plan = Plan()
-        torch.manual_seed(0)
-        model = PlannedNet(plan)
-        loader = DataLoader(TensorDataset(torch.randn(9, 4), torch.randint(0, 3, (9,))), batch_size=BATCH_SIZE)
-        tl = TrainLoop(model, loader, None, None, PlannedSGD(model.parameters(), plan), nn.CrossEntropyLoss(),
-                       end_auto_eval=False, show_progress=False)
-        plan.train_loop = tl
+        tl = _three_batch_loop()
+        model = tl.model
         precision = Precision(device_type="cpu")
         calls = []
 
