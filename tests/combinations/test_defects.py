@@ -192,6 +192,27 @@ class FailBetweenOptimizerSteps(AbstractCallback):
             self._fail()
 
 
+def straight_and_continued_between_optimizer_steps(cell, hook="gradient", after_step=0, extra_callbacks=(),
+                                                   prepare=lambda tl: None, between=lambda tl: None):
+    """Two loops of ``cell`` fitted for two epochs: straight, and stopped by an exception between the two
+    optimizers' steps of batch 6 then continued by a second fit (``between`` runs on the loop in between)."""
+    from tests.combinations.support import build_loop
+
+    def run(fail_at):
+        tl = build_loop(cell)
+        prepare(tl)
+        callbacks = [*(make() for make in extra_callbacks), FailBetweenOptimizerSteps(fail_at, hook, after_step)]
+        if fail_at >= 0:
+            with pytest.raises(RuntimeError, match="between two optimizers"):
+                tl.fit(num_epochs=2, callbacks=callbacks)
+            callbacks = None  # registered by the first call
+            between(tl)
+        tl.fit(num_epochs=2, callbacks=callbacks)
+        return tl
+
+    return run(-1), run(6)
+
+
 def _adam_steps(optimizer) -> int:
     return int(next(iter(optimizer.state.values()))["step"])
 
@@ -205,24 +226,19 @@ def test_an_exception_between_two_optimizers_steps_is_finished_by_the_next_fit(h
     finishes it (the other optimizers step on the gradients they had, the loss scale is updated, the batch ends),
     then goes on with the next batch: bitwise the straight run, also with an lr_find in between (it clears the
     gradients)."""
-    from tests.combinations.support import Cell, build_loop
-    cell = Cell(loss="multi2", precision="scaler", compile=compiled)
+    from tests.combinations.support import Cell
 
-    def run(fail_at):
-        tl = build_loop(cell)
+    def adam_for_optimizer_1(tl):
         tl.optimizers[1] = torch.optim.Adam(tl.optimizers[1].param_groups[0]["params"], lr=1e-2)
         tl.optimizer[1] = tl.optimizers[1]
-        callbacks = [FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1, hook, after_step)]
-        if fail_at is not None:
-            with pytest.raises(RuntimeError, match="between two optimizers"):
-                tl.fit(num_epochs=2, callbacks=callbacks)
-            callbacks = None
-            if between == "lr_find":
-                tl.lr_find(num_iterations=3, start_lr=1e-4, end_lr=1e-2)
-        tl.fit(num_epochs=2, callbacks=callbacks)
-        return tl
 
-    straight, continued = run(None), run(fail_at=6)
+    def lr_find(tl):
+        if between == "lr_find":
+            tl.lr_find(num_iterations=3, start_lr=1e-4, end_lr=1e-2)
+
+    straight, continued = straight_and_continued_between_optimizer_steps(
+        Cell(loss="multi2", precision="scaler", compile=compiled), hook, after_step, prepare=adam_for_optimizer_1,
+        between=lr_find)
     assert _adam_steps(continued.optimizers[1]) == _adam_steps(straight.optimizers[1]) == 10
     assert _adam_steps(continued.optimizers[0]) == _adam_steps(straight.optimizers[0]) == 10
     assert_params_equal(continued.model, straight.model)
@@ -234,20 +250,9 @@ def test_an_exception_after_clipping_between_two_optimizers_does_not_unscale_twi
     """Optimizer 1's gradients were unscaled and clipped (loss scale 1024) when the exception came between the two
     optimizers' steps: the next fit finishes the step with the precision state it had, so they are not divided by
     the scale again. Bitwise the straight run."""
-    from tests.combinations.support import Cell, build_loop
-    cell = Cell(loss="multi2", precision="scaler")
-
-    def run(fail_at):
-        tl = build_loop(cell)
-        callbacks = [GradNormClip(1.0), FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1)]
-        if fail_at is not None:
-            with pytest.raises(RuntimeError, match="between two optimizers"):
-                tl.fit(num_epochs=2, callbacks=callbacks)
-            callbacks = None
-        tl.fit(num_epochs=2, callbacks=callbacks)
-        return tl
-
-    straight, continued = run(None), run(fail_at=6)
+    from tests.combinations.support import Cell
+    straight, continued = straight_and_continued_between_optimizer_steps(
+        Cell(loss="multi2", precision="scaler"), extra_callbacks=[lambda: GradNormClip(1.0)])
     assert_params_equal(continued.model, straight.model)
     assert continued.precision.loss_scaler.state_dict() == straight.precision.loss_scaler.state_dict()
 
@@ -362,20 +367,8 @@ def test_an_interrupted_step_of_two_optimizers_keeps_the_model_gradients_under_m
     gradient. The interrupted step keeps the model parameters' gradients too, so optimizer 1 steps on them when the
     next fit finishes the step: bitwise the straight run (before the masters' gradients were the only ones kept,
     optimizer 1 would have stepped on none)."""
-    from tests.combinations.support import Cell, build_loop
-    cell = Cell(loss="multi2", precision="O2")
-
-    def run(fail_at):
-        tl = build_loop(cell)
-        callbacks = [FailBetweenOptimizerSteps(fail_at if fail_at is not None else -1, "gradient")]
-        if fail_at is not None:
-            with pytest.raises(RuntimeError, match="between two optimizers"):
-                tl.fit(num_epochs=2, callbacks=callbacks)
-            callbacks = None
-        tl.fit(num_epochs=2, callbacks=callbacks)
-        return tl
-
-    straight, continued = run(None), run(fail_at=6)
+    from tests.combinations.support import Cell
+    straight, continued = straight_and_continued_between_optimizer_steps(Cell(loss="multi2", precision="O2"))
     assert_params_equal(continued.model, straight.model)
     for continued_optimizer, straight_optimizer in zip(continued.optimizers, straight.optimizers):
         for continued_param, straight_param in zip(Precision.stepped_parameters(continued_optimizer),
