@@ -13,10 +13,16 @@ While the resumed iterator is built, the sampler the loader iterates again is st
 (torchdata's ``BatchSampler``), the sampler that iterator batches. Every iteration after those a fresh iterator
 makes starts from the random states the epoch's order was drawn from, and the states are as before it afterwards,
 so the run's random numbers are drawn as the uninterrupted run drew them.
+
+With ``persistent_workers=True`` the uninterrupted run made its worker iterator in its first epoch and reset it in
+the later ones: a reset iterates the sampler once and draws no base seed. Which of the two the saved epoch did
+shows in the saved base seed: the one the resumed iterator draws (from the epoch's starting state, as a new
+iterator of that epoch drew it) or an earlier one.
 """
 import itertools
 from typing import Any, Callable, Iterator, Optional, Tuple
 
+import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
@@ -26,6 +32,7 @@ from aitoolbox.torchtrain.data.sampler_state import loader_generators, loader_sa
 # drawn from it, and the state of the sampler's iterator where that iterator has one (then it restores itself).
 _YIELDED_KEY = "_sampler_iter_yielded"
 _ITERATOR_STATE_KEY = "_sampler_iter_state"
+_BASE_SEED_KEY = "_base_seed"  # a multi-process iterator's: its workers' seeds follow from it
 
 
 def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
@@ -40,10 +47,11 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
     target = _replayed_sampler(loader, loader_state)
     if target is None:
         return iter(loader)  # no sampler it iterates again (an iterable dataset), or not a DataLoader we know
-    owner, attribute, drawn = target
+    owner, attribute, drawn, saved_base_seed = target
     sampler = getattr(owner, attribute)
     replay_class = _StatefulEpochStartReplay if _is_stateful(sampler) else _EpochStartReplay
-    replay = replay_class(sampler, loader, drawn, fresh_iterations=1 if loader.num_workers == 0 else 2)
+    replay = replay_class(sampler, loader, drawn, fresh_iterations=1 if loader.num_workers == 0 else 2,
+                          saved_base_seed=saved_base_seed if loader.persistent_workers else None)
     # DataLoader refuses a new sampler once built; for the iterator's construction only (its iterations of the
     # sampler happen there), then the user's sampler is back in place. The iterator keeps the replay, which passes
     # through from then on.
@@ -55,9 +63,10 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
         replay.armed = False
 
 
-def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str, int]]:
-    """``(owner, attribute, drawn)``: the sampler the resumed iterator iterates again is ``owner.attribute``, and the
-    replay draws its first ``drawn`` items at once (those the loader passes over). None: nothing to replay."""
+def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str, int, Optional[int]]]:
+    """``(owner, attribute, drawn, base seed)``: the sampler the resumed iterator iterates again is
+    ``owner.attribute``, the replay draws its first ``drawn`` items at once (those the loader passes over), and the
+    saved iterator's workers had that base seed (None: not saved). None: nothing to replay."""
     if not isinstance(loader, DataLoader) or getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
         return None
     saved = _iterator_main_state(loader_state)
@@ -65,16 +74,17 @@ def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str
         return None
     attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
     index_sampler = getattr(loader, attribute)
+    base_seed = saved.get(_BASE_SEED_KEY) if isinstance(saved.get(_BASE_SEED_KEY), int) else None
     if saved.get(_ITERATOR_STATE_KEY) is None:
         # The loader iterates its index sampler again: it loads the sampler's own position (a stateful sampler),
         # or passes over the items the saved iterator had drawn, which the replay draws at once.
-        return loader, attribute, 0 if _is_stateful(index_sampler) else saved[_YIELDED_KEY]
+        return loader, attribute, 0 if _is_stateful(index_sampler) else saved[_YIELDED_KEY], base_seed
     # The index sampler's iterator restores itself (torchdata's BatchSampler): it iterates the sampler it batches
     # again and passes over the samples it had yielded (or loads that sampler's position).
     inner = getattr(index_sampler, "sampler", None)
     if inner is None or not callable(getattr(inner, "__iter__", None)):
         return None
-    return index_sampler, "sampler", 0
+    return index_sampler, "sampler", 0, base_seed
 
 
 def _iterator_main_state(state: Any) -> Optional[dict]:
@@ -112,16 +122,26 @@ class _EpochStartReplay:
       those states whenever the loader asks (:class:`_FirstIndexDrawnAt`), without changing the random states it
       then finds.
 
+    With ``saved_base_seed`` (the saved iterator's, its workers persisting) the first iteration finds out whether
+    the uninterrupted run made its iterator in this epoch: then the base seed the iterator draws next is the saved
+    one. If not, the run reset an iterator made earlier, which iterated the sampler once and drew no base seed:
+    only the first iteration is fresh, and the states the later ones put back are those after it (the base seed
+    drawn since undone).
+
     After the iterator is built (``armed`` False) it passes through to the sampler.
     """
 
-    def __init__(self, sampler: Any, loader: Any, drawn: int, fresh_iterations: int):
+    def __init__(self, sampler: Any, loader: Any, drawn: int, fresh_iterations: int,
+                 saved_base_seed: Optional[int] = None):
         self.sampler = sampler
         self.drawn = drawn
         self.armed = True
         self._fresh_iterations = fresh_iterations
         self._iterations = 0
         self._epoch_start: Optional[Callable[[], None]] = None
+        self._first_index_states: Optional[Callable[[], None]] = None  # None: those the iteration finds
+        self._saved_base_seed = saved_base_seed
+        self._base_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None)
         # Fixed now, before the replay stands in for one of them.
         self._samplers = loader_samplers(loader)
         self._generators = loader_generators(loader)
@@ -138,14 +158,26 @@ class _EpochStartReplay:
     def _draw_states(self) -> Callable[[], None]:
         return sampler_draw_states(self._samplers, self._generators)
 
+    def _next_base_seed(self) -> int:
+        """The base seed a new iterator draws next (as ``_BaseDataLoaderIter`` does), drawn from a copy."""
+        copy = torch.Generator()
+        source = self._base_seed_generator
+        copy.set_state(source.get_state() if source is not None else torch.get_rng_state())
+        return int(torch.empty((), dtype=torch.int64).random_(generator=copy).item())
+
     def __iter__(self) -> Iterator[Any]:
         if not self.armed:
             return iter(self.sampler)
         self._iterations += 1
         if self._iterations <= self._fresh_iterations:
             self._epoch_start = self._draw_states()
-            return iter(self.sampler)
-        put_back = self._draw_states()
+            iterator = iter(self.sampler)
+            if self._iterations == 1 and self._saved_base_seed is not None \
+                    and self._next_base_seed() != self._saved_base_seed:
+                self._fresh_iterations = 1  # the run reset its persistent iterator (see the class's description)
+                self._first_index_states = self._draw_states()
+            return iterator
+        put_back = self._first_index_states or self._draw_states()
         if self._epoch_start is not None:
             self._epoch_start()
         iterator = iter(self.sampler)

@@ -236,6 +236,15 @@ def test_with_worker_processes(kind, saved_after):
     assert_resumes_bitwise(kind, saved_after, num_workers=2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["python global", "torch global", "torch global, lazy", "own generator",
+                                  "torchdata shuffle", "position state_dict", "batch sampler, python global"])
+@pytest.mark.parametrize("saved_after", [3, 9])
+def test_with_persistent_workers(kind, saved_after):
+    """In the first epoch the workers' iterator is made, in the later ones reset (it iterates the sampler once)."""
+    assert_resumes_bitwise(kind, saved_after, num_workers=2, persistent_workers=True)
+
+
 @settings(max_examples=6, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(SAMPLERS)), batch=st.integers(1, 6), grad_accumulation=st.sampled_from([1, 2]))
