@@ -63,6 +63,17 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
         replay.armed = False
 
 
+def resets_own_iterator(loader: Any) -> bool:
+    """Whether ``loader`` keeps its own position (:func:`~.data_position.has_own_state`) and resets its worker
+    iterator for the next epoch (``persistent_workers=True``, the iterator made): the next epoch iterates its
+    sampler once and its workers keep their seeds. A run resumed at that epoch's start cannot do the same: the
+    loader it builds makes a new iterator (its sampler iterated twice, a new base seed drawn), so its data order and
+    the workers' random states differ from the uninterrupted run's. A mid-epoch checkpoint holds the iterator's
+    state and resumes bitwise."""
+    return isinstance(loader, DataLoader) and _is_stateful(loader) and loader.num_workers > 0 \
+        and bool(loader.persistent_workers) and getattr(loader, "_iterator", None) is not None
+
+
 def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str, int, Optional[int]]]:
     """``(owner, attribute, drawn, base seed)``: the sampler the resumed iterator iterates again is
     ``owner.attribute``, the replay draws its first ``drawn`` items at once (those the loader passes over), and the

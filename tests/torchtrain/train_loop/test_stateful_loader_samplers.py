@@ -11,6 +11,7 @@ epoch's end, with gradient accumulation, and with worker processes (the slow tie
 """
 import io
 import random
+import warnings
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -237,12 +238,30 @@ def test_with_worker_processes(kind, saved_after):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["python global", "torch global", "torch global, lazy", "own generator",
-                                  "torchdata shuffle", "position state_dict", "batch sampler, python global"])
+@pytest.mark.parametrize("kind", ["python global", "torch global", "torch global, lazy", "python global, per index",
+                                  "own generator", "torchdata shuffle", "position state_dict",
+                                  "batch sampler, python global"])
 @pytest.mark.parametrize("saved_after", [3, 9])
 def test_with_persistent_workers(kind, saved_after):
     """In the first epoch the workers' iterator is made, in the later ones reset (it iterates the sampler once)."""
     assert_resumes_bitwise(kind, saved_after, num_workers=2, persistent_workers=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("epoch_end, warned", [(True, True), (False, False)])
+def test_an_epoch_end_checkpoint_with_persistent_workers_warns_it_is_not_bitwise(epoch_end, warned):
+    """The uninterrupted run resets its workers' iterator for the next epoch (one iteration of the sampler, the
+    workers' seeds kept); a resumed run can only make a new one: the documented limit, named at checkpoint time. A
+    mid-epoch checkpoint (its loader state holds the iterator's) resumes bitwise."""
+    loop = train_loop("torchdata shuffle", num_workers=2, persistent_workers=True)
+    saver = SaveAt(12, epoch_end=epoch_end)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.fit(num_epochs=2, callbacks=[saver])
+    messages = [str(warning.message) for warning in caught if "persistent_workers" in str(warning.message)]
+    assert bool(messages) is warned
+    if warned:
+        assert "StatefulDataLoader" in messages[0] and "persistent_workers=False" in messages[0]
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, database=None,
