@@ -264,7 +264,7 @@ def test_an_epoch_end_checkpoint_with_persistent_workers_warns_it_is_not_bitwise
         assert "StatefulDataLoader" in messages[0] and "persistent_workers=False" in messages[0]
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(SAMPLERS)), batch=st.integers(1, 6), grad_accumulation=st.sampled_from([1, 2]))
 def test_resume_equals_straight_for_any_sampler_position_and_accumulation(kind, batch, grad_accumulation):
