@@ -7,7 +7,8 @@ from. The samplers here draw from each kind of state: Python's global ``random``
 global generator (eagerly in ``__iter__`` and lazily at the first index), a torch generator of their own, and a
 position ``state_dict`` of their own (torchdata's samplers, and one of a user). Each case compares the samples the
 resumed run trains on and its weights with the uninterrupted run, for checkpoints after several batches, at an
-epoch's end, with gradient accumulation, and with worker processes (the slow tier).
+epoch's end, with gradient accumulation, and with worker processes, persistent or not (the slow tier). The one
+case that cannot resume bitwise (an epoch-end checkpoint with persistent workers) warns when it is taken.
 """
 import io
 import random
