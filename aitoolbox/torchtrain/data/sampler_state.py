@@ -23,12 +23,13 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
 an iteration position, not a random state) is left out: its order follows from its seed and epoch alone.
 """
 import contextlib
+import functools
 import itertools
 import logging
 import random
 import types
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -86,6 +87,42 @@ def preserved_random_states(loader: Any) -> Iterator[None]:
         for generator, state in zip(generators, generator_states):
             generator.set_state(state)
         restore_sampler_states(loader, sampler_states)
+
+
+def sampler_draw_states(samplers: List[Any], generators: List[torch.Generator]) -> Callable[[], None]:
+    """What iterating ``samplers`` may draw from, as it is now; call the result to put it back.
+
+    That is Python's, numpy's and torch's global random states, the torch ``generators`` (the loader's,
+    :func:`loader_generators`) and each sampler's own random state: through ``random_state_dict()`` and
+    ``load_random_state_dict()`` where it has them, else the random number generators its attributes hold. Not
+    through a sampler's ``state_dict()``: a loader with its own state (torchdata's ``StatefulDataLoader``) reads that
+    as the sampler's position in the epoch and restores it itself. Nothing is converted or written to a checkpoint:
+    this is for undoing draws within one process.
+
+    Args:
+        samplers: the samplers, fixed now (a sampler standing in for one of them later is not looked into).
+        generators: torch generators drawn from besides the global one.
+    """
+    python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    generator_states = [(generator, generator.get_state()) for generator in generators]
+    own_states: List[Any] = []
+    for sampler in samplers:
+        if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+            own_states.append((sampler.load_random_state_dict, sampler.random_state_dict()))
+        elif not _has_methods(sampler, "state_dict", "load_state_dict"):
+            for rng in _own_rngs(sampler, generators, warn=False, others=samplers).values():
+                own_states.append((functools.partial(_set_rng_state, rng), _rng_state(rng)))
+
+    def restore() -> None:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        for generator, state in generator_states:
+            generator.set_state(state)
+        for load, state in own_states:
+            load(state)
+
+    return restore
 
 
 def keyed_samplers(loader: Any) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ an epoch of I/O when resuming near its end). Three ways, the cheapest the loader
 
 * a loader with its own resumable state (torchdata's ``StatefulDataLoader``: ``state_dict`` and
   ``load_state_dict``) whose state a mid-epoch checkpoint saved: that state is loaded and the loader goes on
-  from it;
+  from it, its sampler's order drawn again as the epoch drew it (:mod:`.sampler_replay`);
 * a plain ``torch.utils.data.DataLoader`` over a map-style dataset: the sampler (or batch sampler) draws the
   trained batches' indices, so it consumes the random numbers the run consumed, but nothing is fetched; with
   worker processes (``num_workers > 0``) the workers get the same seeds and each remaining batch goes to the
@@ -21,19 +21,14 @@ draw nothing. That iterator's base seed is part of the run's RNG state (:func:`p
 restoring the state makes the loader's next epoch iterate as the uninterrupted run's would
 (:func:`continue_persistent_iterator`).
 """
-import itertools
 import logging
-import random
-import types
 from typing import Any, Iterator, List, Optional, Sequence
 
-import numpy as np
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
-from aitoolbox.torchtrain.data.sampler_state import (
-    capture_sampler_states, loader_generators, restore_sampler_states)
 from aitoolbox.torchtrain.train_loop.random_state import capture_draw_state, restore_draw_state
+from aitoolbox.torchtrain.train_loop.sampler_replay import continued_from_own_state
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +69,7 @@ def resumed_epoch(loader: Any, batches_done: int, loader_state: Optional[Any] = 
         loader_state: the loader's own state saved with them (a loader with :func:`has_own_state`), or None.
     """
     if batches_done > 0 and loader_state is not None and has_own_state(loader):
-        return _continued_from_own_state(loader, loader_state)
+        return continued_from_own_state(loader, loader_state)
     if keeps_workers(loader):
         return _persistent_epoch(loader, batches_done)
     if batches_done <= 0:
@@ -84,112 +79,6 @@ def resumed_epoch(loader: Any, batches_done: int, loader_state: Optional[Any] = 
     logger.debug("resuming the epoch by loading and discarding its first %d batch(es) (%s)", batches_done,
                  type(loader).__name__)
     return _loaded_and_discarded(iter(loader), batches_done)
-
-
-def _continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
-    """The iterator of a loader with its own state (torchdata's ``StatefulDataLoader``) continuing from
-    ``loader_state``, the order of a sampler without a state of its own drawn again from the epoch's start.
-
-    Such a loader fast-forwards a sampler that has no ``state_dict`` (a ``BatchSampler`` over a ``RandomSampler``
-    with a generator, a bucketing sampler with its own ``random.Random``) by iterating it anew and passing over the
-    indices it yielded. But its iterator has iterated the sampler once already (and a sampler that shuffles in
-    ``__iter__`` itself has drawn an order there), and a generator sampler draws only at its first index, after the
-    caller put back the random state of the save (a state after the epoch's draws): either way the rest of the
-    epoch would come from another order. So while the iterator is built, that extra iteration starts from the
-    random states the epoch's order was drawn from (the caller restored the epoch's start) and draws the indices
-    the saved run had drawn at once, as a plain DataLoader's resume does (:func:`_draw_indices`).
-    """
-    loader.load_state_dict(loader_state)
-    drawn = _sampler_indices_drawn(loader_state)
-    index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-    if drawn is None or not isinstance(loader, DataLoader) or _is_stateful(index_sampler) \
-            or getattr(loader, "_dataset_kind", None) != _DatasetKind.Map:
-        return iter(loader)  # the loader restores its sampler itself (or has none to draw again)
-    replay = _EpochStartReplay(index_sampler, loader, drawn, fresh_iterations=1 if loader.num_workers == 0 else 2)
-    attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-    # DataLoader refuses a new sampler once built; for the iterator's construction only (its iterations of the
-    # sampler happen there), then the user's sampler is back in place and the replay passes through.
-    object.__setattr__(loader, attribute, replay)
-    try:
-        return iter(loader)
-    finally:
-        object.__setattr__(loader, attribute, index_sampler)
-        replay.armed = False
-
-
-def _is_stateful(sampler: Any) -> bool:
-    return callable(getattr(sampler, "state_dict", None)) and callable(getattr(sampler, "load_state_dict", None))
-
-
-def _sampler_indices_drawn(state: Any) -> Optional[int]:
-    """How many items the saved iterator had drawn from its sampler (torchdata's ``_sampler_iter_yielded``, in the
-    state of a single-process iterator or in the main process's snapshot of a multi-process one); None if absent."""
-    if isinstance(state, dict):
-        if isinstance(state.get("_sampler_iter_yielded"), int):
-            return state["_sampler_iter_yielded"]
-        for value in state.values():
-            found = _sampler_indices_drawn(value)
-            if found is not None:
-                return found
-    return None
-
-
-class _EpochStartReplay:
-    """Stands in for a loader's sampler while its resumed iterator is built.
-
-    A fresh iterator of the loader iterates the sampler ``fresh_iterations`` times while it is built (torch's and
-    torchdata's: once in one process, twice with workers, whose first ``_reset`` iterates it again); the order the
-    epoch trains is the last of those. A resumed iterator then iterates it once more to fast-forward. That
-    iteration starts from the random states the last fresh one started from (the samplers' own states, their own
-    torch generators, Python's and numpy's global states; not the global torch state nor the loader's generator,
-    from which the iterator drew its base seed as the uninterrupted run did) and draws the first ``drawn`` items at
-    once; they come first, for the loader to pass over. The fresh iterations draw as the uninterrupted run's did.
-    """
-
-    def __init__(self, sampler: Any, loader: Any, drawn: int, fresh_iterations: int):
-        self.sampler = sampler
-        self.drawn = drawn
-        self.armed = True
-        self._fresh_iterations = fresh_iterations
-        self._iterations = 0
-        self._entry_state: Optional[tuple] = None
-        # The loader's samplers as they are now: while the replay stands in, the loader holds it instead.
-        self._samplers = types.SimpleNamespace(sampler=loader.sampler, batch_sampler=loader.batch_sampler)
-        own_generator = getattr(loader, "generator", None)
-        self._generators = [generator for generator in loader_generators(loader) if generator is not own_generator]
-        self._all_generators = loader_generators(loader)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def _capture(self) -> tuple:
-        return ([generator.get_state() for generator in self._generators],
-                capture_sampler_states(self._samplers, self._all_generators), random.getstate(),
-                np.random.get_state())
-
-    def _restore(self, state: tuple) -> None:
-        generator_states, sampler_states, python_state, numpy_state = state
-        for generator, generator_state in zip(self._generators, generator_states):
-            generator.set_state(generator_state)
-        restore_sampler_states(self._samplers, sampler_states)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-    def __iter__(self) -> Iterator[Any]:
-        if not self.armed:
-            return iter(self.sampler)
-        self._iterations += 1
-        if self._iterations <= self._fresh_iterations:
-            self._entry_state = self._capture()
-            iterator = iter(self.sampler)
-            if _is_stateful(iterator):  # (torchdata's BatchSampler) the loader restores the iterator from its state
-                self.armed = False
-            return iterator
-        if self._entry_state is not None:
-            self._restore(self._entry_state)
-        iterator = iter(self.sampler)
-        first = list(itertools.islice(iterator, self.drawn))
-        return itertools.chain(first, iterator)
 
 
 def _loaded_and_discarded(iterator: Iterator[Any], count: int) -> Iterator[Any]:

@@ -60,7 +60,11 @@ def distributed_result(tl: "TrainLoop") -> dict:
     optimizers, precision state with O2's float32 masters and the loss scale, callback states, counters, every
     rank's history and RNG state), and the run folder rank 0 decided on. Call it in every process (a collective:
     states are gathered)."""
-    result = tl.checkpoint_state(mid_epoch=False)
+    with warnings.catch_warnings():
+        # Not a checkpoint the user asked for: the warning that one taken here does not resume a StatefulDataLoader
+        # with persistent workers bitwise (train_state.capture_train_state) would come at the end of every run.
+        warnings.filterwarnings("ignore", message=r"this checkpoint starts an epoch .* persistent_workers=True")
+        result = tl.checkpoint_state(mid_epoch=False)
     if callable(getattr(tl, "run_record", None)):
         result[RUN_RECORD_KEY] = tl.run_record()
     result[CALLBACK_FOLDERS_KEY] = callback_folders(tl)

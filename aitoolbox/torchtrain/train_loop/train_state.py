@@ -14,6 +14,7 @@ continues from it), and the RNG state of the checkpoint is put back.
 import dataclasses
 import json
 import logging
+import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -28,6 +29,7 @@ from aitoolbox.torchtrain.train_loop.data_position import (
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
     capture_draw_state, restore_draw_state, weights_only_safe)
+from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -236,6 +238,13 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
+    if checkpoint["iteration"] == 0 and resets_own_iterator(tl.train_loader):
+        warnings.warn(
+            f"this checkpoint starts an epoch of the training loader {type(tl.train_loader).__name__} with "
+            "persistent_workers=True, which the run continues by resetting its worker iterator: a run resumed from "
+            "it makes a new one instead (the sampler iterated again, new worker seeds), so its data order and "
+            "augmentation are not the uninterrupted run's. For a bitwise resume build the loader with "
+            "persistent_workers=False, or resume from a mid-epoch checkpoint", UserWarning, stacklevel=4)
     rollbacks = tl.run_state.rollbacks
     if rollbacks.skipped or rollbacks.records:
         # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same. Only

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 
-from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states
+from aitoolbox.torchtrain.data.sampler_state import capture_sampler_states, restore_sampler_states, sampler_draw_states
 from tests.helpers import single_torch_thread
 from tests.torchtrain.data.support import (  # noqa: F401 (shut_down_workers: an autouse fixture)
     BATCH_SIZE, NUM_SAMPLES, BucketBatchSampler, IndexedSamples, SaveAt, assert_same_run, make_loop,
@@ -238,3 +238,49 @@ def test_an_unsaveable_random_state_one_object_down_is_named_by_its_path():
     loader = DataLoader(range(8), sampler=NestedRandomSampler(8, rng=random.SystemRandom()), batch_size=2)
     with pytest.warns(UserWarning, match="NestedRandomSampler.*'cfg.rng' is a random.SystemRandom"):
         capture_sampler_states(loader)
+
+
+class PositionAndRandom(NestedRandomSampler):
+    """A position ``state_dict`` (torchdata's reading) beside a ``random.Random`` of its own."""
+
+    def __init__(self, num_samples: int):
+        super().__init__(num_samples)
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class PositionAndRandomStateDict(PositionAndRandom):
+    """Its random state saved apart from its position (``random_state_dict``), as the docs ask of such a sampler."""
+
+    def random_state_dict(self) -> dict:
+        return {"rng": self.cfg.rng.getstate()}
+
+    def load_random_state_dict(self, state: dict) -> None:
+        self.cfg.rng.setstate(state["rng"])
+
+
+def test_sampler_draw_states_puts_back_every_random_state_but_not_a_position():
+    """What a resumed StatefulDataLoader's sampler replay undoes: the global states, the loader's generators and the
+    samplers' own random states (by attribute, or ``random_state_dict``); a position ``state_dict`` is the loader's."""
+    generator = torch.Generator().manual_seed(3)
+    own = NestedRandomSampler(NUM_SAMPLES)
+    positioned = PositionAndRandom(NUM_SAMPLES)
+    separated = PositionAndRandomStateDict(NUM_SAMPLES)
+
+    def draw():
+        return (random.random(), float(np.random.random()), float(torch.rand(1)),
+                float(torch.rand(1, generator=generator)), own.cfg.rng.random(), separated.cfg.rng.random())
+
+    put_back = sampler_draw_states([own, positioned, separated], [generator])
+    first = draw()
+    positioned_draw = positioned.cfg.rng.random()
+    positioned.position = 5
+    put_back()
+    assert draw() == first
+    assert positioned.position == 5  # the loader restores a position itself
+    assert positioned.cfg.rng.random() != positioned_draw  # behind a state_dict: neither saved nor put back

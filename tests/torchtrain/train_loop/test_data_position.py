@@ -372,23 +372,16 @@ def _foreign_sampler_loader(loader_class, log: Path, kind: str, num_workers: int
     return loader_class(dataset, sampler=NumpyShuffled(), batch_size=BATCH_SIZE, num_workers=num_workers)
 
 
-_GLOBAL_STATE_DEFECT = pytest.mark.xfail(strict=True, reason=(
-    "known defect (mut45): torchdata's stateful BatchSampler fast-forwards a sampler that shuffles with Python's or "
-    "numpy's global state by iterating it again from the state its first iteration left; the replay is disarmed for "
-    "it and does not put the epoch's starting global state back"))
-
-
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["batch_sampler", "buckets", "numpy", "python global batches", "numpy global batches",
-                                  pytest.param("python global", marks=_GLOBAL_STATE_DEFECT),
-                                  pytest.param("numpy global", marks=_GLOBAL_STATE_DEFECT)])
+                                  "python global", "numpy global"])
 def test_a_stateful_data_loader_with_a_sampler_of_its_users_resumes_bitwise(tmp_path, kind, num_workers):
     """Issue 33 (review D1): a StatefulDataLoader fast-forwards a sampler without a state of its own by iterating
     it again, which drew the rest of the epoch from another shuffle (the iterator had iterated it once already,
     and a lazy sampler drew only after the saved random state was put back). A sampler shuffling with Python's or
-    numpy's global state must be fast-forwarded from the state its epoch began with too (found by the mutation run;
-    a plain DataLoader does it: not yet a StatefulDataLoader)."""
+    numpy's global state is fast-forwarded from the state its epoch began with too, also inside torchdata's own
+    BatchSampler (found by the mutation run; every kind of random state: test_stateful_loader_samplers.py)."""
     if num_workers and kind != "buckets":
         pytest.skip("one multi-process case is enough for the quick tier")
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
