@@ -1,13 +1,15 @@
-"""Downloads that cannot write more than an object may hold.
+"""Transfers bounded to a size: downloads that cannot write more than an object may hold, uploads that read no
+more than the size recorded for a file.
 
 A client downloads into the file it is given as fast as the bucket serves: an object made larger than its folder's
 marker lists (by whoever can write to the bucket) would fill the disk, or memory for an object read into memory.
 :class:`BoundedWriter` stands between the client and the file and refuses the first write that would end past the
-bound; :func:`went_past_the_bound` recognises that refusal however the client wrapped it.
+bound; :func:`went_past_the_bound` recognises that refusal however the client wrapped it. :class:`ReadWindow` is
+the reading side: what a client uploads from it ends at the size given, however large the file has grown.
 """
 from typing import IO, Optional
 
-__all__ = ["BoundedWriter", "PastTheBound", "went_past_the_bound"]
+__all__ = ["BoundedWriter", "PastTheBound", "ReadWindow", "went_past_the_bound"]
 
 
 class PastTheBound(Exception):
@@ -48,6 +50,49 @@ class BoundedWriter:
 
     def readable(self) -> bool:
         return False
+
+
+class ReadWindow:
+    """The first ``size`` bytes of the seekable binary ``handle``, as a file that close() leaves open.
+
+    A file that grows meanwhile (a TensorBoard event file being written) is uploaded as it was when opened,
+    matching the size its folder's marker records: the clients read until the end of what they are given (GCS's
+    resumable upload of an unknown size) or take the size from seeking to the end (boto3's transfer manager).
+    boto3's transfer manager also closes the file it was given, which belongs to the caller (a folder's files are
+    closed together, after the marker).
+    """
+
+    closed = False
+
+    def __init__(self, handle: IO[bytes], size: int):
+        self._handle = handle
+        self._size = size
+        self._position = 0
+
+    def read(self, size: Optional[int] = -1) -> bytes:
+        remaining = max(0, self._size - self._position)
+        count = remaining if size is None or size < 0 else min(size, remaining)
+        self._handle.seek(self._position)
+        data = self._handle.read(count)
+        self._position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._position, 2: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
 
 
 def went_past_the_bound(error: BaseException) -> bool:

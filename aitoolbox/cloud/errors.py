@@ -83,16 +83,19 @@ class RetryPolicy:
       exponential backoff with jitter, at most 20 s between tries; ``'adaptive'``: the same, slowed further by
       the client while the service throttles);
     - Google Cloud Storage (google-api-core): each request is retried until ``deadline_s`` seconds have passed,
-      waiting ``initial_delay_s``, then ``multiplier`` times longer each time, at most ``max_delay_s`` (with
-      jitter).
+      waiting a random time up to a bound that is ``initial_delay_s`` at first, then ``multiplier`` times longer
+      after each failure, at most ``max_delay_s``.
+
+    The random waits of both are drawn from a generator of the client's own, never from Python's global
+    ``random``, which training draws from (see :mod:`aitoolbox.cloud.s3_retry`, :mod:`aitoolbox.cloud.gcs_retry`).
 
     Args:
         attempts: S3: how many times a request is tried in all (1: no retries).
         mode: S3: botocore's retry mode, ``'standard'`` or ``'adaptive'``.
         deadline_s: GCS: how long a request is retried.
-        initial_delay_s: GCS: the wait after the first failure.
-        max_delay_s: GCS: the longest wait.
-        multiplier: GCS: the growth of the wait per failure.
+        initial_delay_s: GCS: the bound of the wait after the first failure.
+        max_delay_s: GCS: the largest bound of a wait.
+        multiplier: GCS: the growth of the bound per failure.
     """
     attempts: int = 5
     mode: str = "standard"

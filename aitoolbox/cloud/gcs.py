@@ -4,17 +4,27 @@ The client comes from Google's standard configuration: Application Default Crede
 (``GOOGLE_APPLICATION_CREDENTIALS`` naming a service-account key file, ``gcloud auth application-default login``,
 or the metadata server on Google Cloud machines) and the project from ``GOOGLE_CLOUD_PROJECT`` or the
 credentials. With ``STORAGE_EMULATOR_HOST`` set (e.g. ``http://127.0.0.1:9023``) the client talks to that
-emulator with anonymous credentials. Objects above 8 MiB go up in a resumable upload of ``chunk_size`` chunks,
+emulator with anonymous credentials. Every object goes up in a resumable upload of ``chunk_size`` chunks,
 published only when complete.
 
-Transient errors are retried by the client itself (google-cloud-storage's ``DEFAULT_RETRY``, with the deadline
-and backoff of :class:`~aitoolbox.cloud.errors.RetryPolicy`), request by request: one failed chunk of a resumable
-upload is sent again, the chunks already stored are not. Uploads are retried without a generation precondition:
-each run writes its own keys from one process, so a repeated write stores the same content again.
+Transient errors are retried by the client itself (the errors google-cloud-storage's ``DEFAULT_RETRY`` retries,
+with the deadline and backoff of :class:`~aitoolbox.cloud.errors.RetryPolicy`), request by request: one failed
+chunk of a resumable upload is sent again, the chunks already stored are not. Uploads are retried without a
+generation precondition: each run writes its own keys from one process, so a repeated write stores the same
+content again.
+
+Python's global ``random``, which training draws from, is left alone (uploads run in background threads while
+training goes on): every request passes a :class:`~aitoolbox.cloud.gcs_retry.PrivateJitterRetry`, whose waits come
+from a generator of its own; every upload is resumable (google-cloud-storage draws the boundary of a multipart
+upload, its way for objects up to 8 MiB, from ``random``); and the client's cache of bucket metadata, whose
+background thread would keep fetching with the library's default retry (120 s, jitter from ``random``) after an
+operation failed, is switched off for the clients made here.
 """
 import importlib
+import warnings
 from typing import IO, Any, Iterator, Optional
 
+from aitoolbox.cloud.bounded import ReadWindow
 from aitoolbox.cloud.storage import (
     CloudNotFoundError, CloudObject, CloudPermissionError, CloudStorage, CloudStorageError, Failure, MissingBucket,
     MissingObject, RetryPolicy)
@@ -27,6 +37,9 @@ _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 #: The chunk of a resumable upload: a failed request re-sends at most this much.
 DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
 _CHUNK_MULTIPLE = 256 * 1024  # GCS takes chunks of multiples of 256 KiB
+# google-cloud-storage sends an object of up to this size in one multipart request, whose boundary it draws from
+# Python's global random; above it, in a resumable upload (which draws nothing).
+_MULTIPART_LIMIT = 8 * 1024 * 1024
 
 
 def import_storage():
@@ -35,6 +48,18 @@ def import_storage():
         return importlib.import_module("google.cloud.storage")
     except ImportError as error:
         raise ImportError(_INSTALL) from error
+
+
+def _warn_if_media_retries_use_global_random(storage: Any) -> None:
+    """Warn (once per calling line: the warnings module's default) when google-cloud-storage is older than 3:
+    it retries uploads and downloads through google-resumable-media, whose waits come from Python's global random."""
+    version = getattr(storage, "__version__", "")
+    major = version.split(".")[0]
+    if major.isdigit() and int(major) < 3:
+        warnings.warn(f"google-cloud-storage {version} retries uploads and downloads with waits drawn from Python's "
+                      "global random: a transfer retried while training runs moves the training's random stream. "
+                      "Upgrade it to keep runs reproducible: pip install 'google-cloud-storage>=3'",
+                      RuntimeWarning, stacklevel=3)
 
 
 class GCSStorage(CloudStorage):
@@ -48,7 +73,7 @@ class GCSStorage(CloudStorage):
         retry: how the client retries transient errors: each request until ``deadline_s`` has passed, with
             its backoff; :class:`~aitoolbox.cloud.errors.RetryPolicy` ``()`` when None.
         timeout_s: the connect and read timeout of each request.
-        chunk_size: the chunk of a resumable upload (objects above 8 MiB), a multiple of 256 KiB.
+        chunk_size: the chunk of a resumable upload (every upload), a multiple of 256 KiB.
     """
 
     service = "Google Cloud Storage"
@@ -67,14 +92,24 @@ class GCSStorage(CloudStorage):
         self.endpoint_url = endpoint_url
         self.timeout_s = timeout_s
         self.chunk_size = chunk_size
-        self._retry = storage.retry.DEFAULT_RETRY.with_delay(
-            initial=self.retry.initial_delay_s, maximum=self.retry.max_delay_s,
-            multiplier=self.retry.multiplier).with_timeout(self.retry.deadline_s)
+        _warn_if_media_retries_use_global_random(storage)
+        from aitoolbox.cloud.gcs_retry import PrivateJitterRetry
+        # DEFAULT_RETRY's predicate says which errors google-cloud-storage deems transient. The arguments go
+        # positionally: google-api-core renamed the deadline's keyword (deadline -> timeout), not its place.
+        self._retry = PrivateJitterRetry(storage.retry.DEFAULT_RETRY._predicate, self.retry.initial_delay_s,
+                                         self.retry.max_delay_s, self.retry.multiplier, self.retry.deadline_s)
 
     def _make_client(self) -> Any:
         storage = import_storage()
         options = {"api_endpoint": self.endpoint_url} if self.endpoint_url else None
-        return storage.Client(project=self.project, client_options=options)
+        client = storage.Client(project=self.project, client_options=options)
+        # Recent google-cloud-storage (3.x) fetches bucket metadata (for OpenTelemetry span attributes) in a
+        # background thread per bucket, retried with the library's default policy (120 s, jitter from the global
+        # random), which outlives a failed operation. The library's own checks read this attribute (None: no cache); the
+        # environment variable that also switches it off would change the user's other clients.
+        if getattr(client, "_bucket_metadata_cache", None) is not None:
+            client._bucket_metadata_cache = None
+        return client
 
     @property
     def bucket(self) -> Any:
@@ -83,6 +118,10 @@ class GCSStorage(CloudStorage):
 
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
         try:
+            if size <= _MULTIPART_LIMIT:
+                # A size the client does not know makes it upload resumably (see _MULTIPART_LIMIT); the window
+                # ends the file at the size given.
+                handle, size = ReadWindow(handle, size), None
             self.bucket.blob(key, chunk_size=self.chunk_size).upload_from_file(
                 handle, size=size, timeout=self.timeout_s, retry=self._retry)
         except Exception as error:

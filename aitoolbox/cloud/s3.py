@@ -9,10 +9,13 @@ transfers (multipart uploads above 8 MiB, published only when complete).
 
 Transient errors are retried by botocore itself, request by request (``retries={'mode': 'standard',
 'total_max_attempts': ...}`` from :class:`~aitoolbox.cloud.errors.RetryPolicy`): one failed part of a multipart
-upload is sent again, the parts already stored are not.
+upload is sent again, the parts already stored are not. Their waits are drawn from a generator of the client's own
+(:mod:`aitoolbox.cloud.s3_retry`), not from Python's global ``random``, which training draws from.
 """
 from typing import IO, Any, Iterator, Optional
 
+from aitoolbox.cloud.bounded import ReadWindow
+from aitoolbox.cloud.s3_retry import use_private_jitter
 from aitoolbox.cloud.storage import (
     CloudNotFoundError, CloudObject, CloudPermissionError, CloudStorage, Failure, MissingBucket, MissingObject,
     RetryPolicy)
@@ -77,11 +80,13 @@ class S3Storage(CloudStorage):
         config = botocore.config.Config(retries={"total_max_attempts": self.retry.attempts, "mode": self.retry.mode},
                                         connect_timeout=self.connect_timeout_s, read_timeout=self.read_timeout_s)
         # A session of its own: boto3's default session is not thread-safe to create clients from.
-        return boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name,
-                                              config=config)
+        client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name,
+                                                config=config)
+        use_private_jitter(client, self.retry.attempts)  # retries leave Python's global random alone
+        return client
 
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
-        self.client.upload_fileobj(_Window(handle, size), self.bucket_name, key, Config=self.transfer_config)
+        self.client.upload_fileobj(ReadWindow(handle, size), self.bucket_name, key, Config=self.transfer_config)
 
     def _get(self, key: str, handle: IO[bytes]) -> None:
         _, botocore = import_boto3()
@@ -157,48 +162,6 @@ class S3Storage(CloudStorage):
         if isinstance(error, exceptions.BotoCoreError):
             return Failure(False, type(error).__name__)
         return None
-
-
-class _Window:
-    """The first ``size`` bytes of the seekable binary ``handle``, as a file that close() leaves open.
-
-    boto3's transfer manager closes the file it was given, which belongs to the caller (a folder's files are
-    closed together, after the marker). It also takes the size from seeking to the end: a file that grows
-    meanwhile (a TensorBoard event file being written) is uploaded as it was when opened, matching the size its
-    folder's marker records.
-    """
-
-    closed = False
-
-    def __init__(self, handle: IO[bytes], size: int):
-        self._handle = handle
-        self._size = size
-        self._position = 0
-
-    def read(self, size: int = -1) -> bytes:
-        remaining = max(0, self._size - self._position)
-        count = remaining if size is None or size < 0 else min(size, remaining)
-        self._handle.seek(self._position)
-        data = self._handle.read(count)
-        self._position += len(data)
-        return data
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._position, 2: self._size}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def _code(error: Any) -> str:

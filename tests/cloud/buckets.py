@@ -19,8 +19,18 @@ def create_bucket(service: str, name: str) -> None:
         import boto3
         boto3.session.Session().client("s3").create_bucket(Bucket=name)
     else:
-        from google.cloud import storage
-        storage.Client().create_bucket(name)
+        gcs_client().create_bucket(name)
+
+
+def gcs_client():
+    """google-cloud-storage's own client, without its cache of bucket metadata: the cache's background thread
+    would outlive the test (retrying for 120 s when the test's proxy then drops connections), drawing from the
+    global random generator meanwhile (see tests/cloud/conftest.py)."""
+    from google.cloud import storage
+    client = storage.Client()
+    if getattr(client, "_bucket_metadata_cache", None) is not None:
+        client._bucket_metadata_cache = None
+    return client
 
 
 def make_storage(service: str, bucket_name: str, retry: RetryPolicy = FAST_RETRY, **options):

@@ -5,13 +5,44 @@ The tests of a service are skipped when its client or server package is not inst
 and the standard environment variables (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``, ...) set through
 monkeypatch, pointing at the servers. Nothing reaches beyond 127.0.0.1: the clients' metadata-server
 lookups (EC2 instance roles, GCE credentials) are switched off.
+
+No test may leave a thread running (:func:`no_thread_left_running`): a client's thread that outlives its test
+(google-cloud-storage's bucket-metadata fetch, retrying against a server gone) would go on sending requests and
+drawing from Python's global ``random`` during the tests after it, which compare that generator's state.
 """
 import logging
+import threading
+import time
 
 import pytest
 
 from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
 from tests.cloud.servers import FaultyProxy, gcs_emulator, moto_server, start_server
+
+# How long the threads a test started have, after it, to end by themselves (an uploader's worker finishing).
+THREAD_GRACE_S = 10.0
+# Threads of the process rather than of a test: tqdm's one progress-bar monitor (started by the first progress bar,
+# it sends nothing and draws nothing).
+PROCESS_THREADS = {"tqdm_monitor"}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_running():
+    """Fail the test (at teardown, after its other fixtures) when a thread it started is still running
+    ``THREAD_GRACE_S`` seconds later, naming the threads."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + THREAD_GRACE_S
+    while True:
+        left = [thread for thread in threading.enumerate()
+                if thread not in before and thread.is_alive() and thread.name not in PROCESS_THREADS]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if left:
+        pytest.fail(f"the test left {len(left)} thread(s) running {THREAD_GRACE_S} s after it ended: "
+                    f"{sorted(thread.name for thread in left)}; stop or join them in the test (or its fixtures)",
+                    pytrace=False)
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

@@ -229,7 +229,12 @@ class FaultyProxy:
                 sock.close()
 
     def close(self) -> None:
+        """Stop accepting, close every connection, and wait for the accepting thread to end (closing the listener
+        alone does not wake an ``accept`` blocked in another thread)."""
         self._open.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         self._close_all()
+        self._thread.join(timeout=10)

@@ -9,7 +9,7 @@ from torch import nn
 
 from aitoolbox.cloud.storage import CloudNotFoundError
 from aitoolbox.cloud.uploader import CloudUploader
-from tests.cloud.buckets import create_bucket, make_storage, unique_bucket_name
+from tests.cloud.buckets import create_bucket, gcs_client, make_storage, unique_bucket_name
 
 TIMESTAMP = "2026-01-02_03-04-05"
 RUN = f"team/proj/exp_{TIMESTAMP}"
@@ -50,8 +50,7 @@ def upload_with_the_services_client(service, bucket_name, local_path, key):
         import boto3
         boto3.session.Session().client("s3").upload_file(local_path, bucket_name, key)
     else:
-        from google.cloud import storage
-        storage.Client().bucket(bucket_name).blob(key).upload_from_filename(local_path)
+        gcs_client().bucket(bucket_name).blob(key).upload_from_filename(local_path)
 
 
 def test_the_1_8_loader_loads_a_checkpoint_uploaded_under_1_8s_layout(service, bucket, tmp_path):
