@@ -268,10 +268,24 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         checkpoint["epoch_loss_names"] = interrupted.loss_names if interrupted is not None and \
             interrupted.loss_names is not None else tl.last_batch_loss_names
         if has_own_state(tl.train_loader):  # e.g. torchdata's StatefulDataLoader: it continues from its state
-            # (a loaded checkpoint's point not trained past yet: the state it holds, not the loader's before the epoch)
-            loader_state = interrupted.loader_state if interrupted is not None else None
-            checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(
-                weights_only_safe(loader_state if loader_state is not None else tl.train_loader.state_dict()))
+            # At a point an exception left, the loader has yielded the batch that raised (and what an accumulation
+            # window had drawn past the point): its state is past the point. Without the state the point's own
+            # (a loaded checkpoint's point not trained past yet holds one), the resume passes over the point's
+            # batches from the epoch's start, as for any DataLoader, and trains the batch that raised.
+            loader_state = interrupted.loader_state if interrupted is not None else tl.train_loader.state_dict()
+            if interrupted is not None and loader_state is None and interrupted.batches_done > 0 \
+                    and resets_own_iterator(tl.train_loader):
+                # Passing over the point's batches from the epoch's start needs a new worker iterator, and the run
+                # reset its persistent one instead: another order (the sampler iterated twice, new worker seeds).
+                raise RuntimeError(
+                    f"checkpoint_state(mid_epoch=True) after an exception inside an epoch cannot record where the "
+                    f"run continues: the training loader {type(tl.train_loader).__name__} keeps its workers "
+                    f"(persistent_workers=True) and has already yielded the batch that raised, so a resume would not "
+                    f"train the batches of the uninterrupted run. Call fit() again to continue (it trains that batch "
+                    f"again) and take the checkpoint after its next step, or build the loader with "
+                    f"persistent_workers=False")
+            if loader_state is not None:
+                checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(weights_only_safe(loader_state))
     return checkpoint
 
 

@@ -296,3 +296,64 @@ def test_a_checkpoint_after_fit_stopped_in_the_epochs_end_is_refused_until_fit_f
     resumed.load_checkpoint(checkpoint)
     resumed.fit(num_epochs=2, callbacks=[decaying_lr()])
     assert_runs_equal(resumed, straight)
+
+
+# --- after an exception inside an epoch --------------------------------------------------------------------------
+class RaiseBefore(AbstractCallback):
+    """Raises once, in ``on_batch_begin`` of the run's ``at_batch``-th batch (fetched from the loader already)."""
+
+    def __init__(self, at_batch: int):
+        super().__init__("raise before a batch")
+        self.at_batch, self.raised = at_batch, False
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.at_batch and not self.raised:
+            self.raised = True
+            raise RuntimeError("stopped before a batch")
+
+
+def stateful_loop() -> TrainLoop:
+    """make_loop's run over torchdata's StatefulDataLoader, which keeps its own position."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    tl = make_loop()
+    tl.train_loader = stateful_dataloader.StatefulDataLoader(
+        tl.train_loader.dataset, batch_size=BATCH_SIZE, shuffle=True, generator=torch.Generator().manual_seed(1))
+    return tl
+
+
+@pytest.mark.parametrize("loader", ["DataLoader", "StatefulDataLoader"])
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_checkpoint_after_an_exception_inside_an_epoch_resumes_at_the_batch_that_raised(loader, grad_accumulation):
+    """The exception came after the loader had yielded batch 8 (epoch 1's third): the run stands at its last step
+    point, and a checkpoint taken now trains that batch again on resume. A loader keeping its own position had
+    moved past the batch: its state was saved, and the resume skipped the batch (review of stop 47)."""
+    make = stateful_loop if loader == "StatefulDataLoader" else make_loop
+
+    def fit(tl, callbacks=None):
+        tl.fit(num_epochs=2, callbacks=[decaying_lr(), *(callbacks or [])], grad_accumulation=grad_accumulation)
+
+    straight = make()
+    fit(straight)
+    interrupted = make()
+    with pytest.raises(RuntimeError, match="stopped before a batch"):
+        fit(interrupted, [RaiseBefore(at_batch=8)])
+    checkpoint = as_from_a_file(interrupted.checkpoint_state(mid_epoch=True))
+    torch.manual_seed(1234)
+    resumed = make()
+    resumed.load_checkpoint(checkpoint)
+    fit(resumed)
+    assert_runs_equal(resumed, straight)
+
+
+def test_a_checkpoint_after_an_exception_with_a_stateful_loaders_persistent_workers_is_refused():
+    """Its resume would need a new worker iterator where the run reset its persistent one (another order): refused
+    with what to do, never a silently other run."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    tl = make_loop()
+    tl.train_loader = stateful_dataloader.StatefulDataLoader(
+        tl.train_loader.dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=1, persistent_workers=True)
+    with pytest.raises(RuntimeError, match="stopped before a batch"):
+        tl.fit(num_epochs=2, callbacks=[RaiseBefore(at_batch=8)])
+    with pytest.raises(RuntimeError, match="persistent_workers=True.*Call fit\\(\\) again"):
+        tl.checkpoint_state(mid_epoch=True)
+    tl.fit(num_epochs=2)  # the continuing fit is unaffected
