@@ -58,7 +58,8 @@ class ReadWindow:
     A file that grows meanwhile (a TensorBoard event file being written) is uploaded as it was when opened,
     matching the size its folder's marker records: the clients read until the end of what they are given (GCS's
     resumable upload of an unknown size) or take the size from seeking to the end (boto3's transfer manager).
-    boto3's transfer manager also closes the file it was given, which belongs to the caller (a folder's files are
+    A file that shrinks meanwhile fails the upload (:meth:`read` raises ValueError) instead of storing a shorter
+    object. boto3's transfer manager also closes the file it was given, which belongs to the caller (a folder's files are
     closed together, after the marker).
     """
 
@@ -74,6 +75,14 @@ class ReadWindow:
         count = remaining if size is None or size < 0 else min(size, remaining)
         self._handle.seek(self._position)
         data = self._handle.read(count)
+        while len(data) < count:  # a raw handle may return less than asked before its end
+            more = self._handle.read(count - len(data))
+            if not more:
+                # Shrunk since its size was taken (rewritten in place): an upload of what is left would be an
+                # object shorter than the size its folder's marker records.
+                raise ValueError(f"the file to upload ended at byte {self._position + len(data)} of the "
+                                 f"{self._size} recorded when it was opened: it was changed during the upload")
+            data += more
         self._position += len(data)
         return data
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from aitoolbox.cloud.errors import CloudIntegrityError, CloudStorageError
-from aitoolbox.cloud.folders import FOLDER_MARKER
+from aitoolbox.cloud.folders import FOLDER_MARKER, open_folder
 from aitoolbox.cloud.layout import download_checkpoint
 from aitoolbox.cloud.uploader import CloudUploader
 from aitoolbox.torchtrain.train_loop import TrainLoopCheckpoint
@@ -178,3 +178,17 @@ def test_the_bounded_writer_refuses_any_write_ending_past_the_bound(tmp_path):
         raise RuntimeError("the client's wrapper") from raised.value
     except RuntimeError as wrapped:
         assert went_past_the_bound(wrapped) and not went_past_the_bound(RuntimeError("other"))
+
+
+def test_a_folder_file_shrunk_before_its_upload_fails_the_upload_and_no_marker_is_written(bucket, tmp_path):
+    """A file rewritten in place (truncated) between open_folder and its upload: the upload fails naming the change,
+    the folder is not complete (no marker listing the old size). GCS's small uploads, resumable with a size the
+    client does not know, stored what was left as the whole object (review of stop 47)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "results.csv").write_bytes(b"epoch,loss\n" + b"1,0.5\n" * 500)
+    opened = open_folder(str(folder))
+    (folder / "results.csv").write_bytes(b"epoch,loss\n1,0.5\n")
+    with pytest.raises(ValueError, match="ended at byte 17 of the 3011 recorded"):
+        bucket.upload_open_folder(opened, "run")
+    assert not bucket.is_complete_folder("run")
