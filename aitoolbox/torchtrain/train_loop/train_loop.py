@@ -667,8 +667,10 @@ class TrainLoop:
                 finishes that end first).
                 ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
-                optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), or with an
-                optimizer step an exception interrupted between two optimizers (``fit`` finishes it first).
+                optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), between the
+                steps of several optimizers stepping in turn (``on_after_optimizer_step`` of a MultiOptimizer's
+                step), or with an optimizer step an exception interrupted between two optimizers (``fit`` finishes it
+                first).
                 ``mid_epoch=False`` where the run stands inside an epoch (see above): the checkpoint would start
                 that epoch again on weights already trained on some of its batches, which a resume would train again.
         """
@@ -696,6 +698,15 @@ class TrainLoop:
     def _check_at_step_point(self) -> None:
         """Refuse a mid-epoch checkpoint where the run is not at a step point: resuming it would skip batches."""
         runner = self._step_runner
+        stepped = runner.optimizers_stepped_so_far if runner is not None else None
+        if stepped is not None:  # (the window's earlier batches are pending too: not what matters here)
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called between the optimizer steps of batch {self.iteration} "
+                f"of epoch {self.epoch}: {stepped} of its {len(self.optimizers)} optimizers have stepped (they step "
+                "one after another, on_after_optimizer_step after each), and the batch's step is complete only after "
+                "the last one: a checkpoint cannot hold a step half done, so resuming it would repeat or skip some "
+                "optimizer's step. Take it in on_batch_end of the batch (when optimizer_step_due was True for it, as "
+                "ModelCheckpoint does), or after fit")
         if runner is not None and runner.pending_batches > 0:
             raise RuntimeError(
                 f"checkpoint_state(mid_epoch=True) was called inside an accumulation window (batch {self.iteration} "

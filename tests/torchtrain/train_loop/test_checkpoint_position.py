@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.multi_loss_optim import MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import MLP, IterableTensorData, classification_data, single_torch_thread
@@ -232,6 +233,43 @@ def test_an_epoch_end_checkpoint_at_a_loaded_mid_epoch_checkpoints_position_is_r
     takers = [EpochEndCheckpointIn("on_train_begin"), EpochEndCheckpointIn("on_epoch_begin")]
     tl.fit(num_epochs=2, callbacks=[decaying_lr(), *takers])
     assert [str(taker.error) for taker in takers] == [str(before_fit.value)] * 2
+
+
+class CheckpointAfterEachOptimizerStep(AbstractCallback):
+    """Asks for ``checkpoint_state()`` in each ``on_after_optimizer_step`` of the run's ``at_batch``-th batch (one
+    call per optimizer when they step one after another) and keeps the errors that refused it."""
+
+    def __init__(self, at_batch: int):
+        super().__init__("checkpoint after each optimizer step", execution_order=1000)
+        self.at_batch, self.errors = at_batch, []
+
+    def on_after_optimizer_step(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.at_batch:
+            with pytest.raises(RuntimeError) as refused:
+                self.train_loop_obj.checkpoint_state()
+            self.errors.append(str(refused.value))
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_checkpoint_between_the_steps_of_several_optimizers_is_refused_as_such(grad_accumulation):
+    """Two optimizers step one after another (a MultiLoss, a MultiOptimizer): between their steps the run is inside
+    the batch's step. The message said "inside an accumulation window" with gradient accumulation (the window's
+    earlier batch was counted), and "before its optimizer step" without."""
+    from tests.torchtrain.train_loop.test_per_optimizer_accumulation import TwoHeads
+    torch.manual_seed(0)
+    model = TwoHeads()
+    loader = DataLoader(classification_data(16), batch_size=BATCH_SIZE)
+    optimizer = MultiOptimizer([torch.optim.Adam(model.head_a.parameters(), lr=0.05),
+                                torch.optim.Adam(model.head_b.parameters(), lr=0.05)])
+    taker = CheckpointAfterEachOptimizerStep(at_batch=2)  # the batch that steps, also with grad_accumulation=2
+    TrainLoop(model, loader, None, None, optimizer, nn.CrossEntropyLoss(), end_auto_eval=False,
+              show_progress=False).fit(num_epochs=1, callbacks=[taker], grad_accumulation=grad_accumulation)
+    assert len(taker.errors) == 2
+    for stepped, message in enumerate(taker.errors, start=1):
+        assert f"between the optimizer steps of batch 1 of epoch 0: {stepped} of its 2 optimizers have stepped" \
+            in message
+        assert "accumulation window" not in message and "before its optimizer step" not in message
+        assert "on_batch_end" in message  # where to take it instead
 
 
 class CheckpointAfterGradients(AbstractCallback):
