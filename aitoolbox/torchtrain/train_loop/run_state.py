@@ -66,6 +66,9 @@ class RunState:
         self._step_point: Any = None
         self._loader_generators: list = []  # the training loader's own generators (epoch_batches), see mark_batch_done
         self._interrupted_at: Optional[MidEpochResume] = None
+        # How the run came to the MidEpochResume in _step_point (see position_in_epoch): "checkpoint",
+        # "exception" or "rollback".
+        self._continued_from = "checkpoint"
         self.rollbacks = RollbackHistory()
         #: The action :meth:`call_after_step` asked for, until :meth:`run_after_step` runs it (None: none).
         self.after_step_action: Optional[Callable[["TrainLoop"], None]] = None
@@ -119,6 +122,7 @@ class RunState:
         # Until the epoch's batches start again (epoch_batches marks the resumed position), an exception (in
         # on_epoch_begin, say) continues from this same point: nothing was trained since.
         self._step_point = from_checkpoint if from_checkpoint is not None else point
+        self._continued_from = "checkpoint" if from_checkpoint is not None else "exception"
         if from_checkpoint is not None:
             return from_checkpoint
         if point is not None and tl.strategy.is_main_process:
@@ -126,6 +130,15 @@ class RunState:
             logger.info("Continuing epoch %d where the last fit stopped, after %d batch%s of it",
                         self.counters.epoch + 1, point.batches_done, "" if point.batches_done == 1 else "es")
         return point
+
+    def continue_after_rollback(self, resume: Optional[MidEpochResume]) -> None:
+        """A rollback put a kept point back (``resume``: where its epoch continues; None: at an epoch's start). Until
+        the replayed epoch's batches start again (its ``on_epoch_begin`` runs first), the run stands at that point,
+        as after a loaded mid-epoch checkpoint: a checkpoint taken there records it, an exception continues from it.
+        The loop's own progress (the batch count, the loss sum, the step point) is still the abandoned run's."""
+        self._interrupted_at = None
+        self._step_point = resume
+        self._continued_from = "rollback"
 
     def progress_beyond_checkpoint(self) -> dict:
         """What the run's progress holds besides a checkpoint's content: a loaded checkpoint waiting for ``fit``
@@ -326,13 +339,34 @@ class RunState:
 
     @property
     def inside_epoch_batches(self) -> bool:
-        """The run stands between two batches of an epoch: at a step point of the epoch being trained, or at a
-        :attr:`continuation_point`. False at an epoch boundary (before the first ``fit``, after one that ended with
-        an epoch, before an epoch's first batch) and in an epoch's end: there a checkpoint has no position inside an
-        epoch to record, and a mid-epoch one is the epoch-end one."""
+        """The run stands between two batches of an epoch: at a step point of the epoch being trained, at a
+        :attr:`continuation_point`, or at a loaded mid-epoch checkpoint's position before ``fit`` applies it. False
+        at an epoch boundary (before the first ``fit``, after one that ended with an epoch, before an epoch's first
+        batch) and in an epoch's end: there a checkpoint has no position inside an epoch to record, and a mid-epoch
+        one is the epoch-end one."""
         if self._interrupted_at is not None:
             return not self._interrupted_at.batches_trained
+        if self.pending_checkpoint is not None and self.pending_checkpoint.get("iteration", 0) > 0:
+            return True  # a loaded mid-epoch checkpoint: the run stands at its position until fit goes on from it
         return isinstance(self._step_point, tuple) or self.continuation_point is not None
+
+    def position_in_epoch(self) -> Optional[Tuple[int, str]]:
+        """Where the run stands inside an epoch, for the messages of the checkpoints refused there: ``(batches
+        committed, how the run got there)``, the latter ``"training"`` (between the batches of the epoch being
+        trained), ``"checkpoint"`` (at a loaded mid-epoch checkpoint's position, before or after ``fit`` has taken
+        it), ``"exception"`` (where a ``fit`` stopped inside the epoch continues) or ``"rollback"`` (at the point a
+        rollback returned to). None at an epoch boundary, also where the epoch starts again from its first batch
+        (stopped before its first step) and in an epoch's end."""
+        point = self.continuation_point
+        if point is None and self._interrupted_at is None and self.pending_checkpoint is not None:
+            batches = self.pending_checkpoint.get("iteration", 0)  # (a 1.x checkpoint has none: an epoch's end)
+            return (batches, "checkpoint") if batches > 0 else None
+        if point is not None:
+            origin = "exception" if self._interrupted_at is not None else self._continued_from
+            return (point.batches_done, origin) if point.batches_done > 0 else None
+        if isinstance(self._step_point, tuple) and self._interrupted_at is None:
+            return self._step_point[0], "training"
+        return None
 
     @property
     def batches_committed(self) -> int:

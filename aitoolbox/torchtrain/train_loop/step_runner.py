@@ -99,6 +99,13 @@ class StepRunner:
         return self._unfinished is not None
 
     @property
+    def optimizers_stepped_so_far(self) -> Optional[int]:
+        """Inside a step of several optimizers in turn, once one of them has stepped and before the step is done
+        (``on_after_optimizer_step`` runs after each): how many have stepped. None anywhere else."""
+        work = self._work
+        return len(work.skipped) if work is not None and work.stepped_any else None
+
+    @property
     def interrupted_step_ends_batch(self) -> bool:
         """The interrupted step is a batch's (its ``on_batch_end`` follows), not one :meth:`step_pending_gradients`
         took after the batches."""

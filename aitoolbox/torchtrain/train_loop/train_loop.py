@@ -655,19 +655,24 @@ class TrainLoop:
         epoch. Where the run stands at an epoch boundary (before the first ``fit``, after a ``fit`` that ended with
         an epoch, in ``on_epoch_begin`` before the epoch's first batch, in the epoch's end) there is no position
         inside an epoch to record, and a mid-epoch checkpoint is the epoch-end one: it continues from the next
-        epoch's first batch. The default (None) takes the run where it stands: a mid-epoch checkpoint between an
-        epoch's batches (also after a ``fit`` that an exception or a stop signal ended there), an epoch-end one
-        otherwise.
+        epoch's first batch. The default (None) takes the run where it stands: a mid-epoch checkpoint where it stands
+        inside an epoch, an epoch-end one otherwise. Inside an epoch means between its batches, and also at a point
+        the run continues from before the epoch's batches start again: after a ``fit`` that an exception or a stop
+        signal ended between them (and in ``on_epoch_begin`` of the ``fit`` that continues), at a loaded mid-epoch
+        checkpoint's position (before ``fit``, in its ``on_train_begin`` and ``on_epoch_begin``), and in the
+        ``on_epoch_begin`` that starts the replay of a rollback (``SpikeRollback``), at the point it returned to.
 
         Raises:
             RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation (``fit``
                 finishes that end first).
                 ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
-                optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), or with an
-                optimizer step an exception interrupted between two optimizers (``fit`` finishes it first).
-                ``mid_epoch=False`` between an epoch's batches: the checkpoint would start that epoch again on
-                weights already trained on some of its batches, which a resume would train again.
+                optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), between the
+                steps of several optimizers stepping in turn (``on_after_optimizer_step`` of a MultiOptimizer's
+                step), or with an optimizer step an exception interrupted between two optimizers (``fit`` finishes it
+                first).
+                ``mid_epoch=False`` where the run stands inside an epoch (see above): the checkpoint would start
+                that epoch again on weights already trained on some of its batches, which a resume would train again.
         """
         run_state = self.run_state
         if run_state.interrupted_before_epoch_evaluation:
@@ -678,19 +683,13 @@ class TrainLoop:
                 "evaluated (an exception in on_epoch_train_end or the evaluation): a checkpoint cannot hold the steps "
                 "of that end still to run (the evaluation, the callbacks' on_epoch_end), so a resume would skip them. "
                 "Call fit to finish the epoch's end first, then take the checkpoint")
-        point = run_state.continuation_point
-        # Stopped before the epoch's first step: the epoch starts again either way.
-        inside_batches = run_state.inside_epoch_batches and not (point is not None and point.batches_done == 0)
+        # None at an epoch boundary, also where the epoch starts again from its first batch (stopped before its
+        # first step).
+        position = run_state.position_in_epoch()
         if mid_epoch is None:
-            mid_epoch = inside_batches
-        elif not mid_epoch and inside_batches:
-            batches_done = point.batches_done if point is not None else run_state.batches_done
-            raise RuntimeError(
-                f"checkpoint_state(mid_epoch=False) was called {'after fit stopped ' if point is not None else ''}"
-                f"inside epoch {self.epoch}, after {batches_done} of its batches: an epoch-end checkpoint would start "
-                "that epoch again on a run already past its start (weights trained on those batches, the data order "
-                "drawn), so a resume would train them twice. Call checkpoint_state() (or mid_epoch=True) at a step "
-                "point for a checkpoint that continues after them, or call fit to finish the epoch first")
+            mid_epoch = position is not None
+        elif not mid_epoch and position is not None:
+            raise RuntimeError(_inside_epoch_message(self.epoch, *position))
         if mid_epoch:
             self._check_at_step_point()
         self.set_up()
@@ -699,6 +698,15 @@ class TrainLoop:
     def _check_at_step_point(self) -> None:
         """Refuse a mid-epoch checkpoint where the run is not at a step point: resuming it would skip batches."""
         runner = self._step_runner
+        stepped = runner.optimizers_stepped_so_far if runner is not None else None
+        if stepped is not None:  # (the window's earlier batches are pending too: not what matters here)
+            raise RuntimeError(
+                f"checkpoint_state(mid_epoch=True) was called between the optimizer steps of batch {self.iteration} "
+                f"of epoch {self.epoch}: {stepped} of its {len(self.optimizers)} optimizers have stepped (they step "
+                "one after another, on_after_optimizer_step after each), and the batch's step is complete only after "
+                "the last one: a checkpoint cannot hold a step half done, so resuming it would repeat or skip some "
+                "optimizer's step. Take it in on_batch_end of the batch (when optimizer_step_due was True for it, as "
+                "ModelCheckpoint does), or after fit")
         if runner is not None and runner.pending_batches > 0:
             raise RuntimeError(
                 f"checkpoint_state(mid_epoch=True) was called inside an accumulation window (batch {self.iteration} "
@@ -1040,8 +1048,16 @@ class TrainLoop:
         """Return the run to the point ``request`` names (see :mod:`.rollback`); where its epoch continues."""
         self._step_runner.abandon()
         resume = roll_back(self, request)
+        self._step_runner.discard_interrupted_step()  # (a step of the abandoned interval: undone with it)
         self._step_runner.start()  # no gradients or per-step precision state from the abandoned interval
         self._evaluator.clear_cache()  # results cached for a batch position were computed with the undone weights
+        # The replay's on_epoch_begin runs before its batches start: until then the run stands at the kept point
+        # (a checkpoint taken there records it, an exception continues from it), not at the abandoned step point.
+        self.run_state.continue_after_rollback(resume)
+        # A rollback requested inside a batch's hooks (a checkpoint asked for there, see SpikeRollback) left the
+        # batch unfinished: it is undone, not an interrupted step for the next fit to finish.
+        self._current_batch = self._batch_end_done = None
+        self._interrupts.in_batch = False
         return resume
 
     @property
@@ -1376,6 +1392,27 @@ class TrainLoop:
             return sum(loss[name] for name in loss) if isinstance(loss, MultiLoss) else loss
 
         self._compiler.verify(self.model, compute_loss, self._precision.autocast_dtype)
+
+
+#: How the run came to stand inside an epoch (RunState.position_in_epoch), as the refusal of an epoch-end
+#: checkpoint there says it.
+_HOW_INSIDE = {
+    "training": "",
+    "checkpoint": ", at the position of the loaded mid-epoch checkpoint",
+    "exception": ", where the fit that stopped inside it continues",
+    "rollback": ", at the point SpikeRollback returned the run to",
+}
+
+
+def _inside_epoch_message(epoch: int, batches_committed: int, how: str) -> str:
+    """The refusal of ``checkpoint_state(mid_epoch=False)`` where the run stands inside epoch ``epoch``."""
+    return (f"checkpoint_state(mid_epoch=False) was called while the run stands inside epoch {epoch}"
+            f"{_HOW_INSIDE[how]}, after {batches_committed} of its batches committed (trained and stepped): an epoch-end checkpoint would "
+            "start that epoch again on a run already past its start (weights trained on those batches, the data order "
+            "drawn), so a resume would train them twice. Call checkpoint_state() (or mid_epoch=True) for a "
+            "checkpoint that continues after them (inside fit's batches: in on_batch_end of a batch whose optimizer "
+            "stepped), or take the epoch-end checkpoint at the epoch's end (in on_epoch_end, or after a fit that "
+            "finished the epoch)")
 
 
 def _no_batch_context(strategy: Any, precision: Any) -> bool:

@@ -325,6 +325,124 @@ def test_a_run_resumed_from_a_checkpoint_written_after_a_rollback_equals_the_str
     assert resumed.train_history["accumulated_loss"] == straight.train_history["accumulated_loss"]
 
 
+class CheckpointAround(AbstractCallback):
+    """Keeps the checkpoint (bytes) taken by ``checkpoint_state(mid_epoch)`` in ``hook`` at its ``k``-th call (0:
+    the first) after the first rollback, or the error that refused it."""
+
+    def __init__(self, hook, k=0, mid_epoch=None, execution_order=200):
+        super().__init__("checkpoint around a rollback", execution_order=execution_order)
+        self.hook, self.k, self.mid_epoch = hook, k, mid_epoch
+        self.calls, self.saved, self.error = 0, None, None
+
+    def _take(self, hook):
+        tl = self.train_loop_obj
+        if hook != self.hook or not tl.rollbacks or self.saved is not None or self.error is not None:
+            return
+        self.calls += 1
+        if self.calls - 1 != self.k:
+            return
+        try:
+            buffer = io.BytesIO()
+            torch.save(tl.checkpoint_state(mid_epoch=self.mid_epoch), buffer)
+            self.saved = buffer.getvalue()
+        except RuntimeError as error:
+            self.error = error
+
+    def on_epoch_begin(self):
+        self._take("on_epoch_begin")
+
+    def on_batch_end(self):
+        self._take("on_batch_end")
+
+    def on_epoch_end(self):
+        self._take("on_epoch_end")
+
+
+AROUND_POISON = (1, 6)  # kept point: epoch 1 after 3 batches (grad_accumulation=1), epoch 0 after 10 (=2)
+
+
+def straight_with_rollback(grad_accumulation, callbacks=()):
+    model, _ = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poisoned_at(*AROUND_POISON)))), grad_accumulation=grad_accumulation,
+               callbacks=[SpikeRollback(**SETTINGS), *callbacks])
+    assert len(tl.rollbacks) == 1
+    return tl
+
+
+def assert_resumes_as_straight(saved, grad_accumulation):
+    """A new loop loads the checkpoint ``saved`` and fits to the same total, with the same callbacks (no taker):
+    bitwise the straight run with its rollback."""
+    straight = straight_with_rollback(grad_accumulation)
+    _, twin = model_pair(MLP)
+    resumed = make_loop(twin, loader(Poisoned(poisoned_at(*AROUND_POISON))))
+    torch.manual_seed(999)  # the checkpoint's RNG state decides, not the process's
+    resumed.load_checkpoint(torch.load(io.BytesIO(saved), weights_only=True))
+    resumed.fit(num_epochs=4, grad_accumulation=grad_accumulation, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.rollbacks == straight.rollbacks
+    assert resumed.train_history["accumulated_loss"] == straight.train_history["accumulated_loss"]
+    assert resumed.train_history["rollbacks"] == straight.train_history["rollbacks"]
+
+
+@pytest.mark.parametrize("grad_accumulation, mid_epoch, execution_order",
+                         [(1, None, 200), (2, None, 200), (1, True, -30), (2, True, -30)])
+def test_a_checkpoint_taken_in_the_replayed_on_epoch_begin_resumes_as_the_straight_run(grad_accumulation, mid_epoch,
+                                                                                       execution_order):
+    """The replay of a rollback starts with its epoch's on_epoch_begin (the kept point may lie in an earlier epoch):
+    there the run stands at the kept point, which a checkpoint records (review of issue 32: it recorded the kept
+    position with the abandoned run's RNG state, epoch start and loss sum, and the resumed run diverged)."""
+    taker = CheckpointAround("on_epoch_begin", mid_epoch=mid_epoch, execution_order=execution_order)
+    straight_with_rollback(grad_accumulation, [taker])
+    assert taker.error is None and taker.saved is not None
+    checkpoint = torch.load(io.BytesIO(taker.saved), weights_only=True)
+    kept = (1, 3) if grad_accumulation == 1 else (0, 10)
+    assert (checkpoint["epochs_completed"], checkpoint["iteration"]) == kept
+    assert_resumes_as_straight(taker.saved, grad_accumulation)
+
+
+def test_an_epoch_end_checkpoint_in_the_replayed_on_epoch_begin_is_refused_naming_the_kept_point():
+    taker = CheckpointAround("on_epoch_begin", mid_epoch=False)
+    straight_with_rollback(1, [taker])
+    message = str(taker.error)
+    assert "inside epoch 1, at the point SpikeRollback returned the run to, after 3 of its batches" in message
+    assert "on_epoch_end" in message  # where an epoch-end checkpoint can be taken
+
+
+class FailInReplayedEpochBegin(AbstractCallback):
+    def __init__(self):
+        super().__init__("fail in the replayed on_epoch_begin")
+        self.failed = False
+
+    def on_epoch_begin(self):
+        if self.train_loop_obj.rollbacks and not self.failed:
+            self.failed = True
+            raise RuntimeError("stopped in the replay's on_epoch_begin")
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_fit_stopped_in_the_replayed_on_epoch_begin_continues_from_the_kept_point(grad_accumulation):
+    """It continued from the abandoned run's last step point (counters, RNG and loss sum of the undone interval)."""
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poisoned_at(*AROUND_POISON))))
+    with pytest.raises(RuntimeError, match="stopped in the replay"):
+        train(tl, grad_accumulation=grad_accumulation,
+              callbacks=[SpikeRollback(**SETTINGS), FailInReplayedEpochBegin()])
+    tl.fit(num_epochs=4, grad_accumulation=grad_accumulation)
+    straight = straight_with_rollback(grad_accumulation)
+    assert_params_equal(tl.model, straight.model)
+    assert tl.train_history["accumulated_loss"] == straight.train_history["accumulated_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+@pytest.mark.parametrize("hook, k", [("on_batch_end", 1), ("on_batch_end", 3), ("on_epoch_end", 0)])
+def test_a_checkpoint_taken_after_the_rollback_resumes_as_the_straight_run(grad_accumulation, hook, k):
+    taker = CheckpointAround(hook, k)
+    straight_with_rollback(grad_accumulation, [taker])
+    assert taker.error is None and taker.saved is not None
+    assert_resumes_as_straight(taker.saved, grad_accumulation)
+
+
 def test_a_checkpoint_without_the_rollbacks_key_leaves_nothing_out():
     model, twin = model_pair(MLP)
     tl = make_loop(model, loader(Poisoned()))

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.multi_loss_optim import MultiOptimizer
 from aitoolbox.torchtrain.schedulers.basic import LambdaLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import MLP, IterableTensorData, classification_data, single_torch_thread
@@ -169,8 +170,106 @@ def test_the_default_between_an_epochs_batches_is_the_mid_epoch_checkpoint():
 
 def test_an_epoch_end_checkpoint_between_an_epochs_batches_is_refused():
     tl = make_loop()
-    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called inside epoch 1, after 2 of its batches"):
+    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called while the run stands inside epoch 1, after 2 "
+                                           "of its batches committed"):
         tl.fit(num_epochs=3, callbacks=[CheckpointIn("on_batch_end", False, at_batch=7)])
+
+
+class EpochEndCheckpointIn(AbstractCallback):
+    """Asks for ``checkpoint_state(mid_epoch=False)`` once, in ``hook`` of the run's ``at_batch``-th batch (or the
+    first call of an epoch hook), and keeps the error that refused it."""
+
+    def __init__(self, hook: str, at_batch: int = 0):
+        super().__init__("epoch-end checkpoint in a hook", execution_order=1000)
+        self.hook, self.at_batch, self.error = hook, at_batch, None
+
+    def _take(self, hook: str) -> None:
+        tl = self.train_loop_obj
+        if hook != self.hook or self.error is not None:
+            return
+        if self.at_batch and tl.total_iteration_idx + 1 != self.at_batch:
+            return
+        with pytest.raises(RuntimeError) as refused:
+            tl.checkpoint_state(mid_epoch=False)
+        self.error = refused.value
+
+    def on_train_begin(self):
+        self._take("on_train_begin")
+
+    def on_epoch_begin(self):
+        self._take("on_epoch_begin")
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self._take("on_after_gradient_update")
+
+    def on_batch_end(self):
+        self._take("on_batch_end")
+
+
+@pytest.mark.parametrize("hook, grad_accumulation", [("on_after_gradient_update", 1), ("on_batch_end", 2)],
+                         ids=["before-the-step", "accumulating"])
+def test_a_refused_epoch_end_checkpoint_counts_the_batches_committed(hook, grad_accumulation):
+    """The 8th batch is the 3rd of epoch 1; the two before it are committed (their optimizer steps taken), the batch
+    in progress is not: the message counted it (review of issue 32's checkpoint-position work)."""
+    taker = EpochEndCheckpointIn(hook, at_batch=8)
+    make_loop().fit(num_epochs=2, callbacks=[taker], grad_accumulation=grad_accumulation)
+    assert "inside epoch 1, after 2 of its batches committed" in str(taker.error)
+
+
+def test_an_epoch_end_checkpoint_at_a_loaded_mid_epoch_checkpoints_position_is_refused_before_and_in_fit():
+    """Before fit (and in its on_train_begin) the call returned the loaded mid-epoch checkpoint, in on_epoch_begin of
+    the same fit it was refused: the run stands inside the epoch in all three, and all three refuse alike."""
+    source = CheckpointIn("on_batch_end", None, at_batch=8)
+    make_loop().fit(num_epochs=2, callbacks=[decaying_lr(), source])
+    expected = "while the run stands inside epoch 1, at the position of the loaded mid-epoch checkpoint, after 3 of " \
+               "its batches committed"
+    tl = make_loop()
+    tl.load_checkpoint(source.checkpoint)
+    with pytest.raises(RuntimeError) as before_fit:
+        tl.checkpoint_state(mid_epoch=False)
+    assert expected in str(before_fit.value)
+    by_default = tl.checkpoint_state()  # the run where it stands: the loaded position
+    assert (by_default["epochs_completed"], by_default["iteration"]) == (1, 3)
+    takers = [EpochEndCheckpointIn("on_train_begin"), EpochEndCheckpointIn("on_epoch_begin")]
+    tl.fit(num_epochs=2, callbacks=[decaying_lr(), *takers])
+    assert [str(taker.error) for taker in takers] == [str(before_fit.value)] * 2
+
+
+class CheckpointAfterEachOptimizerStep(AbstractCallback):
+    """Asks for ``checkpoint_state()`` in each ``on_after_optimizer_step`` of the run's ``at_batch``-th batch (one
+    call per optimizer when they step one after another) and keeps the errors that refused it."""
+
+    def __init__(self, at_batch: int):
+        super().__init__("checkpoint after each optimizer step", execution_order=1000)
+        self.at_batch, self.errors = at_batch, []
+
+    def on_after_optimizer_step(self):
+        if self.train_loop_obj.total_iteration_idx + 1 == self.at_batch:
+            with pytest.raises(RuntimeError) as refused:
+                self.train_loop_obj.checkpoint_state()
+            self.errors.append(str(refused.value))
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_a_checkpoint_between_the_steps_of_several_optimizers_is_refused_as_such(grad_accumulation):
+    """Two optimizers step one after another (a MultiLoss, a MultiOptimizer): between their steps the run is inside
+    the batch's step. The message said "inside an accumulation window" with gradient accumulation (the window's
+    earlier batch was counted), and "before its optimizer step" without."""
+    from tests.torchtrain.train_loop.test_per_optimizer_accumulation import TwoHeads
+    torch.manual_seed(0)
+    model = TwoHeads()
+    loader = DataLoader(classification_data(16), batch_size=BATCH_SIZE)
+    optimizer = MultiOptimizer([torch.optim.Adam(model.head_a.parameters(), lr=0.05),
+                                torch.optim.Adam(model.head_b.parameters(), lr=0.05)])
+    taker = CheckpointAfterEachOptimizerStep(at_batch=2)  # the batch that steps, also with grad_accumulation=2
+    TrainLoop(model, loader, None, None, optimizer, nn.CrossEntropyLoss(), end_auto_eval=False,
+              show_progress=False).fit(num_epochs=1, callbacks=[taker], grad_accumulation=grad_accumulation)
+    assert len(taker.errors) == 2
+    for stepped, message in enumerate(taker.errors, start=1):
+        assert f"between the optimizer steps of batch 1 of epoch 0: {stepped} of its 2 optimizers have stepped" \
+            in message
+        assert "accumulation window" not in message and "before its optimizer step" not in message
+        assert "on_batch_end" in message  # where to take it instead
 
 
 class CheckpointAfterGradients(AbstractCallback):
@@ -225,7 +324,9 @@ def test_an_epoch_end_checkpoint_before_a_continued_epochs_batches_is_refused():
     tl = make_loop()
     with pytest.raises(Crash):
         tl.fit(num_epochs=3, callbacks=[decaying_lr(), CrashBefore(9)])
-    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called after fit stopped inside epoch 1, after 3"):
+    with pytest.raises(RuntimeError, match=r"mid_epoch=False\) was called while the run stands inside epoch 1, where "
+                                           "the fit that stopped inside it continues, after 3 of its batches "
+                                           "committed"):
         tl.fit(num_epochs=3, callbacks=[CheckpointIn("on_epoch_begin", False, epoch=1)])
 
 

@@ -301,7 +301,8 @@ def test_checkpoint_state_after_an_exception_inside_an_epoch_continues_after_its
         interrupted.fit(num_epochs=3, grad_accumulation=grad_accumulation)
     batches_done = at % 5 - (at % 5) % grad_accumulation
     if batches_done:
-        with pytest.raises(RuntimeError, match=f"fit stopped inside epoch 1, after {batches_done} of its batches"):
+        with pytest.raises(RuntimeError, match=f"inside epoch 1, where the fit that stopped inside it continues, "
+                                                 f"after {batches_done} of its batches committed"):
             interrupted.checkpoint_state(mid_epoch=False)
         checkpoints = [interrupted.checkpoint_state()]
     else:
