@@ -104,6 +104,8 @@ TESTS = [
     "tests/torchtrain/callbacks/test_throughput.py::test_training_is_bitwise_the_same_with_the_monitor",
     "tests/torchtrain/callbacks/test_throughput.py::"
     "test_data_wait_counts_only_the_time_spent_getting_batches_from_the_loader",
+    "tests/torchtrain/callbacks/test_throughput.py::"
+    "test_data_wait_counts_starting_the_loaders_iteration_and_the_next_that_finds_its_end",
     "tests/torchtrain/train_loop/test_lr_finder.py::"
     "test_a_window_an_unsized_loaders_end_cuts_short_is_a_step_of_the_search",
     "tests/combinations/test_matrix.py::test_representative_cells[single]",
