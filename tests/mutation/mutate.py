@@ -132,6 +132,11 @@ class Mutant:
     status: str = "pending"  # killed, survived, timeout, not covered, error
     seconds: float = 0.0
     killed_by: str = ""  # the first failing test
+    # Where it is, independent of line numbers: its function and the text of the innermost statement holding it,
+    # and how many earlier mutants of the file have the same description in the same statement of that function. A report's record is
+    # carried over to a changed file by these (see _carry_over); a record without them, by path, index and line.
+    statement: str = ""
+    occurrence: int = 0
 
     @property
     def name(self) -> str:
@@ -314,11 +319,43 @@ def target_files(selected: Optional[str]) -> List[str]:
     return [path for path in files if selected is None or selected in path]
 
 
+def _statement_texts(source: str) -> Dict[int, str]:
+    """For each line, the innermost statement that holds it: the qualified name of its function (two equal
+    statements of two functions are two places) and its text, each line stripped (indentation, as a block moved
+    into another, does not make it another statement)."""
+    lines = source.splitlines()
+    spans: Dict[int, Tuple[int, int]] = {}
+    owners: Dict[int, str] = {}
+
+    def visit(node: ast.AST, owner: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            owner = f"{owner}.{node.name}" if owner else node.name
+        if isinstance(node, ast.stmt):
+            for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                best = spans.get(line)
+                if best is None or (node.end_lineno - node.lineno) <= (best[1] - best[0]):
+                    spans[line], owners[line] = (node.lineno, node.end_lineno), owner
+        for child in ast.iter_child_nodes(node):
+            visit(child, owner)
+
+    visit(ast.parse(source), "")
+    return {line: owners[line] + ": " + "\n".join(text.strip() for text in lines[first - 1:last])
+            for line, (first, last) in spans.items()}
+
+
 def mutants_of(path: str) -> Tuple[List[Mutant], List[Tuple]]:
     with open(os.path.join(REPOSITORY, path)) as source_file:
-        sites = _Sites()
-        sites.visit(ast.parse(source_file.read()))
-    return [Mutant(path, site[3], site[2], index) for index, site in enumerate(sites.sites)], sites.sites
+        source = source_file.read()
+    sites = _Sites()
+    sites.visit(ast.parse(source))
+    texts = _statement_texts(source)
+    mutants, seen = [], {}
+    for index, site in enumerate(sites.sites):
+        statement = texts.get(site[3], "")
+        occurrence = seen.get((site[2], statement), 0)
+        seen[(site[2], statement)] = occurrence + 1
+        mutants.append(Mutant(path, site[3], site[2], index, statement=statement, occurrence=occurrence))
+    return mutants, sites.sites
 
 
 # --- running ----------------------------------------------------------------------------------------------------
@@ -529,6 +566,38 @@ def _key(mutant: Mutant) -> Tuple:
     return mutant.path, mutant.index, mutant.line, mutant.description
 
 
+def _anchor(mutant: Mutant) -> Tuple:
+    return mutant.path, mutant.description, mutant.statement, mutant.occurrence
+
+
+def _carry_over(recorded: Dict[Tuple, Mutant], files: List[str]) -> Tuple[List[Mutant], int, int]:
+    """A report's records, matched to ``files``' current mutants: ``(records, moved, dropped)``.
+
+    A record of one of ``files`` that has its statement keeps its outcome under the mutant of the same function,
+    statement text, description and occurrence (its line and index as they are now: code added or removed above
+    it moved it); one without (a report of an older tool) under the mutant of the same index, line and
+    description, and takes its statement from it. A record that matches none is dropped: its statement changed or
+    is gone, and the mutant of the changed statement is another one, to run. Records of other files are kept as
+    they are."""
+    current = [mutant for path in files for mutant in mutants_of(path)[0]]
+    by_anchor = {_anchor(mutant): mutant for mutant in current}
+    by_key = {_key(mutant): mutant for mutant in current}
+    records, moved, dropped, taken = [], 0, 0, set()
+    for earlier in recorded.values():
+        if earlier.path not in files:
+            records.append(earlier)
+            continue
+        now = by_anchor.get(_anchor(earlier)) if earlier.statement else by_key.get(_key(earlier))
+        if now is None or _key(now) in taken:
+            dropped += 1
+            continue
+        taken.add(_key(now))
+        moved += (earlier.line, earlier.index) != (now.line, now.index)
+        records.append(dataclasses.replace(now, status=earlier.status, seconds=earlier.seconds,
+                                           killed_by=earlier.killed_by))
+    return records, moved, dropped
+
+
 def _fingerprint() -> str:
     """What the baseline's outcome, time and coverage depend on: the package, the tests (this tool aside) and the
     selection. A report's baseline is reused only under the same fingerprint."""
@@ -635,6 +704,11 @@ def main() -> int:
     reported = plan  # what the report holds: the plan, and what an earlier report recorded outside it
     if options.resume and os.path.exists(options.resume):
         recorded, baseline = _read_report(options.resume)
+        records, moved, dropped = _carry_over(recorded, files)
+        if moved or dropped:
+            print(f"{options.resume}: {moved} recorded mutants moved to other lines (code changed above them), "
+                  f"{dropped} dropped (their statement changed or is gone: run again where planned)")
+        recorded = {_key(mutant): mutant for mutant in records}
         planned = set(sites)
         reported = plan + [mutant for key, mutant in recorded.items() if key not in planned]
         retry = {status.strip() for status in options.retry.split(",") if status.strip()}
