@@ -88,6 +88,12 @@ TESTS = [
     "test_an_exception_after_a_step_of_two_optimizers_stepped_together_is_finished_for_both",
     "tests/combinations/test_defects.py::test_training_with_a_frozen_batchnorm_equals_a_hand_loop",
     "tests/combinations/test_defects.py::test_o3_resumes_from_a_checkpoint_loaded_before_the_model_is_cast",
+    "tests/combinations/test_defects.py::"
+    "test_o2_dynamic_scaling_two_optimizers_accumulation_skips_only_the_overflowing_optimizer",
+    "tests/torchtrain/schedulers/test_basic.py::"
+    "test_per_step_schedulers_of_optimizers_stepped_one_after_another_match_a_hand_loop",
+    "tests/torchtrain/train_loop/test_compat_1x.py::"
+    "test_multi_optimizer_under_grad_scaler_arguments_updates_the_scale_once_per_iteration",
     "tests/torchtrain/train_loop/test_compat_1x.py::"
     "test_a_multi_loss_with_one_plain_optimizer_steps_on_the_sum_of_the_losses",
     "tests/torchtrain/train_loop/test_compat_1x.py::test_multi_loss_with_multi_optimizer_trains_in_1x_order",
