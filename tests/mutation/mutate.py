@@ -71,6 +71,8 @@ TESTS = [
     "tests/torchtrain/train_loop/test_train_loop.py",
     "tests/torchtrain/amp/test_scale_loss.py",
     "tests/torchtrain/amp/test_checkpoint.py",
+    "tests/torchtrain/amp/test_initialize.py::test_o1_autocast_is_left_when_forward_raises",
+    "tests/torchtrain/amp/test_initialize.py::test_o1_an_exception_in_a_forward_pre_hook_before_amps_reaches_the_caller",
     "tests/combinations/test_defects.py::test_get_num_training_steps_counts_the_epoch_end_steps",
     "tests/combinations/test_defects.py::test_the_epoch_end_step_of_a_loader_without_len_is_clipped",
     "tests/combinations/test_defects.py::test_an_exception_between_unscale_and_step_does_not_leak_into_the_next_fit",
