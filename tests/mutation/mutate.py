@@ -646,20 +646,25 @@ def _read_report(path: str) -> Tuple[Dict[Tuple, Mutant], dict]:
 
 
 # --- the command ----------------------------------------------------------------------------------------------
-def _line_range(text: str) -> Tuple[int, int]:
-    """``FIRST-LAST`` (or one line number) as ``(first, last)``; an error naming ``text`` otherwise."""
-    first, _, last = text.partition("-")
-    try:
-        bounds = int(first), int(last or first)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--lines {text!r}: give FIRST-LAST (e.g. 330-350) or one line number")
-    if bounds[0] > bounds[1]:
-        raise argparse.ArgumentTypeError(f"--lines {text!r}: the first line is after the last")
-    return bounds
+def _line_ranges(text: str) -> List[Tuple[int, int]]:
+    """``FIRST-LAST`` ranges or single line numbers, comma-separated, as ``(first, last)`` pairs; an error naming
+    the bad part otherwise."""
+    ranges = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            bounds = int(first), int(last or first)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lines {text!r}: {part!r} is not FIRST-LAST (e.g. 330-350) nor a "
+                                             "line number") from None
+        if bounds[0] > bounds[1]:
+            raise argparse.ArgumentTypeError(f"--lines {text!r}: in {part!r} the first line is after the last")
+        ranges.append(bounds)
+    return ranges
 
 
 def _plan(targets: Optional[str], limit: Optional[int],
-          lines: Optional[Tuple[int, int]] = None) -> Tuple[List[str], List[Tuple[Mutant, Tuple]]]:
+          lines: Optional[List[Tuple[int, int]]] = None) -> Tuple[List[str], List[Tuple[Mutant, Tuple]]]:
     """The files and ``(mutant, site)`` pairs to run, target by target in the order ``targets`` names them; with
     ``lines``, only the mutants of those lines (before ``limit`` spreads what is left)."""
     files: List[str] = []
@@ -670,7 +675,8 @@ def _plan(targets: Optional[str], limit: Optional[int],
         mutants, sites = mutants_of(path)
         pairs = list(zip(mutants, sites))
         if lines is not None:
-            pairs = [(mutant, site) for mutant, site in pairs if lines[0] <= mutant.line <= lines[1]]
+            pairs = [(mutant, site) for mutant, site in pairs
+                     if any(first <= mutant.line <= last for first, last in lines)]
         if limit and len(pairs) > limit:
             step = len(pairs) / limit
             pairs = [pairs[int(i * step)] for i in range(limit)]
@@ -683,8 +689,9 @@ def main() -> int:
     parser.add_argument("--target", help="only the target files whose path contains this; several, comma-separated, "
                                          "run in the order given (step_runner,run_state)")
     parser.add_argument("--limit", type=int, help="at most this many mutants per file (spread over it)")
-    parser.add_argument("--lines", type=_line_range, metavar="FIRST-LAST",
-                        help="only the mutants on these lines of each target file (with one --target)")
+    parser.add_argument("--lines", type=_line_ranges, metavar="FIRST-LAST,...",
+                        help="only the mutants on these lines of each target file (with one --target): ranges or "
+                             "line numbers, comma-separated")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     parser.add_argument("--report", help="write every mutant's outcome to this JSON file (after each mutant)")
     parser.add_argument("--resume", metavar="REPORT",
