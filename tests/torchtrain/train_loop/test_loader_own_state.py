@@ -49,3 +49,16 @@ def test_the_batches_an_epoch_leaves_out_are_not_fetched():
     batches = [batch.flatten().tolist() for batch in epoch_without(loader, start=1, skipped=[2])]
     assert batches == [[2.0, 3.0], [6.0, 7.0]]
     assert dataset.fetched == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_epoch_leaves_out_every_batch_it_is_told_to_not_only_the_first(num_workers):
+    """Two left-out positions ahead (two rollbacks in one epoch): the loader's own iteration takes over only after
+    the last of them (the mutation run, mut47: after the first, the second was yielded). By index in one process,
+    loaded and discarded with a worker."""
+    dataset = _CountingDataset()
+    loader = DataLoader(dataset, batch_size=2, num_workers=num_workers)
+    batches = [batch.flatten().tolist() for batch in epoch_without(loader, start=0, skipped=[1, 2])]
+    assert batches == [[0.0, 1.0], [6.0, 7.0]]
+    if num_workers == 0:
+        assert dataset.fetched == [0, 1, 6, 7]
