@@ -6,6 +6,7 @@ test_add_param_group, test_multiple_models_optimizers_losses), on CPU where the 
 """
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -96,6 +97,27 @@ def test_o1_autocast_is_left_when_forward_raises():
         model(torch.randn(4, 3, 4, 4))  # wrong channel count
     assert not torch.is_autocast_enabled("cpu")
     assert model(images()).dtype == torch.float32
+
+
+def test_o1_an_exception_in_a_forward_pre_hook_before_amps_reaches_the_caller():
+    """A pre-hook that runs before amp's (prepended) raises: amp's hook that leaves autocast still runs (it always
+    does), finds nothing entered for that call and fails on nothing (the mutation run, mut47: popping an autocast it
+    had not entered survived; torch turns that error into a warning)."""
+    model, _ = prepared("O1")
+
+    def refuse(module, args):
+        raise ValueError("refused by the user's hook")
+    handle = model.register_forward_pre_hook(refuse, prepend=True)
+    with warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(ValueError, match="refused by the user's hook") as raised:
+        warnings.simplefilter("always")
+        model(images())
+    assert raised.value.__context__ is None
+    # (torch silences an exception of an always-called hook while forward's own propagates, with a warning)
+    assert [str(warning.message) for warning in caught] == []
+    assert not torch.is_autocast_enabled("cpu")
+    handle.remove()
+    assert model(images()).dtype == torch.float32 and model.dtypes["matmul"] == LOW
 
 
 @pytest.mark.parametrize("opt_level, keep_batchnorm_fp32, batchnorm_dtype", [

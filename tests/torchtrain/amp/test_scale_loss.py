@@ -371,3 +371,41 @@ def test_last_step_skipped_reports_a_step_the_train_loop_skipped():
     assert [amp_says for amp_says, _ in seen] == [loop_says for _, loop_says in seen]
     assert seen[1] == (True, True)  # the infinite loss
     assert not all(skipped for skipped, _ in seen)
+
+
+def test_last_step_skipped_is_false_at_every_train_loop_step_without_loss_scaling():
+    """O1 in bfloat16 scales no loss, so nothing skips: amp says so after each step TrainLoop takes (the mutation
+    run, mut47: telling amp "skipped" on that road survived; a scheduler held back on skipped steps never steps)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
+    from aitoolbox.torchtrain.model import TTModel
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+
+    class Linear(TTModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.linear(x)
+
+        def get_loss(self, batch_data, criterion, device):
+            x, y = batch_data
+            return criterion(self(x), y)
+
+        def get_predictions(self, batch_data, device):
+            x, y = batch_data
+            return self(x), y, None
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    seen = []
+    record = FunctionOnTrainLoop(lambda tl: seen.append(amp.last_step_skipped(optimizer)), after_optimizer_step=True)
+    tl = TrainLoop(model, DataLoader(data, batch_size=4), None, None, optimizer, nn.MSELoss(), use_amp=True,
+                   end_auto_eval=False, show_progress=False)
+    tl.fit(num_epochs=2, callbacks=[record])
+    assert seen == [False] * 4

@@ -230,6 +230,33 @@ def test_data_wait_counts_only_the_time_spent_getting_batches_from_the_loader(tm
     assert loading * 0.9 <= slow.last_epoch["wait_s"] <= loading + 0.1  # not the 0.24 s of the busy callbacks
 
 
+class SlowStartAndEnd(torch.utils.data.IterableDataset):
+    """Twelve samples; starting an iteration takes ``start_s`` (as starting worker processes does: in
+    ``iter(loader)``, before any ``next``), and finding the end takes ``end_s`` (the ``next`` that stops)."""
+
+    def __init__(self, start_s: float, end_s: float):
+        self.inner, self.start_s, self.end_s = data(12), start_s, end_s
+
+    def __iter__(self):
+        time.sleep(self.start_s)
+        return self._samples()
+
+    def _samples(self):
+        yield from self.inner
+        time.sleep(self.end_s)
+
+
+def test_data_wait_counts_starting_the_loaders_iteration_and_the_next_that_finds_its_end():
+    """The loader's time outside the batches' own ``next``: starting its iteration (workers, a resume's skipping)
+    and the last ``next``, which ends the epoch."""
+    start_s, end_s = 0.1, 0.15
+    monitor = ThroughputMonitor(window=2)
+    tl = make_loop(DataLoader(SlowStartAndEnd(start_s, end_s), batch_size=4))
+    tl.fit(num_epochs=1, callbacks=[monitor])
+    assert monitor.last_epoch["wait_s"] >= start_s + end_s  # a sleep is never shorter than asked
+    assert tl.run_state.loader_wait_s >= start_s + end_s
+
+
 # --- FLOPs and MFU --------------------------------------------------------------------------------------------
 def test_flops_are_counted_once_on_the_first_batch_as_by_hand():
     monitor = ThroughputMonitor(peak_flops=1e9)

@@ -84,6 +84,17 @@ def test_bad_static_scale_is_rejected(value):
         LossScaler(value)
 
 
+def test_a_growth_interval_of_one_grows_the_scale_after_every_unskipped_step():
+    """The smallest interval is allowed, as torch.amp.GradScaler(growth_interval=1) allows it (the mutation run,
+    mut47: refusing it survived)."""
+    scaler = LossScaler("dynamic", init_scale=4.0, growth_interval=1)
+    scales = []
+    for found_inf in [False, False, True, False]:
+        scaler.update(found_inf)
+        scales.append((scaler.loss_scale, scaler.unskipped))
+    assert scales == [(8.0, 0), (16.0, 0), (8.0, 0), (16.0, 0)]
+
+
 @pytest.mark.parametrize("growth_interval", [0, -1, 2.0, True])
 def test_bad_growth_interval_is_rejected(growth_interval):
     with pytest.raises(ValueError, match="growth_interval must be a positive int"):

@@ -36,18 +36,24 @@ class EmptyBatchHook(AbstractCallback):
 
 
 class ClipsAndCounts(AbstractCallback):
-    """Clips the gradients before each step (so a missed hook changes the weights) and counts its hooks."""
+    """Clips the gradients before each step (so a missed hook changes the weights) and counts its hooks, with the
+    step flags each ``on_after_optimizer_step`` sees; raises in the ``fail_at``-th of those (counted from 0)."""
 
-    def __init__(self):
+    def __init__(self, fail_at: Optional[int] = None):
         super().__init__("clips and counts")
         self.calls: List[str] = []
+        self.fail_at, self.steps_seen = fail_at, 0
 
     def on_after_gradient_update(self, optimizer_idx):
         self.calls.append("gradient")
         torch.nn.utils.clip_grad_norm_(self.train_loop_obj.model.parameters(), max_norm=0.05)
 
     def on_after_optimizer_step(self):
-        self.calls.append("step")
+        tl = self.train_loop_obj
+        self.calls.append(f"step skipped={tl.optimizer_step_skipped} stepped={tl.stepped_optimizers}")
+        self.steps_seen += 1
+        if self.steps_seen - 1 == self.fail_at:
+            raise RuntimeError("planned failure in on_after_optimizer_step")
 
     def on_batch_end(self):
         self.calls.append("batch_end")
@@ -79,13 +85,14 @@ class Plan:
                  stop_at: Optional[int] = None, register_at: Optional[int] = None,
                  precision_at: Optional[int] = None, precision: str = "plain", criterion_at: Optional[int] = None,
                  multi_loss: bool = False, register_in_backward_at: Optional[int] = None,
-                 register_in_step_at: Optional[int] = None, precision_in_backward_at: Optional[int] = None):
+                 register_in_step_at: Optional[int] = None, precision_in_backward_at: Optional[int] = None,
+                 fail_in_after_step_at: Optional[int] = None):
         self.fail_in_loss, self.fail_in_step, self.stop_at = fail_in_loss, fail_in_step, stop_at
         self.register_at, self.precision_at, self.precision = register_at, precision_at, precision
         self.criterion_at, self.multi_loss = criterion_at, multi_loss
         self.register_in_backward_at, self.register_in_step_at = register_in_backward_at, register_in_step_at
         self.precision_in_backward_at = precision_in_backward_at
-        self.registered = ClipsAndCounts()
+        self.registered = ClipsAndCounts(fail_at=fail_in_after_step_at)
         self.batches = 0
         self.steps = 0
         self.train_loop: Optional[TrainLoop] = None
@@ -250,10 +257,11 @@ def test_the_direct_path_trains_what_the_general_path_trains_extended(drawn):
     {"register_in_step_at": 2, "fail_in_loss": 6},
     {"precision_in_backward_at": 2, "precision": "own step"},
     {"multi_loss": True, "fail_in_loss": 3},
+    {"register_in_step_at": 2, "fail_in_after_step_at": 0},
 ], ids=["plain", "get_loss raises", "step raises", "stop", "callback registered", "precision assigned",
         "own precision step from a batch", "loss scaling from a batch", "clipping callback from a batch",
         "criterion replaced", "callback registered in the backward", "callback registered in the step",
-        "precision assigned in the backward", "MultiLoss"])
+        "precision assigned in the backward", "MultiLoss", "callback registered in the step raises after it"])
 def test_named_cases_of_the_direct_path(plan_args):
     _both(plan_args, num_samples=20, sized=True, shuffle=True, num_epochs=2, num_iterations=0)
 

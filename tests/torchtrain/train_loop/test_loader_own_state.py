@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from aitoolbox.torchtrain.train_loop.data_position import epoch_without, has_own_state
+from aitoolbox.torchtrain.train_loop.data_position import epoch_without, has_own_state, resumed_epoch
 
 
 class _Saves(DataLoader):
@@ -49,3 +49,39 @@ def test_the_batches_an_epoch_leaves_out_are_not_fetched():
     batches = [batch.flatten().tolist() for batch in epoch_without(loader, start=1, skipped=[2])]
     assert batches == [[2.0, 3.0], [6.0, 7.0]]
     assert dataset.fetched == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_epoch_leaves_out_every_batch_it_is_told_to_not_only_the_first(num_workers):
+    """Two left-out positions ahead (two rollbacks in one epoch): the loader's own iteration takes over only after
+    the last of them (the mutation run, mut47: after the first, the second was yielded). By index in one process,
+    loaded and discarded with a worker."""
+    dataset = _CountingDataset()
+    loader = DataLoader(dataset, batch_size=2, num_workers=num_workers)
+    batches = [batch.flatten().tolist() for batch in epoch_without(loader, start=0, skipped=[1, 2])]
+    assert batches == [[0.0, 1.0], [6.0, 7.0]]
+    if num_workers == 0:
+        assert dataset.fetched == [0, 1, 6, 7]
+
+
+class _DoublesItsBatches(DataLoader):
+    """A DataLoader subclass whose own ``__iter__`` changes what it yields (an augmentation, a collation)."""
+
+    def __iter__(self):
+        return (batch * 2 for batch in super().__iter__())
+
+
+class _OwnIterator(DataLoader):
+    def _get_iterator(self):
+        return (batch * 3 for batch in super()._get_iterator())
+
+
+@pytest.mark.parametrize("loader_class, factor", [(DataLoader, 1), (_DoublesItsBatches, 2), (_OwnIterator, 3)])
+def test_a_resumed_epoch_goes_through_a_subclass_s_own_iteration(loader_class, factor):
+    """Batches are passed over by their indices only where the loader iterates as DataLoader does: a subclass with
+    its own ``__iter__`` or ``_get_iterator`` is resumed through them (loaded and discarded), so the rest of the epoch
+    is what it yields (the mutation run, mut47: either override alone counted as iterating as DataLoader does)."""
+    dataset = _CountingDataset()
+    loader = loader_class(dataset, batch_size=2)
+    batches = [batch.flatten().tolist() for batch in resumed_epoch(loader, 2)]
+    assert batches == [[4.0 * factor, 5.0 * factor], [6.0 * factor, 7.0 * factor]]

@@ -248,6 +248,63 @@ def test_an_exception_in_the_last_batch_of_fit_num_iterations_is_finished_by_the
     assert_runs_equal(continued, straight)
 
 
+class TrainBegins(AbstractCallback):
+    def __init__(self):
+        super().__init__("train begins")
+        self.count = 0
+
+    def on_train_begin(self):
+        self.count += 1
+
+
+def _progress(tl: TrainLoop):
+    return tl.epochs_completed, tl.iterations_done, dict(tl.train_history), copy.deepcopy(tl.model.state_dict())
+
+
+def _assert_same_progress(a, b):
+    assert a[:3] == b[:3]
+    for name, tensor in a[3].items():
+        assert torch.equal(tensor, b[3][name]), name
+
+
+@pytest.mark.parametrize("where", ["mid_epoch", "first_batch_of_an_epoch", "epoch_end_checkpoint"])
+def test_fit_num_iterations_already_done_trains_nothing_and_keeps_the_continuation(where):
+    """fit(num_iterations=N) with N batches already trained says "Nothing to train" and changes nothing where the
+    run does not stand inside the epoch batch N is in: N below the batches done (after an exception a step later),
+    an exception in the first batch of the next epoch (before its first step), a loaded epoch-end checkpoint. Only
+    a run stopped inside batch N's epoch after batch N (an exception in batch N after its step or in batch N + 1
+    before its step, or a mid-epoch checkpoint there) leaves that fit the epoch's end to do (see the test above).
+    Found by the mutation run (mut47: a target passed counted as reached exactly; a stop before an epoch's first
+    step, or an epoch-end checkpoint, counted as a position inside the epoch). 5 batches an epoch."""
+    total = 10
+    straight = build_loop(Cell())
+    straight.fit(num_iterations=total)
+
+    if where == "epoch_end_checkpoint":
+        first = build_loop(Cell())
+        first.fit(num_iterations=5)
+        checkpoint = copy.deepcopy(first.checkpoint_state())  # (before build_loop seeds the process's RNG)
+        tl, done = build_loop(Cell()), 5
+        tl.load_checkpoint(checkpoint)
+    else:
+        # get_loss raises at batch 7 (after batch 6's step: 1 batch of epoch 2 done) or at batch 6 (epoch 2's first)
+        at = 6 if where == "mid_epoch" else 5
+        tl = build_loop(Cell(), model=FailOnceInGetLoss(at=at))
+        with pytest.raises(RuntimeError, match="get_loss failed"):
+            tl.fit(num_iterations=total)
+        done = at
+        assert tl.iterations_done == done
+    before, begins = _progress(tl), TrainBegins()
+    # (fit(num_iterations=6) after the exception at batch 7 is at its target: it closes the shortened epoch.)
+    for number, num_iterations in enumerate([4] if where == "mid_epoch" else [done, 4]):
+        tl.fit(num_iterations=num_iterations, callbacks=[begins] if number == 0 else None)
+    assert begins.count == 0  # nothing started
+    _assert_same_progress(_progress(tl), before)
+
+    tl.fit(num_iterations=total)
+    assert_runs_equal(tl, straight)
+
+
 class FailOnceInGetLoss(ComboNet):
     """ComboNet whose ``get_loss`` raises once, at the ``at``-th call (before the batch's forward)."""
 

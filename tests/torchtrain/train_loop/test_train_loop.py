@@ -138,6 +138,28 @@ def test_fit_to_a_reached_target_trains_nothing():
     assert tl.total_iteration_idx == 8 - 1
 
 
+def test_epoch_start_rng_state_is_none_before_the_first_epoch_and_the_epochs_state_from_then_on():
+    """The property callbacks read (TrainLoopView): None before any epoch began (the mutation run, mut47: the initial
+    value dropped survived); then the state the current epoch's data order was drawn from, which a second fit's
+    epoch replaces."""
+    model, _ = model_pair()
+    tl = make_train_loop(model, classification_data())
+    assert tl.epoch_start_rng_state is None
+    seen = []
+
+    class RecordsEpochStart(AbstractCallback):
+        def on_batch_begin(self):
+            seen.append(self.train_loop_obj.epoch_start_rng_state)
+
+    torch.manual_seed(TRAIN_SEED)
+    expected = torch.get_rng_state()
+    tl.fit(num_epochs=1, callbacks=[RecordsEpochStart("records")])
+    assert len(seen) == 4 and all(state is seen[0] for state in seen)
+    assert torch.equal(seen[0]["torch"], expected)
+    tl.fit(num_epochs=2)
+    assert tl.epoch_start_rng_state is not seen[0] and not torch.equal(tl.epoch_start_rng_state["torch"], expected)
+
+
 def test_stale_gradients_are_cleared_at_fit_start():
     model, reference = model_pair()
     data = classification_data()
