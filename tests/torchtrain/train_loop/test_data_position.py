@@ -439,14 +439,9 @@ class TorchGeneratorShuffled(TorchGeneratorBuckets):
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 @pytest.mark.parametrize("kind", [
     "buckets with state_dict only", "torch generator batches",
-    pytest.param("buckets, persistent workers", marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
-        "known defect (mut47): a StatefulDataLoader with persistent_workers=True and a batch sampler without state "
-        "does not resume bitwise from its first batch on (torchdata's own shuffling sampler does; without persistent "
-        "workers it does)"))]),  # slow: its persistent workers take some 20 s to shut down
-    pytest.param("torch generator", marks=pytest.mark.xfail(strict=True, reason=(
-        "known defect (mut47): as for a sampler shuffling with a global state (above), torchdata's stateful "
-        "BatchSampler fast-forwards a sampler that draws from its own torch generator in __iter__ from the state its "
-        "first iteration left")))])
+    # slow: its persistent workers take some 20 s to shut down
+    pytest.param("buckets, persistent workers", marks=pytest.mark.slow),
+    "torch generator"])  # both failed before the sampler replay (mut47's defects 2 and 3)
 def test_a_stateful_data_loader_fast_forwards_a_sampler_from_the_state_its_epoch_began_with(tmp_path, kind):
     """The samplers the test above leaves out: one with a ``state_dict`` alone (it is not put back, so it is drawn
     again like one without state), and one drawing its order at once in ``__iter__`` from its own torch generator
