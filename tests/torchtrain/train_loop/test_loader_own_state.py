@@ -85,3 +85,59 @@ def test_a_resumed_epoch_goes_through_a_subclass_s_own_iteration(loader_class, f
     loader = loader_class(dataset, batch_size=2)
     batches = [batch.flatten().tolist() for batch in resumed_epoch(loader, 2)]
     assert batches == [[4.0 * factor, 5.0 * factor], [6.0 * factor, 7.0 * factor]]
+
+
+class OwnPositionLoader:
+    """Not a DataLoader: batches of 4 of ``data`` in order, resumable from its own state (its position)."""
+
+    def __init__(self, data):
+        self.data, self.position = data, 0
+
+    def __len__(self):
+        return -(-len(self.data) // 4)
+
+    def __iter__(self):
+        start, self.position = self.position, 0
+        for index in range(start, len(self)):
+            self.position = index + 1
+            items = [self.data[i] for i in range(4 * index, min(4 * index + 4, len(self.data)))]
+            yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_loader_that_is_not_a_dataloader_resumes_from_its_own_state():
+    """A mid-epoch checkpoint of a training loader with state_dict/load_state_dict that is no DataLoader: the resume
+    continues from its state, bitwise the straight run (it raised AttributeError reading ``batch_sampler``, mut47)."""
+    import copy
+    from torch import nn
+    from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+    from tests.helpers import MLP, assert_params_equal, classification_data
+
+    class SaveAtBatch3(AbstractCallback):
+        saved = None
+
+        def on_batch_end(self):
+            if self.train_loop_obj.total_iteration_idx == 2:
+                self.saved = copy.deepcopy(self.train_loop_obj.checkpoint_state(mid_epoch=True))
+
+    def loop():
+        torch.manual_seed(0)
+        model = MLP()
+        return TrainLoop(model, OwnPositionLoader(classification_data(20)), None, None,
+                         torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), end_auto_eval=False,
+                         show_progress=False)
+
+    saver = SaveAtBatch3("save")
+    straight = loop()
+    straight.fit(num_epochs=2, callbacks=[saver])
+    resumed = loop()
+    resumed.load_checkpoint(saver.saved)
+    resumed.fit(num_epochs=2)
+    assert_params_equal(resumed.model, straight.model)
