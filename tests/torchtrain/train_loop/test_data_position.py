@@ -229,6 +229,19 @@ class RecordingMLP(MLP):
         return super().get_loss(batch_data, criterion, device)
 
 
+def assert_resumes_3_batches_into_epoch_1_as_straight(loop, tmp_path) -> None:
+    """``loop(log_path)`` fitted 3 epochs straight, and resumed from its mid-epoch checkpoint 3 batches into epoch 1:
+    the resumed run trains the straight run's remaining batches, bitwise the same run."""
+    saver = SaveAt(9)
+    straight = loop(tmp_path / "straight.txt")
+    straight.fit(num_epochs=3, callbacks=[saver])
+    resumed = loop(tmp_path / "resumed.txt")
+    resumed.load_checkpoint(torch.load(io.BytesIO(saver.saved), weights_only=True))
+    resumed.fit(num_epochs=3)
+    assert resumed.model.trained == straight.model.trained[9:]
+    assert_same_run(straight, resumed)
+
+
 def samples_of(batches: List[List[int]]) -> List[int]:
     return sorted(index for batch in batches for index in batch)
 
@@ -393,14 +406,7 @@ def test_a_stateful_data_loader_with_a_sampler_of_its_users_resumes_bitwise(tmp_
         return TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
                          nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False)
 
-    saver = SaveAt(9)  # 3 batches into epoch 1
-    straight = loop(tmp_path / "straight.txt")
-    straight.fit(num_epochs=3, callbacks=[saver])
-    resumed = loop(tmp_path / "resumed.txt")
-    resumed.load_checkpoint(torch.load(io.BytesIO(saver.saved), weights_only=True))
-    resumed.fit(num_epochs=3)
-    assert resumed.model.trained == straight.model.trained[9:]
-    assert_same_run(straight, resumed)
+    assert_resumes_3_batches_into_epoch_1_as_straight(loop, tmp_path)
 
 
 class OwnRandomBucketsReportingState(OwnRandomBuckets):
@@ -467,11 +473,4 @@ def test_a_stateful_data_loader_fast_forwards_a_sampler_from_the_state_its_epoch
         return TrainLoop(model, loader, None, None, torch.optim.Adam(model.parameters(), lr=1e-2),
                          nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False)
 
-    saver = SaveAt(9)  # 3 batches into epoch 1
-    straight = loop(tmp_path / "straight.txt")
-    straight.fit(num_epochs=3, callbacks=[saver])
-    resumed = loop(tmp_path / "resumed.txt")
-    resumed.load_checkpoint(torch.load(io.BytesIO(saver.saved), weights_only=True))
-    resumed.fit(num_epochs=3)
-    assert resumed.model.trained == straight.model.trained[9:]
-    assert_same_run(straight, resumed)
+    assert_resumes_3_batches_into_epoch_1_as_straight(loop, tmp_path)

@@ -25,7 +25,8 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.train_loop import TrainLoop
-from tests.helpers import MLP, indexed_classification_data, single_torch_thread
+from tests.helpers import indexed_classification_data, single_torch_thread
+from tests.torchtrain.train_loop.test_data_position import RecordingMLP
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 torchdata_samplers = pytest.importorskip("torchdata.stateful_dataloader.sampler")
@@ -144,16 +145,6 @@ SAMPLERS = {
 
 
 # --- the runs ------------------------------------------------------------------------------------------------------
-class RecordingMLP(MLP):
-    """Records the indices of the samples of every batch it trains on."""
-
-    def __init__(self):
-        super().__init__()
-        self.trained: List[List[int]] = []
-
-    def get_loss(self, batch_data, criterion, device):
-        self.trained.append(batch_data[2].tolist())
-        return super().get_loss(batch_data, criterion, device)
 
 
 class SaveAt(AbstractCallback):
