@@ -59,8 +59,8 @@ class ReadWindow:
     matching the size its folder's marker records: the clients read until the end of what they are given (GCS's
     resumable upload of an unknown size) or take the size from seeking to the end (boto3's transfer manager).
     A file that shrinks meanwhile fails the upload (:meth:`read` raises ValueError) instead of storing a shorter
-    object. boto3's transfer manager also closes the file it was given, which belongs to the caller (a folder's files are
-    closed together, after the marker).
+    object. boto3's transfer manager also closes the file it was given, which belongs to the caller (a folder's
+    files are closed together, after the marker).
     """
 
     closed = False

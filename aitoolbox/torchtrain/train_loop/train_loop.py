@@ -1407,12 +1407,12 @@ _HOW_INSIDE = {
 def _inside_epoch_message(epoch: int, batches_committed: int, how: str) -> str:
     """The refusal of ``checkpoint_state(mid_epoch=False)`` where the run stands inside epoch ``epoch``."""
     return (f"checkpoint_state(mid_epoch=False) was called while the run stands inside epoch {epoch}"
-            f"{_HOW_INSIDE[how]}, after {batches_committed} of its batches committed (trained and stepped): an epoch-end checkpoint would "
-            "start that epoch again on a run already past its start (weights trained on those batches, the data order "
-            "drawn), so a resume would train them twice. Call checkpoint_state() (or mid_epoch=True) for a "
-            "checkpoint that continues after them (inside fit's batches: in on_batch_end of a batch whose optimizer "
-            "stepped), or take the epoch-end checkpoint at the epoch's end (in on_epoch_end, or after a fit that "
-            "finished the epoch)")
+            f"{_HOW_INSIDE[how]}, after {batches_committed} of its batches committed (trained and stepped): an "
+            "epoch-end checkpoint would start that epoch again on a run already past its start (weights trained on "
+            "those batches, the data order drawn), so a resume would train them twice. Call checkpoint_state() (or "
+            "mid_epoch=True) for a checkpoint that continues after them (inside fit's batches: in on_batch_end of a "
+            "batch whose optimizer stepped), or take the epoch-end checkpoint at the epoch's end (in on_epoch_end, or "
+            "after a fit that finished the epoch)")
 
 
 def _no_batch_context(strategy: Any, precision: Any) -> bool:
