@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from aitoolbox.torchtrain import amp
+from aitoolbox.torchtrain.model import TTModel
 
 LOW = torch.bfloat16
 INITIAL_SCALE = 2.0 ** 16
@@ -326,48 +327,53 @@ def test_accumulated_grads_step_like_one_large_batch_within_tolerance():
         torch.testing.assert_close(master, param, rtol=2e-2, atol=2e-2)
 
 
-def test_last_step_skipped_reports_a_step_the_train_loop_skipped():
-    """TrainLoop skips an overflow step without calling optimizer.step(); amp must still report it."""
-    import torch
-    from torch import nn
+class LinearTTModel(TTModel):
+    """A linear regression whose loss is infinite at its ``inf_at_call``-th get_loss (never when None)."""
+
+    def __init__(self, inf_at_call=None):
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+        self.calls, self.inf_at_call = 0, inf_at_call
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def get_loss(self, batch_data, criterion, device):
+        self.calls += 1
+        x, y = batch_data
+        loss = criterion(self(x), y)
+        return loss * float("inf") if self.calls == self.inf_at_call else loss
+
+    def get_predictions(self, batch_data, device):
+        x, y = batch_data
+        return self(x), y, None
+
+
+def steps_seen_by_amp(dtype, inf_at_call=None):
+    """``(amp.last_step_skipped, tl.optimizer_step_skipped)`` after each step of a 2-epoch TrainLoop fit (2 batches
+    an epoch) of an O1 model in ``dtype``."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from aitoolbox.torchtrain import amp
-    from aitoolbox.torchtrain.model import TTModel
+    from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
     from aitoolbox.torchtrain.train_loop import TrainLoop
-
-    class ExplodesOnSecondBatch(TTModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(3, 1)
-            self.calls = 0
-
-        def forward(self, x):
-            return self.linear(x)
-
-        def get_loss(self, batch_data, criterion, device):
-            self.calls += 1
-            x, y = batch_data
-            loss = criterion(self(x), y)
-            return loss * float("inf") if self.calls == 2 else loss
-
-        def get_predictions(self, batch_data, device):
-            x, y = batch_data
-            return self(x), y, None
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
-    model = ExplodesOnSecondBatch()
+    model = LinearTTModel(inf_at_call)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=torch.float16, verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=dtype, verbosity=0)
     seen = []
-
-    from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
     record = FunctionOnTrainLoop(lambda tl: seen.append((amp.last_step_skipped(optimizer), tl.optimizer_step_skipped)),
                                  after_optimizer_step=True)
     tl = TrainLoop(model, DataLoader(data, batch_size=4), None, None, optimizer, nn.MSELoss(), use_amp=True,
                    end_auto_eval=False, show_progress=False)
     tl.fit(num_epochs=2, callbacks=[record])
+    return seen
+
+
+def test_last_step_skipped_reports_a_step_the_train_loop_skipped():
+    """TrainLoop skips an overflow step without calling optimizer.step(); amp must still report it."""
+    seen = steps_seen_by_amp(torch.float16, inf_at_call=2)
     assert [amp_says for amp_says, _ in seen] == [loop_says for _, loop_says in seen]
     assert seen[1] == (True, True)  # the infinite loss
     assert not all(skipped for skipped, _ in seen)
@@ -376,36 +382,4 @@ def test_last_step_skipped_reports_a_step_the_train_loop_skipped():
 def test_last_step_skipped_is_false_at_every_train_loop_step_without_loss_scaling():
     """O1 in bfloat16 scales no loss, so nothing skips: amp says so after each step TrainLoop takes (the mutation
     run, mut47: telling amp "skipped" on that road survived; a scheduler held back on skipped steps never steps)."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from aitoolbox.torchtrain.callbacks.basic import FunctionOnTrainLoop
-    from aitoolbox.torchtrain.model import TTModel
-    from aitoolbox.torchtrain.train_loop import TrainLoop
-
-    class Linear(TTModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(3, 1)
-
-        def forward(self, x):
-            return self.linear(x)
-
-        def get_loss(self, batch_data, criterion, device):
-            x, y = batch_data
-            return criterion(self(x), y)
-
-        def get_predictions(self, batch_data, device):
-            x, y = batch_data
-            return self(x), y, None
-
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
-    model = Linear()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
-    seen = []
-    record = FunctionOnTrainLoop(lambda tl: seen.append(amp.last_step_skipped(optimizer)), after_optimizer_step=True)
-    tl = TrainLoop(model, DataLoader(data, batch_size=4), None, None, optimizer, nn.MSELoss(), use_amp=True,
-                   end_auto_eval=False, show_progress=False)
-    tl.fit(num_epochs=2, callbacks=[record])
-    assert seen == [False] * 4
+    assert [amp_says for amp_says, _ in steps_seen_by_amp(torch.bfloat16)] == [False] * 4
