@@ -29,7 +29,7 @@ from aitoolbox.torchtrain.train_loop.data_position import (
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
     capture_draw_state, restore_draw_state, weights_only_safe)
-from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
+from aitoolbox.torchtrain.train_loop.sampler_replay import check_loader_state_fits, resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -307,6 +307,11 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     missing = [key for key in required if key not in checkpoint]
     if missing:
         raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing (it has {sorted(checkpoint)})")
+    loader_states = checkpoint.get("train_loader_state")
+    if checkpoint.get("iteration", 0) > 0 and loader_states and tl.strategy.rank < len(loader_states) \
+            and has_own_state(tl.train_loader):
+        # Now, before any of the checkpoint is loaded: torchdata would fail on it only once the resumed epoch starts.
+        check_loader_state_fits(tl.train_loader, loader_states[tl.strategy.rank])
     states = saved_optimizer_states(checkpoint)
     if len(states) != len(tl.optimizers):
         raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) but the TrainLoop "

@@ -293,6 +293,28 @@ def test_a_position_saved_as_a_samplers_random_state_by_an_earlier_checkpoint_is
     assert "PositionedOwnRandom:0" in caplog.text and "may draw another data order" in caplog.text
 
 
+@pytest.mark.parametrize("saved_workers, workers", [(0, 2), (2, 0)])
+def test_a_mid_epoch_checkpoint_resumed_with_another_num_workers_is_refused_when_loaded(saved_workers, workers):
+    """torchdata's loader state fits only an iterator with the saved number of workers: its own check is a bare
+    AssertionError once the resumed epoch starts. Refused when the checkpoint is loaded, saying what changed and
+    what to do; an epoch-end checkpoint (no loader state) resumes with any number."""
+    for saved_after, epoch_end in [(9, False), (12, True)]:
+        saver = SaveAt(saved_after, epoch_end)
+        train_loop("torchdata shuffle", num_workers=saved_workers).fit(num_epochs=2, callbacks=[saver])
+        resumed = train_loop("torchdata shuffle", num_workers=workers)
+        checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+        if epoch_end:
+            resumed.load_checkpoint(checkpoint)
+            resumed.fit(num_epochs=3)
+            assert len(resumed.model.trained) == 6
+            continue
+        with pytest.raises(ValueError, match=f"num_workers={saved_workers} in the middle of an epoch.*now has "
+                                             f"num_workers={workers}.*Build the training loader with "
+                                             f"num_workers={saved_workers}.*or resume from an epoch-end checkpoint"):
+            resumed.load_checkpoint(checkpoint)
+        assert resumed.model.trained == []
+
+
 @pytest.mark.parametrize("kind", ["numpy global", "torch global, lazy"])
 def test_with_gradient_accumulation(kind):
     assert_resumes_bitwise(kind, saved_after=10, grad_accumulation=2)
