@@ -354,6 +354,19 @@ def test_an_epoch_end_checkpoint_with_persistent_workers_warns_it_is_not_bitwise
         assert "StatefulDataLoader" in messages[0] and "persistent_workers=False" in messages[0]
 
 
+def test_the_persistent_workers_warning_comes_once_per_loop_and_points_at_the_users_call(tmp_path):
+    """ModelCheckpoint saves at every epoch's end: one warning for the run (not one an epoch), located at the user's
+    ``fit`` call (not at the checkpoint callback inside aitoolbox)."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+    loop = train_loop("torchdata shuffle", num_workers=2, persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.fit(num_epochs=3, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path))])
+    warned = [warning for warning in caught if "persistent_workers=True" in str(warning.message)]
+    assert len(warned) == 1
+    assert warned[0].filename == __file__
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(SAMPLERS)), batch=st.integers(1, 6), grad_accumulation=st.sampled_from([1, 2]))
