@@ -166,6 +166,21 @@ class LazyPositionedOwnRandom(PositionedOwnRandom):
         yield from self._from(self._order(), start)
 
 
+class PositionedOwnRandomBatches(LazyPositionedOwnRandom):
+    """A batch sampler of :class:`LazyPositionedOwnRandom`'s order: its position counts batches."""
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // BATCH_SIZE)
+
+    def __iter__(self):
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        order = self._order()
+        for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
+            self.yielded += 1
+            yield order[first:first + BATCH_SIZE]
+
+
 def _python_global_batches():
     order = GlobalShuffled("python")
     return BatchSampler(order, BATCH_SIZE, drop_last=False)
@@ -187,6 +202,7 @@ SAMPLERS = {
     "position state_dict, batches": lambda data: dict(batch_sampler=PositionedGlobalBatches()),
     "position state_dict, own random": lambda data: dict(sampler=PositionedOwnRandom()),
     "position state_dict, own random, lazy": lambda data: dict(sampler=LazyPositionedOwnRandom()),
+    "position state_dict, own random, batches": lambda data: dict(batch_sampler=PositionedOwnRandomBatches()),
     "batch sampler, python global": lambda data: dict(batch_sampler=_python_global_batches()),
 }
 
