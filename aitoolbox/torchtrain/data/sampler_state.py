@@ -295,8 +295,9 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
                                "loader does not have: build the loader as in the saved run for the same data order",
                                key)
             continue
+        # An earlier capture's kind for this sampler (its state_dict), in a loader that keeps positions: skipped.
         if positions and isinstance(saved, dict) and list(saved) == ["state_dict"] \
-                and not _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+                and _saved_kind(sampler, positions=False) == "state_dict":
             _skip_saved_position(key, sampler, loader, current)
             continue
         _check_saved_kind(key, sampler, saved, positions)

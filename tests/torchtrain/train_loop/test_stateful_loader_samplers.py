@@ -307,6 +307,11 @@ def test_a_position_saved_as_a_samplers_random_state_by_an_earlier_checkpoint_is
         restore_sampler_states(loader, {"PositionedOwnRandom:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
     assert sampler.next_yielded is None and len(list(loader)) == NUM_SAMPLES // BATCH_SIZE
     assert "PositionedOwnRandom:0" in caplog.text and "may draw another data order" in caplog.text
+    # Only into a sampler that has a state_dict: another one's is refused, as before.
+    other = stateful_dataloader.StatefulDataLoader(indexed_classification_data(NUM_SAMPLES), batch_size=BATCH_SIZE,
+                                                   sampler=GlobalShuffled("python"))
+    with pytest.raises(ValueError, match="GlobalShuffled:0"):
+        restore_sampler_states(other, {"GlobalShuffled:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
 
 
 @pytest.mark.parametrize("saved_workers, workers", [(0, 2), (2, 0)])
