@@ -82,6 +82,9 @@ class RunState:
         self._buffers_at_step: List[torch.Tensor] = []
         self._cuda_rng = False
         self._loader_length_warned = False
+        # Whether a checkpoint has warned that it starts an epoch of a loader resetting its persistent workers: once
+        # a run, not at every epoch-end save.
+        self.persistent_workers_warned = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,

@@ -33,6 +33,10 @@ from aitoolbox.torchtrain.data.sampler_state import loader_generators, loader_sa
 _YIELDED_KEY = "_sampler_iter_yielded"
 _ITERATOR_STATE_KEY = "_sampler_iter_state"
 _BASE_SEED_KEY = "_base_seed"  # a multi-process iterator's: its workers' seeds follow from it
+# Which iterator saved the state: a multi-process one keeps its main process's part in a snapshot, with its number
+# of workers (torchdata asserts, bare, that the loading iterator has as many); a single-process one its count.
+_SNAPSHOT_KEY, _MAIN_SNAPSHOT_KEY, _NUM_WORKERS_KEY = "_snapshot", "_main_snapshot", "_num_workers"
+_NUM_YIELDED_KEY = "_num_yielded"
 
 
 def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
@@ -61,6 +65,39 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
     finally:
         object.__setattr__(owner, attribute, sampler)
         replay.armed = False
+
+
+def check_loader_state_fits(loader: Any, loader_state: Any) -> None:
+    """Refuse a saved state of a ``StatefulDataLoader`` that ``loader`` cannot continue from: one its iterator saved
+    with another number of worker processes (torchdata's loading fails on it with a bare ``AssertionError`` once
+    the resumed epoch starts; and the workers' share of the batches and their seeds were the saved number's).
+
+    Raises:
+        ValueError: the saved and the current ``num_workers``, and what to do instead.
+    """
+    saved = saved_num_workers(loader_state)
+    current = getattr(loader, "num_workers", None)
+    if saved is None or not isinstance(current, int) or saved == current:
+        return
+    raise ValueError(f"the checkpoint's training loader state was saved by a {type(loader).__name__} with "
+                     f"num_workers={saved} in the middle of an epoch, and the training loader now has "
+                     f"num_workers={current}: a mid-epoch resume continues the saved loader's iterator, which needs "
+                     f"the same number of worker processes. Build the training loader with num_workers={saved} to "
+                     "resume from this checkpoint, or resume from an epoch-end checkpoint (which "
+                     "continues with any num_workers)")
+
+
+def saved_num_workers(loader_state: Any) -> Optional[int]:
+    """The ``num_workers`` of the ``StatefulDataLoader`` iterator that saved ``loader_state`` (0: a single-process
+    one); None where the state is not one of those (another loader class, no iterator saved)."""
+    if not isinstance(loader_state, dict):
+        return None
+    snapshot = loader_state.get(_SNAPSHOT_KEY)
+    if isinstance(snapshot, dict):
+        main = snapshot.get(_MAIN_SNAPSHOT_KEY)
+        saved = main.get(_NUM_WORKERS_KEY) if isinstance(main, dict) else None
+        return saved if isinstance(saved, int) and not isinstance(saved, bool) else None
+    return 0 if isinstance(loader_state.get(_NUM_YIELDED_KEY), int) else None
 
 
 def resets_own_iterator(loader: Any) -> bool:

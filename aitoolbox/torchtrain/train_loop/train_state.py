@@ -14,12 +14,15 @@ continues from it), and the RNG state of the checkpoint is put back.
 import dataclasses
 import json
 import logging
+import os
+import sys
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+import aitoolbox
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, SHARDED_IDENTITY_KEY, failures_named,
@@ -29,12 +32,15 @@ from aitoolbox.torchtrain.train_loop.data_position import (
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
     capture_draw_state, restore_draw_state, weights_only_safe)
-from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
+from aitoolbox.torchtrain.train_loop.sampler_replay import check_loader_state_fits, resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
 
 logger = logging.getLogger(__name__)
+
+# Where aitoolbox's own modules lie: a warning about the user's set-up names the first frame outside it.
+_PACKAGE_FOLDER = os.path.dirname(os.path.abspath(aitoolbox.__file__)) + os.sep
 
 # 2: aitoolbox 1.8's keys (model_state_dict, optimizer_state_dict, schedulers_state_dict, epoch, iteration_idx,
 # hyperparams, amp) plus this package's state; 1: "model"/"optimizers" keys (upgraded when loaded).
@@ -238,13 +244,16 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
-    if checkpoint["iteration"] == 0 and resets_own_iterator(tl.train_loader):
+    if checkpoint["iteration"] == 0 and not tl.run_state.persistent_workers_warned \
+            and resets_own_iterator(tl.train_loader):
+        tl.run_state.persistent_workers_warned = True  # the same for every epoch-end save of the run: said once
         warnings.warn(
             f"this checkpoint starts an epoch of the training loader {type(tl.train_loader).__name__} with "
             "persistent_workers=True, which the run continues by resetting its worker iterator: a run resumed from "
             "it makes a new one instead (the sampler iterated again, new worker seeds), so its data order and "
             "augmentation are not the uninterrupted run's. For a bitwise resume build the loader with "
-            "persistent_workers=False, or resume from a mid-epoch checkpoint", UserWarning, stacklevel=4)
+            "persistent_workers=False, or resume from a mid-epoch checkpoint", UserWarning,
+            stacklevel=_stacklevel_outside_package())
     rollbacks = tl.run_state.rollbacks
     if rollbacks.skipped or rollbacks.records:
         # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same. Only
@@ -289,6 +298,16 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
     return checkpoint
 
 
+def _stacklevel_outside_package() -> int:
+    """The ``stacklevel`` of a warning its caller gives that names the innermost frame outside aitoolbox: the
+    user's call (``fit``, ``checkpoint_state``), however many of the package's frames (a checkpoint callback, the
+    loop) lie between; 1 (the caller) when every frame is the package's (a thread it started)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_FOLDER):
+        level, frame = level + 1, frame.f_back
+    return level if frame is not None else 1
+
+
 def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     """Load a checkpoint into ``tl`` before ``fit``; the next ``fit`` continues exactly where it was saved.
 
@@ -307,6 +326,11 @@ def restore_train_state(tl: "TrainLoop", checkpoint: dict) -> None:
     missing = [key for key in required if key not in checkpoint]
     if missing:
         raise ValueError(f"not an aitoolbox checkpoint: keys {missing} are missing (it has {sorted(checkpoint)})")
+    loader_states = checkpoint.get("train_loader_state")
+    if checkpoint.get("iteration", 0) > 0 and loader_states and tl.strategy.rank < len(loader_states) \
+            and has_own_state(tl.train_loader):
+        # Now, before any of the checkpoint is loaded: torchdata would fail on it only once the resumed epoch starts.
+        check_loader_state_fits(tl.train_loader, loader_states[tl.strategy.rank])
     states = saved_optimizer_states(checkpoint)
     if len(states) != len(tl.optimizers):
         raise ValueError(f"the checkpoint holds {len(states)} optimizer state(s) but the TrainLoop "

@@ -11,6 +11,7 @@ epoch's end, with gradient accumulation, and with worker processes, persistent o
 case that cannot resume bitwise (an epoch-end checkpoint with persistent workers) warns when it is taken.
 """
 import io
+import logging
 import random
 import warnings
 from typing import Any, Dict, List, Optional
@@ -121,6 +122,65 @@ class PositionedGlobalBatches(PositionedGlobalShuffled):
             yield order[first:first + BATCH_SIZE]
 
 
+class PositionedOwnRandom:
+    """A sampler of a user: a position ``state_dict`` (the ``StatefulDataLoader`` loads it on resume) and a
+    ``random.Random`` of its own that shuffles in ``__iter__``, without ``random_state_dict()``: its random state is
+    saved through the attribute, its ``state_dict`` belongs to the loader's state."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES, seed: int = 7):
+        self.num_samples, self.rng = num_samples, random.Random(seed)
+        self.yielded, self.next_yielded = 0, None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _order(self) -> List[int]:
+        order = list(range(self.num_samples))
+        self.rng.shuffle(order)
+        return order
+
+    def __iter__(self):
+        order = self._order()
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        return self._from(order, start)
+
+    def _from(self, order: List[int], start: int):
+        for index in order[start:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.next_yielded = state["yielded"]
+
+
+class LazyPositionedOwnRandom(PositionedOwnRandom):
+    """:class:`PositionedOwnRandom` shuffling at its first index (a generator function)."""
+
+    def __iter__(self):
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        yield from self._from(self._order(), start)
+
+
+class PositionedOwnRandomBatches(LazyPositionedOwnRandom):
+    """A batch sampler of :class:`LazyPositionedOwnRandom`'s order: its position counts batches."""
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // BATCH_SIZE)
+
+    def __iter__(self):
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        order = self._order()
+        for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
+            self.yielded += 1
+            yield order[first:first + BATCH_SIZE]
+
+
 def _python_global_batches():
     order = GlobalShuffled("python")
     return BatchSampler(order, BATCH_SIZE, drop_last=False)
@@ -140,6 +200,9 @@ SAMPLERS = {
     "python global, per index": lambda data: dict(sampler=PerIndexGlobal("python")),
     "position state_dict": lambda data: dict(sampler=PositionedGlobalShuffled()),
     "position state_dict, batches": lambda data: dict(batch_sampler=PositionedGlobalBatches()),
+    "position state_dict, own random": lambda data: dict(sampler=PositionedOwnRandom()),
+    "position state_dict, own random, lazy": lambda data: dict(sampler=LazyPositionedOwnRandom()),
+    "position state_dict, own random, batches": lambda data: dict(batch_sampler=PositionedOwnRandomBatches()),
     "batch sampler, python global": lambda data: dict(batch_sampler=_python_global_batches()),
 }
 
@@ -209,12 +272,68 @@ def test_a_mid_epoch_resume_trains_the_uninterrupted_runs_batches(kind):
     assert_resumes_bitwise(kind, saved_after=9)  # 3 batches into epoch 1
 
 
-@pytest.mark.parametrize("kind", ["python global", "torch global", "position state_dict"])
+@pytest.mark.parametrize("kind", ["python global", "torch global", "position state_dict",
+                                  "position state_dict, own random"])
 @pytest.mark.parametrize("saved_after, epoch_end", [(7, False), (11, False), (12, False), (12, True)])
 def test_checkpoints_early_late_and_at_the_epochs_end(kind, saved_after, epoch_end):
     """One batch into epoch 1, its second last batch, its last batch (mid-epoch: a position at the epoch's end), and
     the epoch-end checkpoint."""
     assert_resumes_bitwise(kind, saved_after, epoch_end=epoch_end)
+
+
+def test_the_random_state_of_a_sampler_with_a_position_state_dict_is_its_generators_not_its_position():
+    """The checkpoint's random state holds the sampler's ``random.Random`` (the loader's state holds its position):
+    loading the position as its random state started the next epoch where the saved one stood (with workers, at
+    its end: an epoch of no batches) and left its generator where the resumed run had moved it."""
+    loop = train_loop("position state_dict, own random", num_workers=0)
+    saver = SaveAt(9)
+    loop.fit(num_epochs=2, callbacks=[saver])
+    checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+    for part in ("rng", "epoch_start_rng"):
+        saved = checkpoint[part][0]["samplers"]["PositionedOwnRandom:0"]
+        assert list(saved) == ["attributes"] and list(saved["attributes"]) == ["rng"], part
+    assert checkpoint["train_loader_state"][0]["_sampler_iter_state"]["sampler_state"] == {"yielded": 12}
+
+
+def test_a_position_saved_as_a_samplers_random_state_by_an_earlier_checkpoint_is_not_loaded(caplog, monkeypatch):
+    """Checkpoints of an earlier aitoolbox hold such a sampler's position as its random state: loading it would
+    start the next epoch where the saved one stood. Left out, and the generators that were not saved are named."""
+    from aitoolbox.torchtrain.data.sampler_state import restore_sampler_states
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger may not propagate
+    sampler = PositionedOwnRandom()
+    loader = stateful_dataloader.StatefulDataLoader(indexed_classification_data(NUM_SAMPLES), batch_size=BATCH_SIZE,
+                                                    sampler=sampler)
+    with caplog.at_level("WARNING", logger="aitoolbox.torchtrain.data.sampler_state"):
+        restore_sampler_states(loader, {"PositionedOwnRandom:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
+    assert sampler.next_yielded is None and len(list(loader)) == NUM_SAMPLES // BATCH_SIZE
+    assert "PositionedOwnRandom:0" in caplog.text and "may draw another data order" in caplog.text
+    # Only into a sampler that has a state_dict: another one's is refused, as before.
+    other = stateful_dataloader.StatefulDataLoader(indexed_classification_data(NUM_SAMPLES), batch_size=BATCH_SIZE,
+                                                   sampler=GlobalShuffled("python"))
+    with pytest.raises(ValueError, match="GlobalShuffled:0"):
+        restore_sampler_states(other, {"GlobalShuffled:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
+
+
+@pytest.mark.parametrize("saved_workers, workers", [(0, 2), (2, 0)])
+def test_a_mid_epoch_checkpoint_resumed_with_another_num_workers_is_refused_when_loaded(saved_workers, workers):
+    """torchdata's loader state fits only an iterator with the saved number of workers: its own check is a bare
+    AssertionError once the resumed epoch starts. Refused when the checkpoint is loaded, saying what changed and
+    what to do; an epoch-end checkpoint (no loader state) resumes with any number."""
+    for saved_after, epoch_end in [(9, False), (12, True)]:
+        saver = SaveAt(saved_after, epoch_end)
+        train_loop("torchdata shuffle", num_workers=saved_workers).fit(num_epochs=2, callbacks=[saver])
+        resumed = train_loop("torchdata shuffle", num_workers=workers)
+        checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+        if epoch_end:
+            resumed.load_checkpoint(checkpoint)
+            resumed.fit(num_epochs=3)
+            assert len(resumed.model.trained) == 6
+            continue
+        with pytest.raises(ValueError, match=f"num_workers={saved_workers} in the middle of an epoch.*now has "
+                                             f"num_workers={workers}.*Build the training loader with "
+                                             f"num_workers={saved_workers}.*or resume from an epoch-end checkpoint"):
+            resumed.load_checkpoint(checkpoint)
+        assert resumed.model.trained == []
 
 
 @pytest.mark.parametrize("kind", ["numpy global", "torch global, lazy"])
@@ -232,7 +351,7 @@ def test_with_worker_processes(kind, saved_after):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["python global", "torch global", "torch global, lazy", "python global, per index",
                                   "own generator", "torchdata shuffle", "position state_dict",
-                                  "batch sampler, python global"])
+                                  "batch sampler, python global", "position state_dict, own random, lazy"])
 @pytest.mark.parametrize("saved_after", [3, 9])
 def test_with_persistent_workers(kind, saved_after):
     """In the first epoch the workers' iterator is made, in the later ones reset (it iterates the sampler once)."""
@@ -254,6 +373,19 @@ def test_an_epoch_end_checkpoint_with_persistent_workers_warns_it_is_not_bitwise
     assert bool(messages) is warned
     if warned:
         assert "StatefulDataLoader" in messages[0] and "persistent_workers=False" in messages[0]
+
+
+def test_the_persistent_workers_warning_comes_once_per_loop_and_points_at_the_users_call(tmp_path):
+    """ModelCheckpoint saves at every epoch's end: one warning for the run (not one an epoch), located at the user's
+    ``fit`` call (not at the checkpoint callback inside aitoolbox)."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+    loop = train_loop("torchdata shuffle", num_workers=2, persistent_workers=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.fit(num_epochs=3, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path))])
+    warned = [warning for warning in caught if "persistent_workers=True" in str(warning.message)]
+    assert len(warned) == 1
+    assert warned[0].filename == __file__
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, database=None,
