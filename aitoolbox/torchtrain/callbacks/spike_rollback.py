@@ -23,6 +23,8 @@ from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
+from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
+from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -62,9 +64,11 @@ class SpikeRollback(AbstractCallback):
     clean, the run is kept (``snapshot='memory'``: a
     :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot` in host memory; ``'checkpoint'``: a mid-epoch
     checkpoint by the registered checkpoint callback, pinned so that no pruning removes it, for models too large to
-    copy and for FSDP). The first and the last step of each ``fit`` are checked too, and the losses not yet judged at
-    each epoch's end (before evaluation and ``on_epoch_end``): a stop request (EarlyStopping, TerminateOnNaN, a
-    callback's ``stop_training``) never ends training on an unseen spike.
+    copy and for FSDP). A ``fit`` that starts with nothing pending judgement is clean at its start: with
+    ``'memory'`` that start is the first point (a resumed one adopts, with ``'checkpoint'``, the pin at its
+    position); else its first step is checked and kept. The last step of each ``fit`` is checked too, and the
+    losses not yet judged at each epoch's end (before evaluation and ``on_epoch_end``): a stop request
+    (EarlyStopping, TerminateOnNaN, a callback's ``stop_training``) never ends training on an unseen spike.
 
     **The rollback**: the run returns to the kept point (weights, optimizers, loss scaler, schedulers, callbacks'
     states, RNG, data position, history); checkpoints the run's checkpoint callbacks wrote after that point are
@@ -134,6 +138,7 @@ class SpikeRollback(AbstractCallback):
         self._pending_at: List[Tuple[int, int]] = []  # their (epoch, iteration)
         self._pending_stepped: List[bool] = []  # whether an optimizer step ended each (gradient accumulation)
         self._steps_since_check = 0
+        self._checked_at: Optional[Dict[str, int]] = None  # where the last check left nothing pending
         self._cooldown_left = 0
         # Per process, rebuilt: the kept point, a step's lowered learning rates, the epochs' starting RNG states.
         self._snapshot: Optional[KeptPoint] = None
@@ -142,6 +147,7 @@ class SpikeRollback(AbstractCallback):
         self._epoch_rngs: Dict[int, dict] = {}
         self._checkpoint_callback: Any = None
         self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
+        self._start_due = False  # snapshot='memory': the fit's start not yet kept or passed over (see _keep_start)
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
         self._state_suspects: set = set()
@@ -153,24 +159,59 @@ class SpikeRollback(AbstractCallback):
             raise ValueError("SpikeRollback(snapshot='memory') cannot keep a sharded (FSDP) run in memory: each "
                              "process holds only its shards. Use snapshot='checkpoint' with a checkpoint callback "
                              "(e.g. ModelCheckpoint, or a TrainLoopCheckpoint preset)")
-        self._snapshot = None  # a new fit: a point is kept at its first step
+        self._snapshot = None  # a new fit: its start, or a point kept at its first step (see _keep_start)
+        # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
+        # process's pin at the first batch (see _settle_pins).
+        self._start_due = self.snapshot == "memory"
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
-            # Decided at the first batch, once a resumed checkpoint's states are in place (see _settle_pins).
             self._pins_unsettled = True
         if not tl.finishes_interrupted_step:  # else that step's hooks still run, with the state they left
             self._put_back_lrs()  # lowered for a step an exception abandoned: the window is trained again
             self._stepped = False
 
+    def on_epoch_begin(self) -> None:
+        if self._start_due:
+            self._start_due = False
+            self._keep_start(self.train_loop_obj)
+
+    def _keep_start(self, tl: "TrainLoop") -> None:
+        """``snapshot='memory'``, the first ``on_epoch_begin`` of a ``fit`` (the run's states in place, a loaded
+        checkpoint's included): where nothing is pending judgement (a fresh run, a run resumed or continued right
+        after a check), the run as it stands is clean, the point the run that never stopped kept last: a spike at
+        the fit's first steps returns here. Kept as the checkpoint the run stands at (the replay's on_epoch_begin
+        runs again, as for a checkpoint taken here). Where losses are pending, the first step's check keeps the
+        point, as before (nothing earlier is known to be clean)."""
+        if self._pending or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader):
+            # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
+            # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
+            return
+        try:
+            checkpoint = host_copy(tl.checkpoint_state())
+        except RuntimeError as error:  # a position no checkpoint can hold: the first step keeps the point
+            logger.info("SpikeRollback: the start of this fit cannot be kept (%s); the first step's is", error)
+            return
+        batches, total = int(checkpoint["iteration"]), int(checkpoint["iteration_idx"])
+        where = dict(epoch=tl.epoch, iteration=batches - 1, batches_done=batches, total_iteration=total)
+        if self._checked_at is not None and self._checked_at["total_iteration"] == total:
+            # Where the last check left nothing pending, as the run that never stopped keeps it (at an epoch's start:
+            # the end of the epoch before): a rollback's record names the same point.
+            where = dict(self._checked_at)
+        on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
+        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, **where)
+
     def on_batch_begin(self) -> None:
+        self._start_due = False  # (a fit that began by finishing an epoch's end: the next epoch is not its start)
         if self._pins_unsettled:
             self._pins_unsettled = False
             self._settle_pins(self.train_loop_obj)
 
     def _settle_pins(self, tl: "TrainLoop") -> None:
         """A run resumed with losses not yet judged (killed or preempted after a spike, before the check) returns to
-        the point the interrupted process kept, if one is pinned; else an earlier process's pin goes."""
-        self._snapshot = self._adopt_pin(tl) if self._pending else None
+        the point the interrupted process kept, if one is pinned; so does a run resumed with nothing to judge (right
+        after a check) where that check's point is pinned at the resumed position: it is clean, and the run that
+        never stopped would return there. Else an earlier process's pin goes."""
+        self._snapshot = self._adopt_pin(tl, at_resumed_position=not self._pending)
         if self._snapshot is None and tl.is_main_process:
             clear_pins(self._checkpoint_callback.experiment_folder.checkpoint_dir)
 
@@ -220,6 +261,7 @@ class SpikeRollback(AbstractCallback):
 
     def on_epoch_train_end(self) -> None:
         tl = self.train_loop_obj
+        self._start_due = False
         # Before evaluation and on_epoch_end, where stop requests come from: a stopped run never ends on a spike it
         # did not judge (a loader without len, a stop mid-epoch or mid-window). A rollback from here is raised out
         # of the epoch's end, which the loop redoes after returning to the kept point.
@@ -237,20 +279,24 @@ class SpikeRollback(AbstractCallback):
         # judged, see _adopt_pin); the next fit clears it where it is not needed.
         self._release(keep_pin=True)
 
-    def _adopt_pin(self, tl: "TrainLoop") -> Optional[KeptPoint]:
+    def _adopt_pin(self, tl: "TrainLoop", at_resumed_position: bool = False) -> Optional[KeptPoint]:
         """The pinned point an interrupted earlier process kept, when it lies at or before where this run resumes
+        (``at_resumed_position``: exactly there; at the first batch, ``total_iteration_idx`` is the batch's own)
         (every process gets it from the main process); None where there is none."""
         found = None
         if tl.is_main_process:
             found = read_pinned_point(self._checkpoint_callback.experiment_folder.checkpoint_dir)
-            if found is not None and found[1]["total_iteration"] > tl.total_iteration_idx:
+            last_trained = tl.total_iteration_idx - 1
+            if found is not None and (found[1]["total_iteration"] != last_trained if at_resumed_position
+                                      else found[1]["total_iteration"] > tl.total_iteration_idx):
                 found = None
         found = tl.broadcast_object(found)
         if found is None:
             return None
         pin, where = found
-        logger.info("SpikeRollback: the run resumes with %d loss(es) not yet judged; the clean point kept before it "
-                    "(%s) is the one to return to", len(self._pending), os.path.basename(pin))
+        logger.info("SpikeRollback: the run resumes with %d loss(es) not yet judged; the clean point kept %s (%s) is "
+                    "the one to return to", len(self._pending), "there" if at_resumed_position else "before it",
+                    os.path.basename(pin))
         return KeptPoint(pin=pin, checkpoint_callback=self._checkpoint_callback, **where)
 
     def _release(self, keep_pin: bool = False) -> None:
@@ -270,7 +316,8 @@ class SpikeRollback(AbstractCallback):
                 "rise_scales": history.scales_of_rises().cpu(),
                 "reference": None if history.reference is None else float(history.reference), "pending": pending, "pending_at": [list(at) for at in self._pending_at],
                 "pending_stepped": list(self._pending_stepped),
-                "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left}
+                "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left,
+                "checked_at": None if self._checked_at is None else dict(self._checked_at)}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
@@ -290,6 +337,8 @@ class SpikeRollback(AbstractCallback):
                                  state.get("pending_stepped", [True] * len(self._pending_at))]
         self._steps_since_check = int(state["steps_since_check"])
         self._cooldown_left = int(state["cooldown_left"])
+        checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
+        self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
     def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
@@ -367,6 +416,8 @@ class SpikeRollback(AbstractCallback):
             self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
                                      judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
             self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
+            self._checked_at = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done,
+                                    total_iteration=tl.total_iteration_idx)
             first_epoch = tl.epoch
             self._epoch_rngs = {epoch: rng for epoch, rng in self._epoch_rngs.items() if epoch >= first_epoch}
         self._keep(tl)

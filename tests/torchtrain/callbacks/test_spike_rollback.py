@@ -493,7 +493,8 @@ def test_the_losses_are_judged_once_per_interval_not_per_batch():
     model, _ = model_pair(MLP)
     counter = CountChecks()
     train(make_loop(model, loader(Poisoned())), num_epochs=4, callbacks=[SpikeRollback(**SETTINGS), counter])
-    assert counter.checks == 1 + 48 // 5 + 1  # the first step of the fit, every 5 steps, the last step
+    # Every 5 steps and the last step; not the first (the fit's start, with nothing pending, is the first point).
+    assert counter.checks == 48 // 5 + 1
 
 
 def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns():
@@ -766,3 +767,75 @@ def test_a_job_killed_after_a_spike_before_its_check_resumes_and_returns_to_the_
     reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {5}})))
     assert_params_equal(resumed.model, reference.model)
     assert not os.path.exists(os.path.join(run_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
+
+
+# --- the start of a fit is a clean point where nothing is pending (review 47r D4) ---------------------------------
+def rollback_records(tl):
+    return [(record["epoch"], record["iteration"], record["restored"]) for record in tl.rollbacks]
+
+
+def test_a_job_killed_right_after_a_check_resumes_at_its_pinned_point_and_rolls_back_a_spike_at_its_first_step(
+        tmp_path, monkeypatch):
+    """snapshot='checkpoint': the check of batch 14 keeps (and pins) its point; the job dies at the start of batch 15,
+    the spike. The newest checkpoint is the point's, with nothing left to judge: the resumed run adopts the pin at its
+    position (it dropped it before, and stopped with "before SpikeRollback kept any clean point") and rolls back as
+    the run that never stopped."""
+    from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    monkeypatch.chdir(tmp_path)
+    poison = poisoned_at(1, 3)  # batch 15
+    model, twin = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tl, callbacks=[ModelIterationCheckpoint(1), SpikeRollback(**SETTINGS, snapshot="checkpoint"),
+                             KilledAt(16)])
+    newest = find_checkpoint(tl.run_folder.path)
+    assert newest.endswith("_E1_ITER14.pth")
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(newest, continue_run_folder=True)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS, snapshot="checkpoint"),
+                                         ModelIterationCheckpoint(1)])
+    assert rollback_records(resumed) == [(1, 3, {"epoch": 1, "iteration": 2})]
+    torch.manual_seed(0)
+    reference_model, _ = model_pair(MLP)
+    reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {3}})))
+    assert_params_equal(resumed.model, reference.model)
+
+
+@pytest.mark.parametrize("snapshot_every, poison_at, at_epoch_end", [(5, (1, 3), False), (4, (1, 0), True)],
+                         ids=["mid-epoch", "epoch-end"])
+def test_a_run_resumed_where_nothing_is_pending_keeps_its_start_and_ends_as_the_straight_run(
+        snapshot_every, poison_at, at_epoch_end):
+    """snapshot='memory': a checkpoint taken where the last check left nothing to judge (after a fit stopped right
+    after the check of batch 14; after an epoch whose last step was checked), resumed in a new loop whose first step
+    spikes. The start of the resumed fit is the clean point (the straight run's last one): the rollback, its record
+    and the whole run are the straight run's, bitwise."""
+    settings = dict(SETTINGS, snapshot_every=snapshot_every)
+    poison = poisoned_at(*poison_at)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**settings)])
+    tl = make_loop(model, loader(Poisoned(poison)))
+    if at_epoch_end:
+        train(tl, num_epochs=1, callbacks=[SpikeRollback(**settings)])
+    else:
+        with pytest.raises(RuntimeError, match="killed"):
+            train(tl, callbacks=[SpikeRollback(**settings), KilledAt(16)])
+    checkpoint = tl.checkpoint_state()
+    torch.manual_seed(0)
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison)))
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings)])
+    assert rollback_records(resumed) == rollback_records(straight) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+def test_a_nan_at_the_first_batch_of_a_fresh_run_returns_to_the_fit_s_start():
+    """The docs' "a spike in the very first interval has nothing to return to" is gone: the fit's start is kept."""
+    poison = poisoned_at(0, 0)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison, scale=float("nan")))), num_epochs=2,
+               callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {0}})), num_epochs=2)
+    assert rollback_records(tl) == [(0, 0, {"epoch": 0, "iteration": -1})]
+    assert_params_equal(tl.model, reference.model)
