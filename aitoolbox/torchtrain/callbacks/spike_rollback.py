@@ -139,6 +139,8 @@ class SpikeRollback(AbstractCallback):
         self._pending_stepped: List[bool] = []  # whether an optimizer step ended each (gradient accumulation)
         self._steps_since_check = 0
         self._checked_at: Optional[Dict[str, int]] = None  # where the last check left nothing pending
+        # The (epoch, iteration) of the last pending loss judged clean (None: none since the last load or rollback).
+        self._judged_up_to: Optional[Tuple[int, int]] = None
         self._cooldown_left = 0
         # Per process, rebuilt: the kept point, a step's lowered learning rates, the epochs' starting RNG states.
         self._snapshot: Optional[KeptPoint] = None
@@ -250,6 +252,11 @@ class SpikeRollback(AbstractCallback):
             self._cooldown_left -= 1
         if self._snapshot is None or self._steps_since_check >= self.snapshot_every or self._last_step_of_fit(tl):
             tl.run_state.call_after_step(self._check)  # once every callback finished the batch
+        elif tl.iteration + 1 == tl.run_state.num_batches:  # (None: a loader without len)
+            # The epoch's last step: its losses are judged before any callback's on_epoch_train_end, whatever the
+            # callbacks' order (one saving a checkpoint there before SpikeRollback's hook saved them unjudged, a
+            # spike among them, review 47r D3). The same losses and state on_epoch_train_end would judge.
+            tl.run_state.call_after_step(self._judge_epoch_end)
 
     @staticmethod
     def _last_step_of_fit(tl: "TrainLoop") -> bool:
@@ -264,11 +271,10 @@ class SpikeRollback(AbstractCallback):
         self._start_due = False
         # Before evaluation and on_epoch_end, where stop requests come from: a stopped run never ends on a spike it
         # did not judge (a loader without len, a stop mid-epoch or mid-window). A rollback from here is raised out
-        # of the epoch's end, which the loop redoes after returning to the kept point.
-        if self._pending and self._snapshot is not None:
-            judgement, first, last = self._judge(tl)
-            if first is not None:
-                raise self._rollback_request(tl, first, judgement, last)
+        # of the epoch's end, which the loop redoes after returning to the kept point. Mostly judged already, at
+        # the epoch's last step (see on_batch_end).
+        if self._pending and self._snapshot is not None and self._judged_up_to != self._pending_at[-1]:
+            self._judge_epoch_end(tl)
         tl.insert_metric_result_into_history("rollbacks", sum(record["epoch"] == tl.epoch for record in tl.rollbacks))
 
     def on_train_end(self) -> None:
@@ -337,6 +343,7 @@ class SpikeRollback(AbstractCallback):
                                  state.get("pending_stepped", [True] * len(self._pending_at))]
         self._steps_since_check = int(state["steps_since_check"])
         self._cooldown_left = int(state["cooldown_left"])
+        self._judged_up_to = None  # (judged again where needed: the same losses, the same judgement)
         checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
         self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
 
@@ -407,11 +414,20 @@ class SpikeRollback(AbstractCallback):
         # Within the epoch: a step at an epoch's end is judged there, before the next epoch's losses.
         return (epoch, position + 1) in self._state_suspects
 
+    def _judge_epoch_end(self, tl: "TrainLoop") -> None:
+        """Judge the losses since the last check at the end of an epoch's training: roll back if one is a spike
+        (nothing is kept and the window does not move: the next check judges them again, alike)."""
+        judgement, first, last = self._judge(tl)
+        if first is not None:
+            raise self._rollback_request(tl, first, judgement, last)
+        self._judged_up_to = self._pending_at[-1]
+
     def _check(self, tl: "TrainLoop") -> None:
         """Judge the losses since the last check; keep the run if they are clean, else roll back."""
         judgement, first, last = self._judge(tl)
         if first is not None:
             raise self._rollback_request(tl, first, judgement, last)
+        self._judged_up_to = self._pending_at[-1]  # (the epoch's end need not judge them again)
         if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
             self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
                                      judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
@@ -507,6 +523,7 @@ class SpikeRollback(AbstractCallback):
             unpin(point)
         self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
+        self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
         return resume
 
     def _write_records(self, tl: "TrainLoop", records: List[dict]) -> None:

@@ -477,8 +477,8 @@ def test_a_preset_writes_rollbacks_json_into_its_run_folder(tmp_path):
 
 
 class CountChecks(AbstractCallback):
-    """How often the loop ran an after-step action (SpikeRollback's check; with the judgement of the losses left at
-    each epoch's end, the only host synchronisations it adds)."""
+    """How often the loop ran an after-step action (SpikeRollback's check, and the judgement of the losses left at
+    each epoch's end at its last step: the only host synchronisations it adds)."""
 
     def __init__(self):
         super().__init__("count checks", execution_order=300)
@@ -493,8 +493,9 @@ def test_the_losses_are_judged_once_per_interval_not_per_batch():
     model, _ = model_pair(MLP)
     counter = CountChecks()
     train(make_loop(model, loader(Poisoned())), num_epochs=4, callbacks=[SpikeRollback(**SETTINGS), counter])
-    # Every 5 steps and the last step; not the first (the fit's start, with nothing pending, is the first point).
-    assert counter.checks == 48 // 5 + 1
+    # Every 5 steps and the last step; not the first (the fit's start, with nothing pending, is the first point);
+    # and the last step of epochs 1-3, where the losses left are judged for the epoch's end (not again there).
+    assert counter.checks == 48 // 5 + 1 + 3
 
 
 def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns():
@@ -839,3 +840,33 @@ def test_a_nan_at_the_first_batch_of_a_fresh_run_returns_to_the_fit_s_start():
     reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {0}})), num_epochs=2)
     assert rollback_records(tl) == [(0, 0, {"epoch": 0, "iteration": -1})]
     assert_params_equal(tl.model, reference.model)
+
+
+# --- the epoch's end is judged before every callback's on_epoch_train_end (review 47r D3) -------------------------
+class SaveAtEpochTrainEnd(AbstractCallback):
+    """Takes a checkpoint in the first ``on_epoch_train_end`` of ``epoch`` it runs, ordered before SpikeRollback."""
+
+    def __init__(self, epoch):
+        super().__init__("save at the epoch's train end", execution_order=-100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_train_end(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            self.saved = copy.deepcopy(self.train_loop_obj.checkpoint_state())
+
+
+def test_a_checkpoint_taken_in_on_epoch_train_end_before_spike_rollback_never_holds_an_unjudged_spike():
+    """The spike (epoch 1, batch 10) lies after the epoch's last check (batch 7): the losses of batches 8-11 are
+    judged at the epoch's end. A callback ordered before SpikeRollback saved them, spike included, in its
+    on_epoch_train_end, and the run resumed from that checkpoint stopped with SpikeRollbackError ("nothing to return
+    to"). They are judged at the epoch's last step now: the checkpoint is the replayed epoch's."""
+    poison = poisoned_at(1, 10)
+    model, twin = model_pair(MLP)
+    saver = SaveAtEpochTrainEnd(1)
+    straight = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), saver])
+    assert rollback_records(straight) == [(1, 10, {"epoch": 1, "iteration": 7})]
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(saver.saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert rollback_records(resumed) == rollback_records(straight)
+    assert_params_equal(resumed.model, straight.model)
