@@ -150,6 +150,7 @@ class SpikeRollback(AbstractCallback):
         self._checkpoint_callback: Any = None
         self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
         self._start_due = False  # snapshot='memory': the fit's start not yet kept or passed over (see _keep_start)
+        self._started_with: Optional[int] = None
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
         self._state_suspects: set = set()
@@ -165,6 +166,7 @@ class SpikeRollback(AbstractCallback):
         # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
         # process's pin at the first batch (see _settle_pins).
         self._start_due = self.snapshot == "memory"
+        self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
             self._pins_unsettled = True
@@ -204,6 +206,8 @@ class SpikeRollback(AbstractCallback):
 
     def on_batch_begin(self) -> None:
         self._start_due = False  # (a fit that began by finishing an epoch's end: the next epoch is not its start)
+        if self._started_with is None:
+            self._started_with = len(self._pending)
         if self._pins_unsettled:
             self._pins_unsettled = False
             self._settle_pins(self.train_loop_obj)
@@ -348,13 +352,9 @@ class SpikeRollback(AbstractCallback):
         self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
-    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
-        """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
-
-        Returns the judgement, the first index to blame all processes agree on (None: clean) and, when the run's
-        state is not finite, the last index to leave out with it (else None). One host copy, after one all-reduce
-        in a distributed run.
-        """
+    def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
+        """The judgement of the pending losses and, agreed by all processes, on the host: a flag per loss (a spike),
+        a flag per loss (not finite) and whether the weights or optimizer states are not finite (the last)."""
         losses = torch.stack([value.float() for value in self._pending])
         history = self._history
         if history.window.device != losses.device:  # e.g. a state loaded before the loop knew its device
@@ -366,8 +366,17 @@ class SpikeRollback(AbstractCallback):
         # its step ruins the weights while its loss looks clean. Checked here, with the flags, at no extra sync.
         state_bad = (~_state_finite(tl, losses.device)).float()[None]
         flags = torch.cat([judgement.flags.float(), (~torch.isfinite(losses)).float(), state_bad])
-        agreed = tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
-        count = len(losses)
+        return judgement, tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
+
+    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
+        """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
+
+        Returns the judgement, the first index to blame all processes agree on (None: clean) and, when the run's
+        state is not finite, the last index to leave out with it (else None). One host copy, after one all-reduce
+        in a distributed run.
+        """
+        judgement, agreed = self._flags(tl)
+        count = len(self._pending)
         spiking = agreed[:count].nonzero()
         first = int(spiking[0]) if spiking.numel() else None
         if agreed[-1] == 0:
@@ -413,6 +422,34 @@ class SpikeRollback(AbstractCallback):
         epoch, position = self._position(tl, index)
         # Within the epoch: a step at an epoch's end is judged there, before the next epoch's losses.
         return (epoch, position + 1) in self._state_suspects
+
+    def before_signal_checkpoint(self) -> None:
+        """The loop, in every process at the step where a stop signal (SIGTERM) ends training, before the checkpoint
+        it saves (see :mod:`~aitoolbox.torchtrain.train_loop.interrupts`). ``snapshot='memory'`` keeps its point in
+        this process only: a spike among the pending losses would be saved in the checkpoint with nothing for the
+        resumed run to return to (review 47r D2). So they are judged now, and a spike rolled back where the check
+        would certainly leave out the same batches: a loss flagged while the weights and optimizer states are
+        finite (each loss is judged against the same window at any moment), or a non-finite state with a non-finite
+        loss among them (blamed from the first such loss, whatever comes after). Nothing is kept, the window does
+        not move. A non-finite state with every loss finite is blamed on the last step's window, which depends on
+        the losses still to come (see :meth:`_blame_state`): the checkpoint is saved as it is, and the run resumed
+        from it stops at its first step with an error naming the checkpoint to resume from instead."""
+        tl = self.train_loop_obj
+        if self.snapshot != "memory" or not self._pending or self._snapshot is None \
+                or self._judged_up_to == self._pending_at[-1]:
+            return
+        _, agreed = self._flags(tl)  # (not _judge yet: blaming a non-finite state records suspects)
+        count = len(self._pending)
+        state_bad, spiking = bool(agreed[-1] != 0), bool(agreed[:count].any())
+        if state_bad and not agreed[count:2 * count].any():
+            logger.warning("SpikeRollback: stopping with the weights or optimizer states not finite since the last "
+                           "check, every loss finite: the checkpoint saved now cannot be resumed (the run resumed "
+                           "from it stops with an error naming the checkpoint to use)")
+            return
+        if spiking or state_bad:
+            judgement, first, last = self._judge(tl)  # as the check would
+            raise self._rollback_request(tl, first, judgement, last)  # the stop comes at the replay's first step
+        self._judged_up_to = self._pending_at[-1]
 
     def _judge_epoch_end(self, tl: "TrainLoop") -> None:
         """Judge the losses since the last check at the end of an epoch's training: roll back if one is a spike
@@ -486,8 +523,8 @@ class SpikeRollback(AbstractCallback):
             spike["non_finite_state"] = True  # the weights or optimizer states, after this batch's step
         if kept is None:
             raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
-                                     f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to",
-                                     list(tl.rollbacks), spike)
+                                     f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to"
+                                     f"{self._resume_hint()}", list(tl.rollbacks), spike)
         if len(tl.rollbacks) >= self.max_rollbacks:
             listed = "\n".join(f"  {_describe(record)}" for record in tl.rollbacks) or "  (none)"
             raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
@@ -503,6 +540,22 @@ class SpikeRollback(AbstractCallback):
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
         return RollBack(self._restore, skipped, record)
+
+    def _resume_hint(self) -> str:
+        """For the error of a spike with no point kept: what to do where the run resumed with losses its checkpoint
+        held unjudged (the point kept before them is what is missing)."""
+        if not self._started_with:  # a fresh run's first step, snapshot='checkpoint'
+            return ""
+        where = self._checked_at
+        last_check = "" if where is None else (f" (epoch {where['epoch'] + 1}, iteration {where['iteration']}, "
+                                               f"total iteration {where['total_iteration']})")
+        return (f". The checkpoint this run resumed from holds {self._started_with} loss(es) not yet judged (written "
+                "between two checks, or by a stop signal after a step that made the weights not finite), the spike "
+                "among them or caused by them, and the clean point kept before them did not survive the process "
+                f"(snapshot='{self.snapshot}': " + ("a copy in its memory" if self.snapshot == "memory" else
+                                                     "no pin in its checkpoint folder") +
+                f"). Resume from a checkpoint written at or before the last check{last_check}, or train with "
+                "snapshot='checkpoint', whose point outlives the process")
 
     def _batch_indices(self, tl: "TrainLoop", skipped: List[Tuple[int, int]]) -> Optional[List[int]]:
         """The dataset indices of the ``(epoch, position)`` batches left out (None where the sampler cannot say)."""

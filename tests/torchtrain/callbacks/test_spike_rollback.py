@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -870,3 +871,70 @@ def test_a_checkpoint_taken_in_on_epoch_train_end_before_spike_rollback_never_ho
     resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
     assert rollback_records(resumed) == rollback_records(straight)
     assert_params_equal(resumed.model, straight.model)
+
+
+# --- a stop signal between a spike and its check (review 47r D2) ---------------------------------------------------
+class SigtermAt(AbstractCallback):
+    """Sends SIGTERM to this process at the start of batch ``step`` (a total iteration index): the loop's own handler
+    stops training at that batch's optimizer step, after saving a resumable checkpoint."""
+
+    def __init__(self, step):
+        super().__init__("SIGTERM at a step")
+        self.step = step
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stopped_by_sigterm(tmp_path, model, dataset, step, callbacks=()):
+    """The checkpoint a SIGTERM at batch ``step`` leaves (snapshot='memory'), and the loop."""
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # else the loop leaves the signal alone
+    tl = make_loop(model, loader(dataset))
+    with pytest.raises(SignalStop):
+        train(tl, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path)), SpikeRollback(**SETTINGS),
+                             SigtermAt(step), *callbacks])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    return tl, saved
+
+
+@pytest.mark.parametrize("scale", [1e4, float("nan")], ids=["spike", "nan"])
+def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoint(tmp_path, scale):
+    """The spike is batch 15 (its check due at batch 19), SIGTERM at batch 16. The checkpoint held the spike among the
+    losses not yet judged, and the point kept at batch 14 was in the stopped process's memory: the resumed run
+    stopped with SpikeRollbackError. The losses are judged before the stop's checkpoint now (a loss flag: the same
+    batch the check leaves out, whenever it runs); the run rolls back, stops at the replay's first step, and the
+    resumed run ends as the one that never stopped, records included."""
+    poison = poisoned_at(1, 3)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 16)
+    assert saved.endswith("_E1_ITER15.pth") and len(stopped.rollbacks) == 1  # batch 16, the replay's 15th
+    torch.manual_seed(0)
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison, scale=scale)))
+    resumed.load_checkpoint(saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+
+
+def test_a_sigterm_after_nan_gradients_with_finite_losses_leaves_a_checkpoint_whose_resume_names_the_one_to_use(
+        tmp_path):
+    """Batch 15's loss is finite, its gradients NaN: at the SIGTERM of that batch the weights are NaN with every
+    pending loss finite, which the check blames on a window that depends on the losses still to come. Nothing is
+    rolled back at the stop (it could leave out other batches than the run that never stopped); the run resumed from
+    the checkpoint stops at its first step with an error naming the last check, the checkpoint to resume from."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpoch()])
+    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
+    resumed = make_loop(twin, loader(Poisoned()))
+    resumed.load_checkpoint(saved)
+    with pytest.raises(SpikeRollbackError, match=r"Resume from a checkpoint written at or before the last check "
+                                                 r"\(epoch 2, iteration 2, total iteration 14\)"):
+        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), TellModelEpoch(), SpikeRollback(**SETTINGS)])
