@@ -938,3 +938,29 @@ def test_a_sigterm_after_nan_gradients_with_finite_losses_leaves_a_checkpoint_wh
     with pytest.raises(SpikeRollbackError, match=r"Resume from a checkpoint written at or before the last check "
                                                  r"\(epoch 2, iteration 2, total iteration 14\)"):
         resumed.fit(num_epochs=4, callbacks=[TellEpoch(), TellModelEpoch(), SpikeRollback(**SETTINGS)])
+
+
+# --- the counters in the replayed on_epoch_begin (review 47r D5) ---------------------------------------------------
+class CountersAtReplay(AbstractCallback):
+    """``(epoch, iteration, batches done, total iteration)`` in each on_epoch_begin after a rollback."""
+
+    def __init__(self):
+        super().__init__("counters at the replay", execution_order=50)
+        self.seen = []
+
+    def on_epoch_begin(self):
+        tl = self.train_loop_obj
+        if tl.rollbacks:
+            self.seen.append((tl.epoch, tl.iteration, tl.run_state.batches_done, tl.total_iteration_idx))
+
+
+@pytest.mark.parametrize("snapshot", ["memory", "checkpoint"])
+def test_the_replayed_on_epoch_begin_sees_the_kept_point_s_counters(tmp_path, snapshot):
+    """The point kept at batch 14 (epoch 1, iteration 2, 3 batches done); the spike at batch 17. The replayed
+    on_epoch_begin saw the abandoned run's iteration (checkpoint: 7) and batch count (both: 8)."""
+    watcher = CountersAtReplay()
+    model, _ = model_pair(MLP)
+    saver = [iteration_saver(tmp_path, "counters")] if snapshot == "checkpoint" else []
+    train(make_loop(model, loader(Poisoned(poisoned_at(1, 5)))), num_epochs=2,
+          callbacks=saver + [SpikeRollback(**SETTINGS, snapshot=snapshot), watcher])
+    assert watcher.seen[0] == (1, 2, 3, 14)
