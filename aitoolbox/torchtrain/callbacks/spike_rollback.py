@@ -554,8 +554,9 @@ class SpikeRollback(AbstractCallback):
                 "among them or caused by them, and the clean point kept before them did not survive the process "
                 f"(snapshot='{self.snapshot}': " + ("a copy in its memory" if self.snapshot == "memory" else
                                                      "no pin in its checkpoint folder") +
-                f"). Resume from a checkpoint written at or before the last check{last_check}, or train with "
-                "snapshot='checkpoint', whose point outlives the process")
+                f"). Resume from a checkpoint written at or before the last check{last_check}" +
+                (", or train with snapshot='checkpoint', whose point outlives the process"
+                 if self.snapshot == "memory" else ""))
 
     def _batch_indices(self, tl: "TrainLoop", skipped: List[Tuple[int, int]]) -> Optional[List[int]]:
         """The dataset indices of the ``(epoch, position)`` batches left out (None where the sampler cannot say)."""
