@@ -165,7 +165,9 @@ class SpikeRollback(AbstractCallback):
         self._snapshot = None  # a new fit: its start, or a point kept at its first step (see _keep_start)
         # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
         # process's pin at the first batch (see _settle_pins).
-        self._start_due = self.snapshot == "memory"
+        # (Not a fit that begins by finishing an epoch's end an exception interrupted: the next epoch is not its
+        # start, the end is.)
+        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending
         self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
@@ -205,7 +207,7 @@ class SpikeRollback(AbstractCallback):
         self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, **where)
 
     def on_batch_begin(self) -> None:
-        self._start_due = False  # (a fit that began by finishing an epoch's end: the next epoch is not its start)
+        self._start_due = False
         if self._started_with is None:
             self._started_with = len(self._pending)
         if self._pins_unsettled:
