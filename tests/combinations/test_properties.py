@@ -61,8 +61,8 @@ KNOWN_DEFECTS = {
     # Found by this test (see test_property_regressions.py):
     "spike retrain": "SpikeRollback records the batches trained again twice: with it, faults only where no batch is "
                      "to be trained again",
-    "spike clean point": "SpikeRollback drops its clean point at an exception: no faults with it and a poisoned "
-                         "sample",
+    "spike clean point": "SpikeRollback drops its clean point at an exception (kept only where nothing was pending: "
+                         "the next fit keeps its start): no faults with it and a poisoned sample",
     "spike checkpoint": "a mid-epoch checkpoint holds SpikeRollback's state before the check of its step: with it, "
                         "no resume from a mid-epoch checkpoint",
 }

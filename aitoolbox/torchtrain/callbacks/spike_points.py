@@ -1,9 +1,10 @@
 """The clean points :class:`~aitoolbox.torchtrain.callbacks.spike_rollback.SpikeRollback` returns to, and what a
 rollback does to the checkpoints on disk.
 
-A point is kept in host memory (a :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot`) or as a
-mid-epoch checkpoint. A checkpoint point is written by the registered checkpoint callback under its usual name (so
-``auto_resume`` finds it) and *pinned*: hard-linked (copied where the file system has no hard links) into
+A point is kept in host memory (a :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot`, or, for the
+start of a ``fit``, a host copy of the checkpoint the run stands at) or as a mid-epoch checkpoint. A checkpoint
+point is written by the registered checkpoint callback under its usual name (so ``auto_resume`` finds it) and
+*pinned*: hard-linked (copied where the file system has no hard links) into
 ``checkpoint_model/spike_rollback/``, where no callback prunes. The checkpoint callbacks may then delete or replace
 the file under its usual name as they please (``keep_last``, a best-k ranking): the point SpikeRollback adopted stays
 readable until a newer point replaces it or training ends.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints, remove_checkpoint
+from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
@@ -38,13 +40,13 @@ POINT_FILE = "point.json"
 
 class KeptPoint:
     """A clean point of the run: where it was (``epoch``, ``iteration`` of the last batch trained, ``batches_done``
-    of its epoch, ``total_iteration``), when (``kept_at``, wall clock), and a snapshot in memory or the path of a
-    pinned checkpoint."""
+    of its epoch, ``total_iteration``), when (``kept_at``, wall clock), and a snapshot in memory, a checkpoint dict
+    in host memory (``checkpoint``: the start of a ``fit``) or the path of a pinned checkpoint."""
 
     def __init__(self, epoch: int, iteration: int, batches_done: int, total_iteration: int,
                  snapshot: Optional["RunSnapshot"] = None, pin: Optional[str] = None,
                  checkpoint_callback: Any = None, written: Optional[str] = None,
-                 on_disk: Optional[Dict[str, int]] = None):
+                 on_disk: Optional[Dict[str, int]] = None, checkpoint: Optional[dict] = None):
         self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
         self.total_iteration = total_iteration
         self.kept_at = time.time()
@@ -53,6 +55,7 @@ class KeptPoint:
         # written a few milliseconds after the point can carry an earlier time.)
         self.on_disk = dict(on_disk or {})
         self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
+        self.checkpoint = checkpoint  # every tensor on the host, shared with nothing (see run_snapshot.host_copy)
         self.written = written  # the checkpoint under its usual name, when it was written for this point alone
 
     @property
@@ -72,6 +75,10 @@ class KeptPoint:
         """Put the point back into ``tl`` (a call in every process); where its epoch continues."""
         if self.snapshot is not None:
             return self.snapshot.restore(tl)
+        if self.checkpoint is not None:
+            # Loaded as a pin is, from a fresh copy each time: loading may keep the tensors it is given.
+            tl.load_checkpoint(host_copy(self.checkpoint))
+            return tl.apply_pending_restore()
         if self.pin is None or not os.path.exists(self.pin):
             raise FileNotFoundError(f"SpikeRollback cannot roll back: its pinned checkpoint {self.pin} is gone (was "
                                     f"the run folder's checkpoint_model/{PIN_FOLDER}/ deleted during training?)")

@@ -23,6 +23,8 @@ from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
+from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
+from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -62,9 +64,11 @@ class SpikeRollback(AbstractCallback):
     clean, the run is kept (``snapshot='memory'``: a
     :class:`~aitoolbox.torchtrain.train_loop.run_snapshot.RunSnapshot` in host memory; ``'checkpoint'``: a mid-epoch
     checkpoint by the registered checkpoint callback, pinned so that no pruning removes it, for models too large to
-    copy and for FSDP). The first and the last step of each ``fit`` are checked too, and the losses not yet judged at
-    each epoch's end (before evaluation and ``on_epoch_end``): a stop request (EarlyStopping, TerminateOnNaN, a
-    callback's ``stop_training``) never ends training on an unseen spike.
+    copy and for FSDP). A ``fit`` that starts with nothing pending judgement is clean at its start: with
+    ``'memory'`` that start is the first point (a resumed one adopts, with ``'checkpoint'``, the pin at its
+    position); else its first step is checked and kept. The last step of each ``fit`` is checked too, and the
+    losses not yet judged at each epoch's end (before evaluation and ``on_epoch_end``): a stop request
+    (EarlyStopping, TerminateOnNaN, a callback's ``stop_training``) never ends training on an unseen spike.
 
     **The rollback**: the run returns to the kept point (weights, optimizers, loss scaler, schedulers, callbacks'
     states, RNG, data position, history); checkpoints the run's checkpoint callbacks wrote after that point are
@@ -134,6 +138,9 @@ class SpikeRollback(AbstractCallback):
         self._pending_at: List[Tuple[int, int]] = []  # their (epoch, iteration)
         self._pending_stepped: List[bool] = []  # whether an optimizer step ended each (gradient accumulation)
         self._steps_since_check = 0
+        self._checked_at: Optional[Dict[str, int]] = None  # where the last check left nothing pending
+        # The (epoch, iteration) of the last pending loss judged clean (None: none since the last load or rollback).
+        self._judged_up_to: Optional[Tuple[int, int]] = None
         self._cooldown_left = 0
         # Per process, rebuilt: the kept point, a step's lowered learning rates, the epochs' starting RNG states.
         self._snapshot: Optional[KeptPoint] = None
@@ -142,6 +149,8 @@ class SpikeRollback(AbstractCallback):
         self._epoch_rngs: Dict[int, dict] = {}
         self._checkpoint_callback: Any = None
         self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
+        self._start_due = False  # snapshot='memory': the fit's start not yet kept or passed over (see _keep_start)
+        self._started_with: Optional[int] = None
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
         self._state_suspects: set = set()
@@ -153,24 +162,64 @@ class SpikeRollback(AbstractCallback):
             raise ValueError("SpikeRollback(snapshot='memory') cannot keep a sharded (FSDP) run in memory: each "
                              "process holds only its shards. Use snapshot='checkpoint' with a checkpoint callback "
                              "(e.g. ModelCheckpoint, or a TrainLoopCheckpoint preset)")
-        self._snapshot = None  # a new fit: a point is kept at its first step
+        self._snapshot = None  # a new fit: its start, or a point kept at its first step (see _keep_start)
+        # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
+        # process's pin at the first batch (see _settle_pins).
+        # (Not a fit that begins by finishing an epoch's end an exception interrupted: the next epoch is not its
+        # start, the end is.)
+        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending
+        self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
-            # Decided at the first batch, once a resumed checkpoint's states are in place (see _settle_pins).
             self._pins_unsettled = True
         if not tl.finishes_interrupted_step:  # else that step's hooks still run, with the state they left
             self._put_back_lrs()  # lowered for a step an exception abandoned: the window is trained again
             self._stepped = False
 
+    def on_epoch_begin(self) -> None:
+        if self._start_due:
+            self._start_due = False
+            self._keep_start(self.train_loop_obj)
+
+    def _keep_start(self, tl: "TrainLoop") -> None:
+        """``snapshot='memory'``, the first ``on_epoch_begin`` of a ``fit`` (the run's states in place, a loaded
+        checkpoint's included): where nothing is pending judgement (a fresh run, a run resumed or continued right
+        after a check), the run as it stands is clean, the point the run that never stopped kept last: a spike at
+        the fit's first steps returns here. Kept as the checkpoint the run stands at (the replay's on_epoch_begin
+        runs again, as for a checkpoint taken here). Where losses are pending, the first step's check keeps the
+        point, as before (nothing earlier is known to be clean)."""
+        if self._pending or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader):
+            # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
+            # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
+            return
+        try:
+            checkpoint = host_copy(tl.checkpoint_state())
+        except RuntimeError as error:  # a position no checkpoint can hold: the first step keeps the point
+            logger.info("SpikeRollback: the start of this fit cannot be kept (%s); the first step's is", error)
+            return
+        batches, total = int(checkpoint["iteration"]), int(checkpoint["iteration_idx"])
+        where = dict(epoch=tl.epoch, iteration=batches - 1, batches_done=batches, total_iteration=total)
+        if self._checked_at is not None and self._checked_at["total_iteration"] == total:
+            # Where the last check left nothing pending, as the run that never stopped keeps it (at an epoch's start:
+            # the end of the epoch before): a rollback's record names the same point.
+            where = dict(self._checked_at)
+        on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
+        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, **where)
+
     def on_batch_begin(self) -> None:
+        self._start_due = False
+        if self._started_with is None:
+            self._started_with = len(self._pending)
         if self._pins_unsettled:
             self._pins_unsettled = False
             self._settle_pins(self.train_loop_obj)
 
     def _settle_pins(self, tl: "TrainLoop") -> None:
         """A run resumed with losses not yet judged (killed or preempted after a spike, before the check) returns to
-        the point the interrupted process kept, if one is pinned; else an earlier process's pin goes."""
-        self._snapshot = self._adopt_pin(tl) if self._pending else None
+        the point the interrupted process kept, if one is pinned; so does a run resumed with nothing to judge (right
+        after a check) where that check's point is pinned at the resumed position: it is clean, and the run that
+        never stopped would return there. Else an earlier process's pin goes."""
+        self._snapshot = self._adopt_pin(tl, at_resumed_position=not self._pending)
         if self._snapshot is None and tl.is_main_process:
             clear_pins(self._checkpoint_callback.experiment_folder.checkpoint_dir)
 
@@ -209,6 +258,11 @@ class SpikeRollback(AbstractCallback):
             self._cooldown_left -= 1
         if self._snapshot is None or self._steps_since_check >= self.snapshot_every or self._last_step_of_fit(tl):
             tl.run_state.call_after_step(self._check)  # once every callback finished the batch
+        elif tl.iteration + 1 == tl.run_state.num_batches:  # (None: a loader without len)
+            # The epoch's last step: its losses are judged before any callback's on_epoch_train_end, whatever the
+            # callbacks' order (one saving a checkpoint there before SpikeRollback's hook saved them unjudged, a
+            # spike among them, review 47r D3). The same losses and state on_epoch_train_end would judge.
+            tl.run_state.call_after_step(self._judge_epoch_end)
 
     @staticmethod
     def _last_step_of_fit(tl: "TrainLoop") -> bool:
@@ -220,13 +274,13 @@ class SpikeRollback(AbstractCallback):
 
     def on_epoch_train_end(self) -> None:
         tl = self.train_loop_obj
+        self._start_due = False
         # Before evaluation and on_epoch_end, where stop requests come from: a stopped run never ends on a spike it
         # did not judge (a loader without len, a stop mid-epoch or mid-window). A rollback from here is raised out
-        # of the epoch's end, which the loop redoes after returning to the kept point.
-        if self._pending and self._snapshot is not None:
-            judgement, first, last = self._judge(tl)
-            if first is not None:
-                raise self._rollback_request(tl, first, judgement, last)
+        # of the epoch's end, which the loop redoes after returning to the kept point. Mostly judged already, at
+        # the epoch's last step (see on_batch_end).
+        if self._pending and self._snapshot is not None and self._judged_up_to != self._pending_at[-1]:
+            self._judge_epoch_end(tl)
         tl.insert_metric_result_into_history("rollbacks", sum(record["epoch"] == tl.epoch for record in tl.rollbacks))
 
     def on_train_end(self) -> None:
@@ -237,20 +291,24 @@ class SpikeRollback(AbstractCallback):
         # judged, see _adopt_pin); the next fit clears it where it is not needed.
         self._release(keep_pin=True)
 
-    def _adopt_pin(self, tl: "TrainLoop") -> Optional[KeptPoint]:
+    def _adopt_pin(self, tl: "TrainLoop", at_resumed_position: bool = False) -> Optional[KeptPoint]:
         """The pinned point an interrupted earlier process kept, when it lies at or before where this run resumes
+        (``at_resumed_position``: exactly there; at the first batch, ``total_iteration_idx`` is the batch's own)
         (every process gets it from the main process); None where there is none."""
         found = None
         if tl.is_main_process:
             found = read_pinned_point(self._checkpoint_callback.experiment_folder.checkpoint_dir)
-            if found is not None and found[1]["total_iteration"] > tl.total_iteration_idx:
+            last_trained = tl.total_iteration_idx - 1
+            if found is not None and (found[1]["total_iteration"] != last_trained if at_resumed_position
+                                      else found[1]["total_iteration"] > tl.total_iteration_idx):
                 found = None
         found = tl.broadcast_object(found)
         if found is None:
             return None
         pin, where = found
-        logger.info("SpikeRollback: the run resumes with %d loss(es) not yet judged; the clean point kept before it "
-                    "(%s) is the one to return to", len(self._pending), os.path.basename(pin))
+        logger.info("SpikeRollback: the run resumes with %d loss(es) not yet judged; the clean point kept %s (%s) is "
+                    "the one to return to", len(self._pending), "there" if at_resumed_position else "before it",
+                    os.path.basename(pin))
         return KeptPoint(pin=pin, checkpoint_callback=self._checkpoint_callback, **where)
 
     def _release(self, keep_pin: bool = False) -> None:
@@ -270,7 +328,8 @@ class SpikeRollback(AbstractCallback):
                 "rise_scales": history.scales_of_rises().cpu(),
                 "reference": None if history.reference is None else float(history.reference), "pending": pending, "pending_at": [list(at) for at in self._pending_at],
                 "pending_stepped": list(self._pending_stepped),
-                "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left}
+                "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left,
+                "checked_at": None if self._checked_at is None else dict(self._checked_at)}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
@@ -290,15 +349,14 @@ class SpikeRollback(AbstractCallback):
                                  state.get("pending_stepped", [True] * len(self._pending_at))]
         self._steps_since_check = int(state["steps_since_check"])
         self._cooldown_left = int(state["cooldown_left"])
+        self._judged_up_to = None  # (judged again where needed: the same losses, the same judgement)
+        checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
+        self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
-    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
-        """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
-
-        Returns the judgement, the first index to blame all processes agree on (None: clean) and, when the run's
-        state is not finite, the last index to leave out with it (else None). One host copy, after one all-reduce
-        in a distributed run.
-        """
+    def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
+        """The judgement of the pending losses and, agreed by all processes, on the host: a flag per loss (a spike),
+        a flag per loss (not finite) and whether the weights or optimizer states are not finite (the last)."""
         losses = torch.stack([value.float() for value in self._pending])
         history = self._history
         if history.window.device != losses.device:  # e.g. a state loaded before the loop knew its device
@@ -310,8 +368,17 @@ class SpikeRollback(AbstractCallback):
         # its step ruins the weights while its loss looks clean. Checked here, with the flags, at no extra sync.
         state_bad = (~_state_finite(tl, losses.device)).float()[None]
         flags = torch.cat([judgement.flags.float(), (~torch.isfinite(losses)).float(), state_bad])
-        agreed = tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
-        count = len(losses)
+        return judgement, tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
+
+    def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
+        """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
+
+        Returns the judgement, the first index to blame all processes agree on (None: clean) and, when the run's
+        state is not finite, the last index to leave out with it (else None). One host copy, after one all-reduce
+        in a distributed run.
+        """
+        judgement, agreed = self._flags(tl)
+        count = len(self._pending)
         spiking = agreed[:count].nonzero()
         first = int(spiking[0]) if spiking.numel() else None
         if agreed[-1] == 0:
@@ -358,15 +425,54 @@ class SpikeRollback(AbstractCallback):
         # Within the epoch: a step at an epoch's end is judged there, before the next epoch's losses.
         return (epoch, position + 1) in self._state_suspects
 
+    def before_signal_checkpoint(self) -> None:
+        """The loop, in every process at the step where a stop signal (SIGTERM) ends training, before the checkpoint
+        it saves (see :mod:`~aitoolbox.torchtrain.train_loop.interrupts`). ``snapshot='memory'`` keeps its point in
+        this process only: a spike among the pending losses would be saved in the checkpoint with nothing for the
+        resumed run to return to (review 47r D2). So they are judged now, and a spike rolled back where the check
+        would certainly leave out the same batches: a loss flagged while the weights and optimizer states are
+        finite (each loss is judged against the same window at any moment), or a non-finite state with a non-finite
+        loss among them (blamed from the first such loss, whatever comes after). Nothing is kept, the window does
+        not move. A non-finite state with every loss finite is blamed on the last step's window, which depends on
+        the losses still to come (see :meth:`_blame_state`): the checkpoint is saved as it is, and the run resumed
+        from it stops at its first step with an error naming the checkpoint to resume from instead."""
+        tl = self.train_loop_obj
+        if self.snapshot != "memory" or not self._pending or self._snapshot is None \
+                or self._judged_up_to == self._pending_at[-1]:
+            return
+        _, agreed = self._flags(tl)  # (not _judge yet: blaming a non-finite state records suspects)
+        count = len(self._pending)
+        state_bad, spiking = bool(agreed[-1] != 0), bool(agreed[:count].any())
+        if state_bad and not agreed[count:2 * count].any():
+            logger.warning("SpikeRollback: stopping with the weights or optimizer states not finite since the last "
+                           "check, every loss finite: the checkpoint saved now cannot be resumed (the run resumed "
+                           "from it stops with an error naming the checkpoint to use)")
+            return
+        if spiking or state_bad:
+            judgement, first, last = self._judge(tl)  # as the check would
+            raise self._rollback_request(tl, first, judgement, last)  # the stop comes at the replay's first step
+        self._judged_up_to = self._pending_at[-1]
+
+    def _judge_epoch_end(self, tl: "TrainLoop") -> None:
+        """Judge the losses since the last check at the end of an epoch's training: roll back if one is a spike
+        (nothing is kept and the window does not move: the next check judges them again, alike)."""
+        judgement, first, last = self._judge(tl)
+        if first is not None:
+            raise self._rollback_request(tl, first, judgement, last)
+        self._judged_up_to = self._pending_at[-1]
+
     def _check(self, tl: "TrainLoop") -> None:
         """Judge the losses since the last check; keep the run if they are clean, else roll back."""
         judgement, first, last = self._judge(tl)
         if first is not None:
             raise self._rollback_request(tl, first, judgement, last)
+        self._judged_up_to = self._pending_at[-1]  # (the epoch's end need not judge them again)
         if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
             self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
                                      judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
             self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
+            self._checked_at = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done,
+                                    total_iteration=tl.total_iteration_idx)
             first_epoch = tl.epoch
             self._epoch_rngs = {epoch: rng for epoch, rng in self._epoch_rngs.items() if epoch >= first_epoch}
         self._keep(tl)
@@ -419,8 +525,8 @@ class SpikeRollback(AbstractCallback):
             spike["non_finite_state"] = True  # the weights or optimizer states, after this batch's step
         if kept is None:
             raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
-                                     f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to",
-                                     list(tl.rollbacks), spike)
+                                     f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to"
+                                     f"{self._resume_hint()}", list(tl.rollbacks), spike)
         if len(tl.rollbacks) >= self.max_rollbacks:
             listed = "\n".join(f"  {_describe(record)}" for record in tl.rollbacks) or "  (none)"
             raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
@@ -436,6 +542,23 @@ class SpikeRollback(AbstractCallback):
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
         return RollBack(self._restore, skipped, record)
+
+    def _resume_hint(self) -> str:
+        """For the error of a spike with no point kept: what to do where the run resumed with losses its checkpoint
+        held unjudged (the point kept before them is what is missing)."""
+        if not self._started_with:  # a fresh run's first step, snapshot='checkpoint'
+            return ""
+        where = self._checked_at
+        last_check = "" if where is None else (f" (epoch {where['epoch'] + 1}, iteration {where['iteration']}, "
+                                               f"total iteration {where['total_iteration']})")
+        return (f". The checkpoint this run resumed from holds {self._started_with} loss(es) not yet judged (written "
+                "between two checks, or by a stop signal after a step that made the weights not finite), the spike "
+                "among them or caused by them, and the clean point kept before them did not survive the process "
+                f"(snapshot='{self.snapshot}': " + ("a copy in its memory" if self.snapshot == "memory" else
+                                                     "no pin in its checkpoint folder") +
+                f"). Resume from a checkpoint written at or before the last check{last_check}" +
+                (", or train with snapshot='checkpoint', whose point outlives the process"
+                 if self.snapshot == "memory" else ""))
 
     def _batch_indices(self, tl: "TrainLoop", skipped: List[Tuple[int, int]]) -> Optional[List[int]]:
         """The dataset indices of the ``(epoch, position)`` batches left out (None where the sampler cannot say)."""
@@ -456,6 +579,7 @@ class SpikeRollback(AbstractCallback):
             unpin(point)
         self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
+        self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
         return resume
 
     def _write_records(self, tl: "TrainLoop", records: List[dict]) -> None:

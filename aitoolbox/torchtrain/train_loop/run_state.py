@@ -138,10 +138,15 @@ class RunState:
         """A rollback put a kept point back (``resume``: where its epoch continues; None: at an epoch's start). Until
         the replayed epoch's batches start again (its ``on_epoch_begin`` runs first), the run stands at that point,
         as after a loaded mid-epoch checkpoint: a checkpoint taken there records it, an exception continues from it.
-        The loop's own progress (the batch count, the loss sum, the step point) is still the abandoned run's."""
+        The epoch's batch count and ``iteration`` are the point's (a point restored from a checkpoint file left
+        the abandoned run's in the replayed ``on_epoch_begin``, review 47r D5); the loss sum is the abandoned run's
+        until the replay's batches start (the checkpoint takes the point's from ``resume``)."""
         self._interrupted_at = None
         self._step_point = resume
         self._continued_from = "rollback"
+        self.batches_done = resume.batches_done if resume is not None else 0
+        if resume is not None and resume.batches_done > 0:
+            self.counters.iteration = resume.batches_done - 1  # the last batch trained before the point
 
     def progress_beyond_checkpoint(self) -> dict:
         """What the run's progress holds besides a checkpoint's content: a loaded checkpoint waiting for ``fit``

@@ -21,14 +21,14 @@ TRAINED = 47
 
 
 def test_the_profiler_records_no_more_cycles_than_repeat_across_a_rollback(tmp_path):
-    """Its two cycles (wait 1, warm-up 1, active 2: batches 1-3 and 5-7) lie after the only point kept (the first
-    step) and before the spike found at the end of epoch 0: the replay must not record them again."""
+    """Its two cycles (wait 1, warm-up 1, active 2: batches 1-3 and 5-7) lie after the only point kept (the fit's
+    start) and before the spike found at the end of epoch 0: the replay must not record them again."""
     model, _ = model_pair(MLP)
     profiler = ProfilerCallback(wait=1, warmup=1, active=2, repeat=2, output_dir=str(tmp_path / "traces"))
-    spike = SpikeRollback(**dict(SETTINGS, snapshot_every=100))  # the only point: the first step
+    spike = SpikeRollback(**dict(SETTINGS, snapshot_every=100))  # the only point: the fit's start
     tl = train(make_loop(model, loader(Poisoned(poisoned_at(0, 10), scale=float("nan")))), num_epochs=2,
                callbacks=[spike, profiler])
-    assert [(record["restored"]["epoch"], record["restored"]["iteration"]) for record in tl.rollbacks] == [(0, 0)]
+    assert [(record["restored"]["epoch"], record["restored"]["iteration"]) for record in tl.rollbacks] == [(0, -1)]
     assert profiler.cycles_done == 2
     assert len(os.listdir(tmp_path / "traces")) == 2 == len(profiler.trace_files)
 

@@ -65,8 +65,9 @@ REBUILT = {"_logged_history_lengths", "_epoch_base_lengths", "_last_logged_epoch
            "_grads",  # the gradients of the last optimizer step
            "result_package",  # the metrics of the last evaluation, computed again at every one
            "_epoch_rngs",  # SpikeRollback: the epochs' starting RNG states, taken from the loop at their first batch
-           # SpikeRollback: a fit's pin not yet settled (its first batch), batches left out for a non-finite state
-           "_pins_unsettled", "_state_suspects"}
+           # SpikeRollback: a fit's pin not yet settled (its first batch), batches left out for a non-finite state,
+           # a fit's start not yet kept (its first on_epoch_begin)
+           "_pins_unsettled", "_state_suspects", "_start_due"}
 # Attributes naming files of the run folder (checkpoints written, open CSV files), which a resumed run finds on
 # disk: they hold paths, which differ between the two runs' folders, so they are not compared.
 RUN_FOLDER_FILES = {"saved_checkpoints", "_ranking_restored", "_written", "_earlier_listed",
@@ -81,8 +82,10 @@ SERVICE_CONNECTION = {"outbox", "_sender", "_next_sequence", "_run_open", "run_i
 MEASURED = {"last_window", "last_epoch", "_postfix", "_last_batch_end"}
 MEASURED_HISTORY = set(throughput.HISTORY_KEYS)
 # A copy of the whole run a process holds in memory to return to (SpikeRollback's last clean point): each process
-# keeps its own from its first optimizer step on, so neither saved nor compared.
-PROCESS_MEMORY = {"_snapshot"}
+# keeps its own from its first optimizer step on, so neither saved nor compared. So SpikeRollback's notes of this
+# process's fit: the losses pending at its first batch (for an error's advice) and the last pending loss judged clean
+# (a resumed run judges them again, alike).
+PROCESS_MEMORY = {"_snapshot", "_started_with", "_judged_up_to"}
 
 
 class ScriptedScore(AbstractCallback):

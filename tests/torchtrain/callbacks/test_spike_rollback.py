@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -477,8 +478,8 @@ def test_a_preset_writes_rollbacks_json_into_its_run_folder(tmp_path):
 
 
 class CountChecks(AbstractCallback):
-    """How often the loop ran an after-step action (SpikeRollback's check; with the judgement of the losses left at
-    each epoch's end, the only host synchronisations it adds)."""
+    """How often the loop ran an after-step action (SpikeRollback's check, and the judgement of the losses left at
+    each epoch's end at its last step: the only host synchronisations it adds)."""
 
     def __init__(self):
         super().__init__("count checks", execution_order=300)
@@ -493,7 +494,9 @@ def test_the_losses_are_judged_once_per_interval_not_per_batch():
     model, _ = model_pair(MLP)
     counter = CountChecks()
     train(make_loop(model, loader(Poisoned())), num_epochs=4, callbacks=[SpikeRollback(**SETTINGS), counter])
-    assert counter.checks == 1 + 48 // 5 + 1  # the first step of the fit, every 5 steps, the last step
+    # Every 5 steps and the last step; not the first (the fit's start, with nothing pending, is the first point);
+    # and the last step of epochs 1-3, where the losses left are judged for the epoch's end (not again there).
+    assert counter.checks == 48 // 5 + 1 + 3
 
 
 def test_a_spike_in_the_last_interval_of_a_fit_is_rolled_back_before_fit_returns():
@@ -766,3 +769,198 @@ def test_a_job_killed_after_a_spike_before_its_check_resumes_and_returns_to_the_
     reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {5}})))
     assert_params_equal(resumed.model, reference.model)
     assert not os.path.exists(os.path.join(run_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
+
+
+# --- the start of a fit is a clean point where nothing is pending (review 47r D4) ---------------------------------
+def rollback_records(tl):
+    return [(record["epoch"], record["iteration"], record["restored"]) for record in tl.rollbacks]
+
+
+def test_a_job_killed_right_after_a_check_resumes_at_its_pinned_point_and_rolls_back_a_spike_at_its_first_step(
+        tmp_path, monkeypatch):
+    """snapshot='checkpoint': the check of batch 14 keeps (and pins) its point; the job dies at the start of batch 15,
+    the spike. The newest checkpoint is the point's, with nothing left to judge: the resumed run adopts the pin at its
+    position (it dropped it before, and stopped with "before SpikeRollback kept any clean point") and rolls back as
+    the run that never stopped."""
+    from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    monkeypatch.chdir(tmp_path)
+    poison = poisoned_at(1, 3)  # batch 15
+    model, twin = model_pair(MLP)
+    tl = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tl, callbacks=[ModelIterationCheckpoint(1), SpikeRollback(**SETTINGS, snapshot="checkpoint"),
+                             KilledAt(16)])
+    newest = find_checkpoint(tl.run_folder.path)
+    assert newest.endswith("_E1_ITER14.pth")
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(newest, continue_run_folder=True)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS, snapshot="checkpoint"),
+                                         ModelIterationCheckpoint(1)])
+    assert rollback_records(resumed) == [(1, 3, {"epoch": 1, "iteration": 2})]
+    torch.manual_seed(0)
+    reference_model, _ = model_pair(MLP)
+    reference = train(make_loop(reference_model, reference_loader(Poisoned(), {1: {3}})))
+    assert_params_equal(resumed.model, reference.model)
+
+
+@pytest.mark.parametrize("snapshot_every, poison_at, at_epoch_end", [(5, (1, 3), False), (4, (1, 0), True)],
+                         ids=["mid-epoch", "epoch-end"])
+def test_a_run_resumed_where_nothing_is_pending_keeps_its_start_and_ends_as_the_straight_run(
+        snapshot_every, poison_at, at_epoch_end):
+    """snapshot='memory': a checkpoint taken where the last check left nothing to judge (after a fit stopped right
+    after the check of batch 14; after an epoch whose last step was checked), resumed in a new loop whose first step
+    spikes. The start of the resumed fit is the clean point (the straight run's last one): the rollback, its record
+    and the whole run are the straight run's, bitwise."""
+    settings = dict(SETTINGS, snapshot_every=snapshot_every)
+    poison = poisoned_at(*poison_at)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**settings)])
+    tl = make_loop(model, loader(Poisoned(poison)))
+    if at_epoch_end:
+        train(tl, num_epochs=1, callbacks=[SpikeRollback(**settings)])
+    else:
+        with pytest.raises(RuntimeError, match="killed"):
+            train(tl, callbacks=[SpikeRollback(**settings), KilledAt(16)])
+    checkpoint = tl.checkpoint_state()
+    torch.manual_seed(0)
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison)))
+    resumed.load_checkpoint(checkpoint)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings)])
+    assert rollback_records(resumed) == rollback_records(straight) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+def test_a_nan_at_the_first_batch_of_a_fresh_run_returns_to_the_fit_s_start():
+    """The docs' "a spike in the very first interval has nothing to return to" is gone: the fit's start is kept."""
+    poison = poisoned_at(0, 0)
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(poison, scale=float("nan")))), num_epochs=2,
+               callbacks=[SpikeRollback(**SETTINGS)])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {0}})), num_epochs=2)
+    assert rollback_records(tl) == [(0, 0, {"epoch": 0, "iteration": -1})]
+    assert_params_equal(tl.model, reference.model)
+
+
+# --- the epoch's end is judged before every callback's on_epoch_train_end (review 47r D3) -------------------------
+class SaveAtEpochTrainEnd(AbstractCallback):
+    """Takes a checkpoint in the first ``on_epoch_train_end`` of ``epoch`` it runs, ordered before SpikeRollback."""
+
+    def __init__(self, epoch):
+        super().__init__("save at the epoch's train end", execution_order=-100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_train_end(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            self.saved = copy.deepcopy(self.train_loop_obj.checkpoint_state())
+
+
+def test_a_checkpoint_taken_in_on_epoch_train_end_before_spike_rollback_never_holds_an_unjudged_spike():
+    """The spike (epoch 1, batch 10) lies after the epoch's last check (batch 7): the losses of batches 8-11 are
+    judged at the epoch's end. A callback ordered before SpikeRollback saved them, spike included, in its
+    on_epoch_train_end, and the run resumed from that checkpoint stopped with SpikeRollbackError ("nothing to return
+    to"). They are judged at the epoch's last step now: the checkpoint is the replayed epoch's."""
+    poison = poisoned_at(1, 10)
+    model, twin = model_pair(MLP)
+    saver = SaveAtEpochTrainEnd(1)
+    straight = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), saver])
+    assert rollback_records(straight) == [(1, 10, {"epoch": 1, "iteration": 7})]
+    resumed = make_loop(twin, loader(Poisoned(poison)))
+    resumed.load_checkpoint(saver.saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert rollback_records(resumed) == rollback_records(straight)
+    assert_params_equal(resumed.model, straight.model)
+
+
+# --- a stop signal between a spike and its check (review 47r D2) ---------------------------------------------------
+class SigtermAt(AbstractCallback):
+    """Sends SIGTERM to this process at the start of batch ``step`` (a total iteration index): the loop's own handler
+    stops training at that batch's optimizer step, after saving a resumable checkpoint."""
+
+    def __init__(self, step):
+        super().__init__("SIGTERM at a step")
+        self.step = step
+
+    def on_batch_begin(self):
+        if self.train_loop_obj.total_iteration_idx == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stopped_by_sigterm(tmp_path, model, dataset, step, callbacks=()):
+    """The checkpoint a SIGTERM at batch ``step`` leaves (snapshot='memory'), and the loop."""
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # else the loop leaves the signal alone
+    tl = make_loop(model, loader(dataset))
+    with pytest.raises(SignalStop):
+        train(tl, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path)), SpikeRollback(**SETTINGS),
+                             SigtermAt(step), *callbacks])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    return tl, saved
+
+
+@pytest.mark.parametrize("scale", [1e4, float("nan")], ids=["spike", "nan"])
+def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoint(tmp_path, scale):
+    """The spike is batch 15 (its check due at batch 19), SIGTERM at batch 16. The checkpoint held the spike among the
+    losses not yet judged, and the point kept at batch 14 was in the stopped process's memory: the resumed run
+    stopped with SpikeRollbackError. The losses are judged before the stop's checkpoint now (a loss flag: the same
+    batch the check leaves out, whenever it runs); the run rolls back, stops at the replay's first step, and the
+    resumed run ends as the one that never stopped, records included."""
+    poison = poisoned_at(1, 3)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 16)
+    assert saved.endswith("_E1_ITER15.pth") and len(stopped.rollbacks) == 1  # batch 16, the replay's 15th
+    torch.manual_seed(0)
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison, scale=scale)))
+    resumed.load_checkpoint(saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+
+
+def test_a_sigterm_after_nan_gradients_with_finite_losses_leaves_a_checkpoint_whose_resume_names_the_one_to_use(
+        tmp_path):
+    """Batch 15's loss is finite, its gradients NaN: at the SIGTERM of that batch the weights are NaN with every
+    pending loss finite, which the check blames on a window that depends on the losses still to come. Nothing is
+    rolled back at the stop (it could leave out other batches than the run that never stopped); the run resumed from
+    the checkpoint stops at its first step with an error naming the last check, the checkpoint to resume from."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpoch()])
+    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
+    resumed = make_loop(twin, loader(Poisoned()))
+    resumed.load_checkpoint(saved)
+    with pytest.raises(SpikeRollbackError, match=r"Resume from a checkpoint written at or before the last check "
+                                                 r"\(epoch 2, iteration 2, total iteration 14\)"):
+        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), TellModelEpoch(), SpikeRollback(**SETTINGS)])
+
+
+# --- the counters in the replayed on_epoch_begin (review 47r D5) ---------------------------------------------------
+class CountersAtReplay(AbstractCallback):
+    """``(epoch, iteration, batches done, total iteration)`` in each on_epoch_begin after a rollback."""
+
+    def __init__(self):
+        super().__init__("counters at the replay", execution_order=50)
+        self.seen = []
+
+    def on_epoch_begin(self):
+        tl = self.train_loop_obj
+        if tl.rollbacks:
+            self.seen.append((tl.epoch, tl.iteration, tl.run_state.batches_done, tl.total_iteration_idx))
+
+
+@pytest.mark.parametrize("snapshot", ["memory", "checkpoint"])
+def test_the_replayed_on_epoch_begin_sees_the_kept_point_s_counters(tmp_path, snapshot):
+    """The point kept at batch 14 (epoch 1, iteration 2, 3 batches done); the spike at batch 17. The replayed
+    on_epoch_begin saw the abandoned run's iteration (checkpoint: 7) and batch count (both: 8)."""
+    watcher = CountersAtReplay()
+    model, _ = model_pair(MLP)
+    saver = [iteration_saver(tmp_path, "counters")] if snapshot == "checkpoint" else []
+    train(make_loop(model, loader(Poisoned(poisoned_at(1, 5)))), num_epochs=2,
+          callbacks=saver + [SpikeRollback(**SETTINGS, snapshot=snapshot), watcher])
+    assert watcher.seen[0] == (1, 2, 3, 14)
