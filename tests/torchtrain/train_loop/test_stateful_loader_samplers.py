@@ -107,8 +107,8 @@ class PerIndexGlobal(GlobalShuffled):
             yield random.randrange(self.num_samples)
 
 
-class PositionedGlobalBatches(PositionedGlobalShuffled):
-    """A batch sampler of :class:`PositionedGlobalShuffled`'s order: its position counts batches."""
+class PositionedBatches:
+    """A batch sampler of the order its ``_order()`` draws at its first batch: its position counts batches."""
 
     def __len__(self) -> int:
         return -(-self.num_samples // BATCH_SIZE)
@@ -116,10 +116,17 @@ class PositionedGlobalBatches(PositionedGlobalShuffled):
     def __iter__(self):
         start, self.next_yielded = self.next_yielded or 0, None
         self.yielded = start
-        order = _global_order(self.module, self.num_samples)
+        order = self._order()
         for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
             self.yielded += 1
             yield order[first:first + BATCH_SIZE]
+
+
+class PositionedGlobalBatches(PositionedBatches, PositionedGlobalShuffled):
+    """A batch sampler of :class:`PositionedGlobalShuffled`'s order."""
+
+    def _order(self) -> List[int]:
+        return _global_order(self.module, self.num_samples)
 
 
 class PositionedOwnRandom:
@@ -166,19 +173,8 @@ class LazyPositionedOwnRandom(PositionedOwnRandom):
         yield from self._from(self._order(), start)
 
 
-class PositionedOwnRandomBatches(LazyPositionedOwnRandom):
-    """A batch sampler of :class:`LazyPositionedOwnRandom`'s order: its position counts batches."""
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // BATCH_SIZE)
-
-    def __iter__(self):
-        start, self.next_yielded = self.next_yielded or 0, None
-        self.yielded = start
-        order = self._order()
-        for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
-            self.yielded += 1
-            yield order[first:first + BATCH_SIZE]
+class PositionedOwnRandomBatches(PositionedBatches, LazyPositionedOwnRandom):
+    """A batch sampler of :class:`LazyPositionedOwnRandom`'s order."""
 
 
 def _python_global_batches():
