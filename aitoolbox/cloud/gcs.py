@@ -22,7 +22,7 @@ operation failed, is switched off for the clients made here.
 """
 import importlib
 import warnings
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Iterator, Optional, Tuple
 
 from aitoolbox.cloud.bounded import ReadWindow
 from aitoolbox.cloud.storage import (
@@ -40,6 +40,10 @@ _CHUNK_MULTIPLE = 256 * 1024  # GCS takes chunks of multiples of 256 KiB
 # google-cloud-storage sends an object of up to this size in one multipart request, whose boundary it draws from
 # Python's global random; above it, in a resumable upload (which draws nothing).
 _MULTIPART_LIMIT = 8 * 1024 * 1024
+_CORRUPTION_HINT = ("The checksum of the data received does not match the checksum of the data sent: the bytes were "
+                    "corrupted in transit, or the file changed while it was being uploaded. The transfer was verified "
+                    "and rejected by the client (which does not retry a checksum mismatch, and deletes the object of "
+                    "a rejected upload); nothing of it was kept: transfer the file again")
 
 
 def import_storage():
@@ -199,13 +203,25 @@ class GCSStorage(CloudStorage):
             if isinstance(error, exceptions.NotFound):
                 return Failure(False, reason, "", CloudNotFoundError)
             return Failure(False, reason)
-        try:
-            from google.resumable_media import common
-        except ImportError:  # pragma: no cover - comes with google-cloud-storage
-            return None
-        if isinstance(error, common.DataCorruption):
-            return Failure(True, "DataCorruption")
-        if isinstance(error, common.InvalidResponse):
+        corruption, invalid_response = _media_errors()
+        if isinstance(error, corruption):
+            # The client compared checksums and rejected the transfer; it does not retry a mismatch.
+            return Failure(False, "DataCorruption", _CORRUPTION_HINT)
+        if isinstance(error, invalid_response):
             status = int(getattr(error.response, "status_code", 0) or 0)
             return Failure(status in _TRANSIENT_STATUS, f"HTTP{status}")
         return None
+
+
+def _media_errors() -> Tuple[Tuple[type, ...], Tuple[type, ...]]:
+    """The classes of the media layer's ``DataCorruption`` and ``InvalidResponse``: google-cloud-storage's own
+    (3.x, subclasses of google-resumable-media's only when that is installed) and google-resumable-media's."""
+    corruption, invalid = [], []
+    for module in ("google.cloud.storage.exceptions", "google.resumable_media.common"):
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        corruption += [found.DataCorruption] if hasattr(found, "DataCorruption") else []
+        invalid += [found.InvalidResponse] if hasattr(found, "InvalidResponse") else []
+    return tuple(corruption), tuple(invalid)

@@ -406,14 +406,17 @@ class CloudStorage(abc.ABC):
             cause = error if redact_message(str(error)) == str(error) else None
             raise self._error(failure.kind, operation, key, failure.reason,
                               _describe(error) + (f". {failure.hint}" if failure.hint else ""),
-                              local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1) \
+                              local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1,
+                              retried=failure.transient if failure.retried is None else failure.retried) \
                 from cause
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
-               local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
+               local_path: Optional[str] = None, transient: bool = False, attempts: int = 1,
+               retried: bool = False) -> CloudStorageError:
         transfer = {"upload": f" from {local_path}", "download": f" to {local_path}"}.get(operation, "") \
             if local_path else ""
-        tries = f" after {attempts} attempts" if attempts > 1 else " after the client's retries" if transient else ""
+        # Retries are claimed only when the client made them (a checksum mismatch, for one, is not retried).
+        tries = f" after {attempts} attempts" if attempts > 1 else " after the client's retries" if retried else ""
         message = (f"{self.service} {operation} of {self.uri(key)}{transfer} failed{tries} "
                    f"(bucket {self.bucket_name!r}, key {key!r}): {reason}: {detail}")
         return kind(message, service=self.service, bucket=self.bucket_name, key=key, operation=operation,
@@ -432,6 +435,7 @@ def _has_fileno(handle: IO[bytes]) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    # A client's message may quote an endpoint or a signed URL with credentials in it.
-    text = redact_message(str(error).strip()) or type(error).__name__
+    # A client's message may quote an endpoint or a signed URL with credentials in it. Its final full stop goes: a
+    # hint follows after one.
+    text = redact_message(str(error).strip()).rstrip(".") or type(error).__name__
     return text if len(text) <= 500 else text[:500] + "..."
