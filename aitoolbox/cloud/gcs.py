@@ -11,7 +11,12 @@ Transient errors are retried by the client itself (the errors google-cloud-stora
 with the deadline and backoff of :class:`~aitoolbox.cloud.errors.RetryPolicy`), request by request: one failed
 chunk of a resumable upload is sent again, the chunks already stored are not. Uploads are retried without a
 generation precondition: each run writes its own keys from one process, so a repeated write stores the same
-content again.
+content again. When the answer to an upload's last request is lost (the connection closed after GCS stored the
+object), the client's retry reaches a finished session, which GCS answers with 404 or 410: the bucket is then
+asked whether it holds the object with the file's size and checksum (the upload succeeded), and otherwise the
+failure is reported as ``UploadSessionLost`` (transient: a new upload opens a new session), never as a missing
+bucket unless the bucket is missing. A checksum mismatch (``DataCorruption``) is reported as such, not transient:
+the client verified the transfer and rejected it, without retrying.
 
 Python's global ``random``, which training draws from, is left alone (uploads run in background threads while
 training goes on): every request passes a :class:`~aitoolbox.cloud.gcs_retry.PrivateJitterRetry`, whose waits come
@@ -20,7 +25,10 @@ upload, its way for objects up to 8 MiB, from ``random``); and the client's cach
 background thread would keep fetching with the library's default retry (120 s, jitter from ``random``) after an
 operation failed, is switched off for the clients made here.
 """
+import base64
+import hashlib
 import importlib
+import logging
 import warnings
 from typing import IO, Any, Iterator, Optional, Tuple
 
@@ -40,10 +48,19 @@ _CHUNK_MULTIPLE = 256 * 1024  # GCS takes chunks of multiples of 256 KiB
 # google-cloud-storage sends an object of up to this size in one multipart request, whose boundary it draws from
 # Python's global random; above it, in a resumable upload (which draws nothing).
 _MULTIPART_LIMIT = 8 * 1024 * 1024
+# What GCS answers a request to a resumable upload's session that is finished (its object stored) or has expired.
+_SESSION_ENDED_STATUS = {404, 410}
 _CORRUPTION_HINT = ("The checksum of the data received does not match the checksum of the data sent: the bytes were "
                     "corrupted in transit, or the file changed while it was being uploaded. The transfer was verified "
                     "and rejected by the client (which does not retry a checksum mismatch, and deletes the object of "
                     "a rejected upload); nothing of it was kept: transfer the file again")
+
+logger = logging.getLogger(__name__)
+
+
+class UploadSessionLost(Exception):
+    """The resumable session of an upload ended (GCS answered 404 or 410 to its URL) before the client heard that
+    the object was stored, and the bucket does not hold the file: the upload did not complete."""
 
 
 def import_storage():
@@ -121,16 +138,50 @@ class GCSStorage(CloudStorage):
         return self.client.bucket(self.bucket_name)
 
     def _put(self, handle: IO[bytes], key: str, size: int) -> None:
+        # A size the client does not know makes it upload resumably (see _MULTIPART_LIMIT); the window ends the
+        # file at the size given.
+        source, known_size = (ReadWindow(handle, size), None) if size <= _MULTIPART_LIMIT else (handle, size)
         try:
-            if size <= _MULTIPART_LIMIT:
-                # A size the client does not know makes it upload resumably (see _MULTIPART_LIMIT); the window
-                # ends the file at the size given.
-                handle, size = ReadWindow(handle, size), None
             self.bucket.blob(key, chunk_size=self.chunk_size).upload_from_file(
-                handle, size=size, timeout=self.timeout_s, retry=self._retry)
+                source, size=known_size, timeout=self.timeout_s, retry=self._retry)
         except Exception as error:
-            self._raise_missing(error, key, object_expected=False)
-            raise
+            if _status(error) not in _SESSION_ENDED_STATUS:
+                raise
+            self._settle_ended_upload(error, handle, key, size)
+
+    def _settle_ended_upload(self, error: Exception, handle: IO[bytes], key: str, size: int) -> None:
+        """Return when an upload that failed with 404 or 410 stored its object after all, else raise what it was.
+
+        A 404 is GCS's answer for a missing bucket, but also for a resumable session that is finished: when the
+        answer to the last request of an upload is lost (the connection closed after the object was stored),
+        the client's retry sends that request again to the finished session, which answers 404 (or 410). The
+        bucket is asked whether it exists, then whether it holds the object with this file's size and checksum.
+        """
+        if not self.bucket.exists(timeout=self.timeout_s, retry=self._retry):
+            raise MissingBucket() from error
+        if self._holds(handle, key, size):
+            logger.info("The answer to the upload of %s was lost, but the bucket holds the object whole (its size "
+                        "and checksum are the file's): uploaded", self.uri(key))
+            return
+        if not _on_session_url(error):
+            raise error
+        raise UploadSessionLost(
+            f"the upload's resumable session answered HTTP {_status(error)} (it had ended: finished, or expired) "
+            f"to a request the client sent again after a connection was lost, and the bucket holds no object "
+            f"{key!r} with this file's {size:,} bytes and checksum: the upload did not complete; upload the file "
+            "again (a new upload opens a new session)") from error
+
+    def _holds(self, handle: IO[bytes], key: str, size: int) -> bool:
+        """Whether the bucket holds ``key`` with the size and the checksums (CRC32C, MD5, those GCS gives) of the
+        first ``size`` bytes of ``handle``."""
+        blob = self.bucket.get_blob(key, timeout=self.timeout_s, retry=self._retry)
+        if blob is None or int(blob.size or 0) != size or not (blob.crc32c or blob.md5_hash):
+            return False
+        try:
+            crc32c, md5 = _checksums(ReadWindow(handle, size))
+        except ValueError:  # the file shrank since: what was stored is not the file now
+            return False
+        return (not blob.crc32c or blob.crc32c == crc32c) and (not blob.md5_hash or blob.md5_hash == md5)
 
     def _get(self, key: str, handle: IO[bytes]) -> None:
         try:
@@ -203,6 +254,8 @@ class GCSStorage(CloudStorage):
             if isinstance(error, exceptions.NotFound):
                 return Failure(False, reason, "", CloudNotFoundError)
             return Failure(False, reason)
+        if isinstance(error, UploadSessionLost):  # a new upload opens a new session; the client cannot retry it
+            return Failure(True, "UploadSessionLost", retried=False)
         corruption, invalid_response = _media_errors()
         if isinstance(error, corruption):
             # The client compared checksums and rejected the transfer; it does not retry a mismatch.
@@ -225,3 +278,36 @@ def _media_errors() -> Tuple[Tuple[type, ...], Tuple[type, ...]]:
         corruption += [found.DataCorruption] if hasattr(found, "DataCorruption") else []
         invalid += [found.InvalidResponse] if hasattr(found, "InvalidResponse") else []
     return tuple(corruption), tuple(invalid)
+
+
+def _status(error: BaseException) -> int:
+    """The HTTP status of a google-api-core error (0 for other errors)."""
+    from google.api_core import exceptions
+    return int(error.code or 0) if isinstance(error, exceptions.GoogleAPICallError) else 0
+
+
+def _on_session_url(error: BaseException) -> bool:
+    """Whether ``error`` answered a request to a resumable upload's session (its URL holds ``upload_id``), not one
+    to start an upload."""
+    request = getattr(getattr(error, "response", None), "request", None)
+    return "upload_id=" in str(getattr(request, "url", "") or "")
+
+
+def _checksums(source: ReadWindow) -> Tuple[str, str]:
+    """The CRC32C and MD5 of what ``source`` reads, base64-encoded as GCS gives them ('' for a CRC32C without
+    google-crc32c)."""
+    try:
+        import google_crc32c
+        crc32c: Any = google_crc32c.Checksum()
+    except ImportError:  # pragma: no cover - comes with google-cloud-storage
+        crc32c = None
+    md5 = hashlib.md5(usedforsecurity=False)
+    while True:
+        chunk = source.read(_CHUNK_MULTIPLE * 4)
+        if not chunk:
+            break
+        md5.update(chunk)
+        if crc32c is not None:
+            crc32c.update(chunk)
+    encoded_crc32c = base64.b64encode(crc32c.digest()).decode() if crc32c is not None else ""
+    return encoded_crc32c, base64.b64encode(md5.digest()).decode()
