@@ -41,6 +41,7 @@ def import_boto3():
         import boto3
         import botocore.config
         import botocore.exceptions
+        import botocore.session
     except ImportError as error:
         raise ImportError(_INSTALL) from error
     return boto3, botocore
