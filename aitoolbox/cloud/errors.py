@@ -61,8 +61,8 @@ class MissingObject(Exception):
 class Failure:
     """How a subclass classifies a client error: transient (worth trying again later) or not, its code, advice for
     the user, the error class to raise, how many attempts the client made when it says, and whether the client
-    retried it before giving up (None: when it is transient, the kinds of errors the clients retry). The message
-    claims retries only when they happened."""
+    retried it before giving up (None: when it is transient, the kinds of errors the clients retry, unless
+    ``attempts`` is 1). The message claims retries only when they happened."""
     transient: bool
     reason: str
     hint: str = ""

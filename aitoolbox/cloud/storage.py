@@ -407,8 +407,7 @@ class CloudStorage(abc.ABC):
             raise self._error(failure.kind, operation, key, failure.reason,
                               _describe(error) + (f". {failure.hint}" if failure.hint else ""),
                               local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1,
-                              retried=failure.transient if failure.retried is None else failure.retried) \
-                from cause
+                              retried=_retried(failure)) from cause
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
                local_path: Optional[str] = None, transient: bool = False, attempts: int = 1,
@@ -432,6 +431,14 @@ def _has_fileno(handle: IO[bytes]) -> bool:
     except (AttributeError, OSError, io.UnsupportedOperation):
         return False
     return True
+
+
+def _retried(failure: Failure) -> bool:
+    """Whether the client retried the error it gave up on: as the failure says, else when it is transient, unless
+    the client says it made one attempt only (retries switched off, e.g. ``RetryPolicy(attempts=1)``)."""
+    if failure.retried is not None:
+        return failure.retried
+    return failure.transient and failure.attempts != 1
 
 
 def _describe(error: BaseException) -> str:

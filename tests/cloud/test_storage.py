@@ -11,7 +11,7 @@ import pytest
 from aitoolbox.cloud.storage import (
     FOLDER_MARKER, CloudNotFoundError, CloudPermissionError, CloudStorageError, RetryPolicy, join_key)
 from tests.cloud.buckets import FAST_RETRY, create_bucket, make_storage, unique_bucket_name
-from tests.cloud.servers import free_port
+from tests.cloud.servers import FaultyProxy, free_port
 
 
 def write(path, data: bytes) -> str:
@@ -302,3 +302,21 @@ def test_keys_join_as_aitoolbox_1x_joined_them():
     assert join_key("prefix/", "project", "exp_ts", "model") == "prefix/project/exp_ts/model"
     assert join_key("a/b", "", "c") == "a/b/c"
     assert FAST_RETRY.attempts == 3
+
+
+def test_a_transient_error_tried_once_does_not_claim_retries(s3_env, tmp_path):
+    # RetryPolicy(attempts=1): botocore does not retry; the error is transient (a 503), and its message must not
+    # say that the client retried it.
+    name = unique_bucket_name("s3")
+    create_bucket("s3", name)
+    proxy = FaultyProxy(s3_env.port)
+    try:
+        storage = make_storage("s3", name, retry=RetryPolicy(attempts=1), endpoint_url=proxy.url)
+        proxy.replace_in_answer_once = (b" 200 OK", b" 503 Service Unavailable")
+        with pytest.raises(CloudStorageError) as raised:
+            storage.upload_bytes(b"weights", "run/model.pth")
+    finally:
+        proxy.close()
+    assert raised.value.transient and raised.value.attempts == 1
+    message = str(raised.value)
+    assert "after the client's retries" not in message and "attempts" not in message, message
