@@ -181,7 +181,10 @@ class GCSStorage(CloudStorage):
             crc32c, md5 = _checksums(ReadWindow(handle, size))
         except ValueError:  # the file shrank since: what was stored is not the file now
             return False
-        return (not blob.crc32c or blob.crc32c == crc32c) and (not blob.md5_hash or blob.md5_hash == md5)
+        # Every checksum known on both sides must match, and at least one must be known on both.
+        compared = [(remote, local) for remote, local in ((blob.crc32c, crc32c), (blob.md5_hash, md5))
+                    if remote and local]
+        return bool(compared) and all(remote == local for remote, local in compared)
 
     def _get(self, key: str, handle: IO[bytes]) -> None:
         try:

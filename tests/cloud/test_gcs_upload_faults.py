@@ -60,14 +60,23 @@ def test_a_lost_answer_with_a_gone_session_is_reported_by_the_410_too(gcs_proxy,
     assert storage.download_bytes("run/model.pth") == b"weights" * 100
 
 
+def deleted(bucket_name: str) -> None:
+    gcs_client().bucket(bucket_name).blob("run/model.pth").delete()
+
+
+def overwritten_with_the_same_size(bucket_name: str) -> None:
+    gcs_client().bucket(bucket_name).blob("run/model.pth").upload_from_string(b"WEIGHTS" * 100)
+
+
 @pytest.mark.parametrize("gone", [b" 404 Not Found", b" 410 Gone"])
+@pytest.mark.parametrize("meanwhile", [deleted, overwritten_with_the_same_size])
 def test_a_lost_session_whose_object_is_not_there_is_a_transient_lost_session_not_a_missing_bucket(
-        gcs_proxy, bucket_name, gone, tmp_path):
+        gcs_proxy, bucket_name, gone, meanwhile, tmp_path):
     local = write(tmp_path / "model.pth", b"weights" * 100)
     storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
-    # Between the server's answer and the client's retry, the object goes (another writer, a lifecycle rule): the
-    # session is finished, and the bucket does not hold this file.
-    gcs_proxy.after_answer_lost = lambda: gcs_client().bucket(bucket_name).blob("run/model.pth").delete()
+    # Between the server's answer and the client's retry, another writer (or a lifecycle rule) changes the object:
+    # the session is finished, and the bucket does not hold this file.
+    gcs_proxy.after_answer_lost = lambda: meanwhile(bucket_name)
     gcs_proxy.lose_answer_once_matching = SESSION_REQUEST
     gcs_proxy.replace_in_answer_once = (b" 404 Not Found", gone)
     with pytest.raises(CloudStorageError) as raised:
