@@ -75,10 +75,13 @@ def configured_retries(session: Any, default_attempts: int) -> Dict[str, Any]:
 
     Returns:
         ``{'mode': ..., 'total_max_attempts': ...}``: the configured mode when it is ``'standard'`` or
-        ``'adaptive'``, else (``'legacy'``, botocore's default) ``'standard'``, which retries the same errors and
-        more; the configured number of attempts, else ``default_attempts``.
+        ``'adaptive'``; ``'standard'`` when it is ``'legacy'`` (botocore's default), which retries the same errors
+        and more; any other mode as it is given, for botocore's ``Config`` to refuse it
+        (``InvalidRetryModeError``), as it does for the user's own clients: botocore matches the mode exactly
+        (``'Adaptive'`` is refused), and so does this, never running in another mode than the one configured.
+        The configured number of attempts, else ``default_attempts``.
     """
     mode = session.get_config_variable("retry_mode")
     attempts = session.get_config_variable("max_attempts")
-    return {"mode": mode if mode in _MODES else "standard",
+    return {"mode": "standard" if mode in (None, "legacy") else mode,
             "total_max_attempts": int(attempts) if attempts is not None else default_attempts}

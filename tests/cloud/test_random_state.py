@@ -323,3 +323,20 @@ def test_a_google_cloud_storage_older_than_3_is_warned_about(gcs_env, monkeypatc
     monkeypatch.setattr(google.cloud.storage, "__version__", "2.18.2")  # its media retries use the global random
     with pytest.warns(RuntimeWarning, match=r"google-cloud-storage 2\.18\.2 .*global random.*>=3"):
         GCSStorage("some-bucket")
+
+
+@pytest.mark.parametrize("mode", ["garbage", "STANDARD", "Adaptive"])
+def test_an_invalid_retry_mode_in_the_environment_raises_as_boto3_does_not_silently_changed(s3_env, monkeypatch,
+                                                                                           mode):
+    # botocore matches the mode exactly ('Adaptive' is not 'adaptive'): boto3's own client refuses it, and so must
+    # the SES client, rather than run in another mode than the user's.
+    import boto3
+    from botocore.exceptions import InvalidRetryModeError
+
+    from aitoolbox.cloud.AWS.simple_email_service import SESSender
+    monkeypatch.setenv("AWS_RETRY_MODE", mode)
+    with pytest.raises(InvalidRetryModeError):
+        boto3.session.Session().client("ses", region_name="us-east-1")
+    with pytest.raises(InvalidRetryModeError) as raised:
+        SESSender("Bot", "bot@example.com", "me@example.com")
+    assert mode in str(raised.value)
