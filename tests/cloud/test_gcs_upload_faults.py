@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from aitoolbox.cloud.storage import CloudNotFoundError, CloudStorageError
+from aitoolbox.cloud.storage import CloudNotFoundError, CloudPermissionError, CloudStorageError
 from tests.cloud.buckets import create_bucket, gcs_client, make_storage, unique_bucket_name
 from tests.cloud.servers import FaultyProxy
 
@@ -116,3 +116,155 @@ def test_an_upload_corrupted_in_transit_is_reported_as_verified_and_rejected_not
     assert not storage.exists("run/model.pth")  # the client deleted what the server stored
     assert storage.upload_file(local, "run/model.pth")  # sent again, it goes up whole
     assert storage.download_bytes("run/model.pth") == b"weights" * 100
+
+
+# --- credentials that may not read the bucket's metadata ----------------------------------------------------------
+# roles/storage.objectAdmin and objectCreator, common for training service accounts, lack storage.buckets.get:
+# Bucket.exists() answers 403. The emulator has no IAM: the 403 is what google-cloud-storage raises for it.
+
+FORBIDDEN_BUCKET_GET = ("GET https://storage.googleapis.com/storage/v1/b/x: sa@p.iam.gserviceaccount.com does not "
+                        "have storage.buckets.get access to the Google Cloud Storage bucket.")
+
+
+@pytest.fixture
+def no_bucket_get(monkeypatch):
+    from google.api_core import exceptions
+    from google.cloud.storage import Bucket
+
+    def exists(self, *args, **kwargs):
+        raise exceptions.Forbidden(FORBIDDEN_BUCKET_GET)
+    monkeypatch.setattr(Bucket, "exists", exists)
+
+
+def test_a_lost_answer_is_settled_by_the_object_for_credentials_that_may_not_read_the_bucket(
+        gcs_proxy, bucket_name, no_bucket_get, tmp_path):
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    gcs_proxy.lose_answer_once_matching = SESSION_REQUEST
+    storage.upload_file(local, "run/model.pth")
+    assert gcs_proxy.answers_lost == 1
+    assert storage.download_bytes("run/model.pth") == b"weights" * 100
+
+
+def test_an_upload_to_a_missing_bucket_is_a_missing_bucket_for_credentials_that_may_not_read_it(
+        gcs_env, no_bucket_get, tmp_path):
+    local = write(tmp_path / "model.pth", b"weights")
+    storage = make_storage("gcs", unique_bucket_name("gcs"))
+    with pytest.raises(CloudNotFoundError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    assert raised.value.reason == "NoSuchBucket" and not raised.value.transient
+    assert "storage.buckets.get" not in str(raised.value)
+
+
+def test_a_lost_session_the_credentials_cannot_explain_says_so_not_a_permission_error(
+        gcs_proxy, bucket_name, no_bucket_get, tmp_path):
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    gcs_proxy.after_answer_lost = lambda: deleted(bucket_name)
+    gcs_proxy.lose_answer_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudNotFoundError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    error, message = raised.value, str(raised.value)
+    assert not isinstance(error, CloudPermissionError) and error.reason == "NotFound", message
+    assert "bucket" in message and "session" in message and "cannot tell which" in message, message
+    assert "Forbidden" not in message and "upload_id=" not in message, message
+
+
+def test_a_session_url_quoted_in_an_error_has_its_upload_id_redacted(gcs_proxy, bucket_name, tmp_path):
+    # The answer to the first of two chunks lost: the client sends it again, and the emulator refuses it (400,
+    # "Invalid Content-Range"), an error that quotes the session's URL, whose upload_id lets anyone upload to it.
+    local = write(tmp_path / "model.pth", os.urandom(300 * 1024))
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url, chunk_size=256 * 1024)
+    gcs_proxy.lose_answer_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudStorageError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    message = str(raised.value)
+    assert "upload_id=<redacted>" in message and raised.value.__cause__ is None, message
+
+
+# --- a corrupted upload whose deletion fails -----------------------------------------------------------------------
+# google-cloud-storage deletes the object of an upload it rejected for a checksum mismatch; when that deletion fails,
+# its error replaces the DataCorruption (which stays as its __context__).
+
+def refuse_deletes(monkeypatch, error_class, text):
+    from google.cloud.storage import Blob
+    calls = []
+
+    def delete(self, *args, **kwargs):
+        calls.append(self.name)
+        raise error_class(text)
+    monkeypatch.setattr(Blob, "delete", delete)
+    return calls
+
+
+def test_a_corrupted_upload_whose_deletion_is_refused_says_so_and_names_the_key_left(gcs_proxy, bucket_name,
+                                                                                     monkeypatch, tmp_path):
+    from google.api_core import exceptions
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    # roles/storage.objectCreator has no storage.objects.delete.
+    deletions = refuse_deletes(monkeypatch, exceptions.Forbidden, "DELETE .../o/run%2Fmodel.pth: sa@p does not have "
+                                                                  "storage.objects.delete access")
+    gcs_proxy.corrupt_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudStorageError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    error, message = raised.value, str(raised.value)
+    assert gcs_proxy.corrupted == 1 and deletions == ["run/model.pth", "run/model.pth"]  # the client's, then ours
+    assert error.reason == "DataCorruption" and not error.transient, message
+    assert not isinstance(error, (CloudPermissionError, CloudNotFoundError)), message
+    assert message.index("checksum") < message.index("could not be deleted"), message
+    assert "may remain" in message and "'run/model.pth'" in message and "storage.objects.delete" in message, message
+    assert gcs_client().bucket(bucket_name).blob("run/model.pth").exists()  # as the message says: it remains
+
+
+def test_a_corrupted_upload_whose_deletion_fails_once_is_deleted_by_a_second_try(gcs_proxy, bucket_name,
+                                                                                 monkeypatch, tmp_path):
+    from google.api_core import exceptions
+    from google.cloud.storage import Blob
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    original, calls = Blob.delete, []
+
+    def delete_fails_once(self, *args, **kwargs):
+        calls.append(self.name)
+        if len(calls) == 1:
+            raise exceptions.ServiceUnavailable("DELETE .../o/run%2Fmodel.pth: backend unavailable")
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(Blob, "delete", delete_fails_once)
+    gcs_proxy.corrupt_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudStorageError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    message = str(raised.value)
+    assert raised.value.reason == "DataCorruption" and len(calls) == 2, message
+    assert "deleted it" in message and "nothing of the upload remains" in message, message
+    assert not gcs_client().bucket(bucket_name).blob("run/model.pth").exists()
+
+
+def test_a_corrupted_upload_whose_object_is_already_gone_is_a_checksum_mismatch_not_a_lost_upload(
+        gcs_proxy, bucket_name, monkeypatch, tmp_path):
+    from google.api_core import exceptions
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    refuse_deletes(monkeypatch, exceptions.NotFound, "DELETE .../o/run%2Fmodel.pth: No such object")
+    gcs_proxy.corrupt_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudStorageError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    error, message = raised.value, str(raised.value)
+    assert error.reason == "DataCorruption" and not isinstance(error, CloudNotFoundError), message
+    assert "checksum" in message and "no object" in message and "nothing of the upload remains" in message, message
+
+
+def test_a_download_corrupted_in_transit_speaks_of_the_download_and_its_message_is_cut_cleanly(
+        gcs_proxy, bucket_name, tmp_path):
+    gcs_client().bucket(bucket_name).blob("run/model.pth").upload_from_string(b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+    target = write(tmp_path / "model.pth", b"previous local copy")
+    gcs_proxy.replace_in_answer_once = (b"weightsweights", b"weightsWEIGHTS")
+    with pytest.raises(CloudStorageError) as raised:
+        storage.download_file("run/model.pth", target)
+    error, message = raised.value, str(raised.value)
+    assert error.reason == "DataCorruption" and not error.transient, message
+    assert "download" in message.split("DataCorruption:", 1)[1] and "upload" not in message, message
+    assert "...." not in message, message  # the client's long message, cut, then the hint: not glued together
+    with open(target, "rb") as handle:
+        assert handle.read() == b"previous local copy"
