@@ -469,7 +469,8 @@ def error_chain(error: BaseException) -> Iterator[BaseException]:
 
 
 # The id of a GCS resumable upload's session: whoever has the session's URL can upload to it, without credentials.
-_UPLOAD_ID = re.compile(r"(?P<name>\bupload_id=)(?!<redacted>)[^&\s\"'#),]+")
+# GCS gives it URL-encoded: it ends where the URL does (``&``, a space, a quote, or ``:`` before the server's answer).
+_UPLOAD_ID = re.compile(r"(?P<name>\bupload_id=)(?!<redacted>)[^&\s\"'#),:]+")
 _MAX_DETAIL = 500  # characters of a client's message quoted in an error
 
 

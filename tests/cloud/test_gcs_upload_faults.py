@@ -179,7 +179,8 @@ def test_a_session_url_quoted_in_an_error_has_its_upload_id_redacted(gcs_proxy, 
     with pytest.raises(CloudStorageError) as raised:
         storage.upload_file(local, "run/model.pth")
     message = str(raised.value)
-    assert "upload_id=<redacted>" in message and raised.value.__cause__ is None, message
+    # Only the id goes: the URL's end (": " before the server's answer) stays.
+    assert "upload_id=<redacted>: " in message and raised.value.__cause__ is None, message
 
 
 # --- a corrupted upload whose deletion fails -----------------------------------------------------------------------
