@@ -170,6 +170,21 @@ def test_a_lost_session_the_credentials_cannot_explain_says_so_not_a_permission_
     assert "Forbidden" not in message and "upload_id=" not in message, message
 
 
+def test_a_bucket_deleted_while_its_session_ended_is_a_missing_bucket_for_credentials_that_can_tell(
+        gcs_proxy, bucket_name, tmp_path):
+    local = write(tmp_path / "model.pth", b"weights" * 100)
+    storage = make_storage("gcs", bucket_name, endpoint_url=gcs_proxy.url)
+
+    def bucket_deleted():
+        deleted(bucket_name)
+        gcs_client().bucket(bucket_name).delete()
+    gcs_proxy.after_answer_lost = bucket_deleted
+    gcs_proxy.lose_answer_once_matching = SESSION_REQUEST
+    with pytest.raises(CloudNotFoundError) as raised:
+        storage.upload_file(local, "run/model.pth")
+    assert raised.value.reason == "NoSuchBucket" and not raised.value.transient, str(raised.value)
+
+
 def test_a_session_url_quoted_in_an_error_has_its_upload_id_redacted(gcs_proxy, bucket_name, tmp_path):
     # The answer to the first of two chunks lost: the client sends it again, and the emulator refuses it (400,
     # "Invalid Content-Range"), an error that quotes the session's URL, whose upload_id lets anyone upload to it.
