@@ -20,7 +20,7 @@ class CloudStorageError(OSError):
         key: the object's key (or the prefix for listings).
         operation: ``'upload'``, ``'download'``, ``'list'``, ``'exists'``, ``'delete'``.
         reason: the service's error code or the exception's class (``'NoSuchBucket'``, ``'ConnectionError'``).
-        transient: the error was of a kind the client retries (its retries ran out).
+        transient: trying again later may succeed (mostly errors the client retried until its retries ran out).
         attempts: how many attempts the client made (1 when it does not say).
         local_path: the local file of an upload or download, else None.
     """
@@ -59,13 +59,16 @@ class MissingObject(Exception):
 
 @dataclass(frozen=True)
 class Failure:
-    """How a subclass classifies a client error: transient (the client retried it until it gave up) or not, its
-    code, advice for the user, the error class to raise, and how many attempts the client made when it says."""
+    """How a subclass classifies a client error: transient (worth trying again later) or not, its code, advice for
+    the user, the error class to raise, how many attempts the client made when it says, and whether the client
+    retried it before giving up (None: when it is transient, the kinds of errors the clients retry, unless
+    ``attempts`` is 1). The message claims retries only when they happened."""
     transient: bool
     reason: str
     hint: str = ""
     kind: type = CloudStorageError
     attempts: Optional[int] = None
+    retried: Optional[bool] = None
 
 
 #: botocore's retry modes that :class:`RetryPolicy` accepts (``'legacy'`` retries fewer kinds of errors).

@@ -41,6 +41,7 @@ def import_boto3():
         import boto3
         import botocore.config
         import botocore.exceptions
+        import botocore.session
     except ImportError as error:
         raise ImportError(_INSTALL) from error
     return boto3, botocore
@@ -125,6 +126,11 @@ class S3Storage(CloudStorage):
 
     def _delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket_name, Key=key)
+
+    def _retry_note(self) -> str:
+        # botocore does not say how many attempts a connection error took.
+        return f" (retried per RetryPolicy, up to {self.retry.attempts} attempts)" \
+            if self.retry.attempts > 1 else ""
 
     def _classify(self, error: BaseException) -> Optional[Failure]:
         _, botocore = import_boto3()

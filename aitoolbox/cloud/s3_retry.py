@@ -10,13 +10,18 @@ at a moment that depends on the network, and a run would no longer repeat, nor r
 backoff bounds as the one botocore registered) whose backoff draws from a ``random.Random`` of its own, and puts it
 in the place of botocore's. Where botocore is laid out otherwise, the client keeps botocore's handler and a
 warning says that its retries draw from the global generator.
+
+botocore's ``'legacy'`` mode, its default when the configuration names none, draws its waits from the global
+generator through a module-level function that cannot be given another: :func:`configured_retries` gives a client
+built without a :class:`~aitoolbox.cloud.errors.RetryPolicy` (the SES client of e-mail notifications) the user's
+retry settings in ``'standard'`` mode instead.
 """
 import random
 import sys
 import warnings
-from typing import Any
+from typing import Any, Dict
 
-__all__ = ["use_private_jitter"]
+__all__ = ["configured_retries", "use_private_jitter"]
 
 _MODES = ("standard", "adaptive")  # 'adaptive' adds a rate limiter to 'standard''s handler, and draws nothing
 
@@ -57,3 +62,26 @@ def use_private_jitter(client: Any, max_attempts: int) -> bool:
     # First, where botocore's was: before the handlers registered after it (S3's region redirector).
     client.meta.events.register_first(f"needs-retry.{event}", handler.needs_retry, unique_id=unique_id)
     return True
+
+
+def configured_retries(session: Any, default_attempts: int) -> Dict[str, Any]:
+    """The ``retries`` of a botocore ``Config`` keeping what the user's AWS configuration says, in a mode whose
+    waits :func:`use_private_jitter` can draw from a generator of their own.
+
+    Args:
+        session: the ``botocore.session.Session`` the client is made from (it reads ``AWS_RETRY_MODE`` and
+            ``AWS_MAX_ATTEMPTS``, or ``retry_mode`` and ``max_attempts`` of the profile in ``~/.aws/config``).
+        default_attempts: how many times a request is tried in all when the configuration does not say.
+
+    Returns:
+        ``{'mode': ..., 'total_max_attempts': ...}``: the configured mode when it is ``'standard'`` or
+        ``'adaptive'``; ``'standard'`` when it is ``'legacy'`` (botocore's default), which retries the same errors
+        and more; any other mode as it is given, for botocore's ``Config`` to refuse it
+        (``InvalidRetryModeError``), as it does for the user's own clients: botocore matches the mode exactly
+        (``'Adaptive'`` is refused), and so does this, never running in another mode than the one configured.
+        The configured number of attempts, else ``default_attempts``.
+    """
+    mode = session.get_config_variable("retry_mode")
+    attempts = session.get_config_variable("max_attempts")
+    return {"mode": "standard" if mode in (None, "legacy") else mode,
+            "total_max_attempts": int(attempts) if attempts is not None else default_attempts}

@@ -26,6 +26,7 @@ import io
 import logging
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import threading
@@ -40,7 +41,7 @@ from aitoolbox.cloud.folders import (
     FOLDER_MARKER, MAX_MARKER_BYTES, OpenFolder, folder_marker, local_path_inside, open_folder, open_for_upload,
     parse_folder_marker)
 from aitoolbox.experiment.local_save.atomic import TEMP_PREFIX
-from aitoolbox.experiment.redaction import redact_message
+from aitoolbox.experiment.redaction import REDACTED, redact_message
 
 # The errors and folder helpers are importable from here too: this is the module users meet first.
 __all__ = ["CloudStorage", "CloudObject", "join_key", "CloudStorageError", "CloudNotFoundError",
@@ -402,18 +403,32 @@ class CloudStorage(abc.ABC):
             failure = self._classify(error)
             if failure is None:
                 raise
-            # The client's own error stays attached for debugging, unless its text had credentials to hide.
-            cause = error if redact_message(str(error)) == str(error) else None
+            # The client's own errors stay attached for debugging, unless their text had something to hide.
+            cause = error if all(redact_client_message(str(link)) == str(link) for link in error_chain(error)) \
+                else None
             raise self._error(failure.kind, operation, key, failure.reason,
                               _describe(error) + (f". {failure.hint}" if failure.hint else ""),
-                              local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1) \
-                from cause
+                              local_path=local_path, transient=failure.transient, attempts=failure.attempts or 1,
+                              retried=_retried(failure)) from cause
+
+    def _retry_note(self) -> str:
+        """What the message says of the retries of a transient error when the client does not say whether it
+        retried (how the client retries, per :attr:`retry`); '' when it does not retry."""
+        return ""
 
     def _error(self, kind: type, operation: str, key: str, reason: str, detail: str,
-               local_path: Optional[str] = None, transient: bool = False, attempts: int = 1) -> CloudStorageError:
+               local_path: Optional[str] = None, transient: bool = False, attempts: int = 1,
+               retried: Optional[bool] = False) -> CloudStorageError:
         transfer = {"upload": f" from {local_path}", "download": f" to {local_path}"}.get(operation, "") \
             if local_path else ""
-        tries = f" after {attempts} attempts" if attempts > 1 else " after the client's retries" if transient else ""
+        # Retries are claimed only when the client made them (a checksum mismatch, for one, is not retried); when
+        # that is not known, the message says how the client retries, not that it did.
+        if attempts > 1:
+            tries = f" after {attempts} attempts"
+        elif retried:
+            tries = " after the client's retries"
+        else:
+            tries = self._retry_note() if retried is None and transient else ""
         message = (f"{self.service} {operation} of {self.uri(key)}{transfer} failed{tries} "
                    f"(bucket {self.bucket_name!r}, key {key!r}): {reason}: {detail}")
         return kind(message, service=self.service, bucket=self.bucket_name, key=key, operation=operation,
@@ -431,7 +446,46 @@ def _has_fileno(handle: IO[bytes]) -> bool:
     return True
 
 
+def _retried(failure: Failure) -> Optional[bool]:
+    """Whether the client retried the error it gave up on: as the failure says; not when it is permanent or the
+    client says it made one attempt only; None (not known) otherwise."""
+    if failure.retried is not None:
+        return failure.retried
+    if not failure.transient or failure.attempts == 1:
+        return False
+    return None
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from or while handling (``__cause__``, ``__context__``), each once."""
+    seen, pending = set(), [error]
+    while pending:
+        link = pending.pop(0)
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        pending += [link.__cause__, link.__context__]
+
+
+# The id of a GCS resumable upload's session: whoever has the session's URL can upload to it, without credentials.
+# GCS gives it URL-encoded: it ends where the URL does (``&``, a space, a quote, or ``:`` before the server's answer).
+_UPLOAD_ID = re.compile(r"(?P<name>\bupload_id=)(?!<redacted>)[^&\s\"'#),:]+")
+_MAX_DETAIL = 500  # characters of a client's message quoted in an error
+
+
+def redact_client_message(text: str) -> str:
+    """A client's error message with what it may quote of credentials (see
+    :func:`~aitoolbox.experiment.redaction.redact_message`) and the id of an upload session redacted."""
+    return _UPLOAD_ID.sub(rf"\g<name>{REDACTED}", redact_message(text))
+
+
 def _describe(error: BaseException) -> str:
-    # A client's message may quote an endpoint or a signed URL with credentials in it.
-    text = redact_message(str(error).strip()) or type(error).__name__
-    return text if len(text) <= 500 else text[:500] + "..."
+    # A client's message may quote an endpoint or a signed URL with credentials in it, or an upload session's URL.
+    # Its final full stop goes: a hint follows after one. A long message is cut at a space, and says so.
+    text = redact_client_message(str(error).strip()).rstrip(".") or type(error).__name__
+    if len(text) <= _MAX_DETAIL:
+        return text
+    cut = text[:_MAX_DETAIL]
+    cut = cut[:cut.rfind(" ")] if " " in cut else cut
+    return cut.rstrip(" .,;:") + " [message cut]"

@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 # Every test loop below is bounded by these (the servers are local; nothing leaves 127.0.0.1).
 START_TIMEOUT_S = 60.0
@@ -106,6 +106,15 @@ class FaultyProxy:
       next bytes is reset, once (one request of an upload fails midway; the network stays up);
     - ``reset_once_matching``: the connection whose request bytes next contain this pattern is reset before they
       are forwarded, once, ignoring case (e.g. one part of an upload fails before reaching the server);
+    - ``lose_answer_once_matching``: the request whose bytes next contain this pattern (ignoring case) reaches the
+      server whole, but the server's answer to it does not reach the client: its connection is closed once the
+      answer comes, once (the server did the work, the client never learns it: an upload's last answer lost);
+      ``after_answer_lost``, when set, is called (on the proxy's thread) after the server answered and before
+      the client's connection is closed (e.g. to change the bucket at that exact moment);
+    - ``replace_in_answer_once``: ``(old, new)``: the first answer read that contains ``old`` has it replaced by
+      ``new``, once (e.g. another status line);
+    - ``corrupt_once_matching``: in the request bytes forwarded after this pattern (ignoring case) was seen, the
+      last byte of the next read is flipped, once (data corrupted in transit, beyond TCP's checksum);
     - ``hold()`` / ``release()``: nothing is forwarded between the two (a network stalled for as long as the test
       needs, so "still uploading" holds however fast or slow the machine is). A hold ends by itself after
       ``HOLD_LIMIT_S``, so a test that forgets to release fails instead of hanging.
@@ -119,7 +128,13 @@ class FaultyProxy:
         self.cut_after_bytes: Optional[int] = None
         self.reset_once_after_bytes: Optional[int] = None
         self.reset_once_matching: Optional[bytes] = None
+        self.lose_answer_once_matching: Optional[bytes] = None
+        self.corrupt_once_matching: Optional[bytes] = None
+        self.after_answer_lost: Optional[Callable[[], None]] = None
+        self.replace_in_answer_once: Optional[Tuple[bytes, bytes]] = None
         self.resets = 0
+        self.answers_lost = 0
+        self.corrupted = 0
         self.forwarded_bytes = 0
         self.dropped = 0
         self._drop = 0
@@ -173,10 +188,11 @@ class FaultyProxy:
                 continue
             with self._lock:
                 self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            connection = {"lose_answer": False, "corrupt": False}  # the faults due on this connection
+            threading.Thread(target=self._pump, args=(client, upstream, True, connection), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False, connection), daemon=True).start()
 
-    def _pump(self, source: socket.socket, target: socket.socket, request: bool) -> None:
+    def _pump(self, source: socket.socket, target: socket.socket, request: bool, connection: dict) -> None:
         tail = b""  # the end of the bytes before, for a pattern split between two reads
         try:
             while True:
@@ -186,7 +202,21 @@ class FaultyProxy:
                 self._open.wait(self.HOLD_LIMIT_S)
                 if self.delay_s:
                     time.sleep(self.delay_s)
+                if not request and connection["lose_answer"]:  # the answer is dropped, the client's side closed
+                    with self._lock:
+                        self.answers_lost += 1
+                    if self.after_answer_lost is not None:
+                        self.after_answer_lost()
+                    with contextlib.suppress(OSError):
+                        target.shutdown(socket.SHUT_RDWR)  # the client's side closed, no answer (and wakes its pump)
+                    return
+                if not request:
+                    with self._lock:
+                        replace = self.replace_in_answer_once
+                        if replace and replace[0] in data:
+                            data, self.replace_in_answer_once = data.replace(*replace, 1), None
                 if request:
+                    data = self._faults_of_request(data, tail, connection)
                     with self._lock:
                         self.forwarded_bytes += len(data)
                         cut = self.cut_after_bytes is not None and self.forwarded_bytes > self.cut_after_bytes
@@ -200,7 +230,7 @@ class FaultyProxy:
                         if pattern and pattern.lower() in (tail + data).lower():  # header names: any case
                             reset, self.reset_once_matching = True, None
                         self.resets += reset
-                        tail = (tail + data)[-len(pattern):] if pattern else b""
+                        tail = (tail + data)[-64:]
                     if cut:
                         self._close_all()
                         return
@@ -218,6 +248,26 @@ class FaultyProxy:
             for sock in (source, target):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def _faults_of_request(self, data: bytes, tail: bytes, connection: dict) -> bytes:
+        """``data`` as forwarded, marking ``connection`` for the faults its bytes call for (patterns of at most 64
+        bytes, ``tail`` being the 64 bytes read before)."""
+        with self._lock:
+            seen = (tail + data).lower()
+            lose = self.lose_answer_once_matching
+            if lose and lose.lower() in seen:
+                connection["lose_answer"], self.lose_answer_once_matching = True, None
+            corrupt = self.corrupt_once_matching
+            if corrupt and corrupt.lower() in seen:
+                connection["corrupt"], self.corrupt_once_matching = True, None
+                # The pattern's own read is left whole when it ends it (headers first, the body next).
+                if seen.endswith(corrupt.lower()) or seen.endswith(b"\r\n\r\n"):
+                    return data
+            if connection["corrupt"]:
+                connection["corrupt"] = False
+                self.corrupted += 1
+                return data[:-1] + bytes([data[-1] ^ 0xFF])
+        return data
 
     def _close_all(self) -> None:
         with self._lock:

@@ -172,6 +172,83 @@ def test_any_operations_with_any_recoverable_resets_leave_random_alone(service, 
         random.setstate(saved)
 
 
+# --- SES: the e-mails of EmailNotification, sent from a background thread while training runs ------------------
+
+@pytest.fixture
+def ses_proxy(s3_env, s3_server, monkeypatch):
+    """A FaultyProxy in front of moto's SES, the sender verified; the environment points through the proxy."""
+    from tests.cloud.test_email_notification import verify_sender
+    verify_sender()
+    faulty = FaultyProxy(s3_server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", faulty.url)
+    yield faulty
+    faulty.close()
+
+
+def test_an_email_whose_sending_is_retried_leaves_random_alone(ses_proxy, s3_env, seeded):
+    from aitoolbox.cloud.AWS.simple_email_service import SESSender
+    from tests.cloud.test_email_notification import RECIPIENT, REGION, SENDER, unique_project
+    from tests.cloud.test_ses import sent_messages
+    sender = SESSender("Bot", SENDER, RECIPIENT, aws_region=REGION)
+    subject = f"retried {unique_project()}"
+    ses_proxy.drop_next(2)  # the first two attempts fail: botocore retries
+    assert sender.send_email(subject, "<p>sent on the third attempt</p>")
+    assert ses_proxy.dropped == 2
+    assert random.getstate() == seeded, "the SES client's retries drew from the global random generator"
+    assert len(sent_messages(s3_env.url, subject)) == 1
+
+
+def test_the_emails_of_a_training_run_retried_in_the_background_leave_its_random_stream_alone(ses_proxy, seeded):
+    from aitoolbox.torchtrain.callbacks.basic import EmailNotification
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+    from tests.cloud.test_email_notification import RECIPIENT, SENDER, loop_arguments, unique_project
+    from tests.hang_limits import HANG_LIMIT_S
+
+    def run(connections_dropped: int):
+        """The random state after a 2-epoch run whose e-mails go out while its first connections are dropped."""
+        random.seed(20240917)
+        callback = EmailNotification("Bot", SENDER, RECIPIENT, unique_project(), "exp")
+        ses_proxy.drop_next(connections_dropped)
+        TrainLoop(*loop_arguments()).fit(num_epochs=2, callbacks=[callback])
+        assert callback.wait_for_queued_emails(HANG_LIMIT_S), callback.unsent()
+        return random.getstate()
+
+    healthy = run(0)
+    retried = run(2)
+    assert ses_proxy.dropped == 2  # the second run's e-mails were retried by botocore (and went out)
+    assert retried == healthy, "the e-mails' retries moved the training's random stream"
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("", {"mode": "standard", "total_max_attempts": RetryPolicy().attempts}),  # botocore's default: legacy
+    ("retry_mode = adaptive\nmax_attempts = 4\n", {"mode": "adaptive", "total_max_attempts": 4}),
+    ("retry_mode = standard\n", {"mode": "standard", "total_max_attempts": RetryPolicy().attempts}),
+    ("retry_mode = legacy\nmax_attempts = 2\n", {"mode": "standard", "total_max_attempts": 2}),
+])
+def test_the_ses_client_keeps_the_retry_settings_of_the_aws_configuration(s3_env, tmp_path, monkeypatch, config,
+                                                                           expected):
+    from aitoolbox.cloud.AWS.simple_email_service import SESSender
+    config_file = tmp_path / "aws-config"
+    config_file.write_text("[default]\n" + config)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config_file))
+    retries = SESSender("Bot", "bot@example.com", "me@example.com").client.meta.config.retries
+    assert {name: retries.get(name) for name in expected} == expected
+
+
+def test_an_ses_client_limited_to_two_attempts_by_the_environment_gives_up_after_two(ses_proxy, monkeypatch,
+                                                                                       seeded):
+    from aitoolbox.cloud.AWS.simple_email_service import SESSender
+    from tests.cloud.test_email_notification import RECIPIENT, REGION, SENDER
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("AWS_RETRY_MODE", "adaptive")
+    sender = SESSender("Bot", SENDER, RECIPIENT, aws_region=REGION)
+    assert sender.client.meta.config.retries == {"mode": "adaptive", "total_max_attempts": 2}
+    ses_proxy.drop_next(2)
+    assert sender.send_email("never sent", "<p>two attempts, both dropped</p>") is None  # logged, not raised
+    assert ses_proxy.dropped == 2
+    assert random.getstate() == seeded
+
+
 # --- the pieces: google-api-core's retry and botocore's handler with generators of their own ---------------------
 
 def test_gcs_retry_copies_keep_their_own_generator_and_retry_within_the_policy(seeded):
@@ -246,3 +323,20 @@ def test_a_google_cloud_storage_older_than_3_is_warned_about(gcs_env, monkeypatc
     monkeypatch.setattr(google.cloud.storage, "__version__", "2.18.2")  # its media retries use the global random
     with pytest.warns(RuntimeWarning, match=r"google-cloud-storage 2\.18\.2 .*global random.*>=3"):
         GCSStorage("some-bucket")
+
+
+@pytest.mark.parametrize("mode", ["garbage", "STANDARD", "Adaptive"])
+def test_an_invalid_retry_mode_in_the_environment_raises_as_boto3_does_not_silently_changed(s3_env, monkeypatch,
+                                                                                           mode):
+    # botocore matches the mode exactly ('Adaptive' is not 'adaptive'): boto3's own client refuses it, and so must
+    # the SES client, rather than run in another mode than the user's.
+    import boto3
+    from botocore.exceptions import InvalidRetryModeError
+
+    from aitoolbox.cloud.AWS.simple_email_service import SESSender
+    monkeypatch.setenv("AWS_RETRY_MODE", mode)
+    with pytest.raises(InvalidRetryModeError):
+        boto3.session.Session().client("ses", region_name="us-east-1")
+    with pytest.raises(InvalidRetryModeError) as raised:
+        SESSender("Bot", "bot@example.com", "me@example.com")
+    assert mode in str(raised.value)

@@ -11,7 +11,7 @@ import pytest
 from aitoolbox.cloud.storage import (
     FOLDER_MARKER, CloudNotFoundError, CloudPermissionError, CloudStorageError, RetryPolicy, join_key)
 from tests.cloud.buckets import FAST_RETRY, create_bucket, make_storage, unique_bucket_name
-from tests.cloud.servers import free_port
+from tests.cloud.servers import FaultyProxy, free_port
 
 
 def write(path, data: bytes) -> str:
@@ -140,7 +140,8 @@ def test_a_network_that_stays_down_is_retried_by_the_client_then_raises_naming_b
         storage.upload_file(local, "project/run/model.pth")
     error = raised.value
     assert error.transient and error.reason == "ConnectionError"
-    assert "'some-bucket'" in str(error) and "'project/run/model.pth'" in str(error) and "retries" in str(error)
+    assert "'some-bucket'" in str(error) and "'project/run/model.pth'" in str(error)
+    assert "retried per RetryPolicy" in str(error), str(error)  # the client does not say how many attempts
     if service == "s3":
         assert proxy.dropped == 3  # botocore's attempts, as the policy says
     else:
@@ -302,3 +303,51 @@ def test_keys_join_as_aitoolbox_1x_joined_them():
     assert join_key("prefix/", "project", "exp_ts", "model") == "prefix/project/exp_ts/model"
     assert join_key("a/b", "", "c") == "a/b/c"
     assert FAST_RETRY.attempts == 3
+
+
+def test_a_transient_error_tried_once_does_not_claim_retries(s3_env, tmp_path):
+    # RetryPolicy(attempts=1): botocore does not retry; the error is transient (a 503), and its message must not
+    # say that the client retried it.
+    name = unique_bucket_name("s3")
+    create_bucket("s3", name)
+    proxy = FaultyProxy(s3_env.port)
+    try:
+        storage = make_storage("s3", name, retry=RetryPolicy(attempts=1), endpoint_url=proxy.url)
+        proxy.replace_in_answer_once = (b" 200 OK", b" 503 Service Unavailable")
+        with pytest.raises(CloudStorageError) as raised:
+            storage.upload_bytes(b"weights", "run/model.pth")
+    finally:
+        proxy.close()
+    assert raised.value.transient and raised.value.attempts == 1
+    message = str(raised.value)
+    assert "after the client's retries" not in message and "attempts" not in message, message
+
+
+def test_a_connection_error_tried_once_does_not_claim_retries(s3_env):
+    # RetryPolicy(attempts=1) and nothing listening: botocore tries once and does not say how many attempts it made.
+    storage = make_storage("s3", "some-bucket", retry=RetryPolicy(attempts=1),
+                           endpoint_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(CloudStorageError) as raised:
+        storage.upload_bytes(b"weights", "run/model.pth")
+    assert raised.value.transient and raised.value.reason == "ConnectionError"
+    message = str(raised.value)
+    assert "retries" not in message and "retried" not in message and "attempts" not in message, message
+
+
+def test_a_gcs_request_that_outlasts_the_deadline_at_once_does_not_claim_retries(gcs_env):
+    # One request that stalls past deadline_s: google-api-core gives up after that single attempt.
+    name = unique_bucket_name("gcs")
+    create_bucket("gcs", name)
+    proxy = FaultyProxy(gcs_env.port)
+    storage = make_storage("gcs", name, endpoint_url=proxy.url, timeout_s=2.0,
+                           retry=RetryPolicy(deadline_s=1.0, initial_delay_s=0.01, max_delay_s=0.05))
+    proxy.hold()
+    try:
+        with pytest.raises(CloudStorageError) as raised:
+            storage.upload_bytes(b"weights", "run/model.pth")
+    finally:
+        proxy.release()
+        proxy.close()
+    message = str(raised.value)
+    assert raised.value.transient and "after the client's retries" not in message, message
+    assert "(retried per RetryPolicy, until a deadline of 1 s)" in message, message

@@ -1,7 +1,12 @@
 """aitoolbox 1.x's ``cloud.AWS.simple_email_service``: e-mail notifications through AWS Simple Email Service.
 
 The SES client comes from boto3's standard configuration chain (credentials, ``AWS_ENDPOINT_URL_SES`` /
-``AWS_ENDPOINT_URL``); the region is the one given. Needs ``pip install aitoolbox[aws]``. The sender's address
+``AWS_ENDPOINT_URL``, the retry settings ``AWS_RETRY_MODE`` / ``AWS_MAX_ATTEMPTS``); the region is the one given.
+Needs ``pip install aitoolbox[aws]``. Its retries, like those of :class:`~aitoolbox.cloud.s3.S3Storage`, wait
+times drawn from a generator of their own, not from Python's global ``random``, which training draws from (e-mail
+notifications are sent from a background thread while training runs): botocore's ``'legacy'`` retry mode, its
+default, is replaced by ``'standard'``, with the configured number of attempts (5 when none is configured; see
+:mod:`aitoolbox.cloud.s3_retry`). The sender's address
 must be verified in SES. As in aitoolbox 1.x, a failed :meth:`SESSender.send_email` is reported (logged with
 SES's message) but not raised: a notification must not stop a training run.
 
@@ -17,7 +22,9 @@ from email.message import EmailMessage
 from email.utils import formataddr, getaddresses
 from typing import Any, List, Optional, Tuple
 
+from aitoolbox.cloud.errors import RetryPolicy
 from aitoolbox.cloud.s3 import import_boto3
+from aitoolbox.cloud.s3_retry import configured_retries, use_private_jitter
 
 __all__ = ["SESSender", "check_display_name", "check_email_address", "is_transient_ses_error", "single_line"]
 
@@ -102,7 +109,7 @@ class SESSender:
         check_display_name(sender_name)
         _, sender_email = check_email_address(sender_email, "sender_email")
         recipient_name, recipient_address = check_email_address(recipient_email, "recipient_email", allow_name=True)
-        boto3, _ = import_boto3()
+        boto3, botocore = import_boto3()
         self.sender_name = sender_name
         self.sender_email = sender_email
         # Quoted when needed ("Doe, Jane" <jane@...>), RFC 2047-encoded when not ASCII: one address either way.
@@ -111,7 +118,13 @@ class SESSender:
         self.recipient_address = recipient_address  # without the display name, for SES's Destinations
         self.recipient = formataddr((recipient_name, recipient_address), charset=self.CHARSET)
         self.aws_region = aws_region
-        self.client: Any = boto3.session.Session().client("ses", region_name=aws_region)
+        # A session of its own (boto3's default one is not thread-safe to create clients from), whose configuration
+        # gives the retry settings; the retries then leave Python's global random alone.
+        session = botocore.session.get_session()
+        retries = configured_retries(session, default_attempts=RetryPolicy().attempts)
+        self.client: Any = boto3.session.Session(botocore_session=session).client(
+            "ses", region_name=aws_region, config=botocore.config.Config(retries=retries))
+        use_private_jitter(self.client, retries["total_max_attempts"])
 
     @property
     def endpoint(self) -> str:

@@ -27,8 +27,9 @@ class EmailNotification(AbstractCallback):
 
     The e-mails go through :class:`~aitoolbox.cloud.AWS.simple_email_service.SESSender` (``pip install
     aitoolbox[aws]``), with boto3's standard credentials and endpoint configuration (``AWS_ENDPOINT_URL_SES`` /
-    ``AWS_ENDPOINT_URL``); the sender's address must be verified in SES. Only the main process (global rank 0)
-    sends.
+    ``AWS_ENDPOINT_URL``) and retry settings, whose waits come from a generator of the client's own: sending
+    leaves Python's global ``random``, which training draws from, alone. The sender's address must be verified in
+    SES. Only the main process (global rank 0) sends.
 
     A notification never stops or holds up training. The hooks build each e-mail (reading its attachments then)
     and queue it; a background thread sends the queue in order. An e-mail SES cannot take for now (no connection,
