@@ -481,7 +481,8 @@ def test_a_stateful_data_loaders_persistent_iterator_resumed_mid_epoch_draws_the
     3 batches into its first epoch from its own state, its batch sampler shuffling with its own ``random.Random``.
     The next epoch resets the resumed iterator, which iterates the sampler once more: that iteration draws the next
     epoch's order as the uninterrupted loader's did, not the resumed epoch's again (the sampler's stand-in, which
-    draws from the epoch's starting random state while the resumed iterator is built, passes through after that)."""
+    draws from the epoch's starting random state while the resumed iterator is built, passes through after that),
+    and the loader holds the user's batch sampler again (mut48: the stand-in's disarming and the put-back survived)."""
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
     def loader(log):
@@ -498,7 +499,9 @@ def test_a_stateful_data_loaders_persistent_iterator_resumed_mid_epoch_draws_the
     assert not batches_equal(first, second)  # each epoch its own order
 
     resumed = loader(tmp_path / "resumed.txt")  # its sampler's random state is the epoch's start
+    users_sampler = resumed.batch_sampler
     first_resumed = list(resumed_epoch(resumed, 3, saved))
+    assert resumed.batch_sampler is users_sampler  # the user's own object again (isinstance checks, identity)
     second_resumed = list(resumed)
     for persisting in (straight, resumed):  # now, not at the interpreter's exit (some 15 s there)
         persisting._iterator._shutdown_workers()
