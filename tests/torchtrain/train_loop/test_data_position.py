@@ -507,3 +507,35 @@ def test_a_stateful_data_loaders_persistent_iterator_resumed_mid_epoch_draws_the
         persisting._iterator._shutdown_workers()
     assert batches_equal(first[3:], first_resumed)
     assert batches_equal(second, second_resumed)
+
+
+def test_a_stateful_data_loaders_persistent_iterator_resumed_in_a_reset_epoch_goes_on_as_the_reset_one(tmp_path):
+    """As above, resumed 3 batches into the second epoch, whose order the uninterrupted loader drew by resetting its
+    persistent iterator (one iteration of the sampler, no new base seed): the resumed loader's new iterator tells
+    that from the saved base seed and draws the epoch's order from the epoch's starting random states as the reset
+    did; the third epoch follows as the uninterrupted one. Written for the mutation run (mut48: the base seed
+    check survived)."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader(log):
+        torch.manual_seed(3)
+        return stateful_dataloader.StatefulDataLoader(LoggedSamples(log), batch_sampler=OwnRandomBuckets(),
+                                                      num_workers=1, persistent_workers=True)
+
+    straight = loader(tmp_path / "straight.txt")
+    list(straight)
+    epoch_start = capture_rng_state(straight)
+    second_epoch = iter(straight)
+    trained = [next(second_epoch) for _ in range(3)]
+    saved = straight.state_dict()
+    second = trained + list(second_epoch)
+    third = list(straight)
+
+    resumed = loader(tmp_path / "resumed.txt")
+    restore_rng_state(epoch_start, resumed)  # as the loop does before resuming the epoch
+    second_resumed = list(resumed_epoch(resumed, 3, saved))
+    third_resumed = list(resumed)
+    for persisting in (straight, resumed):  # now, not at the interpreter's exit
+        persisting._iterator._shutdown_workers()
+    assert batches_equal(second[3:], second_resumed)
+    assert batches_equal(third, third_resumed)
