@@ -44,7 +44,8 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 # What is mutated: what decides what is trained (the step, precision, the run's state, the data position).
 TARGETS = ["aitoolbox/torchtrain/train_loop/step_runner.py", "aitoolbox/torchtrain/precision/*.py",
-           "aitoolbox/torchtrain/train_loop/run_state.py", "aitoolbox/torchtrain/train_loop/data_position.py"]
+           "aitoolbox/torchtrain/train_loop/run_state.py", "aitoolbox/torchtrain/train_loop/data_position.py",
+           "aitoolbox/torchtrain/train_loop/sampler_replay.py"]
 
 # The tests run against each mutant, fastest and most telling first (the run stops at the first failure). Edit this
 # list to change the selection; ``-m "not slow"`` applies.
@@ -58,6 +59,7 @@ TESTS = [
     "tests/torchtrain/precision/test_cpu_fallback.py::test_the_check_reads_the_cpu_unless_overridden",
     "tests/torchtrain/train_loop/test_data_position.py",
     "tests/torchtrain/train_loop/test_loader_own_state.py",
+    "tests/torchtrain/train_loop/test_stateful_loader_samplers.py",
     "tests/torchtrain/data/test_persistent_workers.py",
     "tests/torchtrain/train_loop/test_step_conditions.py",
     "tests/torchtrain/train_loop/test_step_transactions.py",

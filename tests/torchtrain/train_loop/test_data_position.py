@@ -474,3 +474,68 @@ def test_a_stateful_data_loader_fast_forwards_a_sampler_from_the_state_its_epoch
                          nn.CrossEntropyLoss(), show_progress=False, end_auto_eval=False)
 
     assert_resumes_3_batches_into_epoch_1_as_straight(loop, tmp_path)
+
+
+def test_a_stateful_data_loaders_persistent_iterator_resumed_mid_epoch_draws_the_next_epochs_order_anew(tmp_path):
+    """The data-level half of the slow case above, fast: a StatefulDataLoader with persistent workers resumed
+    3 batches into its first epoch from its own state, its batch sampler shuffling with its own ``random.Random``.
+    The next epoch resets the resumed iterator, which iterates the sampler once more: that iteration draws the next
+    epoch's order as the uninterrupted loader's did, not the resumed epoch's again (the sampler's stand-in, which
+    draws from the epoch's starting random state while the resumed iterator is built, passes through after that),
+    and the loader holds the user's batch sampler again (mut48: the stand-in's disarming and the put-back survived)."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader(log):
+        torch.manual_seed(3)  # the base seed the iterator of the epoch draws
+        return stateful_dataloader.StatefulDataLoader(LoggedSamples(log), batch_sampler=OwnRandomBuckets(),
+                                                      num_workers=1, persistent_workers=True)
+
+    straight = loader(tmp_path / "straight.txt")
+    first_epoch = iter(straight)
+    trained = [next(first_epoch) for _ in range(3)]
+    saved = straight.state_dict()
+    first = trained + list(first_epoch)
+    second = list(straight)
+    assert not batches_equal(first, second)  # each epoch its own order
+
+    resumed = loader(tmp_path / "resumed.txt")  # its sampler's random state is the epoch's start
+    users_sampler = resumed.batch_sampler
+    first_resumed = list(resumed_epoch(resumed, 3, saved))
+    assert resumed.batch_sampler is users_sampler  # the user's own object again (isinstance checks, identity)
+    second_resumed = list(resumed)
+    for persisting in (straight, resumed):  # now, not at the interpreter's exit (some 15 s there)
+        persisting._iterator._shutdown_workers()
+    assert batches_equal(first[3:], first_resumed)
+    assert batches_equal(second, second_resumed)
+
+
+def test_a_stateful_data_loaders_persistent_iterator_resumed_in_a_reset_epoch_goes_on_as_the_reset_one(tmp_path):
+    """As above, resumed 3 batches into the second epoch, whose order the uninterrupted loader drew by resetting its
+    persistent iterator (one iteration of the sampler, no new base seed): the resumed loader's new iterator tells
+    that from the saved base seed and draws the epoch's order from the epoch's starting random states as the reset
+    did; the third epoch follows as the uninterrupted one. Written for the mutation run (mut48: the base seed
+    check survived)."""
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader(log):
+        torch.manual_seed(3)
+        return stateful_dataloader.StatefulDataLoader(LoggedSamples(log), batch_sampler=OwnRandomBuckets(),
+                                                      num_workers=1, persistent_workers=True)
+
+    straight = loader(tmp_path / "straight.txt")
+    list(straight)
+    epoch_start = capture_rng_state(straight)
+    second_epoch = iter(straight)
+    trained = [next(second_epoch) for _ in range(3)]
+    saved = straight.state_dict()
+    second = trained + list(second_epoch)
+    third = list(straight)
+
+    resumed = loader(tmp_path / "resumed.txt")
+    restore_rng_state(epoch_start, resumed)  # as the loop does before resuming the epoch
+    second_resumed = list(resumed_epoch(resumed, 3, saved))
+    third_resumed = list(resumed)
+    for persisting in (straight, resumed):  # now, not at the interpreter's exit
+        persisting._iterator._shutdown_workers()
+    assert batches_equal(second[3:], second_resumed)
+    assert batches_equal(third, third_resumed)

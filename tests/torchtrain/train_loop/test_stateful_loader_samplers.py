@@ -384,6 +384,30 @@ def test_the_persistent_workers_warning_comes_once_per_loop_and_points_at_the_us
     assert warned[0].filename == __file__
 
 
+def _persistent_workers_warnings(loop: TrainLoop) -> List[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.checkpoint_state()
+    return [str(warning.message) for warning in caught if "persistent_workers" in str(warning.message)]
+
+
+@pytest.mark.parametrize("num_workers, persistent_workers", [(0, False), (1, False), (1, True)])
+def test_only_an_epoch_end_checkpoint_of_a_made_persistent_iterator_warns(num_workers, persistent_workers):
+    """The fast half of the warning test above: an epoch-end checkpoint warns for a loader whose persistent
+    iterator the run resets for the next epoch (one worker is enough), not before that iterator is made (the
+    resumed run makes one, as the uninterrupted run did), nor for a loader that makes a new iterator each epoch,
+    with workers or without. Written for the mutation run (mut48: the conditions of ``resets_own_iterator``
+    survived)."""
+    loop = train_loop("torchdata shuffle", num_workers, persistent_workers)
+    try:
+        assert not _persistent_workers_warnings(loop)  # before fit: no iterator made yet
+        loop.fit(num_epochs=1)
+        assert bool(_persistent_workers_warnings(loop)) is persistent_workers
+    finally:
+        if persistent_workers and loop.train_loader._iterator is not None:  # now, not at the interpreter's exit
+            loop.train_loader._iterator._shutdown_workers()
+
+
 @settings(max_examples=3, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(sorted(SAMPLERS)), batch=st.integers(1, 6), grad_accumulation=st.sampled_from([1, 2]))

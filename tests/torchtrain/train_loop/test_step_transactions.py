@@ -2,16 +2,20 @@
 and an epoch's end is a sequence of named steps, each done once. Continuing after an exception, resuming from a
 checkpoint taken at any moment and loading a checkpoint dict then equal the straight run (issue 32)."""
 import copy
+import os
+import shutil
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from aitoolbox.experiment.local_save.experiment_folder import DEFAULT_RUNS_FOLDER
+from aitoolbox.torchtrain.callbacks import ModelCheckpoint
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.combinations.support import Cell, ComboNet, build_loop, build_model, dataset
-from tests.helpers import assert_params_equal, single_torch_thread
+from tests.helpers import MLP, assert_params_equal, classification_data, single_torch_thread
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
@@ -764,3 +768,70 @@ def test_per_step_state_of_callbacks_is_kept_for_the_step_the_next_fit_finishes(
     for key in ("seen", "steps_since_check", "pending_at", "pending_stepped"):
         assert state[key] == straight_state[key], key
     assert_runs_equal(continued, straight)
+
+
+# --- an exception before the loop's steps start (between set_up and the step runner's start) -----------------------
+class TrainModeFailsOnce(MLP):
+    """A user's model whose ``train()`` raises the first time: the loop puts the model in training mode after setting
+    up its step runner and before starting it (``_train``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = True
+
+    def train(self, mode=True):
+        if self.fail and mode:
+            self.fail = False
+            raise LookupError("the user's train() failed")
+        return super().train(mode)
+
+
+def _mlp_loop(model):
+    torch.manual_seed(0)
+    loader = DataLoader(classification_data(16), batch_size=4, shuffle=False)
+    return TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                     end_auto_eval=False, show_progress=False)
+
+
+def test_an_exception_before_the_first_step_reaches_the_caller_and_the_next_fit_trains_as_a_straight_run():
+    """The exception leaves fit through the step runner's ``abandon()``, which reads the step in progress: a runner
+    that never started has none (not an AttributeError masking the user's exception)."""
+    torch.manual_seed(0)
+    failing = TrainModeFailsOnce()
+    straight_model = copy.deepcopy(failing)
+    straight_model.fail = False
+    tl = _mlp_loop(failing)
+    with pytest.raises(LookupError, match="the user's train"):
+        tl.fit(num_epochs=2)
+    torch.manual_seed(1)  # the dropout's masks
+    tl.fit(num_epochs=2)
+    straight = _mlp_loop(straight_model)
+    torch.manual_seed(1)
+    straight.fit(num_epochs=2)
+    assert_runs_equal(tl, straight)
+
+
+def test_a_run_folder_that_cannot_be_created_at_train_start_is_the_error_fit_raises(tmp_path, monkeypatch):
+    """A requeued job: a loaded epoch-end checkpoint whose epochs are done and a checkpoint callback registered by
+    the fit that had nothing to train (it set the loop up, its folder's name reserved); the default run folder's
+    place then taken by a file. Creating the folder when the next fit starts training fails before the loop's
+    steps start, and that error (naming the folder) reaches the caller, not an error of the loop's own clean-up.
+    The next fit, once the folder can be created, trains as the straight run."""
+    monkeypatch.chdir(tmp_path)  # the default run folder lies under the working directory
+    torch.manual_seed(0)
+    model = MLP()
+    straight, tl = _mlp_loop(copy.deepcopy(model)), _mlp_loop(model)
+    straight.fit(num_epochs=1)
+    checkpoint = copy.deepcopy(straight.checkpoint_state())  # its tensors are the live weights
+    straight.fit(num_epochs=2)  # before the resumed run changes the global random state it goes on from
+    tl.load_checkpoint(checkpoint)
+    tl.fit(num_epochs=1, callbacks=[ModelCheckpoint()])  # nothing to train
+    shutil.rmtree(tmp_path / DEFAULT_RUNS_FOLDER)
+    (tmp_path / DEFAULT_RUNS_FOLDER).write_text("not a folder")
+    with pytest.raises(OSError, match=DEFAULT_RUNS_FOLDER):
+        tl.fit(num_epochs=2)
+    (tmp_path / DEFAULT_RUNS_FOLDER).unlink()
+    tl.fit(num_epochs=2)
+    assert_runs_equal(tl, straight)
+    (run,) = os.listdir(tmp_path / DEFAULT_RUNS_FOLDER)
+    assert os.listdir(tmp_path / DEFAULT_RUNS_FOLDER / run / "checkpoint_model")  # the second epoch's
