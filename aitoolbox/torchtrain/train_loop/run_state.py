@@ -306,6 +306,12 @@ class RunState:
         point = self._interrupted_at
         return point is not None and point.batches_trained and "auto_evaluation" not in point.finished_steps
 
+    @property
+    def in_epoch_end_before_evaluation(self) -> bool:
+        """An epoch's end is running and its evaluation is not done yet: in ``on_epoch_train_end`` or the evaluation
+        (also where the last ``fit`` stopped there, see :attr:`interrupted_before_epoch_evaluation`)."""
+        return self.in_epoch_end and "auto_evaluation" not in self._step_point.finished_steps
+
     def interrupted_at_iteration_target(self, num_iterations: int) -> bool:
         """An exception interrupted an epoch's batches exactly where ``fit(num_iterations=num_iterations)`` ends
         (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step), or a loaded mid-epoch

@@ -665,6 +665,9 @@ class TrainLoop:
         Raises:
             RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation (``fit``
                 finishes that end first).
+                In an epoch's end before its evaluation (``on_epoch_train_end``, the evaluation itself): the end's
+                remaining steps (evaluation, ``on_epoch_end``) cannot be held by a checkpoint, so a resume would
+                skip them; take it in ``on_epoch_end``.
                 ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
                 optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), between the
@@ -683,6 +686,18 @@ class TrainLoop:
                 "evaluated (an exception in on_epoch_train_end or the evaluation): a checkpoint cannot hold the steps "
                 "of that end still to run (the evaluation, the callbacks' on_epoch_end), so a resume would skip them. "
                 "Call fit to finish the epoch's end first, then take the checkpoint")
+        if run_state.in_epoch_end_before_evaluation:
+            # (Review 45b.) The end's steps still to run are named by the identity of this loop's callbacks, and
+            # those of the hook in progress are partly done: no checkpoint can say which a resume must run.
+            raise RuntimeError(
+                f"checkpoint_state was called in the end of epoch {self.epoch} before its evaluation (in "
+                "on_epoch_train_end, or during the end-of-epoch evaluation): the epoch's batches are trained, but the "
+                "rest of its end has not run (the callbacks' on_epoch_train_end after this one, the evaluation into "
+                "the history, every on_epoch_end: LR schedulers, early stopping). A checkpoint cannot hold which of "
+                "those steps are still to run, so a resume from it would skip them (the epoch's loss/val_loss missing "
+                "from the history, a scheduler step missing). Take the epoch-end checkpoint in on_epoch_end, from a "
+                "callback that runs after the others (a high execution_order, as ModelCheckpoint's 100), or a "
+                "mid-epoch one in on_batch_end of a batch whose optimizer stepped")
         # None at an epoch boundary, also where the epoch starts again from its first batch (stopped before its
         # first step).
         position = run_state.position_in_epoch()
