@@ -82,6 +82,9 @@ class RunState:
         self._buffers_at_step: List[torch.Tensor] = []
         self._cuda_rng = False
         self._loader_length_warned = False
+        # The steps of the train end finished so far, while it runs and after an exception in it (None: no train
+        # end in progress), see begin_train_end.
+        self._train_end_done: Optional[List[str]] = None
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -104,6 +107,7 @@ class RunState:
         restore_train_state(tl, checkpoint)
         self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
+        self._train_end_done = None
 
     def start_training(self, model: torch.nn.Module) -> None:
         """At the start of ``fit``, the model set up (its buffers are the tensors that train now: casting a model
@@ -382,6 +386,26 @@ class RunState:
         if isinstance(point, tuple):  # (see mark_batch_done)
             return point[0]
         return point.batches_done if point is not None else 0
+
+    # --- the train end -----------------------------------------------------------------------------------------
+    def begin_train_end(self) -> List[str]:
+        """The train end (``on_before_train_end``, the test-set evaluation) starts, or continues after an exception
+        in it: the names of its steps finished so far, to which the loop adds each step it finishes. Until
+        :meth:`end_train_end`, an exception leaves the rest for the next ``fit`` (:attr:`train_end_pending`)."""
+        if self._train_end_done is None:
+            self._train_end_done = []
+        return self._train_end_done
+
+    def end_train_end(self) -> None:
+        """The train end's steps are done (``on_train_end`` follows: it calls every callback, also after one
+        raised, so an exception in it leaves nothing to finish)."""
+        self._train_end_done = None
+
+    @property
+    def train_end_pending(self) -> bool:
+        """The last ``fit`` stopped on an exception in its train end: the next ``fit`` finishes that end first, as
+        the ``fit`` would have, whatever is left to train."""
+        return self._train_end_done is not None
 
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""

@@ -823,7 +823,8 @@ class TrainLoop:
             for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end, summary line
             on_before_train_end;  final test-set loss;  on_train_end
             on an exception:      on_exception(exception), bars closed, the exception re-raised; the next
-                                  fit continues from the interrupted epoch's last optimizer step
+                                  fit continues from the interrupted epoch's last optimizer step (or the steps
+                                  of an epoch's end or of the train end that had not finished)
 
         Args:
             num_epochs: train until this many epochs are done.
@@ -831,7 +832,8 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step:
+        if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step \
+                and not self.run_state.train_end_pending:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -847,7 +849,8 @@ class TrainLoop:
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
         if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
-                and not self.run_state.interrupted_at_iteration_target(num_iterations):
+                and not self.run_state.interrupted_at_iteration_target(num_iterations) \
+                and not self.run_state.train_end_pending:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -1021,6 +1024,12 @@ class TrainLoop:
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
         self.set_up()
+        if self.run_state.train_end_pending:
+            # The last fit stopped in its train end: finished first, as that fit would have done it, before this
+            # fit's training (if any is left: the straight run's next fit starts after that end).
+            self._end_training()
+            if state.early_stop or self._target_reached(num_epochs, num_iterations):
+                return
         self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
@@ -1053,9 +1062,24 @@ class TrainLoop:
             self.run_state.end_epoch()  # until here an exception redoes the epoch's end
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
-        self.callbacks_handler.on_before_train_end()  # e.g. the best epoch's weights back, before they are evaluated
-        self._evaluator.at_train_end()
-        self.callbacks_handler.on_train_end()
+        self._end_training()
+
+    def _end_training(self) -> None:
+        """The train end: each callback's ``on_before_train_end`` (e.g. the best epoch's weights back, before they are
+        evaluated), the test-set evaluation, then every ``on_train_end``. Each step is done once: after an exception
+        in it, the next ``fit`` runs the steps that did not finish (a callback's by its identity, as in an epoch's
+        end)."""
+        hooks = self.callbacks_handler
+        done = self.run_state.begin_train_end()
+        steps = [(f"on_before_train_end:{id(callback)}", callback.on_before_train_end)
+                 for callback in hooks.subscribers("on_before_train_end")]
+        steps.append(("test_evaluation", self._evaluator.at_train_end))
+        for name, step in steps:
+            if name not in done:
+                step()
+                done.append(name)
+        self.run_state.end_train_end()
+        hooks.on_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
 

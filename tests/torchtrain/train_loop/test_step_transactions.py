@@ -764,3 +764,67 @@ def test_per_step_state_of_callbacks_is_kept_for_the_step_the_next_fit_finishes(
     for key in ("seen", "steps_since_check", "pending_at", "pending_stepped"):
         assert state[key] == straight_state[key], key
     assert_runs_equal(continued, straight)
+
+
+# --- the train end an exception interrupted (issue 32, defect A of loopcore48) ----------------------------------
+class TrainEndHooks(AbstractCallback):
+    """Records its train-end hooks; ``fails``: its ``on_before_train_end`` raises the first time (as a save of the
+    best weights on a full disk would)."""
+
+    def __init__(self, name, execution_order, fails=False):
+        super().__init__(name, execution_order=execution_order)
+        self.fails, self.calls = fails, []
+
+    def on_before_train_end(self):
+        self.calls.append("on_before_train_end")
+        if self.fails:
+            self.fails = False
+            raise OSError(28, "No space left on device")
+
+    def on_train_end(self):
+        self.calls.append("on_train_end")
+
+
+def _loop_with_a_test_set() -> TrainLoop:
+    """ComboNet over 7 batches an epoch, with a test loader: the train end records ``train_end_test_loss``."""
+    model = build_model(Cell())
+    data = torch.utils.data.Subset(dataset(), range(28))
+    test = torch.utils.data.Subset(dataset(), range(28, 40))
+    return TrainLoop(model, DataLoader(data, batch_size=4), None, DataLoader(test, batch_size=4),
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), show_progress=False)
+
+
+@pytest.mark.parametrize("length", [{"num_iterations": 9, "grad_accumulation": 2},
+                                    {"num_iterations": 8, "grad_accumulation": 3}, {"num_epochs": 2}])
+def test_an_exception_in_the_train_end_is_finished_by_the_next_fit(length):
+    """fit(num_iterations=N) (N inside an accumulation window: the partial window stepped at N) raised in a
+    callback's on_before_train_end; the same fit again said "Nothing to train": the test set was never evaluated
+    (train_end_test_loss missing from the history) and no callback's on_train_end ran (a final save, an upload). The
+    next fit now finishes the train end: the steps that did not finish, each once (the failed hook again), as the
+    straight run did them; a later, longer fit then equals the straight one's."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        first, failing = TrainEndHooks("first", 10), TrainEndHooks("failing", 20, fails=fail)
+        last = TrainEndHooks("last", 30)
+        if fail:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(callbacks=[first, failing, last], **length)
+            assert "train_end_test_loss" not in tl.train_history
+            tl.fit(**length)
+        else:
+            tl.fit(callbacks=[first, failing, last], **length)
+        return tl, [first.calls, failing.calls, last.calls]
+
+    straight, straight_calls = run(False)
+    continued, calls = run(True)
+    assert len(continued.train_history["train_end_test_loss"]) == 1
+    assert_runs_equal(continued, straight)
+    assert straight_calls == [["on_before_train_end", "on_train_end"]] * 3
+    assert calls == [["on_before_train_end", "on_train_end"], ["on_before_train_end"] * 2 + ["on_train_end"],
+                     ["on_before_train_end", "on_train_end"]]
+    longer = {key: value + 3 if key.startswith("num_") else value for key, value in length.items()}
+    for tl in (straight, continued):
+        torch.manual_seed(1)
+        tl.fit(**longer)
+    assert_runs_equal(continued, straight)
