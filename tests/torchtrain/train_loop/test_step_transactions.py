@@ -828,3 +828,77 @@ def test_an_exception_in_the_train_end_is_finished_by_the_next_fit(length):
         torch.manual_seed(1)
         tl.fit(**longer)
     assert_runs_equal(continued, straight)
+
+
+def fail_once_in(hook: str, after_iterations: int) -> AbstractCallback:
+    """A callback whose ``hook`` raises once, the first time it runs with ``after_iterations`` batches done (order
+    500: after the other callbacks, before the checkpoint taker)."""
+    def fail(self, *args):
+        if not self.failed and self.train_loop_obj.iterations_done >= after_iterations:
+            self.failed = True
+            raise RuntimeError("a failure after fit's last step")
+
+    def init(self):
+        AbstractCallback.__init__(self, f"fails once in {hook}", execution_order=500)
+        self.failed = False
+    return type(f"FailOnceIn_{hook}", (AbstractCallback,), {"__init__": init, hook: fail})()
+
+
+class CheckpointAtSteps(AbstractCallback):
+    """Keeps a mid-epoch checkpoint (as from a file) at every batch whose optimizer stepped, as
+    ModelIterationCheckpoint(save_frequency=1) does."""
+
+    def __init__(self):
+        super().__init__("checkpoint at steps", execution_order=1000)
+        self.newest, self._steps = None, False
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self._steps = self.train_loop_obj.optimizer_step_due
+
+    def on_batch_end(self):
+        if self._steps:
+            self.newest = copy.deepcopy(self.train_loop_obj.checkpoint_state())
+
+
+@pytest.mark.parametrize("continued_in", ["the same loop", "a new loop"])
+@pytest.mark.parametrize("hook", ["on_epoch_train_end", "on_epoch_end", "on_before_train_end"])
+@pytest.mark.parametrize("loss, grad_accumulation, num_iterations", [("plain", 2, 9), ("plain", 3, 8),
+                                                                     ("multi2", 3, 7), ("multi2", 2, 3)])
+def test_fit_num_iterations_ending_mid_window_and_failing_after_its_step_is_continued_as_straight(
+        loss, grad_accumulation, num_iterations, hook, continued_in):
+    """Issue 32 A (loopcore48): fit(num_iterations=N) with N inside an accumulation window (the partial window is
+    stepped at N; 5 batches an epoch), an exception after that step in the epoch's end or the train end, then the
+    same fit again: in the same TrainLoop, or in a new one from the mid-epoch checkpoint taken at N's step. Equal to
+    the straight call (weights, optimizer states, history, the epoch-stepping scheduler's learning rate): the window
+    is stepped once and the epoch closed once; then a longer fit equals the straight one's too."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+
+    def run(fail):
+        tl = build_loop(Cell(loss=loss))
+        kept = CheckpointAtSteps()
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), kept] + ([fail_once_in(hook, num_iterations)] if fail else [])
+        if not fail:
+            tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+            return tl
+        with pytest.raises(RuntimeError, match="after fit's last step"):
+            tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+        if continued_in == "a new loop":
+            assert kept.newest["iteration_idx"] == num_iterations - 1  # the checkpoint of N's step
+            torch.manual_seed(1234)  # a new process's random state
+            tl = build_loop(Cell(loss=loss))
+            tl.load_checkpoint(kept.newest)
+            callbacks = [StepLRScheduler(step_size=1, gamma=0.5)]
+        else:
+            callbacks = None
+        tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert (continued.epochs_completed, continued.iterations_done) == (straight.epochs_completed, num_iterations)
+    assert [o.param_groups[0]["lr"] for o in continued.optimizers] == \
+        [o.param_groups[0]["lr"] for o in straight.optimizers]
+    assert_runs_equal(continued, straight)
+    for tl in (straight, continued):
+        torch.manual_seed(1)
+        tl.fit(num_iterations=num_iterations + 4, grad_accumulation=grad_accumulation)
+    assert_runs_equal(continued, straight)
