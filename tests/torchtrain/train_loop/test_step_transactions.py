@@ -876,7 +876,8 @@ def test_fit_num_iterations_ending_mid_window_and_failing_after_its_step_is_cont
     def run(fail):
         tl = build_loop(Cell(loss=loss))
         kept = CheckpointAtSteps()
-        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), kept] + ([fail_once_in(hook, num_iterations)] if fail else [])
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), kept]
+        callbacks += [fail_once_in(hook, num_iterations)] if fail else []
         if not fail:
             tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
             return tl
