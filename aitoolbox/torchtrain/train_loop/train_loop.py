@@ -1068,18 +1068,25 @@ class TrainLoop:
         """The train end: each callback's ``on_before_train_end`` (e.g. the best epoch's weights back, before they are
         evaluated), the test-set evaluation, then every ``on_train_end``. Each step is done once: after an exception
         in it, the next ``fit`` runs the steps that did not finish (a callback's by its identity, as in an epoch's
-        end)."""
-        hooks = self.callbacks_handler
-        done = self.run_state.begin_train_end()
+        end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
+        others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
+        its ``on_train_begin`` still to come)."""
+        hooks, run_state = self.callbacks_handler, self.run_state
+        done = run_state.begin_train_end(hooks.callbacks)
         steps = [(f"on_before_train_end:{id(callback)}", callback.on_before_train_end)
-                 for callback in hooks.subscribers("on_before_train_end")]
+                 for callback in hooks.subscribers("on_before_train_end")
+                 if run_state.takes_part_in_train_end(callback)]
         steps.append(("test_evaluation", self._evaluator.at_train_end))
         for name, step in steps:
             if name not in done:
                 step()
                 done.append(name)
-        self.run_state.end_train_end()
-        hooks.on_train_end()
+        try:
+            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)
+        except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
+            run_state.end_train_end()
+            raise
+        run_state.end_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
 

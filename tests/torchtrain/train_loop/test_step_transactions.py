@@ -903,3 +903,68 @@ def test_fit_num_iterations_ending_mid_window_and_failing_after_its_step_is_cont
         torch.manual_seed(1)
         tl.fit(num_iterations=num_iterations + 4, grad_accumulation=grad_accumulation)
     assert_runs_equal(continued, straight)
+
+
+# --- the train end an exception interrupted: review 48l's findings ----------------------------------------------
+class TrainHooks(TrainEndHooks):
+    """TrainEndHooks that also records ``on_train_begin``; ``interrupts``: its ``on_train_end`` raises
+    KeyboardInterrupt the first time (Ctrl-C during a slow upload)."""
+
+    def __init__(self, name, execution_order, fails=False, interrupts=False):
+        super().__init__(name, execution_order, fails=fails)
+        self.interrupts = interrupts
+
+    def on_train_begin(self):
+        self.calls.append("on_train_begin")
+
+    def on_train_end(self):
+        self.calls.append("on_train_end")
+        if self.interrupts:
+            self.interrupts = False
+            raise KeyboardInterrupt
+
+
+def test_a_callback_registered_by_the_fit_that_finishes_a_train_end_takes_no_part_in_that_end():
+    """Review 48l F1: fit(callbacks=[added]) after an exception in the train end ran the added callback's
+    on_before_train_end and on_train_end for the earlier fit's end, before its own on_train_begin (a
+    ModelPerformanceEvaluation added there recorded the old end's train_end_* metrics too). The pending end is now
+    finished with the callbacks registered when it started; the added one is registered after it."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        failing, added, late = TrainHooks("failing", 20, fails=fail), TrainHooks("added", 10), TrainHooks("late", 5)
+        if fail:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(num_epochs=1, callbacks=[failing])
+            tl.fit(num_epochs=1, callbacks=[late])  # nothing left to train: the end only; late stays registered
+            assert late.calls == [] and any(callback is late for callback in tl.callbacks)
+        else:
+            tl.fit(num_epochs=1, callbacks=[failing, late])
+            late.calls.clear()
+        tl.fit(num_epochs=2, callbacks=[added])
+        return tl, added.calls, late.calls
+
+    straight, straight_added, straight_late = run(False)
+    continued, added, late = run(True)
+    assert straight_added == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert added == straight_added and late == straight_late == straight_added
+    assert_runs_equal(continued, straight)
+
+
+def test_a_keyboard_interrupt_in_on_train_end_leaves_the_later_callbacks_on_train_end_to_the_next_fit():
+    """Review 48l F3: Ctrl-C in one callback's on_train_end (a slow upload) skipped the on_train_end of the
+    callbacks after it (the final save) for good: the train end counted as done before on_train_end ran, and the
+    next fit said 'Nothing to train'. The next fit now runs the on_train_end of the callbacks that had not
+    returned (the interrupted one again, from its start), not of those that had."""
+    tl = _loop_with_a_test_set()
+    first, uploader, final_save = TrainHooks("first", 10), TrainHooks("uploader", 20, interrupts=True), \
+        TrainHooks("final save", 30)
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=1, callbacks=[first, uploader, final_save])
+    assert tl.run_state.train_end_pending
+    tl.fit(num_epochs=1)
+    assert not tl.run_state.train_end_pending
+    assert first.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert uploader.calls == ["on_train_begin", "on_before_train_end", "on_train_end", "on_train_end"]
+    assert final_save.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert len(tl.train_history["train_end_test_loss"]) == 1
