@@ -663,8 +663,8 @@ class TrainLoop:
         ``on_epoch_begin`` that starts the replay of a rollback (``SpikeRollback``), at the point it returned to.
 
         Raises:
-            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation (``fit``
-                finishes that end first).
+            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation, or in
+                its train end (``fit`` finishes that end first).
                 In an epoch's end before its evaluation (``on_epoch_train_end``, the evaluation itself): the end's
                 remaining steps (evaluation, ``on_epoch_end``) cannot be held by a checkpoint, so a resume would
                 skip them; take it in ``on_epoch_end``.
@@ -678,6 +678,14 @@ class TrainLoop:
                 that epoch again on weights already trained on some of its batches, which a resume would train again.
         """
         run_state = self.run_state
+        if run_state.interrupted_in_train_end:
+            # (Review 48l F2.) A checkpoint holds no train end: a resume from it would say "Nothing to train".
+            raise RuntimeError(
+                "checkpoint_state was called after fit stopped in its train end (an exception in a callback's "
+                "on_before_train_end or on_train_end, or in the test-set evaluation): a checkpoint cannot hold the "
+                "steps of that end still to run (the test-set loss, the callbacks' on_train_end: final saves, "
+                "uploads), so a resume would skip them. Call fit to finish the train end first (with the same "
+                "num_epochs / num_iterations it trains nothing more), then take the checkpoint")
         if run_state.interrupted_before_epoch_evaluation:
             # (After the evaluation, in on_epoch_end, the checkpoint callbacks run last: what a failed save leaves
             # for the user to take is the epoch's state, which its error message says to save elsewhere.)
@@ -1002,7 +1010,19 @@ class TrainLoop:
                 128 + signal number). Processes still running this many
                 seconds after the signal are killed. The launcher forwards SIGINT (Ctrl-C) too, and its
                 processes die with it if it is killed outright (SIGKILL). See :doc:`distributed`.
+
+        Raises:
+            RuntimeError: after a ``fit`` that an exception stopped in its train end, before anything starts:
+                call ``fit`` to finish that end first.
         """
+        if self.run_state.interrupted_in_train_end:
+            # (Review 48l F4.) The processes would not run this process's pending end (its steps are named by the
+            # identity of callbacks here), and its history would miss train_end_test_loss; fit runs it here.
+            raise RuntimeError(
+                "fit_distributed was called, but the last fit stopped in its train end; call fit() to finish it first "
+                "(an exception in a callback's on_before_train_end or on_train_end, or in the test-set evaluation, "
+                "left that end unfinished: the test-set loss, the final saves). fit with the same num_epochs / "
+                "num_iterations only finishes the end; then call fit_distributed to train on")
         if self.state.early_stop:  # a stopped run: no process is started
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)

@@ -951,6 +951,58 @@ def test_a_callback_registered_by_the_fit_that_finishes_a_train_end_takes_no_par
     assert_runs_equal(continued, straight)
 
 
+@pytest.mark.parametrize("target", [{"num_epochs": 1}, {"num_epochs": 2}, {"num_iterations": 20}, "stopped"])
+def test_fit_distributed_with_a_train_end_pending_is_refused_before_starting_anything(target):
+    """Review 48l F4: fit_distributed after an exception in the train end returned 'Nothing to train' with the end
+    never run (same target, or a run a stop request ended), or trained on in its processes while the launcher kept
+    the end pending (a later fit ran it again on the new weights). It is refused now, before any process starts,
+    and fit finishes the end."""
+    tl = _loop_with_a_test_set()
+    tl.fit(num_epochs=1)
+    failing = TrainHooks("failing", 20, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[failing])
+    if target == "stopped":
+        tl.early_stop, target = True, {"num_epochs": 2}
+    with pytest.raises(RuntimeError, match=r"the last fit stopped in its train end; call fit\(\) to finish it first"):
+        tl.fit_distributed(**target, num_cpu_processes=2)
+    assert tl.run_state.train_end_pending and "train_end_test_loss" in tl.train_history
+    assert len(tl.train_history["train_end_test_loss"]) == 1
+    tl.fit(num_epochs=2)
+    assert not tl.run_state.train_end_pending and len(tl.train_history["train_end_test_loss"]) == 2
+    assert failing.calls == ["on_train_begin"] + ["on_before_train_end"] * 2 + ["on_train_end"]
+
+
+class ChecksCheckpointAtTrainEnd(AbstractCallback):
+    """Takes a checkpoint in ``on_train_end``, as TrainLoopCheckpointEndSave does (not refused)."""
+
+    def __init__(self):
+        super().__init__("checkpoint at the train end", execution_order=100)
+        self.taken = 0
+
+    def on_train_end(self):
+        self.train_loop_obj.checkpoint_state()
+        self.taken += 1
+
+
+@pytest.mark.parametrize("hook", ["on_before_train_end", "on_train_end"])
+def test_checkpoint_state_with_a_train_end_pending_is_refused(hook):
+    """Review 48l F2 (same process): checkpoint_state after an exception in the train end was given without
+    complaint and held nothing of the pending end, so a loop resuming from it said 'Nothing to train' and never ran
+    the end (no final save, no train_end_test_loss). It is refused now, as after an exception in an epoch's end;
+    once fit finished the end it is taken (also in on_train_end, where the checkpoint callbacks take it)."""
+    tl = _loop_with_a_test_set()
+    failing = TrainHooks("failing", 20, fails=hook == "on_before_train_end", interrupts=hook == "on_train_end")
+    checkpointer = ChecksCheckpointAtTrainEnd()
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        tl.fit(num_epochs=1, callbacks=[failing, checkpointer])
+    with pytest.raises(RuntimeError, match="stopped in its train end.*Call fit to finish the train end first"):
+        tl.checkpoint_state()
+    tl.fit(num_epochs=1)
+    assert checkpointer.taken == 1
+    assert tl.checkpoint_state()["epoch"] == 0
+
+
 def test_a_keyboard_interrupt_in_on_train_end_leaves_the_later_callbacks_on_train_end_to_the_next_fit():
     """Review 48l F3: Ctrl-C in one callback's on_train_end (a slow upload) skipped the on_train_end of the
     callbacks after it (the final save) for good: the train end counted as done before on_train_end ran, and the
