@@ -434,6 +434,17 @@ class RunState:
         that end first, as the ``fit`` would have, whatever is left to train."""
         return self._train_end_done is not None
 
+    def begin_on_train_end(self) -> None:
+        """The train end's steps before ``on_train_end`` are done (see :attr:`in_train_end_before_on_train_end`)."""
+        if "on_train_end" not in self._train_end_done:
+            self._train_end_done.append("on_train_end")
+
+    @property
+    def in_train_end_before_on_train_end(self) -> bool:
+        """The train end is running (or the last ``fit`` stopped in it) and its ``on_train_end`` has not started:
+        in ``on_before_train_end`` or the test-set evaluation."""
+        return self._train_end_done is not None and "on_train_end" not in self._train_end_done
+
     @property
     def interrupted_in_train_end(self) -> bool:
         """The last ``fit`` stopped on an exception in its train end, which the next ``fit`` finishes."""

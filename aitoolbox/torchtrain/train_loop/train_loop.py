@@ -665,6 +665,8 @@ class TrainLoop:
         Raises:
             RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation, or in
                 its train end (``fit`` finishes that end first).
+                In the train end before ``on_train_end`` (``on_before_train_end``, the test-set evaluation): a
+                checkpoint holds no train end, so a resume would skip it; take it in ``on_train_end``.
                 In an epoch's end before its evaluation (``on_epoch_train_end``, the evaluation itself): the end's
                 remaining steps (evaluation, ``on_epoch_end``) cannot be held by a checkpoint, so a resume would
                 skip them; take it in ``on_epoch_end``.
@@ -686,6 +688,14 @@ class TrainLoop:
                 "steps of that end still to run (the test-set loss, the callbacks' on_train_end: final saves, "
                 "uploads), so a resume would skip them. Call fit to finish the train end first (with the same "
                 "num_epochs / num_iterations it trains nothing more), then take the checkpoint")
+        if run_state.in_train_end_before_on_train_end:
+            # As in an epoch's end before its evaluation: a checkpoint holds no train end.
+            raise RuntimeError(
+                "checkpoint_state was called in its train end before the callbacks' on_train_end (in "
+                "on_before_train_end, or during the test-set evaluation): a checkpoint cannot hold the steps of that "
+                "end still to run (the test-set loss, every on_train_end: final saves, uploads), so a resume from it "
+                "would report nothing to train and skip them. Take the checkpoint in on_train_end, from a callback "
+                "that runs after the others (a high execution_order), or in on_epoch_end")
         if run_state.interrupted_before_epoch_evaluation:
             # (After the evaluation, in on_epoch_end, the checkpoint callbacks run last: what a failed save leaves
             # for the user to take is the epoch's state, which its error message says to save elsewhere.)
@@ -1101,6 +1111,7 @@ class TrainLoop:
             if name not in done:
                 step()
                 done.append(name)
+        run_state.begin_on_train_end()
         try:
             hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)
         except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish

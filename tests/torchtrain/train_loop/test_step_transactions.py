@@ -1020,3 +1020,23 @@ def test_a_keyboard_interrupt_in_on_train_end_leaves_the_later_callbacks_on_trai
     assert uploader.calls == ["on_train_begin", "on_before_train_end", "on_train_end", "on_train_end"]
     assert final_save.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
     assert len(tl.train_history["train_end_test_loss"]) == 1
+
+
+class CheckpointBeforeTrainEnd(AbstractCallback):
+    """Takes a checkpoint in ``on_before_train_end``, before the test-set evaluation and every ``on_train_end``."""
+
+    def __init__(self):
+        super().__init__("checkpoint before the train end", execution_order=100)
+
+    def on_before_train_end(self):
+        self.train_loop_obj.checkpoint_state()
+
+
+def test_checkpoint_state_in_the_train_end_before_on_train_end_is_refused():
+    """(Found with review 48l's F2.) A checkpoint taken in on_before_train_end held nothing of the end still to run: a
+    loop resuming from it said 'Nothing to train', without train_end_test_loss or any on_train_end. It is refused,
+    as in an epoch's end before its evaluation; the run's fit raises it, and the next fit finishes the end."""
+    tl = _loop_with_a_test_set()
+    with pytest.raises(RuntimeError, match="in its train end before the callbacks' on_train_end"):
+        tl.fit(num_epochs=1, callbacks=[CheckpointBeforeTrainEnd()])
+    assert "train_end_test_loss" not in tl.train_history
