@@ -1,6 +1,6 @@
 """Keeps the registered callbacks in execution order and calls those that override each hook."""
 import logging
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 
@@ -145,14 +145,28 @@ class CallbacksHandler:
         for callback in self._subscribers["on_before_train_end"]:
             callback.on_before_train_end()
 
-    def on_train_end(self) -> None:
+    def on_train_end(self, done: Optional[List[int]] = None,
+                     taking_part: Optional[Callable[[AbstractCallback], bool]] = None) -> None:
         """Every callback's ``on_train_end``, even after one of them raised: a failed upload must not keep the final
-        model from being saved. The first failure is raised once all have run; later ones are logged."""
+        model from being saved. The first failure is raised once all have run; later ones are logged.
+
+        Args:
+            done: the identities of the callbacks whose ``on_train_end`` is done (returned, or raised an
+                ``Exception``), to which each is added; those in it are skipped. A ``KeyboardInterrupt`` (any
+                ``BaseException``) stops at once, so the next ``fit`` calls the callbacks not in it (the
+                interrupted one again, from its start), as :meth:`_call_each` does for a step's hooks.
+            taking_part: with it, only the callbacks for which it is true are called.
+        """
         failure: Optional[Exception] = None
+        done = [] if done is None else done
         for callback in self._subscribers["on_train_end"]:
+            if id(callback) in done or (taking_part is not None and not taking_part(callback)):
+                continue
             try:
                 callback.on_train_end()
+                done.append(id(callback))
             except Exception as error:
+                done.append(id(callback))
                 if failure is None:
                     failure = error
                 else:

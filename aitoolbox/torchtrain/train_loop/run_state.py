@@ -85,6 +85,17 @@ class RunState:
         # Whether a checkpoint has warned that it starts an epoch of a loader resetting its persistent workers: once
         # a run, not at every epoch-end save.
         self.persistent_workers_warned = False
+        # The steps of the train end finished so far, while it runs and after an exception in it (None: no train
+        # end in progress), see begin_train_end.
+        self._train_end_done: Optional[List[str]] = None
+        # The identities of the callbacks whose on_train_end returned (or raised an Exception: the handler calls the
+        # others and raises after them), while the train end runs; a KeyboardInterrupt leaves the rest.
+        self._on_train_end_done: List[int] = []
+        # The identities of the callbacks registered when the train end started: only they take part in it, also
+        # when the next fit finishes it after registering its own callbacks (review 48l F1).
+        self._train_end_callbacks: List[int] = []
+        # fit was left by an exception in the train end (not: the train end is running).
+        self._train_end_interrupted = False
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -107,6 +118,7 @@ class RunState:
         restore_train_state(tl, checkpoint)
         self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
+        self.end_train_end()
 
     def start_training(self, model: torch.nn.Module) -> None:
         """At the start of ``fit``, the model set up (its buffers are the tensors that train now: casting a model
@@ -314,6 +326,12 @@ class RunState:
         point = self._interrupted_at
         return point is not None and point.batches_trained and "auto_evaluation" not in point.finished_steps
 
+    @property
+    def in_epoch_end_before_evaluation(self) -> bool:
+        """An epoch's end is running and its evaluation is not done yet: in ``on_epoch_train_end`` or the evaluation
+        (also where the last ``fit`` stopped there, see :attr:`interrupted_before_epoch_evaluation`)."""
+        return self.in_epoch_end and "auto_evaluation" not in self._step_point.finished_steps
+
     def interrupted_at_iteration_target(self, num_iterations: int) -> bool:
         """An exception interrupted an epoch's batches exactly where ``fit(num_iterations=num_iterations)`` ends
         (e.g. in the last batch's ``on_batch_end``, or between the optimizers of its step), or a loaded mid-epoch
@@ -385,6 +403,61 @@ class RunState:
             return point[0]
         return point.batches_done if point is not None else 0
 
+    # --- the train end -----------------------------------------------------------------------------------------
+    def begin_train_end(self, callbacks: List[Any]) -> List[str]:
+        """The train end (``on_before_train_end``, the test-set evaluation, ``on_train_end``) starts, or continues
+        after an exception in it: the names of its steps finished so far, to which the loop adds each step it
+        finishes. Until :meth:`end_train_end`, an exception leaves the rest for the next ``fit``
+        (:attr:`train_end_pending`).
+
+        Args:
+            callbacks: the registered callbacks; where the end starts, they are those that take part in it
+                (:meth:`takes_part_in_train_end`).
+        """
+        self._train_end_interrupted = False
+        if self._train_end_done is None:
+            self._train_end_done, self._on_train_end_done = [], []
+            self._train_end_callbacks = [id(callback) for callback in callbacks]
+        return self._train_end_done
+
+    def takes_part_in_train_end(self, callback: Any) -> bool:
+        """``callback`` was registered when the train end in progress started (one registered later, by the
+        ``fit`` that finishes an interrupted end, has its own ``on_train_begin`` still to come)."""
+        return id(callback) in self._train_end_callbacks
+
+    @property
+    def on_train_end_done(self) -> List[int]:
+        """The identities of the callbacks whose ``on_train_end`` is done in the train end in progress (see
+        :meth:`~aitoolbox.torchtrain.callbacks.handler.CallbacksHandler.on_train_end`)."""
+        return self._on_train_end_done
+
+    def end_train_end(self) -> None:
+        """The train end is done: its steps and every callback's ``on_train_end``."""
+        self._train_end_done, self._on_train_end_done, self._train_end_interrupted = None, [], False
+        self._train_end_callbacks = []
+
+    @property
+    def train_end_pending(self) -> bool:
+        """The train end is running, or the last ``fit`` stopped on an exception in it: the next ``fit`` finishes
+        that end first, as the ``fit`` would have, whatever is left to train."""
+        return self._train_end_done is not None
+
+    def begin_on_train_end(self) -> None:
+        """The train end's steps before ``on_train_end`` are done (see :attr:`in_train_end_before_on_train_end`)."""
+        if "on_train_end" not in self._train_end_done:
+            self._train_end_done.append("on_train_end")
+
+    @property
+    def in_train_end_before_on_train_end(self) -> bool:
+        """The train end is running (or the last ``fit`` stopped in it) and its ``on_train_end`` has not started:
+        in ``on_before_train_end`` or the test-set evaluation."""
+        return self._train_end_done is not None and "on_train_end" not in self._train_end_done
+
+    @property
+    def interrupted_in_train_end(self) -> bool:
+        """The last ``fit`` stopped on an exception in its train end, which the next ``fit`` finishes."""
+        return self._train_end_interrupted
+
     def end_epoch(self) -> None:
         """The epoch is complete: an exception from here on starts the next one."""
         self._step_point = None
@@ -400,6 +473,7 @@ class RunState:
             unfinished_step: the current batch's step was interrupted after some optimizer had stepped (several
                 optimizers stepped in turn): the next ``fit`` finishes it, then goes on after the batch.
         """
+        self._train_end_interrupted = self.train_end_pending
         if self._interrupted_at is not None:  # the last exception's continuation has not begun: it still stands
             return
         try:

@@ -663,8 +663,13 @@ class TrainLoop:
         ``on_epoch_begin`` that starts the replay of a rollback (``SpikeRollback``), at the point it returned to.
 
         Raises:
-            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation (``fit``
-                finishes that end first).
+            RuntimeError: after a ``fit`` that an exception stopped in an epoch's end before its evaluation, or in
+                its train end (``fit`` finishes that end first).
+                In the train end before ``on_train_end`` (``on_before_train_end``, the test-set evaluation): a
+                checkpoint holds no train end, so a resume would skip it; take it in ``on_train_end``.
+                In an epoch's end before its evaluation (``on_epoch_train_end``, the evaluation itself): the end's
+                remaining steps (evaluation, ``on_epoch_end``) cannot be held by a checkpoint, so a resume would
+                skip them; take it in ``on_epoch_end``.
                 ``mid_epoch=True`` (or the default) away from a step point: inside an accumulation window
                 (gradients of batches not stepped yet, which a checkpoint does not hold), inside a batch before its
                 optimizer step (``on_batch_begin``, a gradient hook: a checkpoint would skip the batch), between the
@@ -675,6 +680,22 @@ class TrainLoop:
                 that epoch again on weights already trained on some of its batches, which a resume would train again.
         """
         run_state = self.run_state
+        if run_state.interrupted_in_train_end:
+            # (Review 48l F2.) A checkpoint holds no train end: a resume from it would say "Nothing to train".
+            raise RuntimeError(
+                "checkpoint_state was called after fit stopped in its train end (an exception in a callback's "
+                "on_before_train_end or on_train_end, or in the test-set evaluation): a checkpoint cannot hold the "
+                "steps of that end still to run (the test-set loss, the callbacks' on_train_end: final saves, "
+                "uploads), so a resume would skip them. Call fit to finish the train end first (with the same "
+                "num_epochs / num_iterations it trains nothing more), then take the checkpoint")
+        if run_state.in_train_end_before_on_train_end:
+            # As in an epoch's end before its evaluation: a checkpoint holds no train end.
+            raise RuntimeError(
+                "checkpoint_state was called in its train end before the callbacks' on_train_end (in "
+                "on_before_train_end, or during the test-set evaluation): a checkpoint cannot hold the steps of that "
+                "end still to run (the test-set loss, every on_train_end: final saves, uploads), so a resume from it "
+                "would report nothing to train and skip them. Take the checkpoint in on_train_end, from a callback "
+                "that runs after the others (a high execution_order), or in on_epoch_end")
         if run_state.interrupted_before_epoch_evaluation:
             # (After the evaluation, in on_epoch_end, the checkpoint callbacks run last: what a failed save leaves
             # for the user to take is the epoch's state, which its error message says to save elsewhere.)
@@ -683,6 +704,18 @@ class TrainLoop:
                 "evaluated (an exception in on_epoch_train_end or the evaluation): a checkpoint cannot hold the steps "
                 "of that end still to run (the evaluation, the callbacks' on_epoch_end), so a resume would skip them. "
                 "Call fit to finish the epoch's end first, then take the checkpoint")
+        if run_state.in_epoch_end_before_evaluation:
+            # (Review 45b.) The end's steps still to run are named by the identity of this loop's callbacks, and
+            # those of the hook in progress are partly done: no checkpoint can say which a resume must run.
+            raise RuntimeError(
+                f"checkpoint_state was called in the end of epoch {self.epoch} before its evaluation (in "
+                "on_epoch_train_end, or during the end-of-epoch evaluation): the epoch's batches are trained, but the "
+                "rest of its end has not run (the callbacks' on_epoch_train_end after this one, the evaluation into "
+                "the history, every on_epoch_end: LR schedulers, early stopping). A checkpoint cannot hold which of "
+                "those steps are still to run, so a resume from it would skip them (the epoch's loss/val_loss missing "
+                "from the history, a scheduler step missing). Take the epoch-end checkpoint in on_epoch_end, from a "
+                "callback that runs after the others (a high execution_order, as ModelCheckpoint's 100), or a "
+                "mid-epoch one in on_batch_end of a batch whose optimizer stepped")
         # None at an epoch boundary, also where the epoch starts again from its first batch (stopped before its
         # first step).
         position = run_state.position_in_epoch()
@@ -808,7 +841,8 @@ class TrainLoop:
             for each epoch:       on_epoch_begin, _run_epoch, auto-evaluation, on_epoch_end, summary line
             on_before_train_end;  final test-set loss;  on_train_end
             on an exception:      on_exception(exception), bars closed, the exception re-raised; the next
-                                  fit continues from the interrupted epoch's last optimizer step
+                                  fit continues from the interrupted epoch's last optimizer step (or the steps
+                                  of an epoch's end or of the train end that had not finished)
 
         Args:
             num_epochs: train until this many epochs are done.
@@ -816,7 +850,8 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
-        if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step:
+        if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step \
+                and not self.run_state.train_end_pending:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -832,7 +867,8 @@ class TrainLoop:
         state.grad_accumulation = grad_accumulation
         self.callbacks_handler.register_callbacks(callbacks or [])
         if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
-                and not self.run_state.interrupted_at_iteration_target(num_iterations):
+                and not self.run_state.interrupted_at_iteration_target(num_iterations) \
+                and not self.run_state.train_end_pending:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -984,7 +1020,19 @@ class TrainLoop:
                 128 + signal number). Processes still running this many
                 seconds after the signal are killed. The launcher forwards SIGINT (Ctrl-C) too, and its
                 processes die with it if it is killed outright (SIGKILL). See :doc:`distributed`.
+
+        Raises:
+            RuntimeError: after a ``fit`` that an exception stopped in its train end, before anything starts:
+                call ``fit`` to finish that end first.
         """
+        if self.run_state.interrupted_in_train_end:
+            # (Review 48l F4.) The processes would not run this process's pending end (its steps are named by the
+            # identity of callbacks here), and its history would miss train_end_test_loss; fit runs it here.
+            raise RuntimeError(
+                "fit_distributed was called, but the last fit stopped in its train end; call fit() to finish it first "
+                "(an exception in a callback's on_before_train_end or on_train_end, or in the test-set evaluation, "
+                "left that end unfinished: the test-set loss, the final saves). fit with the same num_epochs / "
+                "num_iterations only finishes the end; then call fit_distributed to train on")
         if self.state.early_stop:  # a stopped run: no process is started
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
@@ -1006,6 +1054,12 @@ class TrainLoop:
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
         self.set_up()
+        if self.run_state.train_end_pending:
+            # The last fit stopped in its train end: finished first, as that fit would have done it, before this
+            # fit's training (if any is left: the straight run's next fit starts after that end).
+            self._end_training()
+            if state.early_stop or self._target_reached(num_epochs, num_iterations):
+                return
         self.frozen_modules.enter_training(self.model, self.model_runner)
         if self.print_callbacks and self.strategy.is_main_process:
             logger.info("Callbacks: %s", self.callbacks)
@@ -1038,9 +1092,32 @@ class TrainLoop:
             self.run_state.end_epoch()  # until here an exception redoes the epoch's end
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
-        self.callbacks_handler.on_before_train_end()  # e.g. the best epoch's weights back, before they are evaluated
-        self._evaluator.at_train_end()
-        self.callbacks_handler.on_train_end()
+        self._end_training()
+
+    def _end_training(self) -> None:
+        """The train end: each callback's ``on_before_train_end`` (e.g. the best epoch's weights back, before they are
+        evaluated), the test-set evaluation, then every ``on_train_end``. Each step is done once: after an exception
+        in it, the next ``fit`` runs the steps that did not finish (a callback's by its identity, as in an epoch's
+        end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
+        others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
+        its ``on_train_begin`` still to come)."""
+        hooks, run_state = self.callbacks_handler, self.run_state
+        done = run_state.begin_train_end(hooks.callbacks)
+        steps = [(f"on_before_train_end:{id(callback)}", callback.on_before_train_end)
+                 for callback in hooks.subscribers("on_before_train_end")
+                 if run_state.takes_part_in_train_end(callback)]
+        steps.append(("test_evaluation", self._evaluator.at_train_end))
+        for name, step in steps:
+            if name not in done:
+                step()
+                done.append(name)
+        run_state.begin_on_train_end()
+        try:
+            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)
+        except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
+            run_state.end_train_end()
+            raise
+        run_state.end_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
 

@@ -399,6 +399,59 @@ def test_a_checkpoint_after_fit_stopped_in_the_epochs_end_is_refused_until_fit_f
     assert_runs_equal(resumed, straight)
 
 
+class CheckpointInEpochTrainEnd(AbstractCallback):
+    """Takes ``checkpoint_state(mid_epoch)`` in ``on_epoch_train_end`` of epoch 1 (last of the callbacks, as a
+    checkpoint callback runs), keeping it or the error it raised."""
+
+    def __init__(self, mid_epoch: Optional[bool]):
+        super().__init__("checkpoint in on_epoch_train_end", execution_order=1000)
+        self.mid_epoch, self.checkpoint, self.error = mid_epoch, None, None
+
+    def on_epoch_train_end(self):
+        if self.train_loop_obj.epoch == 1:
+            try:
+                self.checkpoint = as_from_a_file(self.train_loop_obj.checkpoint_state(mid_epoch=self.mid_epoch))
+            except RuntimeError as error:
+                self.error = error
+                raise
+
+
+@pytest.mark.parametrize("loss", ["plain", "multi2"])
+@pytest.mark.parametrize("mid_epoch", [None, False, True])
+def test_a_checkpoint_in_on_epoch_train_end_is_refused_at_save_time(mid_epoch, loss):
+    """Review 45b (two optimizers of a MultiLoss; any loop): a checkpoint taken in ``on_epoch_train_end`` recorded
+    the epoch as done, and a run resumed from it never ran the rest of the epoch's end: the epoch's evaluated
+    ``loss``/``val_loss`` were missing from the history and the epoch-stepping scheduler's step from the learning
+    rate (weights off from the next epoch on). The checkpoint cannot hold which hooks of that end still run, so it
+    is refused when it is taken, naming the hook to take it in; the run goes on from the same state once the callback
+    takes it in ``on_epoch_end`` instead."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+    from tests.combinations.support import Cell, build_loop
+
+    def loop() -> TrainLoop:
+        if loss == "plain":
+            return make_loop()
+        tl = build_loop(Cell(loss=loss))  # two optimizers; its train-set loss evaluated at each epoch end
+        tl.end_auto_eval = True
+        return tl
+
+    taker = CheckpointInEpochTrainEnd(mid_epoch)
+    tl = loop()
+    with pytest.raises(RuntimeError, match="on_epoch_train_end") as raised:
+        tl.fit(num_epochs=3, callbacks=[StepLRScheduler(step_size=1, gamma=0.5), taker])
+    assert raised.value is taker.error and taker.checkpoint is None
+    message = str(raised.value)
+    assert "end of epoch 1" in message and "before its evaluation" in message and "on_epoch_end" in message
+    assert tl.epochs_completed == 1 and len(tl.train_history["accumulated_loss" if loss == "plain"
+                                                             else "accumulated_loss_main"]) == 2
+    # The refused save left the run as it was: the next fit finishes the epoch's end, as the straight run did it.
+    taker.on_epoch_train_end = lambda: None
+    tl.fit(num_epochs=3)
+    straight = loop()
+    straight.fit(num_epochs=3, callbacks=[StepLRScheduler(step_size=1, gamma=0.5)])
+    assert_runs_equal(tl, straight)
+
+
 # --- after an exception inside an epoch --------------------------------------------------------------------------
 class RaiseBefore(AbstractCallback):
     """Raises once, in ``on_batch_begin`` of the run's ``at_batch``-th batch (fetched from the loader already)."""

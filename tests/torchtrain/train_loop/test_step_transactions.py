@@ -835,3 +835,279 @@ def test_a_run_folder_that_cannot_be_created_at_train_start_is_the_error_fit_rai
     assert_runs_equal(tl, straight)
     (run,) = os.listdir(tmp_path / DEFAULT_RUNS_FOLDER)
     assert os.listdir(tmp_path / DEFAULT_RUNS_FOLDER / run / "checkpoint_model")  # the second epoch's
+
+
+# --- the train end an exception interrupted (issue 32, defect A of loopcore48) ----------------------------------
+class TrainEndHooks(AbstractCallback):
+    """Records its train-end hooks; ``fails``: its ``on_before_train_end`` raises the first time (as a save of the
+    best weights on a full disk would)."""
+
+    def __init__(self, name, execution_order, fails=False):
+        super().__init__(name, execution_order=execution_order)
+        self.fails, self.calls = fails, []
+
+    def on_before_train_end(self):
+        self.calls.append("on_before_train_end")
+        if self.fails:
+            self.fails = False
+            raise OSError(28, "No space left on device")
+
+    def on_train_end(self):
+        self.calls.append("on_train_end")
+
+
+def _loop_with_a_test_set() -> TrainLoop:
+    """ComboNet over 7 batches an epoch, with a test loader: the train end records ``train_end_test_loss``."""
+    model = build_model(Cell())
+    data = torch.utils.data.Subset(dataset(), range(28))
+    test = torch.utils.data.Subset(dataset(), range(28, 40))
+    return TrainLoop(model, DataLoader(data, batch_size=4), None, DataLoader(test, batch_size=4),
+                     torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), show_progress=False)
+
+
+@pytest.mark.parametrize("length", [{"num_iterations": 9, "grad_accumulation": 2},
+                                    {"num_iterations": 8, "grad_accumulation": 3}, {"num_epochs": 2}])
+def test_an_exception_in_the_train_end_is_finished_by_the_next_fit(length):
+    """fit(num_iterations=N) (N inside an accumulation window: the partial window stepped at N) raised in a
+    callback's on_before_train_end; the same fit again said "Nothing to train": the test set was never evaluated
+    (train_end_test_loss missing from the history) and no callback's on_train_end ran (a final save, an upload). The
+    next fit now finishes the train end: the steps that did not finish, each once (the failed hook again), as the
+    straight run did them; a later, longer fit then equals the straight one's."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        first, failing = TrainEndHooks("first", 10), TrainEndHooks("failing", 20, fails=fail)
+        last = TrainEndHooks("last", 30)
+        if fail:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(callbacks=[first, failing, last], **length)
+            assert "train_end_test_loss" not in tl.train_history
+            tl.fit(**length)
+        else:
+            tl.fit(callbacks=[first, failing, last], **length)
+        return tl, [first.calls, failing.calls, last.calls]
+
+    straight, straight_calls = run(False)
+    continued, calls = run(True)
+    assert len(continued.train_history["train_end_test_loss"]) == 1
+    assert_runs_equal(continued, straight)
+    assert straight_calls == [["on_before_train_end", "on_train_end"]] * 3
+    assert calls == [["on_before_train_end", "on_train_end"], ["on_before_train_end"] * 2 + ["on_train_end"],
+                     ["on_before_train_end", "on_train_end"]]
+    longer = {key: value + 3 if key.startswith("num_") else value for key, value in length.items()}
+    for tl in (straight, continued):
+        torch.manual_seed(1)
+        tl.fit(**longer)
+    assert_runs_equal(continued, straight)
+
+
+def fail_once_in(hook: str, after_iterations: int) -> AbstractCallback:
+    """A callback whose ``hook`` raises once, the first time it runs with ``after_iterations`` batches done (order
+    500: after the other callbacks, before the checkpoint taker)."""
+    def fail(self, *args):
+        if not self.failed and self.train_loop_obj.iterations_done >= after_iterations:
+            self.failed = True
+            raise RuntimeError("a failure after fit's last step")
+
+    def init(self):
+        AbstractCallback.__init__(self, f"fails once in {hook}", execution_order=500)
+        self.failed = False
+    return type(f"FailOnceIn_{hook}", (AbstractCallback,), {"__init__": init, hook: fail})()
+
+
+class CheckpointAtSteps(AbstractCallback):
+    """Keeps a mid-epoch checkpoint (as from a file) at every batch whose optimizer stepped, as
+    ModelIterationCheckpoint(save_frequency=1) does."""
+
+    def __init__(self):
+        super().__init__("checkpoint at steps", execution_order=1000)
+        self.newest, self._steps = None, False
+
+    def on_after_gradient_update(self, optimizer_idx):
+        self._steps = self.train_loop_obj.optimizer_step_due
+
+    def on_batch_end(self):
+        if self._steps:
+            self.newest = copy.deepcopy(self.train_loop_obj.checkpoint_state())
+
+
+@pytest.mark.parametrize("continued_in", ["the same loop", "a new loop"])
+@pytest.mark.parametrize("hook", ["on_epoch_train_end", "on_epoch_end", "on_before_train_end"])
+@pytest.mark.parametrize("loss, grad_accumulation, num_iterations", [("plain", 2, 9), ("plain", 3, 8),
+                                                                     ("multi2", 3, 7), ("multi2", 2, 3)])
+def test_fit_num_iterations_ending_mid_window_and_failing_after_its_step_is_continued_as_straight(
+        loss, grad_accumulation, num_iterations, hook, continued_in):
+    """Issue 32 A (loopcore48): fit(num_iterations=N) with N inside an accumulation window (the partial window is
+    stepped at N; 5 batches an epoch), an exception after that step in the epoch's end or the train end, then the
+    same fit again: in the same TrainLoop, or in a new one from the mid-epoch checkpoint taken at N's step. Equal to
+    the straight call (weights, optimizer states, history, the epoch-stepping scheduler's learning rate): the window
+    is stepped once and the epoch closed once; then a longer fit equals the straight one's too."""
+    from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
+
+    def run(fail):
+        tl = build_loop(Cell(loss=loss))
+        kept = CheckpointAtSteps()
+        callbacks = [StepLRScheduler(step_size=1, gamma=0.5), kept]
+        callbacks += [fail_once_in(hook, num_iterations)] if fail else []
+        if not fail:
+            tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+            return tl
+        with pytest.raises(RuntimeError, match="after fit's last step"):
+            tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+        if continued_in == "a new loop":
+            assert kept.newest["iteration_idx"] == num_iterations - 1  # the checkpoint of N's step
+            torch.manual_seed(1234)  # a new process's random state
+            tl = build_loop(Cell(loss=loss))
+            tl.load_checkpoint(kept.newest)
+            callbacks = [StepLRScheduler(step_size=1, gamma=0.5)]
+        else:
+            callbacks = None
+        tl.fit(num_iterations=num_iterations, grad_accumulation=grad_accumulation, callbacks=callbacks)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert (continued.epochs_completed, continued.iterations_done) == (straight.epochs_completed, num_iterations)
+    assert [o.param_groups[0]["lr"] for o in continued.optimizers] == \
+        [o.param_groups[0]["lr"] for o in straight.optimizers]
+    assert_runs_equal(continued, straight)
+    for tl in (straight, continued):
+        torch.manual_seed(1)
+        tl.fit(num_iterations=num_iterations + 4, grad_accumulation=grad_accumulation)
+    assert_runs_equal(continued, straight)
+
+
+# --- the train end an exception interrupted: review 48l's findings ----------------------------------------------
+class TrainHooks(TrainEndHooks):
+    """TrainEndHooks that also records ``on_train_begin``; ``interrupts``: its ``on_train_end`` raises
+    KeyboardInterrupt the first time (Ctrl-C during a slow upload)."""
+
+    def __init__(self, name, execution_order, fails=False, interrupts=False):
+        super().__init__(name, execution_order, fails=fails)
+        self.interrupts = interrupts
+
+    def on_train_begin(self):
+        self.calls.append("on_train_begin")
+
+    def on_train_end(self):
+        self.calls.append("on_train_end")
+        if self.interrupts:
+            self.interrupts = False
+            raise KeyboardInterrupt
+
+
+def test_a_callback_registered_by_the_fit_that_finishes_a_train_end_takes_no_part_in_that_end():
+    """Review 48l F1: fit(callbacks=[added]) after an exception in the train end ran the added callback's
+    on_before_train_end and on_train_end for the earlier fit's end, before its own on_train_begin (a
+    ModelPerformanceEvaluation added there recorded the old end's train_end_* metrics too). The pending end is now
+    finished with the callbacks registered when it started; the added one is registered after it."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        failing, added, late = TrainHooks("failing", 20, fails=fail), TrainHooks("added", 10), TrainHooks("late", 5)
+        if fail:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(num_epochs=1, callbacks=[failing])
+            tl.fit(num_epochs=1, callbacks=[late])  # nothing left to train: the end only; late stays registered
+            assert late.calls == [] and any(callback is late for callback in tl.callbacks)
+        else:
+            tl.fit(num_epochs=1, callbacks=[failing, late])
+            late.calls.clear()
+        tl.fit(num_epochs=2, callbacks=[added])
+        return tl, added.calls, late.calls
+
+    straight, straight_added, straight_late = run(False)
+    continued, added, late = run(True)
+    assert straight_added == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert added == straight_added and late == straight_late == straight_added
+    assert_runs_equal(continued, straight)
+
+
+@pytest.mark.parametrize("target", [{"num_epochs": 1}, {"num_epochs": 2}, {"num_iterations": 20}, "stopped"])
+def test_fit_distributed_with_a_train_end_pending_is_refused_before_starting_anything(target):
+    """Review 48l F4: fit_distributed after an exception in the train end returned 'Nothing to train' with the end
+    never run (same target, or a run a stop request ended), or trained on in its processes while the launcher kept
+    the end pending (a later fit ran it again on the new weights). It is refused now, before any process starts,
+    and fit finishes the end."""
+    tl = _loop_with_a_test_set()
+    tl.fit(num_epochs=1)
+    failing = TrainHooks("failing", 20, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[failing])
+    if target == "stopped":
+        tl.early_stop, target = True, {"num_epochs": 2}
+    with pytest.raises(RuntimeError, match=r"the last fit stopped in its train end; call fit\(\) to finish it first"):
+        tl.fit_distributed(**target, num_cpu_processes=2)
+    assert tl.run_state.train_end_pending and "train_end_test_loss" in tl.train_history
+    assert len(tl.train_history["train_end_test_loss"]) == 1
+    tl.fit(num_epochs=2)
+    assert not tl.run_state.train_end_pending and len(tl.train_history["train_end_test_loss"]) == 2
+    assert failing.calls == ["on_train_begin"] + ["on_before_train_end"] * 2 + ["on_train_end"]
+
+
+class ChecksCheckpointAtTrainEnd(AbstractCallback):
+    """Takes a checkpoint in ``on_train_end``, as TrainLoopCheckpointEndSave does (not refused)."""
+
+    def __init__(self):
+        super().__init__("checkpoint at the train end", execution_order=100)
+        self.taken = 0
+
+    def on_train_end(self):
+        self.train_loop_obj.checkpoint_state()
+        self.taken += 1
+
+
+@pytest.mark.parametrize("hook", ["on_before_train_end", "on_train_end"])
+def test_checkpoint_state_with_a_train_end_pending_is_refused(hook):
+    """Review 48l F2 (same process): checkpoint_state after an exception in the train end was given without
+    complaint and held nothing of the pending end, so a loop resuming from it said 'Nothing to train' and never ran
+    the end (no final save, no train_end_test_loss). It is refused now, as after an exception in an epoch's end;
+    once fit finished the end it is taken (also in on_train_end, where the checkpoint callbacks take it)."""
+    tl = _loop_with_a_test_set()
+    failing = TrainHooks("failing", 20, fails=hook == "on_before_train_end", interrupts=hook == "on_train_end")
+    checkpointer = ChecksCheckpointAtTrainEnd()
+    with pytest.raises((OSError, KeyboardInterrupt)):
+        tl.fit(num_epochs=1, callbacks=[failing, checkpointer])
+    with pytest.raises(RuntimeError, match="stopped in its train end.*Call fit to finish the train end first"):
+        tl.checkpoint_state()
+    tl.fit(num_epochs=1)
+    assert checkpointer.taken == 1
+    assert tl.checkpoint_state()["epoch"] == 0
+
+
+def test_a_keyboard_interrupt_in_on_train_end_leaves_the_later_callbacks_on_train_end_to_the_next_fit():
+    """Review 48l F3: Ctrl-C in one callback's on_train_end (a slow upload) skipped the on_train_end of the
+    callbacks after it (the final save) for good: the train end counted as done before on_train_end ran, and the
+    next fit said 'Nothing to train'. The next fit now runs the on_train_end of the callbacks that had not
+    returned (the interrupted one again, from its start), not of those that had."""
+    tl = _loop_with_a_test_set()
+    first, uploader, final_save = TrainHooks("first", 10), TrainHooks("uploader", 20, interrupts=True), \
+        TrainHooks("final save", 30)
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=1, callbacks=[first, uploader, final_save])
+    assert tl.run_state.train_end_pending
+    tl.fit(num_epochs=1)
+    assert not tl.run_state.train_end_pending
+    assert first.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert uploader.calls == ["on_train_begin", "on_before_train_end", "on_train_end", "on_train_end"]
+    assert final_save.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+    assert len(tl.train_history["train_end_test_loss"]) == 1
+
+
+class CheckpointBeforeTrainEnd(AbstractCallback):
+    """Takes a checkpoint in ``on_before_train_end``, before the test-set evaluation and every ``on_train_end``."""
+
+    def __init__(self):
+        super().__init__("checkpoint before the train end", execution_order=100)
+
+    def on_before_train_end(self):
+        self.train_loop_obj.checkpoint_state()
+
+
+def test_checkpoint_state_in_the_train_end_before_on_train_end_is_refused():
+    """(Found with review 48l's F2.) A checkpoint taken in on_before_train_end held nothing of the end still to run: a
+    loop resuming from it said 'Nothing to train', without train_end_test_loss or any on_train_end. It is refused,
+    as in an epoch's end before its evaluation; the run's fit raises it, and the next fit finishes the end."""
+    tl = _loop_with_a_test_set()
+    with pytest.raises(RuntimeError, match="in its train end before the callbacks' on_train_end"):
+        tl.fit(num_epochs=1, callbacks=[CheckpointBeforeTrainEnd()])
+    assert "train_end_test_loss" not in tl.train_history
