@@ -76,11 +76,28 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
     root = path if root is None else root
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        if os.path.islink(existing):  # a link to nothing (an unmounted disk): creating the folders would fail
+            raise _unusable_folder(errno.ENOENT, root, _missing_link_reason(existing), in_working_dir)
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder", in_working_dir)
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable", in_working_dir)
+
+
+def _missing_link_reason(link: str) -> str:
+    return (f"{link} is a symbolic link to {os.readlink(link)}, which does not exist (create it, or remove the "
+            "link)")
+
+
+def _creation_failure(path: str, error: OSError) -> str:
+    """Why creating the folder ``path`` failed, for :func:`_unusable_folder`: a link to nothing on the way named."""
+    current = path
+    while os.path.dirname(current) != current:
+        if os.path.islink(current) and not os.path.exists(current):
+            return f"cannot create {path}: {_missing_link_reason(current)}"
+        current = os.path.dirname(current)
+    return f"cannot create {path} ({error.strerror or error})"
 
 
 def default_run_folder(timestamp: Optional[str] = None) -> "ExperimentFolder":
@@ -256,15 +273,13 @@ class ExperimentFolder:
         """
         if self._created:
             return self.path
+        self.reserve()
         try:
-            self.reserve()
             if os.path.lexists(self.path) and not os.path.isdir(self.path):
                 raise NotADirectoryError(errno.ENOTDIR, f"{self.path} is a file, not a folder")
             os.makedirs(self.path, exist_ok=True)  # reserved: no other run takes this name
         except OSError as error:
-            if error.errno is None:
-                raise  # the never-overwrite limit: already says what is wrong
-            raise _unusable_folder(error.errno, self.root, f"cannot create {self.path} ({error.strerror or error})",
+            raise _unusable_folder(error.errno or errno.EIO, self.root, _creation_failure(self.path, error),
                                    self.in_working_dir) from error
         self._created = True
         self._release_claim()  # the folder itself holds the name from now on
@@ -284,12 +299,16 @@ class ExperimentFolder:
 
         Raises:
             FileExistsError: the name and :data:`MAX_SAME_SECOND_RUNS` suffixed ones are all taken.
-            OSError: the project folder cannot be created.
+            OSError: the project folder cannot be created (the message names ``local_model_result_folder_path``).
         """
         if self._reserved or self._created:
             return self.timestamp
         project_folder = os.path.dirname(self.path)
-        os.makedirs(project_folder, exist_ok=True)
+        try:
+            os.makedirs(project_folder, exist_ok=True)
+        except OSError as error:
+            raise _unusable_folder(error.errno or errno.EIO, self.root, _creation_failure(project_folder, error),
+                                   self.in_working_dir) from error
         base_timestamp = self.timestamp
         for suffix in range(MAX_SAME_SECOND_RUNS + 1):
             self.timestamp = f"{base_timestamp}_{suffix}" if suffix else base_timestamp
@@ -297,6 +316,10 @@ class ExperimentFolder:
                 os.close(os.open(self._claim_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             except FileExistsError:
                 continue  # another run (or job) holds this name
+            except OSError as error:  # e.g. a project folder this process may not write into
+                raise _unusable_folder(error.errno or errno.EIO, self.root,
+                                       f"cannot claim a run folder's name in {project_folder} "
+                                       f"({error.strerror or error})", self.in_working_dir) from error
             # Claimed; the folder may still exist from a run that created it (its claim then removed).
             if os.path.lexists(self.path):
                 self._release_claim()

@@ -144,3 +144,26 @@ def test_save_json_takes_tuple_and_mixed_type_keys(tmp_path):
         written = json.load(handle)
     assert written["pairs"] == {"(0, 1)": 3, "(1, 0)": 2}
     assert written["mixed"] == {"1": "a", "b": 2, "null": 3}
+
+
+@pytest.mark.parametrize("linked", ["root", "project"])
+def test_a_link_to_nothing_on_the_way_is_named_at_the_check_and_at_creation(tmp_path, linked):
+    """``aitoolbox_runs`` (or the root) a symbolic link to a disk not mounted: the check before training names the
+    link and its target, and so does a creation (the name's reservation alone included), never a bare "File
+    exists"."""
+    target = tmp_path / "unmounted" / "runs"
+    link = tmp_path / "runs" if linked == "root" else tmp_path / "root" / "p"
+    link.parent.mkdir(exist_ok=True)
+    os.symlink(target, link)
+    root = tmp_path / "runs" if linked == "root" else tmp_path / "root"
+    folder = ExperimentFolder(str(root), "p", "e", timestamp="t")
+    expected = unusable_root_message(str(root)) + ".*symbolic link to " + re.escape(str(target))
+    with pytest.raises(FileNotFoundError, match=expected):
+        folder.check_creatable()
+    with pytest.raises(OSError, match=expected):
+        folder.reserve()
+    with pytest.raises(OSError, match=expected):
+        folder.create()
+    target.mkdir(parents=True)  # mounted: the same object goes on
+    assert folder.create() == str(root / "p" / "e_t")
+    assert os.listdir(target) == (["p"] if linked == "root" else ["e_t"])
