@@ -28,7 +28,7 @@ from aitoolbox.torchtrain.multi_loss_optim import MultiLoss
 from aitoolbox.torchtrain.schedulers.basic import GeneralLRSchedulerCallback, StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from aitoolbox.torchtrain.train_loop.evaluation import loader_generators
-from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
+from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.train_loop.train_state import capture_rng_state, restore_rng_state
 from tests.combinations.support import IN_FEATURES, Cell, ComboNet, build_optimizers
 from tests.helpers import IterableTensorData

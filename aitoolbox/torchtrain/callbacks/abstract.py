@@ -85,6 +85,12 @@ class AbstractCallback:
             exception: what stopped training.
         """
 
+    def on_stop_signal(self) -> None:
+        """In every process, at the optimizer step where a stop signal (SIGTERM, SIGHUP: a scheduler's time limit)
+        ends training, before the checkpoints for the resume are saved: settle what such a checkpoint must not hold
+        half-done (``SpikeRollback`` judges its pending losses here). May raise ``RollBack`` (a rollback's request):
+        the run returns to the kept point and stops at the replay's first step."""
+
     def on_epoch_begin(self) -> None:
         """At the start of every epoch."""
 

@@ -10,7 +10,7 @@ HOOK_NAMES = (
     "on_train_loop_registration", "on_multiprocess_start", "on_train_begin", "on_before_train_end", "on_train_end",
     "on_epoch_begin", "on_epoch_train_end", "on_epoch_end", "on_batch_begin", "on_batch_end",
     "on_after_gradient_update", "on_after_optimizer_step", "on_after_batch_prediction", "on_exception",
-    "progress_bar_postfix",
+    "on_stop_signal", "progress_bar_postfix",
 )
 
 # The hooks called for every batch: when no callback has one, the loop skips calling them (on a tiny model the
@@ -182,6 +182,10 @@ class CallbacksHandler:
     def on_epoch_train_end(self) -> None:
         for callback in self._subscribers["on_epoch_train_end"]:
             callback.on_epoch_train_end()
+
+    def on_stop_signal(self) -> None:
+        for callback in self._subscribers["on_stop_signal"]:
+            callback.on_stop_signal()
 
     def on_epoch_end(self) -> None:
         for callback in self._subscribers["on_epoch_end"]:

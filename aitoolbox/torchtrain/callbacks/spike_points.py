@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, list_checkpoints, remove_checkpoint
-from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
+from aitoolbox.torchtrain.host_copy import host_copy
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.run_snapshot import RunSnapshot
@@ -55,7 +55,7 @@ class KeptPoint:
         # written a few milliseconds after the point can carry an earlier time.)
         self.on_disk = dict(on_disk or {})
         self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
-        self.checkpoint = checkpoint  # every tensor on the host, shared with nothing (see run_snapshot.host_copy)
+        self.checkpoint = checkpoint  # every tensor on the host, shared with nothing (see torchtrain.host_copy)
         self.written = written  # the checkpoint under its usual name, when it was written for this point alone
 
     @property

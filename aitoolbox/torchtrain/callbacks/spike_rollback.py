@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.torchtrain.data.loader_info import resets_own_iterator
+from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.handler import overrides_hook
 from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
-from aitoolbox.torchtrain.train_loop.run_snapshot import host_copy
-from aitoolbox.torchtrain.train_loop.sampler_replay import resets_own_iterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -187,8 +188,11 @@ class SpikeRollback(AbstractCallback):
         after a check), the run as it stands is clean, the point the run that never stopped kept last: a spike at
         the fit's first steps returns here. Kept as the checkpoint the run stands at (the replay's on_epoch_begin
         runs again, as for a checkpoint taken here). Where losses are pending, the first step's check keeps the
-        point, as before (nothing earlier is known to be clean)."""
-        if self._pending or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader):
+        point, as before (nothing earlier is known to be clean); so it does where a callback ordered before this one
+        has an ``on_epoch_begin``: what it did (drawn random numbers, its state) is in the point already, and the
+        replay's ``on_epoch_begin`` would do it again."""
+        if self._pending or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader) \
+                or self._epoch_begins_before_this(tl):
             # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
             # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
             return
@@ -205,6 +209,11 @@ class SpikeRollback(AbstractCallback):
             where = dict(self._checked_at)
         on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
         self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, **where)
+
+    def _epoch_begins_before_this(self, tl: "TrainLoop") -> bool:
+        """Whether a callback ordered before this one overrides ``on_epoch_begin`` (review 48s F5)."""
+        earlier = tl.callbacks[:tl.callbacks.index(self)]  # (in execution order)
+        return any(overrides_hook(callback, "on_epoch_begin") for callback in earlier)
 
     def on_batch_begin(self) -> None:
         self._start_due = False
@@ -425,7 +434,7 @@ class SpikeRollback(AbstractCallback):
         # Within the epoch: a step at an epoch's end is judged there, before the next epoch's losses.
         return (epoch, position + 1) in self._state_suspects
 
-    def before_signal_checkpoint(self) -> None:
+    def on_stop_signal(self) -> None:
         """The loop, in every process at the step where a stop signal (SIGTERM) ends training, before the checkpoint
         it saves (see :mod:`~aitoolbox.torchtrain.train_loop.interrupts`). ``snapshot='memory'`` keeps its point in
         this process only: a spike among the pending losses would be saved in the checkpoint with nothing for the
@@ -551,12 +560,14 @@ class SpikeRollback(AbstractCallback):
         where = self._checked_at
         last_check = "" if where is None else (f" (epoch {where['epoch'] + 1}, iteration {where['iteration']}, "
                                                f"total iteration {where['total_iteration']})")
-        return (f". The checkpoint this run resumed from holds {self._started_with} loss(es) not yet judged (written "
-                "between two checks, or by a stop signal after a step that made the weights not finite), the spike "
-                "among them or caused by them, and the clean point kept before them did not survive the process "
-                f"(snapshot='{self.snapshot}': " + ("a copy in its memory" if self.snapshot == "memory" else
-                                                     "no pin in its checkpoint folder") +
-                f"). Resume from a checkpoint written at or before the last check{last_check}" +
+        # (Review 48s F9: the pending losses may have been judged clean, and come from the fit before this one in
+        # the same process as well as from a loaded checkpoint: the message claims neither.)
+        return (f". This fit started with {self._started_with} loss(es) of the run before it not checked yet (from "
+                "the previous fit, or held by the checkpoint it resumed from), so it keeps its first point at its "
+                "first step, and the point kept before those losses is gone (snapshot="
+                f"'{self.snapshot}': " + ("a copy in memory, released at the end of each fit or process"
+                                          if self.snapshot == "memory" else "no pin in its checkpoint folder") +
+                f"). Resume from a checkpoint written at or before the last check{last_check}, if one is kept" +
                 (", or train with snapshot='checkpoint', whose point outlives the process"
                  if self.snapshot == "memory" else ""))
 

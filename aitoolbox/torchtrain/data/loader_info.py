@@ -1,9 +1,11 @@
 """What the loop and the callbacks ask of a loader and its batches, below both: a batch's size, a loader's length,
-and its generators' random states kept across a pass that must not change the run's data order."""
+its generators' random states kept across a pass that must not change the run's data order, and whether it
+resets its own worker iterator between epochs."""
 import contextlib
 from typing import Any, Iterator, List, Optional
 
 import torch
+from torch.utils.data import DataLoader
 
 
 def batch_size_of(batch_data: Any) -> Optional[int]:
@@ -37,3 +39,20 @@ def preserved_generator_states(generators: List[torch.Generator]) -> Iterator[No
     finally:
         for generator, state in zip(generators, states):
             generator.set_state(state)
+
+
+def has_own_state(obj: Any) -> bool:
+    """Whether ``obj`` saves and restores its own state (``state_dict`` and ``load_state_dict``): a loader its
+    position in the epoch (torchdata's ``StatefulDataLoader``), a sampler its position or its random state."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def resets_own_iterator(loader: Any) -> bool:
+    """Whether ``loader`` keeps its own position (:func:`has_own_state`) and resets its worker
+    iterator for the next epoch (``persistent_workers=True``, the iterator made): the next epoch iterates its
+    sampler once and its workers keep their seeds. A run resumed at that epoch's start cannot do the same: the
+    loader it builds makes a new iterator (its sampler iterated twice, a new base seed drawn), so its data order and
+    the workers' random states differ from the uninterrupted run's. A mid-epoch checkpoint holds the iterator's
+    state and resumes bitwise."""
+    return isinstance(loader, DataLoader) and has_own_state(loader) and loader.num_workers > 0 \
+        and bool(loader.persistent_workers) and getattr(loader, "_iterator", None) is not None

@@ -11,10 +11,10 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
   ``state_dict`` for its position in the epoch and stops fast-forwarding it);
 * else a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a
   sampler whose random state is out of reach can still expose it), but in a loader that keeps its own position
-  (:func:`keeps_sampler_positions`): that loader saves a sampler's ``state_dict`` as its position in the epoch and
-  loads it on resume, so it is no random state; such a sampler's random state is saved as the next point says
-  (loading its position as a random state started the next epoch where the saved one stood, and left the
-  generators it shuffles with unsaved);
+  (:func:`~aitoolbox.torchtrain.data.loader_info.has_own_state`): that loader saves a sampler's ``state_dict`` as
+  its position in the epoch and loads it on resume, so it is no random state; such a sampler's random state is
+  saved as the next point says (loading its position as a random state started the next epoch where the saved one
+  stood, and left the generators it shuffles with unsaved);
 * otherwise its attributes that hold a ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator,
   or a torch ``Generator`` are saved and restored by value, keyed by attribute path: looked for up to ``_DEPTH``
   attributes down through the plain objects the sampler holds (``cfg.rng``, a wrapper's ``base.rng``), since a
@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
+
+from aitoolbox.torchtrain.data.loader_info import has_own_state
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +66,6 @@ def loader_samplers(loader: Any) -> List[Any]:
         found.append(sampler)
         pending.append(getattr(sampler, "sampler", None))
     return found
-
-
-def keeps_sampler_positions(loader: Any) -> bool:
-    """Whether ``loader`` saves and restores its position itself (torchdata's ``StatefulDataLoader``: ``state_dict``
-    and ``load_state_dict``): then it takes a sampler's ``state_dict`` for the sampler's position in the epoch."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def loader_generators(loader: Any) -> List[torch.Generator]:
@@ -267,7 +263,7 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
     known = list(known_generators)
     states: Dict[str, Any] = {}
     samplers = keyed_samplers(loader)
-    positions = keeps_sampler_positions(loader)
+    positions = has_own_state(loader)
     for key, sampler in samplers.items():
         kind = _saved_kind(sampler, positions)
         if kind == "random_state":
@@ -286,7 +282,7 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
     """Put back what :func:`capture_sampler_states` returned into the samplers of ``loader`` (one built as the saved
     run's was); a saved sampler this loader lacks is named in a warning."""
     current = keyed_samplers(loader)
-    positions = keeps_sampler_positions(loader)
+    positions = has_own_state(loader)
     for key, saved in states.items():
         sampler = current.get(key)
         if sampler is None:
@@ -323,7 +319,7 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
 
 def _saved_kind(sampler: Any, positions: bool) -> str:
     """How :func:`capture_sampler_states` saves ``sampler``'s random state (``positions``: its loader keeps the
-    samplers' positions, :func:`keeps_sampler_positions`): "random_state", "state_dict" or "attributes"."""
+    samplers' positions, :func:`has_own_state`): "random_state", "state_dict" or "attributes"."""
     if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
         return "random_state"
     if _has_methods(sampler, "state_dict", "load_state_dict") and not positions:

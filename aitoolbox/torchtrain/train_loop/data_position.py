@@ -27,6 +27,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter, _SingleProcessDataLoaderIter
 
+from aitoolbox.torchtrain.data.loader_info import has_own_state  # noqa: F401 (importable from here)
 from aitoolbox.torchtrain.train_loop.random_state import capture_draw_state, restore_draw_state
 from aitoolbox.torchtrain.train_loop.sampler_replay import continued_from_own_state
 
@@ -40,11 +41,6 @@ ITERATOR_KEY = "loader_iterator"
 _ITERATOR_INTERNALS_KNOWN = all(callable(getattr(iterator_class, name, None)) for iterator_class, name in (
     (_SingleProcessDataLoaderIter, "_next_index"), (_MultiProcessingDataLoaderIter, "_next_index"),
     (_MultiProcessingDataLoaderIter, "_try_put_index"), (_MultiProcessingDataLoaderIter, "_reset")))
-
-
-def has_own_state(loader: Any) -> bool:
-    """Whether ``loader`` saves and restores its position itself (e.g. torchdata's ``StatefulDataLoader``)."""
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def skips_by_index(loader: Any) -> bool:

@@ -10,8 +10,8 @@ not continue exactly. While ``fit`` trains, :class:`InterruptGuard` therefore ha
 * **SIGTERM and SIGHUP** (a scheduler's time limit or ``scancel``, torchrun's agent stopping its workers, a
   closed terminal): training goes on to the end of the current optimizer step (the accumulation window's last
   batch), every process of a distributed run at the same step (agreed within about a quarter of a second, see
-  :mod:`~aitoolbox.torchtrain.train_loop.stop_agreement`), and then (after the ``before_signal_checkpoint()``
-  of the callbacks that have one, e.g. SpikeRollback judging its pending losses) every registered checkpoint
+  :mod:`~aitoolbox.torchtrain.train_loop.stop_agreement`), and then (after the callbacks' ``on_stop_signal()``,
+  e.g. SpikeRollback judging its pending losses) every registered checkpoint
   callback writes a resumable mid-epoch checkpoint (the pre-requeue pattern of SLURM jobs) before :class:`SignalStop`
   ends training. A signal that arrives outside the batches takes effect at the next step, or when ``fit``
   ends. ``grace_s`` seconds after the signal the process is killed if it has not stopped by then; the same
@@ -164,12 +164,9 @@ class InterruptGuard:
         Called in every process at the same step (a checkpoint is a collective in a distributed run).
         """
         signum = self.stop_signal or signal.SIGTERM  # in a distributed run another process may have received it
-        for callback in list(tl.callbacks):
-            # A callback whose state must be settled before the checkpoint (SpikeRollback judges its pending losses
-            # here). It may raise RollBack: the run goes back to a kept point, and stops at the replay's first step.
-            before = getattr(callback, "before_signal_checkpoint", None)
-            if callable(before):
-                before()
+        # What the checkpoint must not hold half-done (SpikeRollback judges its pending losses). It may raise
+        # RollBack: the run goes back to a kept point, and stops at the replay's first step.
+        tl.callbacks_handler.on_stop_signal()
         saved = save_resume_checkpoints(tl)
         if tl.strategy.is_main_process:  # the one process that writes checkpoints knows what was saved
             if saved:

@@ -10,35 +10,13 @@ stopped) holds for a snapshot too.
 Used by what has to undo training inside one process: the LR finder (the run is as before the search) and
 ``SpikeRollback`` (the run goes back to the last clean interval).
 """
-import collections
-import copy
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
+from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.train_loop.train_state import MidEpochResume, apply_pending_states, restore_train_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
-
-
-def host_copy(value: Any) -> Any:
-    """``value`` with every tensor copied to the CPU (containers copied recursively, other objects deep-copied):
-    nothing in the copy shares memory with the live run, which goes on changing its tensors in place."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        copied = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
-        for key, item in value.items():
-            copied[key] = host_copy(item)
-        if hasattr(value, "_metadata"):  # a module's state dict: the versions load_state_dict reads
-            copied._metadata = copy.deepcopy(value._metadata)
-        return copied
-    if isinstance(value, list):
-        return [host_copy(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(host_copy(item) for item in value)
-    return copy.deepcopy(value)
 
 
 class RunSnapshot:

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
+from aitoolbox.torchtrain.data.loader_info import has_own_state
 from aitoolbox.torchtrain.data.sampler_state import loader_generators, loader_samplers, sampler_draw_states
 
 # What a StatefulDataLoader's iterator saves about its sampler (torchdata 0.8 to 0.11): how many items it had
@@ -53,7 +54,7 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
         return iter(loader)  # no sampler it iterates again (an iterable dataset), or not a DataLoader we know
     owner, attribute, drawn, saved_base_seed = target
     sampler = getattr(owner, attribute)
-    replay_class = _StatefulEpochStartReplay if _is_stateful(sampler) else _EpochStartReplay
+    replay_class = _StatefulEpochStartReplay if has_own_state(sampler) else _EpochStartReplay
     replay = replay_class(sampler, loader, drawn, fresh_iterations=1 if loader.num_workers == 0 else 2,
                           saved_base_seed=saved_base_seed if loader.persistent_workers else None)
     # DataLoader refuses a new sampler once built; for the iterator's construction only (its iterations of the
@@ -100,17 +101,6 @@ def saved_num_workers(loader_state: Any) -> Optional[int]:
     return 0 if isinstance(loader_state.get(_NUM_YIELDED_KEY), int) else None
 
 
-def resets_own_iterator(loader: Any) -> bool:
-    """Whether ``loader`` keeps its own position (:func:`~.data_position.has_own_state`) and resets its worker
-    iterator for the next epoch (``persistent_workers=True``, the iterator made): the next epoch iterates its
-    sampler once and its workers keep their seeds. A run resumed at that epoch's start cannot do the same: the
-    loader it builds makes a new iterator (its sampler iterated twice, a new base seed drawn), so its data order and
-    the workers' random states differ from the uninterrupted run's. A mid-epoch checkpoint holds the iterator's
-    state and resumes bitwise."""
-    return isinstance(loader, DataLoader) and _is_stateful(loader) and loader.num_workers > 0 \
-        and bool(loader.persistent_workers) and getattr(loader, "_iterator", None) is not None
-
-
 def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str, int, Optional[int]]]:
     """``(owner, attribute, drawn, base seed)``: the sampler the resumed iterator iterates again is
     ``owner.attribute``, the replay draws its first ``drawn`` items at once (those the loader passes over), and the
@@ -126,7 +116,7 @@ def _replayed_sampler(loader: Any, loader_state: Any) -> Optional[Tuple[Any, str
     if saved.get(_ITERATOR_STATE_KEY) is None:
         # The loader iterates its index sampler again: it loads the sampler's own position (a stateful sampler),
         # or passes over the items the saved iterator had drawn, which the replay draws at once.
-        return loader, attribute, 0 if _is_stateful(index_sampler) else saved[_YIELDED_KEY], base_seed
+        return loader, attribute, 0 if has_own_state(index_sampler) else saved[_YIELDED_KEY], base_seed
     # The index sampler's iterator restores itself (torchdata's BatchSampler): it iterates the sampler it batches
     # again and passes over the samples it had yielded (or loads that sampler's position).
     inner = getattr(index_sampler, "sampler", None)
@@ -146,10 +136,6 @@ def _iterator_main_state(state: Any) -> Optional[dict]:
             if found is not None:
                 return found
     return None
-
-
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 class _EpochStartReplay:
@@ -233,7 +219,7 @@ class _EpochStartReplay:
         if self.drawn > 0:
             first = list(itertools.islice(iterator, self.drawn))
             return itertools.chain(first, iterator)
-        if not _is_stateful(self.sampler) or _is_stateful(iterator):
+        if not has_own_state(self.sampler) or has_own_state(iterator):
             # The loader passes over the indices drawn at once (it asks for them now), or restores the iterator
             # itself (torchdata's RandomSampler, which drew in its __init__).
             return iterator

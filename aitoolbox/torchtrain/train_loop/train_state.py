@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-import aitoolbox
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.experiment.local_save.checkpoints import (
     MODEL_KEY, OPTIMIZER_KEY, SCHEDULERS_KEY, SHARDED_CHECKPOINT_KEY, SHARDED_IDENTITY_KEY, failures_named,
@@ -32,7 +31,8 @@ from aitoolbox.torchtrain.train_loop.data_position import (
 from aitoolbox.torchtrain.train_loop.losses import EpochLossSum
 from aitoolbox.torchtrain.train_loop.random_state import (  # noqa: F401 (weights_only_safe: importable from here)
     capture_draw_state, restore_draw_state, weights_only_safe)
-from aitoolbox.torchtrain.train_loop.sampler_replay import check_loader_state_fits, resets_own_iterator
+from aitoolbox.torchtrain.data.loader_info import resets_own_iterator
+from aitoolbox.torchtrain.train_loop.sampler_replay import check_loader_state_fits
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 # Where aitoolbox's own modules lie: a warning about the user's set-up names the first frame outside it.
-_PACKAGE_FOLDER = os.path.dirname(os.path.abspath(aitoolbox.__file__)) + os.sep
+_PACKAGE_FOLDER = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # aitoolbox/
 
 # 2: aitoolbox 1.8's keys (model_state_dict, optimizer_state_dict, schedulers_state_dict, epoch, iteration_idx,
 # hyperparams, amp) plus this package's state; 1: "model"/"optimizers" keys (upgraded when loaded).

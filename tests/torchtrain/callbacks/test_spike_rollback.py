@@ -48,10 +48,11 @@ class Poisoned(Dataset):
 
 
 class TellEpoch(AbstractCallback):
-    """Tells the training data the epoch at its start (a rollback into an earlier epoch starts it again)."""
+    """Tells the training data the epoch at its start (a rollback into an earlier epoch starts it again). Ordered after
+    SpikeRollback: a callback with an ``on_epoch_begin`` ordered before it keeps the fit's start from being a point."""
 
     def __init__(self):
-        super().__init__("tell the data the epoch", execution_order=-1000)
+        super().__init__("tell the data the epoch", execution_order=-10)
 
     def on_epoch_begin(self):
         self.train_loop_obj.train_loader.dataset.epoch = self.train_loop_obj.epoch
@@ -843,34 +844,68 @@ def test_a_nan_at_the_first_batch_of_a_fresh_run_returns_to_the_fit_s_start():
     assert_params_equal(tl.model, reference.model)
 
 
+class DrawsAtEpochBegin(AbstractCallback):
+    """Draws from torch's generator in every ``on_epoch_begin`` (picks an augmentation for the epoch)."""
+
+    def __init__(self, execution_order):
+        super().__init__("draws at the epoch's begin", execution_order=execution_order)
+        self.draws = []
+
+    def on_epoch_begin(self):
+        self.draws.append(torch.rand(1).item())
+
+
+def test_no_fit_start_point_where_a_callback_ordered_before_has_an_epoch_begin():
+    """Review 48s F5: the fit's start is kept in SpikeRollback's on_epoch_begin, after the earlier callbacks' ones;
+    a rollback there replays on_epoch_begin, and a callback ordered before SpikeRollback drew its random numbers
+    twice (silently another run). Such a run keeps no start point (the first step's check keeps it, as before);
+    a callback ordered after SpikeRollback does not stand in the way."""
+    poison = poisoned_at(0, 0)
+    model, twin = model_pair(MLP)
+    before = make_loop(model, loader(Poisoned(poison, scale=float("nan"))))
+    with pytest.raises(SpikeRollbackError, match="before SpikeRollback kept any clean point"):
+        before.fit(num_epochs=2, callbacks=[SpikeRollback(**SETTINGS), DrawsAtEpochBegin(-100)])
+    after_callback, reference_callback = DrawsAtEpochBegin(100), DrawsAtEpochBegin(100)
+    model, twin = model_pair(MLP)
+    after = train(make_loop(model, loader(Poisoned(poison, scale=float("nan")))), num_epochs=2,
+                  callbacks=[SpikeRollback(**SETTINGS), after_callback])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {0}})), num_epochs=2,
+                      callbacks=[reference_callback])
+    assert_params_equal(after.model, reference.model)
+    assert after_callback.draws[-2:] == reference_callback.draws
+
+
 # --- the epoch's end is judged before every callback's on_epoch_train_end (review 47r D3) -------------------------
-class SaveAtEpochTrainEnd(AbstractCallback):
-    """Takes a checkpoint in the first ``on_epoch_train_end`` of ``epoch`` it runs, ordered before SpikeRollback."""
+class SeesEpochTrainEnd(AbstractCallback):
+    """Records, at the first ``on_epoch_train_end`` of ``epoch`` it sees, the rollbacks done by then and the weights;
+    ordered before SpikeRollback."""
 
     def __init__(self, epoch):
-        super().__init__("save at the epoch's train end", execution_order=-100)
-        self.epoch, self.saved = epoch, None
+        super().__init__("sees the epoch's train end", execution_order=-100)
+        self.epoch, self.seen = epoch, None
 
     def on_epoch_train_end(self):
-        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
-            self.saved = copy.deepcopy(self.train_loop_obj.checkpoint_state())
+        tl = self.train_loop_obj
+        if tl.epoch == self.epoch and self.seen is None:
+            self.seen = (len(tl.rollbacks), [param.detach().clone() for param in tl.model.parameters()])
 
 
-def test_a_checkpoint_taken_in_on_epoch_train_end_before_spike_rollback_never_holds_an_unjudged_spike():
+def test_a_callback_ordered_before_spike_rollback_sees_the_epochs_end_judged():
     """The spike (epoch 1, batch 10) lies after the epoch's last check (batch 7): the losses of batches 8-11 are
-    judged at the epoch's end. A callback ordered before SpikeRollback saved them, spike included, in its
-    on_epoch_train_end, and the run resumed from that checkpoint stopped with SpikeRollbackError ("nothing to return
-    to"). They are judged at the epoch's last step now: the checkpoint is the replayed epoch's."""
+    judged at the epoch's end. A callback ordered before SpikeRollback saw them unjudged in its on_epoch_train_end
+    (a checkpoint it took there held the spike, and the run resumed from it stopped with SpikeRollbackError; such a
+    checkpoint is now refused, see test_checkpoint_position.py). They are judged at the epoch's last step: the
+    callback's first on_epoch_train_end of the epoch comes after the rollback, with the replayed epoch's weights."""
     poison = poisoned_at(1, 10)
     model, twin = model_pair(MLP)
-    saver = SaveAtEpochTrainEnd(1)
-    straight = train(make_loop(model, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), saver])
-    assert rollback_records(straight) == [(1, 10, {"epoch": 1, "iteration": 7})]
-    resumed = make_loop(twin, loader(Poisoned(poison)))
-    resumed.load_checkpoint(saver.saved)
-    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
-    assert rollback_records(resumed) == rollback_records(straight)
-    assert_params_equal(resumed.model, straight.model)
+    seer = SeesEpochTrainEnd(1)
+    tl = train(make_loop(model, loader(Poisoned(poison))), num_epochs=2, callbacks=[SpikeRollback(**SETTINGS), seer])
+    assert rollback_records(tl) == [(1, 10, {"epoch": 1, "iteration": 7})]
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {10}})), num_epochs=2)
+    rollbacks_seen, weights_seen = seer.seen
+    assert rollbacks_seen == 1
+    for seen, param in zip(weights_seen, reference.model.parameters()):
+        assert torch.equal(seen, param)
 
 
 # --- a stop signal between a spike and its check (review 47r D2) ---------------------------------------------------
