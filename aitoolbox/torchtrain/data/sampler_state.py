@@ -10,11 +10,7 @@ iterates (its sampler, its batch sampler and the samplers they wrap):
   way for a sampler whose ``state_dict`` means something else (torchdata's ``StatefulDataLoader`` takes a sampler's
   ``state_dict`` for its position in the epoch and stops fast-forwarding it);
 * else a sampler with ``state_dict()`` and ``load_state_dict()`` is saved and restored through them (so that a
-  sampler whose random state is out of reach can still expose it), but in a loader that keeps its own position
-  (:func:`~aitoolbox.torchtrain.data.loader_info.has_own_state`): that loader saves a sampler's ``state_dict`` as
-  its position in the epoch and loads it on resume, so it is no random state; such a sampler's random state is
-  saved as the next point says (loading its position as a random state started the next epoch where the saved one
-  stood, and left the generators it shuffles with unsaved);
+  sampler whose random state is out of reach can still expose it);
 * otherwise its attributes that hold a ``random.Random``, a numpy ``Generator``, ``RandomState`` or bit generator,
   or a torch ``Generator`` are saved and restored by value, keyed by attribute path: looked for up to ``_DEPTH``
   attributes down through the plain objects the sampler holds (``cfg.rng``, a wrapper's ``base.rng``), since a
@@ -38,8 +34,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
-
-from aitoolbox.torchtrain.data.loader_info import has_own_state
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +95,9 @@ def sampler_draw_states(samplers: List[Any], generators: List[torch.Generator]) 
     That is Python's, numpy's and torch's global random states, the torch ``generators`` (the loader's,
     :func:`loader_generators`) and each sampler's own random state: through ``random_state_dict()`` and
     ``load_random_state_dict()`` where it has them, else the random number generators its attributes hold. Not
-    through a sampler's ``state_dict()``: the loader this is for (one with its own state, torchdata's
-    ``StatefulDataLoader``) reads that as the sampler's position in the epoch and restores it itself. Nothing is
-    converted or written to a checkpoint: this is for undoing draws within one process.
+    through a sampler's ``state_dict()``: a loader with its own state (torchdata's ``StatefulDataLoader``) reads that
+    as the sampler's position in the epoch and restores it itself. Nothing is converted or written to a checkpoint:
+    this is for undoing draws within one process.
 
     Args:
         samplers: the samplers, fixed now (a sampler standing in for one of them later is not looked into).
@@ -115,7 +109,7 @@ def sampler_draw_states(samplers: List[Any], generators: List[torch.Generator]) 
     for sampler in samplers:
         if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
             own_states.append((sampler.load_random_state_dict, sampler.random_state_dict()))
-        else:
+        elif not _has_methods(sampler, "state_dict", "load_state_dict"):
             for rng in _own_rngs(sampler, generators, warn=False, others=samplers).values():
                 own_states.append((functools.partial(_set_rng_state, rng), _rng_state(rng)))
 
@@ -246,8 +240,8 @@ def _looked_into(value: Any) -> bool:
 def _warn_unsaved(sampler: Any, why: str) -> None:
     warnings.warn(f"the training sampler {type(sampler).__name__} keeps a random state of its own that a checkpoint "
                   f"cannot hold: {why}. A resumed run will not draw the same data order; give "
-                  f"{type(sampler).__name__} random_state_dict() and load_random_state_dict() methods that save and "
-                  "restore it (or keep each generator in an attribute of its own)", UserWarning, stacklevel=4)
+                  f"{type(sampler).__name__} state_dict() and load_state_dict() methods that save and restore it "
+                  "(or keep each generator in an attribute of its own)", UserWarning, stacklevel=4)
 
 
 def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Generator]] = None) -> Dict[str, Any]:
@@ -263,13 +257,11 @@ def capture_sampler_states(loader: Any, known_generators: Optional[List[torch.Ge
     known = list(known_generators)
     states: Dict[str, Any] = {}
     samplers = keyed_samplers(loader)
-    positions = has_own_state(loader)
     for key, sampler in samplers.items():
-        kind = _saved_kind(sampler, positions)
-        if kind == "random_state":
+        if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
             states[key] = {"random_state": sampler.random_state_dict()}
             continue
-        if kind == "state_dict":
+        if _has_methods(sampler, "state_dict", "load_state_dict"):
             states[key] = {"state_dict": sampler.state_dict()}
             continue
         rngs = _own_rngs(sampler, known, others=samplers.values())
@@ -282,7 +274,6 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
     """Put back what :func:`capture_sampler_states` returned into the samplers of ``loader`` (one built as the saved
     run's was); a saved sampler this loader lacks is named in a warning."""
     current = keyed_samplers(loader)
-    positions = has_own_state(loader)
     for key, saved in states.items():
         sampler = current.get(key)
         if sampler is None:
@@ -291,12 +282,7 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
                                "loader does not have: build the loader as in the saved run for the same data order",
                                key)
             continue
-        # An earlier capture's kind for this sampler (its state_dict), in a loader that keeps positions: skipped.
-        if positions and isinstance(saved, dict) and list(saved) == ["state_dict"] \
-                and _saved_kind(sampler, positions=False) == "state_dict":
-            _skip_saved_position(key, sampler, loader, current)
-            continue
-        _check_saved_kind(key, sampler, saved, positions)
+        _check_saved_kind(key, sampler, saved)
         if "random_state" in saved:
             sampler.load_random_state_dict(saved["random_state"])
             continue
@@ -317,31 +303,15 @@ def restore_sampler_states(loader: Any, states: Dict[str, Any]) -> None:
             _set_rng_state(rngs[name], state)
 
 
-def _saved_kind(sampler: Any, positions: bool) -> str:
-    """How :func:`capture_sampler_states` saves ``sampler``'s random state (``positions``: its loader keeps the
-    samplers' positions, :func:`has_own_state`): "random_state", "state_dict" or "attributes"."""
-    if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
-        return "random_state"
-    if _has_methods(sampler, "state_dict", "load_state_dict") and not positions:
-        return "state_dict"
-    return "attributes"
-
-
-def _skip_saved_position(key: str, sampler: Any, loader: Any, current: Dict[str, Any]) -> None:
-    """A checkpoint written before a position loader's samplers were saved by their generators holds the sampler's
-    ``state_dict`` (its position) as its random state: not loaded (it would start the next epoch there). Named in a
-    warning when the sampler has generators of its own, which that checkpoint did not save."""
-    if _own_rngs(sampler, loader_generators(loader), warn=False, others=current.values()):
-        logger.warning("the checkpoint holds the position of the training sampler %s (its state_dict) as its random "
-                       "state, as checkpoints of an earlier aitoolbox saved a sampler in a StatefulDataLoader: not "
-                       "loaded, and the random number generators of %s were not saved, so the resumed run may draw "
-                       "another data order. Checkpoints taken now save them", key, type(sampler).__name__)
-
-
-def _check_saved_kind(key: str, sampler: Any, saved: Any, positions: bool) -> None:
+def _check_saved_kind(key: str, sampler: Any, saved: Any) -> None:
     """``saved`` is of the kind :func:`capture_sampler_states` writes for ``sampler`` (else a ``ValueError`` naming
     ``key``): a sampler is restored only through the methods or attributes its capture uses."""
-    expected = _saved_kind(sampler, positions)
+    if _has_methods(sampler, "random_state_dict", "load_random_state_dict"):
+        expected = "random_state"
+    elif _has_methods(sampler, "state_dict", "load_state_dict"):
+        expected = "state_dict"
+    else:
+        expected = "attributes"
     if not isinstance(saved, dict) or list(saved) != [expected] or (
             expected == "attributes" and not isinstance(saved[expected], dict)):
         shown = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__

@@ -85,7 +85,8 @@ def check_loader_state_fits(loader: Any, loader_state: Any) -> None:
                      f"num_workers={current}: a mid-epoch resume continues the saved loader's iterator, which needs "
                      f"the same number of worker processes. Build the training loader with num_workers={saved} to "
                      "resume from this checkpoint, or resume from an epoch-end checkpoint (which "
-                     "continues with any num_workers)")
+                     "continues with any num_workers, in the order that number of workers draws: not the saved "
+                     "run's)")
 
 
 def saved_num_workers(loader_state: Any) -> Optional[int]:

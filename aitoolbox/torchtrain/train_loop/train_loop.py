@@ -50,7 +50,8 @@ from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.trained_parameters import check_optimizers_step_the_model
 from aitoolbox.torchtrain.train_loop.train_state import (
-    MidEpochResume, apply_pending_states, load_pending_sharded_weights, truncate_history)
+    MidEpochResume, apply_pending_states, load_pending_sharded_weights, truncate_history,
+    warn_unresumable_epoch_start)
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
     check_use_amp, create_precision, create_sharded_precision, describe_precision, initial_loss_scaler)
@@ -726,7 +727,9 @@ class TrainLoop:
         if mid_epoch:
             self._check_at_step_point()
         self.set_up()
-        return self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
+        checkpoint = self.run_state.capture(self, mid_epoch, hyperparams, include_weights)
+        warn_unresumable_epoch_start(self, checkpoint)
+        return checkpoint
 
     def _check_at_step_point(self) -> None:
         """Refuse a mid-epoch checkpoint where the run is not at a step point: resuming it would skip batches."""

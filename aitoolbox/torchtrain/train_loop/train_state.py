@@ -244,16 +244,6 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
         "rng": rng_per_rank,
         "world_size": tl.strategy.world_size,
     }
-    if checkpoint["iteration"] == 0 and not tl.run_state.persistent_workers_warned \
-            and resets_own_iterator(tl.train_loader):
-        tl.run_state.persistent_workers_warned = True  # the same for every epoch-end save of the run: said once
-        warnings.warn(
-            f"this checkpoint starts an epoch of the training loader {type(tl.train_loader).__name__} with "
-            "persistent_workers=True, which the run continues by resetting its worker iterator: a run resumed from "
-            "it makes a new one instead (the sampler iterated again, new worker seeds), so its data order and "
-            "augmentation are not the uninterrupted run's. For a bitwise resume build the loader with "
-            "persistent_workers=False, or resume from a mid-epoch checkpoint", UserWarning,
-            stacklevel=_stacklevel_outside_package())
     rollbacks = tl.run_state.rollbacks
     if rollbacks.skipped or rollbacks.records:
         # The batches rollbacks left out and their records (SpikeRollback): a resumed run leaves out the same. Only
@@ -296,6 +286,21 @@ def capture_train_state(tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[
             if loader_state is not None:
                 checkpoint["train_loader_state"] = tl.strategy.all_gather_objects(weights_only_safe(loader_state))
     return checkpoint
+
+
+def warn_unresumable_epoch_start(tl: "TrainLoop", checkpoint: dict) -> None:
+    """Warn, once per loop, that ``checkpoint`` (one the user keeps: ``checkpoint_state``, not an in-memory
+    snapshot, review 48d F6) starts an epoch of a loader that resets its persistent worker iterator."""
+    if checkpoint["iteration"] == 0 and not tl.run_state.persistent_workers_warned \
+            and resets_own_iterator(tl.train_loader):
+        tl.run_state.persistent_workers_warned = True  # the same for every epoch-end save of the run: said once
+        warnings.warn(
+            f"this checkpoint starts an epoch of the training loader {type(tl.train_loader).__name__} with "
+            "persistent_workers=True, which the run continues by resetting its worker iterator: a run resumed from "
+            "it makes a new one instead (the sampler iterated again, new worker seeds), so its data order and "
+            "augmentation are not the uninterrupted run's. For a bitwise resume build the loader with "
+            "persistent_workers=False, or resume from a mid-epoch checkpoint", UserWarning,
+            stacklevel=_stacklevel_outside_package())
 
 
 def _stacklevel_outside_package() -> int:

@@ -11,7 +11,6 @@ epoch's end, with gradient accumulation, and with worker processes, persistent o
 case that cannot resume bitwise (an epoch-end checkpoint with persistent workers) warns when it is taken.
 """
 import io
-import logging
 import random
 import warnings
 from typing import Any, Dict, List, Optional
@@ -107,8 +106,8 @@ class PerIndexGlobal(GlobalShuffled):
             yield random.randrange(self.num_samples)
 
 
-class PositionedBatches:
-    """A batch sampler of the order its ``_order()`` draws at its first batch: its position counts batches."""
+class PositionedGlobalBatches(PositionedGlobalShuffled):
+    """A batch sampler of :class:`PositionedGlobalShuffled`'s order: its position counts batches."""
 
     def __len__(self) -> int:
         return -(-self.num_samples // BATCH_SIZE)
@@ -116,23 +115,16 @@ class PositionedBatches:
     def __iter__(self):
         start, self.next_yielded = self.next_yielded or 0, None
         self.yielded = start
-        order = self._order()
+        order = _global_order(self.module, self.num_samples)
         for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
             self.yielded += 1
             yield order[first:first + BATCH_SIZE]
 
 
-class PositionedGlobalBatches(PositionedBatches, PositionedGlobalShuffled):
-    """A batch sampler of :class:`PositionedGlobalShuffled`'s order."""
-
-    def _order(self) -> List[int]:
-        return _global_order(self.module, self.num_samples)
-
-
 class PositionedOwnRandom:
     """A sampler of a user: a position ``state_dict`` (the ``StatefulDataLoader`` loads it on resume) and a
-    ``random.Random`` of its own that shuffles in ``__iter__``, without ``random_state_dict()``: its random state is
-    saved through the attribute, its ``state_dict`` belongs to the loader's state."""
+    ``random.Random`` of its own that shuffles in ``__iter__``, without ``random_state_dict()``: a documented limit
+    (its ``state_dict`` is saved as its random state, its generator is not)."""
 
     def __init__(self, num_samples: int = NUM_SAMPLES, seed: int = 7):
         self.num_samples, self.rng = num_samples, random.Random(seed)
@@ -164,19 +156,6 @@ class PositionedOwnRandom:
         self.next_yielded = state["yielded"]
 
 
-class LazyPositionedOwnRandom(PositionedOwnRandom):
-    """:class:`PositionedOwnRandom` shuffling at its first index (a generator function)."""
-
-    def __iter__(self):
-        start, self.next_yielded = self.next_yielded or 0, None
-        self.yielded = start
-        yield from self._from(self._order(), start)
-
-
-class PositionedOwnRandomBatches(PositionedBatches, LazyPositionedOwnRandom):
-    """A batch sampler of :class:`LazyPositionedOwnRandom`'s order."""
-
-
 def _python_global_batches():
     order = GlobalShuffled("python")
     return BatchSampler(order, BATCH_SIZE, drop_last=False)
@@ -196,10 +175,11 @@ SAMPLERS = {
     "python global, per index": lambda data: dict(sampler=PerIndexGlobal("python")),
     "position state_dict": lambda data: dict(sampler=PositionedGlobalShuffled()),
     "position state_dict, batches": lambda data: dict(batch_sampler=PositionedGlobalBatches()),
-    "position state_dict, own random": lambda data: dict(sampler=PositionedOwnRandom()),
-    "position state_dict, own random, lazy": lambda data: dict(sampler=LazyPositionedOwnRandom()),
-    "position state_dict, own random, batches": lambda data: dict(batch_sampler=PositionedOwnRandomBatches()),
     "batch sampler, python global": lambda data: dict(batch_sampler=_python_global_batches()),
+}
+# Samplers the docs' limits name: they do not resume bitwise (strict xfail tests).
+KNOWN_LIMITS = {
+    "position state_dict, own random": lambda data: dict(sampler=PositionedOwnRandom()),
 }
 
 
@@ -235,7 +215,7 @@ def train_loop(kind: str, num_workers: int, persistent_workers: bool = False) ->
     np.random.seed(0)
     model = RecordingMLP()
     data = indexed_classification_data(NUM_SAMPLES)
-    options = SAMPLERS[kind](data)
+    options = {**SAMPLERS, **KNOWN_LIMITS}[kind](data)
     if "batch_sampler" not in options:
         options["batch_size"] = BATCH_SIZE
     loader = stateful_dataloader.StatefulDataLoader(data, num_workers=num_workers,
@@ -268,8 +248,7 @@ def test_a_mid_epoch_resume_trains_the_uninterrupted_runs_batches(kind):
     assert_resumes_bitwise(kind, saved_after=9)  # 3 batches into epoch 1
 
 
-@pytest.mark.parametrize("kind", ["python global", "torch global", "position state_dict",
-                                  "position state_dict, own random"])
+@pytest.mark.parametrize("kind", ["python global", "torch global", "position state_dict"])
 @pytest.mark.parametrize("saved_after, epoch_end", [(7, False), (11, False), (12, False), (12, True)])
 def test_checkpoints_early_late_and_at_the_epochs_end(kind, saved_after, epoch_end):
     """One batch into epoch 1, its second last batch, its last batch (mid-epoch: a position at the epoch's end), and
@@ -277,37 +256,10 @@ def test_checkpoints_early_late_and_at_the_epochs_end(kind, saved_after, epoch_e
     assert_resumes_bitwise(kind, saved_after, epoch_end=epoch_end)
 
 
-def test_the_random_state_of_a_sampler_with_a_position_state_dict_is_its_generators_not_its_position():
-    """The checkpoint's random state holds the sampler's ``random.Random`` (the loader's state holds its position):
-    loading the position as its random state started the next epoch where the saved one stood (with workers, at
-    its end: an epoch of no batches) and left its generator where the resumed run had moved it."""
-    loop = train_loop("position state_dict, own random", num_workers=0)
-    saver = SaveAt(9)
-    loop.fit(num_epochs=2, callbacks=[saver])
-    checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
-    for part in ("rng", "epoch_start_rng"):
-        saved = checkpoint[part][0]["samplers"]["PositionedOwnRandom:0"]
-        assert list(saved) == ["attributes"] and list(saved["attributes"]) == ["rng"], part
-    assert checkpoint["train_loader_state"][0]["_sampler_iter_state"]["sampler_state"] == {"yielded": 12}
-
-
-def test_a_position_saved_as_a_samplers_random_state_by_an_earlier_checkpoint_is_not_loaded(caplog, monkeypatch):
-    """Checkpoints of an earlier aitoolbox hold such a sampler's position as its random state: loading it would
-    start the next epoch where the saved one stood. Left out, and the generators that were not saved are named."""
-    from aitoolbox.torchtrain.data.sampler_state import restore_sampler_states
-    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger may not propagate
-    sampler = PositionedOwnRandom()
-    loader = stateful_dataloader.StatefulDataLoader(indexed_classification_data(NUM_SAMPLES), batch_size=BATCH_SIZE,
-                                                    sampler=sampler)
-    with caplog.at_level("WARNING", logger="aitoolbox.torchtrain.data.sampler_state"):
-        restore_sampler_states(loader, {"PositionedOwnRandom:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
-    assert sampler.next_yielded is None and len(list(loader)) == NUM_SAMPLES // BATCH_SIZE
-    assert "PositionedOwnRandom:0" in caplog.text and "may draw another data order" in caplog.text
-    # Only into a sampler that has a state_dict: another one's is refused, as before.
-    other = stateful_dataloader.StatefulDataLoader(indexed_classification_data(NUM_SAMPLES), batch_size=BATCH_SIZE,
-                                                   sampler=GlobalShuffled("python"))
-    with pytest.raises(ValueError, match="GlobalShuffled:0"):
-        restore_sampler_states(other, {"GlobalShuffled:0": {"state_dict": {"yielded": NUM_SAMPLES}}})
+@pytest.mark.xfail(strict=True, reason="review 47s D3, a documented limit (docs/checkpointing.rst): the sampler's "
+                                       "position state_dict is saved as its random state, its generator is not")
+def test_a_sampler_with_a_position_state_dict_and_an_own_generator_without_random_state_dict():
+    assert_resumes_bitwise("position state_dict, own random", saved_after=9)
 
 
 @pytest.mark.parametrize("saved_workers, workers", [(0, 2), (2, 0)])
@@ -347,7 +299,7 @@ def test_with_worker_processes(kind, saved_after):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["python global", "torch global", "torch global, lazy", "python global, per index",
                                   "own generator", "torchdata shuffle", "position state_dict",
-                                  "batch sampler, python global", "position state_dict, own random, lazy"])
+                                  "batch sampler, python global"])
 @pytest.mark.parametrize("saved_after", [3, 9])
 def test_with_persistent_workers(kind, saved_after):
     """In the first epoch the workers' iterator is made, in the later ones reset (it iterates the sampler once)."""
