@@ -145,6 +145,7 @@ class TrackingCallback(AbstractExperimentCallback):
             raise TypeError(f"log_learning_rates must be True or False, got {log_learning_rates!r}")
         self.log_learning_rates = log_learning_rates
         self.run_active = False  # between start_run and end_run, in the main process
+        self._interrupted = False  # the run was ended by on_exception (the next fit starts it again)
         # History lengths after the last logged epoch end, and before it (the base when that end is done again).
         self._logged_history_lengths: Optional[Dict[str, int]] = None
         self._epoch_base_lengths: Dict[str, int] = {}
@@ -214,7 +215,7 @@ class TrackingCallback(AbstractExperimentCallback):
         if self._rollbacks_seen is None:  # those a resumed checkpoint brought were handled by the run that made them
             self._rollbacks_seen = len(getattr(self.train_loop_obj, "rollbacks", None) or [])
         self.start_run()
-        self.run_active = True
+        self.run_active, self._interrupted = True, False
         self.write_hyperparams(self.hyperparams)
 
     def on_epoch_begin(self) -> None:
@@ -273,7 +274,12 @@ class TrackingCallback(AbstractExperimentCallback):
 
     def on_train_end(self) -> None:
         if not self.run_active:
-            return
+            if not (self.is_main_process and self._interrupted):
+                return
+            # A fit finishing the train end an exception interrupted runs it before its own on_train_begin: the run
+            # is started again for what that end logs (review 48t G1: train_end_test_loss, the final model's path).
+            self.start_run()
+            self.run_active = True
         tl = self.train_loop_obj
         metrics = self.new_history_metrics()
         if metrics:
@@ -288,7 +294,7 @@ class TrackingCallback(AbstractExperimentCallback):
         """Write out what was logged and close the run as failed (interrupted); the next ``fit`` starts it again."""
         if not self.run_active:
             return
-        self.run_active = False
+        self.run_active, self._interrupted = False, True
         self.end_run(exception)
 
     # --- the values -------------------------------------------------------------------------------------------

@@ -175,6 +175,35 @@ def test_fit_continued_after_an_exception_appends_without_duplicates(tmp_path):
         assert (tmp_path / "run" / name).read_text() == (tmp_path / "ref" / name).read_text(), name
 
 
+class FailBeforeTrainEnd(AbstractCallback):
+    def __init__(self):
+        super().__init__("fail before the train end")
+        self.failed = False
+
+    def on_before_train_end(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("simulated failure in the train end")
+
+
+def test_a_train_end_finished_by_the_next_fit_is_logged(tmp_path):
+    """Review 48t G1: the next fit finishes a train end an exception interrupted before its own on_train_begin, where
+    the tracker's run (closed by on_exception) was not started again: train_end_test_loss and the final model's path
+    never reached the files. Logged as in the straight run."""
+    def files(folder):
+        return {name: (folder / name).read_text() for name in ("batch_log.csv", "epoch_log.csv")}
+
+    tl = make_train_loop(test=True)
+    with pytest.raises(RuntimeError, match="in the train end"):
+        tl.fit(num_epochs=2, callbacks=[CSVLogger(log_dir=str(tmp_path / "run"), is_project=False),
+                                        FailBeforeTrainEnd()])
+    tl.fit(num_epochs=2)
+    straight = make_train_loop(test=True)
+    straight.fit(num_epochs=2, callbacks=[CSVLogger(log_dir=str(tmp_path / "ref"), is_project=False)])
+    assert files(tmp_path / "run") == files(tmp_path / "ref")
+    assert read_csv(tmp_path / "run" / "epoch_log.csv")[-1]["train_end_test_loss"] != ""
+
+
 def test_a_new_train_loop_starts_the_files_afresh_and_a_partial_last_line_is_dropped(tmp_path):
     make_train_loop().fit(num_epochs=1, callbacks=[CSVLogger(log_dir=str(tmp_path), is_project=False)])
     with open(tmp_path / "epoch_log.csv", "a") as handle:
