@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
@@ -96,6 +96,9 @@ class RunState:
         self._train_end_callbacks: List[int] = []
         # fit was left by an exception in the train end (not: the train end is running).
         self._train_end_interrupted = False
+        # The history's lengths after the train end's last finished step: what a step an exception interrupted
+        # wrote into the history before it raised is dropped when the next fit runs it again (review 48t G3).
+        self.train_end_history_lengths: Optional[Dict[str, int]] = None
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -118,6 +121,10 @@ class RunState:
         restore_train_state(tl, checkpoint)
         self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
+        if self.train_end_pending:  # (review 48t G4: it went silently)
+            logger.warning("the last fit stopped in its train end: loading a checkpoint drops what was left of that "
+                           "end (the final test-set evaluation, the callbacks' on_train_end: final saves) for the run "
+                           "before the checkpoint. To finish it, call fit() before loading")
         self.end_train_end()
 
     def start_training(self, model: torch.nn.Module) -> None:
@@ -418,6 +425,7 @@ class RunState:
         if self._train_end_done is None:
             self._train_end_done, self._on_train_end_done = [], []
             self._train_end_callbacks = [id(callback) for callback in callbacks]
+            self.train_end_history_lengths = None
         return self._train_end_done
 
     def takes_part_in_train_end(self, callback: Any) -> bool:
@@ -435,6 +443,7 @@ class RunState:
         """The train end is done: its steps and every callback's ``on_train_end``."""
         self._train_end_done, self._on_train_end_done, self._train_end_interrupted = None, [], False
         self._train_end_callbacks = []
+        self.train_end_history_lengths = None
 
     @property
     def train_end_pending(self) -> bool:

@@ -50,7 +50,7 @@ from aitoolbox.torchtrain.train_loop.run_state import RunState
 from aitoolbox.torchtrain.train_loop.step_runner import StepRunner
 from aitoolbox.torchtrain.train_loop.trained_parameters import check_optimizers_step_the_model
 from aitoolbox.torchtrain.train_loop.train_state import (
-    MidEpochResume, apply_pending_states, load_pending_sharded_weights, truncate_history,
+    MidEpochResume, apply_pending_states, history_lengths, load_pending_sharded_weights, truncate_history,
     warn_unresumable_epoch_start)
 from aitoolbox.torchtrain.train_loop.validation_sets import check_validation_loader, validation_set_names
 from aitoolbox.torchtrain.train_loop.use_amp import (
@@ -1110,10 +1110,15 @@ class TrainLoop:
                  for callback in hooks.subscribers("on_before_train_end")
                  if run_state.takes_part_in_train_end(callback)]
         steps.append(("test_evaluation", self._evaluator.at_train_end))
+        if run_state.train_end_history_lengths is None:  # the end starts
+            run_state.train_end_history_lengths = history_lengths(self.train_history)
         for name, step in steps:
             if name not in done:
+                # What this step wrote into the history before an exception stopped it in the last fit goes.
+                truncate_history(self.train_history, run_state.train_end_history_lengths)
                 step()
                 done.append(name)
+                run_state.train_end_history_lengths = history_lengths(self.train_history)
         run_state.begin_on_train_end()
         try:
             hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)

@@ -2,6 +2,7 @@
 and an epoch's end is a sequence of named steps, each done once. Continuing after an exception, resuming from a
 checkpoint taken at any moment and loading a checkpoint dict then equal the straight run (issue 32)."""
 import copy
+import logging
 import os
 import shutil
 
@@ -863,6 +864,54 @@ def _loop_with_a_test_set() -> TrainLoop:
     test = torch.utils.data.Subset(dataset(), range(28, 40))
     return TrainLoop(model, DataLoader(data, batch_size=4), None, DataLoader(test, batch_size=4),
                      torch.optim.Adam(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), show_progress=False)
+
+
+class RecordsThenFails(AbstractCallback):
+    """Puts a metric into the history in ``on_before_train_end``, then raises (the first time)."""
+
+    def __init__(self, fails):
+        super().__init__("records, then fails")
+        self.fails = fails
+
+    def on_before_train_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("final_metric", 1.0)
+        if self.fails:
+            self.fails = False
+            raise OSError(28, "No space left on device")
+
+
+def test_what_a_train_end_step_wrote_before_it_raised_is_not_recorded_twice():
+    """Review 48t G3: the step the next fit runs again had put its value into the history before it raised; the
+    history held it twice ([1.0, 1.0] against the straight run's [1.0]). The history goes back to its lengths after
+    the last finished step first, as in an epoch's end."""
+    def run(fail):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        if fail:
+            with pytest.raises(OSError, match="No space left"):
+                tl.fit(num_epochs=2, callbacks=[RecordsThenFails(True)])
+            tl.fit(num_epochs=2)
+        else:
+            tl.fit(num_epochs=2, callbacks=[RecordsThenFails(False)])
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert continued.train_history["final_metric"] == straight.train_history["final_metric"] == [1.0]
+    assert_runs_equal(continued, straight)
+
+
+def test_loading_a_checkpoint_over_an_unfinished_train_end_says_it_drops_it(caplog, monkeypatch):
+    """Review 48t G4: load_checkpoint after an exception in the train end dropped that end without a word."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)  # the package logger may not propagate
+    torch.manual_seed(0)
+    tl = _loop_with_a_test_set()
+    tl.fit(num_epochs=1)
+    checkpoint = copy.deepcopy(tl.checkpoint_state())
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[RecordsThenFails(True)])
+    with caplog.at_level("WARNING", logger="aitoolbox.torchtrain.train_loop.run_state"):
+        tl.load_checkpoint(checkpoint)
+    assert "loading a checkpoint drops what was left of that end" in caplog.text
 
 
 @pytest.mark.parametrize("length", [{"num_iterations": 9, "grad_accumulation": 2},
