@@ -152,6 +152,7 @@ class SpikeRollback(AbstractCallback):
         self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
         self._start_due = False  # snapshot='memory': the fit's start not yet kept or passed over (see _keep_start)
         self._started_with: Optional[int] = None
+        self._start_not_kept = False
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
         self._state_suspects: set = set()
@@ -170,6 +171,7 @@ class SpikeRollback(AbstractCallback):
         # start, the end is.)
         self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending
         self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
+        self._start_not_kept = False  # a callback ordered before this one has an on_epoch_begin (see _keep_start)
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
             self._pins_unsettled = True
@@ -187,12 +189,19 @@ class SpikeRollback(AbstractCallback):
         checkpoint's included): where nothing is pending judgement (a fresh run, a run resumed or continued right
         after a check), the run as it stands is clean, the point the run that never stopped kept last: a spike at
         the fit's first steps returns here. Kept as the checkpoint the run stands at (the replay's on_epoch_begin
-        runs again, as for a checkpoint taken here). Where losses are pending, the first step's check keeps the
-        point, as before (nothing earlier is known to be clean); so it does where a callback ordered before this one
-        has an ``on_epoch_begin``: what it did (drawn random numbers, its state) is in the point already, and the
-        replay's ``on_epoch_begin`` would do it again."""
-        if self._pending or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader) \
-                or self._epoch_begins_before_this(tl):
+        runs again, as for a checkpoint taken here). So also where the losses pending were judged clean in this
+        process (the last step of the fit before, review 48m M4). Where losses are pending unjudged, the first step's
+        check keeps the point, as before (nothing earlier is known to be clean); so it does where a callback ordered
+        before this one has an ``on_epoch_begin``: what it did (drawn random numbers, its state) is in the point
+        already, and the replay's ``on_epoch_begin`` would do it again."""
+        unjudged = bool(self._pending) and self._judged_up_to != self._pending_at[-1]
+        if unjudged or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader):
+            # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
+            # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
+            return
+        if self._epoch_begins_before_this(tl):
+            self._start_not_kept = True  # named in the error of a spike with nothing to return to
+            return
             # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
             # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
             return
@@ -555,6 +564,12 @@ class SpikeRollback(AbstractCallback):
     def _resume_hint(self) -> str:
         """For the error of a spike with no point kept: what to do where the run resumed with losses its checkpoint
         held unjudged (the point kept before them is what is missing)."""
+        if self._start_not_kept:
+            earlier = [type(callback).__name__ for callback in self.train_loop_obj.callbacks[
+                :self.train_loop_obj.callbacks.index(self)] if overrides_hook(callback, "on_epoch_begin")]
+            return (f". The fit's start was not kept as a point: {', '.join(earlier)} (ordered before SpikeRollback) "
+                    "has an on_epoch_begin, which a rollback's replay would run twice; give it an execution_order "
+                    "above SpikeRollback's to keep the start")
         if not self._started_with:  # a fresh run's first step, snapshot='checkpoint'
             return ""
         where = self._checked_at

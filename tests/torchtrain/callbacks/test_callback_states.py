@@ -84,8 +84,8 @@ MEASURED_HISTORY = set(throughput.HISTORY_KEYS)
 # A copy of the whole run a process holds in memory to return to (SpikeRollback's last clean point): each process
 # keeps its own from its first optimizer step on, so neither saved nor compared. So SpikeRollback's notes of this
 # process's fit: the losses pending at its first batch (for an error's advice) and the last pending loss judged clean
-# (a resumed run judges them again, alike).
-PROCESS_MEMORY = {"_snapshot", "_started_with", "_judged_up_to"}
+# (a resumed run judges them again, alike), and whether its start was not kept for a callback ordered before it.
+PROCESS_MEMORY = {"_snapshot", "_started_with", "_judged_up_to", "_start_not_kept"}
 
 
 class ScriptedScore(AbstractCallback):

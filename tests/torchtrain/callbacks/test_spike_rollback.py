@@ -844,6 +844,23 @@ def test_a_nan_at_the_first_batch_of_a_fresh_run_returns_to_the_fit_s_start():
     assert_params_equal(tl.model, reference.model)
 
 
+def test_a_fit_after_one_whose_last_step_was_checked_keeps_its_start():
+    """Review 48m M4: fit(1) then fit(2) with a NaN at the first batch of epoch 2 stopped with SpikeRollbackError
+    (the last step's check of fit(1) judged its losses but left them pending, and a fit starting with losses pending
+    kept no start point), where one fit(2) rolls back. Losses judged clean in this process do not stand in the way:
+    the weights equal the one fit's."""
+    poison = poisoned_at(1, 0)
+    model, twin = model_pair(MLP)
+    two_fits = make_loop(model, loader(Poisoned(poison, scale=float("nan"))))
+    torch.manual_seed(TRAIN_SEED)
+    two_fits.fit(num_epochs=1, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS)])
+    two_fits.fit(num_epochs=2)
+    one_fit = train(make_loop(twin, loader(Poisoned(poison, scale=float("nan")))), num_epochs=2,
+                    callbacks=[SpikeRollback(**SETTINGS)])
+    assert len(two_fits.rollbacks) == len(one_fit.rollbacks) == 1
+    assert_params_equal(two_fits.model, one_fit.model)
+
+
 class DrawsAtEpochBegin(AbstractCallback):
     """Draws from torch's generator in every ``on_epoch_begin`` (picks an augmentation for the epoch)."""
 
@@ -863,7 +880,8 @@ def test_no_fit_start_point_where_a_callback_ordered_before_has_an_epoch_begin()
     poison = poisoned_at(0, 0)
     model, twin = model_pair(MLP)
     before = make_loop(model, loader(Poisoned(poison, scale=float("nan"))))
-    with pytest.raises(SpikeRollbackError, match="before SpikeRollback kept any clean point"):
+    with pytest.raises(SpikeRollbackError, match="before SpikeRollback kept any clean point.*DrawsAtEpochBegin "
+                                                 r"\(ordered before SpikeRollback\) has an on_epoch_begin"):
         before.fit(num_epochs=2, callbacks=[SpikeRollback(**SETTINGS), DrawsAtEpochBegin(-100)])
     after_callback, reference_callback = DrawsAtEpochBegin(100), DrawsAtEpochBegin(100)
     model, twin = model_pair(MLP)
