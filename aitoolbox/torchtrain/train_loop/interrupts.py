@@ -97,6 +97,11 @@ class InterruptGuard:
             if exc_type is None:  # training ended: a signal that came after the last step stops the run now
                 stop = self._stop_agreed_at_end()
         finally:
+            if self._deadline is not None:
+                # Training has stopped: the grace period bounded the stop, not what the process does after it (a
+                # notebook, a test suite or a script that uploads after fit would be killed grace_s later).
+                self._deadline.cancel()
+                self._deadline = None
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
             self._previous_handlers = {}

@@ -88,3 +88,46 @@ def test_ctrl_c_ends_the_script_by_sigint_as_python_does(tmp_path, dynamo_first)
     assert result.returncode == -signal.SIGINT, (result.returncode, result.stderr[-3000:])
     assert "KeyboardInterrupt" in result.stderr and "finally ran" in result.stdout
     assert saved == []  # Ctrl-C writes no resumable checkpoint
+
+
+AFTER_THE_STOP = textwrap.dedent("""
+    import os
+    import signal
+    import time
+
+    from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+    from aitoolbox.torchtrain.train_loop.interrupts import SignalStop
+    from tests.torchtrain.distributed.support import make_train_loop
+
+
+    class SigtermAtBatch(AbstractCallback):
+        def __init__(self):
+            super().__init__("SIGTERM at batch 2")
+
+        def on_batch_begin(self):
+            if self.train_loop_obj.total_iteration_idx == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+    if __name__ == "__main__":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        tl = make_train_loop(shuffle=True)
+        tl._interrupts.grace_s = 0.5  # the kill that bounds a stop comes this long after the signal
+        try:
+            tl.fit(num_epochs=2, callbacks=[SigtermAtBatch()])
+        except SignalStop:
+            print("stopped", flush=True)
+        time.sleep(2.0)  # the process goes on after fit (a notebook, a test suite, an upload)
+        print("alive", flush=True)
+""")
+
+
+def test_the_grace_periods_kill_is_called_off_once_training_has_stopped(tmp_path):
+    """The deadline that kills a process whose stop takes longer than ``grace_s`` kept running after training had
+    stopped: a process going on after the stopped fit (a notebook, the test suite itself) was SIGKILLed ``grace_s``
+    after the signal."""
+    script = tmp_path / "after_the_stop.py"
+    script.write_text(AFTER_THE_STOP)
+    result = subprocess.run([sys.executable, str(script)], env=script_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "stopped" in result.stdout and "alive" in result.stdout, result.stderr[-2000:]
