@@ -1299,6 +1299,7 @@ class TrainLoop:
         window_end = self.run_state.window_end_length(self.train_loader)  # None: the loader's end tells
         batches = iter(batches)  # (one iterator: the general loop goes on where the direct one left off)
         if every_batch_steps and self._direct_batches() and self._train_direct_batches(batches, num_iterations, bar):
+            self._end_iteration_at_last_batch(batches, window_end)
             return  # num_iterations reached or a stop requested
         for state.iteration, batch_data in batches:  # all of them, or those after the direct ones
             iteration_limit_hit = num_iterations > 0 and state.total_iteration_idx + 2 >= num_iterations
@@ -1307,12 +1308,23 @@ class TrainLoop:
             self._run_batch(batch_data, step_due)
             bar.update(running_loss)
             if iteration_limit_hit:
+                self._end_iteration_at_last_batch(batches, window_end)
                 return
             if state.early_stop and strategy.stops_mid_epoch:
                 self._step_runner.step_pending_gradients()  # the window's batches were trained, as at num_iterations
+                self._end_iteration_at_last_batch(batches, window_end)
                 return
         self.run_state.check_loader_exhausted()  # warns once if len() said otherwise
         self._step_runner.step_pending_gradients()  # a window the loader's end cut short (by len() unforeseen)
+
+    def _end_iteration_at_last_batch(self, batches: Iterator, window_end: Optional[int]) -> None:
+        """``num_iterations`` reached (or a stop) at the epoch's last batch: the loader is asked for the next batch,
+        as the uninterrupted run asks it, which ends its iteration. A shuffling sampler draws at its end (torch's
+        RandomSampler a permutation for the tail, even an empty one), so without it the next ``fit``'s epochs drew
+        another order than the run made of one ``fit`` (``fit(num_iterations=N)`` then a longer one, N at an epoch's
+        end). Only where ``len`` is exact (``window_end``): nothing else comes."""
+        if window_end is not None and self.state.iteration + 1 == window_end:
+            next(batches, None)
 
     def _finish_interrupted_step(self, num_iterations: int) -> bool:
         """Finish the batch whose step an exception interrupted after an optimizer had stepped (see

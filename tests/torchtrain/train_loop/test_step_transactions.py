@@ -1160,3 +1160,29 @@ def test_checkpoint_state_in_the_train_end_before_on_train_end_is_refused():
     with pytest.raises(RuntimeError, match="in its train end before the callbacks' on_train_end"):
         tl.fit(num_epochs=1, callbacks=[CheckpointBeforeTrainEnd()])
     assert "train_end_test_loss" not in tl.train_history
+
+
+# --- fit(num_iterations=N) with N at an epoch's end, then a longer fit ----------------------------------------------
+def _shuffled_mlp_loop() -> TrainLoop:
+    torch.manual_seed(0)
+    model = MLP()  # with dropout
+    loader = DataLoader(classification_data(24), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(3))
+    return TrainLoop(model, loader, None, None, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                     nn.CrossEntropyLoss(), end_auto_eval=False, show_progress=False)
+
+
+@pytest.mark.parametrize("grad_accumulation", [1, 2])
+def test_fit_num_iterations_ending_at_an_epochs_last_batch_then_a_longer_fit_equals_one_fit(grad_accumulation):
+    """The loop stopped after the epoch's last batch without asking the loader for the next one, which the run of one
+    fit does: torch's RandomSampler draws a permutation for its tail there (an empty one too), so the next fit's
+    epochs drew another order (epoch 1's first batch differed). 6 batches an epoch."""
+    def run(targets):
+        tl = _shuffled_mlp_loop()
+        torch.manual_seed(1)  # the dropout's masks
+        for target in targets:
+            tl.fit(num_iterations=target, grad_accumulation=grad_accumulation)
+        return tl
+
+    assert_runs_equal(run([6, 18]), run([18]))
+    assert_runs_equal(run([12, 18]), run([18]))
