@@ -69,19 +69,19 @@ class LazyGlobalShuffled(GlobalShuffled):
         yield from _global_order(self.module, self.num_samples)
 
 
-class PositionedGlobalShuffled(GlobalShuffled):
-    """A sampler with a ``state_dict`` holding its position in the epoch (as torchdata's samplers have: the
-    ``StatefulDataLoader`` restores it instead of fast-forwarding) that shuffles lazily with Python's global
-    ``random``. Its random state is the global one: ``random_state_dict`` saves nothing of its own."""
+class PositionState:
+    """A sampler's position in the epoch as its ``state_dict`` (the ``StatefulDataLoader`` saves and loads it);
+    the loaded position is where the next iteration starts."""
 
-    def __init__(self, num_samples: int = NUM_SAMPLES):
-        super().__init__("python", num_samples)
-        self.yielded, self.next_yielded = 0, None
+    yielded, next_yielded = 0, None
 
-    def __iter__(self):
+    def _start(self) -> int:
         start, self.next_yielded = self.next_yielded or 0, None
         self.yielded = start
-        for index in _global_order(self.module, self.num_samples)[start:]:
+        return start
+
+    def _from(self, order: List[int], start: int):
+        for index in order[start:]:
             self.yielded += 1
             yield index
 
@@ -90,6 +90,19 @@ class PositionedGlobalShuffled(GlobalShuffled):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.next_yielded = state["yielded"]
+
+
+class PositionedGlobalShuffled(PositionState, GlobalShuffled):
+    """A sampler with a ``state_dict`` holding its position in the epoch (as torchdata's samplers have: the
+    ``StatefulDataLoader`` restores it instead of fast-forwarding) that shuffles lazily with Python's global
+    ``random``. Its random state is the global one: ``random_state_dict`` saves nothing of its own."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES):
+        super().__init__("python", num_samples)
+
+    def __iter__(self):
+        start = self._start()
+        yield from self._from(_global_order(self.module, self.num_samples), start)
 
     def random_state_dict(self) -> Dict[str, Any]:
         return {}
@@ -113,22 +126,20 @@ class PositionedGlobalBatches(PositionedGlobalShuffled):
         return -(-self.num_samples // BATCH_SIZE)
 
     def __iter__(self):
-        start, self.next_yielded = self.next_yielded or 0, None
-        self.yielded = start
+        start = self._start()
         order = _global_order(self.module, self.num_samples)
         for first in range(start * BATCH_SIZE, self.num_samples, BATCH_SIZE):
             self.yielded += 1
             yield order[first:first + BATCH_SIZE]
 
 
-class PositionedOwnRandom:
+class PositionedOwnRandom(PositionState):
     """A sampler of a user: a position ``state_dict`` (the ``StatefulDataLoader`` loads it on resume) and a
     ``random.Random`` of its own that shuffles in ``__iter__``, without ``random_state_dict()``: a documented limit
     (its ``state_dict`` is saved as its random state, its generator is not)."""
 
     def __init__(self, num_samples: int = NUM_SAMPLES, seed: int = 7):
         self.num_samples, self.rng = num_samples, random.Random(seed)
-        self.yielded, self.next_yielded = 0, None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -139,21 +150,8 @@ class PositionedOwnRandom:
         return order
 
     def __iter__(self):
-        order = self._order()
-        start, self.next_yielded = self.next_yielded or 0, None
-        self.yielded = start
-        return self._from(order, start)
-
-    def _from(self, order: List[int], start: int):
-        for index in order[start:]:
-            self.yielded += 1
-            yield index
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.next_yielded = state["yielded"]
+        order = self._order()  # at once, in __iter__
+        return self._from(order, self._start())
 
 
 def _python_global_batches():
