@@ -233,10 +233,12 @@ def _validation_data() -> TensorDataset:
 
 
 class Run:
-    """One TrainLoop of ``setup``, built the same way every time; ``faults`` and ``keeper`` only for the run under
-    test (the reference has the setup's callbacks alone)."""
+    """One TrainLoop of ``setup``, built the same way every time; ``keeper`` only for the run under test. The fault
+    points are the run under test's, and also a reference's given a ``fault_order``: there they are never armed, but
+    the two runs hold the same callbacks in the same order (SpikeRollback keeps a fit's start as a point only when no
+    callback ordered before it has an ``on_epoch_begin``, so a fault callback ordered first changes its rollbacks)."""
 
-    def __init__(self, setup: Setup, under_test: bool, fault_order: int = 0):
+    def __init__(self, setup: Setup, under_test: bool, fault_order: Optional[int] = None):
         self.setup = setup
         self.faults = Faults()
         torch.manual_seed(0)  # the same initial weights in every run (a loaded checkpoint replaces them anyway)
@@ -253,7 +255,8 @@ class Run:
                             use_amp=PRECISIONS[setup.precision])
         self.callbacks = setup_callbacks(setup)
         self.keeper = KeepCheckpoints() if under_test else None
-        extra = [FaultPoints(self.faults, fault_order), self.keeper] if under_test else []
+        extra = [FaultPoints(self.faults, fault_order or 0)] if under_test or fault_order is not None else []
+        extra += [self.keeper] if under_test else []
         self.tl.callbacks_handler.register_callbacks(self.callbacks + extra)
 
     def fit(self, **targets) -> None:

@@ -117,7 +117,7 @@ class TrainingInvariant(RuleBasedStateMachine):
         self.random = RandomStates()
         self.test = self._new_test_run()
         with self.random.use("reference"):
-            self.reference = Run(setup, under_test=False)
+            self.reference = Run(setup, under_test=False, fault_order=self.fault_order)  # its faults never armed
         self.failed_call = None  # (unit, target) of the test run's fit that raised: the next fit repeats it
         self.steps = [repr(setup)]
 
