@@ -46,7 +46,8 @@ class KeptPoint:
     def __init__(self, epoch: int, iteration: int, batches_done: int, total_iteration: int,
                  snapshot: Optional["RunSnapshot"] = None, pin: Optional[str] = None,
                  checkpoint_callback: Any = None, written: Optional[str] = None,
-                 on_disk: Optional[Dict[str, int]] = None, checkpoint: Optional[dict] = None):
+                 on_disk: Optional[Dict[str, int]] = None, checkpoint: Optional[dict] = None,
+                 stands_for: Optional[Dict[str, int]] = None):
         self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
         self.total_iteration = total_iteration
         self.kept_at = time.time()
@@ -57,6 +58,9 @@ class KeptPoint:
         self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
         self.checkpoint = checkpoint  # every tensor on the host, shared with nothing (see torchtrain.host_copy)
         self.written = written  # the checkpoint under its usual name, when it was written for this point alone
+        # The start of a fit whose pending losses were judged clean: the earlier point (epoch, iteration,
+        # batches_done) it stands for, which the run that never stopped returns to (None: itself).
+        self.stands_for = dict(stands_for) if stands_for is not None else None
 
     @property
     def position(self) -> tuple:

@@ -1017,3 +1017,105 @@ def test_the_replayed_on_epoch_begin_sees_the_kept_point_s_counters(tmp_path, sn
     train(make_loop(model, loader(Poisoned(poisoned_at(1, 5)))), num_epochs=2,
           callbacks=saver + [SpikeRollback(**SETTINGS, snapshot=snapshot), watcher])
     assert watcher.seen[0] == (1, 2, 3, 14)
+
+
+# --- what the callback decided is part of its state (review 48s F1, F3, F4) ---------------------------------------
+def resumed_from(saved, dataset, settings=SETTINGS, callbacks=(), model=None):
+    torch.manual_seed(0)  # the checkpoint's RNG state decides, not the process's
+    resumed = make_loop(model if model is not None else model_pair(MLP)[0], loader(dataset))
+    resumed.load_checkpoint(saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), *callbacks, SpikeRollback(**settings)])
+    return resumed
+
+
+@pytest.mark.parametrize("scale", [1e4, float("nan")], ids=["spike", "nan"])
+def test_a_sigterm_one_step_before_a_spike_resumes_as_the_straight_run(tmp_path, scale):
+    """Review 48s F1: SIGTERM at batch 15 (no check due), the spike at batch 16. The stop judged batch 15's loss clean
+    but the checkpoint held it as not judged: the resumed run kept no start and stopped with SpikeRollbackError at
+    its first step. The judgement is saved: the resumed run returns to its start, as the straight run to batch 14's
+    point, records included."""
+    poison = poisoned_at(1, 4)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 15)
+    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
+    resumed = resumed_from(saved, Poisoned(poison, scale=scale))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+def test_a_resumed_start_after_judged_losses_never_leaves_out_other_batches_than_the_straight_run(tmp_path):
+    """skip_batches=2: the straight run leaves out batches 15 and 16 (back to batch 14's point); the run resumed at
+    batch 16 has trained batch 15 already and cannot: it stops with an error saying so (never another run)."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, _ = model_pair(MLP)
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(SignalStop):
+        train(stopped, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path)), SpikeRollback(**settings),
+                                  SigtermAt(15)])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=2 reaches before the start of this fit"):
+        resumed_from(saved, Poisoned(poison), settings)
+
+
+class SaveAtEpochEnd(AbstractCallback):
+    """Keeps ``checkpoint_state()`` (bytes) at the end of epoch ``epoch``, as ModelCheckpoint saves it."""
+
+    def __init__(self, epoch):
+        super().__init__("checkpoint at an epoch's end", execution_order=100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_end(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            buffer = io.BytesIO()
+            torch.save(self.train_loop_obj.checkpoint_state(), buffer)
+            self.saved = buffer.getvalue()
+
+
+def test_a_run_resumed_from_an_epoch_end_checkpoint_with_judged_losses_rolls_back_a_spike_at_its_first_step():
+    """Review 48s F4: snapshot_every=5, 12 steps an epoch: the epoch's end judges batches 10 and 11 clean and the
+    epoch-end checkpoint held them as not judged; the run resumed from it stopped with SpikeRollbackError at a spike in
+    the next epoch's first batch. It rolls back as the straight run, records included."""
+    poison = poisoned_at(1, 0)
+    model, twin = model_pair(MLP)
+    saver = SaveAtEpochEnd(0)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), saver])
+    checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+    resumed = resumed_from(checkpoint, Poisoned(poison))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+class TellModelEpochAfter(TellModelEpoch):
+    """Ordered after SpikeRollback: the resumed fit's start is a point (see _keep_start)."""
+
+    def __init__(self):
+        super().__init__()
+        self.execution_order = -10
+
+
+def test_a_checkpoint_between_the_two_rollbacks_of_a_nan_gradient_blame_resumes_as_the_straight_run():
+    """Review 48s F3: batch 16's gradients are NaN, batch 17's loss NaN: the straight run leaves out 17 first, then,
+    the replay ruining the weights right before it, 16. A checkpoint taken in the replayed on_epoch_begin (between
+    the two) forgot that 17 was left out for a non-finite state: the resumed run blamed each next batch in turn."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin, third = copy.deepcopy(model), copy.deepcopy(model)
+    bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
+    model.bad = twin.bad = third.bad = bad
+    taker = CheckpointAround("on_epoch_begin", mid_epoch=True)
+    settings = dict(SETTINGS, max_rollbacks=8)
+    straight = train(make_loop(model, loader(Poisoned())),
+                     callbacks=[SpikeRollback(**settings), TellModelEpochAfter(), taker])
+    assert [record["iteration"] for record in straight.rollbacks] == [5, 4]
+    checkpoint = torch.load(io.BytesIO(taker.saved), weights_only=True)
+    assert len(checkpoint["rollbacks"]["records"]) == 1
+    resumed = resumed_from(checkpoint, Poisoned(), settings, callbacks=[TellModelEpochAfter()], model=twin)
+    assert str(resumed.rollbacks) == str(straight.rollbacks)
+    assert_params_equal(resumed.model, straight.model)
