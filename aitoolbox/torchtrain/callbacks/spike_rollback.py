@@ -161,6 +161,9 @@ class SpikeRollback(AbstractCallback):
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier. Saved (a run
         # resumed between the two rollbacks of such a blame blames as the run that never stopped, review 48s F3).
         self._state_suspects: set = set()
+        # snapshot='memory': the point kept when an exception stopped the last fit, for the fit that continues it
+        # in this process (review 48s F10; see on_exception).
+        self._carried: Optional[KeptPoint] = None
 
     # --- hooks -------------------------------------------------------------------------------------------------
     def on_train_begin(self) -> None:
@@ -169,12 +172,16 @@ class SpikeRollback(AbstractCallback):
             raise ValueError("SpikeRollback(snapshot='memory') cannot keep a sharded (FSDP) run in memory: each "
                              "process holds only its shards. Use snapshot='checkpoint' with a checkpoint callback "
                              "(e.g. ModelCheckpoint, or a TrainLoopCheckpoint preset)")
-        self._snapshot = None  # a new fit: its start, or a point kept at its first step (see _keep_start)
+        # A new fit: its start, or a point kept at its first step (see _keep_start); a fit continuing one an exception
+        # stopped (no checkpoint loaded since) goes on with that fit's point, as the run that never stopped.
+        carried, self._carried = self._carried, None
+        self._snapshot = carried if tl.pending_restore is None else None
         # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
         # process's pin at the first batch (see _settle_pins).
         # (Not a fit that begins by finishing an epoch's end an exception interrupted: the next epoch is not its
         # start, the end is.)
-        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending
+        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending \
+            and self._snapshot is None
         self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
         self._start_not_kept = False  # a callback ordered before this one has an on_epoch_begin (see _keep_start)
         if self.snapshot == "checkpoint":
@@ -320,7 +327,12 @@ class SpikeRollback(AbstractCallback):
 
     def on_exception(self, exception: BaseException) -> None:
         # A pinned point outlives the process (a preempted or failed job resumes with the losses after it not yet
-        # judged, see _adopt_pin); the next fit clears it where it is not needed.
+        # judged, see _adopt_pin); the next fit clears it where it is not needed. A point in memory is kept for a
+        # fit that continues this one in the process (the loop continues it bitwise: the point is the one the run
+        # that never stopped returns to); the next fit frees it where a checkpoint was loaded in between.
+        if self.snapshot == "memory":
+            self._carried, self._snapshot = self._snapshot, None
+            return
         self._release(keep_pin=True)
 
     def _adopt_pin(self, tl: "TrainLoop", at_resumed_position: bool = False) -> Optional[KeptPoint]:

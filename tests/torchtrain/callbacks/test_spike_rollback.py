@@ -1119,3 +1119,21 @@ def test_a_checkpoint_between_the_two_rollbacks_of_a_nan_gradient_blame_resumes_
     resumed = resumed_from(checkpoint, Poisoned(), settings, callbacks=[TellModelEpochAfter()], model=twin)
     assert str(resumed.rollbacks) == str(straight.rollbacks)
     assert_params_equal(resumed.model, straight.model)
+
+
+@pytest.mark.parametrize("fail, nan", [((0, 1), (0, 2)), ((0, 11), (1, 0)), ((1, 3), (1, 5))],
+                         ids=["before-the-first-check", "at-an-epoch-end", "between-checks"])
+def test_a_fit_stopped_by_an_exception_keeps_its_point_for_the_fit_that_continues_it(fail, nan):
+    """Review 48s F10: an exception in a hook, then fit() again in the same process (which continues the run
+    bitwise). The point kept in memory was dropped with the exception: a NaN before the continued fit's first check
+    had nothing to return to (SpikeRollbackError), or the point kept at its first step named another point in the
+    record. The point is kept through the exception: the run, its records included, is the straight one."""
+    model, twin = model_pair(MLP)
+    data = lambda: loader(Poisoned(poisoned_at(*nan), scale=float("nan")))  # noqa: E731
+    straight = train(make_loop(twin, data()), callbacks=[SpikeRollback(**SETTINGS)])
+    tl = make_loop(model, data())
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS), FailOnce(*fail)])
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(tl.model, straight.model)
