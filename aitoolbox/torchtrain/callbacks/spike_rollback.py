@@ -486,9 +486,11 @@ class SpikeRollback(AbstractCallback):
         would certainly leave out the same batches: a loss flagged while the weights and optimizer states are
         finite (each loss is judged against the same window at any moment), or a non-finite state with a non-finite
         loss among them (blamed from the first such loss, whatever comes after). Nothing is kept, the window does
-        not move. A non-finite state with every loss finite is blamed on the last step's window, which depends on
-        the losses still to come (see :meth:`_blame_state`): the checkpoint is saved as it is, and the run resumed
-        from it stops at its first step with an error naming the checkpoint to resume from instead."""
+        not move; the run stops at the point it returned to (the checkpoint is the point's, nothing pending: the
+        resumed run keeps its start). A non-finite state with every loss finite is blamed on the last step's window,
+        which depends on the losses still to come (see :meth:`_blame_state`): the run returns to the point without
+        leaving anything out and stops there; the resumed run replays the same batches, and its check blames them as
+        the run that never stopped (review 48s F2, F11)."""
         tl = self.train_loop_obj
         if self.snapshot != "memory" or not self._pending or self._snapshot is None \
                 or self._judged_up_to == self._pending_at[-1]:
@@ -497,13 +499,17 @@ class SpikeRollback(AbstractCallback):
         count = len(self._pending)
         state_bad, spiking = bool(agreed[-1] != 0), bool(agreed[:count].any())
         if state_bad and not agreed[count:2 * count].any():
+            # Returned to the point, nothing left out: the resumed run replays the same batches and its check blames
+            # them as the run that never stopped (review 48s F11: a checkpoint with NaN weights was saved, and
+            # the one the resumed run's error named could be pruned already).
             logger.warning("SpikeRollback: stopping with the weights or optimizer states not finite since the last "
-                           "check, every loss finite: the checkpoint saved now cannot be resumed (the run resumed "
-                           "from it stops with an error naming the checkpoint to use)")
-            return
+                           "check, every loss finite: the run returns to the point kept at epoch %d, iteration %d "
+                           "(nothing left out) and the stop's checkpoint is saved there", self._snapshot.epoch + 1,
+                           self._snapshot.iteration)
+            raise RollBack(lambda loop: self._restore(loop, rolled_back=False), [], None)
         if spiking or state_bad:
             judgement, first, last = self._judge(tl)  # as the check would
-            raise self._rollback_request(tl, first, judgement, last)  # the stop comes at the replay's first step
+            raise self._rollback_request(tl, first, judgement, last)  # the run stops at the point (see interrupts)
         self._judged_up_to = self._pending_at[-1]
 
     def _judge_epoch_end(self, tl: "TrainLoop") -> None:
@@ -646,13 +652,16 @@ class SpikeRollback(AbstractCallback):
             indices += found
         return indices
 
-    def _restore(self, tl: "TrainLoop") -> Optional["MidEpochResume"]:
+    def _restore(self, tl: "TrainLoop", rolled_back: bool = True) -> Optional["MidEpochResume"]:
+        """Return the run to the kept point; ``rolled_back``: for a spike's rollback (the cooldown starts), else a
+        return that leaves nothing out (before a stop signal's checkpoint, see :meth:`on_stop_signal`)."""
         point = self._snapshot
         resume = point.restore(tl)  # this callback's detection state goes back with the run
         remove_checkpoints_after(tl, point, _checkpoint_callbacks(tl))
         if tl.is_main_process:
             unpin(point)
-        self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
+        if rolled_back:
+            self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
         self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
         self._point_at = point.stands_for or dict(epoch=point.epoch, iteration=point.iteration,

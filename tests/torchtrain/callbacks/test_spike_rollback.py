@@ -177,6 +177,14 @@ class TellModelEpoch(AbstractCallback):
         self.train_loop_obj.model.epoch = self.train_loop_obj.epoch
 
 
+class TellModelEpochAfter(TellModelEpoch):
+    """Ordered after SpikeRollback: the resumed fit's start is a point (see _keep_start)."""
+
+    def __init__(self):
+        super().__init__()
+        self.execution_order = -10
+
+
 @pytest.mark.parametrize("position, blamed", [
     # The next batch's loss is NaN: as if by itself, so it is left out first; the replay ruins the weights again
     # right before it, so this batch is left out too (two rollbacks).
@@ -959,13 +967,15 @@ def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoin
     """The spike is batch 15 (its check due at batch 19), SIGTERM at batch 16. The checkpoint held the spike among the
     losses not yet judged, and the point kept at batch 14 was in the stopped process's memory: the resumed run
     stopped with SpikeRollbackError. The losses are judged before the stop's checkpoint now (a loss flag: the same
-    batch the check leaves out, whenever it runs); the run rolls back, stops at the replay's first step, and the
-    resumed run ends as the one that never stopped, records included."""
+    batch the check leaves out, whenever it runs); the run rolls back and stops at the point it returned to (batch
+    14: the checkpoint holds nothing pending; it stopped at the replay's first step, which left the resumed run no
+    point before a bad batch there, review 48s F2), and the resumed run ends as the one that never stopped, records
+    included."""
     poison = poisoned_at(1, 3)
     model, twin = model_pair(MLP)
     straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
     stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 16)
-    assert saved.endswith("_E1_ITER15.pth") and len(stopped.rollbacks) == 1  # batch 16, the replay's 15th
+    assert saved.endswith("_E1_ITER14.pth") and len(stopped.rollbacks) == 1  # the point
     torch.manual_seed(0)
     resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison, scale=scale)))
     resumed.load_checkpoint(saved)
@@ -974,23 +984,25 @@ def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoin
     assert_params_equal(resumed.model, straight.model)
 
 
-def test_a_sigterm_after_nan_gradients_with_finite_losses_leaves_a_checkpoint_whose_resume_names_the_one_to_use(
+def test_a_sigterm_after_nan_gradients_with_finite_losses_stops_at_the_kept_point_and_resumes_as_the_straight_run(
         tmp_path):
     """Batch 15's loss is finite, its gradients NaN: at the SIGTERM of that batch the weights are NaN with every
-    pending loss finite, which the check blames on a window that depends on the losses still to come. Nothing is
-    rolled back at the stop (it could leave out other batches than the run that never stopped); the run resumed from
-    the checkpoint stops at its first step with an error naming the last check, the checkpoint to resume from."""
+    pending loss finite, which the check blames on a window that depends on the losses still to come. The checkpoint
+    was saved with NaN weights and the run resumed from it stopped with an error naming a checkpoint an iteration
+    checkpoint callback may have pruned (review 48s F11). The run returns to the point kept at batch 14 without
+    leaving anything out and stops there: the newest checkpoint is finite, and the resumed run replays the batches and
+    blames them as the run that never stopped, records included."""
     torch.manual_seed(0)
     model = NanGradientMLP()
-    twin = copy.deepcopy(model)
-    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
-    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpoch()])
-    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
-    resumed = make_loop(twin, loader(Poisoned()))
-    resumed.load_checkpoint(saved)
-    with pytest.raises(SpikeRollbackError, match=r"Resume from a checkpoint written at or before the last check "
-                                                 r"\(epoch 2, iteration 2, total iteration 14\)"):
-        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), TellModelEpoch(), SpikeRollback(**SETTINGS)])
+    twin, third = copy.deepcopy(model), copy.deepcopy(model)
+    model.bad = twin.bad = third.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
+    straight = train(make_loop(third, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter()])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpochAfter()])
+    assert saved.endswith("_E1_ITER14.pth") and stopped.rollbacks == []
+    assert all(torch.isfinite(value).all() for value in torch.load(saved, weights_only=True)["model_state_dict"].values())
+    resumed = resumed_from(saved, Poisoned(), callbacks=[TellModelEpochAfter()], model=twin)
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 2  # batch 16, then 15
+    assert_params_equal(resumed.model, straight.model)
 
 
 # --- the counters in the replayed on_epoch_begin (review 47r D5) ---------------------------------------------------
@@ -1090,14 +1102,6 @@ def test_a_run_resumed_from_an_epoch_end_checkpoint_with_judged_losses_rolls_bac
     assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
     assert_params_equal(resumed.model, straight.model)
     assert resumed.train_history == straight.train_history
-
-
-class TellModelEpochAfter(TellModelEpoch):
-    """Ordered after SpikeRollback: the resumed fit's start is a point (see _keep_start)."""
-
-    def __init__(self):
-        super().__init__()
-        self.execution_order = -10
 
 
 def test_a_checkpoint_between_the_two_rollbacks_of_a_nan_gradient_blame_resumes_as_the_straight_run():
