@@ -238,7 +238,8 @@ class SpikeRollback(AbstractCallback):
         else:  # (its checkpoint names the point before; _restore puts this one back)
             self._point_at = {key: where[key] for key in ("epoch", "iteration", "batches_done")}
         on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
-        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, stands_for=stands_for, **where)
+        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, stands_for=stands_for,
+                                   start_iteration=tl.iteration, **where)  # (review 48s F8)
 
     def _epoch_begins_before_this(self, tl: "TrainLoop") -> bool:
         """Whether a callback ordered before this one overrides ``on_epoch_begin`` (review 48s F5)."""

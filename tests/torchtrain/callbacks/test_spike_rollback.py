@@ -1141,3 +1141,23 @@ def test_a_fit_stopped_by_an_exception_keeps_its_point_for_the_fit_that_continue
     tl.fit(num_epochs=4)
     assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
     assert_params_equal(tl.model, straight.model)
+
+
+class SeenAtEpochBegin(AbstractCallback):
+    def __init__(self):
+        super().__init__("counters at each epoch begin", execution_order=50)
+        self.seen = []
+
+    def on_epoch_begin(self):
+        tl = self.train_loop_obj
+        self.seen.append((len(tl.rollbacks), tl.epoch, tl.iteration, tl.run_state.batches_done, tl.total_iteration_idx))
+
+
+def test_the_replayed_on_epoch_begin_at_the_fit_s_start_sees_the_start_s_counters():
+    """Review 48s F8 (D5 at a fit-start point): a NaN at batch 2 of a fresh run rolls back to the fit's start; the
+    replayed on_epoch_begin saw tl.iteration of the abandoned run (4)."""
+    seen = SeenAtEpochBegin()
+    model, _ = model_pair(MLP)
+    train(make_loop(model, loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))), num_epochs=1,
+          callbacks=[SpikeRollback(**SETTINGS), seen])
+    assert seen.seen == [(0, 0, 0, 0, -1), (1, 0, 0, 0, -1)]
