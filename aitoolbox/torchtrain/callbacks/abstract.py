@@ -89,7 +89,7 @@ class AbstractCallback:
         """In every process, at the optimizer step where a stop signal (SIGTERM, SIGHUP: a scheduler's time limit)
         ends training, before the checkpoints for the resume are saved: settle what such a checkpoint must not hold
         half-done (``SpikeRollback`` judges its pending losses here). May raise ``RollBack`` (a rollback's request):
-        the run returns to the kept point and stops at the replay's first step."""
+        the run returns to the kept point and stops there (the checkpoint is the point's)."""
 
     def on_epoch_begin(self) -> None:
         """At the start of every epoch."""

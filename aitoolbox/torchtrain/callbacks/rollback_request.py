@@ -19,11 +19,12 @@ class RollBack(Exception):
         restore: puts the kept point back into the loop (a call in every process); returns where its epoch
             continues (None: at an epoch's start).
         skip: ``(epoch, position)`` of each batch to leave out from now on (positions in the epoch's batch order).
-        record: what happened, appended to ``tl.rollbacks``.
+        record: what happened, appended to ``tl.rollbacks`` (None: a return to the point that leaves nothing out and
+            is no rollback of a spike, e.g. SpikeRollback's before a stop signal's checkpoint).
     """
 
     def __init__(self, restore: Callable[["TrainLoop"], Optional["MidEpochResume"]],
-                 skip: Sequence[Tuple[int, int]], record: dict):
+                 skip: Sequence[Tuple[int, int]], record: Optional[dict]):
         super().__init__(f"roll back: {record}")
         self.restore = restore
         self.skip = list(skip)

@@ -46,7 +46,8 @@ class KeptPoint:
     def __init__(self, epoch: int, iteration: int, batches_done: int, total_iteration: int,
                  snapshot: Optional["RunSnapshot"] = None, pin: Optional[str] = None,
                  checkpoint_callback: Any = None, written: Optional[str] = None,
-                 on_disk: Optional[Dict[str, int]] = None, checkpoint: Optional[dict] = None):
+                 on_disk: Optional[Dict[str, int]] = None, checkpoint: Optional[dict] = None,
+                 stands_for: Optional[Dict[str, int]] = None, start_iteration: Optional[int] = None):
         self.epoch, self.iteration, self.batches_done = epoch, iteration, batches_done
         self.total_iteration = total_iteration
         self.kept_at = time.time()
@@ -57,6 +58,11 @@ class KeptPoint:
         self.snapshot, self.pin, self.checkpoint_callback = snapshot, pin, checkpoint_callback
         self.checkpoint = checkpoint  # every tensor on the host, shared with nothing (see torchtrain.host_copy)
         self.written = written  # the checkpoint under its usual name, when it was written for this point alone
+        # The start of a fit whose pending losses were judged clean: the earlier point (epoch, iteration,
+        # batches_done) it stands for, which the run that never stopped returns to (None: itself).
+        self.stands_for = dict(stands_for) if stands_for is not None else None
+        # A fit's start: the loop's ``iteration`` there (what its on_epoch_begin saw; a checkpoint does not hold it).
+        self.start_iteration = start_iteration
 
     @property
     def position(self) -> tuple:
@@ -78,7 +84,10 @@ class KeptPoint:
         if self.checkpoint is not None:
             # Loaded as a pin is, from a fresh copy each time: loading may keep the tensors it is given.
             tl.load_checkpoint(host_copy(self.checkpoint))
-            return tl.apply_pending_restore()
+            resume = tl.apply_pending_restore()
+            if self.start_iteration is not None:  # (the loop sets it where the point lies inside its epoch)
+                tl.run_state.counters.iteration = self.start_iteration
+            return resume
         if self.pin is None or not os.path.exists(self.pin):
             raise FileNotFoundError(f"SpikeRollback cannot roll back: its pinned checkpoint {self.pin} is gone (was "
                                     f"the run folder's checkpoint_model/{PIN_FOLDER}/ deleted during training?)")

@@ -140,8 +140,12 @@ class SpikeRollback(AbstractCallback):
         self._pending_stepped: List[bool] = []  # whether an optimizer step ended each (gradient accumulation)
         self._steps_since_check = 0
         self._checked_at: Optional[Dict[str, int]] = None  # where the last check left nothing pending
-        # The (epoch, iteration) of the last pending loss judged clean (None: none since the last load or rollback).
+        # The (epoch, iteration) of the last pending loss judged clean (None: none since the last rollback). Saved:
+        # a run resumed (or a fit begun) with its pending losses judged clean keeps its start (review 48s F1, F4).
         self._judged_up_to: Optional[Tuple[int, int]] = None
+        # Where the point kept last lies (epoch, iteration, batches_done): the point the run that never stopped
+        # returns to, which a start kept after judged losses stands for (see _keep_start). Saved.
+        self._point_at: Optional[Dict[str, int]] = None
         self._cooldown_left = 0
         # Per process, rebuilt: the kept point, a step's lowered learning rates, the epochs' starting RNG states.
         self._snapshot: Optional[KeptPoint] = None
@@ -154,8 +158,12 @@ class SpikeRollback(AbstractCallback):
         self._started_with: Optional[int] = None
         self._start_not_kept = False
         # (epoch, loader position) of the batches left out for a non-finite state because their own loss was not
-        # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier.
+        # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier. Saved (a run
+        # resumed between the two rollbacks of such a blame blames as the run that never stopped, review 48s F3).
         self._state_suspects: set = set()
+        # snapshot='memory': the point kept when an exception stopped the last fit, for the fit that continues it
+        # in this process (review 48s F10; see on_exception).
+        self._carried: Optional[KeptPoint] = None
 
     # --- hooks -------------------------------------------------------------------------------------------------
     def on_train_begin(self) -> None:
@@ -164,12 +172,16 @@ class SpikeRollback(AbstractCallback):
             raise ValueError("SpikeRollback(snapshot='memory') cannot keep a sharded (FSDP) run in memory: each "
                              "process holds only its shards. Use snapshot='checkpoint' with a checkpoint callback "
                              "(e.g. ModelCheckpoint, or a TrainLoopCheckpoint preset)")
-        self._snapshot = None  # a new fit: its start, or a point kept at its first step (see _keep_start)
+        # A new fit: its start, or a point kept at its first step (see _keep_start); a fit continuing one an exception
+        # stopped (no checkpoint loaded since) goes on with that fit's point, as the run that never stopped.
+        carried, self._carried = self._carried, None
+        self._snapshot = carried if tl.pending_restore is None else None
         # Decided once a resumed checkpoint's states are in place: the fit's start in on_epoch_begin, an earlier
         # process's pin at the first batch (see _settle_pins).
         # (Not a fit that begins by finishing an epoch's end an exception interrupted: the next epoch is not its
         # start, the end is.)
-        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending
+        self._start_due = self.snapshot == "memory" and not tl.run_state.continuation_pending \
+            and self._snapshot is None
         self._started_with: Optional[int] = None  # the losses pending at the fit's first batch (for an error)
         self._start_not_kept = False  # a callback ordered before this one has an on_epoch_begin (see _keep_start)
         if self.snapshot == "checkpoint":
@@ -193,17 +205,20 @@ class SpikeRollback(AbstractCallback):
         process (the last step of the fit before, review 48m M4). Where losses are pending unjudged, the first step's
         check keeps the point, as before (nothing earlier is known to be clean); so it does where a callback ordered
         before this one has an ``on_epoch_begin``: what it did (drawn random numbers, its state) is in the point
-        already, and the replay's ``on_epoch_begin`` would do it again."""
-        unjudged = bool(self._pending) and self._judged_up_to != self._pending_at[-1]
+        already, and the replay's ``on_epoch_begin`` would do it again.
+
+        Where the pending losses were judged clean (here, or in the process that saved the checkpoint: at a stop
+        signal, at an epoch's end, review 48s F1, F4), the start stands for the point kept before them, the one the
+        run that never stopped returns to: a rollback leaves out what that run's does and records its point, or
+        stops with an error where that run's would leave out a batch trained before this start (skip_batches
+        reaching back over the judged losses; see :meth:`_rollback_request`)."""
+        unjudged = bool(self._pending) and (self._judged_up_to != self._pending_at[-1] or self._point_at is None)
         if unjudged or tl.finishes_interrupted_step or resets_own_iterator(tl.train_loader):
             # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
             # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
             return
         if self._epoch_begins_before_this(tl):
             self._start_not_kept = True  # named in the error of a spike with nothing to return to
-            return
-            # (A loader with persistent workers continues an epoch by resetting its own iterator, which a restored
-            # checkpoint does not: a run resumed from the epoch start of one is not bitwise; see checkpoint_state.)
             return
         try:
             checkpoint = host_copy(tl.checkpoint_state())
@@ -216,8 +231,15 @@ class SpikeRollback(AbstractCallback):
             # Where the last check left nothing pending, as the run that never stopped keeps it (at an epoch's start:
             # the end of the epoch before): a rollback's record names the same point.
             where = dict(self._checked_at)
+        stands_for = None
+        if self._pending:
+            # Losses judged clean are pending: the run that never stopped returns to the point kept before them.
+            stands_for = self._point_at
+        else:  # (its checkpoint names the point before; _restore puts this one back)
+            self._point_at = {key: where[key] for key in ("epoch", "iteration", "batches_done")}
         on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
-        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, **where)
+        self._snapshot = KeptPoint(checkpoint=checkpoint, on_disk=on_disk, stands_for=stands_for,
+                                   start_iteration=tl.iteration, **where)  # (review 48s F8)
 
     def _epoch_begins_before_this(self, tl: "TrainLoop") -> bool:
         """Whether a callback ordered before this one overrides ``on_epoch_begin`` (review 48s F5)."""
@@ -306,7 +328,12 @@ class SpikeRollback(AbstractCallback):
 
     def on_exception(self, exception: BaseException) -> None:
         # A pinned point outlives the process (a preempted or failed job resumes with the losses after it not yet
-        # judged, see _adopt_pin); the next fit clears it where it is not needed.
+        # judged, see _adopt_pin); the next fit clears it where it is not needed. A point in memory is kept for a
+        # fit that continues this one in the process (the loop continues it bitwise: the point is the one the run
+        # that never stopped returns to); the next fit frees it where a checkpoint was loaded in between.
+        if self.snapshot == "memory":
+            self._carried, self._snapshot = self._snapshot, None
+            return
         self._release(keep_pin=True)
 
     def _adopt_pin(self, tl: "TrainLoop", at_resumed_position: bool = False) -> Optional[KeptPoint]:
@@ -347,7 +374,10 @@ class SpikeRollback(AbstractCallback):
                 "reference": None if history.reference is None else float(history.reference), "pending": pending, "pending_at": [list(at) for at in self._pending_at],
                 "pending_stepped": list(self._pending_stepped),
                 "steps_since_check": self._steps_since_check, "cooldown_left": self._cooldown_left,
-                "checked_at": None if self._checked_at is None else dict(self._checked_at)}
+                "checked_at": None if self._checked_at is None else dict(self._checked_at),
+                "judged_up_to": None if self._judged_up_to is None else list(self._judged_up_to),
+                "point_at": None if self._point_at is None else dict(self._point_at),
+                "state_suspects": sorted([epoch, position] for epoch, position in self._state_suspects)}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
@@ -367,9 +397,15 @@ class SpikeRollback(AbstractCallback):
                                  state.get("pending_stepped", [True] * len(self._pending_at))]
         self._steps_since_check = int(state["steps_since_check"])
         self._cooldown_left = int(state["cooldown_left"])
-        self._judged_up_to = None  # (judged again where needed: the same losses, the same judgement)
+        # None in a checkpoint from before these were kept: its pending losses are judged again where needed (the
+        # same losses, the same judgement), and a resumed fit keeps its first point at its first step.
+        judged_up_to, point_at = state.get("judged_up_to"), state.get("point_at")
+        self._judged_up_to = None if judged_up_to is None else (int(judged_up_to[0]), int(judged_up_to[1]))
+        self._point_at = None if point_at is None else {key: int(value) for key, value in point_at.items()}
         checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
         self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
+        # Only ever added to (a rollback restores an older state: the suspects found since stay).
+        self._state_suspects |= {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
     def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
@@ -451,9 +487,11 @@ class SpikeRollback(AbstractCallback):
         would certainly leave out the same batches: a loss flagged while the weights and optimizer states are
         finite (each loss is judged against the same window at any moment), or a non-finite state with a non-finite
         loss among them (blamed from the first such loss, whatever comes after). Nothing is kept, the window does
-        not move. A non-finite state with every loss finite is blamed on the last step's window, which depends on
-        the losses still to come (see :meth:`_blame_state`): the checkpoint is saved as it is, and the run resumed
-        from it stops at its first step with an error naming the checkpoint to resume from instead."""
+        not move; the run stops at the point it returned to (the checkpoint is the point's, nothing pending: the
+        resumed run keeps its start). A non-finite state with every loss finite is blamed on the last step's window,
+        which depends on the losses still to come (see :meth:`_blame_state`): the run returns to the point without
+        leaving anything out and stops there; the resumed run replays the same batches, and its check blames them as
+        the run that never stopped (review 48s F2, F11)."""
         tl = self.train_loop_obj
         if self.snapshot != "memory" or not self._pending or self._snapshot is None \
                 or self._judged_up_to == self._pending_at[-1]:
@@ -462,13 +500,17 @@ class SpikeRollback(AbstractCallback):
         count = len(self._pending)
         state_bad, spiking = bool(agreed[-1] != 0), bool(agreed[:count].any())
         if state_bad and not agreed[count:2 * count].any():
+            # Returned to the point, nothing left out: the resumed run replays the same batches and its check blames
+            # them as the run that never stopped (review 48s F11: a checkpoint with NaN weights was saved, and
+            # the one the resumed run's error named could be pruned already).
             logger.warning("SpikeRollback: stopping with the weights or optimizer states not finite since the last "
-                           "check, every loss finite: the checkpoint saved now cannot be resumed (the run resumed "
-                           "from it stops with an error naming the checkpoint to use)")
-            return
+                           "check, every loss finite: the run returns to the point kept at epoch %d, iteration %d "
+                           "(nothing left out) and the stop's checkpoint is saved there", self._snapshot.epoch + 1,
+                           self._snapshot.iteration)
+            raise RollBack(lambda loop: self._restore(loop, rolled_back=False), [], None)
         if spiking or state_bad:
             judgement, first, last = self._judge(tl)  # as the check would
-            raise self._rollback_request(tl, first, judgement, last)  # the stop comes at the replay's first step
+            raise self._rollback_request(tl, first, judgement, last)  # the run stops at the point (see interrupts)
         self._judged_up_to = self._pending_at[-1]
 
     def _judge_epoch_end(self, tl: "TrainLoop") -> None:
@@ -500,6 +542,7 @@ class SpikeRollback(AbstractCallback):
         previous, self._snapshot = self._snapshot, None  # a memory snapshot's copy is freed before the next is taken
         where = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done,
                      total_iteration=tl.total_iteration_idx)
+        self._point_at = {key: where[key] for key in ("epoch", "iteration", "batches_done")}  # before it is saved
         if self.snapshot == "memory":
             del previous
             on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
@@ -524,7 +567,10 @@ class SpikeRollback(AbstractCallback):
         epoch, iteration = self._pending_at[first]
         kept = self._snapshot
         history = tl.run_state.rollbacks
-        low = kept.batches_done if kept is not None and kept.epoch == epoch else 0
+        # The point the run that never stopped returns to (a start kept after judged losses stands for it).
+        anchor = None if kept is None else (kept.stands_for or dict(epoch=kept.epoch, iteration=kept.iteration,
+                                                                   batches_done=kept.batches_done))
+        low = anchor["batches_done"] if anchor is not None and anchor["epoch"] == epoch else 0
         wanted = iteration - self.skip_batches + 1
         iterations = range(max(wanted, low), iteration + 1)
         skipped = [(epoch, history.loader_position(epoch, at)) for at in iterations]
@@ -551,11 +597,21 @@ class SpikeRollback(AbstractCallback):
                                      f"{spiked[2]}, limit {spiked[3]}) after max_rollbacks={self.max_rollbacks} "
                                      f"rollback(s); training stops. The rollbacks:\n{listed}", list(tl.rollbacks),
                                      spike)
+        if kept.stands_for is not None and kept.epoch == epoch and iterations.start < kept.batches_done:
+            # The batches to leave out begin among those judged clean before this fit's start, which this run
+            # trained already: returning to the start would leave out fewer than the run that never stopped.
+            raise SpikeRollbackError(
+                f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median {spiked[2]}): "
+                f"skip_batches={self.skip_batches} reaches before the start of this fit (epoch {kept.epoch + 1}, "
+                f"iteration {kept.iteration}), over loss(es) judged clean but not yet checked when the run was "
+                "saved; the run that never stopped would leave those batches out too, which this run cannot. Resume "
+                "from a checkpoint written at or before the last check (epoch "
+                f"{anchor['epoch'] + 1}, iteration {anchor['iteration']}), if one is kept", list(tl.rollbacks), spike)
         if wanted < low:
             logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (epoch %d, iteration %d): "
-                           "leaving out %d batch(es) only", self.skip_batches, kept.epoch + 1, kept.iteration,
-                           len(iterations))
-        record = dict(spike, restored={"epoch": kept.epoch, "iteration": kept.iteration})
+                           "leaving out %d batch(es) only", self.skip_batches, anchor["epoch"] + 1,
+                           anchor["iteration"], len(iterations))
+        record = dict(spike, restored={"epoch": anchor["epoch"], "iteration": anchor["iteration"]})
         if tl.is_main_process:
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
@@ -597,15 +653,20 @@ class SpikeRollback(AbstractCallback):
             indices += found
         return indices
 
-    def _restore(self, tl: "TrainLoop") -> Optional["MidEpochResume"]:
+    def _restore(self, tl: "TrainLoop", rolled_back: bool = True) -> Optional["MidEpochResume"]:
+        """Return the run to the kept point; ``rolled_back``: for a spike's rollback (the cooldown starts), else a
+        return that leaves nothing out (before a stop signal's checkpoint, see :meth:`on_stop_signal`)."""
         point = self._snapshot
         resume = point.restore(tl)  # this callback's detection state goes back with the run
         remove_checkpoints_after(tl, point, _checkpoint_callbacks(tl))
         if tl.is_main_process:
             unpin(point)
-        self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
+        if rolled_back:
+            self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
         self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
+        self._point_at = point.stands_for or dict(epoch=point.epoch, iteration=point.iteration,
+                                                  batches_done=point.batches_done)
         return resume
 
     def _write_records(self, tl: "TrainLoop", records: List[dict]) -> None:

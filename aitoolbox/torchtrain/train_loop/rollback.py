@@ -99,6 +99,7 @@ def roll_back(tl: "TrainLoop", request: RollBack) -> Optional[MidEpochResume]:
     history.load_state_dict(kept)
     for epoch, position in request.skip:
         history.skip(epoch, position)
-    history.records.append(request.record)
+    if request.record is not None:  # (None: a return that leaves nothing out, e.g. before a stop signal's checkpoint)
+        history.records.append(request.record)
     return resume
 

@@ -1145,6 +1145,12 @@ class TrainLoop:
         self._interrupts.in_batch = False
         return resume
 
+    def roll_back_before_stop(self, request: RollBack) -> None:
+        """A stop signal's rollback (see :mod:`.interrupts`): the run returns to the kept point and stands there, as
+        before the replay's ``on_epoch_begin``, for the stop's checkpoint and a later ``fit``."""
+        self._roll_back(request)
+        self.state.epoch = self.state.epochs_completed  # (the epoch loop sets it at the replay's start)
+
     @property
     def rollbacks(self) -> List[dict]:
         """The rollbacks of this run so far (:class:`~aitoolbox.torchtrain.callbacks.SpikeRollback`), oldest first."""

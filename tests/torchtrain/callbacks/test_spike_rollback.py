@@ -177,6 +177,14 @@ class TellModelEpoch(AbstractCallback):
         self.train_loop_obj.model.epoch = self.train_loop_obj.epoch
 
 
+class TellModelEpochAfter(TellModelEpoch):
+    """Ordered after SpikeRollback: the resumed fit's start is a point (see _keep_start)."""
+
+    def __init__(self):
+        super().__init__()
+        self.execution_order = -10
+
+
 @pytest.mark.parametrize("position, blamed", [
     # The next batch's loss is NaN: as if by itself, so it is left out first; the replay ruins the weights again
     # right before it, so this batch is left out too (two rollbacks).
@@ -959,13 +967,15 @@ def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoin
     """The spike is batch 15 (its check due at batch 19), SIGTERM at batch 16. The checkpoint held the spike among the
     losses not yet judged, and the point kept at batch 14 was in the stopped process's memory: the resumed run
     stopped with SpikeRollbackError. The losses are judged before the stop's checkpoint now (a loss flag: the same
-    batch the check leaves out, whenever it runs); the run rolls back, stops at the replay's first step, and the
-    resumed run ends as the one that never stopped, records included."""
+    batch the check leaves out, whenever it runs); the run rolls back and stops at the point it returned to (batch
+    14: the checkpoint holds nothing pending; it stopped at the replay's first step, which left the resumed run no
+    point before a bad batch there, review 48s F2), and the resumed run ends as the one that never stopped, records
+    included."""
     poison = poisoned_at(1, 3)
     model, twin = model_pair(MLP)
     straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
     stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 16)
-    assert saved.endswith("_E1_ITER15.pth") and len(stopped.rollbacks) == 1  # batch 16, the replay's 15th
+    assert saved.endswith("_E1_ITER14.pth") and len(stopped.rollbacks) == 1  # the point
     torch.manual_seed(0)
     resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison, scale=scale)))
     resumed.load_checkpoint(saved)
@@ -974,23 +984,25 @@ def test_a_sigterm_between_a_spike_and_its_check_rolls_back_before_the_checkpoin
     assert_params_equal(resumed.model, straight.model)
 
 
-def test_a_sigterm_after_nan_gradients_with_finite_losses_leaves_a_checkpoint_whose_resume_names_the_one_to_use(
+def test_a_sigterm_after_nan_gradients_with_finite_losses_stops_at_the_kept_point_and_resumes_as_the_straight_run(
         tmp_path):
     """Batch 15's loss is finite, its gradients NaN: at the SIGTERM of that batch the weights are NaN with every
-    pending loss finite, which the check blames on a window that depends on the losses still to come. Nothing is
-    rolled back at the stop (it could leave out other batches than the run that never stopped); the run resumed from
-    the checkpoint stops at its first step with an error naming the last check, the checkpoint to resume from."""
+    pending loss finite, which the check blames on a window that depends on the losses still to come. The checkpoint
+    was saved with NaN weights and the run resumed from it stopped with an error naming a checkpoint an iteration
+    checkpoint callback may have pruned (review 48s F11). The run returns to the point kept at batch 14 without
+    leaving anything out and stops there: the newest checkpoint is finite, and the resumed run replays the batches and
+    blames them as the run that never stopped, records included."""
     torch.manual_seed(0)
     model = NanGradientMLP()
-    twin = copy.deepcopy(model)
-    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
-    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpoch()])
-    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
-    resumed = make_loop(twin, loader(Poisoned()))
-    resumed.load_checkpoint(saved)
-    with pytest.raises(SpikeRollbackError, match=r"Resume from a checkpoint written at or before the last check "
-                                                 r"\(epoch 2, iteration 2, total iteration 14\)"):
-        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), TellModelEpoch(), SpikeRollback(**SETTINGS)])
+    twin, third = copy.deepcopy(model), copy.deepcopy(model)
+    model.bad = twin.bad = third.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][3]])}
+    straight = train(make_loop(third, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter()])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(), 15, callbacks=[TellModelEpochAfter()])
+    assert saved.endswith("_E1_ITER14.pth") and stopped.rollbacks == []
+    assert all(torch.isfinite(value).all() for value in torch.load(saved, weights_only=True)["model_state_dict"].values())
+    resumed = resumed_from(saved, Poisoned(), callbacks=[TellModelEpochAfter()], model=twin)
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 2  # batch 16, then 15
+    assert_params_equal(resumed.model, straight.model)
 
 
 # --- the counters in the replayed on_epoch_begin (review 47r D5) ---------------------------------------------------
@@ -1017,3 +1029,135 @@ def test_the_replayed_on_epoch_begin_sees_the_kept_point_s_counters(tmp_path, sn
     train(make_loop(model, loader(Poisoned(poisoned_at(1, 5)))), num_epochs=2,
           callbacks=saver + [SpikeRollback(**SETTINGS, snapshot=snapshot), watcher])
     assert watcher.seen[0] == (1, 2, 3, 14)
+
+
+# --- what the callback decided is part of its state (review 48s F1, F3, F4) ---------------------------------------
+def resumed_from(saved, dataset, settings=SETTINGS, callbacks=(), model=None):
+    torch.manual_seed(0)  # the checkpoint's RNG state decides, not the process's
+    resumed = make_loop(model if model is not None else model_pair(MLP)[0], loader(dataset))
+    resumed.load_checkpoint(saved)
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), *callbacks, SpikeRollback(**settings)])
+    return resumed
+
+
+@pytest.mark.parametrize("scale", [1e4, float("nan")], ids=["spike", "nan"])
+def test_a_sigterm_one_step_before_a_spike_resumes_as_the_straight_run(tmp_path, scale):
+    """Review 48s F1: SIGTERM at batch 15 (no check due), the spike at batch 16. The stop judged batch 15's loss clean
+    but the checkpoint held it as not judged: the resumed run kept no start and stopped with SpikeRollbackError at
+    its first step. The judgement is saved: the resumed run returns to its start, as the straight run to batch 14's
+    point, records included."""
+    poison = poisoned_at(1, 4)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=scale))), callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=scale), 15)
+    assert saved.endswith("_E1_ITER15.pth") and stopped.rollbacks == []
+    resumed = resumed_from(saved, Poisoned(poison, scale=scale))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+def test_a_resumed_start_after_judged_losses_never_leaves_out_other_batches_than_the_straight_run(tmp_path):
+    """skip_batches=2: the straight run leaves out batches 15 and 16 (back to batch 14's point); the run resumed at
+    batch 16 has trained batch 15 already and cannot: it stops with an error saying so (never another run)."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, _ = model_pair(MLP)
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(SignalStop):
+        train(stopped, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path)), SpikeRollback(**settings),
+                                  SigtermAt(15)])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=2 reaches before the start of this fit"):
+        resumed_from(saved, Poisoned(poison), settings)
+
+
+class SaveAtEpochEnd(AbstractCallback):
+    """Keeps ``checkpoint_state()`` (bytes) at the end of epoch ``epoch``, as ModelCheckpoint saves it."""
+
+    def __init__(self, epoch):
+        super().__init__("checkpoint at an epoch's end", execution_order=100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_end(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            buffer = io.BytesIO()
+            torch.save(self.train_loop_obj.checkpoint_state(), buffer)
+            self.saved = buffer.getvalue()
+
+
+def test_a_run_resumed_from_an_epoch_end_checkpoint_with_judged_losses_rolls_back_a_spike_at_its_first_step():
+    """Review 48s F4: snapshot_every=5, 12 steps an epoch: the epoch's end judges batches 10 and 11 clean and the
+    epoch-end checkpoint held them as not judged; the run resumed from it stopped with SpikeRollbackError at a spike in
+    the next epoch's first batch. It rolls back as the straight run, records included."""
+    poison = poisoned_at(1, 0)
+    model, twin = model_pair(MLP)
+    saver = SaveAtEpochEnd(0)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS), saver])
+    checkpoint = torch.load(io.BytesIO(saver.saved), weights_only=True)
+    resumed = resumed_from(checkpoint, Poisoned(poison))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+def test_a_checkpoint_between_the_two_rollbacks_of_a_nan_gradient_blame_resumes_as_the_straight_run():
+    """Review 48s F3: batch 16's gradients are NaN, batch 17's loss NaN: the straight run leaves out 17 first, then,
+    the replay ruining the weights right before it, 16. A checkpoint taken in the replayed on_epoch_begin (between
+    the two) forgot that 17 was left out for a non-finite state: the resumed run blamed each next batch in turn."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin, third = copy.deepcopy(model), copy.deepcopy(model)
+    bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
+    model.bad = twin.bad = third.bad = bad
+    taker = CheckpointAround("on_epoch_begin", mid_epoch=True)
+    settings = dict(SETTINGS, max_rollbacks=8)
+    straight = train(make_loop(model, loader(Poisoned())),
+                     callbacks=[SpikeRollback(**settings), TellModelEpochAfter(), taker])
+    assert [record["iteration"] for record in straight.rollbacks] == [5, 4]
+    checkpoint = torch.load(io.BytesIO(taker.saved), weights_only=True)
+    assert len(checkpoint["rollbacks"]["records"]) == 1
+    resumed = resumed_from(checkpoint, Poisoned(), settings, callbacks=[TellModelEpochAfter()], model=twin)
+    assert str(resumed.rollbacks) == str(straight.rollbacks)
+    assert_params_equal(resumed.model, straight.model)
+
+
+@pytest.mark.parametrize("fail, nan", [((0, 1), (0, 2)), ((0, 11), (1, 0)), ((1, 3), (1, 5))],
+                         ids=["before-the-first-check", "at-an-epoch-end", "between-checks"])
+def test_a_fit_stopped_by_an_exception_keeps_its_point_for_the_fit_that_continues_it(fail, nan):
+    """Review 48s F10: an exception in a hook, then fit() again in the same process (which continues the run
+    bitwise). The point kept in memory was dropped with the exception: a NaN before the continued fit's first check
+    had nothing to return to (SpikeRollbackError), or the point kept at its first step named another point in the
+    record. The point is kept through the exception: the run, its records included, is the straight one."""
+    model, twin = model_pair(MLP)
+    data = lambda: loader(Poisoned(poisoned_at(*nan), scale=float("nan")))  # noqa: E731
+    straight = train(make_loop(twin, data()), callbacks=[SpikeRollback(**SETTINGS)])
+    tl = make_loop(model, data())
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS), FailOnce(*fail)])
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(tl.model, straight.model)
+
+
+class SeenAtEpochBegin(AbstractCallback):
+    def __init__(self):
+        super().__init__("counters at each epoch begin", execution_order=50)
+        self.seen = []
+
+    def on_epoch_begin(self):
+        tl = self.train_loop_obj
+        self.seen.append((len(tl.rollbacks), tl.epoch, tl.iteration, tl.run_state.batches_done, tl.total_iteration_idx))
+
+
+def test_the_replayed_on_epoch_begin_at_the_fit_s_start_sees_the_start_s_counters():
+    """Review 48s F8 (D5 at a fit-start point): a NaN at batch 2 of a fresh run rolls back to the fit's start; the
+    replayed on_epoch_begin saw tl.iteration of the abandoned run (4)."""
+    seen = SeenAtEpochBegin()
+    model, _ = model_pair(MLP)
+    train(make_loop(model, loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))), num_epochs=1,
+          callbacks=[SpikeRollback(**SETTINGS), seen])
+    assert seen.seen == [(0, 0, 0, 0, -1), (1, 0, 0, 0, -1)]
