@@ -32,7 +32,7 @@ def checked_batch_loss(loss: LossResult) -> Tuple[torch.Tensor, Optional[List[st
     """A training batch's loss checked (see :func:`~aitoolbox.torchtrain.train_loop.validation.check_loss` and
     :func:`check_trainable_loss`), as ``(detached values, loss names)``: :func:`detached_values` and
     :func:`loss_names` in one call, since it runs for every batch."""
-    if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # the usual case first
+    if type(loss) is torch.Tensor and loss.requires_grad and loss.ndim == 0:  # the usual case first (ndim: no call)
         return loss.detach(), None
     check_loss(loss, "get_loss")
     check_trainable_loss(loss)

@@ -26,6 +26,10 @@ POSTFIX_INTERVAL_S = 0.5
 # Steps are handed to tqdm at most this often: tqdm's own update costs microseconds, which a tiny model's
 # batch notices, and it redraws no more often than every 0.1 s anyway.
 DRAW_INTERVAL_S = 0.05
+# The clock is read about this many times a draw interval (at the pace of the steps before the last draw), not at
+# every step: reading it costs a tiny model's batch too. A draw comes at most an eighth of an interval late while the
+# pace holds. (Before the second draw the pace is unknown: the steps between two reads double.)
+CLOCK_READS_PER_DRAW = 8
 # A bar written to a file or pipe (not a terminal) redraws at most this often: a line in a job's log each time.
 LOG_FILE_INTERVAL_S = 30.0
 
@@ -77,6 +81,11 @@ class ProgressBar:
         self._last_postfix_time = 0.0
         self._pending_steps = 0  # steps not yet handed to tqdm
         self._next_draw_time = 0.0
+        self._last_draw_time: Optional[float] = None
+        # update reads the clock once _pending_steps reaches _next_check, then every _check_every steps until a draw
+        self._next_check = 1
+        self._check_every = 1
+        self._paced = False  # _check_every comes from the pace between two draws
         if not enabled:
             return
         widgets = draws_widgets()
@@ -94,18 +103,35 @@ class ProgressBar:
 
     def update(self, postfix_fn=None) -> None:
         """Advance by one step; ``postfix_fn()`` returns the postfix dict and is called only when due."""
-        if self._bar is None:
-            return
         self._pending_steps += 1
+        if self._pending_steps >= self._next_check:  # (runs for every batch: a count, no clock)
+            self._draw_if_due(postfix_fn)
+
+    def _draw_if_due(self, postfix_fn) -> None:
+        """Hand the pending steps to tqdm if ``DRAW_INTERVAL_S`` has passed since the last time (with the postfix,
+        if ``POSTFIX_INTERVAL_S`` has), and plan the next clock read: after the steps of a ``CLOCK_READS_PER_DRAW``-th
+        of an interval at the pace since the last draw."""
+        if self._bar is None:  # disabled, not drawn (a transient bar in a log file) or closed: no clock read again
+            self._next_check = float("inf")
+            return
         now = time.monotonic()
         if now < self._next_draw_time:
+            if not self._paced:  # until the second draw, the pace is unknown: twice as many steps to the next read
+                self._check_every *= 2
+            self._next_check = self._pending_steps + self._check_every
             return
         self._next_draw_time = now + DRAW_INTERVAL_S
         if postfix_fn is not None and now - self._last_postfix_time >= POSTFIX_INTERVAL_S:
             self._last_postfix_time = now
             self._bar.set_postfix(postfix_fn(), refresh=False)
         self._bar.update(self._pending_steps)
+        if self._last_draw_time is not None:  # (a draw is DRAW_INTERVAL_S or more after the last: no zero division)
+            pace = self._pending_steps / max(now - self._last_draw_time, 1e-9)  # steps a second
+            self._check_every = max(1, int(pace * DRAW_INTERVAL_S / CLOCK_READS_PER_DRAW))
+            self._paced = True
+        self._last_draw_time = now
         self._pending_steps = 0
+        self._next_check = self._check_every
 
     def restart(self, total: Optional[int], description: str) -> None:
         """Show another pass on the same bar: back to zero, with a new total and description."""
@@ -113,6 +139,7 @@ class ProgressBar:
             return
         self._pending_steps = 0
         self._next_draw_time = 0.0
+        self._last_draw_time, self._check_every, self._next_check, self._paced = None, 1, 1, False
         self._bar.reset(total=total)
         self._bar.set_description(description, refresh=False)
 

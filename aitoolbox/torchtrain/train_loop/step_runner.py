@@ -81,7 +81,9 @@ class StepRunner:
         self.batch_done = batch_done
         self.amp_scaler = amp_scaler
         self.pending_batches = 0  # batches back-propagated since the last step: their gradients wait for one
-        self._per_optimizer_last = False  # the last batch stepped its optimizers one after another
+        # The last batch that left its gradients pending stepped its optimizers one after another (read only while
+        # gradients are pending: every backward that leaves them so sets it, a batch that steps need not).
+        self._per_optimizer_last = False
         self._work: Optional[_PerOptimizerStep] = None
         self._unfinished: Optional[_UnfinishedStep] = None
 
@@ -191,7 +193,6 @@ class StepRunner:
         callback's hooks, and the batch's end must run them too (``TrainLoop._end_batch``). So also where a
         precision was assigned in the backward: the step is the new precision's."""
         precision = self.precision
-        self._per_optimizer_last = False
         loss.backward()
         hooks = self.hooks
         if hooks.has_batch_hooks or self.precision is not precision:

@@ -1420,7 +1420,7 @@ class TrainLoop:
             if hooks.has_batch_hooks or not self._plain_batches:  # changed inside get_loss
                 self._backward_and_step(loss, True)
                 return self._end_general_batch(num_iterations, bar)
-            if type(loss) is torch.Tensor and loss.requires_grad and loss.dim() == 0:  # checked_batch_loss's usual
+            if type(loss) is torch.Tensor and loss.requires_grad and loss.ndim == 0:  # checked_batch_loss's usual
                 self.last_batch_loss = detached = loss.detach()
                 self._loss_names = None
                 run_state.add_batch_loss(detached)

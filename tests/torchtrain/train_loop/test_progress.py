@@ -45,6 +45,40 @@ def test_output_to_a_file_shows_no_transient_bars_and_few_redraws(capsys, monkey
     assert len(redraws) == 2 and redraws[-1].startswith("Epoch 1/1: 100%"), redraws  # the start and the end
 
 
+class FakeClock:
+    """``time`` for the progress module: ``monotonic`` returns :attr:`now` (which the test advances) and counts
+    its reads."""
+
+    def __init__(self):
+        self.now, self.reads = 1000.0, 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+def test_a_bar_reads_the_clock_a_few_times_a_draw_interval_not_at_every_step(monkeypatch):
+    """A tiny model's batch notices a clock read (issue 32's per-batch cost): at a steady pace the bar reads it about
+    CLOCK_READS_PER_DRAW times a draw interval, and still hands its steps to tqdm about every DRAW_INTERVAL_S."""
+    clock = FakeClock()
+    monkeypatch.setattr(progress, "time", clock)
+    monkeypatch.setattr(progress, "writes_to_terminal", lambda: True)
+    bar = ProgressBar(2000, "Epoch 1/1", enabled=True)
+    handed = []  # (fake time, steps) of each update tqdm gets
+    tqdm_update = bar._bar.update
+    bar._bar.update = lambda steps: (handed.append((clock.now, steps)), tqdm_update(steps))
+    for _ in range(2000):  # one step a millisecond: 50 steps a draw interval
+        clock.now += 0.001
+        bar.update()
+    assert clock.reads <= 2000 // 4, clock.reads  # (each step read it: 2000)
+    gaps = [later - earlier for (earlier, _), (later, _) in zip(handed, handed[1:])]
+    assert gaps[0] <= 2 * progress.DRAW_INTERVAL_S  # before the pace is known: the steps between reads double
+    assert len(gaps) >= 30 and max(gaps[1:]) <= progress.DRAW_INTERVAL_S * (1 + 1 / progress.CLOCK_READS_PER_DRAW) \
+        + 0.0011
+    bar.close()
+    assert sum(steps for _, steps in handed) == 2000
+
+
 def test_a_disabled_bar_does_nothing(capsys):
     bar = ProgressBar(None, "off", enabled=False)
     bar.update(lambda: pytest.fail("the postfix of a disabled bar is never computed"))
