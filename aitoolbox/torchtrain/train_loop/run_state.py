@@ -99,6 +99,12 @@ class RunState:
         # The history's lengths after the train end's last finished step: what a step an exception interrupted
         # wrote into the history before it raised is dropped when the next fit runs it again (review 48t G3).
         self.train_end_history_lengths: Optional[Dict[str, int]] = None
+        # The first on_train_end failures of the end in progress: one interrupted by a Ctrl-C in a later callback's
+        # on_train_end is raised by the fit that finishes the end (review 48t G2).
+        self.train_end_failures: List[Exception] = []
+        # The fit arguments (num_epochs, num_iterations, grad_accumulation) of the fit whose end this is: the next
+        # fit finishing it sets its own first, and the end's hooks see the ones of its fit (review 48t G5).
+        self.train_end_arguments: Optional[Tuple[int, int, int]] = None
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -411,7 +417,7 @@ class RunState:
         return point.batches_done if point is not None else 0
 
     # --- the train end -----------------------------------------------------------------------------------------
-    def begin_train_end(self, callbacks: List[Any]) -> List[str]:
+    def begin_train_end(self, callbacks: List[Any], arguments: Optional[Tuple[int, int, int]] = None) -> List[str]:
         """The train end (``on_before_train_end``, the test-set evaluation, ``on_train_end``) starts, or continues
         after an exception in it: the names of its steps finished so far, to which the loop adds each step it
         finishes. Until :meth:`end_train_end`, an exception leaves the rest for the next ``fit``
@@ -420,12 +426,15 @@ class RunState:
         Args:
             callbacks: the registered callbacks; where the end starts, they are those that take part in it
                 (:meth:`takes_part_in_train_end`).
+            arguments: where the end starts, its fit's ``(num_epochs, num_iterations, grad_accumulation)``
+                (:attr:`train_end_arguments`).
         """
         self._train_end_interrupted = False
         if self._train_end_done is None:
             self._train_end_done, self._on_train_end_done = [], []
             self._train_end_callbacks = [id(callback) for callback in callbacks]
             self.train_end_history_lengths = None
+            self.train_end_failures, self.train_end_arguments = [], arguments
         return self._train_end_done
 
     def takes_part_in_train_end(self, callback: Any) -> bool:
@@ -444,6 +453,7 @@ class RunState:
         self._train_end_done, self._on_train_end_done, self._train_end_interrupted = None, [], False
         self._train_end_callbacks = []
         self.train_end_history_lengths = None
+        self.train_end_failures, self.train_end_arguments = [], None
 
     @property
     def train_end_pending(self) -> bool:

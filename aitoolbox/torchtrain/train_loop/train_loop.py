@@ -165,6 +165,9 @@ class TrainLoop:
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
         self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
+        # The callbacks (ids) that a fit registered and whose on_train_begin is still to come while it finishes the
+        # last fit's train end: an exception there is no concern of theirs (no on_exception).
+        self._waiting_for_train_begin: set = set()
         self._batch_end_done: Optional[List[int]] = None  # a committed batch's on_batch_end in progress (_end_batch)
         self._plain_batches = False  # set per fit: neither the strategy nor the precision has a context for a batch
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
@@ -893,7 +896,11 @@ class TrainLoop:
                 self._interrupted_batch = self._current_batch
             self._current_batch = None
             self.run_state.remember_interruption(self.train_loader, unfinished_step=unfinished)
-            self.callbacks_handler.on_exception(exception)
+            # Not a callback this fit registered that has not had its on_train_begin yet: the fit failed finishing
+            # the last fit's train end, which it takes no part in (review 48t G6).
+            waiting, self._waiting_for_train_begin = self._waiting_for_train_begin, set()
+            self.callbacks_handler.on_exception(exception, (lambda callback: id(callback) not in waiting)
+                                                if waiting else None)
             raise
         return self.model_for_user
 
@@ -1056,11 +1063,21 @@ class TrainLoop:
 
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
+        self._waiting_for_train_begin = set()
         self.set_up()
         if self.run_state.train_end_pending:
             # The last fit stopped in its train end: finished first, as that fit would have done it, before this
-            # fit's training (if any is left: the straight run's next fit starts after that end).
-            self._end_training()
+            # fit's training (if any is left: the straight run's next fit starts after that end), with that fit's
+            # num_epochs / num_iterations / grad_accumulation in the state for its hooks (review 48t G5).
+            arguments = (state.num_epochs, state.num_iterations, state.grad_accumulation)
+            self._waiting_for_train_begin = {id(callback) for callback in self.callbacks
+                                             if not self.run_state.takes_part_in_train_end(callback)}
+            if self.run_state.train_end_arguments is not None:
+                state.num_epochs, state.num_iterations, state.grad_accumulation = self.run_state.train_end_arguments
+            try:
+                self._end_training()
+            finally:
+                state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
             if state.early_stop or self._target_reached(num_epochs, num_iterations):
                 return
         self.frozen_modules.enter_training(self.model, self.model_runner)
@@ -1073,6 +1090,7 @@ class TrainLoop:
         check_optimizers_step_the_model(self.model, self.criterion, self.optimizers,
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
+        self._waiting_for_train_begin = set()
         self.callbacks_handler.on_train_begin()
         if self.strategy.is_distributed:  # a stop one process asked for in on_train_begin: every process, now
             self._agree_on_stop()
@@ -1104,8 +1122,9 @@ class TrainLoop:
         end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
         others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
         its ``on_train_begin`` still to come)."""
-        hooks, run_state = self.callbacks_handler, self.run_state
-        done = run_state.begin_train_end(hooks.callbacks)
+        hooks, run_state, state = self.callbacks_handler, self.run_state, self.state
+        done = run_state.begin_train_end(hooks.callbacks,
+                                         (state.num_epochs, state.num_iterations, state.grad_accumulation))
         steps = [(f"on_before_train_end:{id(callback)}", callback.on_before_train_end)
                  for callback in hooks.subscribers("on_before_train_end")
                  if run_state.takes_part_in_train_end(callback)]
@@ -1120,8 +1139,21 @@ class TrainLoop:
                 done.append(name)
                 run_state.train_end_history_lengths = history_lengths(self.train_history)
         run_state.begin_on_train_end()
+
+        def call(callback: AbstractCallback) -> None:
+            # Each callback's on_train_end is a step too (review 48m M3): what an interrupted run of it recorded
+            # goes before the next fit calls it again; what one that returned or raised recorded stays.
+            truncate_history(self.train_history, run_state.train_end_history_lengths)
+            try:
+                callback.on_train_end()
+            except Exception:
+                run_state.train_end_history_lengths = history_lengths(self.train_history)
+                raise
+            run_state.train_end_history_lengths = history_lengths(self.train_history)
+
         try:
-            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)
+            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end,
+                               run_state.train_end_failures, call)
         except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
             run_state.end_train_end()
             raise

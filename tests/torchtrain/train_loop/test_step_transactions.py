@@ -1186,3 +1186,108 @@ def test_fit_num_iterations_ending_at_an_epochs_last_batch_then_a_longer_fit_equ
 
     assert_runs_equal(run([6, 18]), run([18]))
     assert_runs_equal(run([12, 18]), run([18]))
+
+
+# --- the train end an exception interrupted: reviews 48m, 48t and 48l's later findings ---------------------------
+class RecordsInTrainEnd(TrainHooks):
+    """TrainHooks whose ``on_train_end`` first puts a metric into the history (then may be interrupted)."""
+
+    def on_train_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("end_metric", 1.0)
+        super().on_train_end()
+
+
+def test_what_an_interrupted_on_train_end_recorded_is_not_recorded_twice():
+    """Review 48m M3: a callback put a value into the history in on_train_end, then a Ctrl-C stopped it; the next
+    fit called it again from its start and the history held the value twice. Each on_train_end is a step of the end:
+    what an interrupted one recorded goes first."""
+    def run(interrupt):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10, interrupts=True)])
+            tl.fit(num_epochs=2)
+        else:
+            tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10)])
+        tl.fit(num_epochs=3)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert continued.train_history["end_metric"] == straight.train_history["end_metric"] == [1.0, 1.0]
+    assert_runs_equal(continued, straight)
+
+
+class FailsInTrainEnd(TrainHooks):
+    """TrainHooks whose ``on_train_end`` raises the first time (a final save on a full disk)."""
+
+    def on_train_end(self):
+        super().on_train_end()
+        if self.calls.count("on_train_end") == 1:
+            raise RuntimeError("the final save failed")
+
+
+def test_an_on_train_end_failure_before_a_ctrl_c_in_a_later_callback_is_raised_by_the_next_fit(caplog, monkeypatch):
+    """Review 48t G2: a callback's on_train_end raised (kept to raise after the others), then a Ctrl-C stopped a later
+    callback's: the failure was never raised nor logged, and the next fit returned normally. It is logged when the
+    Ctrl-C comes, and the fit that finishes the end raises it after the last callback, as the straight run does."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    tl = _loop_with_a_test_set()
+    failing, interrupted, last = FailsInTrainEnd("failing", 10), TrainHooks("ctrl-c", 20, interrupts=True), \
+        TrainHooks("last", 30)
+    with caplog.at_level("ERROR", logger="aitoolbox.torchtrain.callbacks.handler"):
+        with pytest.raises(KeyboardInterrupt):
+            tl.fit(num_epochs=1, callbacks=[failing, interrupted, last])
+    assert "the final save failed" in caplog.text
+    with pytest.raises(RuntimeError, match="the final save failed"):
+        tl.fit(num_epochs=1)
+    assert not tl.run_state.train_end_pending
+    assert (failing.calls, interrupted.calls, last.calls) == \
+        (["on_train_begin", "on_before_train_end", "on_train_end"],
+         ["on_train_begin", "on_before_train_end", "on_train_end", "on_train_end"],
+         ["on_train_begin", "on_before_train_end", "on_train_end"])
+    tl.fit(num_epochs=2)  # nothing left of the end: the run goes on
+    assert last.calls[-1] == "on_train_end" and len(tl.train_history["train_end_test_loss"]) == 2
+
+
+class RecordsFitArguments(TrainEndHooks):
+    def __init__(self, name, execution_order, fails=False):
+        super().__init__(name, execution_order, fails=fails)
+        self.seen = []
+
+    def on_train_end(self):
+        tl = self.train_loop_obj
+        self.seen.append((tl.num_epochs, tl.num_iterations, tl.grad_accumulation))
+
+
+def test_the_end_the_next_fit_finishes_sees_its_own_fits_arguments():
+    """Review 48t G5: the next fit set its own num_epochs / num_iterations / grad_accumulation before finishing the
+    earlier fit's end, whose hooks saw them. They see their fit's; the next fit's training then sees its own."""
+    tl = _loop_with_a_test_set()
+    recorder = RecordsFitArguments("recorder", 10, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[recorder])
+    tl.fit(num_epochs=4, grad_accumulation=2)
+    assert recorder.seen == [(2, 0, 1), (4, 0, 2)]
+    assert (tl.num_epochs, tl.grad_accumulation) == (4, 2)
+
+
+def test_a_callback_the_next_fit_registers_gets_no_on_exception_from_the_earlier_end():
+    """Review 48t G6: a callback registered by the fit that finishes an earlier fit's end takes no part in that end;
+    when the end failed again there, it got on_exception before its own on_train_begin."""
+    class Hooks(TrainHooks):
+        def on_exception(self, exception):
+            self.calls.append("on_exception")
+
+    tl = _loop_with_a_test_set()
+    failing = TrainHooks("failing", 20, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=1, callbacks=[failing])
+    failing.fails = True  # fails again in the fit that finishes it
+    added = Hooks("added", 10)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[added])
+    assert added.calls == []
+    tl.fit(num_epochs=2)
+    assert added.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+
