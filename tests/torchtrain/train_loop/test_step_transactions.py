@@ -1291,3 +1291,36 @@ def test_a_callback_the_next_fit_registers_gets_no_on_exception_from_the_earlier
     tl.fit(num_epochs=2)
     assert added.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
 
+
+def test_early_stopping_interrupted_after_restoring_the_best_weights_trains_on_from_the_trained_ones(monkeypatch):
+    """Review 48l F5: a Ctrl-C in EarlyStopping(restore_best_weights).on_before_train_end after it had put the best
+    weights in; the next fit ran the hook again, which took the best weights as those training ended with, so a
+    longer fit trained on from the best epoch's weights instead of the last. The weights taken stay those of the
+    first run of the hook."""
+    from aitoolbox.torchtrain.callbacks import stopping
+
+    restore = stopping.restore_weights
+
+    def run(interrupt):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        pending = [interrupt]
+
+        def restore_then_interrupt(loop, weights):
+            restore(loop, weights)
+            if pending[0]:
+                pending[0] = False
+                raise KeyboardInterrupt  # after the best weights are in
+
+        monkeypatch.setattr(stopping, "restore_weights", restore_then_interrupt)
+        early = stopping.EarlyStopping(monitor="accumulated_loss", mode="max", patience=10, restore_best_weights=True)
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                tl.fit(num_epochs=2, callbacks=[early])
+        tl.fit(num_epochs=2, callbacks=None if interrupt else [early])
+        assert early.best_epoch == 0  # the best weights are not the last epoch's
+        tl.fit(num_epochs=3)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert_runs_equal(continued, straight)
