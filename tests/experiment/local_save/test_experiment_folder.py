@@ -167,3 +167,33 @@ def test_a_link_to_nothing_on_the_way_is_named_at_the_check_and_at_creation(tmp_
     target.mkdir(parents=True)  # mounted: the same object goes on
     assert folder.create() == str(root / "p" / "e_t")
     assert os.listdir(target) == (["p"] if linked == "root" else ["e_t"])
+
+
+@pytest.mark.parametrize("case", ["loop", "chain", "relative"])
+def test_a_link_loop_or_chain_on_the_way_is_named_as_it_is(tmp_path, case):
+    """Review 48m L3: a link loop (runs -> b -> runs) was named "a symbolic link to b, which does not exist" (b
+    exists, as a link back), and a chain (runs -> mid -> gone/disk) named mid as missing instead of gone/disk; a
+    relative target was shown unresolved. The loop is named as one, and the missing end of a chain, resolved."""
+    root = tmp_path / "runs"
+    if case == "loop":
+        os.symlink(tmp_path / "b", root)
+        os.symlink(root, tmp_path / "b")
+        expected, error = r"symbolic link loop: .*runs -> .*b -> .*runs", OSError
+    elif case == "chain":
+        os.symlink(tmp_path / "mid", root)
+        os.symlink(tmp_path / "gone" / "disk", tmp_path / "mid")
+        expected, error = r"runs is a symbolic link to .*gone/disk \(through .*mid\), which does not exist", \
+            FileNotFoundError
+    else:
+        (tmp_path / "sub").mkdir()
+        root = tmp_path / "sub" / "runs"
+        os.symlink("../elsewhere/disk", root)
+        expected, error = "runs is a symbolic link to " + re.escape(str(tmp_path / "elsewhere" / "disk")) + \
+            ", which does not exist", FileNotFoundError
+    folder = ExperimentFolder(str(root), "p", "e", timestamp="t")
+    with pytest.raises(error, match=expected):
+        folder.check_creatable()
+    with pytest.raises(OSError, match=expected):
+        folder.reserve()
+    with pytest.raises(OSError, match=expected):
+        folder.create()
