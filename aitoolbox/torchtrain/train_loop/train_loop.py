@@ -1121,7 +1121,9 @@ class TrainLoop:
         in it, the next ``fit`` runs the steps that did not finish (a callback's by its identity, as in an epoch's
         end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
         others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
-        its ``on_train_begin`` still to come)."""
+        its ``on_train_begin`` still to come). Each ``on_train_end`` is a step too: what an interrupted one put into
+        the history is dropped before it is called again, and an ``on_train_end`` failure that a Ctrl-C in a later
+        callback's cut short is raised after the last one by the ``fit`` that finishes the end."""
         hooks, run_state, state = self.callbacks_handler, self.run_state, self.state
         done = run_state.begin_train_end(hooks.callbacks,
                                          (state.num_epochs, state.num_iterations, state.grad_accumulation))
