@@ -1,6 +1,7 @@
 """Keeps the registered callbacks in execution order and calls those that override each hook."""
+import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 
@@ -148,7 +149,7 @@ class CallbacksHandler:
     def on_train_end(self, done: Optional[List[int]] = None,
                      taking_part: Optional[Callable[[AbstractCallback], bool]] = None,
                      failures: Optional[List[Exception]] = None,
-                     call: Optional[Callable[[AbstractCallback], None]] = None) -> None:
+                     step: Optional[Callable[[AbstractCallback], ContextManager]] = None) -> None:
         """Every callback's ``on_train_end``, even after one of them raised: a failed upload must not keep the final
         model from being saved. The first failure is raised once all have run; later ones are logged.
 
@@ -161,32 +162,30 @@ class CallbacksHandler:
             failures: the failures of the callbacks done so far, to which each new one is added: kept by the caller
                 across a ``KeyboardInterrupt``, so the call that finishes the others still raises the first failure
                 (an earlier callback's failed save is not lost to a Ctrl-C in a later one).
-            call: runs one callback's ``on_train_end`` (default: calls it), e.g. to drop first what an interrupted
-                run of that hook had put into the history.
+            step: the context in which one callback's ``on_train_end`` is called and marked done, e.g. to drop what
+                an interrupted run of that hook had put into the history.
         """
         failures = [] if failures is None else failures
         done = [] if done is None else done
         for callback in self._subscribers["on_train_end"]:
             if id(callback) in done or (taking_part is not None and not taking_part(callback)):
                 continue
-            try:
-                if call is None:
+            with contextlib.nullcontext() if step is None else step(callback):
+                try:
                     callback.on_train_end()
-                else:
-                    call(callback)
-                done.append(id(callback))
-            except Exception as error:
-                done.append(id(callback))
-                failures.append(error)
-                if len(failures) > 1:
-                    logger.error("%s (%s) also failed in on_train_end: %s", type(callback).__name__,
-                                 callback.callback_name, error)
-            except BaseException:  # a Ctrl-C: the failure of an earlier callback is raised by the fit finishing this
-                if failures:
-                    logger.error("on_train_end was interrupted; an earlier callback had failed in it: %s: %s. The next "
-                                 "fit finishes the train end, then raises that failure", type(failures[0]).__name__,
-                                 failures[0])
-                raise
+                    done.append(id(callback))
+                except Exception as error:
+                    done.append(id(callback))
+                    failures.append(error)
+                    if len(failures) > 1:
+                        logger.error("%s (%s) also failed in on_train_end: %s", type(callback).__name__,
+                                     callback.callback_name, error)
+                except BaseException:  # a Ctrl-C: an earlier callback's failure is raised by the fit finishing this
+                    if failures:
+                        logger.error("on_train_end was interrupted; an earlier callback had failed in it: %s: %s. The "
+                                     "next fit finishes the train end, then raises that failure",
+                                     type(failures[0]).__name__, failures[0])
+                    raise
         if failures:
             raise failures[0]
 

@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
@@ -96,9 +96,6 @@ class RunState:
         self._train_end_callbacks: List[int] = []
         # fit was left by an exception in the train end (not: the train end is running).
         self._train_end_interrupted = False
-        # The history's lengths after the train end's last finished step: what a step an exception interrupted
-        # wrote into the history before it raised is dropped when the next fit runs it again (review 48t G3).
-        self.train_end_history_lengths: Optional[Dict[str, int]] = None
         # The first on_train_end failures of the end in progress: one interrupted by a Ctrl-C in a later callback's
         # on_train_end is raised by the fit that finishes the end (review 48t G2).
         self.train_end_failures: List[Exception] = []
@@ -433,7 +430,6 @@ class RunState:
         if self._train_end_done is None:
             self._train_end_done, self._on_train_end_done = [], []
             self._train_end_callbacks = [id(callback) for callback in callbacks]
-            self.train_end_history_lengths = None
             self.train_end_failures, self.train_end_arguments = [], arguments
         return self._train_end_done
 
@@ -452,7 +448,6 @@ class RunState:
         """The train end is done: its steps and every callback's ``on_train_end``."""
         self._train_end_done, self._on_train_end_done, self._train_end_interrupted = None, [], False
         self._train_end_callbacks = []
-        self.train_end_history_lengths = None
         self.train_end_failures, self.train_end_arguments = [], None
 
     @property

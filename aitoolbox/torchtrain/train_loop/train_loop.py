@@ -1122,7 +1122,7 @@ class TrainLoop:
         end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
         others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
         its ``on_train_begin`` still to come). Each ``on_train_end`` is a step too: what an interrupted one put into
-        the history is dropped before it is called again, and an ``on_train_end`` failure that a Ctrl-C in a later
+        the history is dropped (:meth:`_train_end_step`), and an ``on_train_end`` failure that a Ctrl-C in a later
         callback's cut short is raised after the last one by the ``fit`` that finishes the end."""
         hooks, run_state, state = self.callbacks_handler, self.run_state, self.state
         done = run_state.begin_train_end(hooks.callbacks,
@@ -1131,37 +1131,37 @@ class TrainLoop:
                  for callback in hooks.subscribers("on_before_train_end")
                  if run_state.takes_part_in_train_end(callback)]
         steps.append(("test_evaluation", self._evaluator.at_train_end))
-        if run_state.train_end_history_lengths is None:  # the end starts
-            run_state.train_end_history_lengths = history_lengths(self.train_history)
         for name, step in steps:
             if name not in done:
-                # What this step wrote into the history before an exception stopped it in the last fit goes.
-                truncate_history(self.train_history, run_state.train_end_history_lengths)
-                step()
-                done.append(name)
-                run_state.train_end_history_lengths = history_lengths(self.train_history)
+                with self._train_end_step(lambda: name in done):
+                    step()
+                    done.append(name)
         run_state.begin_on_train_end()
-
-        def call(callback: AbstractCallback) -> None:
-            # Each callback's on_train_end is a step too (review 48m M3): what an interrupted run of it recorded
-            # goes before the next fit calls it again; what one that returned or raised recorded stays.
-            truncate_history(self.train_history, run_state.train_end_history_lengths)
-            try:
-                callback.on_train_end()
-            except Exception:
-                run_state.train_end_history_lengths = history_lengths(self.train_history)
-                raise
-            run_state.train_end_history_lengths = history_lengths(self.train_history)
-
+        on_train_end_done = run_state.on_train_end_done
         try:
-            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end,
-                               run_state.train_end_failures, call)
+            hooks.on_train_end(on_train_end_done, run_state.takes_part_in_train_end, run_state.train_end_failures,
+                               lambda callback: self._train_end_step(lambda: id(callback) in on_train_end_done))
         except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
             run_state.end_train_end()
             raise
         run_state.end_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
+
+    @contextlib.contextmanager
+    def _train_end_step(self, finished: Callable[[], bool]) -> Iterator[None]:
+        """One step of the train end, marked done inside it (``finished`` says whether it was). Where an exception
+        leaves it unfinished, what it put into the history goes at once, as the next ``fit`` runs it again from its
+        start (reviews 48t G3, 48m M3). Dropped here rather than by that ``fit``: what the user records in between
+        stays (49l F2); and as the step is marked done inside, a Ctrl-C at any moment leaves it either done with its
+        values or to do without them, never done without them or to do with them (49l F1)."""
+        lengths = history_lengths(self.train_history)
+        try:
+            yield
+        except BaseException:
+            if not finished():
+                truncate_history(self.train_history, lengths)
+            raise
 
     def _roll_back(self, request: RollBack) -> Optional[MidEpochResume]:
         """Return the run to the point ``request`` names (see :mod:`.rollback`); where its epoch continues."""

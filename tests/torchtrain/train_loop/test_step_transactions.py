@@ -5,6 +5,7 @@ import copy
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -1324,3 +1325,79 @@ def test_early_stopping_interrupted_after_restoring_the_best_weights_trains_on_f
 
     straight, continued = run(False), run(True)
     assert_runs_equal(continued, straight)
+
+
+def test_what_the_user_records_between_an_interrupted_end_and_the_next_fit_is_kept():
+    """Review 49l F2: after a Ctrl-C in on_train_end the user put values into the history (a manual evaluation, by
+    the public insert_metric_result_into_history), and the fit that finished the end deleted them: it cut the history
+    back to its lengths before the interrupted hook. Only what the interrupted hook itself recorded goes."""
+    tl = _loop_with_a_test_set()
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10, interrupts=True)])
+    interrupted_hooks_value = tl.train_history.get("end_metric")
+    tl.insert_metric_result_into_history("my_manual_eval", 0.42)
+    tl.insert_metric_result_into_history("val_loss", 9.99)
+    tl.fit(num_epochs=2)
+    assert tl.train_history["my_manual_eval"] == [0.42]
+    assert tl.train_history["val_loss"][-1] == 9.99
+    assert tl.train_history["end_metric"] == [1.0]
+    assert interrupted_hooks_value is None  # what the interrupted hook recorded went when the Ctrl-C stopped it
+
+
+class _InterruptAtLine:
+    """A Ctrl-C (KeyboardInterrupt) raised just before the ``at``-th statement of the train end's own bookkeeping
+    (``_end_training``, its steps, the handler's ``on_train_end`` loop), or as one of their frames returns: a SIGINT
+    lands between any two statements."""
+
+    frames = {("train_loop.py", "_end_training"), ("train_loop.py", "_train_end_step"), ("handler.py", "on_train_end")}
+
+    def __init__(self, at):
+        self.at, self.seen = at, 0
+
+    def _local(self, frame, event, arg):
+        # From the end's start on (begin_train_end): before it, the fit has not reached its end yet.
+        started = frame.f_code.co_name != "_end_training" or "done" in frame.f_locals
+        if event in ("line", "return") and started and self.seen <= self.at:
+            self.seen += 1
+            if self.seen == self.at + 1:
+                raise KeyboardInterrupt(f"SIGINT at {frame.f_code.co_name}:{frame.f_lineno} ({event})")
+        return self._local
+
+    def __call__(self, frame, event, arg):
+        code = frame.f_code
+        if self.seen > self.at or (os.path.basename(code.co_filename), code.co_name) not in self.frames:
+            return None
+        return self._local
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_at_any_statement_of_the_train_end_neither_loses_nor_repeats_a_value():
+    """Review 49l F1: a SIGINT after a step of the end was marked done but before its history lengths were saved made
+    the next fit delete train_end_test_loss; one after a callback's on_train_end returned but before it was marked
+    done recorded its value twice. A Ctrl-C at each statement of the train end in turn, then fit again: the history
+    equals the straight run's."""
+    class Records(AbstractCallback):
+        def on_train_end(self):
+            self.train_loop_obj.insert_metric_result_into_history(f"end_{self.callback_name}", 1.0)
+
+    def loop():
+        torch.manual_seed(0)
+        return _loop_with_a_test_set()
+
+    straight = loop()
+    straight.fit(num_epochs=1, callbacks=[Records("a"), Records("b")])
+    at = 0
+    while True:
+        tl = loop()
+        sys.settrace(_InterruptAtLine(at))
+        try:
+            tl.fit(num_epochs=1, callbacks=[Records("a"), Records("b")])
+            break  # past the end's last statement
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        tl.fit(num_epochs=1)
+        assert dict(tl.train_history) == dict(straight.train_history), f"Ctrl-C before statement {at}"
+        at += 1
+    assert at > 10  # each of the train end's statements was interrupted in turn
