@@ -89,19 +89,39 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
 
 
 def _broken_link(link: str) -> Tuple[int, str]:
-    """Why the symbolic link ``link`` leads nowhere, with the errno: the missing end of its chain of links (resolved,
-    and the links passed through), or the loop it is part of (review 48m L3)."""
+    """Why the symbolic link ``link`` leads nowhere, with the errno: the missing end of its chain of links and the
+    links passed through, or the loop it is part of (review 48m L3). Resolved as the system does (review 49l F6): a
+    link's target relative to the link's folder, through the links on its way, before a ``..`` after them."""
+    try:
+        os.stat(link)
+        looping = False
+    except OSError as error:
+        looping = error.errno == errno.ELOOP
     chain, current = [link], link
-    while os.path.islink(current):
-        # A relative target is relative to the link's folder, not the working directory.
-        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    while os.path.islink(current) and len(chain) <= _MAX_LINK_HOPS:
+        current = _resolved_folder(os.path.join(os.path.dirname(current), os.readlink(current)))
         if current in chain:
             loop = " -> ".join(chain[chain.index(current):] + [current])
             return errno.ELOOP, f"{link} leads to a symbolic link loop: {loop} (fix or remove a link)"
         chain.append(current)
+    if looping:  # through a link on the way of a target (not found by the hops above)
+        return errno.ELOOP, (f"{link} is a symbolic link to {os.readlink(link)}, which leads to a symbolic link loop "
+                             "(fix or remove a link)")
     through = f" (through {', '.join(chain[1:-1])})" if len(chain) > 2 else ""
     return errno.ENOENT, (f"{link} is a symbolic link to {current}{through}, which does not exist (create it, or "
                           "remove the link)")
+
+
+# As many links as Linux follows in one path before it gives up with ELOOP.
+_MAX_LINK_HOPS = 40
+
+
+def _resolved_folder(path: str) -> str:
+    """``path`` with every link in its folder resolved (not its last part, which may be a link: a hop of a chain)."""
+    name = os.path.basename(path)
+    if name in ("", ".", ".."):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), name)
 
 
 def _creation_failure(path: str, error: OSError) -> str:
