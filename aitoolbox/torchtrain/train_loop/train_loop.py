@@ -871,6 +871,7 @@ class TrainLoop:
         if num_iterations > 0 and loader_length(self.train_loader):  # the epochs the run touches, as 1.x reports
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
+        arguments = (state.num_epochs, state.num_iterations, state.grad_accumulation)
         self.callbacks_handler.register_callbacks(callbacks or [])
         if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
                 and not self.run_state.interrupted_at_iteration_target(num_iterations) \
@@ -901,6 +902,8 @@ class TrainLoop:
             waiting, self._waiting_for_train_begin = self._waiting_for_train_begin, set()
             self.callbacks_handler.on_exception(exception, (lambda callback: id(callback) not in waiting)
                                                 if waiting else None)
+            # (after an exception in the last fit's train end that this fit finished, whose hooks saw that fit's)
+            state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
             raise
         return self.model_for_user
 
@@ -1074,10 +1077,9 @@ class TrainLoop:
                                              if not self.run_state.takes_part_in_train_end(callback)}
             if self.run_state.train_end_arguments is not None:
                 state.num_epochs, state.num_iterations, state.grad_accumulation = self.run_state.train_end_arguments
-            try:
-                self._end_training()
-            finally:
-                state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
+            # An exception keeps them for on_exception, which fit calls before it sets this fit's back (49l F8).
+            self._end_training()
+            state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
             if state.early_stop or self._target_reached(num_epochs, num_iterations):
                 return
         self.frozen_modules.enter_training(self.model, self.model_runner)

@@ -1401,3 +1401,34 @@ def test_a_ctrl_c_at_any_statement_of_the_train_end_neither_loses_nor_repeats_a_
         assert dict(tl.train_history) == dict(straight.train_history), f"Ctrl-C before statement {at}"
         at += 1
     assert at > 10  # each of the train end's statements was interrupted in turn
+
+
+def test_on_exception_of_the_end_the_next_fit_finishes_sees_the_same_arguments_as_its_hooks():
+    """Review 49l F8: the end of fit(2) cut short by a Ctrl-C failed again in fit(4, grad_accumulation=2), which
+    finished it: its on_train_end saw fit(2)'s arguments, on_exception for that failure fit(4)'s. Both see the end's
+    fit's; after the failed fit the state holds fit(4)'s, as after any fit that fails early."""
+    class Recorder(AbstractCallback):
+        def __init__(self):
+            super().__init__("recorder")
+            self.seen, self.faults = [], [KeyboardInterrupt, RuntimeError]
+
+        def _record(self, hook):
+            tl = self.train_loop_obj
+            self.seen.append((hook, tl.num_epochs, tl.num_iterations, tl.grad_accumulation))
+
+        def on_train_end(self):
+            self._record("on_train_end")
+            raise self.faults.pop(0)("fault")
+
+        def on_exception(self, exception):
+            self._record("on_exception")
+
+    tl = _loop_with_a_test_set()
+    recorder = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[recorder])
+    with pytest.raises(RuntimeError):
+        tl.fit(num_epochs=4, grad_accumulation=2)
+    assert recorder.seen == [("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1),
+                             ("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1)]
+    assert (tl.num_epochs, tl.num_iterations, tl.grad_accumulation) == (4, 0, 2)
