@@ -125,9 +125,13 @@ class RunState:
         self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
         if self.train_end_pending:  # (review 48t G4: it went silently)
+            # An on_train_end failure kept across a Ctrl-C was logged as one the next fit raises (review 49l F7).
+            failure = self.train_end_failures[0] if self.train_end_failures else None
+            kept = "" if failure is None else (f"; the on_train_end failure kept from it ({type(failure).__name__}: "
+                                               f"{failure}), which that fit would raise, is then not raised")
             logger.warning("the last fit stopped in its train end: loading a checkpoint drops what was left of that "
                            "end (the final test-set evaluation, the callbacks' on_train_end: final saves) for the run "
-                           "before the checkpoint. To finish it, call fit() before loading")
+                           "before the checkpoint. To finish it, call fit() before loading%s", kept)
         self.end_train_end()
 
     def start_training(self, model: torch.nn.Module) -> None:

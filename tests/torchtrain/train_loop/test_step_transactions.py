@@ -1432,3 +1432,20 @@ def test_on_exception_of_the_end_the_next_fit_finishes_sees_the_same_arguments_a
     assert recorder.seen == [("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1),
                              ("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1)]
     assert (tl.num_epochs, tl.num_iterations, tl.grad_accumulation) == (4, 0, 2)
+
+
+def test_loading_a_checkpoint_over_an_end_with_a_kept_failure_says_that_failure_is_not_raised(caplog, monkeypatch):
+    """Review 49l F7: an on_train_end failure before a Ctrl-C in a later callback's is logged as one the next fit
+    raises; load_checkpoint then dropped it with a warning that did not mention it, and it was never raised."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    tl = _loop_with_a_test_set()
+    tl.fit(num_epochs=1)
+    checkpoint = copy.deepcopy(tl.checkpoint_state())
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[FailsInTrainEnd("failing", 10), TrainHooks("ctrl-c", 20, interrupts=True)])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aitoolbox.torchtrain.train_loop.run_state"):
+        tl.load_checkpoint(checkpoint)
+    warning = " ".join(record.getMessage() for record in caplog.records if record.name.endswith("run_state"))
+    assert "RuntimeError: the final save failed" in warning and "not raised" in warning
+    tl.fit(num_epochs=2)  # trains on from the checkpoint, without that failure
