@@ -194,6 +194,7 @@ class MLflowTracking(TrackingCallback):
         self._unflushed = 0  # metrics queued since the last request to send them
         self.dropped_metrics = 0
         self._run_open = False  # on the sender's thread: the run was created or continued
+        self._finished = False  # on the sender's thread: FINISHED reached the store since the run was (re)opened
 
     def __getstate__(self) -> dict:
         # Sent to the processes of fit_distributed before training: each builds its own client if it needs one.
@@ -284,6 +285,7 @@ class MLflowTracking(TrackingCallback):
         tags = {mlflow_key(key): str(value) for key, value in redact_hyperparams(self.tags).items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
+        self._finished = False
         self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))
 
     def _make_client(self) -> Any:
@@ -328,7 +330,10 @@ class MLflowTracking(TrackingCallback):
         else:
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
         self._request_metrics_sending()
-        self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
+        # The status says what happened to the training: once it finished and that was sent, a failure after it
+        # (closing the connection) is raised by fit but does not turn the run FAILED (review 49l F4).
+        if not (self._finished and exception is not None):
+            self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
         if not self._sender.wait(self.flush_timeout_s):
             dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
             logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
@@ -340,6 +345,7 @@ class MLflowTracking(TrackingCallback):
     def _terminate(self, status: str) -> None:
         if self._run_open:
             self.client.set_terminated(self.run_id, status=status)
+            self._finished = status == "FINISHED"
 
     # --- what is logged ---------------------------------------------------------------------------------------
     def _add_metric(self, key: str, value: float, step: int) -> None:

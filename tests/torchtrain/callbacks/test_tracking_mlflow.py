@@ -209,3 +209,27 @@ def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_each_once(sto
     assert history(client, run.info.run_id, "end_metric") == [(1, 0.5), (2, 0.5)]
     assert history(client, run.info.run_id, "train_end_test_loss") == \
         list(zip([1, 2], tl.train_history["train_end_test_loss"]))
+
+
+class FailsAfterTheEndWasSent(MLflowTracking):
+    """end_run raises once after the run's end (FINISHED) reached the store (closing the connection fails)."""
+
+    def _stop_sending_thread(self):
+        super()._stop_sending_thread()
+        if self.train_loop_obj.run_state.train_end_pending and not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise RuntimeError("closing failed")
+
+
+def test_a_failure_after_the_run_was_sent_finished_leaves_it_finished(store_uri, no_network):
+    """Review 49l F4: every value and FINISHED had reached the store when end_run failed; on_exception then ended the
+    run again as FAILED, although its training had finished and was sent. The status says what happened to the
+    training: it stays FINISHED (the fit still raises the failure)."""
+    tl = make_train_loop(test=True)
+    callback = FailsAfterTheEndWasSent(store_uri, project_name="fails_after_the_end")
+    with pytest.raises(RuntimeError, match="closing failed"):
+        tl.fit(num_epochs=2, callbacks=[callback])
+    client = MlflowClient(store_uri)
+    run = only_run(client, "fails_after_the_end")
+    assert run.info.status == "FINISHED"
+    assert history(client, run.info.run_id, "train_end_test_loss") == [(1, tl.train_history["train_end_test_loss"][0])]
