@@ -1370,7 +1370,6 @@ class _InterruptAtLine:
         return self._local
 
 
-@pytest.mark.slow
 def test_a_ctrl_c_at_any_statement_of_the_train_end_neither_loses_nor_repeats_a_value():
     """Review 49l F1: a SIGINT after a step of the end was marked done but before its history lengths were saved made
     the next fit delete train_end_test_loss; one after a callback's on_train_end returned but before it was marked
