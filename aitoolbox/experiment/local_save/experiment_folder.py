@@ -88,6 +88,10 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
         raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable", in_working_dir)
 
 
+# As many links as Linux follows in one path before it gives up with ELOOP.
+_MAX_LINK_HOPS = 40
+
+
 def _broken_link(link: str) -> Tuple[int, str]:
     """Why the symbolic link ``link`` leads nowhere, with the errno: the missing end of its chain of links and the
     links passed through, or the loop it is part of (review 48m L3). Resolved as the system does (review 49l F6): a
@@ -110,10 +114,6 @@ def _broken_link(link: str) -> Tuple[int, str]:
     through = f" (through {', '.join(chain[1:-1])})" if len(chain) > 2 else ""
     return errno.ENOENT, (f"{link} is a symbolic link to {current}{through}, which does not exist (create it, or "
                           "remove the link)")
-
-
-# As many links as Linux follows in one path before it gives up with ELOOP.
-_MAX_LINK_HOPS = 40
 
 
 def _resolved_folder(path: str) -> str:
