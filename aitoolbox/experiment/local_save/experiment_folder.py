@@ -71,13 +71,16 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
     Raises:
         NotADirectoryError: a regular file stands where a folder on the way must be.
         PermissionError: the nearest existing folder is not writable.
+        FileNotFoundError: a symbolic link on the way leads to nothing (its missing end is named).
+        OSError: (``errno.ELOOP``) a symbolic link on the way is part of a loop of links (named).
     """
     path = os.path.abspath(os.path.expanduser(path))
     root = path if root is None else root
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         if os.path.islink(existing):  # a link to nothing (an unmounted disk): creating the folders would fail
-            raise _unusable_folder(errno.ENOENT, root, _missing_link_reason(existing), in_working_dir)
+            code, reason = _broken_link(existing)
+            raise _unusable_folder(code, root, reason, in_working_dir)
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise _unusable_folder(errno.ENOTDIR, root, f"{existing} is a file, not a folder", in_working_dir)
@@ -85,9 +88,40 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
         raise _unusable_folder(errno.EACCES, root, f"the folder {existing} is not writable", in_working_dir)
 
 
-def _missing_link_reason(link: str) -> str:
-    return (f"{link} is a symbolic link to {os.readlink(link)}, which does not exist (create it, or remove the "
-            "link)")
+# As many links as Linux follows in one path before it gives up with ELOOP.
+_MAX_LINK_HOPS = 40
+
+
+def _broken_link(link: str) -> Tuple[int, str]:
+    """Why the symbolic link ``link`` leads nowhere, with the errno: the missing end of its chain of links and the
+    links passed through, or the loop it is part of (review 48m L3). Resolved as the system does (review 49l F6): a
+    link's target relative to the link's folder, through the links on its way, before a ``..`` after them."""
+    try:
+        os.stat(link)
+        looping = False
+    except OSError as error:
+        looping = error.errno == errno.ELOOP
+    chain, current = [link], link
+    while os.path.islink(current) and len(chain) <= _MAX_LINK_HOPS:
+        current = _resolved_folder(os.path.join(os.path.dirname(current), os.readlink(current)))
+        if current in chain:
+            loop = " -> ".join(chain[chain.index(current):] + [current])
+            return errno.ELOOP, f"{link} leads to a symbolic link loop: {loop} (fix or remove a link)"
+        chain.append(current)
+    if looping:  # through a link on the way of a target (not found by the hops above)
+        return errno.ELOOP, (f"{link} is a symbolic link to {os.readlink(link)}, which leads to a symbolic link loop "
+                             "(fix or remove a link)")
+    through = f" (through {', '.join(chain[1:-1])})" if len(chain) > 2 else ""
+    return errno.ENOENT, (f"{link} is a symbolic link to {current}{through}, which does not exist (create it, or "
+                          "remove the link)")
+
+
+def _resolved_folder(path: str) -> str:
+    """``path`` with every link in its folder resolved (not its last part, which may be a link: a hop of a chain)."""
+    name = os.path.basename(path)
+    if name in ("", ".", ".."):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), name)
 
 
 def _creation_failure(path: str, error: OSError) -> str:
@@ -95,7 +129,7 @@ def _creation_failure(path: str, error: OSError) -> str:
     current = path
     while os.path.dirname(current) != current:
         if os.path.islink(current) and not os.path.exists(current):
-            return f"cannot create {path}: {_missing_link_reason(current)}"
+            return f"cannot create {path}: {_broken_link(current)[1]}"
         current = os.path.dirname(current)
     return f"cannot create {path} ({error.strerror or error})"
 

@@ -1,6 +1,7 @@
 """Keeps the registered callbacks in execution order and calls those that override each hook."""
+import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 
@@ -146,7 +147,9 @@ class CallbacksHandler:
             callback.on_before_train_end()
 
     def on_train_end(self, done: Optional[List[int]] = None,
-                     taking_part: Optional[Callable[[AbstractCallback], bool]] = None) -> None:
+                     taking_part: Optional[Callable[[AbstractCallback], bool]] = None,
+                     failures: Optional[List[Exception]] = None,
+                     step: Optional[Callable[[AbstractCallback], ContextManager]] = None) -> None:
         """Every callback's ``on_train_end``, even after one of them raised: a failed upload must not keep the final
         model from being saved. The first failure is raised once all have run; later ones are logged.
 
@@ -156,24 +159,35 @@ class CallbacksHandler:
                 ``BaseException``) stops at once, so the next ``fit`` calls the callbacks not in it (the
                 interrupted one again, from its start), as :meth:`_call_each` does for a step's hooks.
             taking_part: with it, only the callbacks for which it is true are called.
+            failures: the failures of the callbacks done so far, to which each new one is added: kept by the caller
+                across a ``KeyboardInterrupt``, so the call that finishes the others still raises the first failure
+                (an earlier callback's failed save is not lost to a Ctrl-C in a later one).
+            step: the context in which one callback's ``on_train_end`` is called and marked done, e.g. to drop what
+                an interrupted run of that hook had put into the history.
         """
-        failure: Optional[Exception] = None
+        failures = [] if failures is None else failures
         done = [] if done is None else done
         for callback in self._subscribers["on_train_end"]:
             if id(callback) in done or (taking_part is not None and not taking_part(callback)):
                 continue
-            try:
-                callback.on_train_end()
-                done.append(id(callback))
-            except Exception as error:
-                done.append(id(callback))
-                if failure is None:
-                    failure = error
-                else:
-                    logger.error("%s (%s) also failed in on_train_end: %s", type(callback).__name__,
-                                 callback.callback_name, error)
-        if failure is not None:
-            raise failure
+            with contextlib.nullcontext() if step is None else step(callback):
+                try:
+                    callback.on_train_end()
+                    done.append(id(callback))
+                except Exception as error:
+                    done.append(id(callback))
+                    failures.append(error)
+                    if len(failures) > 1:
+                        logger.error("%s (%s) also failed in on_train_end: %s", type(callback).__name__,
+                                     callback.callback_name, error)
+                except BaseException:  # a Ctrl-C: an earlier callback's failure is raised by the fit finishing this
+                    if failures:
+                        logger.error("on_train_end was interrupted; an earlier callback had failed in it: %s: %s. The "
+                                     "next fit finishes the train end, then raises that failure",
+                                     type(failures[0]).__name__, failures[0])
+                    raise
+        if failures:
+            raise failures[0]
 
     def on_epoch_begin(self) -> None:
         for callback in self._subscribers["on_epoch_begin"]:
@@ -242,13 +256,20 @@ class CallbacksHandler:
                 postfix.update(entries)
         return postfix
 
-    def on_exception(self, exception: BaseException) -> None:
+    def on_exception(self, exception: BaseException,
+                     taking_part: Optional[Callable[[AbstractCallback], bool]] = None) -> None:
         """Let every callback clean up after ``exception`` stopped ``fit``; never raises.
 
         A callback's ``on_exception`` that raises (or is interrupted by another Ctrl-C) is logged and the
         others still run, so the user sees the exception that stopped training, not one from the clean-up.
+
+        Args:
+            exception: what stopped ``fit``.
+            taking_part: with it, only the callbacks for which it is true are called (those of a train end).
         """
         for callback in self._subscribers["on_exception"]:
+            if taking_part is not None and not taking_part(callback):
+                continue
             try:
                 callback.on_exception(exception)
             except (Exception, KeyboardInterrupt):  # the clean-up of the others must still run

@@ -179,6 +179,10 @@ class MLflowTracking(TrackingCallback):
         self.max_queued_metrics = max_queued_metrics
         self.client: Any = None  # the MlflowClient, in the main process once training started
         self._client_class: Optional[type] = None
+        # The train end's metrics queued so far in this fit's end, by name: (value, sequence number). A Ctrl-C
+        # between two of them leaves the end to the next fit, whose write skips those already queued (review 49l F3:
+        # on_exception had sent them, and they were sent twice).
+        self._train_end_queued: Dict[str, Tuple[float, int]] = {}
         self._reset_sending_state()
 
     def _reset_sending_state(self) -> None:
@@ -190,6 +194,7 @@ class MLflowTracking(TrackingCallback):
         self._unflushed = 0  # metrics queued since the last request to send them
         self.dropped_metrics = 0
         self._run_open = False  # on the sender's thread: the run was created or continued
+        self._finished = False  # on the sender's thread: FINISHED reached the store since the run was (re)opened
 
     def __getstate__(self) -> dict:
         # Sent to the processes of fit_distributed before training: each builds its own client if it needs one.
@@ -207,6 +212,10 @@ class MLflowTracking(TrackingCallback):
     def on_train_loop_registration(self) -> None:
         super().on_train_loop_registration()
         self._client_class = load_mlflow_client_class()  # a missing package is reported now
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()
+        self._train_end_queued = {}  # a new train end follows (a pending one runs before on_train_begin)
 
     # --- the background sender ----------------------------------------------------------------------------------
     def sender(self) -> BackgroundSender:
@@ -276,6 +285,7 @@ class MLflowTracking(TrackingCallback):
         tags = {mlflow_key(key): str(value) for key, value in redact_hyperparams(self.tags).items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
+        self._finished = False
         self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))
 
     def _make_client(self) -> Any:
@@ -320,7 +330,10 @@ class MLflowTracking(TrackingCallback):
         else:
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
         self._request_metrics_sending()
-        self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
+        # The status says what happened to the training: once it finished and that was sent, a failure after it
+        # (closing the connection) is raised by fit but does not turn the run FAILED (review 49l F4).
+        if not (self._finished and exception is not None):
+            self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
         if not self._sender.wait(self.flush_timeout_s):
             dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
             logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
@@ -332,11 +345,11 @@ class MLflowTracking(TrackingCallback):
     def _terminate(self, status: str) -> None:
         if self._run_open:
             self.client.set_terminated(self.run_id, status=status)
+            self._finished = status == "FINISHED"
 
     # --- what is logged ---------------------------------------------------------------------------------------
     def _add_metric(self, key: str, value: float, step: int) -> None:
         entry = (self._next_sequence, mlflow_key(key), float(value), int(time.time() * 1000), int(step))
-        self._next_sequence += 1
         with self._metrics_lock:
             if len(self._metrics) >= self.max_queued_metrics:
                 self._metrics.popleft()
@@ -345,6 +358,7 @@ class MLflowTracking(TrackingCallback):
             else:
                 dropped = 0
             self._metrics.append(entry)
+            self._next_sequence += 1  # right after: a sequence number below it was queued (write_epoch_metrics)
         if dropped == 1:  # the end of fit says how many in all
             logger.warning("MLflowTracking: %d metric values are waiting to be sent, the most it keeps "
                            "(max_queued_metrics); the oldest are dropped from now on", self.max_queued_metrics)
@@ -409,6 +423,11 @@ class MLflowTracking(TrackingCallback):
 
     def write_epoch_metrics(self, epoch: int, step: int, metrics: Dict[str, float], train_end: bool) -> None:
         for name, value in metrics.items():
+            if train_end:
+                queued = self._train_end_queued.get(name)
+                if queued is not None and queued[0] == value and queued[1] < self._next_sequence:
+                    continue  # queued before a Ctrl-C stopped this write: the next fit writes the end again
+                self._train_end_queued[name] = (value, self._next_sequence)
             self._add_metric(name, value, epoch)
         self._request_metrics_sending()
 

@@ -211,7 +211,8 @@ class EarlyStopping(AbstractCallback):
         self._training = False
         if not self.restore_best_weights or self.best_weights is None or self.best_epoch == tl.epoch:
             return  # the model holds the best epoch's weights already
-        self.weights_after_training = capture_weights(tl)
+        if self.weights_after_training is None:  # else this hook, interrupted after taking them, runs again (48l F5)
+            self.weights_after_training = capture_weights(tl)
         restore_weights(tl, self.best_weights)
         if tl.is_main_process:
             logger.info("EarlyStopping: restored the weights of epoch %d, the best (%s=%.6g)", self.best_epoch + 1,

@@ -281,14 +281,22 @@ class TrackingCallback(AbstractExperimentCallback):
             self.start_run()
             self.run_active = True
         tl = self.train_loop_obj
+        logged = self._logged_history_lengths
         metrics = self.new_history_metrics()
         if metrics:
-            self.write_epoch_metrics(tl.epoch, tl.total_iteration_idx, metrics, train_end=True)
+            try:
+                self.write_epoch_metrics(tl.epoch, tl.total_iteration_idx, metrics, train_end=True)
+            except BaseException as error:
+                if not isinstance(error, Exception):  # a Ctrl-C: the next fit calls this again (review 48m M1)
+                    self._logged_history_lengths = logged
+                raise
         path = final_model_path(tl.callbacks)
         if path is not None:
             self.write_final_model_path(path)
-        self.run_active = False
+        # Closed while still active: a Ctrl-C in end_run (a slow upload) leaves the run to on_exception, which ends
+        # it as interrupted, and the next fit's on_train_end opens and ends it again (review 48m M2).
         self.end_run(None)
+        self.run_active = False
 
     def on_exception(self, exception: BaseException) -> None:
         """Write out what was logged and close the run as failed (interrupted); the next ``fit`` starts it again."""

@@ -269,9 +269,11 @@ class WandBTracking(TrackingCallback):
                            else "include_fn refuses it")
 
     def end_run(self, exception: Optional[BaseException]) -> None:
-        run, self.run = self.run, None
-        if run is not None and not self.wandb_pre_initialized:
-            run.finish(exit_code=1 if exception is not None else 0)
+        # Let go of the run once it is finished: a Ctrl-C in finish() (the final sync) leaves it to on_exception,
+        # which finishes it as interrupted before the next fit starts it again (review 49l F5).
+        if self.run is not None and not self.wandb_pre_initialized:
+            self.run.finish(exit_code=1 if exception is not None else 0)
+        self.run = None
 
     # --- what is logged ---------------------------------------------------------------------------------------
     def write_hyperparams(self, hyperparams: dict) -> None:

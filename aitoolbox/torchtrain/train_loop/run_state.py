@@ -14,7 +14,7 @@ import copy
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import IterableDataset
@@ -96,9 +96,12 @@ class RunState:
         self._train_end_callbacks: List[int] = []
         # fit was left by an exception in the train end (not: the train end is running).
         self._train_end_interrupted = False
-        # The history's lengths after the train end's last finished step: what a step an exception interrupted
-        # wrote into the history before it raised is dropped when the next fit runs it again (review 48t G3).
-        self.train_end_history_lengths: Optional[Dict[str, int]] = None
+        # The first on_train_end failures of the end in progress: one interrupted by a Ctrl-C in a later callback's
+        # on_train_end is raised by the fit that finishes the end (review 48t G2).
+        self.train_end_failures: List[Exception] = []
+        # The fit arguments (num_epochs, num_iterations, grad_accumulation) of the fit whose end this is: the next
+        # fit finishing it sets its own first, and the end's hooks see the ones of its fit (review 48t G5).
+        self.train_end_arguments: Optional[Tuple[int, int, int]] = None
 
     # --- the run as a checkpoint -------------------------------------------------------------------------
     def capture(self, tl: "TrainLoop", mid_epoch: bool, hyperparams: Optional[dict] = None,
@@ -122,9 +125,13 @@ class RunState:
         self.pending_source = source
         self._interrupted_at = self._step_point = None  # the checkpoint says where to continue
         if self.train_end_pending:  # (review 48t G4: it went silently)
+            # An on_train_end failure kept across a Ctrl-C was logged as one the next fit raises (review 49l F7).
+            failure = self.train_end_failures[0] if self.train_end_failures else None
+            kept = "" if failure is None else (f"; the on_train_end failure kept from it ({type(failure).__name__}: "
+                                               f"{failure}), which that fit would raise, is then not raised")
             logger.warning("the last fit stopped in its train end: loading a checkpoint drops what was left of that "
                            "end (the final test-set evaluation, the callbacks' on_train_end: final saves) for the run "
-                           "before the checkpoint. To finish it, call fit() before loading")
+                           "before the checkpoint. To finish it, call fit() before loading%s", kept)
         self.end_train_end()
 
     def start_training(self, model: torch.nn.Module) -> None:
@@ -411,7 +418,7 @@ class RunState:
         return point.batches_done if point is not None else 0
 
     # --- the train end -----------------------------------------------------------------------------------------
-    def begin_train_end(self, callbacks: List[Any]) -> List[str]:
+    def begin_train_end(self, callbacks: List[Any], arguments: Optional[Tuple[int, int, int]] = None) -> List[str]:
         """The train end (``on_before_train_end``, the test-set evaluation, ``on_train_end``) starts, or continues
         after an exception in it: the names of its steps finished so far, to which the loop adds each step it
         finishes. Until :meth:`end_train_end`, an exception leaves the rest for the next ``fit``
@@ -420,12 +427,14 @@ class RunState:
         Args:
             callbacks: the registered callbacks; where the end starts, they are those that take part in it
                 (:meth:`takes_part_in_train_end`).
+            arguments: where the end starts, its fit's ``(num_epochs, num_iterations, grad_accumulation)``
+                (:attr:`train_end_arguments`).
         """
         self._train_end_interrupted = False
         if self._train_end_done is None:
             self._train_end_done, self._on_train_end_done = [], []
             self._train_end_callbacks = [id(callback) for callback in callbacks]
-            self.train_end_history_lengths = None
+            self.train_end_failures, self.train_end_arguments = [], arguments
         return self._train_end_done
 
     def takes_part_in_train_end(self, callback: Any) -> bool:
@@ -443,7 +452,7 @@ class RunState:
         """The train end is done: its steps and every callback's ``on_train_end``."""
         self._train_end_done, self._on_train_end_done, self._train_end_interrupted = None, [], False
         self._train_end_callbacks = []
-        self.train_end_history_lengths = None
+        self.train_end_failures, self.train_end_arguments = [], None
 
     @property
     def train_end_pending(self) -> bool:

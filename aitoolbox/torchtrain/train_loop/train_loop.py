@@ -165,6 +165,9 @@ class TrainLoop:
         self.last_batch_loss: Optional[torch.Tensor] = None
         self._current_batch: Any = None  # the batch _run_batch is training, for callbacks (current_batch)
         self._interrupted_batch: Any = None  # the batch whose step an exception interrupted (_finish_interrupted_step)
+        # The callbacks (ids) that a fit registered and whose on_train_begin is still to come while it finishes the
+        # last fit's train end: an exception there is no concern of theirs (no on_exception).
+        self._waiting_for_train_begin: set = set()
         self._batch_end_done: Optional[List[int]] = None  # a committed batch's on_batch_end in progress (_end_batch)
         self._plain_batches = False  # set per fit: neither the strategy nor the precision has a context for a batch
         self.grad_cb_used = False  # aitoolbox 1.x's flag for gradient hooks: every overridden hook runs here anyway
@@ -868,6 +871,7 @@ class TrainLoop:
         if num_iterations > 0 and loader_length(self.train_loader):  # the epochs the run touches, as 1.x reports
             state.num_epochs = math.ceil(num_iterations / loader_length(self.train_loader))
         state.grad_accumulation = grad_accumulation
+        arguments = (state.num_epochs, state.num_iterations, state.grad_accumulation)
         self.callbacks_handler.register_callbacks(callbacks or [])
         if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
                 and not self.run_state.interrupted_at_iteration_target(num_iterations) \
@@ -893,7 +897,13 @@ class TrainLoop:
                 self._interrupted_batch = self._current_batch
             self._current_batch = None
             self.run_state.remember_interruption(self.train_loader, unfinished_step=unfinished)
-            self.callbacks_handler.on_exception(exception)
+            # Not a callback this fit registered that has not had its on_train_begin yet: the fit failed finishing
+            # the last fit's train end, which it takes no part in (review 48t G6).
+            waiting, self._waiting_for_train_begin = self._waiting_for_train_begin, set()
+            self.callbacks_handler.on_exception(exception, (lambda callback: id(callback) not in waiting)
+                                                if waiting else None)
+            # (after an exception in the last fit's train end that this fit finished, whose hooks saw that fit's)
+            state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
             raise
         return self.model_for_user
 
@@ -1056,11 +1066,20 @@ class TrainLoop:
 
     def _train(self, num_epochs: int, num_iterations: int) -> None:
         state = self.state
+        self._waiting_for_train_begin = set()
         self.set_up()
         if self.run_state.train_end_pending:
             # The last fit stopped in its train end: finished first, as that fit would have done it, before this
-            # fit's training (if any is left: the straight run's next fit starts after that end).
+            # fit's training (if any is left: the straight run's next fit starts after that end), with that fit's
+            # num_epochs / num_iterations / grad_accumulation in the state for its hooks (review 48t G5).
+            arguments = (state.num_epochs, state.num_iterations, state.grad_accumulation)
+            self._waiting_for_train_begin = {id(callback) for callback in self.callbacks
+                                             if not self.run_state.takes_part_in_train_end(callback)}
+            if self.run_state.train_end_arguments is not None:
+                state.num_epochs, state.num_iterations, state.grad_accumulation = self.run_state.train_end_arguments
+            # An exception keeps them for on_exception, which fit calls before it sets this fit's back (49l F8).
             self._end_training()
+            state.num_epochs, state.num_iterations, state.grad_accumulation = arguments
             if state.early_stop or self._target_reached(num_epochs, num_iterations):
                 return
         self.frozen_modules.enter_training(self.model, self.model_runner)
@@ -1073,6 +1092,7 @@ class TrainLoop:
         check_optimizers_step_the_model(self.model, self.criterion, self.optimizers,
                                         getattr(self._precision, "master_weights", None))
         self.run_state.start_training(self.model)
+        self._waiting_for_train_begin = set()
         self.callbacks_handler.on_train_begin()
         if self.strategy.is_distributed:  # a stop one process asked for in on_train_begin: every process, now
             self._agree_on_stop()
@@ -1103,31 +1123,47 @@ class TrainLoop:
         in it, the next ``fit`` runs the steps that did not finish (a callback's by its identity, as in an epoch's
         end), also the ``on_train_end`` of the callbacks that had not returned (a KeyboardInterrupt stops the
         others), and with the callbacks registered when the end started (one that the next ``fit`` registers has
-        its ``on_train_begin`` still to come)."""
-        hooks, run_state = self.callbacks_handler, self.run_state
-        done = run_state.begin_train_end(hooks.callbacks)
+        its ``on_train_begin`` still to come). Each ``on_train_end`` is a step too: what an interrupted one put into
+        the history is dropped (:meth:`_train_end_step`), and an ``on_train_end`` failure that a Ctrl-C in a later
+        callback's cut short is raised after the last one by the ``fit`` that finishes the end."""
+        hooks, run_state, state = self.callbacks_handler, self.run_state, self.state
+        done = run_state.begin_train_end(hooks.callbacks,
+                                         (state.num_epochs, state.num_iterations, state.grad_accumulation))
         steps = [(f"on_before_train_end:{id(callback)}", callback.on_before_train_end)
                  for callback in hooks.subscribers("on_before_train_end")
                  if run_state.takes_part_in_train_end(callback)]
         steps.append(("test_evaluation", self._evaluator.at_train_end))
-        if run_state.train_end_history_lengths is None:  # the end starts
-            run_state.train_end_history_lengths = history_lengths(self.train_history)
         for name, step in steps:
             if name not in done:
-                # What this step wrote into the history before an exception stopped it in the last fit goes.
-                truncate_history(self.train_history, run_state.train_end_history_lengths)
-                step()
-                done.append(name)
-                run_state.train_end_history_lengths = history_lengths(self.train_history)
+                with self._train_end_step(lambda: name in done):
+                    step()
+                    done.append(name)
         run_state.begin_on_train_end()
+        on_train_end_done = run_state.on_train_end_done
         try:
-            hooks.on_train_end(run_state.on_train_end_done, run_state.takes_part_in_train_end)
+            hooks.on_train_end(on_train_end_done, run_state.takes_part_in_train_end, run_state.train_end_failures,
+                               lambda callback: self._train_end_step(lambda: id(callback) in on_train_end_done))
         except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
             run_state.end_train_end()
             raise
         run_state.end_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
+
+    @contextlib.contextmanager
+    def _train_end_step(self, finished: Callable[[], bool]) -> Iterator[None]:
+        """One step of the train end, marked done inside it (``finished`` says whether it was). Where an exception
+        leaves it unfinished, what it put into the history goes at once, as the next ``fit`` runs it again from its
+        start (reviews 48t G3, 48m M3). Dropped here rather than by that ``fit``: what the user records in between
+        stays (49l F2); and as the step is marked done inside, a Ctrl-C at any moment leaves it either done with its
+        values or to do without them, never done without them or to do with them (49l F1)."""
+        lengths = history_lengths(self.train_history)
+        try:
+            yield
+        except BaseException:
+            if not finished():
+                truncate_history(self.train_history, lengths)
+            raise
 
     def _roll_back(self, request: RollBack) -> Optional[MidEpochResume]:
         """Return the run to the point ``request`` names (see :mod:`.rollback`); where its epoch continues."""

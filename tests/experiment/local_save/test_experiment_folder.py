@@ -1,5 +1,6 @@
 """The experiment folder: layout, creation once and never over an existing run, hyperparameter files, JSON."""
 import copy
+import errno
 import json
 import os
 import re
@@ -167,3 +168,48 @@ def test_a_link_to_nothing_on_the_way_is_named_at_the_check_and_at_creation(tmp_
     target.mkdir(parents=True)  # mounted: the same object goes on
     assert folder.create() == str(root / "p" / "e_t")
     assert os.listdir(target) == (["p"] if linked == "root" else ["e_t"])
+
+
+@pytest.mark.parametrize("case", ["loop", "chain", "relative", "loop_through_a_folder_link",
+                                  "up_from_a_folder_link"])
+def test_a_link_loop_or_chain_on_the_way_is_named_as_it_is(tmp_path, case):
+    """Review 48m L3: a link loop (runs -> b -> runs) was named "a symbolic link to b, which does not exist" (b
+    exists, as a link back), and a chain (runs -> mid -> gone/disk) named mid as missing instead of gone/disk; a
+    relative target was shown unresolved. The loop is named as one, and the missing end of a chain, resolved."""
+    root = tmp_path / "runs"
+    if case == "loop":
+        os.symlink(tmp_path / "b", root)
+        os.symlink(root, tmp_path / "b")
+        expected, error = r"symbolic link loop: .*runs -> .*b -> .*runs", OSError
+    elif case == "chain":
+        os.symlink(tmp_path / "mid", root)
+        os.symlink(tmp_path / "gone" / "disk", tmp_path / "mid")
+        expected, error = r"runs is a symbolic link to .*gone/disk \(through .*mid\), which does not exist", \
+            FileNotFoundError
+    elif case == "relative":
+        (tmp_path / "sub").mkdir()
+        root = tmp_path / "sub" / "runs"
+        os.symlink("../elsewhere/disk", root)
+        expected, error = "runs is a symbolic link to " + re.escape(str(tmp_path / "elsewhere" / "disk")) + \
+            ", which does not exist", FileNotFoundError
+    elif case == "loop_through_a_folder_link":  # review 49l F6 (1): was a 3,000-character "missing" d/d/d/.../runs
+        os.symlink(".", tmp_path / "d")
+        os.symlink("d/runs", root)
+        expected, error = r"symbolic link loop: .*runs -> .*runs \(fix", OSError
+    else:  # review 49l F6 (2): the system goes up from where sub leads, not from tmp_path (whose disk exists)
+        other = tmp_path / "other"
+        (other / "deep").mkdir(parents=True)
+        (tmp_path / "disk").mkdir()
+        os.symlink(other / "deep", tmp_path / "sub")
+        os.symlink("sub/../disk", root)
+        expected, error = "runs is a symbolic link to " + re.escape(str(other / "disk")) + ", which does not exist", \
+            FileNotFoundError
+    folder = ExperimentFolder(str(root), "p", "e", timestamp="t")
+    with pytest.raises(error, match=expected) as raised:
+        folder.check_creatable()
+    assert raised.value.errno == (errno.ELOOP if case.startswith("loop") else errno.ENOENT)
+    assert len(str(raised.value)) < 600
+    with pytest.raises(OSError, match=expected):
+        folder.reserve()
+    with pytest.raises(OSError, match=expected):
+        folder.create()

@@ -219,6 +219,71 @@ def test_a_new_train_loop_starts_the_files_afresh_and_a_partial_last_line_is_dro
     assert (tmp_path / "epoch_log.csv").read_text().endswith("\n")
 
 
+class InterruptedCSVLogger(CSVLogger):
+    """A CSVLogger whose train-end row (``interrupt='write'``) or final upload in end_run (``interrupt='upload'``) a
+    Ctrl-C stops the first time; ``uploads`` counts the uploads end_run finished, per fit (``fits``)."""
+
+    def __init__(self, interrupt, **kwargs):
+        super().__init__(**kwargs)
+        self.interrupt, self.uploads, self._ending = interrupt, [], False
+
+    def write_epoch_metrics(self, epoch, step, metrics, train_end):
+        if train_end and self.interrupt == "write":
+            self.interrupt = None
+            raise KeyboardInterrupt  # before the row is written
+        super().write_epoch_metrics(epoch, step, metrics, train_end)
+
+    def end_run(self, exception):
+        self._ending = True
+        try:
+            super().end_run(exception)
+        finally:
+            self._ending = False
+
+    def upload_files(self):
+        if not self._ending:
+            return
+        if self.interrupt == "upload" and self.train_loop_obj.run_state.train_end_pending:
+            self.interrupt = None
+            raise KeyboardInterrupt  # during the slow upload
+        self.uploads.append(self.train_loop_obj.run_state.train_end_pending)
+
+
+def test_a_ctrl_c_in_the_trackers_train_end_row_is_logged_by_the_next_fit(tmp_path):
+    """Review 48m M1: a Ctrl-C while the tracker wrote its train-end row; the next fit calls its on_train_end again,
+    but the history values counted as logged had moved on before the write: train_end_test_loss of that end never
+    reached the file. The row is written as in the straight run."""
+    def files(folder):
+        return {name: (folder / name).read_text() for name in ("batch_log.csv", "epoch_log.csv")}
+
+    tl = make_train_loop(test=True)
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[InterruptedCSVLogger("write", log_dir=str(tmp_path / "run"),
+                                                             is_project=False)])
+    tl.fit(num_epochs=3)
+    straight = make_train_loop(test=True)
+    straight.fit(num_epochs=2, callbacks=[CSVLogger(log_dir=str(tmp_path / "ref"), is_project=False)])
+    straight.fit(num_epochs=3)
+    assert files(tmp_path / "run") == files(tmp_path / "ref")
+    assert read_csv(tmp_path / "run" / "epoch_log.csv")[1]["train_end_test_loss"] != ""
+
+
+def test_a_ctrl_c_in_the_trackers_final_upload_is_redone_by_the_next_fit(tmp_path):
+    """Review 48m M2 (the docs' own example: Ctrl-C during a slow upload): on_train_end marked the run closed before
+    end_run, so on_exception did nothing and the next fit's on_train_end returned at once: the final upload (and
+    MLflow's set_terminated) was never done. The run is now closed as interrupted by on_exception, and the next fit
+    ends it again, uploading the final files."""
+    tl = make_train_loop(test=True)
+    logger = InterruptedCSVLogger("upload", log_dir=str(tmp_path / "run"), is_project=False)
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[logger])
+    uploads_before = len(logger.uploads)
+    tl.fit(num_epochs=2)  # finishes the end only
+    assert not tl.run_state.train_end_pending
+    assert len(logger.uploads) > uploads_before and logger.uploads[-1] is True  # uploaded in the finished end
+    assert not logger.run_active
+
+
 class TwoLossMLP(MLP):
     def get_loss(self, batch_data, criterion, device):
         x, y = batch_data[0].to(device), batch_data[1].to(device)

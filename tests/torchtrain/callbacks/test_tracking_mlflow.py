@@ -174,3 +174,62 @@ def test_arguments_are_checked_and_a_missing_package_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     with pytest.raises(ImportError, match=r"aitoolbox\[mlflow\]"):
         make_train_loop().fit(num_epochs=1, callbacks=[MLflowTracking()])
+
+
+class RecordsAtTrainEnd(AbstractCallback):
+    def __init__(self):
+        super().__init__("records at train end", execution_order=-1)  # before the tracker logs the end
+
+    def on_train_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("end_metric", 0.5)
+
+
+class CtrlCAfterOneTrainEndMetric(MLflowTracking):
+    """A Ctrl-C after the first metric of the train-end write was queued (its other metrics not yet)."""
+
+    def _add_metric(self, key, value, step):
+        super()._add_metric(key, value, step)
+        if key in ("end_metric", "train_end_test_loss") and self.train_loop_obj.run_state.train_end_pending \
+                and not getattr(self, "interrupted_once", False):
+            self.interrupted_once = True
+            raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_each_once(store_uri, no_network):
+    """Review 49l F3: the metric queued before the Ctrl-C was sent by on_exception's end of the run, and again by
+    the next fit, which writes the train end again: a duplicated point in its history."""
+    tl = make_train_loop(test=True)
+    callback = CtrlCAfterOneTrainEndMetric(store_uri, project_name="ctrl_c_in_train_end_write")
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[RecordsAtTrainEnd(), callback])
+    tl.fit(num_epochs=3)
+    client = MlflowClient(store_uri)
+    run = only_run(client, "ctrl_c_in_train_end_write")
+    assert run.info.status == "FINISHED"
+    assert history(client, run.info.run_id, "end_metric") == [(1, 0.5), (2, 0.5)]
+    assert history(client, run.info.run_id, "train_end_test_loss") == \
+        list(zip([1, 2], tl.train_history["train_end_test_loss"]))
+
+
+class FailsAfterTheEndWasSent(MLflowTracking):
+    """end_run raises once after the run's end (FINISHED) reached the store (closing the connection fails)."""
+
+    def _stop_sending_thread(self):
+        super()._stop_sending_thread()
+        if self.train_loop_obj.run_state.train_end_pending and not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise RuntimeError("closing failed")
+
+
+def test_a_failure_after_the_run_was_sent_finished_leaves_it_finished(store_uri, no_network):
+    """Review 49l F4: every value and FINISHED had reached the store when end_run failed; on_exception then ended the
+    run again as FAILED, although its training had finished and was sent. The status says what happened to the
+    training: it stays FINISHED (the fit still raises the failure)."""
+    tl = make_train_loop(test=True)
+    callback = FailsAfterTheEndWasSent(store_uri, project_name="fails_after_the_end")
+    with pytest.raises(RuntimeError, match="closing failed"):
+        tl.fit(num_epochs=2, callbacks=[callback])
+    client = MlflowClient(store_uri)
+    run = only_run(client, "fails_after_the_end")
+    assert run.info.status == "FINISHED"
+    assert history(client, run.info.run_id, "train_end_test_loss") == [(1, tl.train_history["train_end_test_loss"][0])]

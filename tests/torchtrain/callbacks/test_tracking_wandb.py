@@ -122,6 +122,36 @@ def test_an_exception_finishes_the_run_as_failed_and_the_next_fit_resumes_it(tmp
     assert second.values("loss_at_epoch_end/val_loss") == {9: tl.train_history["val_loss"][1]}
 
 
+def test_a_ctrl_c_in_the_runs_finish_closes_it_as_interrupted_and_the_next_fit_finishes_it(tmp_path, wandb_offline,
+                                                                                          monkeypatch):
+    """Review 49l F5: end_run let go of the run before run.finish(), so a Ctrl-C during the final sync left it to
+    nobody: on_exception did not close it as interrupted (as the docs say), and the next fit's wandb.init ran while
+    it was still active (an empty offline-run folder)."""
+    import wandb
+    from wandb.sdk.wandb_run import Run
+
+    finish, exit_codes = Run.finish, []
+
+    def finish_interrupted_once(run, *args, **kwargs):
+        exit_codes.append(kwargs.get("exit_code"))
+        if len(exit_codes) == 1:
+            raise KeyboardInterrupt  # during the final sync
+        return finish(run, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "finish", finish_interrupted_once)
+    callback = WandBTracking(log_dir=str(tmp_path), is_project=False)
+    tl = make_train_loop(test=True)
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[callback])
+    tl.fit(num_epochs=2)  # finishes the train end
+    assert exit_codes == [0, 1, 0] and wandb.run is None and callback.run is None
+    first, second = [WandbRun(path) for path in offline_run_dirs(tmp_path)]  # each holds its run's file
+    assert first.exit_code == 1 and second.exit_code == 0
+    # logged before the Ctrl-C, with the run's other values: once
+    assert first.values("loss_at_epoch_end/train_end_test_loss") == {9: tl.train_history["train_end_test_loss"][0]}
+    assert second.values("loss_at_epoch_end/train_end_test_loss") == {}
+
+
 def test_arguments_are_checked_and_a_missing_package_is_named(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="AlertConfig"):
         WandBTracking(alerts=[{"metric_name": "val_loss"}])

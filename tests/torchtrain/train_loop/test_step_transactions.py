@@ -5,6 +5,7 @@ import copy
 import logging
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -1186,3 +1187,264 @@ def test_fit_num_iterations_ending_at_an_epochs_last_batch_then_a_longer_fit_equ
 
     assert_runs_equal(run([6, 18]), run([18]))
     assert_runs_equal(run([12, 18]), run([18]))
+
+
+# --- the train end an exception interrupted: reviews 48m, 48t and 48l's later findings ---------------------------
+class RecordsInTrainEnd(TrainHooks):
+    """TrainHooks whose ``on_train_end`` first puts a metric into the history (then may be interrupted)."""
+
+    def on_train_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("end_metric", 1.0)
+        super().on_train_end()
+
+
+def test_what_an_interrupted_on_train_end_recorded_is_not_recorded_twice():
+    """Review 48m M3: a callback put a value into the history in on_train_end, then a Ctrl-C stopped it; the next
+    fit called it again from its start and the history held the value twice. Each on_train_end is a step of the end:
+    what an interrupted one recorded goes first."""
+    def run(interrupt):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10, interrupts=True)])
+            tl.fit(num_epochs=2)
+        else:
+            tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10)])
+        tl.fit(num_epochs=3)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert continued.train_history["end_metric"] == straight.train_history["end_metric"] == [1.0, 1.0]
+    assert_runs_equal(continued, straight)
+
+
+class FailsInTrainEnd(TrainHooks):
+    """TrainHooks whose ``on_train_end`` raises the first time (a final save on a full disk)."""
+
+    def on_train_end(self):
+        super().on_train_end()
+        if self.calls.count("on_train_end") == 1:
+            raise RuntimeError("the final save failed")
+
+
+def test_an_on_train_end_failure_before_a_ctrl_c_in_a_later_callback_is_raised_by_the_next_fit(caplog, monkeypatch):
+    """Review 48t G2: a callback's on_train_end raised (kept to raise after the others), then a Ctrl-C stopped a later
+    callback's: the failure was never raised nor logged, and the next fit returned normally. It is logged when the
+    Ctrl-C comes, and the fit that finishes the end raises it after the last callback, as the straight run does."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    tl = _loop_with_a_test_set()
+    failing, interrupted, last = FailsInTrainEnd("failing", 10), TrainHooks("ctrl-c", 20, interrupts=True), \
+        TrainHooks("last", 30)
+    with caplog.at_level("ERROR", logger="aitoolbox.torchtrain.callbacks.handler"):
+        with pytest.raises(KeyboardInterrupt):
+            tl.fit(num_epochs=1, callbacks=[failing, interrupted, last])
+    assert "the final save failed" in caplog.text
+    with pytest.raises(RuntimeError, match="the final save failed"):
+        tl.fit(num_epochs=1)
+    assert not tl.run_state.train_end_pending
+    assert (failing.calls, interrupted.calls, last.calls) == \
+        (["on_train_begin", "on_before_train_end", "on_train_end"],
+         ["on_train_begin", "on_before_train_end", "on_train_end", "on_train_end"],
+         ["on_train_begin", "on_before_train_end", "on_train_end"])
+    tl.fit(num_epochs=2)  # nothing left of the end: the run goes on
+    assert last.calls[-1] == "on_train_end" and len(tl.train_history["train_end_test_loss"]) == 2
+
+
+class RecordsFitArguments(TrainEndHooks):
+    def __init__(self, name, execution_order, fails=False):
+        super().__init__(name, execution_order, fails=fails)
+        self.seen = []
+
+    def on_train_end(self):
+        tl = self.train_loop_obj
+        self.seen.append((tl.num_epochs, tl.num_iterations, tl.grad_accumulation))
+
+
+def test_the_end_the_next_fit_finishes_sees_its_own_fits_arguments():
+    """Review 48t G5: the next fit set its own num_epochs / num_iterations / grad_accumulation before finishing the
+    earlier fit's end, whose hooks saw them. They see their fit's; the next fit's training then sees its own."""
+    tl = _loop_with_a_test_set()
+    recorder = RecordsFitArguments("recorder", 10, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[recorder])
+    tl.fit(num_epochs=4, grad_accumulation=2)
+    assert recorder.seen == [(2, 0, 1), (4, 0, 2)]
+    assert (tl.num_epochs, tl.grad_accumulation) == (4, 2)
+
+
+def test_a_callback_the_next_fit_registers_gets_no_on_exception_from_the_earlier_end():
+    """Review 48t G6: a callback registered by the fit that finishes an earlier fit's end takes no part in that end;
+    when the end failed again there, it got on_exception before its own on_train_begin."""
+    class Hooks(TrainHooks):
+        def on_exception(self, exception):
+            self.calls.append("on_exception")
+
+    tl = _loop_with_a_test_set()
+    failing = TrainHooks("failing", 20, fails=True)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=1, callbacks=[failing])
+    failing.fails = True  # fails again in the fit that finishes it
+    added = Hooks("added", 10)
+    with pytest.raises(OSError, match="No space left"):
+        tl.fit(num_epochs=2, callbacks=[added])
+    assert added.calls == []
+    tl.fit(num_epochs=2)
+    assert added.calls == ["on_train_begin", "on_before_train_end", "on_train_end"]
+
+
+def test_early_stopping_interrupted_after_restoring_the_best_weights_trains_on_from_the_trained_ones(monkeypatch):
+    """Review 48l F5: a Ctrl-C in EarlyStopping(restore_best_weights).on_before_train_end after it had put the best
+    weights in; the next fit ran the hook again, which took the best weights as those training ended with, so a
+    longer fit trained on from the best epoch's weights instead of the last. The weights taken stay those of the
+    first run of the hook."""
+    from aitoolbox.torchtrain.callbacks import stopping
+
+    restore = stopping.restore_weights
+
+    def run(interrupt):
+        torch.manual_seed(0)
+        tl = _loop_with_a_test_set()
+        pending = [interrupt]
+
+        def restore_then_interrupt(loop, weights):
+            restore(loop, weights)
+            if pending[0]:
+                pending[0] = False
+                raise KeyboardInterrupt  # after the best weights are in
+
+        monkeypatch.setattr(stopping, "restore_weights", restore_then_interrupt)
+        early = stopping.EarlyStopping(monitor="accumulated_loss", mode="max", patience=10, restore_best_weights=True)
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                tl.fit(num_epochs=2, callbacks=[early])
+        tl.fit(num_epochs=2, callbacks=None if interrupt else [early])
+        assert early.best_epoch == 0  # the best weights are not the last epoch's
+        tl.fit(num_epochs=3)
+        return tl
+
+    straight, continued = run(False), run(True)
+    assert_runs_equal(continued, straight)
+
+
+def test_what_the_user_records_between_an_interrupted_end_and_the_next_fit_is_kept():
+    """Review 49l F2: after a Ctrl-C in on_train_end the user put values into the history (a manual evaluation, by
+    the public insert_metric_result_into_history), and the fit that finished the end deleted them: it cut the history
+    back to its lengths before the interrupted hook. Only what the interrupted hook itself recorded goes."""
+    tl = _loop_with_a_test_set()
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[RecordsInTrainEnd("records", 10, interrupts=True)])
+    interrupted_hooks_value = tl.train_history.get("end_metric")
+    tl.insert_metric_result_into_history("my_manual_eval", 0.42)
+    tl.insert_metric_result_into_history("val_loss", 9.99)
+    tl.fit(num_epochs=2)
+    assert tl.train_history["my_manual_eval"] == [0.42]
+    assert tl.train_history["val_loss"][-1] == 9.99
+    assert tl.train_history["end_metric"] == [1.0]
+    assert interrupted_hooks_value is None  # what the interrupted hook recorded went when the Ctrl-C stopped it
+
+
+class _InterruptAtLine:
+    """A Ctrl-C (KeyboardInterrupt) raised just before the ``at``-th statement of the train end's own bookkeeping
+    (``_end_training``, its steps, the handler's ``on_train_end`` loop), or as one of their frames returns: a SIGINT
+    lands between any two statements."""
+
+    frames = {("train_loop.py", "_end_training"), ("train_loop.py", "_train_end_step"), ("handler.py", "on_train_end")}
+
+    def __init__(self, at):
+        self.at, self.seen = at, 0
+
+    def _local(self, frame, event, arg):
+        # From the end's start on (begin_train_end): before it, the fit has not reached its end yet.
+        started = frame.f_code.co_name != "_end_training" or "done" in frame.f_locals
+        if event in ("line", "return") and started and self.seen <= self.at:
+            self.seen += 1
+            if self.seen == self.at + 1:
+                raise KeyboardInterrupt(f"SIGINT at {frame.f_code.co_name}:{frame.f_lineno} ({event})")
+        return self._local
+
+    def __call__(self, frame, event, arg):
+        code = frame.f_code
+        if self.seen > self.at or (os.path.basename(code.co_filename), code.co_name) not in self.frames:
+            return None
+        return self._local
+
+
+def test_a_ctrl_c_at_any_statement_of_the_train_end_neither_loses_nor_repeats_a_value():
+    """Review 49l F1: a SIGINT after a step of the end was marked done but before its history lengths were saved made
+    the next fit delete train_end_test_loss; one after a callback's on_train_end returned but before it was marked
+    done recorded its value twice. A Ctrl-C at each statement of the train end in turn, then fit again: the history
+    equals the straight run's."""
+    class Records(AbstractCallback):
+        def on_train_end(self):
+            self.train_loop_obj.insert_metric_result_into_history(f"end_{self.callback_name}", 1.0)
+
+    def loop():
+        torch.manual_seed(0)
+        return _loop_with_a_test_set()
+
+    straight = loop()
+    straight.fit(num_epochs=1, callbacks=[Records("a"), Records("b")])
+    at = 0
+    while True:
+        tl = loop()
+        sys.settrace(_InterruptAtLine(at))
+        try:
+            tl.fit(num_epochs=1, callbacks=[Records("a"), Records("b")])
+            break  # past the end's last statement
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        tl.fit(num_epochs=1)
+        assert dict(tl.train_history) == dict(straight.train_history), f"Ctrl-C before statement {at}"
+        at += 1
+    assert at > 10  # each of the train end's statements was interrupted in turn
+
+
+def test_on_exception_of_the_end_the_next_fit_finishes_sees_the_same_arguments_as_its_hooks():
+    """Review 49l F8: the end of fit(2) cut short by a Ctrl-C failed again in fit(4, grad_accumulation=2), which
+    finished it: its on_train_end saw fit(2)'s arguments, on_exception for that failure fit(4)'s. Both see the end's
+    fit's; after the failed fit the state holds fit(4)'s, as after any fit that fails early."""
+    class Recorder(AbstractCallback):
+        def __init__(self):
+            super().__init__("recorder")
+            self.seen, self.faults = [], [KeyboardInterrupt, RuntimeError]
+
+        def _record(self, hook):
+            tl = self.train_loop_obj
+            self.seen.append((hook, tl.num_epochs, tl.num_iterations, tl.grad_accumulation))
+
+        def on_train_end(self):
+            self._record("on_train_end")
+            raise self.faults.pop(0)("fault")
+
+        def on_exception(self, exception):
+            self._record("on_exception")
+
+    tl = _loop_with_a_test_set()
+    recorder = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[recorder])
+    with pytest.raises(RuntimeError):
+        tl.fit(num_epochs=4, grad_accumulation=2)
+    assert recorder.seen == [("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1),
+                             ("on_train_end", 2, 0, 1), ("on_exception", 2, 0, 1)]
+    assert (tl.num_epochs, tl.num_iterations, tl.grad_accumulation) == (4, 0, 2)
+
+
+def test_loading_a_checkpoint_over_an_end_with_a_kept_failure_says_that_failure_is_not_raised(caplog, monkeypatch):
+    """Review 49l F7: an on_train_end failure before a Ctrl-C in a later callback's is logged as one the next fit
+    raises; load_checkpoint then dropped it with a warning that did not mention it, and it was never raised."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    tl = _loop_with_a_test_set()
+    tl.fit(num_epochs=1)
+    checkpoint = copy.deepcopy(tl.checkpoint_state())
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[FailsInTrainEnd("failing", 10), TrainHooks("ctrl-c", 20, interrupts=True)])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="aitoolbox.torchtrain.train_loop.run_state"):
+        tl.load_checkpoint(checkpoint)
+    warning = " ".join(record.getMessage() for record in caplog.records if record.name.endswith("run_state"))
+    assert "RuntimeError: the final save failed" in warning and "not raised" in warning
+    tl.fit(num_epochs=2)  # trains on from the checkpoint, without that failure
