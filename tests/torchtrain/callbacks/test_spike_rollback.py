@@ -1161,3 +1161,29 @@ def test_the_replayed_on_epoch_begin_at_the_fit_s_start_sees_the_start_s_counter
     train(make_loop(model, loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))), num_epochs=1,
           callbacks=[SpikeRollback(**SETTINGS), seen])
     assert seen.seen == [(0, 0, 0, 0, -1), (1, 0, 0, 0, -1)]
+
+
+# --- review 49s: the stop signal's checkpoint, the judgement through restores and exceptions -----------------------
+def test_a_stop_checkpoint_at_a_fresh_run_s_start_sorts_before_every_later_checkpoint(tmp_path):
+    """Review 49s R3: a NaN at batch 1 of a fresh run, SIGTERM there: the run returns to its start (nothing trained)
+    and saves the stop checkpoint ``..._E0_ITER-1.pth``, which checkpoint_position read as a final model (after every
+    checkpoint): find_checkpoint, load_checkpoint(<folder>) and auto_resume took it as the newest forever, even after
+    the resumed run wrote later checkpoints into the same folder. It is the position before the first batch."""
+    import shutil
+
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_position, find_checkpoint
+    poison = poisoned_at(0, 1)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=float("nan")))),
+                     callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=float("nan")), 1)
+    assert saved.endswith("_E0_ITER-1.pth") and len(stopped.rollbacks) == 1
+    assert checkpoint_position(os.path.basename(saved)) == (0, 0, -1)
+    assert checkpoint_position("model_exp_ts_E0_ITER-1.pth") < checkpoint_position("model_exp_ts_E0_ITER0.pth")
+    # The resumed run's first epoch checkpoint, in the same folder: the newest.
+    later = saved.replace("_E0_ITER-1.pth", "_E0.pth")
+    shutil.copy(saved, later)
+    assert find_checkpoint(os.path.dirname(saved)) == later
+    resumed = resumed_from(saved, Poisoned(poison, scale=float("nan")))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
