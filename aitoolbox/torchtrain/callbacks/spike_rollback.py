@@ -664,7 +664,9 @@ class SpikeRollback(AbstractCallback):
         if rolled_back:
             self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
-        self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
+        # (_judged_up_to is the point's, put back with its state: the losses pending there that were judged clean
+        # stay judged, saved so in a stop signal's checkpoint taken there (review 49s R1). The abandoned run's,
+        # which a replayed batch's (epoch, iteration) could match, is gone with it.)
         self._point_at = point.stands_for or dict(epoch=point.epoch, iteration=point.iteration,
                                                   batches_done=point.batches_done)
         return resume

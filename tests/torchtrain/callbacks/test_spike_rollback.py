@@ -1187,3 +1187,34 @@ def test_a_stop_checkpoint_at_a_fresh_run_s_start_sorts_before_every_later_check
     resumed = resumed_from(saved, Poisoned(poison, scale=float("nan")))
     assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
     assert_params_equal(resumed.model, straight.model)
+
+
+def test_a_second_sigterm_rolling_back_to_a_resumed_start_saves_its_judgement_and_resumes_as_the_straight_run(
+        tmp_path):
+    """Review 49s R1: batches 16 and 17 spike. SIGTERM at batch 15 (judged clean, saved as judged); the run resumed
+    from it keeps its start (standing for batch 14's point) and gets SIGTERM at batch 16: it rolls back to that start
+    and saves the stop checkpoint there. _restore forgot the judgement the start's state held (judged_up_to None): the
+    run resumed from that checkpoint kept no start and stopped with SpikeRollbackError at batch 17's spike. It rolls
+    back as the straight run, records included."""
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    order = batch_order(4)
+    poison = {1: order[1][4] + order[1][5]}
+    model, twin = model_pair(MLP)
+    third = copy.deepcopy(model)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS)])
+    _, first = stopped_by_sigterm(tmp_path / "first", model, Poisoned(poison), 15)
+    assert first.endswith("_E1_ITER15.pth")
+    second = make_loop(copy.deepcopy(third), loader(Poisoned(poison)))
+    second.load_checkpoint(first)
+    with pytest.raises(SignalStop):
+        second.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS), SigtermAt(16),
+                                            ModelCheckpoint("proj", "exp", str(tmp_path / "second"))])
+    (saved,) = glob.glob(str(tmp_path / "second" / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    assert saved.endswith("_E1_ITER15.pth") and len(second.rollbacks) == 1
+    resumed = resumed_from(saved, Poisoned(poison), model=third)
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 2
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
