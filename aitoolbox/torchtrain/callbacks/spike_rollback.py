@@ -332,7 +332,10 @@ class SpikeRollback(AbstractCallback):
         # fit that continues this one in the process (the loop continues it bitwise: the point is the one the run
         # that never stopped returns to); the next fit frees it where a checkpoint was loaded in between.
         if self.snapshot == "memory":
-            self._carried, self._snapshot = self._snapshot, None
+            # (None where this fit kept no point: its on_train_begin took over the carried one, or did not run (an
+            # exception before it), which leaves the carried one in place, review 49s R2.)
+            if self._snapshot is not None:
+                self._carried, self._snapshot = self._snapshot, None
             return
         self._release(keep_pin=True)
 

@@ -1218,3 +1218,36 @@ def test_a_second_sigterm_rolling_back_to_a_resumed_start_saves_its_judgement_an
     assert_params_equal(resumed.model, straight.model)
     assert resumed.train_history == straight.train_history
 
+
+class FailBeginOnce(AbstractCallback):
+    """Raises once in on_train_begin, ordered before SpikeRollback (a logger whose service is down): that fit stops
+    before SpikeRollback's on_train_begin runs."""
+
+    def __init__(self):
+        super().__init__("fail at the train's begin once", execution_order=-100)
+        self.armed = self.failed = False
+
+    def on_train_begin(self):
+        if self.armed and not self.failed:
+            self.failed = True
+            raise RuntimeError("on_train_begin failed")
+
+
+def test_a_second_exception_before_spike_rollback_s_train_begin_keeps_the_carried_point():
+    """Review 49s R2: an exception at batch 1 (the point kept at the fit's start is carried), then a fit stopped in the
+    on_train_begin of a callback ordered before SpikeRollback: on_exception replaced the carried point with None (no
+    point kept in that fit), and the third fit stopped with SpikeRollbackError at the NaN of batch 2. It ends as the
+    straight run, records included."""
+    model, twin = model_pair(MLP)
+    data = lambda: loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))  # noqa: E731
+    straight = train(make_loop(twin, data()), callbacks=[SpikeRollback(**SETTINGS)])
+    tl = make_loop(model, data())
+    failing = FailBeginOnce()
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS), FailOnce(0, 1), failing])
+    failing.armed = True
+    with pytest.raises(RuntimeError, match="on_train_begin failed"):
+        tl.fit(num_epochs=4)
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(tl.model, straight.model)
