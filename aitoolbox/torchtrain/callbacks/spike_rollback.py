@@ -407,8 +407,9 @@ class SpikeRollback(AbstractCallback):
         self._point_at = None if point_at is None else {key: int(value) for key, value in point_at.items()}
         checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
         self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
-        # Only ever added to (a rollback restores an older state: the suspects found since stay).
-        self._state_suspects |= {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
+        # Replaced, as a new loop loading the checkpoint has them (review 49s R4); a rollback's restore keeps the
+        # suspects found since the point as well (see _restore).
+        self._state_suspects = {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
     def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
@@ -660,7 +661,9 @@ class SpikeRollback(AbstractCallback):
         """Return the run to the kept point; ``rolled_back``: for a spike's rollback (the cooldown starts), else a
         return that leaves nothing out (before a stop signal's checkpoint, see :meth:`on_stop_signal`)."""
         point = self._snapshot
+        suspects = set(self._state_suspects)  # found since the point (and the blame of this rollback): they stay
         resume = point.restore(tl)  # this callback's detection state goes back with the run
+        self._state_suspects |= suspects
         remove_checkpoints_after(tl, point, _checkpoint_callbacks(tl))
         if tl.is_main_process:
             unpin(point)

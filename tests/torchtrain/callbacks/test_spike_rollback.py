@@ -1251,3 +1251,38 @@ def test_a_second_exception_before_spike_rollback_s_train_begin_keeps_the_carrie
     tl.fit(num_epochs=4)
     assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
     assert_params_equal(tl.model, straight.model)
+
+
+class SaveAtEpochBegin(AbstractCallback):
+    """Keeps ``checkpoint_state()`` (bytes) at the first begin of epoch ``epoch``."""
+
+    def __init__(self, epoch):
+        super().__init__("checkpoint at an epoch's begin", execution_order=100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_begin(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            buffer = io.BytesIO()
+            torch.save(self.train_loop_obj.checkpoint_state(), buffer)
+            self.saved = buffer.getvalue()
+
+
+def test_a_checkpoint_loaded_into_a_loop_that_blamed_a_non_finite_state_resumes_as_in_a_new_loop():
+    """Review 49s R4: NaN gradients at batch 16 (the next loss NaN): the run leaves out 17, then 16, and holds 17 as a
+    state suspect. Loaded into the same loop, a checkpoint from epoch 1's begin (no suspects) kept that suspect
+    (load_state_dict added the loaded suspects to those held), and the refit left out other batches than the same
+    checkpoint resumed in a new loop. Loading replaces them; only a rollback's restore keeps those found since."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
+    saver = SaveAtEpochBegin(1)
+    tl = train(make_loop(model, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter(), saver])
+    assert [record["iteration"] for record in tl.rollbacks] == [5, 4]
+    checkpoint = lambda: torch.load(io.BytesIO(saver.saved), weights_only=True)  # noqa: E731
+    fresh = resumed_from(checkpoint(), Poisoned(), callbacks=[TellModelEpochAfter()], model=twin)
+    tl.load_checkpoint(checkpoint())
+    torch.manual_seed(0)
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(fresh.rollbacks)
+    assert_params_equal(tl.model, fresh.model)
