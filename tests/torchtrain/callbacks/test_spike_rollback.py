@@ -1286,7 +1286,8 @@ def test_a_checkpoint_loaded_into_a_loop_that_blamed_a_non_finite_state_resumes_
     twin = copy.deepcopy(model)
     model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
     saver = SaveAtEpochBegin(1)
-    tl = train(make_loop(model, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter(), saver])
+    tl = train(make_loop(model, loader(Poisoned())),
+               callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter(), saver])
     assert [record["iteration"] for record in tl.rollbacks] == [5, 4]
     checkpoint = lambda: torch.load(io.BytesIO(saver.saved), weights_only=True)  # noqa: E731
     fresh = resumed_from(checkpoint(), Poisoned(), callbacks=[TellModelEpochAfter()], model=twin)
