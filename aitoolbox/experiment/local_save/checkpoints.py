@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 # Epoch checkpoints model_<experiment>_<timestamp>_E<epoch>.pth; iteration checkpoints add _ITER<iteration_idx>
 # (aitoolbox 1.x's names); _I<batches done in the epoch> is this package's first iteration-checkpoint name.
-_CHECKPOINT_NAME = re.compile(r"^model_.+_E(?P<epoch>\d+)(?:_ITER(?P<iteration_idx>\d+)|_I(?P<batches>\d+))?\.pth$")
+# _ITER-1: nothing trained yet (a stop signal whose rollback returned to a fresh run's start saves there): before
+# every other checkpoint, never a final model (review 49s R3).
+_CHECKPOINT_NAME = re.compile(
+    r"^model_.+_E(?P<epoch>\d+)(?:_ITER(?P<iteration_idx>-?\d+)|_I(?P<batches>\d+))?\.pth$")
 # The final model ModelTrainEndSave writes into model/: model_<experiment>_<timestamp>.pth.
 _FINAL_MODEL_NAME = re.compile(r"^model_.+\.pth$")
 _AFTER_EVERY_EPOCH = (sys.maxsize, 0, 0)
@@ -41,8 +44,9 @@ def checkpoint_file_name(experiment_name: str, timestamp: str, epoch: int, itera
 def checkpoint_position(file_name: str) -> Optional[Tuple[int, int, int]]:
     """Training progress a checkpoint name stands for, comparable across epoch and iteration checkpoints.
 
-    An epoch checkpoint comes after the iteration checkpoints of its epoch; a final model
-    (``model_<experiment>_<timestamp>.pth``) comes after every checkpoint; other files give None.
+    An epoch checkpoint comes after the iteration checkpoints of its epoch; ``_ITER-1`` (saved before the first
+    batch: nothing trained) before them; a final model (``model_<experiment>_<timestamp>.pth``) comes after every
+    checkpoint; other files give None.
     """
     if file_name.startswith(TEMP_PREFIX):
         return None

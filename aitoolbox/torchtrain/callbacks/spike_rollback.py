@@ -332,7 +332,10 @@ class SpikeRollback(AbstractCallback):
         # fit that continues this one in the process (the loop continues it bitwise: the point is the one the run
         # that never stopped returns to); the next fit frees it where a checkpoint was loaded in between.
         if self.snapshot == "memory":
-            self._carried, self._snapshot = self._snapshot, None
+            # (None where this fit kept no point: its on_train_begin took over the carried one, or did not run (an
+            # exception before it), which leaves the carried one in place, review 49s R2.)
+            if self._snapshot is not None:
+                self._carried, self._snapshot = self._snapshot, None
             return
         self._release(keep_pin=True)
 
@@ -404,8 +407,9 @@ class SpikeRollback(AbstractCallback):
         self._point_at = None if point_at is None else {key: int(value) for key, value in point_at.items()}
         checked_at = state.get("checked_at")  # None in a checkpoint from before it was kept
         self._checked_at = None if checked_at is None else {key: int(value) for key, value in checked_at.items()}
-        # Only ever added to (a rollback restores an older state: the suspects found since stay).
-        self._state_suspects |= {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
+        # Replaced, as a new loop loading the checkpoint has them (review 49s R4); a rollback's restore keeps the
+        # suspects found since the point as well (see _restore).
+        self._state_suspects = {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
     def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
@@ -491,7 +495,9 @@ class SpikeRollback(AbstractCallback):
         resumed run keeps its start). A non-finite state with every loss finite is blamed on the last step's window,
         which depends on the losses still to come (see :meth:`_blame_state`): the run returns to the point without
         leaving anything out and stops there; the resumed run replays the same batches, and its check blames them as
-        the run that never stopped (review 48s F2, F11)."""
+        the run that never stopped (review 48s F2, F11). With ``skip_batches`` >= 2 and every loss clean the run
+        returns there too: a spike right after the stop would leave out batches the resumed run trained already
+        (review 49s R5)."""
         tl = self.train_loop_obj
         if self.snapshot != "memory" or not self._pending or self._snapshot is None \
                 or self._judged_up_to == self._pending_at[-1]:
@@ -511,6 +517,15 @@ class SpikeRollback(AbstractCallback):
         if spiking or state_bad:
             judgement, first, last = self._judge(tl)  # as the check would
             raise self._rollback_request(tl, first, judgement, last)  # the run stops at the point (see interrupts)
+        if self.skip_batches > 1:
+            # A spike right after the stop leaves out batches before it, which the resumed run would have trained
+            # already (its start stands after them; it could only stop with an error, review 49s R5): the run
+            # returns to the point, nothing left out, and the resumed run replays them as the run that never stopped.
+            logger.warning("SpikeRollback: stopping with skip_batches=%d and %d loss(es) since the last check: the run "
+                           "returns to the point kept at epoch %d, iteration %d (nothing left out) and the stop's "
+                           "checkpoint is saved there", self.skip_batches, count, self._snapshot.epoch + 1,
+                           self._snapshot.iteration)
+            raise RollBack(lambda loop: self._restore(loop, rolled_back=False), [], None)
         self._judged_up_to = self._pending_at[-1]
 
     def _judge_epoch_end(self, tl: "TrainLoop") -> None:
@@ -657,14 +672,18 @@ class SpikeRollback(AbstractCallback):
         """Return the run to the kept point; ``rolled_back``: for a spike's rollback (the cooldown starts), else a
         return that leaves nothing out (before a stop signal's checkpoint, see :meth:`on_stop_signal`)."""
         point = self._snapshot
+        suspects = set(self._state_suspects)  # found since the point (and the blame of this rollback): they stay
         resume = point.restore(tl)  # this callback's detection state goes back with the run
+        self._state_suspects |= suspects
         remove_checkpoints_after(tl, point, _checkpoint_callbacks(tl))
         if tl.is_main_process:
             unpin(point)
         if rolled_back:
             self._cooldown_left = self.cooldown_steps if self.lr_factor is not None else 0
         self._saved_lrs, self._stepped = {}, False
-        self._judged_up_to = None  # the replay's batches carry the same (epoch, iteration) as the undone ones
+        # (_judged_up_to is the point's, put back with its state: the losses pending there that were judged clean
+        # stay judged, saved so in a stop signal's checkpoint taken there (review 49s R1). The abandoned run's,
+        # which a replayed batch's (epoch, iteration) could match, is gone with it.)
         self._point_at = point.stands_for or dict(epoch=point.epoch, iteration=point.iteration,
                                                   batches_done=point.batches_done)
         return resume

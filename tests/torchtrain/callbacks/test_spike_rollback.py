@@ -1057,12 +1057,18 @@ def test_a_sigterm_one_step_before_a_spike_resumes_as_the_straight_run(tmp_path,
     assert resumed.train_history == straight.train_history
 
 
-def test_a_resumed_start_after_judged_losses_never_leaves_out_other_batches_than_the_straight_run(tmp_path):
-    """skip_batches=2: the straight run leaves out batches 15 and 16 (back to batch 14's point); the run resumed at
-    batch 16 has trained batch 15 already and cannot: it stops with an error saying so (never another run)."""
-    settings = dict(SETTINGS, skip_batches=2)
+@pytest.mark.parametrize("skip_batches", [2, 3])
+def test_a_sigterm_one_step_before_a_spike_with_skip_batches_resumes_as_the_straight_run(tmp_path, skip_batches):
+    """Review 49s R5: skip_batches >= 2, SIGTERM at batch 15 (judged clean), the spike at batch 16. The stop saved
+    batch 15's state; the straight run leaves out batches 15 and 16 (back to batch 14's point), which the run resumed
+    at batch 16 cannot: it stopped with SpikeRollbackError ("skip_batches=2 reaches before the start of this fit"),
+    naming a checkpoint never written. With skip_batches >= 2 the stop returns to the kept point, leaving nothing
+    out, and saves there: the resumed run replays the batches and leaves out those of the straight run."""
+    settings = dict(SETTINGS, skip_batches=skip_batches)
     poison = poisoned_at(1, 4)
-    model, _ = model_pair(MLP)
+    model, twin = model_pair(MLP)
+    third = copy.deepcopy(model)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**settings)])
     import glob
 
     from aitoolbox.torchtrain.distributed.signals import SignalStop
@@ -1071,8 +1077,11 @@ def test_a_resumed_start_after_judged_losses_never_leaves_out_other_batches_than
         train(stopped, callbacks=[ModelCheckpoint("proj", "exp", str(tmp_path)), SpikeRollback(**settings),
                                   SigtermAt(15)])
     (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
-    with pytest.raises(SpikeRollbackError, match=r"skip_batches=2 reaches before the start of this fit"):
-        resumed_from(saved, Poisoned(poison), settings)
+    assert saved.endswith("_E1_ITER14.pth") and stopped.rollbacks == []  # the point, nothing left out
+    resumed = resumed_from(saved, Poisoned(poison), settings, model=third)
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
 
 
 class SaveAtEpochEnd(AbstractCallback):
@@ -1161,3 +1170,129 @@ def test_the_replayed_on_epoch_begin_at_the_fit_s_start_sees_the_start_s_counter
     train(make_loop(model, loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))), num_epochs=1,
           callbacks=[SpikeRollback(**SETTINGS), seen])
     assert seen.seen == [(0, 0, 0, 0, -1), (1, 0, 0, 0, -1)]
+
+
+# --- review 49s: the stop signal's checkpoint, the judgement through restores and exceptions -----------------------
+def test_a_stop_checkpoint_at_a_fresh_run_s_start_sorts_before_every_later_checkpoint(tmp_path):
+    """Review 49s R3: a NaN at batch 1 of a fresh run, SIGTERM there: the run returns to its start (nothing trained)
+    and saves the stop checkpoint ``..._E0_ITER-1.pth``, which checkpoint_position read as a final model (after every
+    checkpoint): find_checkpoint, load_checkpoint(<folder>) and auto_resume took it as the newest forever, even after
+    the resumed run wrote later checkpoints into the same folder. It is the position before the first batch."""
+    import shutil
+
+    from aitoolbox.experiment.local_save.checkpoints import checkpoint_position, find_checkpoint
+    poison = poisoned_at(0, 1)
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=float("nan")))),
+                     callbacks=[SpikeRollback(**SETTINGS)])
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=float("nan")), 1)
+    assert saved.endswith("_E0_ITER-1.pth") and len(stopped.rollbacks) == 1
+    assert checkpoint_position(os.path.basename(saved)) == (0, 0, -1)
+    assert checkpoint_position("model_exp_ts_E0_ITER-1.pth") < checkpoint_position("model_exp_ts_E0_ITER0.pth")
+    # The resumed run's first epoch checkpoint, in the same folder: the newest.
+    later = saved.replace("_E0_ITER-1.pth", "_E0.pth")
+    shutil.copy(saved, later)
+    assert find_checkpoint(os.path.dirname(saved)) == later
+    resumed = resumed_from(saved, Poisoned(poison, scale=float("nan")))
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(resumed.model, straight.model)
+
+
+def test_a_second_sigterm_rolling_back_to_a_resumed_start_saves_its_judgement_and_resumes_as_the_straight_run(
+        tmp_path):
+    """Review 49s R1: batches 16 and 17 spike. SIGTERM at batch 15 (judged clean, saved as judged); the run resumed
+    from it keeps its start (standing for batch 14's point) and gets SIGTERM at batch 16: it rolls back to that start
+    and saves the stop checkpoint there. _restore forgot the judgement the start's state held (judged_up_to None): the
+    run resumed from that checkpoint kept no start and stopped with SpikeRollbackError at batch 17's spike. It rolls
+    back as the straight run, records included."""
+    import glob
+
+    from aitoolbox.torchtrain.distributed.signals import SignalStop
+    order = batch_order(4)
+    poison = {1: order[1][4] + order[1][5]}
+    model, twin = model_pair(MLP)
+    third = copy.deepcopy(model)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**SETTINGS)])
+    _, first = stopped_by_sigterm(tmp_path / "first", model, Poisoned(poison), 15)
+    assert first.endswith("_E1_ITER15.pth")
+    second = make_loop(copy.deepcopy(third), loader(Poisoned(poison)))
+    second.load_checkpoint(first)
+    with pytest.raises(SignalStop):
+        second.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**SETTINGS), SigtermAt(16),
+                                            ModelCheckpoint("proj", "exp", str(tmp_path / "second"))])
+    (saved,) = glob.glob(str(tmp_path / "second" / "proj" / "exp_*" / "checkpoint_model" / "*ITER*.pth"))
+    assert saved.endswith("_E1_ITER15.pth") and len(second.rollbacks) == 1
+    resumed = resumed_from(saved, Poisoned(poison), model=third)
+    assert str(resumed.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 2
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+
+
+class FailBeginOnce(AbstractCallback):
+    """Raises once in on_train_begin, ordered before SpikeRollback (a logger whose service is down): that fit stops
+    before SpikeRollback's on_train_begin runs."""
+
+    def __init__(self):
+        super().__init__("fail at the train's begin once", execution_order=-100)
+        self.armed = self.failed = False
+
+    def on_train_begin(self):
+        if self.armed and not self.failed:
+            self.failed = True
+            raise RuntimeError("on_train_begin failed")
+
+
+def test_a_second_exception_before_spike_rollback_s_train_begin_keeps_the_carried_point():
+    """Review 49s R2: an exception at batch 1 (the point kept at the fit's start is carried), then a fit stopped in the
+    on_train_begin of a callback ordered before SpikeRollback: on_exception replaced the carried point with None (no
+    point kept in that fit), and the third fit stopped with SpikeRollbackError at the NaN of batch 2. It ends as the
+    straight run, records included."""
+    model, twin = model_pair(MLP)
+    data = lambda: loader(Poisoned(poisoned_at(0, 2), scale=float("nan")))  # noqa: E731
+    straight = train(make_loop(twin, data()), callbacks=[SpikeRollback(**SETTINGS)])
+    tl = make_loop(model, data())
+    failing = FailBeginOnce()
+    with pytest.raises(RuntimeError, match="stopped half way"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS), FailOnce(0, 1), failing])
+    failing.armed = True
+    with pytest.raises(RuntimeError, match="on_train_begin failed"):
+        tl.fit(num_epochs=4)
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(straight.rollbacks) and len(straight.rollbacks) == 1
+    assert_params_equal(tl.model, straight.model)
+
+
+class SaveAtEpochBegin(AbstractCallback):
+    """Keeps ``checkpoint_state()`` (bytes) at the first begin of epoch ``epoch``."""
+
+    def __init__(self, epoch):
+        super().__init__("checkpoint at an epoch's begin", execution_order=100)
+        self.epoch, self.saved = epoch, None
+
+    def on_epoch_begin(self):
+        if self.train_loop_obj.epoch == self.epoch and self.saved is None:
+            buffer = io.BytesIO()
+            torch.save(self.train_loop_obj.checkpoint_state(), buffer)
+            self.saved = buffer.getvalue()
+
+
+def test_a_checkpoint_loaded_into_a_loop_that_blamed_a_non_finite_state_resumes_as_in_a_new_loop():
+    """Review 49s R4: NaN gradients at batch 16 (the next loss NaN): the run leaves out 17, then 16, and holds 17 as a
+    state suspect. Loaded into the same loop, a checkpoint from epoch 1's begin (no suspects) kept that suspect
+    (load_state_dict added the loaded suspects to those held), and the refit left out other batches than the same
+    checkpoint resumed in a new loop. Loading replaces them; only a rollback's restore keeps those found since."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    model.bad = twin.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
+    saver = SaveAtEpochBegin(1)
+    tl = train(make_loop(model, loader(Poisoned())),
+               callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter(), saver])
+    assert [record["iteration"] for record in tl.rollbacks] == [5, 4]
+    checkpoint = lambda: torch.load(io.BytesIO(saver.saved), weights_only=True)  # noqa: E731
+    fresh = resumed_from(checkpoint(), Poisoned(), callbacks=[TellModelEpochAfter()], model=twin)
+    tl.load_checkpoint(checkpoint())
+    torch.manual_seed(0)
+    tl.fit(num_epochs=4)
+    assert str(tl.rollbacks) == str(fresh.rollbacks)
+    assert_params_equal(tl.model, fresh.model)
