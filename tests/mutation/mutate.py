@@ -70,6 +70,9 @@ TESTS = [
     "tests/torchtrain/precision/test_precision_parity.py",
     "tests/torchtrain/train_loop/test_run_snapshot.py",
     "tests/torchtrain/train_loop/test_resume.py",
+    # (run_state.py's position_in_epoch: the refusal at a loaded mid-epoch checkpoint's position before fit)
+    "tests/torchtrain/train_loop/test_checkpoint_position.py::"
+    "test_an_epoch_end_checkpoint_at_a_loaded_mid_epoch_checkpoints_position_is_refused_before_and_in_fit",
     "tests/torchtrain/train_loop/test_train_loop.py",
     "tests/torchtrain/amp/test_scale_loss.py",
     "tests/torchtrain/amp/test_checkpoint.py",
