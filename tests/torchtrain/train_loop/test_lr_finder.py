@@ -322,6 +322,26 @@ def test_a_window_an_unsized_loaders_end_cuts_short_is_a_step_of_the_search():
     assert result.raw_losses[2] == losses[6].float().item()
 
 
+def test_an_unsized_loaders_end_on_a_window_boundary_adds_no_step_to_the_search():
+    """Six batches from a loader without len, windows of three: each pass ends where a window did, with nothing
+    pending, and the search's steps are the sized loader's (a step of an empty window at each pass's end raised,
+    mutation run of issue 32: step_pending_gradients answered True with nothing pending)."""
+    from tests.helpers import IterableTensorData
+    x, y, _ = quadratic_problem()
+    x, y = torch.cat([x, x * 0.5])[:6], torch.cat([y, y * 0.5])[:6]
+    results = []
+    for sized in (True, False):
+        tl = regression_loop(x, y, [0.0, 0.0], batch_size=1)
+        if not sized:
+            tl.train_loader = DataLoader(IterableTensorData(TensorDataset(x, y)), batch_size=1)
+        results.append((tl.lr_find(start_lr=1e-4, end_lr=1e-3, num_iterations=5, grad_accumulation=3),
+                        tl.model.batch_losses))
+    (sized_result, sized_losses), (result, losses) = results
+    assert len(result.lrs) == 5 and len(losses) == 5 * 3  # two and a half passes
+    assert result.lrs == sized_result.lrs and result.raw_losses == sized_result.raw_losses
+    assert [loss.item() for loss in losses] == [loss.item() for loss in sized_losses]
+
+
 class InfiniteAt(Regression):
     def __init__(self, weights, at_batch):
         super().__init__(weights)
