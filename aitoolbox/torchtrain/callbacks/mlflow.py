@@ -11,6 +11,7 @@ A tracking URI may carry a user name and password (``https://user:password@host`
 MLflow client's own error texts included.
 """
 import logging
+import math
 import os
 import re
 import threading
@@ -285,7 +286,6 @@ class MLflowTracking(TrackingCallback):
         tags = {mlflow_key(key): str(value) for key, value in redact_hyperparams(self.tags).items()}
         if self.has_experiment_folder:
             tags.setdefault("aitoolbox.experiment_folder", self.experiment_folder.path)
-        self._finished = False
         self.sender().submit("the start of the run", lambda: self._open_run(experiment_name, run_name, tags))
 
     def _make_client(self) -> Any:
@@ -302,8 +302,9 @@ class MLflowTracking(TrackingCallback):
         raise replacement from None
 
     def _open_run(self, experiment_name: str, run_name: Optional[str], tags: Dict[str, str]) -> None:
-        # On the sender's thread, before the calls that need the run.
-        self._run_open = False
+        # On the sender's thread, before the calls that need the run (and after the previous fit's end, which a
+        # slow store may still be sending when this fit starts: review 49y Y1).
+        self._run_open = self._finished = False
         if self.run_id is not None:
             self.client.get_run(self.run_id)  # an unknown id is refused here, with MLflow's message
             self.client.update_run(self.run_id, status="RUNNING")
@@ -330,10 +331,7 @@ class MLflowTracking(TrackingCallback):
         else:
             status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
         self._request_metrics_sending()
-        # The status says what happened to the training: once it finished and that was sent, a failure after it
-        # (closing the connection) is raised by fit but does not turn the run FAILED (review 49l F4).
-        if not (self._finished and exception is not None):
-            self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
+        self.sender().submit(f"the run's end ({status})", lambda: self._terminate(status))
         if not self._sender.wait(self.flush_timeout_s):
             dropped = f" ({self.dropped_metrics:,} older metric values were dropped)" if self.dropped_metrics else ""
             logger.warning("MLflowTracking: %s s after the end of training, not sent yet to %s: %s%s. Training is "
@@ -343,7 +341,10 @@ class MLflowTracking(TrackingCallback):
         self._stop_sending_thread()
 
     def _terminate(self, status: str) -> None:
-        if self._run_open:
+        # The status says what happened to the training: once it finished and that was sent, a failure after it
+        # (closing the connection) is raised by fit but does not turn the run FAILED (review 49l F4). Decided here,
+        # on the sender's thread, in order with the run's (re)opening and the last end sent.
+        if self._run_open and not (self._finished and status != "FINISHED"):
             self.client.set_terminated(self.run_id, status=status)
             self._finished = status == "FINISHED"
 
@@ -425,7 +426,7 @@ class MLflowTracking(TrackingCallback):
         for name, value in metrics.items():
             if train_end:
                 queued = self._train_end_queued.get(name)
-                if queued is not None and queued[0] == value and queued[1] < self._next_sequence:
+                if queued is not None and _same_value(queued[0], value) and queued[1] < self._next_sequence:
                     continue  # queued before a Ctrl-C stopped this write: the next fit writes the end again
                 self._train_end_queued[name] = (value, self._next_sequence)
             self._add_metric(name, value, epoch)
@@ -441,3 +442,8 @@ class MLflowTracking(TrackingCallback):
 
 #: The description of the call that sends the queued metrics (one waits at a time).
 _METRICS_CALL = "the queued metrics"
+
+
+def _same_value(first: float, second: float) -> bool:
+    """Equal metric values, a NaN equal to a NaN (a train-end metric may be one: review 49y Y5)."""
+    return first == second or (math.isnan(first) and math.isnan(second))

@@ -1,7 +1,9 @@
 """MLflowTracking on real TrainLoop runs, read back with MlflowClient from local stores (SQLite, file store)."""
 import logging
+import math
 import os
 import sys
+import threading
 
 import pytest
 
@@ -209,6 +211,77 @@ def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_each_once(sto
     assert history(client, run.info.run_id, "end_metric") == [(1, 0.5), (2, 0.5)]
     assert history(client, run.info.run_id, "train_end_test_loss") == \
         list(zip([1, 2], tl.train_history["train_end_test_loss"]))
+
+
+class RecordsNaNAtTrainEnd(AbstractCallback):
+    def __init__(self):
+        super().__init__("records nan at train end", execution_order=-1)
+
+    def on_train_end(self):
+        self.train_loop_obj.insert_metric_result_into_history("end_metric", float("nan"))
+
+
+class CtrlCAfterTheNaN(MLflowTracking):
+    """A Ctrl-C right after the train end's NaN metric was queued."""
+
+    def _add_metric(self, key, value, step):
+        super()._add_metric(key, value, step)
+        if key == "end_metric" and self.train_loop_obj.run_state.train_end_pending \
+                and not getattr(self, "interrupted_once", False):
+            self.interrupted_once = True
+            raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_a_nan_once(store_uri, no_network):
+    """Review 49y Y5: the write's memory of what it queued compared values, and a NaN is not equal to itself: the
+    NaN queued before the Ctrl-C was sent again by the next fit."""
+    tl = make_train_loop(test=True)
+    callback = CtrlCAfterTheNaN(store_uri, project_name="ctrl_c_nan_in_train_end_write")
+    with pytest.raises(KeyboardInterrupt):
+        tl.fit(num_epochs=2, callbacks=[RecordsNaNAtTrainEnd(), callback])
+    tl.fit(num_epochs=3)
+    client = MlflowClient(store_uri)
+    points = history(client, only_run(client, "ctrl_c_nan_in_train_end_write").info.run_id, "end_metric")
+    assert [step for step, _ in points] == [1, 2] and all(math.isnan(value) for _, value in points)
+
+
+class FinishedSentLate(MLflowTracking):
+    """The first fit's FINISHED reaches the store only once ``release`` is set: a slow store, still sending the
+    end of one fit when the next starts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def _terminate(self, status):
+        if status == "FINISHED" and not self.release.is_set():
+            self.release.wait(30)
+        super()._terminate(status)
+
+
+class ReleasesThenFails(AbstractCallback):
+    def __init__(self, tracker: FinishedSentLate):
+        super().__init__("releases the late end, then fails")
+        self.tracker = tracker
+
+    def on_epoch_end(self):
+        if self.train_loop_obj.epoch == 2:
+            self.tracker.release.set()
+            self.tracker.sender().wait(10)  # the late FINISHED is in the store, and the run reopened
+            raise RuntimeError("training failed in epoch 3")
+
+
+def test_a_fit_failing_after_the_last_fits_end_was_sent_late_ends_the_run_failed(store_uri, no_network):
+    """Review 49y Y1: the flag saying FINISHED reached the store was cleared on the training thread when the next fit
+    started, and set again by the sender's thread when the late FINISHED went through; the next fit's failure then
+    sent no FAILED and the run stayed RUNNING."""
+    tl = make_train_loop(test=True)
+    callback = FinishedSentLate(store_uri, project_name="finished_sent_late", flush_timeout_s=0.2)
+    tl.fit(num_epochs=2, callbacks=[callback])
+    with pytest.raises(RuntimeError, match="training failed in epoch 3"):
+        tl.fit(num_epochs=4, callbacks=[ReleasesThenFails(callback)])
+    callback.flush()
+    assert only_run(MlflowClient(store_uri), "finished_sent_late").info.status == "FAILED"
 
 
 class FailsAfterTheEndWasSent(MLflowTracking):
