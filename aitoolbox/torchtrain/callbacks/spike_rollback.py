@@ -495,9 +495,7 @@ class SpikeRollback(AbstractCallback):
         resumed run keeps its start). A non-finite state with every loss finite is blamed on the last step's window,
         which depends on the losses still to come (see :meth:`_blame_state`): the run returns to the point without
         leaving anything out and stops there; the resumed run replays the same batches, and its check blames them as
-        the run that never stopped (review 48s F2, F11). With ``skip_batches`` >= 2 and every loss clean the run
-        returns there too: a spike right after the stop would leave out batches the resumed run trained already
-        (review 49s R5)."""
+        the run that never stopped (review 48s F2, F11)."""
         tl = self.train_loop_obj
         if self.snapshot != "memory" or not self._pending or self._snapshot is None \
                 or self._judged_up_to == self._pending_at[-1]:
@@ -517,15 +515,6 @@ class SpikeRollback(AbstractCallback):
         if spiking or state_bad:
             judgement, first, last = self._judge(tl)  # as the check would
             raise self._rollback_request(tl, first, judgement, last)  # the run stops at the point (see interrupts)
-        if self.skip_batches > 1:
-            # A spike right after the stop leaves out batches before it, which the resumed run would have trained
-            # already (its start stands after them; it could only stop with an error, review 49s R5): the run
-            # returns to the point, nothing left out, and the resumed run replays them as the run that never stopped.
-            logger.warning("SpikeRollback: stopping with skip_batches=%d and %d loss(es) since the last check: the run "
-                           "returns to the point kept at epoch %d, iteration %d (nothing left out) and the stop's "
-                           "checkpoint is saved there", self.skip_batches, count, self._snapshot.epoch + 1,
-                           self._snapshot.iteration)
-            raise RollBack(lambda loop: self._restore(loop, rolled_back=False), [], None)
         self._judged_up_to = self._pending_at[-1]
 
     def _judge_epoch_end(self, tl: "TrainLoop") -> None:
