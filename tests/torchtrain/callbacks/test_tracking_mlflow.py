@@ -188,10 +188,11 @@ class RecordsAtTrainEnd(AbstractCallback):
 
 class CtrlCAfterOneTrainEndMetric(MLflowTracking):
     """A Ctrl-C after the first metric of the train-end write was queued (its other metrics not yet)."""
+    interrupted_after = ("end_metric", "train_end_test_loss")
 
     def _add_metric(self, key, value, step):
         super()._add_metric(key, value, step)
-        if key in ("end_metric", "train_end_test_loss") and self.train_loop_obj.run_state.train_end_pending \
+        if key in self.interrupted_after and self.train_loop_obj.run_state.train_end_pending \
                 and not getattr(self, "interrupted_once", False):
             self.interrupted_once = True
             raise KeyboardInterrupt
@@ -221,15 +222,9 @@ class RecordsNaNAtTrainEnd(AbstractCallback):
         self.train_loop_obj.insert_metric_result_into_history("end_metric", float("nan"))
 
 
-class CtrlCAfterTheNaN(MLflowTracking):
+class CtrlCAfterTheNaN(CtrlCAfterOneTrainEndMetric):
     """A Ctrl-C right after the train end's NaN metric was queued."""
-
-    def _add_metric(self, key, value, step):
-        super()._add_metric(key, value, step)
-        if key == "end_metric" and self.train_loop_obj.run_state.train_end_pending \
-                and not getattr(self, "interrupted_once", False):
-            self.interrupted_once = True
-            raise KeyboardInterrupt
+    interrupted_after = ("end_metric",)
 
 
 def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_a_nan_once(store_uri, no_network):
