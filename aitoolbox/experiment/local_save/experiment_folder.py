@@ -72,7 +72,8 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
         NotADirectoryError: a regular file stands where a folder on the way must be.
         PermissionError: the nearest existing folder is not writable.
         FileNotFoundError: a symbolic link on the way leads to nothing (its missing end is named).
-        OSError: (``errno.ELOOP``) a symbolic link on the way is part of a loop of links (named).
+        OSError: (``errno.ELOOP``) a symbolic link on the way is part of a loop of links (named), or of a chain of
+            more links than the system follows.
     """
     path = os.path.abspath(os.path.expanduser(path))
     root = path if root is None else root
@@ -108,6 +109,9 @@ def _broken_link(link: str) -> Tuple[int, str]:
             loop = " -> ".join(chain[chain.index(current):] + [current])
             return errno.ELOOP, f"{link} leads to a symbolic link loop: {loop} (fix or remove a link)"
         chain.append(current)
+    if len(chain) > _MAX_LINK_HOPS:  # no loop among them: a chain longer than the system follows
+        return errno.ELOOP, (f"{link} is a symbolic link to {os.readlink(link)}, which leads through more than "
+                             f"{_MAX_LINK_HOPS} symbolic links (too many levels for the system: shorten the chain)")
     if looping:  # through a link on the way of a target (not found by the hops above)
         return errno.ELOOP, (f"{link} is a symbolic link to {os.readlink(link)}, which leads to a symbolic link loop "
                              "(fix or remove a link)")

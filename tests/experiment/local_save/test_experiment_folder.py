@@ -171,7 +171,7 @@ def test_a_link_to_nothing_on_the_way_is_named_at_the_check_and_at_creation(tmp_
 
 
 @pytest.mark.parametrize("case", ["loop", "chain", "relative", "loop_through_a_folder_link",
-                                  "up_from_a_folder_link"])
+                                  "loop_free_chain_too_long", "up_from_a_folder_link"])
 def test_a_link_loop_or_chain_on_the_way_is_named_as_it_is(tmp_path, case):
     """Review 48m L3: a link loop (runs -> b -> runs) was named "a symbolic link to b, which does not exist" (b
     exists, as a link back), and a chain (runs -> mid -> gone/disk) named mid as missing instead of gone/disk; a
@@ -196,6 +196,12 @@ def test_a_link_loop_or_chain_on_the_way_is_named_as_it_is(tmp_path, case):
         os.symlink(".", tmp_path / "d")
         os.symlink("d/runs", root)
         expected, error = r"symbolic link loop: .*runs -> .*runs \(fix", OSError
+    elif case == "loop_free_chain_too_long":  # review 49y Y3: 45 links, no loop, was called a loop
+        for index in range(45):
+            os.symlink(tmp_path / f"link{index + 1}", root if index == 0 else tmp_path / f"link{index}")
+        (tmp_path / "link45").mkdir()
+        expected, error = r"runs is a symbolic link to .*link1, which leads through more than 40 symbolic links", \
+            OSError
     else:  # review 49l F6 (2): the system goes up from where sub leads, not from tmp_path (whose disk exists)
         other = tmp_path / "other"
         (other / "deep").mkdir(parents=True)
