@@ -179,11 +179,12 @@ def test_arguments_are_checked_and_a_missing_package_is_named(monkeypatch):
 
 
 class RecordsAtTrainEnd(AbstractCallback):
-    def __init__(self):
+    def __init__(self, value: float = 0.5):
         super().__init__("records at train end", execution_order=-1)  # before the tracker logs the end
+        self.value = value
 
     def on_train_end(self):
-        self.train_loop_obj.insert_metric_result_into_history("end_metric", 0.5)
+        self.train_loop_obj.insert_metric_result_into_history("end_metric", self.value)
 
 
 class CtrlCAfterOneTrainEndMetric(MLflowTracking):
@@ -198,46 +199,31 @@ class CtrlCAfterOneTrainEndMetric(MLflowTracking):
             raise KeyboardInterrupt
 
 
-def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_each_once(store_uri, no_network):
-    """Review 49l F3: the metric queued before the Ctrl-C was sent by on_exception's end of the run, and again by
-    the next fit, which writes the train end again: a duplicated point in its history."""
-    tl = make_train_loop(test=True)
-    callback = CtrlCAfterOneTrainEndMetric(store_uri, project_name="ctrl_c_in_train_end_write")
-    with pytest.raises(KeyboardInterrupt):
-        tl.fit(num_epochs=2, callbacks=[RecordsAtTrainEnd(), callback])
-    tl.fit(num_epochs=3)
-    client = MlflowClient(store_uri)
-    run = only_run(client, "ctrl_c_in_train_end_write")
-    assert run.info.status == "FINISHED"
-    assert history(client, run.info.run_id, "end_metric") == [(1, 0.5), (2, 0.5)]
-    assert history(client, run.info.run_id, "train_end_test_loss") == \
-        list(zip([1, 2], tl.train_history["train_end_test_loss"]))
-
-
-class RecordsNaNAtTrainEnd(AbstractCallback):
-    def __init__(self):
-        super().__init__("records nan at train end", execution_order=-1)
-
-    def on_train_end(self):
-        self.train_loop_obj.insert_metric_result_into_history("end_metric", float("nan"))
-
-
-class CtrlCAfterTheNaN(CtrlCAfterOneTrainEndMetric):
-    """A Ctrl-C right after the train end's NaN metric was queued."""
+class CtrlCAfterTheFirstMetric(CtrlCAfterOneTrainEndMetric):
+    """A Ctrl-C right after the train end's end_metric was queued."""
     interrupted_after = ("end_metric",)
 
 
-def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_a_nan_once(store_uri, no_network):
-    """Review 49y Y5: the write's memory of what it queued compared values, and a NaN is not equal to itself: the
-    NaN queued before the Ctrl-C was sent again by the next fit."""
+@pytest.mark.parametrize("value", [0.5, float("nan")])
+def test_a_ctrl_c_between_two_metrics_of_the_train_end_write_sends_each_once(store_uri, no_network, value):
+    """Review 49l F3: the metric queued before the Ctrl-C was sent by on_exception's end of the run, and again by
+    the next fit, which writes the train end again: a duplicated point in its history. Review 49y Y5: also a NaN
+    (the write's memory of what it queued compared values, and a NaN is not equal to itself)."""
     tl = make_train_loop(test=True)
-    callback = CtrlCAfterTheNaN(store_uri, project_name="ctrl_c_nan_in_train_end_write")
+    project = f"ctrl_c_in_train_end_write_{value}"
+    tracker = (CtrlCAfterOneTrainEndMetric if value == value else CtrlCAfterTheFirstMetric)(store_uri,
+                                                                                           project_name=project)
     with pytest.raises(KeyboardInterrupt):
-        tl.fit(num_epochs=2, callbacks=[RecordsNaNAtTrainEnd(), callback])
+        tl.fit(num_epochs=2, callbacks=[RecordsAtTrainEnd(value), tracker])
     tl.fit(num_epochs=3)
     client = MlflowClient(store_uri)
-    points = history(client, only_run(client, "ctrl_c_nan_in_train_end_write").info.run_id, "end_metric")
-    assert [step for step, _ in points] == [1, 2] and all(math.isnan(value) for _, value in points)
+    run = only_run(client, project)
+    assert run.info.status == "FINISHED"
+    points = history(client, run.info.run_id, "end_metric")
+    assert [step for step, _ in points] == [1, 2]
+    assert all(point == value or (math.isnan(point) and math.isnan(value)) for _, point in points)
+    assert history(client, run.info.run_id, "train_end_test_loss") == \
+        list(zip([1, 2], tl.train_history["train_end_test_loss"]))
 
 
 class FinishedSentLate(MLflowTracking):
