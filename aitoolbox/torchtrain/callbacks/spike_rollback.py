@@ -161,6 +161,10 @@ class SpikeRollback(AbstractCallback):
         # finite: kept through rollbacks (unlike the detection state), to tell a cause one step earlier. Saved (a run
         # resumed between the two rollbacks of such a blame blames as the run that never stopped, review 48s F3).
         self._state_suspects: set = set()
+        # Whether the state was finite right after a pending step whose next batch was left out as such a suspect
+        # (a 0-d bool on the device, by the step's (epoch, iteration)): a NaN loss that follows it is its batch's own
+        # where it was, the step's where not (see _blame_state; review 49s R6). Part of the detection state, saved.
+        self._finite_after: Dict[Tuple[int, int], torch.Tensor] = {}
         # snapshot='memory': the point kept when an exception stopped the last fit, for the fit that continues it
         # in this process (review 48s F10; see on_exception).
         self._carried: Optional[KeptPoint] = None
@@ -292,6 +296,9 @@ class SpikeRollback(AbstractCallback):
             self._epoch_rngs[tl.epoch] = tl.epoch_start_rng_state
         if not self._stepped:
             return
+        if self._state_suspects and self._left_out_after(tl, len(self._pending) - 1):
+            # Only in a replay past a batch left out for a non-finite state: no host synchronisation, no cost else.
+            self._finite_after[self._pending_at[-1]] = _state_finite(tl, self._pending[-1].device)
         self._stepped = False
         self._steps_since_check += 1
         if self._cooldown_left > 0:
@@ -380,7 +387,9 @@ class SpikeRollback(AbstractCallback):
                 "checked_at": None if self._checked_at is None else dict(self._checked_at),
                 "judged_up_to": None if self._judged_up_to is None else list(self._judged_up_to),
                 "point_at": None if self._point_at is None else dict(self._point_at),
-                "state_suspects": sorted([epoch, position] for epoch, position in self._state_suspects)}
+                "state_suspects": sorted([epoch, position] for epoch, position in self._state_suspects),
+                "finite_after": [[epoch, iteration, bool(flag)] for (epoch, iteration), flag in
+                                 self._finite_after.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back what :meth:`state_dict` returned (a checkpoint from before the rises were kept: none yet)."""
@@ -410,6 +419,8 @@ class SpikeRollback(AbstractCallback):
         # Replaced, as a new loop loading the checkpoint has them (review 49s R4); a rollback's restore keeps the
         # suspects found since the point as well (see _restore).
         self._state_suspects = {(int(epoch), int(position)) for epoch, position in state.get("state_suspects", [])}
+        self._finite_after = {(int(epoch), int(iteration)): torch.tensor(bool(flag), device=device)
+                              for epoch, iteration, flag in state.get("finite_after", [])}
 
     # --- the check at the end of a step ------------------------------------------------------------------------
     def _flags(self, tl: "TrainLoop") -> Tuple[Judgement, torch.Tensor]:
@@ -454,14 +465,16 @@ class SpikeRollback(AbstractCallback):
         With every loss finite, the interval's last step ruined the state: its accumulation window is left out.
         Else the cause is that batch (its loss was not finite by itself, the common case) or the step before it (a
         finite loss with non-finite gradients, after which every loss is NaN): the two look alike at a check. The
-        batch is left out first; if the replay ruins the state again right before the batch that was left out, the
-        step before is the cause and its window is left out (one more rollback, no healthy batch lost to a guess).
+        batch is left out first; the replay measures the state right after the step before the batch left out (see
+        on_batch_end). Where that step left it non-finite, the step is the cause and its window is left out (one
+        more rollback); where it left it finite, the next NaN loss is its own batch's (adjacent bad batches, each
+        left out alone, review 49s R6): no healthy batch is lost to a guess.
         """
         count = len(self._pending)
         stepped = [index for index in range(count) if self._pending_stepped[index]]
         if non_finite < count:
             before = [index for index in stepped if index < non_finite]
-            if not before or not self._left_out_after(tl, before[-1]):
+            if not before or not self._left_out_after(tl, before[-1]) or self._finite_after_step(tl, before[-1]):
                 self._state_suspects.add(self._position(tl, non_finite))
                 return non_finite, non_finite
         else:
@@ -470,6 +483,16 @@ class SpikeRollback(AbstractCallback):
             return count - 1, count - 1
         earlier = [index for index in stepped if index < before[-1]]
         return (earlier[-1] + 1 if earlier else 0), before[-1]
+
+    def _finite_after_step(self, tl: "TrainLoop", index: int) -> bool:
+        """Whether the state was finite right after pending step ``index``, measured in the replay (see on_batch_end;
+        agreed by every process: a sharded parameter is judged on each process's shards). False where it was not
+        measured (a checkpoint from before it was saved): the step is blamed, as before."""
+        flag = self._finite_after.get(self._pending_at[index])
+        if flag is None:
+            return False
+        # (The same branch in every process: the suspects and the pending steps agree. A rare blame's one sync.)
+        return bool(tl.all_reduce_sum((~flag).float()[None]).cpu()[0] == 0)
 
     def _position(self, tl: "TrainLoop", index: int) -> Tuple[int, int]:
         """The (epoch, loader position) of pending batch ``index``."""
@@ -535,6 +558,7 @@ class SpikeRollback(AbstractCallback):
             self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
                                      judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
             self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
+            self._finite_after = {}
             self._checked_at = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done,
                                     total_iteration=tl.total_iteration_idx)
             first_epoch = tl.epoch

@@ -1,0 +1,97 @@
+"""SpikeRollback's blame of a non-finite state (review 49s R6).
+
+A NaN loss of a batch's own (bad data) and a NaN loss that follows a step with NaN gradients look alike at a check;
+the blame leaves out exactly the batches the rule names, compared bitwise with a run whose loader never yields them.
+"""
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from aitoolbox.torchtrain.callbacks import SpikeRollback
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from tests.helpers import MLP, assert_params_equal, model_pair, single_torch_thread
+from tests.torchtrain.callbacks.test_spike_rollback import (
+    SETTINGS, NanGradientMLP, Poisoned, TellModelEpoch, batch_order, loader, make_loop,
+    reference_loader, resumed_from, stopped_by_sigterm, train)
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+NAN = float("nan")
+
+
+def nan_batches(epoch, positions):
+    """Arguments of :class:`Poisoned`: the batches at ``positions`` of ``epoch`` made NaN (their loss is NaN by
+    itself)."""
+    order = batch_order(4)[epoch]
+    return {epoch: [index for position in positions for index in order[position]]}
+
+
+@pytest.mark.parametrize("positions, grad_accumulation", [((4, 5), 1), ((4, 5, 6), 1), ((4, 5), 2), ((3, 4), 2)],
+                         ids=["two", "three", "two-accumulated", "two-in-one-window"])
+def test_adjacent_batches_with_nan_losses_of_their_own_are_left_out_alone_one_rollback_each(positions,
+                                                                                             grad_accumulation):
+    """Review 49s R6: after (1,4) was left out, (1,5)'s NaN loss right after the (1,3) step matched the NaN-gradient
+    pattern and the healthy (1,3) was left out too (3 rollbacks; three NaN batches needed 4, past the default
+    max_rollbacks=3, and training stopped). The step before is blamed only where it left the state non-finite."""
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, loader(Poisoned(nan_batches(1, positions), scale=NAN))),
+               grad_accumulation=grad_accumulation, callbacks=[SpikeRollback(**SETTINGS)])  # max_rollbacks=3
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: set(positions)})),
+                      grad_accumulation=grad_accumulation)
+    assert tl.run_state.rollbacks.skipped == {1: list(positions)}
+    assert len(tl.rollbacks) <= len(positions)
+    assert all(record["non_finite_state"] for record in tl.rollbacks)
+    assert_params_equal(tl.model, reference.model)
+    assert tl.train_history["accumulated_loss"] == reference.train_history["accumulated_loss"]
+
+
+def test_a_nan_gradient_step_followed_by_a_nan_batch_of_its_own_leaves_out_both_and_the_batch_after():
+    """Bad data at (1,4), a finite loss with NaN gradients at (1,5): (1,4) is left out by itself; then (1,6)'s loss
+    is NaN after the (1,5) step, which left the state non-finite: (1,6) first, then (1,5), as for a NaN gradient
+    alone (the measured step is the bad one)."""
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    twin = copy.deepcopy(model)
+    order = batch_order(4)[1]
+    model.bad = {1: torch.stack([Poisoned().base[index][0] for index in order[5]])}
+    tl = train(make_loop(model, loader(Poisoned(nan_batches(1, [4]), scale=NAN))),
+               callbacks=[SpikeRollback(**SETTINGS), TellModelEpoch()])
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {1: {4, 5, 6}})))
+    assert [sorted(record["skipped_samples"]) for record in tl.rollbacks] == [sorted(order[p]) for p in (4, 6, 5)]
+    assert_params_equal(tl.model, reference.model)
+
+
+class SigtermAfterRollbacks(AbstractCallback):
+    """Sends SIGTERM at the start of the batch at ``total_iteration_idx == step`` once the run rolled back
+    ``rollbacks`` times (in the replay)."""
+
+    def __init__(self, step, rollbacks):
+        super().__init__("SIGTERM at a replayed step")
+        self.step, self.rollbacks = step, rollbacks
+
+    def on_batch_begin(self):
+        tl = self.train_loop_obj
+        if tl.total_iteration_idx == self.step and len(tl.rollbacks) == self.rollbacks:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("step", [15, 16])
+def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_straight_run(tmp_path, step):
+    """NaN at (1,4) and (1,5) (total 16, 17); the point kept at total 14. After (1,4) is left out, a SIGTERM in the
+    replay at (1,3) (total 15: that step's finite state, measured because the next batch was left out, is saved with
+    the losses the stop judged) or at (1,5)'s batch (total 16: blamed before the stop's checkpoint). The resumed run
+    leaves out (1,5) alone, as the straight run."""
+    poison = nan_batches(1, (4, 5))
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=NAN))), callbacks=[SpikeRollback(**SETTINGS)])
+    assert straight.run_state.rollbacks.skipped == {1: [4, 5]}
+    stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=NAN), -1,  # (its own never fires)
+                                        callbacks=[SigtermAfterRollbacks(step, 1)])
+    assert len(stopped.rollbacks) == (1 if step == 15 else 2)
+    resumed = resumed_from(saved, Poisoned(poison, scale=NAN))
+    assert str(resumed.rollbacks) == str(straight.rollbacks)
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
