@@ -2,8 +2,9 @@
 
 Callbacks raise it (:class:`~aitoolbox.torchtrain.callbacks.SpikeRollback`); the loop catches it and carries it out
 (:mod:`aitoolbox.torchtrain.train_loop.rollback`). It lives with the callbacks, below the loop, so that raising it
-needs nothing of the loop's modules.
+needs nothing of the loop's modules. With it, the words its records are named in (logs, errors, trackers' marks).
 """
+import math
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,3 +30,35 @@ class RollBack(Exception):
         self.restore = restore
         self.skip = list(skip)
         self.record = record
+
+
+def describe_spike(record: dict) -> str:
+    """What a rollback record (``tl.rollbacks``; or the spike of a ``SpikeRollbackError``) undid, named as what it
+    was, epochs counted from 1 as the epoch's summary line counts them (the record keeps the 0-based index): a loss
+    spike, a non-finite loss, or weights or optimizer states that a step left non-finite (review 49s R7)."""
+    at = f"epoch {record['epoch'] + 1}, iteration {record['iteration']}"
+    if record.get("non_finite_state"):  # the loss may be finite (NaN gradients) or NaN: the step is what was bad
+        return f"weights or optimizer states not finite after the step of {at}"
+    if not math.isfinite(record["loss"]):
+        return f"non-finite loss at {at}"
+    return f"loss spike at {at}"
+
+
+def spike_numbers(record: dict) -> str:
+    """The numbers the judgement of :func:`describe_spike`'s batch went by: its loss, and for a loss spike the
+    centre and limit it was judged against (which say nothing about a non-finite loss or state: NaN in the
+    warmup)."""
+    text = f"loss {record['loss']:.6g}"
+    if describe_spike(record).startswith("loss spike"):
+        text += f", median {record['median']:.6g}"
+        if record.get("limit") is not None:
+            text += f", limit {record['limit']:.6g}"
+    return text
+
+
+def describe_point(where: dict) -> str:
+    """A kept point (``epoch``, ``iteration`` of the last batch trained before it; a record's ``restored``): a fit's
+    start at an epoch's beginning (iteration -1, nothing of the epoch trained) is named as such (review 49x X4)."""
+    if where["iteration"] < 0:
+        return f"the fit's start (before epoch {where['epoch'] + 1}'s first batch)"
+    return f"epoch {where['epoch'] + 1}, iteration {where['iteration']}"

@@ -25,7 +25,7 @@ from aitoolbox.torchtrain.callbacks.handler import overrides_hook
 from aitoolbox.torchtrain.callbacks.spike_points import (
     KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
-from aitoolbox.torchtrain.callbacks.rollback_request import RollBack
+from aitoolbox.torchtrain.callbacks.rollback_request import RollBack, describe_point, describe_spike, spike_numbers
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.train_loop.train_loop import TrainLoop
@@ -531,9 +531,9 @@ class SpikeRollback(AbstractCallback):
             # them as the run that never stopped (review 48s F11: a checkpoint with NaN weights was saved, and
             # the one the resumed run's error named could be pruned already).
             logger.warning("SpikeRollback: stopping with the weights or optimizer states not finite since the last "
-                           "check, every loss finite: the run returns to the point kept at epoch %d, iteration %d "
-                           "(nothing left out) and the stop's checkpoint is saved there", self._snapshot.epoch + 1,
-                           self._snapshot.iteration)
+                           "check, every loss finite: the run returns to the point kept at %s, leaving nothing "
+                           "out, and the stop's checkpoint is saved there",
+                           describe_point(dict(epoch=self._snapshot.epoch, iteration=self._snapshot.iteration)))
             raise RollBack(lambda loop: self._restore(loop, rolled_back=False), [], None)
         if spiking or state_bad:
             judgement, first, last = self._judge(tl)  # as the check would
@@ -616,29 +616,26 @@ class SpikeRollback(AbstractCallback):
         if last is not None:
             spike["non_finite_state"] = True  # the weights or optimizer states, after this batch's step
         if kept is None:
-            raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
-                                     f"{spiked[2]}) before SpikeRollback kept any clean point: nothing to return to"
-                                     f"{self._resume_hint()}", list(tl.rollbacks), spike)
+            raise SpikeRollbackError(f"{describe_spike(spike)} ({spike_numbers(spike)}) before SpikeRollback kept any "
+                                     f"clean point: nothing to return to{self._resume_hint()}", list(tl.rollbacks),
+                                     spike)
         if len(tl.rollbacks) >= self.max_rollbacks:
             listed = "\n".join(f"  {_describe(record)}" for record in tl.rollbacks) or "  (none)"
-            raise SpikeRollbackError(f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median "
-                                     f"{spiked[2]}, limit {spiked[3]}) after max_rollbacks={self.max_rollbacks} "
-                                     f"rollback(s); training stops. The rollbacks:\n{listed}", list(tl.rollbacks),
-                                     spike)
+            raise SpikeRollbackError(f"{describe_spike(spike)} ({spike_numbers(spike)}) after max_rollbacks="
+                                     f"{self.max_rollbacks} rollback(s); training stops. The rollbacks:\n{listed}",
+                                     list(tl.rollbacks), spike)
         if kept.stands_for is not None and kept.epoch == epoch and iterations.start < kept.batches_done:
             # The batches to leave out begin among those judged clean before this fit's start, which this run
             # trained already: returning to the start would leave out fewer than the run that never stopped.
             raise SpikeRollbackError(
-                f"loss spike at epoch {epoch + 1}, iteration {iteration} (loss {spiked[1]}, median {spiked[2]}): "
-                f"skip_batches={self.skip_batches} reaches before the start of this fit (epoch {kept.epoch + 1}, "
-                f"iteration {kept.iteration}), over loss(es) judged clean but not yet checked when the run was "
-                "saved; the run that never stopped would leave those batches out too, which this run cannot. Resume "
-                "from a checkpoint written at or before the last check (epoch "
-                f"{anchor['epoch'] + 1}, iteration {anchor['iteration']}), if one is kept", list(tl.rollbacks), spike)
+                f"{describe_spike(spike)} ({spike_numbers(spike)}): skip_batches={self.skip_batches} reaches before "
+                f"the start of this fit ({describe_point(dict(epoch=kept.epoch, iteration=kept.iteration))}), over "
+                "loss(es) judged clean but not yet checked when the run was saved; the run that never stopped would "
+                "leave those batches out too, which this run cannot. Resume from a checkpoint written at or before "
+                f"the last check ({describe_point(anchor)}), if one is kept", list(tl.rollbacks), spike)
         if wanted < low:
-            logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (epoch %d, iteration %d): "
-                           "leaving out %d batch(es) only", self.skip_batches, anchor["epoch"] + 1,
-                           anchor["iteration"], len(iterations))
+            logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (%s): leaving out %d "
+                           "batch(es) only", self.skip_batches, describe_point(anchor), len(iterations))
         record = dict(spike, restored={"epoch": anchor["epoch"], "iteration": anchor["iteration"]})
         if tl.is_main_process:
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
@@ -752,15 +749,9 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
 
 
 def _describe(record: dict) -> str:
-    # Epochs counted from 1, as the epoch's summary line (the record keeps the 0-based index).
-    text = (f"spike at epoch {record['epoch'] + 1}, iteration {record['iteration']}: loss {record['loss']:.6g}, "
-            f"median {record['median']:.6g}")
-    if record.get("limit") is not None:
-        text += f", limit {record['limit']:.6g}"
-    if record.get("non_finite_state"):
-        text += " (the weights or optimizer states were not finite after its step)"
+    text = f"{describe_spike(record)}: {spike_numbers(record)}"
     if "restored" in record:
-        text += f"; back to epoch {record['restored']['epoch'] + 1}, iteration {record['restored']['iteration']}"
+        text += f"; back to {describe_point(record['restored'])}"
     return text
 
 

@@ -32,6 +32,7 @@ import torch
 
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback, scalar_value
 from aitoolbox.torchtrain.callbacks.model_save import ModelTrainEndSave
+from aitoolbox.torchtrain.callbacks.rollback_request import describe_point, describe_spike
 
 logger = logging.getLogger(__name__)
 
@@ -410,10 +411,8 @@ def describe_rollback(record: dict) -> str:
     """A line for a log: the spike and the point the run returned to (a record of ``tl.rollbacks``)."""
     # Epochs counted from 1, as the epoch's summary line (the record keeps the 0-based index).
     restored = record.get("restored", {})
-    back_to = "" if restored.get("epoch") is None else \
-        f"; back to epoch {restored['epoch'] + 1}, iteration {restored.get('iteration')}"
-    return (f"rollback: spike at epoch {record['epoch'] + 1}, iteration {record['iteration']} "
-            f"(loss {record['loss']:.6g}){back_to}")
+    back_to = "" if restored.get("epoch") is None else f"; back to {describe_point(restored)}"
+    return f"rollback: {describe_spike(record)} (loss {record['loss']:.6g}){back_to}"
 
 
 def check_log_dir(log_dir: Any, is_project: Any) -> Optional[str]:

@@ -1,9 +1,10 @@
-"""SpikeRollback's blame of a non-finite state (review 49s R6).
+"""SpikeRollback's blame of a non-finite state and the wording of its rollbacks (review 49s R6, R7; review 49x X4).
 
 A NaN loss of a batch's own (bad data) and a NaN loss that follows a step with NaN gradients look alike at a check;
 the blame leaves out exactly the batches the rule names, compared bitwise with a run whose loader never yields them.
 """
 import copy
+import logging
 import os
 import signal
 
@@ -12,10 +13,12 @@ import torch
 
 from aitoolbox.torchtrain.callbacks import SpikeRollback
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollbackError
+from aitoolbox.torchtrain.callbacks.tracking_base import describe_rollback
 from tests.helpers import MLP, assert_params_equal, model_pair, single_torch_thread
 from tests.torchtrain.callbacks.test_spike_rollback import (
-    SETTINGS, NanGradientMLP, Poisoned, TellModelEpoch, batch_order, loader, make_loop,
-    reference_loader, resumed_from, stopped_by_sigterm, train)
+    SETTINGS, NanGradientMLP, Poisoned, TellModelEpoch, TellModelEpochAfter, batch_order, loader, make_loop,
+    poisoned_at, reference_loader, resumed_from, stopped_by_sigterm, train)
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
@@ -95,3 +98,81 @@ def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_
     assert str(resumed.rollbacks) == str(straight.rollbacks)
     assert_params_equal(resumed.model, straight.model)
     assert resumed.train_history == straight.train_history
+
+
+# --- the wording of each kind of rollback (review 49s R7, review 49x X4) -------------------------------------------
+@pytest.fixture
+def package_logs(caplog, monkeypatch):
+    """caplog, with the package logger's records reaching it (the package logger stops at itself)."""
+    monkeypatch.setattr(logging.getLogger("aitoolbox"), "propagate", True)
+    return caplog
+
+
+def rollback_warnings(caplog):
+    return [record.getMessage() for record in caplog.records if record.getMessage().endswith("rolling back")]
+
+
+def test_a_loss_spike_is_worded_as_one_with_its_median_and_limit(package_logs):
+    caplog = package_logs
+    model, _ = model_pair(MLP)
+    with caplog.at_level(logging.WARNING, logger="aitoolbox.torchtrain.callbacks.spike_rollback"):
+        tl = train(make_loop(model, loader(Poisoned(poisoned_at(1, 5)))), callbacks=[SpikeRollback(**SETTINGS)])
+    (record,) = tl.rollbacks
+    (message,) = rollback_warnings(caplog)
+    assert message.startswith("SpikeRollback: loss spike at epoch 2, iteration 5: loss ")
+    assert ", median " in message and ", limit " in message and "not finite" not in message
+    assert describe_rollback(record).startswith("rollback: loss spike at epoch 2, iteration 5 (loss ")
+
+
+def test_a_non_finite_state_at_a_fresh_start_is_worded_as_such_and_back_to_the_fit_s_start(package_logs):
+    """NaN gradients at the first batch, a finite loss: the state is not finite at the first check (iteration 4, the
+    warmup not over: the rule's median and limit are NaN). The warnings read "loss spike ... median nan, limit nan;
+    back to epoch 1, iteration -1"."""
+    caplog = package_logs
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    model.bad = {0: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[0][0]])}
+    with caplog.at_level(logging.WARNING, logger="aitoolbox.torchtrain.callbacks.spike_rollback"):
+        tl = train(make_loop(model, loader(Poisoned())), num_epochs=1,
+                   callbacks=[SpikeRollback(**SETTINGS), TellModelEpochAfter()])
+    assert [record["iteration"] for record in tl.rollbacks] == [1, 0]
+    assert all(record["restored"] == {"epoch": 0, "iteration": -1} for record in tl.rollbacks)
+    messages = rollback_warnings(caplog)
+    assert len(messages) == 2
+    for message, record in zip(messages, tl.rollbacks):
+        assert message.startswith(f"SpikeRollback: weights or optimizer states not finite after the step of epoch 1, "
+                                  f"iteration {record['iteration']}: loss ")
+        assert "median" not in message and "limit" not in message and "spike" not in message
+        assert message.endswith("back to the fit's start (before epoch 1's first batch); rolling back")
+        text = describe_rollback(record)
+        assert "spike" not in text and "iteration -1" not in text and "the fit's start" in text
+
+
+def test_the_error_after_max_rollbacks_words_a_non_finite_state_as_such():
+    torch.manual_seed(0)
+    model = NanGradientMLP()
+    model.bad = {1: torch.stack([Poisoned().base[index][0] for index in batch_order(4)[1][4]])}
+    with pytest.raises(SpikeRollbackError) as raised:
+        train(make_loop(model, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS, max_rollbacks=1),
+                                                               TellModelEpoch()])
+    message = str(raised.value)
+    assert message.startswith("weights or optimizer states not finite after the step of epoch 2, iteration 4 "
+                              "(loss ")
+    assert "median" not in message.split("\n")[0]
+    assert "\n  weights or optimizer states not finite after the step of epoch 2, iteration 5" in message
+
+
+@pytest.mark.parametrize("record, words, numbers", [
+    (dict(epoch=1, iteration=5, loss=1454.75, median=1.1, limit=3.2), "loss spike at epoch 2, iteration 5",
+     "loss 1454.75, median 1.1, limit 3.2"),
+    # A NaN loss with the state finite (a step the loss scaler skipped): in the warmup the centre is NaN.
+    (dict(epoch=0, iteration=2, loss=NAN, median=NAN, limit=NAN), "non-finite loss at epoch 1, iteration 2",
+     "loss nan"),
+    (dict(epoch=0, iteration=0, loss=0.94, median=NAN, limit=NAN, non_finite_state=True),
+     "weights or optimizer states not finite after the step of epoch 1, iteration 0", "loss 0.94"),
+], ids=["spike", "non-finite-loss", "non-finite-state"])
+def test_each_kind_of_rollback_is_named_as_what_it_is(record, words, numbers):
+    from aitoolbox.torchtrain.callbacks.rollback_request import describe_point, describe_spike, spike_numbers
+    assert describe_spike(record) == words and spike_numbers(record) == numbers
+    assert describe_point({"epoch": 0, "iteration": -1}) == "the fit's start (before epoch 1's first batch)"
+    assert describe_point({"epoch": 2, "iteration": 7}) == "epoch 3, iteration 7"
