@@ -1,0 +1,94 @@
+"""SpikeRollback's kept points where the run that never stopped kept another: a stop checkpoint resumed into a new
+run folder (snapshot='checkpoint', review 49x X2). Each compared with the straight run (bitwise weights, the same
+rollback records) or refused with an error."""
+import glob
+import os
+import shutil
+
+import pytest
+
+from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollback, SpikeRollbackError
+from aitoolbox.torchtrain.distributed.signals import SignalStop
+from tests.helpers import MLP, assert_params_equal, model_pair, single_torch_thread
+from tests.torchtrain.callbacks.test_spike_rollback import (
+    SETTINGS, Poisoned, SigtermAt, TellEpoch, loader, make_loop, poisoned_at,
+    rollback_records, train)
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+
+# --- a stop checkpoint resumed into a new run folder (review 49x X2) ----------------------------------------------
+def stopped_into_new_folder(tmp_path, poison, settings, step):
+    """snapshot='checkpoint' stopped by SIGTERM at batch ``step``; the model for the resumed run, the stop's
+    checkpoint and the straight run."""
+    model, twin = model_pair(MLP)
+    resumed_model = model_pair(MLP)[0]
+    resumed_model.load_state_dict(twin.state_dict())  # (the checkpoint sets the weights; a twin all the same)
+    straight = train(make_loop(twin, loader(Poisoned(poison))),
+                     callbacks=[ModelCheckpoint("proj", "straight", str(tmp_path)),
+                                SpikeRollback(**settings, snapshot="checkpoint")])
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(SignalStop):
+        train(stopped, callbacks=[ModelCheckpoint("proj", "stopped", str(tmp_path)),
+                                  SpikeRollback(**settings, snapshot="checkpoint"), SigtermAt(step)])
+    (run_folder,) = glob.glob(str(tmp_path / "proj" / "stopped_*"))
+    return resumed_model, find_checkpoint(run_folder), straight
+
+
+def resume_into_new_folder(tmp_path, model, saved, poison, settings):
+    resumed = make_loop(model, loader(Poisoned(poison)))
+    resumed.load_checkpoint(saved)  # a new run folder: not continue_run_folder
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings, snapshot="checkpoint"),
+                                         ModelCheckpoint("proj", "resumed", str(tmp_path))])
+    return resumed
+
+
+@pytest.mark.parametrize("skip_batches", [1, 2])
+def test_a_stop_checkpoint_resumed_into_a_new_run_folder_returns_to_the_pin_of_the_folder_it_came_from(
+        tmp_path, skip_batches):
+    """SIGTERM at batch 14 (a check: its point is pinned, the stop's checkpoint is the point's), the spike at batch
+    16. Resumed into a new run folder, the run found no pin, kept its first step (batch 15) and left out batch 16
+    only (skip_batches=2: a clipped skip, a warning) or named batch 15 as the point: another run than the straight
+    one. The pin of the folder the checkpoint came from is taken over: the run equals the straight run, records
+    included, and the old run folder keeps its files."""
+    settings = dict(SETTINGS, skip_batches=skip_batches)
+    poison = poisoned_at(1, 4)
+    model, saved, straight = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    assert saved.endswith("_E1_ITER14.pth")
+    old_pins = sorted(os.listdir(os.path.join(os.path.dirname(saved), "spike_rollback")))
+    resumed = resume_into_new_folder(tmp_path, model, saved, poison, settings)
+    assert rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
+    assert rollback_records(resumed) == rollback_records(straight)
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+    assert sorted(os.listdir(os.path.join(os.path.dirname(saved), "spike_rollback"))) == old_pins
+    (new_folder,) = glob.glob(str(tmp_path / "proj" / "resumed_*"))
+    assert not os.path.exists(os.path.join(new_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
+
+
+def test_a_stop_checkpoint_resumed_into_a_new_run_folder_without_its_pin_stops_rather_than_clip_the_skip(tmp_path):
+    """As above, the old run folder's pin deleted: the run cannot return where the straight run does; with
+    skip_batches=2 it stops with SpikeRollbackError naming the point and continue_run_folder (it left out batch 16
+    alone, silently another run)."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, saved, _ = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    shutil.rmtree(os.path.join(os.path.dirname(saved), "spike_rollback"))
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=2 reaches before the first point this fit kept \(epoch "
+                                                 r"2, iteration 3, .*returns to \(epoch 2, iteration 2\).*"
+                                                 r"continue_run_folder=True"):
+        resume_into_new_folder(tmp_path, model, saved, poison, settings)
+
+
+def test_a_first_point_without_the_pin_that_a_skip_does_not_reach_before_records_the_straight_runs_point(tmp_path):
+    """skip_batches=1, no pin anywhere: the run returns to its first step's point and leaves out the spiking batch
+    alone, as the straight run: bitwise the same, and its record names the straight run's point (it named batch 15)."""
+    poison = poisoned_at(1, 4)
+    model, saved, straight = stopped_into_new_folder(tmp_path, poison, SETTINGS, 14)
+    shutil.rmtree(os.path.join(os.path.dirname(saved), "spike_rollback"))
+    resumed = resume_into_new_folder(tmp_path, model, saved, poison, SETTINGS)
+    assert rollback_records(resumed) == rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
+    assert_params_equal(resumed.model, straight.model)
+
