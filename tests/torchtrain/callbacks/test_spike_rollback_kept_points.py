@@ -95,6 +95,30 @@ def test_a_first_point_without_the_pin_that_a_skip_does_not_reach_before_records
     assert_params_equal(resumed.model, straight.model)
 
 
+def test_a_memory_run_resumed_with_unjudged_losses_never_clips_a_skip_reaching_before_its_first_point(tmp_path):
+    """snapshot='memory', skip_batches=3: an iteration checkpoint of batch 15 (loss 15 not judged; the point kept at
+    batch 14 was in the stopped process's memory) resumed in a new loop. Its first step (batch 16) is checked and
+    kept; the spike at batch 17 leaves out 15-17 in the straight run, and the resumed run left out 17 alone with a
+    warning (another run). It stops with SpikeRollbackError naming the straight run's point."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    from tests.torchtrain.callbacks.test_spike_rollback import KilledAt
+    settings = dict(SETTINGS, skip_batches=3)
+    poison = poisoned_at(1, 5)  # batch 17
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**settings)])
+    assert rollback_records(straight) == [(1, 5, {"epoch": 1, "iteration": 2})]
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(stopped, callbacks=[ModelIterationCheckpoint(1, "proj", "exp", str(tmp_path)),
+                                  SpikeRollback(**settings), KilledAt(17)])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER15.pth"))
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison)))
+    resumed.load_checkpoint(saved)
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=3 reaches before the first point this fit kept \(epoch "
+                                                 r"2, iteration 4, .*returns to \(epoch 2, iteration 2\)"):
+        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings)])
+
+
 # --- samplers whose order a rollback cannot draw again (review 49d F11) -------------------------------------------
 class PositionSampler:
     """Shuffles with a ``random.Random`` of its own; ``state_dict`` is its position in the epoch (review 48d N1), and
