@@ -95,12 +95,14 @@ class KeptPoint:
         return tl.apply_pending_restore()  # inside fit: the states are applied now, as fit's start would
 
 
-def pin_checkpoint(path: str, where: Optional[dict] = None) -> str:
+def pin_checkpoint(path: str, where: Optional[dict] = None, checkpoint_dir: Optional[str] = None) -> str:
     """Hard-link the checkpoint ``path`` (a file, or a sharded checkpoint's folder) into the pin folder beside it and
     return the pin's path; copies where hard links are not possible (another file system, no link support).
     ``where``: the point's position and the checkpoints on disk then (:class:`KeptPoint`'s arguments), written
-    beside the pin (:data:`POINT_FILE`) for a resumed process (:func:`read_pinned_point`)."""
-    folder = os.path.join(os.path.dirname(path), PIN_FOLDER)
+    beside the pin (:data:`POINT_FILE`) for a resumed process (:func:`read_pinned_point`). ``checkpoint_dir``: the
+    ``checkpoint_model/`` folder whose pin folder gets it (None: the one ``path`` is in; another: a run resumed into
+    a new run folder takes over the pin of the run folder it resumed from)."""
+    folder = os.path.join(checkpoint_dir or os.path.dirname(path), PIN_FOLDER)
     os.makedirs(folder, exist_ok=True)
     pin = os.path.join(folder, os.path.basename(path))
     _remove(pin)
@@ -133,6 +135,9 @@ def read_pinned_point(checkpoint_dir: str) -> Optional[Tuple[str, dict]]:
         pin = os.path.join(folder, os.path.basename(record["pin"]))
         where = {key: int(record["where"][key]) for key in ("epoch", "iteration", "batches_done", "total_iteration")}
         where["on_disk"] = {str(path): int(modified) for path, modified in record["where"].get("on_disk", {}).items()}
+        stands_for = record["where"].get("stands_for")  # (a point kept at a fit's first step, see SpikeRollback)
+        if stands_for is not None:
+            where["stands_for"] = {key: int(stands_for[key]) for key in ("epoch", "iteration", "batches_done")}
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (pin, where) if os.path.exists(pin) else None

@@ -19,6 +19,7 @@ import torch
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.data.loader_info import resets_own_iterator
+from aitoolbox.torchtrain.data.sampler_state import keyed_samplers
 from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import overrides_hook
@@ -154,6 +155,8 @@ class SpikeRollback(AbstractCallback):
         self._epoch_rngs: Dict[int, dict] = {}
         self._checkpoint_callback: Any = None
         self._pins_unsettled = False  # snapshot='checkpoint': an earlier process's pin not yet adopted or cleared
+        # snapshot='checkpoint': the file the fit resumed from (its run folder may hold the pin, see _adopt_pin).
+        self._resumed_from: Optional[str] = None
         self._start_due = False  # snapshot='memory': the fit's start not yet kept or passed over (see _keep_start)
         self._started_with: Optional[int] = None
         self._start_not_kept = False
@@ -191,6 +194,7 @@ class SpikeRollback(AbstractCallback):
         if self.snapshot == "checkpoint":
             self._checkpoint_callback = _checkpoint_callback(tl)
             self._pins_unsettled = True
+            self._resumed_from = tl.run_state.pending_source if tl.pending_restore is not None else None
         if not tl.finishes_interrupted_step:  # else that step's hooks still run, with the state they left
             self._put_back_lrs()  # lowered for a step an exception abandoned: the window is trained again
             self._stepped = False
@@ -349,14 +353,28 @@ class SpikeRollback(AbstractCallback):
     def _adopt_pin(self, tl: "TrainLoop", at_resumed_position: bool = False) -> Optional[KeptPoint]:
         """The pinned point an interrupted earlier process kept, when it lies at or before where this run resumes
         (``at_resumed_position``: exactly there; at the first batch, ``total_iteration_idx`` is the batch's own)
-        (every process gets it from the main process); None where there is none."""
+        (every process gets it from the main process); None where there is none.
+
+        A run resumed into a new run folder (``load_checkpoint`` without ``continue_run_folder``) finds no pin in its
+        own folder: the pin of the run folder its checkpoint was read from is taken over (copied into this folder's
+        pin folder; the old run folder is left as it is), so that the run returns where the run that never stopped
+        does (review 49x X2)."""
         found = None
         if tl.is_main_process:
-            found = read_pinned_point(self._checkpoint_callback.experiment_folder.checkpoint_dir)
-            last_trained = tl.total_iteration_idx - 1
-            if found is not None and (found[1]["total_iteration"] != last_trained if at_resumed_position
-                                      else found[1]["total_iteration"] > tl.total_iteration_idx):
-                found = None
+            checkpoint_dir = self._checkpoint_callback.experiment_folder.checkpoint_dir
+            found = self._usable_pin(tl, checkpoint_dir, at_resumed_position)
+            source_dir = None if self._resumed_from is None else os.path.dirname(os.path.abspath(self._resumed_from))
+            if found is None and source_dir is not None and \
+                    os.path.realpath(source_dir) != os.path.realpath(checkpoint_dir):
+                found = self._usable_pin(tl, source_dir, at_resumed_position)
+                if found is not None:
+                    pin, where = found
+                    clear_pins(checkpoint_dir)  # an earlier process's pin of this folder, not the one to return to
+                    # The checkpoints of this folder now are not the run being undone.
+                    where = dict(where, on_disk=checkpoints_on_disk(_checkpoint_callbacks(tl)))
+                    found = pin_checkpoint(pin, where, checkpoint_dir=checkpoint_dir), where
+                    logger.info("SpikeRollback: the pinned point of the run folder resumed from (%s) is taken over "
+                                "into this run's checkpoint folder", pin)
         found = tl.broadcast_object(found)
         if found is None:
             return None
@@ -365,6 +383,16 @@ class SpikeRollback(AbstractCallback):
                     "the one to return to", len(self._pending), "there" if at_resumed_position else "before it",
                     os.path.basename(pin))
         return KeptPoint(pin=pin, checkpoint_callback=self._checkpoint_callback, **where)
+
+    @staticmethod
+    def _usable_pin(tl: "TrainLoop", checkpoint_dir: str, at_resumed_position: bool) -> Optional[Tuple[str, dict]]:
+        """The pin in ``checkpoint_dir`` where it lies as :meth:`_adopt_pin` needs (else None)."""
+        found = read_pinned_point(checkpoint_dir)
+        last_trained = tl.total_iteration_idx - 1
+        if found is not None and (found[1]["total_iteration"] != last_trained if at_resumed_position
+                                  else found[1]["total_iteration"] > tl.total_iteration_idx):
+            return None
+        return found
 
     def _release(self, keep_pin: bool = False) -> None:
         """The end of a fit: the host memory of the kept point is freed, its pin (not the checkpoint the callback
@@ -554,7 +582,8 @@ class SpikeRollback(AbstractCallback):
         if first is not None:
             raise self._rollback_request(tl, first, judgement, last)
         self._judged_up_to = self._pending_at[-1]  # (the epoch's end need not judge them again)
-        if self._steps_since_check >= self.snapshot_every:  # a scheduled check moves the window on
+        scheduled = self._steps_since_check >= self.snapshot_every
+        if scheduled:  # a scheduled check moves the window on
             self._history = remember(self._history, torch.stack([value.float() for value in self._pending]),
                                      judgement, self.window, self.warmup, getattr(self.rule, "memory", 0))
             self._pending, self._pending_at, self._pending_stepped, self._steps_since_check = [], [], [], 0
@@ -563,14 +592,24 @@ class SpikeRollback(AbstractCallback):
                                     total_iteration=tl.total_iteration_idx)
             first_epoch = tl.epoch
             self._epoch_rngs = {epoch: rng for epoch, rng in self._epoch_rngs.items() if epoch >= first_epoch}
-        self._keep(tl)
+        self._keep(tl, scheduled)
 
-    def _keep(self, tl: "TrainLoop") -> None:
-        """Keep the run as it is now (right after an optimizer step, every callback done with the batch)."""
+    def _keep(self, tl: "TrainLoop", scheduled: bool = True) -> None:
+        """Keep the run as it is now (right after an optimizer step, every callback done with the batch).
+
+        ``scheduled``: at a scheduled check, where the run that never stopped keeps its point too. The first point of
+        a fit kept at an unscheduled check (its first step: no start kept, no pin adopted) while the run's state
+        names an earlier point (``_point_at``, from the checkpoint it resumed from, or the fit before) stands for
+        that point, the one the run that never stopped returns to: a rollback records it, and one whose skip would
+        reach before this point stops with an error instead of leaving out fewer batches (review 49x X2)."""
         previous, self._snapshot = self._snapshot, None  # a memory snapshot's copy is freed before the next is taken
         where = dict(epoch=tl.epoch, iteration=tl.iteration, batches_done=tl.run_state.batches_done,
                      total_iteration=tl.total_iteration_idx)
-        self._point_at = {key: where[key] for key in ("epoch", "iteration", "batches_done")}  # before it is saved
+        stands_for = self._point_at if previous is None and not scheduled and self._point_at is not None else None
+        if stands_for is not None:
+            where["stands_for"] = dict(stands_for)  # (and the state saved with the point names it)
+        else:
+            self._point_at = {key: where[key] for key in ("epoch", "iteration", "batches_done")}  # before it is saved
         if self.snapshot == "memory":
             del previous
             on_disk = checkpoints_on_disk(_checkpoint_callbacks(tl)) if tl.is_main_process else {}
@@ -629,10 +668,8 @@ class SpikeRollback(AbstractCallback):
             # trained already: returning to the start would leave out fewer than the run that never stopped.
             raise SpikeRollbackError(
                 f"{describe_spike(spike)} ({spike_numbers(spike)}): skip_batches={self.skip_batches} reaches before "
-                f"the start of this fit ({describe_point(dict(epoch=kept.epoch, iteration=kept.iteration))}), over "
-                "loss(es) judged clean but not yet checked when the run was saved; the run that never stopped would "
-                "leave those batches out too, which this run cannot. Resume from a checkpoint written at or before "
-                f"the last check ({describe_point(anchor)}), if one is kept", list(tl.rollbacks), spike)
+                + self._first_point_text(kept, anchor), list(tl.rollbacks), spike)
+        self._check_order_drawn_again(tl, kept, epoch, iteration, spike)
         if wanted < low:
             logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (%s): leaving out %d "
                            "batch(es) only", self.skip_batches, describe_point(anchor), len(iterations))
@@ -641,6 +678,53 @@ class SpikeRollback(AbstractCallback):
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
         return RollBack(self._restore, skipped, record)
+
+    def _check_order_drawn_again(self, tl: "TrainLoop", kept: KeptPoint, epoch: int, iteration: int,
+                                 spike: dict) -> None:
+        """Stop with an error where the replay from ``kept`` cannot draw the batches the run trained (review 49d
+        F11): the kept point's epoch goes back to the random state its order was drawn from, and a sampler whose
+        order that state does not hold (a position ``state_dict`` without ``random_state_dict``; a generator of its
+        own that its ``state_dict`` leaves out) would replay another order and leave out other batches, silently.
+        Its batches up to the spike (or up to the point, in an earlier epoch) are drawn again twice, as the replay
+        draws them (all processes agree on the outcome)."""
+        history = tl.run_state.rollbacks
+        if kept.epoch == epoch:
+            batches = history.loader_position(epoch, iteration) + 1
+        else:
+            batches = history.loader_position(kept.epoch, kept.batches_done - 1) + 1 if kept.batches_done > 0 else 1
+        reason = tl.order_not_drawn_again(kept.epoch, self._epoch_rngs.get(kept.epoch), batches)
+        reasons = [found for found in tl.all_gather_objects(reason) if found is not None]
+        if not reasons:
+            return
+        named = dict.fromkeys(key.rsplit(":", 1)[0] for key, sampler in keyed_samplers(tl.train_loader).items()
+                              if callable(getattr(sampler, "state_dict", None))
+                              and not callable(getattr(sampler, "random_state_dict", None)))
+        suspects = f" ({', '.join(named)} has a state_dict() and no random_state_dict())" if named else ""
+        raise SpikeRollbackError(
+            f"{describe_spike(spike)}: SpikeRollback cannot return to the point kept at "
+            f"{_where(kept)}: the training loader's data order cannot be drawn again ({reasons[0]}), so the replay "
+            "would train other batches than the run did and leave out others than the spiking ones. A "
+            f"sampler{suspects} whose state_dict() is its position in the epoch, or that shuffles with a generator "
+            "its state_dict() does not hold, needs random_state_dict() and load_random_state_dict() saving that "
+            "generator (an empty dict where it draws from the global random state; see the samplers' limits in the "
+            "checkpointing docs, which checkpoints share)", list(tl.rollbacks), spike)
+
+    def _first_point_text(self, kept: KeptPoint, anchor: Dict[str, int]) -> str:
+        """Why a fit's first point ``kept``, which stands for ``anchor``, cannot leave out what the run that never
+        stopped does, and what to do (the tail of the error)."""
+        if kept.start_iteration is not None:  # the fit's start, kept after losses judged clean
+            why = (f"the start of this fit ({_where(kept)}), over loss(es) judged clean but not yet checked when the "
+                   "run was saved")
+        else:  # kept at the fit's first step (review 49x X2)
+            why = (f"the first point this fit kept ({_where(kept)}, at its first step), and the point the run that "
+                   f"never stopped returns to ({describe_point(anchor)}) is not available here "
+                   f"(snapshot='{self.snapshot}': " +
+                   ("a copy in memory, released at the end of each fit or process" if self.snapshot == "memory" else
+                    "no pin of it in this run's checkpoint folder, nor in the folder of the checkpoint it resumed "
+                    "from; resumed with load_checkpoint(..., continue_run_folder=True) in the run folder holding "
+                    "the pin, the run returns there") + ")")
+        return (why + "; the run that never stopped would leave those batches out too, which this run cannot. Resume "
+                f"from a checkpoint written at or before the last check ({describe_point(anchor)}), if one is kept")
 
     def _resume_hint(self) -> str:
         """For the error of a spike with no point kept: what to do where the run resumed with losses its checkpoint
@@ -746,6 +830,11 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
     if callback.saves_shards:
         name = sharded_checkpoint_name(name)
     return os.path.exists(os.path.join(folder.checkpoint_dir, name))
+
+
+def _where(kept: KeptPoint) -> str:
+    """A kept point as the messages name it (:func:`~.rollback_request.describe_point`)."""
+    return describe_point({"epoch": kept.epoch, "iteration": kept.iteration})
 
 
 def _describe(record: dict) -> str:

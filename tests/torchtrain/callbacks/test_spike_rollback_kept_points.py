@@ -1,0 +1,230 @@
+"""SpikeRollback's kept points where the run that never stopped kept another: a stop checkpoint resumed into a new
+run folder (snapshot='checkpoint', review 49x X2), and samplers whose order a rollback cannot draw again (review 49d
+F11). Each compared with the straight run (bitwise weights, the same rollback records) or refused with an error."""
+import glob
+import os
+import random
+import shutil
+
+import pytest
+from torch.utils.data import DataLoader
+
+from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
+from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollback, SpikeRollbackError
+from aitoolbox.torchtrain.distributed.signals import SignalStop
+from tests.helpers import MLP, assert_params_equal, model_pair, single_torch_thread
+from tests.torchtrain.callbacks.test_spike_rollback import (
+    BATCH_SIZE, NUM_SAMPLES, SETTINGS, Poisoned, SigtermAt, TellEpoch, loader, make_loop, poisoned_at,
+    rollback_records, train)
+
+one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
+
+
+# --- a stop checkpoint resumed into a new run folder (review 49x X2) ----------------------------------------------
+def stopped_into_new_folder(tmp_path, poison, settings, step):
+    """snapshot='checkpoint' stopped by SIGTERM at batch ``step``; the model for the resumed run, the stop's
+    checkpoint and the straight run."""
+    model, twin = model_pair(MLP)
+    resumed_model = model_pair(MLP)[0]
+    resumed_model.load_state_dict(twin.state_dict())  # (the checkpoint sets the weights; a twin all the same)
+    straight = train(make_loop(twin, loader(Poisoned(poison))),
+                     callbacks=[ModelCheckpoint("proj", "straight", str(tmp_path)),
+                                SpikeRollback(**settings, snapshot="checkpoint")])
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(SignalStop):
+        train(stopped, callbacks=[ModelCheckpoint("proj", "stopped", str(tmp_path)),
+                                  SpikeRollback(**settings, snapshot="checkpoint"), SigtermAt(step)])
+    (run_folder,) = glob.glob(str(tmp_path / "proj" / "stopped_*"))
+    return resumed_model, find_checkpoint(run_folder), straight
+
+
+def resume_into_new_folder(tmp_path, model, saved, poison, settings):
+    resumed = make_loop(model, loader(Poisoned(poison)))
+    resumed.load_checkpoint(saved)  # a new run folder: not continue_run_folder
+    resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings, snapshot="checkpoint"),
+                                         ModelCheckpoint("proj", "resumed", str(tmp_path))])
+    return resumed
+
+
+@pytest.mark.parametrize("skip_batches", [1, 2])
+def test_a_stop_checkpoint_resumed_into_a_new_run_folder_returns_to_the_pin_of_the_folder_it_came_from(
+        tmp_path, skip_batches):
+    """SIGTERM at batch 14 (a check: its point is pinned, the stop's checkpoint is the point's), the spike at batch
+    16. Resumed into a new run folder, the run found no pin, kept its first step (batch 15) and left out batch 16
+    only (skip_batches=2: a clipped skip, a warning) or named batch 15 as the point: another run than the straight
+    one. The pin of the folder the checkpoint came from is taken over: the run equals the straight run, records
+    included, and the old run folder keeps its files."""
+    settings = dict(SETTINGS, skip_batches=skip_batches)
+    poison = poisoned_at(1, 4)
+    model, saved, straight = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    assert saved.endswith("_E1_ITER14.pth")
+    old_pins = sorted(os.listdir(os.path.join(os.path.dirname(saved), "spike_rollback")))
+    resumed = resume_into_new_folder(tmp_path, model, saved, poison, settings)
+    assert rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
+    assert rollback_records(resumed) == rollback_records(straight)
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.train_history == straight.train_history
+    assert sorted(os.listdir(os.path.join(os.path.dirname(saved), "spike_rollback"))) == old_pins
+    (new_folder,) = glob.glob(str(tmp_path / "proj" / "resumed_*"))
+    assert not os.path.exists(os.path.join(new_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
+
+
+def test_a_stop_checkpoint_resumed_into_a_new_run_folder_without_its_pin_stops_rather_than_clip_the_skip(tmp_path):
+    """As above, the old run folder's pin deleted: the run cannot return where the straight run does; with
+    skip_batches=2 it stops with SpikeRollbackError naming the point and continue_run_folder (it left out batch 16
+    alone, silently another run)."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, saved, _ = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    shutil.rmtree(os.path.join(os.path.dirname(saved), "spike_rollback"))
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=2 reaches before the first point this fit kept \(epoch "
+                                                 r"2, iteration 3, .*returns to \(epoch 2, iteration 2\).*"
+                                                 r"continue_run_folder=True"):
+        resume_into_new_folder(tmp_path, model, saved, poison, settings)
+
+
+def test_a_first_point_without_the_pin_that_a_skip_does_not_reach_before_records_the_straight_runs_point(tmp_path):
+    """skip_batches=1, no pin anywhere: the run returns to its first step's point and leaves out the spiking batch
+    alone, as the straight run: bitwise the same, and its record names the straight run's point (it named batch 15)."""
+    poison = poisoned_at(1, 4)
+    model, saved, straight = stopped_into_new_folder(tmp_path, poison, SETTINGS, 14)
+    shutil.rmtree(os.path.join(os.path.dirname(saved), "spike_rollback"))
+    resumed = resume_into_new_folder(tmp_path, model, saved, poison, SETTINGS)
+    assert rollback_records(resumed) == rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
+    assert_params_equal(resumed.model, straight.model)
+
+
+def test_a_memory_run_resumed_with_unjudged_losses_never_clips_a_skip_reaching_before_its_first_point(tmp_path):
+    """snapshot='memory', skip_batches=3: an iteration checkpoint of batch 15 (loss 15 not judged; the point kept at
+    batch 14 was in the stopped process's memory) resumed in a new loop. Its first step (batch 16) is checked and
+    kept; the spike at batch 17 leaves out 15-17 in the straight run, and the resumed run left out 17 alone with a
+    warning (another run). It stops with SpikeRollbackError naming the straight run's point."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelIterationCheckpoint
+    from tests.torchtrain.callbacks.test_spike_rollback import KilledAt
+    settings = dict(SETTINGS, skip_batches=3)
+    poison = poisoned_at(1, 5)  # batch 17
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison))), callbacks=[SpikeRollback(**settings)])
+    assert rollback_records(straight) == [(1, 5, {"epoch": 1, "iteration": 2})]
+    stopped = make_loop(model, loader(Poisoned(poison)))
+    with pytest.raises(RuntimeError, match="killed"):
+        train(stopped, callbacks=[ModelIterationCheckpoint(1, "proj", "exp", str(tmp_path)),
+                                  SpikeRollback(**settings), KilledAt(17)])
+    (saved,) = glob.glob(str(tmp_path / "proj" / "exp_*" / "checkpoint_model" / "*_E1_ITER15.pth"))
+    resumed = make_loop(model_pair(MLP)[0], loader(Poisoned(poison)))
+    resumed.load_checkpoint(saved)
+    with pytest.raises(SpikeRollbackError, match=r"skip_batches=3 reaches before the first point this fit kept \(epoch "
+                                                 r"2, iteration 4, .*returns to \(epoch 2, iteration 2\)"):
+        resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings)])
+
+
+# --- samplers whose order a rollback cannot draw again (review 49d F11) -------------------------------------------
+class PositionSampler:
+    """Shuffles with a ``random.Random`` of its own; ``state_dict`` is its position in the epoch (review 48d N1), and
+    a loaded one starts the next iteration there. No ``random_state_dict``: its generator is not saved."""
+
+    def __init__(self, seed=7):
+        self.rng, self.yielded, self.next_yielded = random.Random(seed), 0, None
+
+    def __len__(self):
+        return NUM_SAMPLES
+
+    def __iter__(self):
+        order = list(range(NUM_SAMPLES))
+        self.rng.shuffle(order)
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        for index in order[start:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self):
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        self.next_yielded = state["yielded"]
+
+
+class EpochCountSampler(PositionSampler):
+    """Its ``state_dict`` is an epoch count, not its generator's state: no position, and still not saved."""
+
+    def __init__(self, seed=7):
+        super().__init__(seed)
+        self.epochs = 0
+
+    def __iter__(self):
+        self.epochs += 1
+        order = list(range(NUM_SAMPLES))
+        self.rng.shuffle(order)
+        return iter(order)
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.epochs = state["epochs"]
+
+
+class SavedPositionSampler(PositionSampler):
+    """The position sampler as the docs ask: its generator saved by ``random_state_dict``."""
+
+    def random_state_dict(self):
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_random_state_dict(self, state):
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+def orders(sampler_class, num_epochs=4):
+    sampler = sampler_class()
+    return [list(sampler) for _ in range(num_epochs)]
+
+
+@pytest.mark.parametrize("snapshot", ["memory", "checkpoint"])
+@pytest.mark.parametrize("sampler_class", [PositionSampler, EpochCountSampler])
+def test_a_rollback_whose_sampler_order_cannot_be_drawn_again_stops_with_an_error(tmp_path, sampler_class, snapshot):
+    """A poisoned batch of epoch 1 (position 5) with a sampler whose order the saved random state does not hold: the
+    rollback replayed another order and left out other samples (skipped_samples [] for the position sampler), with
+    no error. It stops with SpikeRollbackError naming the sampler and random_state_dict."""
+    order = orders(sampler_class)[1]
+    poison = {1: order[5 * BATCH_SIZE:6 * BATCH_SIZE]}
+    model, _ = model_pair(MLP)
+    tl = make_loop(model, DataLoader(Poisoned(poison), batch_size=BATCH_SIZE, sampler=sampler_class()))
+    saver = [ModelCheckpoint("proj", "exp", str(tmp_path))] if snapshot == "checkpoint" else []
+    with pytest.raises(SpikeRollbackError, match=rf"the training loader's data order .*{sampler_class.__name__} has "
+                                                 r"a state_dict\(\) and no random_state_dict\(\)"):
+        train(tl, callbacks=[SpikeRollback(**SETTINGS, snapshot=snapshot), *saver])
+
+
+def test_a_position_sampler_saving_its_generator_rolls_back_as_the_run_without_the_batch():
+    """The same position sampler with random_state_dict(): the rollback leaves out the poisoned batch's samples, and
+    the run equals the one whose loader never yields them (the same sampler, those samples' batch dropped)."""
+    order = orders(SavedPositionSampler)[1]
+    poison = {1: order[5 * BATCH_SIZE:6 * BATCH_SIZE]}
+    model, twin = model_pair(MLP)
+    tl = train(make_loop(model, DataLoader(Poisoned(poison), batch_size=BATCH_SIZE, sampler=SavedPositionSampler())),
+               callbacks=[SpikeRollback(**SETTINGS)])
+    assert [(record["epoch"], record["iteration"], sorted(record["skipped_samples"])) for record in tl.rollbacks] \
+        == [(1, 5, sorted(poison[1]))]
+
+    class Dropping(SavedPositionSampler):  # the epoch-1 batch at position 5 never drawn
+        def __init__(self):
+            super().__init__()
+            self.epoch = 0
+
+        def __len__(self):
+            return NUM_SAMPLES - (BATCH_SIZE if self.epoch == 1 else 0)
+
+        def __iter__(self):
+            indices = list(super().__iter__())
+            if self.epoch == 1:
+                del indices[5 * BATCH_SIZE:6 * BATCH_SIZE]
+            self.epoch += 1
+            return iter(indices)
+
+    reference = train(make_loop(twin, DataLoader(Poisoned(), batch_size=BATCH_SIZE, sampler=Dropping())))
+    assert_params_equal(tl.model, reference.model)
+    assert tl.train_history["accumulated_loss"] == reference.train_history["accumulated_loss"]
