@@ -7,7 +7,7 @@ whole random state (:func:`~.train_state.capture_rng_state`) adds the loader's p
 (:mod:`.data_position`), which itself undoes draws with these two.
 """
 import random
-from typing import Any
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
@@ -30,10 +30,17 @@ def weights_only_safe(value: Any) -> Any:
     return value
 
 
-def capture_draw_state(loader: Any = None) -> dict:
-    """The random states of this process and of ``loader``'s data order, as weights-only-loadable values."""
+def capture_draw_state(loader: Any = None, generators: Optional[List[torch.Generator]] = None) -> dict:
+    """The random states of this process and of ``loader``'s data order, as weights-only-loadable values.
+
+    Args:
+        loader: the training loader (None: the process's states only).
+        generators: ``loader``'s torch generators (:func:`loader_generators`) where the caller has them already
+            (an epoch's start: its samplers are not walked twice); None: looked up here.
+    """
     numpy_kind, numpy_keys, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
-    generators = loader_generators(loader) if loader is not None else []
+    if generators is None:
+        generators = loader_generators(loader) if loader is not None else []
     state = {
         "python": random.getstate(),
         "numpy": [numpy_kind, torch.from_numpy(numpy_keys.astype(np.int64)), int(numpy_pos), int(numpy_has_gauss),

@@ -197,7 +197,7 @@ class RunState:
         if resume is not None:
             restore_rng_state(resume.epoch_start_rng, loader)
         self._loader_generators = loader_generators(loader)
-        self.epoch_start_rng = capture_rng_state(loader)
+        self.epoch_start_rng = capture_rng_state(loader, self._loader_generators)
         self.epoch_loss = EpochLossSum(resume.loss_sum if resume else None, device)
         batches_done = resume.batches_done if resume is not None else 0
         epoch = self.counters.epoch

@@ -47,10 +47,11 @@ _PACKAGE_FOLDER = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspat
 FORMAT_VERSION = 2
 
 
-def capture_rng_state(loader: Any = None) -> dict:
+def capture_rng_state(loader: Any = None, generators: Optional[List[torch.Generator]] = None) -> dict:
     """RNG states of this process and of ``loader``'s data order (its torch generators, the random states its
-    samplers keep themselves, its persistent worker iterator), as weights-only-loadable values."""
-    state = capture_draw_state(loader)
+    samplers keep themselves, its persistent worker iterator), as weights-only-loadable values. ``generators``:
+    ``loader``'s torch generators where the caller has them (see :func:`~.random_state.capture_draw_state`)."""
+    state = capture_draw_state(loader, generators)
     iterator = persistent_iterator_state(loader) if loader is not None else None
     if iterator is not None:
         state[ITERATOR_KEY] = iterator

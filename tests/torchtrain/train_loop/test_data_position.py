@@ -539,3 +539,21 @@ def test_a_stateful_data_loaders_persistent_iterator_resumed_in_a_reset_epoch_go
         persisting._iterator._shutdown_workers()
     assert batches_equal(second[3:], second_resumed)
     assert batches_equal(third, third_resumed)
+
+
+def test_the_capture_with_the_loaders_generators_handed_in_is_the_capture_that_looks_them_up():
+    """An epoch's start hands the loader's generators it holds to the capture (its samplers not walked twice): the
+    same state, the samplers' own random states included."""
+    from aitoolbox.torchtrain.data.sampler_state import loader_generators
+
+    class OwnRngSampler(RandomSampler):
+        def __init__(self, data):
+            super().__init__(data, generator=torch.Generator().manual_seed(1))
+            self.rng = np.random.RandomState(2)
+
+    data = classification_data(12)
+    loader = DataLoader(data, batch_size=4, sampler=OwnRngSampler(data), generator=torch.Generator().manual_seed(3))
+    handed = capture_rng_state(loader, loader_generators(loader))
+    looked_up = capture_rng_state(loader)
+    assert len(handed["loader_generators"]) == 2 and "samplers" in handed
+    assert rng_states_equal(handed, looked_up)
