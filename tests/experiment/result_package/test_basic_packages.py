@@ -3,6 +3,8 @@ import copy
 import json
 import logging
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import numpy as np
 import pytest
 import torch
@@ -376,3 +378,27 @@ def test_classification_auto_average_is_decided_once():
     assert second["F1_score"] > first["F1_score"]
     # A copy made after the decision (a further validation set's package) keeps it.
     assert copy.deepcopy(package).resolved_average == "binary"
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_classification_metrics_equal_sklearns_own_functions_exactly(data):
+    """Precision, Recall and F1_score are computed together (one scikit-learn call): each equals, bitwise, what
+    scikit-learn's own precision_score / recall_score / f1_score give for the same labels and averaging, whatever
+    labels are drawn (absent classes, a binary set, one class), in every averaging mode."""
+    num_classes = data.draw(st.integers(1, 6), label="classes")
+    size = data.draw(st.integers(1, 40), label="size")
+    label_lists = st.lists(st.integers(0, num_classes - 1), min_size=size, max_size=size)
+    y_true = np.array(data.draw(label_lists, label="y_true"))
+    predicted = np.array(data.draw(label_lists, label="predicted"))
+    average = data.draw(st.sampled_from(["auto", "macro", "micro", "weighted"]), label="average")
+    package = ClassificationResultPackage(average=average)
+    results = package.prepare_result_package(y_true, predicted).get_results()
+    if package.resolved_average == "binary":
+        options = dict(average="micro", labels=[1], zero_division=0)
+    else:
+        options = dict(average=package.resolved_average or average, zero_division=0)
+    assert results["Accuracy"] == metrics.accuracy_score(y_true, predicted)
+    assert results["F1_score"] == metrics.f1_score(y_true, predicted, **options)
+    assert results["Precision"] == metrics.precision_score(y_true, predicted, **options)
+    assert results["Recall"] == metrics.recall_score(y_true, predicted, **options)
