@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _DatasetKind
 
 from aitoolbox.torchtrain.data.loader_info import has_own_state
-from aitoolbox.torchtrain.data.sampler_state import loader_generators, loader_samplers, sampler_draw_states
+from aitoolbox.torchtrain.data.sampler_state import (
+    keyed_samplers, loader_generators, loader_samplers, sampler_draw_states)
 
 # What a StatefulDataLoader's iterator saves about its sampler (torchdata 0.8 to 0.11): how many items it had
 # drawn from it, and the state of the sampler's iterator where that iterator has one (then it restores itself).
@@ -51,7 +52,8 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
     loader.load_state_dict(loader_state)
     target = _replayed_sampler(loader, loader_state)
     if target is None:
-        return iter(loader)  # no sampler it iterates again (an iterable dataset), or not a DataLoader we know
+        # no sampler it iterates again (an iterable dataset), or not a DataLoader we know
+        return _resumed_iterator(loader)
     owner, attribute, drawn, saved_base_seed = target
     sampler = getattr(owner, attribute)
     replay_class = _StatefulEpochStartReplay if has_own_state(sampler) else _EpochStartReplay
@@ -62,10 +64,42 @@ def continued_from_own_state(loader: Any, loader_state: Any) -> Iterator[Any]:
     # through from then on.
     object.__setattr__(owner, attribute, replay)
     try:
-        return iter(loader)
+        return _resumed_iterator(loader)
     finally:
         object.__setattr__(owner, attribute, sampler)
         replay.armed = False
+
+
+def _resumed_iterator(loader: Any) -> Iterator[Any]:
+    """``iter(loader)`` of a loader whose saved state is loaded; a sampler that yields fewer indices than the saved
+    iterator had drawn is refused with what to do (torchdata passes over them with ``next`` and stops with a bare
+    ``StopIteration``: review 49d r13).
+
+    Raises:
+        RuntimeError: the sampler ran out while the loader passed over the trained indices; the samplers whose
+            ``state_dict`` was restored as their random state are named.
+    """
+    try:
+        return iter(loader)
+    except StopIteration:
+        pass
+    # Outside the except block: the bare StopIteration says nothing, and is not shown as the cause.
+    positioned = [key for key, sampler in keyed_samplers(loader).items()
+                  if all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
+                  and not callable(getattr(sampler, "random_state_dict", None))]
+    cause = (f"the checkpoint restored the state_dict() of {', '.join(positioned)} as its random state, before the "
+             "epoch's order is drawn again: a state_dict() that is a position in the epoch (how many indices were "
+             "yielded) starts that order at the position, with fewer indices (under fit_distributed's sharding "
+             "sampler, which draws the whole order at once: none). Keep the position in state_dict() and give "
+             f"{', '.join(key.rsplit(':', 1)[0] for key in positioned)} random_state_dict() and "
+             "load_random_state_dict() that save its random generator (an empty dict when it draws from the global "
+             "random state), then train again from the start or from a checkpoint saved with them"
+             if positioned else "the sampler draws fewer indices now than in the saved run (a smaller dataset, "
+             "another sampler): build the training loader as in the saved run, or resume from an epoch-end "
+             "checkpoint")
+    raise RuntimeError(f"cannot resume the epoch of the training loader {type(loader).__name__} from the checkpoint's "
+                       "mid-epoch loader state: its sampler yields fewer indices than the saved loader had drawn in "
+                       f"this epoch, so the loader cannot pass over the trained ones. Likely: {cause}")
 
 
 def check_loader_state_fits(loader: Any, loader_state: Any) -> None:

@@ -219,3 +219,80 @@ def test_a_link_loop_or_chain_on_the_way_is_named_as_it_is(tmp_path, case):
         folder.reserve()
     with pytest.raises(OSError, match=expected):
         folder.create()
+
+
+@pytest.mark.parametrize("case", ["broken_link_beside", "file_beside", "file_where_the_system_goes"])
+def test_up_after_a_folder_link_is_the_link_targets_parent(tmp_path, case):
+    """Review 49y Y2: ``base/lnk/../runs`` with ``lnk -> other/deep`` is ``other/runs`` for the system (``..`` of a
+    link's target), but ``os.path.abspath`` drops ``lnk/..`` as text and the run folder was checked (and created)
+    at ``base/runs``: a folder the system can create was refused, for what lies at ``base/runs``, or the wrong
+    folder was checked. The check and the creation follow the system, and the check creates nothing."""
+    base, other = tmp_path / "base", tmp_path / "other"
+    (other / "deep").mkdir(parents=True)
+    base.mkdir()
+    os.symlink(other / "deep", base / "lnk")
+    given = os.path.join(str(base), "lnk", "..", "runs")
+    if case == "broken_link_beside":
+        os.symlink("missing_disk", base / "runs")
+    elif case == "file_beside":
+        (base / "runs").write_text("a file")
+    else:  # base/runs would do, but the system goes to other/runs: a file
+        (base / "runs").mkdir()
+        (other / "runs").write_text("a file")
+    listing = sorted(os.listdir(base)), sorted(os.listdir(other))
+    folder = ExperimentFolder(given, "p", "e", timestamp="t")
+    if case == "file_where_the_system_goes":
+        expected = re.escape(f"{other / 'runs'} is a file, not a folder")
+        with pytest.raises(NotADirectoryError, match=expected):
+            folder.check_creatable()
+        with pytest.raises(NotADirectoryError, match=expected):
+            check_folder_creatable(os.path.join(given, "p", "e_t"))
+        assert (sorted(os.listdir(base)), sorted(os.listdir(other))) == listing
+        return
+    folder.check_creatable()
+    check_folder_creatable(os.path.join(given, "p", "e_t"))
+    assert (sorted(os.listdir(base)), sorted(os.listdir(other))) == listing  # nothing created by the checks
+    assert folder.create() == str(other / "runs" / "p" / "e_t")
+    assert (other / "runs" / "p" / "e_t").is_dir()
+    assert sorted(os.listdir(base)) == listing[0]
+
+
+@pytest.mark.parametrize("case", ["broken_link", "file", "loop"])
+def test_up_after_a_part_the_system_cannot_pass_names_that_part(tmp_path, case):
+    """``base/<part>/../runs`` where the system cannot go through ``<part>`` (a link to nothing, a file, a link
+    loop): creating the folder fails there, so the check names that part (the text alone would drop it and go to
+    ``base/runs``, which can be created)."""
+    part = tmp_path / "part"
+    if case == "broken_link":
+        os.symlink(tmp_path / "unmounted", part)
+        expected, error, code = "part is a symbolic link to .*unmounted, which does not exist", FileNotFoundError, \
+            errno.ENOENT
+    elif case == "file":
+        part.write_text("a file")
+        expected, error, code = "part is a file, not a folder", NotADirectoryError, errno.ENOTDIR
+    else:
+        os.symlink(tmp_path / "b", part)
+        os.symlink(part, tmp_path / "b")
+        expected, error, code = "symbolic link loop: .*part -> .*b -> .*part", OSError, errno.ELOOP
+    listing = sorted(os.listdir(tmp_path))
+    folder = ExperimentFolder(os.path.join(str(part), "..", "runs"), "p", "e", timestamp="t")
+    with pytest.raises(error, match=expected) as raised:
+        folder.check_creatable()
+    assert raised.value.errno == code
+    assert sorted(os.listdir(tmp_path)) == listing
+    with pytest.raises(OSError, match=expected):
+        folder.create()
+    with pytest.raises(OSError):
+        os.makedirs(os.path.join(str(part), "..", "runs", "p", "e_t"))  # the system refuses it too
+
+
+def test_up_after_plain_folders_and_missing_ones_is_as_before(tmp_path):
+    """Without a link before a ``..``, the path is the one the text gives, links elsewhere kept as written."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "lnk")
+    folder = ExperimentFolder(os.path.join(str(tmp_path), "lnk", "a", "b", "..", "..", "runs"), "p", "e",
+                              timestamp="t")
+    assert folder.root == str(tmp_path / "lnk" / "runs")
+    folder.check_creatable()
+    assert folder.create() == str(tmp_path / "lnk" / "runs" / "p" / "e_t")
+    assert (tmp_path / "real" / "runs" / "p" / "e_t").is_dir()

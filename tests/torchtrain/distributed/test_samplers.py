@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import (
-    DataLoader, DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)
+    DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler, SubsetRandomSampler,
+    WeightedRandomSampler)
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.distributed.data import equal_batch_counts_by_construction
@@ -292,7 +293,47 @@ def resume_loader(kind: str) -> DataLoader:
     if kind == "StatefulDataLoader":
         from torchdata.stateful_dataloader import StatefulDataLoader
         return StatefulDataLoader(data, batch_size=BATCH, shuffle=True)
+    if kind.startswith("StatefulDataLoader, position sampler"):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        sampler_class = PositionAndRandomState if "random_state_dict" in kind else PositionOwnRandom
+        return StatefulDataLoader(data, batch_size=BATCH, sampler=sampler_class(NUM_SAMPLES))
     raise ValueError(kind)
+
+
+class PositionOwnRandom(Sampler):
+    """Review 48d's D3 sampler: a position ``state_dict`` (how many indices it yielded) and its own random.Random."""
+
+    def __init__(self, n: int, seed: int = 7):
+        self.n, self.rng, self.yielded, self.next_yielded = n, random.Random(seed), 0, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        order = list(range(self.n))
+        self.rng.shuffle(order)
+        start, self.next_yielded = self.next_yielded or 0, None
+        self.yielded = start
+        for index in order[start:]:
+            self.yielded += 1
+            yield index
+
+    def state_dict(self) -> dict:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_yielded = state["yielded"]
+
+
+class PositionAndRandomState(PositionOwnRandom):
+    """The same with its generator saved apart from its position, as docs/checkpointing.rst asks."""
+
+    def random_state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_random_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
 
 
 def straight_and_resumed_in_rank(rank: int, world_size: int, kind: str, after: int) -> dict:
@@ -582,3 +623,29 @@ def test_loaders_sharded_into_equal_parts_need_no_agreement_per_batch():
         data, num_replicas=2, rank=0)))
     assert not equal_batch_counts_by_construction(DataLoader(data, batch_size=BATCH))
     assert not equal_batch_counts_by_construction([data[0]])
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_position_sampler_in_a_stateful_loader_resumed_mid_epoch_under_ddp_is_refused_with_what_to_do():
+    """Review 49d (r13): a sampler whose state_dict is a position (and no random_state_dict) under DDP's sharding
+    sampler: the position restored is the end of the whole order the sharding sampler drew, so the loader had
+    nothing to pass its trained indices over, and torchdata crashed with a bare StopIteration. Refused, naming
+    the sampler and what to do; with random_state_dict() (as docs/checkpointing.rst asks) it resumes exactly."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    with pytest.raises(Exception, match=r"(?s)PositionOwnRandom.*random_state_dict\(\)") as raised:
+        run_distributed(straight_and_resumed_in_rank, world_size=2,
+                        args=("StatefulDataLoader, position sampler", 6))
+    assert "StopIteration" not in str(raised.value)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_position_sampler_with_random_state_dict_resumes_mid_epoch_under_ddp_exactly():
+    pytest.importorskip("torchdata.stateful_dataloader")
+    after = 6
+    for result in run_distributed(straight_and_resumed_in_rank, world_size=2,
+                                  args=("StatefulDataLoader, position sampler with random_state_dict", after)):
+        assert result["resumed"] == result["straight"][after:]
+        straight, resumed = result["weights"]
+        assert all(torch.equal(value, resumed[key]) for key, value in straight.items())

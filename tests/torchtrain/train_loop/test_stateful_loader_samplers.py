@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, RandomSampler
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
+from aitoolbox.torchtrain.distributed.sharding import ShardedSampler
 from aitoolbox.torchtrain.train_loop import TrainLoop
 from tests.helpers import indexed_classification_data, single_torch_thread
 from tests.torchtrain.train_loop.test_data_position import RecordingMLP
@@ -178,6 +179,9 @@ SAMPLERS = {
 # Samplers the docs' limits name: they do not resume bitwise (strict xfail tests).
 KNOWN_LIMITS = {
     "position state_dict, own random": lambda data: dict(sampler=PositionedOwnRandom()),
+    # fit_distributed's sharding sampler around it (one process here): it draws the whole order at once
+    "position state_dict, own random, sharded": lambda data: dict(
+        sampler=ShardedSampler(PositionedOwnRandom(), rank=0, world_size=1)),
 }
 
 
@@ -258,6 +262,17 @@ def test_checkpoints_early_late_and_at_the_epochs_end(kind, saved_after, epoch_e
                                        "position state_dict is saved as its random state, its generator is not")
 def test_a_sampler_with_a_position_state_dict_and_an_own_generator_without_random_state_dict():
     assert_resumes_bitwise("position state_dict, own random", saved_after=9)
+
+
+def test_a_position_sampler_under_the_sharding_sampler_is_refused_at_resume_with_what_to_do():
+    """Review 49d r13 (there under 2-process DDP; tests/torchtrain/distributed/test_samplers.py): the sharding
+    sampler draws the user's whole order at once, so the position state_dict restored as the sampler's random state
+    is the order's end; the loader, passing over the trained indices of a sampler without a state of its own, ran
+    out and torchdata stopped with a bare StopIteration. Refused, naming the sampler and what to do."""
+    with pytest.raises(RuntimeError, match=r"(?s)cannot resume the epoch.*PositionedOwnRandom:0.*give "
+                                           r"PositionedOwnRandom random_state_dict\(\)") as raised:
+        assert_resumes_bitwise("position state_dict, own random, sharded", saved_after=9)
+    assert raised.value.__cause__ is None and raised.value.__context__ is None
 
 
 @pytest.mark.parametrize("saved_workers, workers", [(0, 2), (2, 0)])
