@@ -1111,8 +1111,12 @@ class TrainLoop:
                 resume = self._roll_back(request)
                 continue
             resume = None
-            state.epochs_completed += 1
-            self.run_state.end_epoch()  # until here an exception redoes the epoch's end
+            # The loop ends after this epoch (the condition above, the epoch counted): the train end begins with
+            # the epoch's completion, so no exception between the two loses it (issue 32). Until here an exception
+            # redoes the epoch's end (its steps each done once).
+            last = state.early_stop or self._target_reached(num_epochs, num_iterations, counting_this_epoch=True)
+            self.run_state.end_epoch((self.callbacks_handler.callbacks, (state.num_epochs, state.num_iterations,
+                                                                         state.grad_accumulation)) if last else None)
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
         self._end_training()
@@ -1197,9 +1201,10 @@ class TrainLoop:
         """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap (same as ``model``)."""
         return self.model
 
-    def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
+    def _target_reached(self, num_epochs: int, num_iterations: int, counting_this_epoch: bool = False) -> bool:
+        """Whether the fit's target is reached; ``counting_this_epoch``: once the epoch now ending is counted."""
         if num_epochs > 0:
-            return self.state.epochs_completed >= num_epochs
+            return self.state.epochs_completed + int(counting_this_epoch) >= num_epochs
         return self.state.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:
