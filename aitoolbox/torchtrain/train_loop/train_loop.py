@@ -893,11 +893,12 @@ class TrainLoop:
         if lost_end and (self.state.early_stop or self._target_reached(num_epochs, num_iterations)):
             # No epoch to train: _train runs on_train_begin (as the new process's fit it is) and the train end.
             self._lost_end_record = record_beside(self.pending_restore, self.run_state.pending_source)
-            logger.warning("The checkpoint %s was saved at the end of training, and its folder records no finished "
-                           "train end for it (the job was stopped after that checkpoint, before its train end "
-                           "finished): running the train end now (on_train_begin, the test-set evaluation, every "
-                           "on_train_end: final saves, uploads). What of it had finished before may be repeated.",
-                           self.run_state.pending_source)
+            if self.strategy.is_main_process:
+                logger.warning("The checkpoint %s was saved at the end of training, and its run folder records no "
+                               "finished train end for it (the job was stopped after that checkpoint, before its "
+                               "train end finished): running the train end now (on_train_begin, the test-set "
+                               "evaluation, every on_train_end: final saves, uploads). What of it had finished before "
+                               "may be repeated.", self.run_state.pending_source)
         try:
             with self._interrupts.watching(self._data_loaders()), self._compile_recording:
                 self._train(num_epochs, num_iterations)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.experiment.local_save.train_end_marker import CHECKPOINT_KEY, MARKER_NAME
 from tests.torchtrain.distributed.support import REPO_ROOT, script_env
 
@@ -176,3 +177,60 @@ def test_a_dict_without_its_file_and_a_mid_epoch_checkpoint_are_treated_as_befor
     loaded.load_checkpoint(final)  # no source: no folder to read a record from
     loaded.fit(num_epochs=2, callbacks=[counter])
     assert counter.ends == 0
+
+
+def _ddp_loop():
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Subset
+
+    from aitoolbox.torchtrain.train_loop import TrainLoop
+    from tests.helpers import MLP, classification_data
+
+    torch.manual_seed(0)
+    model, data = MLP(hidden=8), classification_data(24)
+    return TrainLoop(model, DataLoader(Subset(data, range(16)), batch_size=4), None,
+                     DataLoader(Subset(data, range(16, 24)), batch_size=4),
+                     torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), show_progress=False,
+                     gpu_mode="ddp")
+
+
+class _EndsFile(AbstractCallback):
+    """Each on_train_end appends a line to a file of its process (the processes' callbacks are copies)."""
+
+    def __init__(self, root):
+        super().__init__("ends file")
+        self.root = root
+
+    def on_train_end(self):
+        with open(os.path.join(self.root, f"ends_{os.getpid()}.txt"), "a") as handle:
+            handle.write("end\n")
+
+
+def _ends_written(root):
+    return sum(len(open(path).readlines()) for path in glob.glob(os.path.join(root, "ends_*.txt")))
+
+
+@pytest.mark.slow  # three fit_distributed calls of 2 CPU processes: about 60 s
+def test_fit_distributed_runs_a_lost_train_end_in_every_process_and_a_finished_one_not_again(tmp_path):
+    from aitoolbox.torchtrain.callbacks import ModelCheckpoint
+
+    root = str(tmp_path)
+    tl = _ddp_loop()
+    tl.fit_distributed(num_epochs=2, callbacks=[ModelCheckpoint("proj", "exp", root), _EndsFile(root)],
+                       num_cpu_processes=2)
+    assert _ends_written(root) == 2  # one on_train_end in each process
+    record = glob.glob(os.path.join(root, "proj", "exp_*", MARKER_NAME))
+    final = sorted(glob.glob(os.path.join(root, "proj", "exp_*", "checkpoint_model", "*_E1.pth")))[0]
+    assert len(record) == 1
+
+    finished = _ddp_loop()
+    finished.load_checkpoint(final)
+    finished.fit_distributed(num_epochs=2, callbacks=[_EndsFile(root)], num_cpu_processes=2)
+    assert _ends_written(root) == 2  # nothing to train, no end
+
+    os.remove(record[0])  # as if the job had been killed before its end finished
+    lost = _ddp_loop()
+    lost.load_checkpoint(final)
+    lost.fit_distributed(num_epochs=2, callbacks=[_EndsFile(root)], num_cpu_processes=2)
+    assert _ends_written(root) == 4 and os.path.exists(record[0])
