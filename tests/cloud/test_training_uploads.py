@@ -417,3 +417,32 @@ def test_the_csv_logs_go_to_the_bucket_after_each_epoch_and_when_fit_stops(servi
     # A log folder outside the run folder stays local only.
     assert os.path.isfile(tmp_path / "elsewhere" / "batch_log.csv")
     assert not [item.key for item in bucket.list(f"{run_key}/") if "elsewhere" in item.key]
+
+
+def test_a_finished_run_continued_from_the_bucket_on_a_new_machine_runs_no_train_end_again(service, bucket, tmp_path):
+    """Issue 32: the record of the finished train ends (``.train_end_done.json``) goes to the bucket and comes back with
+    the checkpoint: without it a finished run's final checkpoint looks like one whose job was killed before its end,
+    and the end (test evaluation, final saves, uploads) would run again."""
+    class CountsEnds(AbstractCallback):
+        def __init__(self):
+            super().__init__("counts ends")
+            self.ends = 0
+
+        def on_train_end(self):
+            self.ends += 1
+
+    root = str(tmp_path / "results")
+    first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
+                                **cloud(service, bucket))
+    counter = CountsEnds()
+    first.fit(num_epochs=2, callbacks=[counter])
+    assert counter.ends == 1
+    shutil.rmtree(root)  # restarted on a new machine: no local run
+
+    again = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
+                                **cloud(service, bucket))
+    assert again.experiment_timestamp == first.experiment_timestamp and again.epochs_completed == 2
+    counter = CountsEnds()
+    again.fit(num_epochs=2, callbacks=[counter])
+    assert counter.ends == 0
+    assert os.path.exists(os.path.join(again.experiment_folder.path, ".train_end_done.json"))

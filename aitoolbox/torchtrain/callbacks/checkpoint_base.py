@@ -19,6 +19,8 @@ from aitoolbox.experiment.local_save.leftovers import remove_stale_temporaries, 
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, save_checkpoint_file, snapshot_checkpoint
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
+from aitoolbox.experiment.local_save.train_end_marker import CHECKPOINT_KEY as TRAIN_END_CHECKPOINT_KEY
+from aitoolbox.experiment.local_save.train_end_marker import RECORD_FROM_CHECKPOINT, record_path, record_train_end_done
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.cloud_upload import upload_failed_at_train_end
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
@@ -28,6 +30,19 @@ logger = logging.getLogger(__name__)
 # Checkpoints run after every other epoch-end callback (LR schedulers, metrics), so what they save is
 # exactly the state the next epoch starts from.
 CHECKPOINT_EXECUTION_ORDER = 100
+
+
+def _train_end_follows(tl) -> bool:
+    """In an epoch's end: the fit's training ends with this epoch (its target reached, or a stop requested so far),
+    so the train end follows an epoch-end checkpoint taken now."""
+    state, run_state = getattr(tl, "state", None), getattr(tl, "run_state", None)
+    if state is None or run_state is None:  # not a TrainLoop's run
+        return False
+    if state.early_stop:
+        return True
+    if state.num_iterations > 0:
+        return state.iterations_done >= state.num_iterations
+    return run_state.epochs_completed_at_checkpoint(False) >= state.num_epochs
 
 
 class CheckpointCallback(AbstractExperimentCallback):
@@ -225,6 +240,12 @@ class CheckpointCallback(AbstractExperimentCallback):
         if self.saves_shards:
             return self._save_shards(mid_epoch, folder, file_name, after_save)
         checkpoint = tl.checkpoint_state(mid_epoch=mid_epoch, hyperparams=self.saved_hyperparams())
+        if not mid_epoch and self.has_experiment_folder and _train_end_follows(tl) and \
+                os.path.abspath(folder) == os.path.abspath(self.experiment_folder.checkpoint_dir):
+            # The fit's last epoch: its train end follows this checkpoint, and the loop records in the run folder
+            # when it finished (:meth:`record_train_end_done`). A load of this checkpoint at its fit's target,
+            # without its end recorded, runs the end a kill lost; an earlier epoch's checkpoint carries no key.
+            checkpoint[TRAIN_END_CHECKPOINT_KEY] = RECORD_FROM_CHECKPOINT
         path, error = None, None
         if self.is_main_process:
             try:
@@ -232,6 +253,26 @@ class CheckpointCallback(AbstractExperimentCallback):
             except Exception as raised:  # this save's, or the failure of the background save before it
                 error = raised
         self._raise_shared_outcome(error)
+        return path
+
+    def record_train_end_done(self) -> Optional[str]:
+        """After the train end finished (every ``on_train_end`` returned), in the main process: record it in this
+        callback's run folder, whose ``checkpoint_model/`` holds the run's epoch-end checkpoints (see
+        :mod:`~aitoolbox.experiment.local_save.train_end_marker`), and upload the record. Returns the record's path,
+        or None (no run folder on disk, or the record could not be written: logged, never raised)."""
+        if not self.has_experiment_folder or not os.path.isdir(self.experiment_folder.checkpoint_dir):
+            return None  # no checkpoint saved there: nothing for the record to describe
+        tl = self.train_loop_obj
+        path = record_train_end_done(record_path(self.experiment_folder.path), tl.epochs_completed,
+                                     tl.total_iteration_idx)
+        if path is not None and self.cloud_destination is not None:
+            try:
+                future = self.cloud_upload(path)
+                if future is not None:
+                    self._uploads.remove(future)  # waited for here: the end's waits are over
+                    future.result()
+            except Exception as error:  # the end is finished: a failed upload costs a repeated end, no more
+                logger.warning("%s: could not upload the train-end record %s (%s)", type(self).__name__, path, error)
         return path
 
     def _save_shards(self, mid_epoch: bool, folder: str, file_name: str,

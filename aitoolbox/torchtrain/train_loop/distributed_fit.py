@@ -409,7 +409,8 @@ def fit_distributed(tl: "TrainLoop", options: DistributedFitOptions):
                              result_path=None, rendezvous_token=_external_job_token(tl, options, placement), **common)
         return train_in_this_process(job, placement)
 
-    if options.num_nodes == 1 and tl._target_reached(options.num_epochs, options.num_iterations):
+    if options.num_nodes == 1 and tl._target_reached(options.num_epochs, options.num_iterations) \
+            and not tl._lost_train_end():  # (not a loaded final checkpoint whose end a kill lost: the processes run it)
         # As fit answers: the callbacks are registered (they stay for a later call), nothing is trained, and no
         # process is started for it. (With several nodes every node's launcher must meet the others.)
         tl.callbacks_handler.register_callbacks(options.callbacks, every_rank=True)

@@ -15,6 +15,7 @@ those processes): the newest epoch-end checkpoint of the run is taken instead, w
 import dataclasses
 import logging
 import os
+import posixpath
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
@@ -23,6 +24,7 @@ from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, 
 from aitoolbox.experiment.local_save.run_identity import RunIdentity
 from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
+from aitoolbox.experiment.local_save.train_end_marker import RECORD_FROM_CHECKPOINT
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination
@@ -73,7 +75,21 @@ def resume_from_bucket(destination: "CloudDestination", root: str, project_name:
     timestamp, key = found
     local_folder = _bucket_checkpoint_folder(destination, root, project_name, experiment_name, timestamp, key)
     logger.info("auto_resume: downloading %s to %s", storage.uri(key), local_folder)
-    return timestamp, download_checkpoint(storage, key, local_folder, replace=False), key
+    path = download_checkpoint(storage, key, local_folder, replace=False)
+    _download_train_end_record(storage, key, local_folder)
+    return timestamp, path, key
+
+
+def _download_train_end_record(storage: Any, key: str, local_folder: str) -> None:
+    """The record of the run's finished train ends, beside the checkpoint in the bucket (see
+    :mod:`~aitoolbox.experiment.local_save.train_end_marker`): without it, a finished run continued from the bucket
+    would run its train end again. None there (a run whose end did not finish): nothing to do."""
+    record_key = posixpath.normpath(posixpath.join(posixpath.dirname(key.rstrip("/")), RECORD_FROM_CHECKPOINT))
+    try:
+        if storage.exists(record_key):
+            storage.download_file(record_key, os.path.normpath(os.path.join(local_folder, RECORD_FROM_CHECKPOINT)))
+    except Exception as error:  # the checkpoint is there: a run without the record repeats its end, no more
+        logger.warning("auto_resume: could not download the train-end record %s (%s)", storage.uri(record_key), error)
 
 
 def _bucket_checkpoint_folder(destination: "CloudDestination", root: str, project_name: str, experiment_name: str,

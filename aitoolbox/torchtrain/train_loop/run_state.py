@@ -476,9 +476,25 @@ class RunState:
         """The last ``fit`` stopped on an exception in its train end, which the next ``fit`` finishes."""
         return self._train_end_interrupted
 
-    def end_epoch(self) -> None:
-        """The epoch is complete: an exception from here on starts the next one."""
-        self._step_point = None
+    def end_epoch(self, train_end: Optional[Tuple[List[Any], Tuple[int, int, int]]] = None) -> None:
+        """The epoch is complete and counted: an exception from here on starts the next one.
+
+        Args:
+            train_end: for the training's last epoch (the target reached, or a stop requested), the callbacks
+                registered and the fit arguments (see :meth:`begin_train_end`): the train end begins in the same
+                statement that completes the epoch, so that an exception between the two (a Ctrl-C after the last
+                epoch's end, before the end's first step) leaves that end to the next ``fit`` instead of losing it.
+        """
+        if train_end is not None and self._train_end_done is None:
+            # Set while _train_end_done is None (no end pending): nothing reads them until the statement below.
+            self._on_train_end_done, self.train_end_failures = [], []
+            self._train_end_callbacks = [id(callback) for callback in train_end[0]]
+            self.train_end_arguments = train_end[1]
+        begun = [] if train_end is not None and self._train_end_done is None else self._train_end_done
+        # One statement: the epoch counted, its end over and the train end begun together (a KeyboardInterrupt
+        # lands between statements, not inside this assignment's stores).
+        self.counters.epochs_completed, self._step_point, self._train_end_done = \
+            self.counters.epochs_completed + 1, None, begun
 
     # --- an exception --------------------------------------------------------------------------------------
     def remember_interruption(self, loader: Any, unfinished_step: bool = False) -> None:

@@ -134,7 +134,10 @@ class _ExperimentTrainLoop(TrainLoop):
         if checkpoint is None:  # a new run, or the checkpoint is loaded already (the provisional choice stood)
             return
         with failures_named(self.resumed_from):  # what does not fit names the file
-            self.load_checkpoint(checkpoint, weights_only=self.weights_only)
+            # The file named as its source (also of a dict read already): its errors name it, and the train-end
+            # record beside it is read from its folder (see train_end_marker).
+            self.load_checkpoint(checkpoint, weights_only=self.weights_only,
+                                 source=self.resumed_from if isinstance(checkpoint, dict) else None)
         if self.strategy.is_main_process:
             logger.info("auto_resume: continuing %s from %s (epochs completed: %d)", folder.path,
                         decision.checkpoint, self.epochs_completed)

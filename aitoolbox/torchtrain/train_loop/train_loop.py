@@ -7,6 +7,7 @@ evaluation in :mod:`.evaluation`, and user code in callbacks (:mod:`aitoolbox.to
 import contextlib
 import logging
 import math
+import os
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -29,6 +30,7 @@ from aitoolbox.torchtrain.train_loop import validation
 from aitoolbox.torchtrain.train_loop.distributed_fit import DistributedFitOptions, fit_distributed
 from aitoolbox.torchtrain.train_loop.evaluation import Evaluator, loader_length
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, default_run_folder, timestamp_now
+from aitoolbox.experiment.local_save.train_end_marker import record_beside, record_train_end_done, train_end_lost
 from aitoolbox.torchtrain.train_loop.compat import GradScalerView, MainProcessFlag
 from aitoolbox.torchtrain.train_loop.compat import num_training_steps, optimizer_update_due
 from aitoolbox.torchtrain.train_loop.epoch_report import EpochReport
@@ -193,6 +195,8 @@ class TrainLoop:
         # In a process other than the main one: its stop requests' reasons, which the main process logs once the
         # processes agree to stop (only the main process logs them).
         self._stop_requests_here: List[str] = []
+        # The record of a loaded checkpoint whose lost train end this fit runs (see _lost_train_end), until written.
+        self._lost_end_record: Optional[str] = None
         self._stop_reasons_logged: List[str] = []  # the main process's reasons logged outside an epoch, not agreed yet
         self._interrupts = InterruptGuard()  # Ctrl-C waits for the end of the batch
         # Submodules the user put in eval mode before fit (a frozen BatchNorm) stay in eval mode while training.
@@ -863,8 +867,9 @@ class TrainLoop:
             callbacks: :class:`AbstractCallback` objects to register.
             grad_accumulation: step the optimizer every this many batches (and at the end of each epoch).
         """
+        lost_end = self._lost_train_end()  # a loaded final checkpoint whose job was killed before its end finished
         if self.state.early_stop and not self.run_state.continuation_pending and not self.finishes_interrupted_step \
-                and not self.run_state.train_end_pending:
+                and not self.run_state.train_end_pending and not lost_end:
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -882,7 +887,7 @@ class TrainLoop:
         self.callbacks_handler.register_callbacks(callbacks or [])
         if self._target_reached(num_epochs, num_iterations) and not self.run_state.continuation_pending \
                 and not self.run_state.interrupted_at_iteration_target(num_iterations) \
-                and not self.run_state.train_end_pending:
+                and not self.run_state.train_end_pending and not lost_end:
             logger.warning("Nothing to train: %d epochs (%d iterations) are already done. fit() counts in totals; "
                            "pass a larger num_epochs or num_iterations to continue.",
                            state.epochs_completed, state.iterations_done)
@@ -892,6 +897,15 @@ class TrainLoop:
                 self.set_up()
                 self.apply_pending_restore()
             return self.model_for_user
+        if lost_end and (self.state.early_stop or self._target_reached(num_epochs, num_iterations)):
+            # No epoch to train: _train runs on_train_begin (as the new process's fit it is) and the train end.
+            self._lost_end_record = record_beside(self.pending_restore, self.run_state.pending_source)
+            if self.strategy.is_main_process:
+                logger.warning("The checkpoint %s was saved at the end of training, and its run folder records no "
+                               "finished train end for it (the job was stopped after that checkpoint, before its "
+                               "train end finished): running the train end now (on_train_begin, the test-set "
+                               "evaluation, every on_train_end: final saves, uploads). What of it had finished before "
+                               "may be repeated.", self.run_state.pending_source)
         try:
             with self._interrupts.watching(self._data_loaders()), self._compile_recording:
                 self._train(num_epochs, num_iterations)
@@ -1053,7 +1067,7 @@ class TrainLoop:
                 "(an exception in a callback's on_before_train_end or on_train_end, or in the test-set evaluation, "
                 "left that end unfinished: the test-set loss, the final saves). fit with the same num_epochs / "
                 "num_iterations only finishes the end; then call fit_distributed to train on")
-        if self.state.early_stop:  # a stopped run: no process is started
+        if self.state.early_stop and not self._lost_train_end():  # a stopped run: no process is started
             validation.check_fit_arguments(num_epochs, num_iterations, grad_accumulation)
             self._report_stopped_run(callbacks)
             return self.model_for_user
@@ -1118,8 +1132,12 @@ class TrainLoop:
                 resume = self._roll_back(request)
                 continue
             resume = None
-            state.epochs_completed += 1
-            self.run_state.end_epoch()  # until here an exception redoes the epoch's end
+            # The loop ends after this epoch (the condition above, the epoch counted): the train end begins with
+            # the epoch's completion, so no exception between the two loses it (issue 32). Until here an exception
+            # redoes the epoch's end (its steps each done once).
+            last = state.early_stop or self._target_reached(num_epochs, num_iterations, counting_this_epoch=True)
+            self.run_state.end_epoch((self.callbacks_handler.callbacks, (state.num_epochs, state.num_iterations,
+                                                                         state.grad_accumulation)) if last else None)
             if self._compiler is not None:
                 self._compiler.check_after_epoch()
         self._end_training()
@@ -1153,9 +1171,37 @@ class TrainLoop:
         except Exception:  # raised after every callback's on_train_end ran: nothing is left to finish
             run_state.end_train_end()
             raise
+        # Recorded before the end is marked over here: an exception between the two finishes (re-records) nothing.
+        self._record_train_end_done()
         run_state.end_train_end()
         if self.strategy.is_main_process:
             self._epoch_report.warn_unmatched(self.train_history)
+
+    def _lost_train_end(self) -> bool:
+        """A loaded epoch-end checkpoint, not applied yet, whose folder records the run's finished train ends and
+        not its own (see :mod:`~aitoolbox.experiment.local_save.train_end_marker`): its job stopped before the end
+        finished. ``fit`` at its target runs that end instead of reporting nothing to train."""
+        pending = self.pending_restore
+        if pending is None:
+            return False
+        lost = train_end_lost(pending, self.run_state.pending_source)
+        if self.strategy.is_distributed:  # every process loaded one: rank 0's disk holds the record, all follow it
+            lost = bool(self.broadcast_object(lost))
+        return lost
+
+    def _record_train_end_done(self) -> None:
+        """The train end finished (every ``on_train_end`` returned): recorded, in the main process, in the run folder
+        of each checkpoint callback and in the record of the loaded checkpoint whose lost end this was, so that a
+        restarted job does not run it again. Failures are logged (the end is done; a restart would repeat it)."""
+        lost, self._lost_end_record = self._lost_end_record, None
+        if not self.strategy.is_main_process:
+            return
+        from aitoolbox.torchtrain.callbacks.checkpoint_base import CheckpointCallback  # (it imports the loop)
+        written = {callback.record_train_end_done() for callback in self.callbacks
+                   if isinstance(callback, CheckpointCallback)}
+        written = {os.path.abspath(path) for path in written if path is not None}
+        if lost is not None and os.path.abspath(lost) not in written:
+            record_train_end_done(lost, self.state.epochs_completed, self.state.total_iteration_idx)
 
     @contextlib.contextmanager
     def _train_end_step(self, finished: Callable[[], bool]) -> Iterator[None]:
@@ -1204,9 +1250,10 @@ class TrainLoop:
         """The module ``fit`` returns: the user's TTModel, or the plain module of a ModelWrap (same as ``model``)."""
         return self.model
 
-    def _target_reached(self, num_epochs: int, num_iterations: int) -> bool:
+    def _target_reached(self, num_epochs: int, num_iterations: int, counting_this_epoch: bool = False) -> bool:
+        """Whether the fit's target is reached; ``counting_this_epoch``: once the epoch now ending is counted."""
         if num_epochs > 0:
-            return self.state.epochs_completed >= num_epochs
+            return self.state.epochs_completed + int(counting_this_epoch) >= num_epochs
         return self.state.iterations_done >= num_iterations
 
     def _run_epoch(self, num_iterations: int, resume: Optional[MidEpochResume] = None) -> None:

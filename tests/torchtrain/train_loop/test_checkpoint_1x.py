@@ -393,3 +393,25 @@ def test_two_checkpoint_runs_constructed_in_the_same_second_get_two_folders(tmp_
     for tl in (first, second):
         folder = os.path.join(root, PROJECT, f"{EXPERIMENT}_{tl.experiment_timestamp}", "checkpoint_model")
         assert os.listdir(folder) == [f"model_{EXPERIMENT}_{tl.experiment_timestamp}_E0.pth"]
+
+
+def test_a_18_final_checkpoint_loaded_at_its_target_trains_nothing_and_runs_no_train_end(tmp_path, warnings_logged):
+    """Issue 32: a 1.8 folder has no record of finished train ends, and its checkpoints no key saying an end follows
+    them: its final checkpoint loaded with the run's target is a finished run, as before (nothing to train, no end
+    run again: no final save overwritten, no test evaluation repeated)."""
+    _, path = saved_18_run(tmp_path)
+
+    class CountsEnds(AbstractCallback):
+        def __init__(self):
+            super().__init__("counts ends")
+            self.ends = 0
+
+        def on_train_end(self):
+            self.ends += 1
+
+    tl, counter = fresh_loop(), CountsEnds()
+    tl.load_checkpoint(path)
+    tl.fit(num_epochs=2, callbacks=[counter])
+    assert counter.ends == 0 and tl.epochs_completed == 2
+    assert any("Nothing to train" in message for message in warnings_logged)
+    assert not any("records no finished train end" in message for message in warnings_logged)

@@ -1448,3 +1448,74 @@ def test_loading_a_checkpoint_over_an_end_with_a_kept_failure_says_that_failure_
     warning = " ".join(record.getMessage() for record in caplog.records if record.name.endswith("run_state"))
     assert "RuntimeError: the final save failed" in warning and "not raised" in warning
     tl.fit(num_epochs=2)  # trains on from the checkpoint, without that failure
+
+
+class _InterruptAfterLastEpochEnd:
+    """A Ctrl-C raised just before the ``at``-th statement (or frame return) of the loop's own code (train_loop.py,
+    run_state.py) after the last epoch's ``on_epoch_end`` returned and before the train end's first step: the rest of
+    the epoch's end, the epoch's completion, the loop's condition and the end's start (issue 32: a Ctrl-C there left
+    no end pending, and the next fit with the same target said "Nothing to train")."""
+
+    files = {"train_loop.py", "run_state.py"}
+
+    def __init__(self, at):
+        self.at, self.seen, self.armed = at, 0, False
+
+    def _local(self, frame, event, arg):
+        if frame.f_code.co_name == "_end_training" and "done" in frame.f_locals:
+            self.armed = False  # the end has begun: its own statements are the test above's
+        if event in ("line", "return") and self.armed and self.seen <= self.at:
+            self.seen += 1
+            if self.seen == self.at + 1:
+                raise KeyboardInterrupt(f"SIGINT at {frame.f_code.co_name}:{frame.f_lineno} ({event})")
+        return self._local
+
+    def __call__(self, frame, event, arg):
+        if self.seen > self.at or os.path.basename(frame.f_code.co_filename) not in self.files:
+            return None
+        return self._local
+
+
+def test_a_ctrl_c_between_the_last_epoch_end_and_the_train_end_leaves_the_end_to_the_next_fit():
+    """Issue 32: a Ctrl-C at each statement between the last epoch's on_epoch_end and the train end's first step in
+    turn, then fit with the same target: the end runs once (the test-set loss, each on_train_end once) and the run
+    equals the straight run."""
+    class Records(AbstractCallback):
+        def __init__(self, tracer=None):
+            super().__init__("records")
+            self.tracer, self.ends = tracer, 0
+
+        def on_epoch_end(self):
+            if self.tracer is not None and self.train_loop_obj.epoch == 1:
+                self.tracer.armed = True  # the last epoch's on_epoch_end is done once this returns
+
+        def on_train_end(self):
+            self.ends += 1
+            self.train_loop_obj.insert_metric_result_into_history("end_metric", 1.0)
+
+    def loop():
+        torch.manual_seed(0)
+        return _loop_with_a_test_set()
+
+    straight = loop()
+    straight.fit(num_epochs=2, callbacks=[Records()])
+    assert "train_end_test_loss" in straight.train_history
+    at = 0
+    while True:
+        tl, tracer = loop(), _InterruptAfterLastEpochEnd(at)
+        records = Records(tracer)
+        sys.settrace(tracer)
+        try:
+            tl.fit(num_epochs=2, callbacks=[records])
+            break  # past the gap's last statement
+        except KeyboardInterrupt as interrupt:
+            where = str(interrupt)
+        finally:
+            sys.settrace(None)
+        tl.fit(num_epochs=2)
+        assert records.ends == 1, f"{where}: on_train_end ran {records.ends} times"
+        assert tl.epochs_completed == 2, where
+        assert_runs_equal(tl, straight)
+        at += 1
+    assert records.ends == 1
+    assert at > 10  # each statement of the gap was interrupted in turn
