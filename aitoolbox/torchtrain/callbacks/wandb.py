@@ -234,13 +234,7 @@ class WandBTracking(TrackingCallback):
             init_args.update(self.wandb_params_kwargs)
             if init_args.get("config") is not None:  # a config given through the callback is redacted too
                 init_args["config"] = redact_value(init_args["config"])
-            active = wandb.run
-            if active is not None and self.run_id is not None and active.id == self.run_id:
-                # This callback's run, left active by a finish that failed (end_run let go of it): go on in it, as
-                # wandb.init would, without the empty run folder a second init leaves (review 49y Y4).
-                self.run = active
-            else:
-                self.run = wandb.init(**init_args)
+            self.run = wandb.init(**init_args)
             self.run_id = self.run.id
         if not self._code_logged:
             self._code_logged = True
