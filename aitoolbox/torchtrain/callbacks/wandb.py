@@ -272,19 +272,7 @@ class WandBTracking(TrackingCallback):
         # Let go of the run once it is finished: a Ctrl-C in finish() (the final sync) leaves it to on_exception,
         # which finishes it as interrupted before the next fit starts it again (review 49l F5).
         if self.run is not None and not self.wandb_pre_initialized:
-            run, exit_code = self.run, 1 if exception is not None else 0
-            try:
-                run.finish(exit_code=exit_code)
-            except Exception as error:
-                # An error of the sync, not of the training: let go of the run, or on_exception would finish it
-                # again as failed (exit_code=1), marking a training that completed as failed, and a finish that
-                # always fails would keep the run for good (review 49y Y4). Raised once, saying what is left.
-                self.run = None
-                raise RuntimeError(
-                    f"WandBTracking could not finish the W&B run {run.id!r} (exit_code={exit_code}; the training "
-                    f"{'failed' if exception is not None else 'itself completed'}): {type(error).__name__}: "
-                    f"{error}. What was logged is in {getattr(run, 'dir', None) or 'the run folder'}: upload it with "
-                    "`wandb sync` once W&B is reachable") from error
+            self.run.finish(exit_code=1 if exception is not None else 0)
         self.run = None
 
     # --- what is logged ---------------------------------------------------------------------------------------

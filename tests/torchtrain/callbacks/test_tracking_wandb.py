@@ -152,42 +152,6 @@ def test_a_ctrl_c_in_the_runs_finish_closes_it_as_interrupted_and_the_next_fit_f
     assert second.values("loss_at_epoch_end/train_end_test_loss") == {}
 
 
-@pytest.mark.parametrize("fails", ["before the sync", "after the sync"])
-def test_an_error_in_the_runs_finish_is_raised_once_and_never_marks_the_finished_training_failed(
-        tmp_path, wandb_offline, monkeypatch, fails):
-    """Review 49y Y4: an ordinary error of run.finish() at the train end kept the run, and fit's on_exception
-    finished it again with exit_code=1: a training that completed was marked failed (when the first finish had
-    done nothing), and a finish failing every time kept the run for good. The error is raised once, naming the
-    run, and the run is let go: no finish(exit_code=1) follows, and the next fit finishes as it should."""
-    import wandb
-    from wandb.sdk.wandb_run import Run
-
-    finish, exit_codes = Run.finish, []
-
-    def finish_failing_once(run, *args, **kwargs):
-        exit_codes.append(kwargs.get("exit_code"))
-        if len(exit_codes) == 1:
-            if fails == "after the sync":
-                finish(run, *args, **kwargs)
-            raise RuntimeError("sync failed")
-        return finish(run, *args, **kwargs)
-
-    monkeypatch.setattr(Run, "finish", finish_failing_once)
-    callback = WandBTracking(log_dir=str(tmp_path), is_project=False)
-    tl = make_train_loop(test=True)
-    with pytest.raises(RuntimeError, match=r"(?s)could not finish the W&B run .*sync failed") as raised:
-        tl.fit(num_epochs=2, callbacks=[callback])
-    assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == "sync failed"
-    assert exit_codes == [0] and callback.run is None  # not finished again as failed
-    tl.fit(num_epochs=2)  # the train end was done: nothing to redo
-    assert exit_codes == [0]
-    tl.fit(num_epochs=3)
-    assert exit_codes == [0, 0] and wandb.run is None and callback.run is None
-    runs = [WandbRun(path) for path in offline_run_dirs(tmp_path) if any(name.endswith(".wandb") for name in
-                                                                           os.listdir(path))]
-    assert runs and all(run.exit_code == 0 for run in runs)
-
-
 def test_arguments_are_checked_and_a_missing_package_is_named(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="AlertConfig"):
         WandBTracking(alerts=[{"metric_name": "val_loss"}])
