@@ -56,52 +56,6 @@ def _unusable_folder(error_number: int, root: str, reason: str, in_working_dir: 
                                  f"folder you can write to as {ROOT_ARGUMENT}")
 
 
-def absolute_folder(path: str) -> str:
-    """``path`` with ``~`` expanded, made absolute, and each ``..`` resolved as the system resolves it.
-
-    ``os.path.abspath`` drops ``<part>/..`` as text; the system goes up from where ``<part>`` leads, which after a
-    symbolic link to a folder is the parent of the link's target (review 49y Y2), so the text alone names another
-    folder. Where the text and the system agree the text is kept, so a path reads as it was given (its links
-    included). A ``..`` after a part the system cannot go through (a link to nothing, a link loop, a file) is kept
-    as written, with all that follows it: creating the folder fails there, and :func:`check_folder_creatable` names
-    that part. Nothing is created. On Windows, which drops ``..`` as text itself, this is ``os.path.abspath``.
-
-    Args:
-        path: a folder, absolute or relative to the working directory.
-
-    Returns:
-        The absolute path of the folder the system would create for ``path``.
-    """
-    path = os.path.expanduser(path)
-    parts = path.split(os.sep)
-    if os.name == "nt" or ".." not in parts:
-        return os.path.abspath(path)
-    if not os.path.isabs(path):
-        parts = os.getcwd().split(os.sep) + parts
-    current = os.sep
-    for index, part in enumerate(parts):
-        if part in ("", "."):
-            continue
-        if part != "..":
-            current = os.path.join(current, part)
-        elif not _passable(current):
-            return os.path.join(current, *[rest for rest in parts[index:] if rest not in ("", ".")])
-        else:
-            physical_parent = os.path.dirname(os.path.realpath(current))
-            text_parent = os.path.dirname(current)
-            current = text_parent if os.path.realpath(text_parent) == physical_parent else physical_parent
-    return current
-
-
-def _passable(path: str) -> bool:
-    """The system can go through the folder ``path`` once the missing folders on its way are created: its nearest
-    existing part (a link followed) is a folder, not a file, a link to nothing or a link loop."""
-    existing = path
-    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    return os.path.isdir(existing)
-
-
 def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir: bool = False) -> None:
     """Raise now if the folder ``path`` could not be created or written; creates nothing.
 
@@ -121,7 +75,7 @@ def check_folder_creatable(path: str, root: Optional[str] = None, in_working_dir
         OSError: (``errno.ELOOP``) a symbolic link on the way is part of a loop of links (named), or of a chain of
             more links than the system follows.
     """
-    path = absolute_folder(path)  # '..' after a link as the system goes (review 49y Y2)
+    path = os.path.abspath(os.path.expanduser(path))
     root = path if root is None else root
     existing = path
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
@@ -175,14 +129,11 @@ def _resolved_folder(path: str) -> str:
 
 
 def _creation_failure(path: str, error: OSError) -> str:
-    """Why creating the folder ``path`` failed, for :func:`_unusable_folder`: a link to nothing or a file on the way
-    named."""
+    """Why creating the folder ``path`` failed, for :func:`_unusable_folder`: a link to nothing on the way named."""
     current = path
     while os.path.dirname(current) != current:
         if os.path.islink(current) and not os.path.exists(current):
             return f"cannot create {path}: {_broken_link(current)[1]}"
-        if os.path.exists(current) and not os.path.isdir(current):  # e.g. before a '..' kept (absolute_folder)
-            return f"cannot create {path}: {current} is a file, not a folder"
         current = os.path.dirname(current)
     return f"cannot create {path} ({error.strerror or error})"
 
@@ -214,7 +165,7 @@ def run_timestamps(root: str, project_name: str, experiment_name: str) -> List[s
     (``<timestamp>`` as :func:`timestamp_now` makes it, with the ``_<n>`` of same-second runs)."""
     check_name(project_name, "project_name")
     check_name(experiment_name, "experiment_name")
-    project_folder = os.path.join(absolute_folder(root), project_name)
+    project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
     if not os.path.isdir(project_folder):
         return []
     pattern = re.compile(rf"^{re.escape(experiment_name)}_(?P<timestamp>{_TIMESTAMP})$")
@@ -253,7 +204,7 @@ def newest_resumable_run(root: str, project_name: str, experiment_name: str,
         ``(timestamp, checkpoint path)`` of its newest complete checkpoint (a file or a sharded checkpoint's
         folder), or None when no run of the experiment has one.
     """
-    project_folder = os.path.join(absolute_folder(root), project_name)
+    project_folder = os.path.join(os.path.abspath(os.path.expanduser(root)), project_name)
     for timestamp in run_timestamps(root, project_name, experiment_name):
         run_folder = os.path.join(project_folder, f"{experiment_name}_{timestamp}")
         found = run_checkpoints(run_folder)
@@ -300,8 +251,7 @@ class ExperimentFolder:
         check_name(experiment_name, "experiment_name")
         if timestamp:  # None or '' take the current time
             check_name(timestamp, "timestamp")
-        # '..' as the system resolves it: the folder checked, created and named is the one the system would create
-        self.root = absolute_folder(root)
+        self.root = os.path.abspath(os.path.expanduser(root))
         self.project_name = project_name
         self.experiment_name = experiment_name
         self.timestamp = timestamp or timestamp_now()
