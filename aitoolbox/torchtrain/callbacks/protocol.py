@@ -44,8 +44,7 @@ class TrainLoopView(Protocol):
     For a callback that changes the run's course (``SpikeRollback``): ``run_state`` (the run's progress, see
     ``train_loop/run_state.py``), ``rollbacks`` (the rollbacks so far), ``epoch_start_rng_state`` (the RNG state the
     current epoch's data order was drawn from), ``experiment_folder`` (a preset's run folder, else None),
-    :meth:`take_snapshot`, :meth:`apply_pending_restore`, :meth:`batch_indices`, :meth:`order_not_drawn_again` and
-    :meth:`all_reduce_sum`; such a
+    :meth:`take_snapshot`, :meth:`apply_pending_restore`, :meth:`batch_indices` and :meth:`all_reduce_sum`; such a
     callback returns the run to a kept point by raising
     :class:`~aitoolbox.torchtrain.callbacks.rollback_request.RollBack`.
 
@@ -154,10 +153,6 @@ class TrainLoopView(Protocol):
 
     def batch_indices(self, epoch: int, epoch_start_rng: Optional[dict], positions: List[int]) -> Optional[List[int]]:
         """The dataset indices of the training batches at ``positions`` of ``epoch``, drawn again (None: unknown)."""
-
-    def order_not_drawn_again(self, epoch: int, epoch_start_rng: Optional[dict], batches: int) -> Optional[str]:
-        """Why the first ``batches`` training batches of ``epoch`` cannot be drawn again from ``epoch_start_rng``
-        (None: they can, or the loader cannot tell)."""
 
     def all_gather_objects(self, obj: Any) -> List[Any]:
         """Every process's value of ``obj``, ordered by rank (a collective: every process calls it)."""

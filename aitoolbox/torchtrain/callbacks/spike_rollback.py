@@ -19,7 +19,6 @@ import torch
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.torchtrain.data.loader_info import resets_own_iterator
-from aitoolbox.torchtrain.data.sampler_state import keyed_samplers
 from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import overrides_hook
@@ -669,7 +668,6 @@ class SpikeRollback(AbstractCallback):
             raise SpikeRollbackError(
                 f"{describe_spike(spike)} ({spike_numbers(spike)}): skip_batches={self.skip_batches} reaches before "
                 + self._first_point_text(kept, anchor), list(tl.rollbacks), spike)
-        self._check_order_drawn_again(tl, kept, epoch, iteration, spike)
         if wanted < low:
             logger.warning("SpikeRollback: skip_batches=%d reaches before the kept point (%s): leaving out %d "
                            "batch(es) only", self.skip_batches, describe_point(anchor), len(iterations))
@@ -678,36 +676,6 @@ class SpikeRollback(AbstractCallback):
             logger.warning("SpikeRollback: %s; rolling back", _describe(record))
         self._write_records(tl, list(tl.rollbacks) + [record])
         return RollBack(self._restore, skipped, record)
-
-    def _check_order_drawn_again(self, tl: "TrainLoop", kept: KeptPoint, epoch: int, iteration: int,
-                                 spike: dict) -> None:
-        """Stop with an error where the replay from ``kept`` cannot draw the batches the run trained (review 49d
-        F11): the kept point's epoch goes back to the random state its order was drawn from, and a sampler whose
-        order that state does not hold (a position ``state_dict`` without ``random_state_dict``; a generator of its
-        own that its ``state_dict`` leaves out) would replay another order and leave out other batches, silently.
-        Its batches up to the spike (or up to the point, in an earlier epoch) are drawn again twice, as the replay
-        draws them (all processes agree on the outcome)."""
-        history = tl.run_state.rollbacks
-        if kept.epoch == epoch:
-            batches = history.loader_position(epoch, iteration) + 1
-        else:
-            batches = history.loader_position(kept.epoch, kept.batches_done - 1) + 1 if kept.batches_done > 0 else 1
-        reason = tl.order_not_drawn_again(kept.epoch, self._epoch_rngs.get(kept.epoch), batches)
-        reasons = [found for found in tl.all_gather_objects(reason) if found is not None]
-        if not reasons:
-            return
-        named = dict.fromkeys(key.rsplit(":", 1)[0] for key, sampler in keyed_samplers(tl.train_loader).items()
-                              if callable(getattr(sampler, "state_dict", None))
-                              and not callable(getattr(sampler, "random_state_dict", None)))
-        suspects = f" ({', '.join(named)} has a state_dict() and no random_state_dict())" if named else ""
-        raise SpikeRollbackError(
-            f"{describe_spike(spike)}: SpikeRollback cannot return to the point kept at "
-            f"{_where(kept)}: the training loader's data order cannot be drawn again ({reasons[0]}), so the replay "
-            "would train other batches than the run did and leave out others than the spiking ones. A "
-            f"sampler{suspects} whose state_dict() is its position in the epoch, or that shuffles with a generator "
-            "its state_dict() does not hold, needs random_state_dict() and load_random_state_dict() saving that "
-            "generator (an empty dict where it draws from the global random state; see the samplers' limits in the "
-            "checkpointing docs, which checkpoints share)", list(tl.rollbacks), spike)
 
     def _first_point_text(self, kept: KeptPoint, anchor: Dict[str, int]) -> str:
         """Why a fit's first point ``kept``, which stands for ``anchor``, cannot leave out what the run that never

@@ -2,9 +2,7 @@
 
 :class:`~aitoolbox.torchtrain.callbacks.SpikeRollback` names the samples of the batches it leaves out (through the
 loop's :meth:`~aitoolbox.torchtrain.train_loop.train_loop.TrainLoop.batch_indices`): the sampler draws the epoch's
-order again from the random state the epoch started with, and every random state is put back afterwards. Before it
-returns to a kept point, it asks whether the epoch's order can be drawn again from that state at all
-(:func:`order_not_drawn_again`: a sampler whose order the state does not hold would replay another one).
+order again from the random state the epoch started with, and every random state is put back afterwards.
 """
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -23,44 +21,7 @@ def batch_indices(loader: Any, epoch: int, epoch_start_rng: Optional[dict], posi
     as DistributedSampler, are set to ``epoch``), drawn again from the sampler without fetching anything; None where
     the loader has no sampler to ask (an iterable dataset, a loader class with its own iteration) or the state is
     unknown. Every RNG state, the samplers' epochs and the loader's worker iterator are as before afterwards."""
-    if not positions:
-        return None
-    drawn = _drawn_batches(loader, epoch, epoch_start_rng, max(positions) + 1)
-    if drawn is None:
-        return None
-    wanted = set(positions)
-    return [index for position, batch in enumerate(drawn) if position in wanted for index in batch]
-
-
-def order_not_drawn_again(loader: Any, epoch: int, epoch_start_rng: Optional[dict], batches: int) -> Optional[str]:
-    """Why the first ``batches`` batches of epoch ``epoch`` (which the run trained) cannot be drawn again from
-    ``epoch_start_rng``, as a rollback or a resume draws them; None where they can (or the loader cannot tell).
-
-    Drawn twice from that state, a sampler whose order is all in the saved state gives the same batches, as many as
-    the epoch had. One that shuffles with a generator of its own that its ``state_dict`` does not hold (saved as
-    its random state in place of the generator) draws another order each time; one whose ``state_dict`` is its
-    position in the epoch starts the order again at the position saved with the epoch's start (no batches after an
-    epoch's end). Each draw puts every random state back afterwards, but a sampler's own state goes back only as far
-    as its saved state reaches."""
-    if batches <= 0:
-        return None
-    first = _drawn_batches(loader, epoch, epoch_start_rng, batches)
-    if first is None:
-        return None
-    if len(first) < batches:
-        return (f"from the random state saved at the start of epoch {epoch + 1} it gives {len(first)} batch(es) "
-                f"where the epoch trained {batches} or more")
-    if _drawn_batches(loader, epoch, epoch_start_rng, batches) != first:
-        return (f"drawn twice from the random state saved at the start of epoch {epoch + 1} it gives two "
-                "different orders")
-    return None
-
-
-def _drawn_batches(loader: Any, epoch: int, epoch_start_rng: Optional[dict], count: int
-                   ) -> Optional[List[List[int]]]:
-    """The dataset indices of each of the first ``count`` batches of epoch ``epoch`` drawn from ``epoch_start_rng``
-    (fewer where the sampler ends first); None where the loader cannot tell (see :func:`batch_indices`)."""
-    if epoch_start_rng is None or not skips_by_index(loader):
+    if epoch_start_rng is None or not skips_by_index(loader) or not positions:
         return None
     saved = capture_draw_state(loader)
     with_epoch = [(sampler, sampler.epoch) for sampler in loader_samplers(loader)
@@ -70,14 +31,15 @@ def _drawn_batches(loader: Any, epoch: int, epoch_start_rng: Optional[dict], cou
             sampler.set_epoch(epoch)
         restore_draw_state(epoch_start_rng, loader)
         sampler_iterator = _epoch_index_iterator(loader, epoch_start_rng)
-        drawn: List[List[int]] = []
-        for _ in range(count):
+        wanted, indices = set(positions), []
+        for position in range(max(positions) + 1):
             try:
-                batch = next(sampler_iterator)
+                drawn = next(sampler_iterator)
             except StopIteration:
                 break
-            drawn.append([int(index) for index in (batch if isinstance(batch, (list, tuple)) else [batch])])
-        return drawn
+            if position in wanted:
+                indices.extend(int(index) for index in (drawn if isinstance(drawn, (list, tuple)) else [drawn]))
+        return indices
     finally:
         restore_draw_state(saved, loader)
         for sampler, sampler_epoch in with_epoch:

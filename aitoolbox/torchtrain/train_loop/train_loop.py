@@ -43,7 +43,7 @@ from aitoolbox.torchtrain.train_loop.losses import LossResult
 from aitoolbox.torchtrain.train_loop.lr_suggestion import LRFinderResult
 from aitoolbox.torchtrain.train_loop.pred_collate_fns import append_predictions, torch_cat_transf
 from aitoolbox.torchtrain.train_loop.progress import ProgressBar
-from aitoolbox.torchtrain.train_loop.batch_indices import batch_indices, order_not_drawn_again
+from aitoolbox.torchtrain.train_loop.batch_indices import batch_indices
 from aitoolbox.torchtrain.train_loop.rollback import RollBack, roll_back
 from aitoolbox.torchtrain.train_loop.run_folders import (
     RunFolderAnnouncement, claim_default_run_folder, continued_run_folder)
@@ -310,13 +310,6 @@ class TrainLoop:
         loading anything; None where the loader cannot tell (an iterable dataset) or the state is unknown. Every
         random state is as before afterwards."""
         return batch_indices(self.train_loader, epoch, epoch_start_rng, positions)
-
-    def order_not_drawn_again(self, epoch: int, epoch_start_rng: Optional[dict], batches: int) -> Optional[str]:
-        """Why the first ``batches`` training batches of epoch ``epoch`` (trained by the run) cannot be drawn again
-        from ``epoch_start_rng`` (:attr:`epoch_start_rng_state` during that epoch), as a rollback draws them; None
-        where they can, or the loader cannot tell. Every random state is as before afterwards, as far as the
-        samplers' saved states reach (see :func:`~.batch_indices.order_not_drawn_again`)."""
-        return order_not_drawn_again(self.train_loader, epoch, epoch_start_rng, batches)
 
     @property
     def epoch_loss_sum(self) -> torch.Tensor:

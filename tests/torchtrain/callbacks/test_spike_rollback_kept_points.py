@@ -1,13 +1,11 @@
 """SpikeRollback's kept points where the run that never stopped kept another: a stop checkpoint resumed into a new
-run folder (snapshot='checkpoint', review 49x X2), and samplers whose order a rollback cannot draw again (review 49d
-F11). Each compared with the straight run (bitwise weights, the same rollback records) or refused with an error."""
+run folder (snapshot='checkpoint', review 49x X2). Each compared with the straight run (bitwise weights, the same
+rollback records) or refused with an error."""
 import glob
 import os
-import random
 import shutil
 
 import pytest
-from torch.utils.data import DataLoader
 
 from aitoolbox.experiment.local_save.checkpoints import find_checkpoint
 from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
@@ -15,7 +13,7 @@ from aitoolbox.torchtrain.callbacks.spike_rollback import SpikeRollback, SpikeRo
 from aitoolbox.torchtrain.distributed.signals import SignalStop
 from tests.helpers import MLP, assert_params_equal, model_pair, single_torch_thread
 from tests.torchtrain.callbacks.test_spike_rollback import (
-    BATCH_SIZE, NUM_SAMPLES, SETTINGS, Poisoned, SigtermAt, TellEpoch, loader, make_loop, poisoned_at,
+    SETTINGS, Poisoned, SigtermAt, TellEpoch, loader, make_loop, poisoned_at,
     rollback_records, train)
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
@@ -118,113 +116,3 @@ def test_a_memory_run_resumed_with_unjudged_losses_never_clips_a_skip_reaching_b
                                                  r"2, iteration 4, .*returns to \(epoch 2, iteration 2\)"):
         resumed.fit(num_epochs=4, callbacks=[TellEpoch(), SpikeRollback(**settings)])
 
-
-# --- samplers whose order a rollback cannot draw again (review 49d F11) -------------------------------------------
-class PositionSampler:
-    """Shuffles with a ``random.Random`` of its own; ``state_dict`` is its position in the epoch (review 48d N1), and
-    a loaded one starts the next iteration there. No ``random_state_dict``: its generator is not saved."""
-
-    def __init__(self, seed=7):
-        self.rng, self.yielded, self.next_yielded = random.Random(seed), 0, None
-
-    def __len__(self):
-        return NUM_SAMPLES
-
-    def __iter__(self):
-        order = list(range(NUM_SAMPLES))
-        self.rng.shuffle(order)
-        start, self.next_yielded = self.next_yielded or 0, None
-        self.yielded = start
-        for index in order[start:]:
-            self.yielded += 1
-            yield index
-
-    def state_dict(self):
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state):
-        self.next_yielded = state["yielded"]
-
-
-class EpochCountSampler(PositionSampler):
-    """Its ``state_dict`` is an epoch count, not its generator's state: no position, and still not saved."""
-
-    def __init__(self, seed=7):
-        super().__init__(seed)
-        self.epochs = 0
-
-    def __iter__(self):
-        self.epochs += 1
-        order = list(range(NUM_SAMPLES))
-        self.rng.shuffle(order)
-        return iter(order)
-
-    def state_dict(self):
-        return {"epochs": self.epochs}
-
-    def load_state_dict(self, state):
-        self.epochs = state["epochs"]
-
-
-class SavedPositionSampler(PositionSampler):
-    """The position sampler as the docs ask: its generator saved by ``random_state_dict``."""
-
-    def random_state_dict(self):
-        version, internal, gauss = self.rng.getstate()
-        return {"rng": [version, list(internal), gauss]}
-
-    def load_random_state_dict(self, state):
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
-
-
-def orders(sampler_class, num_epochs=4):
-    sampler = sampler_class()
-    return [list(sampler) for _ in range(num_epochs)]
-
-
-@pytest.mark.parametrize("snapshot", ["memory", "checkpoint"])
-@pytest.mark.parametrize("sampler_class", [PositionSampler, EpochCountSampler])
-def test_a_rollback_whose_sampler_order_cannot_be_drawn_again_stops_with_an_error(tmp_path, sampler_class, snapshot):
-    """A poisoned batch of epoch 1 (position 5) with a sampler whose order the saved random state does not hold: the
-    rollback replayed another order and left out other samples (skipped_samples [] for the position sampler), with
-    no error. It stops with SpikeRollbackError naming the sampler and random_state_dict."""
-    order = orders(sampler_class)[1]
-    poison = {1: order[5 * BATCH_SIZE:6 * BATCH_SIZE]}
-    model, _ = model_pair(MLP)
-    tl = make_loop(model, DataLoader(Poisoned(poison), batch_size=BATCH_SIZE, sampler=sampler_class()))
-    saver = [ModelCheckpoint("proj", "exp", str(tmp_path))] if snapshot == "checkpoint" else []
-    with pytest.raises(SpikeRollbackError, match=rf"the training loader's data order .*{sampler_class.__name__} has "
-                                                 r"a state_dict\(\) and no random_state_dict\(\)"):
-        train(tl, callbacks=[SpikeRollback(**SETTINGS, snapshot=snapshot), *saver])
-
-
-def test_a_position_sampler_saving_its_generator_rolls_back_as_the_run_without_the_batch():
-    """The same position sampler with random_state_dict(): the rollback leaves out the poisoned batch's samples, and
-    the run equals the one whose loader never yields them (the same sampler, those samples' batch dropped)."""
-    order = orders(SavedPositionSampler)[1]
-    poison = {1: order[5 * BATCH_SIZE:6 * BATCH_SIZE]}
-    model, twin = model_pair(MLP)
-    tl = train(make_loop(model, DataLoader(Poisoned(poison), batch_size=BATCH_SIZE, sampler=SavedPositionSampler())),
-               callbacks=[SpikeRollback(**SETTINGS)])
-    assert [(record["epoch"], record["iteration"], sorted(record["skipped_samples"])) for record in tl.rollbacks] \
-        == [(1, 5, sorted(poison[1]))]
-
-    class Dropping(SavedPositionSampler):  # the epoch-1 batch at position 5 never drawn
-        def __init__(self):
-            super().__init__()
-            self.epoch = 0
-
-        def __len__(self):
-            return NUM_SAMPLES - (BATCH_SIZE if self.epoch == 1 else 0)
-
-        def __iter__(self):
-            indices = list(super().__iter__())
-            if self.epoch == 1:
-                del indices[5 * BATCH_SIZE:6 * BATCH_SIZE]
-            self.epoch += 1
-            return iter(indices)
-
-    reference = train(make_loop(twin, DataLoader(Poisoned(), batch_size=BATCH_SIZE, sampler=Dropping())))
-    assert_params_equal(tl.model, reference.model)
-    assert tl.train_history["accumulated_loss"] == reference.train_history["accumulated_loss"]
