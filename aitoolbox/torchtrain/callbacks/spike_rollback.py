@@ -362,7 +362,7 @@ class SpikeRollback(AbstractCallback):
         if tl.is_main_process:
             checkpoint_dir = self._checkpoint_callback.experiment_folder.checkpoint_dir
             found = self._usable_pin(tl, checkpoint_dir, at_resumed_position)
-            source_dir = None if self._resumed_from is None else os.path.dirname(os.path.abspath(self._resumed_from))
+            source_dir = _checkpoint_dir_of(self._resumed_from)
             if found is None and source_dir is not None and \
                     os.path.realpath(source_dir) != os.path.realpath(checkpoint_dir):
                 found = self._usable_pin(tl, source_dir, at_resumed_position)
@@ -798,6 +798,18 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
     if callback.saves_shards:
         name = sharded_checkpoint_name(name)
     return os.path.exists(os.path.join(folder.checkpoint_dir, name))
+
+
+def _checkpoint_dir_of(source: Optional[str]) -> Optional[str]:
+    """The ``checkpoint_model/`` folder a loaded checkpoint came from: the file's folder, or, where load_checkpoint was
+    given a folder (its newest checkpoint), that folder or the run folder's ``checkpoint_model/`` (review 50k K4)."""
+    if source is None:
+        return None
+    source = os.path.abspath(source)
+    if not os.path.isdir(source):
+        return os.path.dirname(source)
+    inside = os.path.join(source, "checkpoint_model")
+    return inside if os.path.isdir(inside) else source
 
 
 def _where(kept: KeptPoint) -> str:

@@ -68,6 +68,21 @@ def test_a_stop_checkpoint_resumed_into_a_new_run_folder_returns_to_the_pin_of_t
     assert not os.path.exists(os.path.join(new_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
 
 
+@pytest.mark.parametrize("given", ["run folder", "checkpoint folder"])
+def test_a_stop_checkpoint_loaded_by_its_folder_into_a_new_run_folder_returns_to_that_folders_pin(tmp_path, given):
+    """As above, load_checkpoint given the run folder or its checkpoint_model/ folder (its newest checkpoint, the
+    stop's): the pin is looked for in that run folder, not in the folder above it (review 50k K4: it stopped with
+    SpikeRollbackError saying no pin was there)."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, saved, straight = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    checkpoint_dir = os.path.dirname(saved)
+    resumed = resume_into_new_folder(tmp_path, model, os.path.dirname(checkpoint_dir) if given == "run folder"
+                                     else checkpoint_dir, poison, settings)
+    assert rollback_records(resumed) == rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
+    assert_params_equal(resumed.model, straight.model)
+
+
 def test_a_stop_checkpoint_resumed_into_a_new_run_folder_without_its_pin_stops_rather_than_clip_the_skip(tmp_path):
     """As above, the old run folder's pin deleted: the run cannot return where the straight run does; with
     skip_batches=2 it stops with SpikeRollbackError naming the point and continue_run_folder (it left out batch 16
