@@ -67,6 +67,36 @@ def test_a_nan_gradient_step_followed_by_a_nan_batch_of_its_own_leaves_out_both_
     assert_params_equal(tl.model, reference.model)
 
 
+class EarlyEpochBegin(AbstractCallback):
+    """An ``on_epoch_begin`` ordered before SpikeRollback: the fit's start is not kept, the first step's check keeps
+    the first point."""
+
+    def __init__(self):
+        super().__init__("an epoch-begin hook before SpikeRollback", execution_order=-100)
+
+    def on_epoch_begin(self):
+        pass
+
+
+@pytest.mark.parametrize("snapshot", ["checkpoint", "memory-start-not-kept"])
+def test_adjacent_nan_batches_right_after_a_first_point_kept_at_the_first_step_are_each_left_out(tmp_path, snapshot):
+    """Review 50s S2: NaN at (0,1) and (0,2) of a fresh run whose first point is kept by the first step's check (which
+    leaves (0,0) pending). The replay starts after the (0,0) step, so it never measured it: (0,0)'s window was blamed,
+    which lies before the point; nothing was left out, the run returned to the same point until max_rollbacks and
+    training stopped. That check found the state finite after (0,0) and records so."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+    model, twin = model_pair(MLP)
+    if snapshot == "checkpoint":
+        callbacks = [SpikeRollback(**SETTINGS, snapshot="checkpoint"), ModelCheckpoint("proj", "exp", str(tmp_path))]
+    else:
+        callbacks = [EarlyEpochBegin(), SpikeRollback(**SETTINGS)]
+    tl = train(make_loop(model, loader(Poisoned(nan_batches(0, (1, 2)), scale=NAN))), callbacks=callbacks)
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {1, 2}})))
+    assert tl.run_state.rollbacks.skipped == {0: [1, 2]}
+    assert len(tl.rollbacks) == 2
+    assert_params_equal(tl.model, reference.model)
+
+
 class SigtermAfterRollbacks(AbstractCallback):
     """Sends SIGTERM at the start of the batch at ``total_iteration_idx == step`` once the run rolled back
     ``rollbacks`` times (in the replay)."""
@@ -81,19 +111,27 @@ class SigtermAfterRollbacks(AbstractCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.parametrize("step", [15, 16])
-def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_straight_run(tmp_path, step):
+@pytest.mark.parametrize("positions, step, rollbacks", [
+    ((4, 5), 15, 1), ((4, 5), 16, 1), ((4, 5), 15, 0), ((5, 6), 16, 0), ((4, 5, 6), 15, 0)],
+    ids=["replay-before-pair", "replay-at-second", "before-pair", "before-later-pair", "before-three"])
+def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_straight_run(tmp_path, positions,
+                                                                                            step, rollbacks):
     """NaN at (1,4) and (1,5) (total 16, 17); the point kept at total 14. After (1,4) is left out, a SIGTERM in the
     replay at (1,3) (total 15: that step's finite state, measured because the next batch was left out, is saved with
     the losses the stop judged) or at (1,5)'s batch (total 16: blamed before the stop's checkpoint). The resumed run
-    leaves out (1,5) alone, as the straight run."""
-    poison = nan_batches(1, (4, 5))
+    leaves out (1,5) alone, as the straight run.
+
+    Review 50s S1: a SIGTERM at the step right before the adjacent NaN batches, before any rollback (total 15 for
+    (1,4), (1,5)): the resumed fit's start lies after that step, so its replay never measured it, and the missing flag
+    blamed the healthy (1,3) and raised (a window before the start). The stop found the state finite after that step
+    and records so."""
+    poison = nan_batches(1, positions)
     model, twin = model_pair(MLP)
     straight = train(make_loop(twin, loader(Poisoned(poison, scale=NAN))), callbacks=[SpikeRollback(**SETTINGS)])
-    assert straight.run_state.rollbacks.skipped == {1: [4, 5]}
+    assert straight.run_state.rollbacks.skipped == {1: list(positions)}
     stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=NAN), -1,  # (its own never fires)
-                                        callbacks=[SigtermAfterRollbacks(step, 1)])
-    assert len(stopped.rollbacks) == (1 if step == 15 else 2)
+                                        callbacks=[SigtermAfterRollbacks(step, rollbacks)])
+    assert len(stopped.rollbacks) == (0 if rollbacks == 0 else 1 if step == 15 else 2)
     resumed = resumed_from(saved, Poisoned(poison, scale=NAN))
     assert str(resumed.rollbacks) == str(straight.rollbacks)
     assert_params_equal(resumed.model, straight.model)
