@@ -532,11 +532,14 @@ class SpikeRollback(AbstractCallback):
     def _finite_after_step(self, tl: "TrainLoop", index: int) -> bool:
         """Whether the state was finite right after pending step ``index``, measured in the replay (see on_batch_end)
         or by a judgement right after it (see :meth:`_note_finite_after_last_step`) (agreed by every process: a
-        sharded parameter is judged on each process's shards). False where it was not measured (a checkpoint from
-        before it was saved): the step is blamed, as before."""
+        sharded parameter is judged on each process's shards). Where it was not (a checkpoint from before the flags
+        were saved, or before judgements recorded them), a step at or before the kept point is the last before it
+        (the batch after the step lies after the point): the point's state is that step's, and finite (a point is only
+        kept so; review 50s S1). Else False: the step is blamed, as before."""
         flag = self._finite_after.get(self._pending_at[index])
         if flag is None:
-            return False
+            kept = self._snapshot
+            return kept is not None and self._pending_at[index] <= (kept.epoch, kept.iteration)
         # (The same branch in every process: the suspects and the pending steps agree. A rare blame's one sync.)
         return bool(tl.all_reduce_sum((~flag).float()[None]).cpu()[0] == 0)
 

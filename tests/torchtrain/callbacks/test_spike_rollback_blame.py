@@ -138,6 +138,26 @@ def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_
     assert resumed.train_history == straight.train_history
 
 
+def test_a_stop_checkpoint_without_the_judged_flag_resumes_as_the_straight_run(tmp_path):
+    """Review 50s S1, a checkpoint written before the judgements recorded the state finite (stop at (1,3), NaN at (1,4)
+    and (1,5); its SpikeRollback state stripped of ``finite_after``, as aitoolbox before wrote it): the step before
+    the bad batches lies before the resumed start, whose state is finite (a point is only kept so) and is that
+    step's: it is not blamed (it was, and the resume raised)."""
+    poison = nan_batches(1, (4, 5))
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=NAN))), callbacks=[SpikeRollback(**SETTINGS)])
+    _, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=NAN), -1,
+                                  callbacks=[SigtermAfterRollbacks(15, 0)])
+    checkpoint = torch.load(saved, weights_only=False)
+    (state,) = [state for state in checkpoint["callbacks"].values() if "finite_after" in state]
+    assert state["finite_after"]  # (what the fix records)
+    del state["finite_after"]
+    torch.save(checkpoint, saved)
+    resumed = resumed_from(saved, Poisoned(poison, scale=NAN))
+    assert str(resumed.rollbacks) == str(straight.rollbacks)
+    assert_params_equal(resumed.model, straight.model)
+
+
 # --- the wording of each kind of rollback (review 49s R7, review 49x X4) -------------------------------------------
 @pytest.fixture
 def package_logs(caplog, monkeypatch):
