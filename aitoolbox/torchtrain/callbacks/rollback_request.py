@@ -35,10 +35,18 @@ class RollBack(Exception):
 def describe_spike(record: dict) -> str:
     """What a rollback record (``tl.rollbacks``; or the spike of a ``SpikeRollbackError``) undid, named as what it
     was, epochs counted from 1 as the epoch's summary line counts them (the record keeps the 0-based index): a loss
-    spike, a non-finite loss, or weights or optimizer states that a step left non-finite (review 49s R7)."""
+    spike, a non-finite loss, or weights or optimizer states that a step left non-finite (review 49s R7).
+
+    A record of a non-finite state says what is known, not a guess (review 50s W1): with a finite loss, a step was
+    blamed, named by the batch whose gradients it took (with gradient accumulation, the first of its window; the
+    state is known not finite after some step, which the blame puts on this one); with a non-finite loss, that
+    batch was left out with the state not finite at the check (its own data, or the step before it, which a second
+    rollback then blames: the two look alike)."""
     at = f"epoch {record['epoch'] + 1}, iteration {record['iteration']}"
-    if record.get("non_finite_state"):  # the loss may be finite (NaN gradients) or NaN: the step is what was bad
-        return f"weights or optimizer states not finite after the step of {at}"
+    if record.get("non_finite_state"):
+        if not math.isfinite(record["loss"]):
+            return f"non-finite loss at {at}, with the weights or optimizer states not finite"
+        return f"weights or optimizer states not finite after a step; blamed: the step with the gradients of {at}"
     if not math.isfinite(record["loss"]):
         return f"non-finite loss at {at}"
     return f"loss spike at {at}"

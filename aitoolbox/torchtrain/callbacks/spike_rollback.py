@@ -165,7 +165,9 @@ class SpikeRollback(AbstractCallback):
         self._state_suspects: set = set()
         # Whether the state was finite right after a pending step whose next batch was left out as such a suspect
         # (a 0-d bool on the device, by the step's (epoch, iteration)): a NaN loss that follows it is its batch's own
-        # where it was, the step's where not (see _blame_state; review 49s R6). Part of the detection state, saved.
+        # where it was, the step's where not (see _blame_state; review 49s R6). Measured in the replay, or recorded
+        # by a judgement that found the state finite after the last pending step (review 50s S1, S2). Part of the
+        # detection state, saved.
         self._finite_after: Dict[Tuple[int, int], torch.Tensor] = {}
         # snapshot='memory': the point kept when an exception stopped the last fit, for the fit that continues it
         # in this process (review 48s F10; see on_exception).
@@ -464,7 +466,22 @@ class SpikeRollback(AbstractCallback):
         # its step ruins the weights while its loss looks clean. Checked here, with the flags, at no extra sync.
         state_bad = (~_state_finite(tl, losses.device)).float()[None]
         flags = torch.cat([judgement.flags.float(), (~torch.isfinite(losses)).float(), state_bad])
-        return judgement, tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
+        agreed = tl.all_reduce_sum(flags).cpu()  # the interval's only host synchronisation
+        if agreed[-1] == 0:
+            self._note_finite_after_last_step(losses.device)
+        return judgement, agreed
+
+    def _note_finite_after_last_step(self, device: torch.device) -> None:
+        """Record that the state is finite after the last pending step (it is the state now: nothing stepped since).
+
+        Every judgement that finds the state finite measured it there. A point kept with losses pending (a fit's
+        first step, a start kept after a stop signal's or an epoch end's judgement) lies after that step, so a
+        replay from it never measures it; without the record, a NaN batch right after the point blamed that
+        healthy step (its window before the point: an error on resume, or rollbacks that left out nothing, review
+        50s S1, S2). A host bool already known; the flag is made on the device, no synchronisation."""
+        stepped = [index for index, done in enumerate(self._pending_stepped) if done]
+        if stepped:
+            self._finite_after[self._pending_at[stepped[-1]]] = torch.ones((), dtype=torch.bool, device=device)
 
     def _judge(self, tl: "TrainLoop") -> Tuple[Judgement, Optional[int], Optional[int]]:
         """Judge the losses since the last check, and whether the weights and optimizer states are still finite.
@@ -512,12 +529,16 @@ class SpikeRollback(AbstractCallback):
         return (earlier[-1] + 1 if earlier else 0), before[-1]
 
     def _finite_after_step(self, tl: "TrainLoop", index: int) -> bool:
-        """Whether the state was finite right after pending step ``index``, measured in the replay (see on_batch_end;
-        agreed by every process: a sharded parameter is judged on each process's shards). False where it was not
-        measured (a checkpoint from before it was saved): the step is blamed, as before."""
+        """Whether the state was finite right after pending step ``index``, measured in the replay (see on_batch_end)
+        or by a judgement right after it (see :meth:`_note_finite_after_last_step`) (agreed by every process: a
+        sharded parameter is judged on each process's shards). Where it was not (a checkpoint from before the flags
+        were saved, or before judgements recorded them), a step at or before the kept point is the last before it
+        (the batch after the step lies after the point): the point's state is that step's, and finite (a point is only
+        kept so; review 50s S1). Else False: the step is blamed, as before."""
         flag = self._finite_after.get(self._pending_at[index])
         if flag is None:
-            return False
+            kept = self._snapshot
+            return kept is not None and self._pending_at[index] <= (kept.epoch, kept.iteration)
         # (The same branch in every process: the suspects and the pending steps agree. A rare blame's one sync.)
         return bool(tl.all_reduce_sum((~flag).float()[None]).cpu()[0] == 0)
 

@@ -67,6 +67,36 @@ def test_a_nan_gradient_step_followed_by_a_nan_batch_of_its_own_leaves_out_both_
     assert_params_equal(tl.model, reference.model)
 
 
+class EarlyEpochBegin(AbstractCallback):
+    """An ``on_epoch_begin`` ordered before SpikeRollback: the fit's start is not kept, the first step's check keeps
+    the first point."""
+
+    def __init__(self):
+        super().__init__("an epoch-begin hook before SpikeRollback", execution_order=-100)
+
+    def on_epoch_begin(self):
+        pass
+
+
+@pytest.mark.parametrize("snapshot", ["checkpoint", "memory-start-not-kept"])
+def test_adjacent_nan_batches_right_after_a_first_point_kept_at_the_first_step_are_each_left_out(tmp_path, snapshot):
+    """Review 50s S2: NaN at (0,1) and (0,2) of a fresh run whose first point is kept by the first step's check (which
+    leaves (0,0) pending). The replay starts after the (0,0) step, so it never measured it: (0,0)'s window was blamed,
+    which lies before the point; nothing was left out, the run returned to the same point until max_rollbacks and
+    training stopped. That check found the state finite after (0,0) and records so."""
+    from aitoolbox.torchtrain.callbacks.model_save import ModelCheckpoint
+    model, twin = model_pair(MLP)
+    if snapshot == "checkpoint":
+        callbacks = [SpikeRollback(**SETTINGS, snapshot="checkpoint"), ModelCheckpoint("proj", "exp", str(tmp_path))]
+    else:
+        callbacks = [EarlyEpochBegin(), SpikeRollback(**SETTINGS)]
+    tl = train(make_loop(model, loader(Poisoned(nan_batches(0, (1, 2)), scale=NAN))), callbacks=callbacks)
+    reference = train(make_loop(twin, reference_loader(Poisoned(), {0: {1, 2}})))
+    assert tl.run_state.rollbacks.skipped == {0: [1, 2]}
+    assert len(tl.rollbacks) == 2
+    assert_params_equal(tl.model, reference.model)
+
+
 class SigtermAfterRollbacks(AbstractCallback):
     """Sends SIGTERM at the start of the batch at ``total_iteration_idx == step`` once the run rolled back
     ``rollbacks`` times (in the replay)."""
@@ -81,23 +111,51 @@ class SigtermAfterRollbacks(AbstractCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.parametrize("step", [15, 16])
-def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_straight_run(tmp_path, step):
+@pytest.mark.parametrize("positions, step, rollbacks", [
+    ((4, 5), 15, 1), ((4, 5), 16, 1), ((4, 5), 15, 0), ((5, 6), 16, 0), ((4, 5, 6), 15, 0)],
+    ids=["replay-before-pair", "replay-at-second", "before-pair", "before-later-pair", "before-three"])
+def test_a_sigterm_between_the_rollbacks_of_adjacent_nan_batches_resumes_as_the_straight_run(tmp_path, positions,
+                                                                                            step, rollbacks):
     """NaN at (1,4) and (1,5) (total 16, 17); the point kept at total 14. After (1,4) is left out, a SIGTERM in the
     replay at (1,3) (total 15: that step's finite state, measured because the next batch was left out, is saved with
     the losses the stop judged) or at (1,5)'s batch (total 16: blamed before the stop's checkpoint). The resumed run
-    leaves out (1,5) alone, as the straight run."""
-    poison = nan_batches(1, (4, 5))
+    leaves out (1,5) alone, as the straight run.
+
+    Review 50s S1: a SIGTERM at the step right before the adjacent NaN batches, before any rollback (total 15 for
+    (1,4), (1,5)): the resumed fit's start lies after that step, so its replay never measured it, and the missing flag
+    blamed the healthy (1,3) and raised (a window before the start). The stop found the state finite after that step
+    and records so."""
+    poison = nan_batches(1, positions)
     model, twin = model_pair(MLP)
     straight = train(make_loop(twin, loader(Poisoned(poison, scale=NAN))), callbacks=[SpikeRollback(**SETTINGS)])
-    assert straight.run_state.rollbacks.skipped == {1: [4, 5]}
+    assert straight.run_state.rollbacks.skipped == {1: list(positions)}
     stopped, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=NAN), -1,  # (its own never fires)
-                                        callbacks=[SigtermAfterRollbacks(step, 1)])
-    assert len(stopped.rollbacks) == (1 if step == 15 else 2)
+                                        callbacks=[SigtermAfterRollbacks(step, rollbacks)])
+    assert len(stopped.rollbacks) == (0 if rollbacks == 0 else 1 if step == 15 else 2)
     resumed = resumed_from(saved, Poisoned(poison, scale=NAN))
     assert str(resumed.rollbacks) == str(straight.rollbacks)
     assert_params_equal(resumed.model, straight.model)
     assert resumed.train_history == straight.train_history
+
+
+def test_a_stop_checkpoint_without_the_judged_flag_resumes_as_the_straight_run(tmp_path):
+    """Review 50s S1, a checkpoint written before the judgements recorded the state finite (stop at (1,3), NaN at (1,4)
+    and (1,5); its SpikeRollback state stripped of ``finite_after``, as aitoolbox before wrote it): the step before
+    the bad batches lies before the resumed start, whose state is finite (a point is only kept so) and is that
+    step's: it is not blamed (it was, and the resume raised)."""
+    poison = nan_batches(1, (4, 5))
+    model, twin = model_pair(MLP)
+    straight = train(make_loop(twin, loader(Poisoned(poison, scale=NAN))), callbacks=[SpikeRollback(**SETTINGS)])
+    _, saved = stopped_by_sigterm(tmp_path, model, Poisoned(poison, scale=NAN), -1,
+                                  callbacks=[SigtermAfterRollbacks(15, 0)])
+    checkpoint = torch.load(saved, weights_only=False)
+    (state,) = [state for state in checkpoint["callbacks"].values() if "finite_after" in state]
+    assert state["finite_after"]  # (what the fix records)
+    del state["finite_after"]
+    torch.save(checkpoint, saved)
+    resumed = resumed_from(saved, Poisoned(poison, scale=NAN))
+    assert str(resumed.rollbacks) == str(straight.rollbacks)
+    assert_params_equal(resumed.model, straight.model)
 
 
 # --- the wording of each kind of rollback (review 49s R7, review 49x X4) -------------------------------------------
@@ -139,9 +197,13 @@ def test_a_non_finite_state_at_a_fresh_start_is_worded_as_such_and_back_to_the_f
     assert all(record["restored"] == {"epoch": 0, "iteration": -1} for record in tl.rollbacks)
     messages = rollback_warnings(caplog)
     assert len(messages) == 2
+    # Review 50s W1: the first names the NaN loss of the batch after the bad step as what is known (a NaN loss, the
+    # state not finite), not as "not finite after the step of" that healthy batch; the second names the blamed step.
+    assert messages[0].startswith("SpikeRollback: non-finite loss at epoch 1, iteration 1, with the weights or "
+                                  "optimizer states not finite: loss nan")
+    assert messages[1].startswith("SpikeRollback: weights or optimizer states not finite after a step; blamed: the "
+                                  "step with the gradients of epoch 1, iteration 0: loss ")
     for message, record in zip(messages, tl.rollbacks):
-        assert message.startswith(f"SpikeRollback: weights or optimizer states not finite after the step of epoch 1, "
-                                  f"iteration {record['iteration']}: loss ")
         assert "median" not in message and "limit" not in message and "spike" not in message
         assert message.endswith("back to the fit's start (before epoch 1's first batch); rolling back")
         text = describe_rollback(record)
@@ -156,10 +218,11 @@ def test_the_error_after_max_rollbacks_words_a_non_finite_state_as_such():
         train(make_loop(model, loader(Poisoned())), callbacks=[SpikeRollback(**SETTINGS, max_rollbacks=1),
                                                                TellModelEpoch()])
     message = str(raised.value)
-    assert message.startswith("weights or optimizer states not finite after the step of epoch 2, iteration 4 "
-                              "(loss ")
+    assert message.startswith("weights or optimizer states not finite after a step; blamed: the step with the "
+                              "gradients of epoch 2, iteration 4 (loss ")
     assert "median" not in message.split("\n")[0]
-    assert "\n  weights or optimizer states not finite after the step of epoch 2, iteration 5" in message
+    assert "\n  non-finite loss at epoch 2, iteration 5, with the weights or optimizer states not finite: loss nan" \
+        in message
 
 
 @pytest.mark.parametrize("record, words, numbers", [
@@ -168,9 +231,14 @@ def test_the_error_after_max_rollbacks_words_a_non_finite_state_as_such():
     # A NaN loss with the state finite (a step the loss scaler skipped): in the warmup the centre is NaN.
     (dict(epoch=0, iteration=2, loss=NAN, median=NAN, limit=NAN), "non-finite loss at epoch 1, iteration 2",
      "loss nan"),
+    # Review 50s W1: a blamed step is named by the gradients it took (with accumulation, of its window's first
+    # batch); a NaN loss left out with the state not finite, as such (the step before it may be the cause).
     (dict(epoch=0, iteration=0, loss=0.94, median=NAN, limit=NAN, non_finite_state=True),
-     "weights or optimizer states not finite after the step of epoch 1, iteration 0", "loss 0.94"),
-], ids=["spike", "non-finite-loss", "non-finite-state"])
+     "weights or optimizer states not finite after a step; blamed: the step with the gradients of epoch 1, "
+     "iteration 0", "loss 0.94"),
+    (dict(epoch=1, iteration=6, loss=NAN, median=NAN, limit=NAN, non_finite_state=True),
+     "non-finite loss at epoch 2, iteration 6, with the weights or optimizer states not finite", "loss nan"),
+], ids=["spike", "non-finite-loss", "non-finite-state", "non-finite-loss-and-state"])
 def test_each_kind_of_rollback_is_named_as_what_it_is(record, words, numbers):
     from aitoolbox.torchtrain.callbacks.rollback_request import describe_point, describe_spike, spike_numbers
     assert describe_spike(record) == words and spike_numbers(record) == numbers
