@@ -710,8 +710,14 @@ class SpikeRollback(AbstractCallback):
                    f"(snapshot='{self.snapshot}': " +
                    ("a copy in memory, released at the end of each fit or process" if self.snapshot == "memory" else
                     "no pin of it in this run's checkpoint folder, nor in the folder of the checkpoint it resumed "
-                    "from; resumed with load_checkpoint(..., continue_run_folder=True) in the run folder holding "
-                    "the pin, the run returns there") + ")")
+                    "from") + ")")
+        if self.snapshot == "checkpoint" and kept.start_iteration is None:
+            # (Review 50k K5: the checkpoint of the last check may be the one resumed from; only its pin helps.)
+            return (why + "; the run that never stopped would leave those batches out too, which this run cannot. "
+                    "Resume in the run folder that holds the point's pin (checkpoint_model/spike_rollback/ of the run "
+                    "that kept it: load_checkpoint(..., continue_run_folder=True) there, or a checkpoint of that "
+                    "folder loaded into a new one), or with snapshot='memory' from a checkpoint written at a check "
+                    f"({describe_point(anchor)}), whose fit keeps its start")
         return (why + "; the run that never stopped would leave those batches out too, which this run cannot. Resume "
                 f"from a checkpoint written at or before the last check ({describe_point(anchor)}), if one is kept")
 
