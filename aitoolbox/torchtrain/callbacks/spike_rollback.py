@@ -373,9 +373,17 @@ class SpikeRollback(AbstractCallback):
                     clear_pins(checkpoint_dir)  # an earlier process's pin of this folder, not the one to return to
                     # The checkpoints of this folder now are not the run being undone.
                     where = dict(where, on_disk=checkpoints_on_disk(_checkpoint_callbacks(tl)))
-                    found = pin_checkpoint(pin, where, checkpoint_dir=checkpoint_dir), where
-                    logger.info("SpikeRollback: the pinned point of the run folder resumed from (%s) is taken over "
-                                "into this run's checkpoint folder", pin)
+                    try:
+                        found = pin_checkpoint(pin, where, checkpoint_dir=checkpoint_dir), where
+                        logger.info("SpikeRollback: the pinned point of the run folder resumed from (%s) is taken "
+                                    "over into this run's checkpoint folder", pin)
+                    except OSError as error:  # (review 50k K14: a full disk; before the broadcast the others wait in)
+                        clear_pins(checkpoint_dir)  # what a failed copy left
+                        found = None
+                        logger.warning("SpikeRollback: the pinned point of the run folder resumed from (%s) could not "
+                                       "be taken over into this run's checkpoint folder (%s): the run goes on without "
+                                       "it, and a spike whose skip reaches before this fit's first point stops with "
+                                       "SpikeRollbackError", pin, error)
         found = tl.broadcast_object(found)
         if found is None:
             return None

@@ -1,6 +1,7 @@
 """SpikeRollback's kept points where the run that never stopped kept another: a stop checkpoint resumed into a new
 run folder (snapshot='checkpoint', review 49x X2). Each compared with the straight run (bitwise weights, the same
 rollback records) or refused with an error."""
+import errno
 import glob
 import os
 import shutil
@@ -98,6 +99,41 @@ def test_a_stop_checkpoint_resumed_into_a_new_run_folder_without_its_pin_stops_r
         resume_into_new_folder(tmp_path, model, saved, poison, settings)
     # Not the advice to resume from the last check's checkpoint: that may be the one resumed from (review 50k K5).
     assert "at or before the last check" not in str(raised.value)
+
+
+def test_a_pin_that_cannot_be_taken_over_leaves_no_partial_file_and_the_run_stops_only_at_a_skip_before_it(
+        tmp_path, monkeypatch):
+    """The old folder's pin can be neither linked (another file system) nor copied (a full disk: both injected for
+    that pin only). The resumed fit crashed at its first batch with the OSError and left a partial pin file (review
+    50k K14); it goes on without the pin, removes what the copy left, and the spike whose skip reaches before its
+    first point stops with SpikeRollbackError, as without a pin."""
+    settings = dict(SETTINGS, skip_batches=2)
+    poison = poisoned_at(1, 4)
+    model, saved, _ = stopped_into_new_folder(tmp_path, poison, settings, 14)
+    old_pins = os.path.join(os.path.dirname(saved), "spike_rollback")
+    real_link, real_copy = os.link, shutil.copy2
+
+    def link(source, target, *args, **kwargs):
+        if str(source).startswith(old_pins):
+            raise OSError(errno.EXDEV, "Invalid cross-device link (injected)")
+        return real_link(source, target, *args, **kwargs)
+
+    def copy(source, target, *args, **kwargs):
+        if str(source).startswith(old_pins):
+            with open(target, "wb") as partial:
+                partial.write(bytes(100))
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_copy(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(shutil, "copy2", copy)
+    with pytest.raises(SpikeRollbackError, match="skip_batches=2 reaches before the first point this fit kept"):
+        resume_into_new_folder(tmp_path, model, saved, poison, settings)
+    (new_folder,) = glob.glob(str(tmp_path / "proj" / "resumed_*"))
+    new_pins = os.path.join(new_folder, "checkpoint_model", "spike_rollback")
+    # (The run's own point kept at its first step is pinned there; the partial copy of the old pin is not.)
+    assert not any(name == os.path.basename(saved) for name in os.listdir(new_pins))
+    assert os.listdir(old_pins)  # the old run folder's pin stays
 
 
 def test_a_first_point_without_the_pin_that_a_skip_does_not_reach_before_records_the_straight_runs_point(tmp_path):
