@@ -7,10 +7,12 @@ finished; only a record that outlives the process tells the two apart. After eve
 the loop writes into the run folder of each checkpoint callback ``.train_end_done.json`` (hidden, at the folder's
 top: code that lists ``checkpoint_model/`` finds checkpoints only): the points (epochs completed, total iteration
 index) at which a train end finished. The epoch-end checkpoint of a fit's last epoch (its target reached, or a stop
-requested) that such a callback saved into its ``checkpoint_model/`` carries :data:`CHECKPOINT_KEY`, the record's
-path relative to the checkpoint's folder: the train end follows it. ``fit`` of such a checkpoint at its target,
-without its point in the record, runs the end that was lost instead of reporting nothing to train; with its point
-recorded the end finished, and ``fit`` trains nothing, as before.
+requested) that such a callback saved into its ``checkpoint_model/`` carries :data:`CHECKPOINT_KEY`, the name of
+its run folder: the train end follows it. ``fit`` of such a checkpoint at its target, read from that run folder's
+``checkpoint_model/`` (a copy elsewhere, or in another run's folder, says nothing: review 50e F1), without its point
+in the record, runs the end that was lost instead of reporting nothing to train; with its point recorded the end
+finished, and ``fit`` trains nothing, as before. A record that is not a small regular file of points (a planted
+FIFO, a huge or deeply nested file) is taken as "finished" and never rewritten.
 
 A checkpoint without the key (an earlier epoch's, aitoolbox 1.x's, ``tl.checkpoint_state()`` saved by hand, a
 mid-epoch or sharded checkpoint) says nothing about an end: ``fit`` treats it as before.
@@ -18,7 +20,8 @@ mid-epoch or sharded checkpoint) says nothing about an end: ``fit`` treats it as
 import json
 import logging
 import os
-from typing import Optional
+import stat
+from typing import List, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
 
@@ -26,10 +29,13 @@ logger = logging.getLogger(__name__)
 
 #: The record's file name, at the top of the run folder.
 MARKER_NAME = ".train_end_done.json"
-#: In the epoch-end checkpoint of a fit's last epoch, saved into a run folder's ``checkpoint_model/``: the record's
-#: path relative to the checkpoint's folder (:data:`RECORD_FROM_CHECKPOINT`).
+#: In the epoch-end checkpoint of a fit's last epoch, saved into a run folder's ``checkpoint_model/``: the run
+#: folder's name (the record is :data:`RECORD_FROM_CHECKPOINT`, relative to the checkpoint's folder).
 CHECKPOINT_KEY = "train_end_record"
 RECORD_FROM_CHECKPOINT = "../" + MARKER_NAME
+#: A record is a short list of points: anything larger is not one (a bucket's or a planted file).
+MAX_RECORD_BYTES = 64 * 1024
+_CHECKPOINT_FOLDER = "checkpoint_model"
 
 
 def record_path(run_folder: str) -> str:
@@ -38,27 +44,41 @@ def record_path(run_folder: str) -> str:
 
 
 def record_beside(checkpoint: dict, source: Optional[str]) -> Optional[str]:
-    """The record a checkpoint read from the file ``source`` names (None: it names none, or none that aitoolbox
-    writes: a path taken from a file is never followed elsewhere)."""
-    if checkpoint.get(CHECKPOINT_KEY) != RECORD_FROM_CHECKPOINT or not isinstance(source, str):
+    """The record of the run a checkpoint read from the file ``source`` was saved in: only where the file lies in
+    the ``checkpoint_model/`` folder of the run folder its :data:`CHECKPOINT_KEY` names (None otherwise: it names
+    none, or the file was copied elsewhere or into another run's folder, whose record is not its own; a path taken
+    from a file is never followed)."""
+    run_name = checkpoint.get(CHECKPOINT_KEY)
+    if not isinstance(run_name, str) or not isinstance(source, str):
         return None
-    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(source)), RECORD_FROM_CHECKPOINT))
+    checkpoint_dir = os.path.dirname(os.path.abspath(source))
+    run_folder = os.path.dirname(checkpoint_dir)
+    if os.path.basename(checkpoint_dir) != _CHECKPOINT_FOLDER or os.path.basename(run_folder) != run_name:
+        return None
+    return record_path(run_folder)
 
 
 def _point(epochs_completed: int, iteration_idx: int) -> list:
     return [int(epochs_completed), int(iteration_idx)]
 
 
-def _read(path: str) -> Optional[list]:
-    """The points recorded in ``path``; [] when there is no record; None when it cannot be read."""
+def _read(path: str) -> Optional[List[list]]:
+    """The points recorded in ``path`` (entries that are not two integers are passed over); [] when there is no
+    record; None when it cannot be read, or is not a small regular file of points."""
     try:
+        status = os.stat(path)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"not a regular file of at most {MAX_RECORD_BYTES} bytes")  # (a FIFO would block)
         with open(path, encoding="utf-8") as handle:
-            points = json.load(handle)["train_ends_done"]
-        return [list(point) for point in points]
+            points = json.loads(handle.read(MAX_RECORD_BYTES + 1))["train_ends_done"]
+        if not isinstance(points, list):
+            raise TypeError("train_ends_done is not a list")
+        return [list(point) for point in points
+                if isinstance(point, list) and len(point) == 2 and all(type(value) is int for value in point)]
     except FileNotFoundError:
         return []
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.warning("cannot read the train-end record %s (%s); its run's train end is taken as finished", path,
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+        logger.warning("cannot read the train-end record %s (%s); its run's train ends are taken as finished", path,
                        error)
         return None
 
@@ -69,7 +89,9 @@ def record_train_end_done(path: str, epochs_completed: int, iteration_idx: int) 
     could not be written (logged: the end is finished, and a restart runs it again)."""
     if not os.path.isdir(os.path.dirname(path)):
         return None
-    points = _read(path) or []
+    points = _read(path)
+    if points is None:  # unreadable: every end of the run counts as finished already (rewritten, some would not)
+        return None
     point = _point(epochs_completed, iteration_idx)
     if point not in points:
         points.append(point)

@@ -20,7 +20,7 @@ from aitoolbox.experiment.local_save.checkpoints import checkpoint_file_name, sa
 from aitoolbox.experiment.local_save.shared_outcome import exchange_in_group, raise_shared_outcome
 from aitoolbox.experiment.local_save.sharded_checkpoints import checkpoint_process_group, sharded_checkpoint_name
 from aitoolbox.experiment.local_save.train_end_marker import CHECKPOINT_KEY as TRAIN_END_CHECKPOINT_KEY
-from aitoolbox.experiment.local_save.train_end_marker import RECORD_FROM_CHECKPOINT, record_path, record_train_end_done
+from aitoolbox.experiment.local_save.train_end_marker import record_path, record_train_end_done
 from aitoolbox.experiment.redaction import redact_hyperparams
 from aitoolbox.torchtrain.callbacks.cloud_upload import upload_failed_at_train_end
 from aitoolbox.torchtrain.callbacks.experiment import AbstractExperimentCallback
@@ -245,7 +245,7 @@ class CheckpointCallback(AbstractExperimentCallback):
             # The fit's last epoch: its train end follows this checkpoint, and the loop records in the run folder
             # when it finished (:meth:`record_train_end_done`). A load of this checkpoint at its fit's target,
             # without its end recorded, runs the end a kill lost; an earlier epoch's checkpoint carries no key.
-            checkpoint[TRAIN_END_CHECKPOINT_KEY] = RECORD_FROM_CHECKPOINT
+            checkpoint[TRAIN_END_CHECKPOINT_KEY] = os.path.basename(os.path.abspath(self.experiment_folder.path))
         path, error = None, None
         if self.is_main_process:
             try:

@@ -19,12 +19,13 @@ import posixpath
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from aitoolbox.cloud.layout import download_checkpoint, newest_cloud_run
+from aitoolbox.experiment.local_save.atomic import atomic_write_text
 from aitoolbox.experiment.local_save.checkpoints import checkpoint_path_position, load_checkpoint_file
 from aitoolbox.experiment.local_save.experiment_folder import ExperimentFolder, newest_resumable_run, run_checkpoints
 from aitoolbox.experiment.local_save.run_identity import RunIdentity
 from aitoolbox.experiment.local_save.safe_load import UntrustedCheckpointError
 from aitoolbox.experiment.local_save.sharded_checkpoints import is_sharded_checkpoint
-from aitoolbox.experiment.local_save.train_end_marker import RECORD_FROM_CHECKPOINT
+from aitoolbox.experiment.local_save.train_end_marker import MAX_RECORD_BYTES, RECORD_FROM_CHECKPOINT
 
 if TYPE_CHECKING:  # pragma: no cover
     from aitoolbox.torchtrain.callbacks.cloud_upload import CloudDestination
@@ -87,7 +88,10 @@ def _download_train_end_record(storage: Any, key: str, local_folder: str) -> Non
     record_key = posixpath.normpath(posixpath.join(posixpath.dirname(key.rstrip("/")), RECORD_FROM_CHECKPOINT))
     try:
         if storage.exists(record_key):
-            storage.download_file(record_key, os.path.normpath(os.path.join(local_folder, RECORD_FROM_CHECKPOINT)))
+            # At most a record's size held or written (a bucket others write to: review 50e F5); larger is refused.
+            data = storage.download_bytes(record_key, max_size=MAX_RECORD_BYTES)
+            atomic_write_text(os.path.normpath(os.path.join(local_folder, RECORD_FROM_CHECKPOINT)),
+                              data.decode("utf-8", errors="replace"))
     except Exception as error:  # the checkpoint is there: a run without the record repeats its end, no more
         logger.warning("auto_resume: could not download the train-end record %s (%s)", storage.uri(record_key), error)
 

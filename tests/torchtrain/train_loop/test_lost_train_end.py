@@ -179,6 +179,69 @@ def test_a_dict_without_its_file_and_a_mid_epoch_checkpoint_are_treated_as_befor
     assert counter.ends == 0
 
 
+def _finished_run(root):
+    """A finished 2-epoch run: its final epoch-end checkpoint and its run folder."""
+    tl, checkpoint = _loop(root)
+    tl.fit(num_epochs=2, callbacks=[checkpoint])
+    folder = checkpoint.experiment_folder.checkpoint_dir
+    return sorted(glob.glob(os.path.join(folder, "*_E1.pth")))[0], checkpoint.experiment_folder.path
+
+
+def _ends_after_loading(root, path):
+    loaded, _ = _loop(root)
+    counter = _counter()
+    loaded.load_checkpoint(path)
+    loaded.fit(num_epochs=2, callbacks=[counter])
+    return counter.begins, counter.ends
+
+
+@pytest.mark.parametrize("where", ["a shared folder", "another run's checkpoint folder"])
+def test_a_finished_runs_final_checkpoint_copied_elsewhere_trains_nothing_and_writes_no_record(tmp_path, where):
+    """The copy's folder has no record of that run (review 50e F1: its end ran again, and a record was written
+    beside the folder above the copy, outside any run folder): nothing to train, as before this record existed."""
+    import shutil
+
+    final, _ = _finished_run(tmp_path / "runs")
+    target = tmp_path / "share" if where == "a shared folder" else tmp_path / "other" / "exp_x" / "checkpoint_model"
+    target.mkdir(parents=True)
+    copy = shutil.copy(final, target)
+    assert _ends_after_loading(tmp_path / "runs", copy) == (0, 0)
+    assert not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(copy)), MARKER_NAME))
+
+
+@pytest.mark.parametrize("record", ["fifo", "nested", "huge"])
+def test_a_record_that_is_not_a_small_file_of_points_counts_as_finished_without_hanging(tmp_path, record):
+    """A planted record (review 50e F3): a FIFO made fit hang on its read, a deeply nested one raised
+    RecursionError; one over the size limit is not read either. Each is taken as "finished" and left as it is."""
+    from aitoolbox.experiment.local_save.train_end_marker import MAX_RECORD_BYTES
+
+    final, run = _finished_run(tmp_path)
+    path = os.path.join(run, MARKER_NAME)
+    os.remove(path)
+    if record == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as handle:
+            handle.write("[" * 100_000 + "]" * 100_000 if record == "nested" else " " * (MAX_RECORD_BYTES + 1))
+    before = os.stat(path)
+    assert _ends_after_loading(tmp_path, final) == (0, 0)
+    after = os.stat(path)
+    assert (after.st_mode, after.st_size, after.st_mtime_ns) == (before.st_mode, before.st_size, before.st_mtime_ns)
+
+
+def test_a_malformed_entry_of_the_record_keeps_the_other_points(tmp_path):
+    """An entry that is not two integers is passed over; the points beside it stay (review 50e F4: the record was
+    rewritten with the new point alone, so an end that had finished counted as lost)."""
+    from aitoolbox.experiment.local_save.train_end_marker import record_train_end_done
+
+    path = str(tmp_path / MARKER_NAME)
+    with open(path, "w") as handle:
+        json.dump({"train_ends_done": [[1, 7], "garbage", [2], [2, 15]]}, handle)
+    assert record_train_end_done(path, 3, 23) == path
+    with open(path) as handle:
+        assert json.load(handle) == {"train_ends_done": [[1, 7], [2, 15], [3, 23]]}
+
+
 def _ddp_loop():
     import torch
     from torch import nn
