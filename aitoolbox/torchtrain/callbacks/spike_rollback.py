@@ -23,7 +23,8 @@ from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.torchtrain.callbacks.handler import overrides_hook
 from aitoolbox.torchtrain.callbacks.spike_points import (
-    KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after, unpin)
+    PIN_FOLDER, KeptPoint, checkpoints_on_disk, clear_pins, pin_checkpoint, read_pinned_point, remove_checkpoints_after,
+    unpin)
 from aitoolbox.torchtrain.callbacks.spike_rules import Judgement, LossHistory, make_rule, positive_number, remember
 from aitoolbox.torchtrain.callbacks.rollback_request import RollBack, describe_point, describe_spike, spike_numbers
 
@@ -836,15 +837,19 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
 
 
 def _checkpoint_dir_of(source: Optional[str]) -> Optional[str]:
-    """The ``checkpoint_model/`` folder a loaded checkpoint came from: the file's folder, or, where load_checkpoint was
-    given a folder (its newest checkpoint), that folder or the run folder's ``checkpoint_model/`` (review 50k K4)."""
+    """The ``checkpoint_model/`` folder a loaded checkpoint came from: the folder of the file (or of a sharded
+    checkpoint's folder), or, where load_checkpoint was given a run folder or its ``checkpoint_model/`` folder (its
+    newest checkpoint), that ``checkpoint_model/`` folder (review 50k K4; ``~`` expanded as load_checkpoint does)."""
     if source is None:
         return None
-    source = os.path.abspath(source)
-    if not os.path.isdir(source):
-        return os.path.dirname(source)
-    inside = os.path.join(source, "checkpoint_model")
-    return inside if os.path.isdir(inside) else source
+    source = os.path.abspath(os.path.expanduser(source))
+    if os.path.isdir(source):
+        inside = os.path.join(source, "checkpoint_model")
+        if os.path.isdir(inside):
+            return inside
+        if os.path.basename(source) == "checkpoint_model" or os.path.isdir(os.path.join(source, PIN_FOLDER)):
+            return source  # (else a sharded checkpoint's folder, in its checkpoint_model/)
+    return os.path.dirname(source)
 
 
 def _where(kept: KeptPoint) -> str:

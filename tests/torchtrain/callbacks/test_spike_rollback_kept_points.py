@@ -69,19 +69,35 @@ def test_a_stop_checkpoint_resumed_into_a_new_run_folder_returns_to_the_pin_of_t
     assert not os.path.exists(os.path.join(new_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
 
 
-@pytest.mark.parametrize("given", ["run folder", "checkpoint folder"])
-def test_a_stop_checkpoint_loaded_by_its_folder_into_a_new_run_folder_returns_to_that_folders_pin(tmp_path, given):
+@pytest.mark.parametrize("given", ["run folder", "checkpoint folder", "home-relative file"])
+def test_a_stop_checkpoint_loaded_by_its_folder_into_a_new_run_folder_returns_to_that_folders_pin(
+        tmp_path, monkeypatch, given):
     """As above, load_checkpoint given the run folder or its checkpoint_model/ folder (its newest checkpoint, the
-    stop's): the pin is looked for in that run folder, not in the folder above it (review 50k K4: it stopped with
-    SpikeRollbackError saying no pin was there)."""
+    stop's), or the file as ``~/...``: the pin is looked for in that run folder, not in the folder above it (review
+    50k K4: it stopped with SpikeRollbackError saying no pin was there) nor under a folder named ``~`` (50t T2)."""
     settings = dict(SETTINGS, skip_batches=2)
     poison = poisoned_at(1, 4)
     model, saved, straight = stopped_into_new_folder(tmp_path, poison, settings, 14)
     checkpoint_dir = os.path.dirname(saved)
-    resumed = resume_into_new_folder(tmp_path, model, os.path.dirname(checkpoint_dir) if given == "run folder"
-                                     else checkpoint_dir, poison, settings)
+    source = {"run folder": os.path.dirname(checkpoint_dir), "checkpoint folder": checkpoint_dir,
+              "home-relative file": os.path.join("~", os.path.relpath(saved, tmp_path))}[given]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    resumed = resume_into_new_folder(tmp_path, model, source, poison, settings)
     assert rollback_records(resumed) == rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
     assert_params_equal(resumed.model, straight.model)
+
+
+def test_the_pin_of_a_sharded_checkpoint_given_as_its_folder_is_looked_for_in_its_checkpoint_folder(tmp_path):
+    """A sharded (FSDP) checkpoint is a folder inside checkpoint_model/: given as that folder, its pins are those of
+    the checkpoint_model/ folder around it (review 50t T1: the sharded folder itself was searched)."""
+    from aitoolbox.torchtrain.callbacks.spike_rollback import _checkpoint_dir_of
+
+    checkpoint_dir = tmp_path / "exp_1" / "checkpoint_model"
+    (checkpoint_dir / "model_exp_1_E1_ITER14").mkdir(parents=True)
+    (checkpoint_dir / "spike_rollback").mkdir()
+    assert _checkpoint_dir_of(str(checkpoint_dir / "model_exp_1_E1_ITER14")) == str(checkpoint_dir)
+    assert _checkpoint_dir_of(str(tmp_path / "exp_1")) == str(checkpoint_dir)
+    assert _checkpoint_dir_of(str(checkpoint_dir)) == str(checkpoint_dir)
 
 
 def test_a_stop_checkpoint_resumed_into_a_new_run_folder_without_its_pin_stops_rather_than_clip_the_skip(tmp_path):
