@@ -229,3 +229,23 @@ def test_precision_state_dict_round_trip():
     fresh.load_state_dict(state)
     assert fresh.loss_scaler.loss_scale == 2.0 ** 15
     full_precision("cpu").load_state_dict(state)  # nothing to restore into: ignored
+
+
+def test_a_step_after_scaling_is_switched_off_is_reported_not_skipped():
+    """A step without scaling (the road without a scaler or masters) reports "not skipped" to ``last_step_skipped``
+    and the step listener, also after a skipped step of a scaler switched off since (a change of the attribute, which
+    the loop takes from the next epoch). ``last_step_skipped`` is what the loop reads after a 1.x own optimizer step
+    (a per-step scheduler holds back on it); the listener is amp's ``last_step_skipped``. (The mutation run, mut50: either statement dropped survived.)"""
+    heard = []
+    precision = Precision("cpu", loss_scaler=LossScaler("dynamic"),
+                          step_listener=lambda skipped, optimizers: heard.append((skipped, list(optimizers))))
+    model, optimizer = linear_with_grads(float("inf"))
+    assert not precision.step([optimizer]) and precision.last_step_skipped
+    precision.zero_grad([optimizer])
+    precision.loss_scaler = None
+    model.weight.grad = torch.full_like(model.weight, 0.5)
+    weight = model.weight.detach().clone()
+    assert precision.step([optimizer])
+    assert torch.equal(model.weight.detach(), weight - 0.5)
+    assert not precision.last_step_skipped
+    assert heard == [(True, [optimizer]), (False, [optimizer])]
