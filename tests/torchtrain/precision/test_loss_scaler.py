@@ -235,7 +235,8 @@ def test_a_step_after_scaling_is_switched_off_is_reported_not_skipped():
     """A step without scaling (the road without a scaler or masters) reports "not skipped" to ``last_step_skipped``
     and the step listener, also after a skipped step of a scaler switched off since (a change of the attribute, which
     the loop takes from the next epoch). ``last_step_skipped`` is what the loop reads after a 1.x own optimizer step
-    (a per-step scheduler holds back on it); the listener is amp's ``last_step_skipped``. (The mutation run, mut50: either statement dropped survived.)"""
+    (a per-step scheduler holds back on it); the listener is amp's ``last_step_skipped``. (The mutation run, mut50:
+    either statement dropped survived.)"""
     heard = []
     precision = Precision("cpu", loss_scaler=LossScaler("dynamic"),
                           step_listener=lambda skipped, optimizers: heard.append((skipped, list(optimizers))))
