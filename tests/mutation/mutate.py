@@ -134,8 +134,9 @@ TESTS = [
 DESELECTED: List[str] = []
 
 # The baseline's coverage: the lines executed, and the tests executing each (a baseline of another format is run
-# again rather than reused).
-COVERAGE_FORMAT = 2
+# again rather than reused). 3: coverage's trace function put back after a test that cleared it (the baselines of
+# format 2 since test_step_transactions.py's Ctrl-C-at-any-statement test measured none of the tests after it).
+COVERAGE_FORMAT = 3
 
 # Function names whose bodies are not mutated: what only describes an object.
 SKIPPED_FUNCTIONS = {"__repr__", "__str__"}
@@ -400,13 +401,23 @@ class _TestContexts:
     def __init__(self, measured):
         self.measured = measured
         self.test_ids: List[str] = []  # in the order they ran
+        self.tracer = None  # coverage's trace function, as the first test found it
+        # The tests that left another trace function than coverage's (a test tracing with its own and then
+        # clearing it, sys.settrace(None)): coverage's is put back after each, else every later test goes unmeasured
+        # and the mutants only those execute run against too few tests, or are reported not covered.
+        self.trace_put_back_after: List[str] = []
 
     def pytest_runtest_setup(self, item):
+        if self.tracer is None:
+            self.tracer = sys.gettrace()
         self.test_ids.append(item.nodeid)
         self.measured.switch_context(item.nodeid)
 
     def pytest_runtest_logfinish(self, nodeid, location):
         self.measured.switch_context("")
+        if self.tracer is not None and sys.gettrace() is not self.tracer:
+            self.trace_put_back_after.append(nodeid)
+            sys.settrace(self.tracer)
 
 
 def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]] = None,
@@ -459,7 +470,8 @@ def _start_tests(copy_root: str, log_path: str, coverage_of: Optional[List[str]]
                 tests_by_line[relative] = {line: sorted(position[context] for context in contexts)
                                            for line, contexts in data.contexts_by_lineno(path).items()}
             with open(os.path.join(copy_root, ".coverage-lines.json"), "w") as handle:
-                json.dump({"lines": lines, "test_ids": test_ids, "tests_by_line": tests_by_line}, handle)
+                json.dump({"lines": lines, "test_ids": test_ids, "tests_by_line": tests_by_line,
+                           "trace_put_back_after": plugins[0].trace_put_back_after}, handle)
     finally:
         os._exit(int(code))
 
@@ -775,6 +787,9 @@ def main() -> int:
                 return 2
             baseline = {"fingerprint": fingerprint, "seconds": seconds, "covered": covered}
             print(f"unmutated: the selection passes in {seconds:.0f} s")
+            for test_id in (covered or {}).get("trace_put_back_after", []):
+                print(f"warning: {test_id} left another trace function than coverage's (put back after it: fix the "
+                      "test to restore sys.gettrace())")
         if options.baseline_only:
             return 0
         coverage = baseline["covered"]

@@ -1,8 +1,9 @@
-"""The mutation tool's own bookkeeping: which lines ``--lines`` selects, and how a report's records follow a target file
-that changed since (``--resume``)."""
+"""The mutation tool's own bookkeeping: which lines ``--lines`` selects, how a report's records follow a target file
+that changed since (``--resume``), and which tests the baseline's measurement finds executing each line."""
 import argparse
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -92,3 +93,38 @@ def test_a_record_of_an_older_report_matches_by_index_and_line_and_takes_its_sta
     records, moved, dropped = mutate._carry_over({mutate._key(old): old, mutate._key(stale): stale}, [path])
     assert (moved, dropped) == (0, 1)
     assert [(record.status, record.statement) for record in records] == [("survived", current[1].statement)]
+
+
+class _Item:
+    def __init__(self, nodeid):
+        self.nodeid = nodeid
+
+
+def test_a_test_that_clears_the_trace_function_leaves_the_later_tests_measured(tmp_path):
+    """Mutation run mut50: test_step_transactions.py's Ctrl-C-at-any-statement test traced with its own function and
+    then cleared it (sys.settrace(None)): coverage measured none of the ~220 tests after it, whose mutants then ran
+    against too few tests or were reported not covered. The plugin puts coverage's trace function back after each
+    test and names the test that removed it."""
+    coverage = pytest.importorskip("coverage")
+    (tmp_path / "measured_module.py").write_text("def first():\n    return 1\n\n\ndef second():\n    return 2\n")
+    spec = importlib.util.spec_from_file_location("measured_module", tmp_path / "measured_module.py")
+    module = importlib.util.module_from_spec(spec)
+    measured = coverage.Coverage(include=[str(tmp_path / "measured_module.py")], data_file=None)
+    contexts = mutate._TestContexts(measured)
+    previous_trace = sys.gettrace()  # (this test's own measurement, if any, is back after it)
+    measured.start()
+    try:
+        spec.loader.exec_module(module)
+        contexts.pytest_runtest_setup(_Item("clearing"))
+        module.first()
+        sys.settrace(None)  # as the Ctrl-C test did
+        contexts.pytest_runtest_logfinish("clearing", None)
+        contexts.pytest_runtest_setup(_Item("later"))
+        module.second()
+        contexts.pytest_runtest_logfinish("later", None)
+    finally:
+        measured.stop()
+        sys.settrace(previous_trace)
+    by_line = measured.get_data().contexts_by_lineno(str(tmp_path / "measured_module.py"))
+    assert by_line[2] == ["clearing"] and by_line[6] == ["later"]
+    assert contexts.trace_put_back_after == ["clearing"]

@@ -229,3 +229,58 @@ def test_precision_state_dict_round_trip():
     fresh.load_state_dict(state)
     assert fresh.loss_scaler.loss_scale == 2.0 ** 15
     full_precision("cpu").load_state_dict(state)  # nothing to restore into: ignored
+
+
+def test_a_step_after_scaling_is_switched_off_is_reported_not_skipped():
+    """A step without scaling (the road without a scaler or masters) reports "not skipped" to ``last_step_skipped``
+    and the step listener, also after a skipped step of a scaler switched off since (a change of the attribute, which
+    the loop takes from the next epoch). ``last_step_skipped`` is what the loop reads after a 1.x own optimizer step
+    (a per-step scheduler holds back on it); the listener is amp's ``last_step_skipped``. (The mutation run, mut50:
+    either statement dropped survived.)"""
+    heard = []
+    precision = Precision("cpu", loss_scaler=LossScaler("dynamic"),
+                          step_listener=lambda skipped, optimizers: heard.append((skipped, list(optimizers))))
+    model, optimizer = linear_with_grads(float("inf"))
+    assert not precision.step([optimizer]) and precision.last_step_skipped
+    precision.zero_grad([optimizer])
+    precision.loss_scaler = None
+    model.weight.grad = torch.full_like(model.weight, 0.5)
+    weight = model.weight.detach().clone()
+    assert precision.step([optimizer])
+    assert torch.equal(model.weight.detach(), weight - 0.5)
+    assert not precision.last_step_skipped
+    assert heard == [(True, [optimizer]), (False, [optimizer])]
+
+
+def test_reset_forgets_the_overflow_verdict_of_an_abandoned_step():
+    """An overflow found by the unscale_ of a step abandoned since (an exception before its optimizer step) does not
+    skip the next step, whose own gradients are finite. (The mutation run, mut50: reset's ``_found_inf.clear()``
+    dropped survived.)"""
+    precision = Precision("cpu", loss_scaler=LossScaler("dynamic"))
+    model, optimizer = linear_with_grads(float("inf"))
+    precision.unscale_(optimizer)
+    precision.reset()
+    model.weight.grad = torch.full_like(model.weight, 2.0 ** 16)
+    weight = model.weight.detach().clone()
+    assert precision.step([optimizer]) and not precision.last_step_skipped
+    assert torch.equal(model.weight.detach(), weight - 1.0)
+
+
+def test_a_step_state_put_back_is_the_step_state_taken():
+    """load_step_state puts back all of what step_state took, after another use of the precision object changed it:
+    a skip since the last scale update (the per-optimizer steps of one iteration update the scale once, after the
+    last) still backs the scale off at the update that finishes the step. (The mutation run, mut50: load_step_state's
+    ``_masters_hold_local_grads`` and ``_skipped_since_update`` dropped survived.)"""
+    precision = Precision("cpu", loss_scaler=LossScaler("dynamic"))
+    _, optimizer = linear_with_grads(float("inf"))
+    assert not precision.step([optimizer], update_scale=False)
+    state = precision.step_state()
+    precision.update_scale()  # another use meanwhile: the skip is applied and forgotten there
+    assert precision.loss_scaler.loss_scale == 2.0 ** 15
+    precision.load_step_state(state)
+    assert precision.step_state() == state
+    precision.update_scale()
+    assert precision.loss_scaler.loss_scale == 2.0 ** 14
+    held = {"unscaled": {7}, "found_inf": {7: True}, "masters_hold_local_grads": True, "skipped_since_update": False}
+    precision.load_step_state(held)
+    assert precision.step_state() == held

@@ -4,7 +4,7 @@ Written for the mutation run (tests/mutation/): these mutants survived the rest 
 import pytest
 import torch
 
-from aitoolbox.torchtrain.precision import LossScaler
+from aitoolbox.torchtrain.precision import LossScaler, Precision
 from aitoolbox.torchtrain.precision.master_weights import MasterWeights, is_low_precision
 
 
@@ -227,3 +227,19 @@ def test_a_step_finished_later_keeps_the_overflow_verdict_of_the_optimizers_left
     assert not precision.step([optimizers[1]])
     assert torch.equal(params[1].detach(), torch.ones(4, dtype=torch.bfloat16))
     assert torch.equal(params[0].detach().float(), torch.full((4,), -1.0))
+
+
+def test_zero_grad_clears_a_gradient_left_on_the_low_precision_model():
+    """A gradient on the bfloat16 model that no step moved into the masters (a backward before fit, cleared by the
+    loop's zero_grad at fit start) is cleared by zero_grad, not added to the next step's. (The mutation run, mut50:
+    zero_grad's ``model_param.grad = None`` dropped survived.)"""
+    param, optimizer, masters = _bfloat16_sgd()
+    precision = Precision(master_weights=masters)
+    param.grad = torch.full((5,), 100.0, dtype=torch.bfloat16)
+    precision.zero_grad([optimizer])
+    assert param.grad is None
+    (_, master), = masters.grad_pairs(optimizer)
+    expected = master.detach() - 0.01 * 0.5
+    param.grad = torch.full((5,), 0.5, dtype=torch.bfloat16)
+    assert precision.step([optimizer])
+    assert torch.equal(master.detach(), expected)
