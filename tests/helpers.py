@@ -296,6 +296,20 @@ class StepCounter(AbstractCallback):
         self.step_iterations.append((self.train_loop_obj.epoch, self.train_loop_obj.iteration))
 
 
+class TrainEndCounter(AbstractCallback):
+    """Counts the train begins and ends a loop runs (a train end run again, or lost, shows in the counts)."""
+
+    def __init__(self):
+        super().__init__("train end counter")
+        self.begins, self.ends = 0, 0
+
+    def on_train_begin(self):
+        self.begins += 1
+
+    def on_train_end(self):
+        self.ends += 1
+
+
 def distinct_records(caplog) -> list:
     """``caplog.records`` with each record once: when a test lets the package logger propagate, some pytest versions
     deliver a record to the capturing handler twice (once through the named logger, once through the root)."""

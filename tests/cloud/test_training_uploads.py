@@ -26,7 +26,7 @@ from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint, Trai
 from aitoolbox.experiment.result_package.basic_packages import ClassificationResultPackage
 from tests.cloud.buckets import FAST_RETRY
 from tests.cloud.test_uploader import open_files_below
-from tests.helpers import MLP, classification_data, single_torch_thread
+from tests.helpers import MLP, TrainEndCounter, classification_data, single_torch_thread
 
 one_thread = pytest.fixture(single_torch_thread, autouse=True, scope="module", name="one_thread")
 
@@ -423,18 +423,10 @@ def test_a_finished_run_continued_from_the_bucket_on_a_new_machine_runs_no_train
     """Issue 32: the record of the finished train ends (``.train_end_done.json``) goes to the bucket and comes back with
     the checkpoint: without it a finished run's final checkpoint looks like one whose job was killed before its end,
     and the end (test evaluation, final saves, uploads) would run again."""
-    class CountsEnds(AbstractCallback):
-        def __init__(self):
-            super().__init__("counts ends")
-            self.ends = 0
-
-        def on_train_end(self):
-            self.ends += 1
-
     root = str(tmp_path / "results")
     first = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
                                 **cloud(service, bucket))
-    counter = CountsEnds()
+    counter = TrainEndCounter()
     first.fit(num_epochs=2, callbacks=[counter])
     assert counter.ends == 1
     shutil.rmtree(root)  # restarted on a new machine: no local run
@@ -442,7 +434,7 @@ def test_a_finished_run_continued_from_the_bucket_on_a_new_machine_runs_no_train
     again = TrainLoopCheckpoint(*preset_arguments(), "proj", "exp", root, {}, auto_resume=True,
                                 **cloud(service, bucket))
     assert again.experiment_timestamp == first.experiment_timestamp and again.epochs_completed == 2
-    counter = CountsEnds()
+    counter = TrainEndCounter()
     again.fit(num_epochs=2, callbacks=[counter])
     assert counter.ends == 0
     assert os.path.exists(os.path.join(again.experiment_folder.path, ".train_end_done.json"))

@@ -18,16 +18,24 @@ BOTH_RANKS_BATCH = list(range(2 * BATCH_SIZE * POSITION, 2 * BATCH_SIZE * (POSIT
 POISONED = [index for index in BOTH_RANKS_BATCH if index % 2 == 1]  # rank 1's share
 
 
-class PoisonedRegression(Dataset):
-    def __init__(self):
-        self.base = regression_data(NUM_SAMPLES)
+class TargetsPoisoned(Dataset):
+    """The regression data with the targets of ``samples`` replaced by ``poison(targets)`` (the targets: the model's
+    tanh bounds its inputs' effect)."""
+
+    def __init__(self, samples, poison):
+        self.base, self.samples, self.poison = regression_data(NUM_SAMPLES), frozenset(samples), poison
 
     def __len__(self):
         return NUM_SAMPLES
 
     def __getitem__(self, index):
         x, y, i = self.base[index]
-        return x, (y * 1e4 if index in POISONED else y), i  # the targets: the model's tanh bounds its inputs' effect
+        return x, (self.poison(y) if index in self.samples else y), i
+
+
+def poisoned_regression():
+    """Rank 1's share of batch 5 with targets 1e4 times larger: a loss spike on one rank."""
+    return TargetsPoisoned(POISONED, lambda targets: targets * 1e4)
 
 
 def build(dataset, gpu_mode: str = "ddp") -> TrainLoop:
@@ -41,10 +49,10 @@ def runs(rank: int, world_size: int) -> dict:
     join_as_torchrun(rank, world_size)
     results = {}
     kept = [index for index in range(NUM_SAMPLES) if index not in BOTH_RANKS_BATCH]
-    for name, dataset, callbacks in (("rollback", PoisonedRegression(), [SpikeRollback(factor=100.0, window=4,
+    for name, dataset, callbacks in (("rollback", poisoned_regression(), [SpikeRollback(factor=100.0, window=4,
                                                                                         warmup=2, snapshot_every=3)]),
                                      ("reference", Subset(regression_data(NUM_SAMPLES), kept), []),
-                                     ("ruined", PoisonedRegression(), [])):
+                                     ("ruined", poisoned_regression(), [])):
         tl = build(dataset)
         tl.fit_distributed(num_epochs=2, callbacks=callbacks, train_data_shuffle=False)
         results[name] = {"weights": {k: v.detach().cpu().clone() for k, v in tl.model.state_dict().items()},
@@ -77,7 +85,7 @@ def fsdp_runs(rank: int, world_size: int, folder: str) -> dict:
     results = {}
     kept = [index for index in range(NUM_SAMPLES) if index not in BOTH_RANKS_BATCH]
     saver = ModelCheckpoint(project_name="proj", experiment_name="fsdp", local_model_result_folder_path=folder)
-    for name, dataset, callbacks in (("rollback", PoisonedRegression(),
+    for name, dataset, callbacks in (("rollback", poisoned_regression(),
                                       [saver, SpikeRollback(factor=100.0, window=4, warmup=2, snapshot_every=3,
                                                             snapshot="checkpoint")]),
                                      ("reference", Subset(regression_data(NUM_SAMPLES), kept), [])):
@@ -99,7 +107,7 @@ def test_fsdp_with_checkpoint_snapshots_rolls_back_through_sharded_checkpoints(t
 
 
 def test_snapshot_memory_under_fsdp_is_refused_with_the_way_out():
-    tl = build(PoisonedRegression(), gpu_mode="fsdp")
+    tl = build(poisoned_regression(), gpu_mode="fsdp")
     tl.strategy.shards_parameters = True  # as in an FSDP process, without starting one
     with pytest.raises(ValueError, match="snapshot='checkpoint'"):
         SpikeRollback().register_train_loop_object(tl).on_train_begin()
@@ -110,23 +118,17 @@ NAN_SAMPLES = [index for position in NAN_POSITIONS for index in range(2 * BATCH_
                                                                       2 * BATCH_SIZE * (position + 1))]
 
 
-class NanRegression(Dataset):
-    def __init__(self):
-        self.base = regression_data(NUM_SAMPLES)
-
-    def __len__(self):
-        return NUM_SAMPLES
-
-    def __getitem__(self, index):
-        x, y, i = self.base[index]
-        return x, (torch.full_like(y, float("nan")) if index in NAN_SAMPLES and index % 2 == 1 else y), i
+def nan_regression():
+    """Rank 1's shares of NAN_POSITIONS' batches with NaN targets: two adjacent NaN losses on one rank."""
+    return TargetsPoisoned([index for index in NAN_SAMPLES if index % 2 == 1],
+                           lambda targets: torch.full_like(targets, float("nan")))
 
 
 def adjacent_nan_runs(rank: int, world_size: int) -> dict:
     join_as_torchrun(rank, world_size)
     results = {}
     kept = [index for index in range(NUM_SAMPLES) if index not in NAN_SAMPLES]
-    for name, dataset, callbacks in (("rollback", NanRegression(), [SpikeRollback(factor=100.0, window=4, warmup=2,
+    for name, dataset, callbacks in (("rollback", nan_regression(), [SpikeRollback(factor=100.0, window=4, warmup=2,
                                                                                    snapshot_every=3)]),
                                      ("reference", Subset(regression_data(NUM_SAMPLES), kept), [])):
         tl = build(dataset)

@@ -22,7 +22,7 @@ from aitoolbox.torchtrain.schedulers.basic import StepLRScheduler
 from aitoolbox.torchtrain.train_loop import TrainLoop, TrainLoopCheckpoint
 from tests.helpers import (
     INIT_SEED, MLP, SCALER_ARGS, TRAIN_SEED, assert_params_equal, classification_data, default_device,
-    params_differ, seeded_loader, single_torch_thread,
+    TrainEndCounter, params_differ, seeded_loader, single_torch_thread,
 )
 
 NUM_SAMPLES, BATCH_SIZE, BATCHES_PER_EPOCH = 30, 8, 4
@@ -401,15 +401,7 @@ def test_a_18_final_checkpoint_loaded_at_its_target_trains_nothing_and_runs_no_t
     run again: no final save overwritten, no test evaluation repeated)."""
     _, path = saved_18_run(tmp_path)
 
-    class CountsEnds(AbstractCallback):
-        def __init__(self):
-            super().__init__("counts ends")
-            self.ends = 0
-
-        def on_train_end(self):
-            self.ends += 1
-
-    tl, counter = fresh_loop(), CountsEnds()
+    tl, counter = fresh_loop(), TrainEndCounter()
     tl.load_checkpoint(path)
     tl.fit(num_epochs=2, callbacks=[counter])
     assert counter.ends == 0 and tl.epochs_completed == 2

@@ -11,6 +11,7 @@ import pytest
 
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
 from aitoolbox.experiment.local_save.train_end_marker import CHECKPOINT_KEY, MARKER_NAME
+from tests.helpers import TrainEndCounter
 from tests.torchtrain.distributed.support import REPO_ROOT, script_env
 
 
@@ -115,23 +116,6 @@ def _loop(root):
     return tl, ModelCheckpoint("proj", "exp", str(root))
 
 
-def _counter():
-    from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
-
-    class CountsEnds(AbstractCallback):
-        def __init__(self):
-            super().__init__("counts ends")
-            self.begins, self.ends = 0, 0
-
-        def on_train_begin(self):
-            self.begins += 1
-
-        def on_train_end(self):
-            self.ends += 1
-
-    return CountsEnds()
-
-
 def test_the_record_is_written_when_the_end_finished_and_read_by_a_load_at_the_target(tmp_path):
     tl, checkpoint = _loop(tmp_path)
     tl.fit(num_epochs=2, callbacks=[checkpoint])
@@ -142,7 +126,7 @@ def test_the_record_is_written_when_the_end_finished_and_read_by_a_load_at_the_t
 
     # The finished run's final checkpoint: nothing to train, no end.
     again, _ = _loop(tmp_path)
-    counter = _counter()
+    counter = TrainEndCounter()
     again.load_checkpoint(final)
     again.fit(num_epochs=2, callbacks=[counter])
     assert (counter.begins, counter.ends) == (0, 0) and "train_end_test_loss" not in again.train_history
@@ -150,14 +134,14 @@ def test_the_record_is_written_when_the_end_finished_and_read_by_a_load_at_the_t
     # Without the record (the job killed before its end finished): the end runs, on_train_begin first, once.
     os.remove(os.path.join(run, MARKER_NAME))
     lost, _ = _loop(tmp_path)
-    counter = _counter()
+    counter = TrainEndCounter()
     lost.load_checkpoint(final)
     lost.fit(num_epochs=2, callbacks=[counter])
     assert (counter.begins, counter.ends) == (1, 1) and lost.epochs_completed == 2
     assert len(lost.train_history["train_end_test_loss"]) == 1  # the lost end's evaluation, once
     with open(os.path.join(run, MARKER_NAME)) as handle:  # recorded in the loaded checkpoint's run folder
         assert json.load(handle)["train_ends_done"] == [[2, lost.total_iteration_idx]]
-    counter = _counter()
+    counter = TrainEndCounter()
     lost.fit(num_epochs=2, callbacks=[counter])  # done now: a second fit trains nothing
     assert (counter.begins, counter.ends) == (0, 0)
 
@@ -173,7 +157,7 @@ def test_a_dict_without_its_file_and_a_mid_epoch_checkpoint_are_treated_as_befor
     final = torch.load(sorted(glob.glob(os.path.join(folder, "*_E1.pth")))[0], weights_only=True)
     assert CHECKPOINT_KEY in final
     loaded, _ = _loop(tmp_path)
-    counter = _counter()
+    counter = TrainEndCounter()
     loaded.load_checkpoint(final)  # no source: no folder to read a record from
     loaded.fit(num_epochs=2, callbacks=[counter])
     assert counter.ends == 0
@@ -189,7 +173,7 @@ def _finished_run(root):
 
 def _ends_after_loading(root, path):
     loaded, _ = _loop(root)
-    counter = _counter()
+    counter = TrainEndCounter()
     loaded.load_checkpoint(path)
     loaded.fit(num_epochs=2, callbacks=[counter])
     return counter.begins, counter.ends
