@@ -842,7 +842,7 @@ def _checkpoint_dir_of(source: Optional[str]) -> Optional[str]:
     newest checkpoint), that ``checkpoint_model/`` folder (review 50k K4; ``~`` expanded as load_checkpoint does)."""
     if source is None:
         return None
-    source = os.path.abspath(os.path.expanduser(source))
+    source = os.path.realpath(os.path.expanduser(source))  # (a link to the file: its folder holds the pin, 50f G6)
     if os.path.isdir(source):
         inside = os.path.join(source, "checkpoint_model")
         if os.path.isdir(inside):

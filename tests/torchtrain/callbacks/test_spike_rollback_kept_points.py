@@ -69,18 +69,21 @@ def test_a_stop_checkpoint_resumed_into_a_new_run_folder_returns_to_the_pin_of_t
     assert not os.path.exists(os.path.join(new_folder, "checkpoint_model", "spike_rollback"))  # gone at the end
 
 
-@pytest.mark.parametrize("given", ["run folder", "checkpoint folder", "home-relative file"])
+@pytest.mark.parametrize("given", ["run folder", "checkpoint folder", "home-relative file", "link to the file"])
 def test_a_stop_checkpoint_loaded_by_its_folder_into_a_new_run_folder_returns_to_that_folders_pin(
         tmp_path, monkeypatch, given):
     """As above, load_checkpoint given the run folder or its checkpoint_model/ folder (its newest checkpoint, the
-    stop's), or the file as ``~/...``: the pin is looked for in that run folder, not in the folder above it (review
-    50k K4: it stopped with SpikeRollbackError saying no pin was there) nor under a folder named ``~`` (50t T2)."""
+    stop's), the file as ``~/...`` or through a link: the pin is looked for in that run folder, not in the folder above
+    it (review 50k K4: it stopped with SpikeRollbackError saying no pin was there), under a folder named ``~`` (50t
+    T2) or beside the link (50f G6)."""
     settings = dict(SETTINGS, skip_batches=2)
     poison = poisoned_at(1, 4)
     model, saved, straight = stopped_into_new_folder(tmp_path, poison, settings, 14)
     checkpoint_dir = os.path.dirname(saved)
     source = {"run folder": os.path.dirname(checkpoint_dir), "checkpoint folder": checkpoint_dir,
-              "home-relative file": os.path.join("~", os.path.relpath(saved, tmp_path))}[given]
+              "home-relative file": os.path.join("~", os.path.relpath(saved, tmp_path)),
+              "link to the file": str(tmp_path / "latest.pth")}[given]
+    os.symlink(saved, tmp_path / "latest.pth")  # (review 50f G6: the link's folder was searched)
     monkeypatch.setenv("HOME", str(tmp_path))
     resumed = resume_into_new_folder(tmp_path, model, source, poison, settings)
     assert rollback_records(resumed) == rollback_records(straight) == [(1, 4, {"epoch": 1, "iteration": 2})]
