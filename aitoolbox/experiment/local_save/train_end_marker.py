@@ -33,8 +33,9 @@ MARKER_NAME = ".train_end_done.json"
 #: folder's name (the record is :data:`RECORD_FROM_CHECKPOINT`, relative to the checkpoint's folder).
 CHECKPOINT_KEY = "train_end_record"
 RECORD_FROM_CHECKPOINT = "../" + MARKER_NAME
-#: A record is a short list of points: anything larger is not one (a bucket's or a planted file).
-MAX_RECORD_BYTES = 64 * 1024
+#: A record is a list of points, at most this large: anything larger is not one (a bucket's or a planted file); the
+#: writer drops the oldest points to stay below it (about 90,000 points fit).
+MAX_RECORD_BYTES = 1024 * 1024
 _CHECKPOINT_FOLDER = "checkpoint_model"
 
 
@@ -44,14 +45,22 @@ def record_path(run_folder: str) -> str:
 
 
 def record_beside(checkpoint: dict, source: Optional[str]) -> Optional[str]:
-    """The record of the run a checkpoint read from the file ``source`` was saved in: only where the file lies in
-    the ``checkpoint_model/`` folder of the run folder its :data:`CHECKPOINT_KEY` names (None otherwise: it names
-    none, or the file was copied elsewhere or into another run's folder, whose record is not its own; a path taken
-    from a file is never followed)."""
+    """The record of the run a checkpoint read from ``source`` was saved in: only where the file lies in the
+    ``checkpoint_model/`` folder of the run folder its :data:`CHECKPOINT_KEY` names (None otherwise: it names none,
+    or the file was copied elsewhere or into another run's folder, whose record is not its own; a path taken from a
+    file is never followed). ``source`` is the file, or the run folder or its ``checkpoint_model/`` folder that
+    load_checkpoint took the newest checkpoint of; ``~`` and symbolic links are resolved as load_checkpoint does
+    (review 50f G1, G4)."""
     run_name = checkpoint.get(CHECKPOINT_KEY)
     if not isinstance(run_name, str) or not isinstance(source, str):
         return None
-    checkpoint_dir = os.path.dirname(os.path.abspath(source))
+    source = os.path.realpath(os.path.expanduser(source))
+    if os.path.isdir(os.path.join(source, _CHECKPOINT_FOLDER)):
+        checkpoint_dir = os.path.join(source, _CHECKPOINT_FOLDER)
+    elif os.path.isdir(source) and os.path.basename(source) == _CHECKPOINT_FOLDER:
+        checkpoint_dir = source
+    else:
+        checkpoint_dir = os.path.dirname(source)
     run_folder = os.path.dirname(checkpoint_dir)
     if os.path.basename(checkpoint_dir) != _CHECKPOINT_FOLDER or os.path.basename(run_folder) != run_name:
         return None
@@ -95,8 +104,14 @@ def record_train_end_done(path: str, epochs_completed: int, iteration_idx: int) 
     point = _point(epochs_completed, iteration_idx)
     if point not in points:
         points.append(point)
+    text = json.dumps({"train_ends_done": points}) + "\n"
+    if len(text) > MAX_RECORD_BYTES:  # (review 50f G2: a larger record would no longer be read)
+        kept = points[len(points) // 2:]
+        logger.warning("the train-end record %s is full: its %d oldest points are dropped (a final checkpoint of "
+                       "theirs, loaded at its target, runs its train end again)", path, len(points) - len(kept))
+        text = json.dumps({"train_ends_done": kept}) + "\n"
     try:
-        atomic_write_text(path, json.dumps({"train_ends_done": points}) + "\n")
+        atomic_write_text(path, text)
     except OSError as error:
         logger.warning("could not record the finished train end in %s (%s): a job restarted from the final "
                        "checkpoint of the run runs its train end again", path, error)

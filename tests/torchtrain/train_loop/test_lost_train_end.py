@@ -193,6 +193,47 @@ def test_a_finished_runs_final_checkpoint_copied_elsewhere_trains_nothing_and_wr
     assert not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(copy)), MARKER_NAME))
 
 
+@pytest.mark.parametrize("given", ["home-relative file", "run folder", "checkpoint folder", "link to the run folder"])
+def test_every_form_of_naming_the_final_checkpoint_finds_its_run_folders_record(tmp_path, monkeypatch, given):
+    """load_checkpoint's forms of the final checkpoint (a '~' path, the run folder or its checkpoint_model/ folder:
+    the newest checkpoint, a link to the run folder) read the run folder's record: a finished end is not run again
+    (review 50f G1: a '~' path ran it at every load), a lost one runs once (G4: the folder forms skipped it)."""
+    final, run = _finished_run(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if given == "link to the run folder":
+        os.symlink(run, tmp_path / "latest")
+    source = {"home-relative file": os.path.join("~", os.path.relpath(final, tmp_path)), "run folder": run,
+              "checkpoint folder": os.path.dirname(final),
+              "link to the run folder": str(tmp_path / "latest")}[given]
+    assert _ends_after_loading(tmp_path, source) == (0, 0)
+    os.remove(os.path.join(run, MARKER_NAME))  # the job killed before its end finished
+    assert _ends_after_loading(tmp_path, source) == (1, 1)
+    assert _ends_after_loading(tmp_path, source) == (0, 0)  # recorded now
+
+
+def test_a_full_record_drops_its_oldest_points_and_stays_readable(tmp_path):
+    """The writer keeps the record under the reader's limit (review 50f G2: past it, no end was recorded any more and
+    a lost end counted as finished)."""
+    from aitoolbox.experiment.local_save.train_end_marker import MAX_RECORD_BYTES, _read, record_train_end_done
+
+    path = str(tmp_path / MARKER_NAME)
+    points, size = [], len(json.dumps({"train_ends_done": []})) + 1  # (+1: the newline)
+    while size + len(json.dumps([len(points), 10 * len(points)])) + 2 <= MAX_RECORD_BYTES - 4:
+        size += len(json.dumps([len(points), 10 * len(points)])) + (2 if points else 0)
+        points.append([len(points), 10 * len(points)])
+    with open(path, "w") as handle:
+        json.dump({"train_ends_done": points}, handle)
+        handle.write("\n")
+    assert os.path.getsize(path) == size <= MAX_RECORD_BYTES
+    last = [10 ** 12, 7]  # one more point than the limit holds
+    assert size + len(json.dumps(last)) + 2 > MAX_RECORD_BYTES
+    assert record_train_end_done(path, *last) == path
+    assert record_train_end_done(path, last[0] + 1, 7) == path
+    assert os.path.getsize(path) <= MAX_RECORD_BYTES
+    recorded = _read(path)
+    assert recorded[-2:] == [last, [last[0] + 1, 7]] and points[-1] in recorded and points[0] not in recorded
+
+
 @pytest.mark.parametrize("record", ["fifo", "nested", "huge"])
 def test_a_record_that_is_not_a_small_file_of_points_counts_as_finished_without_hanging(tmp_path, record):
     """A planted record (review 50e F3): a FIFO made fit hang on its read, a deeply nested one raised
