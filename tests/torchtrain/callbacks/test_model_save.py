@@ -293,6 +293,9 @@ def test_background_saves_write_what_saving_in_place_writes_and_are_complete_whe
             for entry in checkpoints[name]["callbacks"]["ModelCheckpoint:0"]["checkpoints"]:
                 assert os.path.basename(entry[1]).startswith(prefix)
                 entry[1] = os.path.basename(entry[1])[len(prefix):]
+            if "train_end_record" in checkpoints[name]:  # (the last epoch's: it names its own run folder)
+                assert checkpoints[name]["train_end_record"] == os.path.basename(only_run_folder(tmp_path, experiment))
+                checkpoints[name]["train_end_record"] = "the run folder"
         assert_same_checkpoint(in_place[name], background[name], name)
 
 
