@@ -76,6 +76,19 @@ def list_checkpoints(folder: str) -> List[str]:
     return [os.path.join(folder, name) for position, name in sorted(named)]
 
 
+def loaded_checkpoint_folder(source: str) -> str:
+    """The ``checkpoint_model/`` folder a checkpoint load_checkpoint read from ``source`` lies in: ``source`` is the
+    file (or a sharded checkpoint's folder), or the run folder or its ``checkpoint_model/`` folder whose newest
+    checkpoint was read; ``~`` and symbolic links resolved as load_checkpoint resolves them. (A folder not named so
+    where the source is elsewhere: the caller checks the name.)"""
+    source = os.path.realpath(os.path.expanduser(source))
+    if os.path.isdir(os.path.join(source, "checkpoint_model")):
+        return os.path.join(source, "checkpoint_model")
+    if os.path.isdir(source) and os.path.basename(source) == "checkpoint_model":
+        return source
+    return os.path.dirname(source)
+
+
 def checkpoint_path_position(path: str) -> Optional[Tuple[int, int, int]]:
     """:func:`checkpoint_position` of a checkpoint file, or of a sharded checkpoint's folder (named as its file
     without ``.pth``)."""

@@ -24,6 +24,7 @@ import stat
 from typing import List, Optional
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.local_save.checkpoints import loaded_checkpoint_folder
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,7 @@ def record_beside(checkpoint: dict, source: Optional[str]) -> Optional[str]:
     run_name = checkpoint.get(CHECKPOINT_KEY)
     if not isinstance(run_name, str) or not isinstance(source, str):
         return None
-    source = os.path.realpath(os.path.expanduser(source))
-    if os.path.isdir(os.path.join(source, _CHECKPOINT_FOLDER)):
-        checkpoint_dir = os.path.join(source, _CHECKPOINT_FOLDER)
-    elif os.path.isdir(source) and os.path.basename(source) == _CHECKPOINT_FOLDER:
-        checkpoint_dir = source
-    else:
-        checkpoint_dir = os.path.dirname(source)
+    checkpoint_dir = loaded_checkpoint_folder(source)
     run_folder = os.path.dirname(checkpoint_dir)
     if os.path.basename(checkpoint_dir) != _CHECKPOINT_FOLDER or os.path.basename(run_folder) != run_name:
         return None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from aitoolbox.experiment.local_save.atomic import atomic_write_text
+from aitoolbox.experiment.local_save.checkpoints import loaded_checkpoint_folder
 from aitoolbox.torchtrain.data.loader_info import resets_own_iterator
 from aitoolbox.torchtrain.host_copy import host_copy
 from aitoolbox.torchtrain.callbacks.abstract import AbstractCallback
@@ -837,19 +838,15 @@ def _checkpoint_exists(tl: "TrainLoop", callback: Any) -> bool:
 
 
 def _checkpoint_dir_of(source: Optional[str]) -> Optional[str]:
-    """The ``checkpoint_model/`` folder a loaded checkpoint came from: the folder of the file (or of a sharded
-    checkpoint's folder), or, where load_checkpoint was given a run folder or its ``checkpoint_model/`` folder (its
-    newest checkpoint), that ``checkpoint_model/`` folder (review 50k K4; ``~`` expanded as load_checkpoint does)."""
+    """The ``checkpoint_model/`` folder a loaded checkpoint came from (:func:`loaded_checkpoint_folder`; review 50k K4,
+    50t T1/T2, 50f G6), or a folder given that holds a pin itself."""
     if source is None:
         return None
-    source = os.path.realpath(os.path.expanduser(source))  # (a link to the file: its folder holds the pin, 50f G6)
-    if os.path.isdir(source):
-        inside = os.path.join(source, "checkpoint_model")
-        if os.path.isdir(inside):
-            return inside
-        if os.path.basename(source) == "checkpoint_model" or os.path.isdir(os.path.join(source, PIN_FOLDER)):
-            return source  # (else a sharded checkpoint's folder, in its checkpoint_model/)
-    return os.path.dirname(source)
+    resolved = os.path.realpath(os.path.expanduser(source))
+    folder = loaded_checkpoint_folder(resolved)
+    if folder == os.path.dirname(resolved) and os.path.isdir(os.path.join(resolved, PIN_FOLDER)):
+        return resolved
+    return folder
 
 
 def _where(kept: KeptPoint) -> str:
